@@ -1,0 +1,63 @@
+"""`baton bench offline | serve | kv`: run one benchmark, write one JSON.
+
+Every run records the command line, git commit, model shape, dtype, devices, versions and
+the device ceilings measured in the same run; `--smoke` is each benchmark's seconds-long
+CPU mode on the embedded model. Default output: ./bench-results/<benchmark>-<time>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from benchmarks import kv, offline, record, serve
+
+BENCHMARKS = {
+    "offline": (offline, "B1: offline throughput on the nano-vllm workload, with a roofline"),
+    "serve": (serve, "B2: online serving sweep against a baton.v1.Router deployment"),
+    "kv": (kv, "B3: KV-transfer latency and bandwidth per backend and request size"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="baton bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="benchmark", required=True, metavar="{offline,serve,kv}")
+    for name, (module, summary) in BENCHMARKS.items():
+        sp = sub.add_parser(name, help=summary, description=module.__doc__,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        sp.add_argument("--smoke", action="store_true",
+                        help="seconds-long CPU mode on the embedded model (what CI runs)")
+        sp.add_argument("--output", default=None,
+                        help="JSON path (default ./bench-results/<benchmark>-<time>.json)")
+        module.add_arguments(sp)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    module = BENCHMARKS[args.benchmark][0]
+    try:
+        module.resolve(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    out = Path(args.output) if args.output else record.default_output(args.benchmark, args.smoke)
+    rec = record.new_record(args.benchmark, argv, args.smoke, _config(args))
+    try:
+        module.run(args, rec)
+    except ValueError as exc:            # bad input found once running (model name, lengths, ...)
+        print(f"baton bench {args.benchmark}: {exc}", file=sys.stderr)
+        sys.exit(2)
+    path = record.write(rec, out)
+    print(f"[bench] wrote {path}", file=sys.stderr)
+    print(path)
+
+
+def _config(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if k != "benchmark"}
+
+
+if __name__ == "__main__":
+    main()

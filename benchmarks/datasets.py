@@ -1,0 +1,106 @@
+"""B2's request sets: synthetic token-id prompts of chosen shapes, or a JSONL file.
+
+random          input/output lengths uniform in --input-len / --output-len
+prefill-heavy   long prompts, short outputs
+decode-heavy    short prompts, long outputs
+shared-prefix   groups of --group-size requests sharing a --prefix-len system prompt,
+                each with its own suffix (--input-len) — what prefix caching should catch
+*.jsonl         one {"prompt": str, "max_tokens": int} per line (or "prompt_token_ids")
+
+Synthetic prompts are random token ids (sent pre-tokenized), so lengths are exact.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_TOKEN_ID = 10000              # as nano-vllm: ordinary ids, away from special tokens at the top
+
+# (input range, output range) per dataset; shared-prefix's input range is its unique suffix
+LENGTHS = {
+    "random": ((128, 1024), (64, 256)),
+    "prefill-heavy": ((1024, 2048), (8, 32)),
+    "decode-heavy": ((32, 128), (256, 1024)),
+    "shared-prefix": ((32, 128), (64, 256)),
+}
+SMOKE_LENGTHS = ((8, 32), (4, 8))
+DEFAULT_PREFIX_LEN = 1024
+SMOKE_PREFIX_LEN = 32
+
+
+@dataclass(slots=True)
+class ServeRequest:
+    max_tokens: int
+    prompt_ids: list[int] | None = None       # pre-tokenized (synthetic sets)
+    text: str | None = None                   # raw text (JSONL), tokenized by the router
+    group: int | None = None                  # shared-prefix group
+
+
+def parse_range(spec: str) -> tuple[int, int]:
+    """"128:1024" -> (128, 1024); "256" -> (256, 256)."""
+    lo, _, hi = spec.partition(":")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"bad length range {spec!r}: use N or MIN:MAX") from None
+    if not 1 <= a <= b:
+        raise ValueError(f"bad length range {spec!r}: need 1 <= MIN <= MAX")
+    return a, b
+
+
+def build_requests(dataset: str, num: int, seed: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                   max_model_len: int, vocab_size: int, prefix_len: int = DEFAULT_PREFIX_LEN,
+                   group_size: int = 8) -> list[ServeRequest]:
+    if num < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {num}")
+    if dataset.endswith(".jsonl"):
+        return _jsonl(Path(dataset), num)
+    if dataset not in LENGTHS:
+        raise ValueError(f"unknown dataset {dataset!r}: use {', '.join(LENGTHS)} or a .jsonl file")
+    rng = random.Random(seed)
+    top = min(MAX_TOKEN_ID, vocab_size - 1)
+    prefix = prefix_len if dataset == "shared-prefix" else 0
+    if prefix + input_len[0] + output_len[0] > max_model_len:
+        raise ValueError(f"the shortest request ({prefix + input_len[0]} prompt + {output_len[0]} output tokens) "
+                         f"does not fit max_model_len {max_model_len}: shorten --input-len/--output-len")
+    out, prefixes = [], {}
+    for i in range(num):
+        group = i // group_size if prefix else None
+        if group is not None and group not in prefixes:
+            prefixes[group] = [rng.randint(0, top) for _ in range(prefix)]
+        n_in, n_out = rng.randint(*input_len), rng.randint(*output_len)
+        ids = prefixes.get(group, []) + [rng.randint(0, top) for _ in range(n_in)]
+        ids = ids[:max_model_len - 1]
+        out.append(ServeRequest(max(1, min(n_out, max_model_len - len(ids))), ids, None, group))
+    return out
+
+
+def _jsonl(path: Path, num: int) -> list[ServeRequest]:
+    if not path.is_file():
+        raise ValueError(f"dataset file {path} does not exist")
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            max_tokens = int(row.get("max_tokens", 256))
+            if "prompt_token_ids" in row:
+                rows.append(ServeRequest(max_tokens, [int(t) for t in row["prompt_token_ids"]]))
+            else:
+                rows.append(ServeRequest(max_tokens, text=str(row["prompt"])))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{lineno}: want {{\"prompt\": str, \"max_tokens\": int}}: {exc}") from None
+    if not rows:
+        raise ValueError(f"{path} holds no requests")
+    return [rows[i % len(rows)] for i in range(num)]        # cycled to --num-prompts
+
+
+def describe(requests: list[ServeRequest]) -> dict:
+    ins = [len(r.prompt_ids) for r in requests if r.prompt_ids is not None]
+    outs = [r.max_tokens for r in requests]
+    return {"num_requests": len(requests), "prompt_tokens": sum(ins) if ins else None,
+            "prompt_len_range": [min(ins), max(ins)] if ins else None,
+            "requested_output_tokens": sum(outs), "output_len_range": [min(outs), max(outs)]}

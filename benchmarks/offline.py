@@ -1,0 +1,189 @@
+"""B1 — offline throughput (`baton bench offline`): the nano-vllm workload through Baton's
+engine (or, with --engine transformers, through Hugging Face transformers), with a
+roofline of every executed step against the device ceilings measured in the same run."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from benchmarks import ceilings, record
+from benchmarks.model_shape import DTYPE_BYTES, shape_of
+from benchmarks.roofline import Ceilings, CostModel, StepShape, roofline_report
+from benchmarks.stats import summarize
+from benchmarks.workload import OfflineWorkload, nano_vllm_workload, warmup_workload
+from engine.config import DEFAULT_MODEL, EngineConfig
+
+FULL = dict(model="qwen3-0.6b", num_seqs=256, min_input_len=100, max_input_len=1024, min_output_len=100,
+            max_output_len=1024, device=None)
+SMOKE = dict(model=DEFAULT_MODEL, num_seqs=8, min_input_len=16, max_input_len=64, min_output_len=4,
+             max_output_len=8, device="cpu")
+ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
+                "kv_cache_memory", "gpu_memory_utilization", "enforce_eager")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=("baton", "transformers"), default="baton")
+    p.add_argument("--model", default=None, help="preset, HF directory or .gguf (default qwen3-0.6b; "
+                   f"smoke: {DEFAULT_MODEL})")
+    p.add_argument("--num-seqs", type=int, default=None, help="default 256 (smoke: 8)")
+    p.add_argument("--min-input-len", type=int, default=None, help="default 100 (smoke: 16)")
+    p.add_argument("--max-input-len", type=int, default=None, help="default 1024 (smoke: 64)")
+    p.add_argument("--min-output-len", type=int, default=None, help="default 100 (smoke: 4)")
+    p.add_argument("--max-output-len", type=int, default=None, help="default 1024 (smoke: 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.6, help="nano-vllm samples at 0.6")
+    p.add_argument("--device", default=None, help="cpu, cuda:N, npu:N (default: cuda:0 if present, else cpu)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="default: the platform's (float32 on cpu, bfloat16 on accelerators)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    e = p.add_argument_group("baton engine knobs (EngineConfig)")
+    d = EngineConfig()
+    e.add_argument("--block-size", type=int, default=d.block_size)
+    e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    e.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    e.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    e.add_argument("--enforce-eager", action="store_true", help="no decode graph capture")
+    e.add_argument("--no-prefix-caching", action="store_true")
+    h = p.add_argument_group("transformers peer")
+    h.add_argument("--hf-mode", choices=("auto", "continuous", "static"), default="auto",
+                   help="continuous: transformers' continuous batching (paged attention, the engine behind "
+                        "generate_batch); static: padded generate() in chunks; auto: continuous when available")
+    h.add_argument("--hf-batch-size", type=int, default=32, help="chunk size of the static mode")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill what the user left unset from the full or the smoke defaults."""
+    defaults = SMOKE if args.smoke else FULL
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.device is None:
+        args.device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    if args.dtype is None:
+        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    if args.smoke and args.threads is None:
+        args.threads = 1          # seconds-long and steady on shared CI cores
+    return args
+
+
+def run(args: argparse.Namespace, rec: dict) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = shape_of(args.model)
+    workload = nano_vllm_workload(args.num_seqs, args.min_input_len, args.max_input_len, args.min_output_len,
+                                  args.max_output_len, args.seed, shape.vocab, args.temperature)
+    rec["model"] = shape.to_json()
+    rec["dtype"] = args.dtype
+    rec["device"] = record.device_info([args.device])
+    rec["ceilings"] = ceilings.measure(args.device, getattr(torch, args.dtype), quick=args.smoke)
+    ceil = Ceilings(rec["ceilings"]["copy"]["bytes_per_s"], rec["ceilings"]["matmul"]["flops_per_s"])
+    cost = CostModel(shape, DTYPE_BYTES[args.dtype])
+    if args.engine == "baton":
+        results, steps, step_seconds = run_baton(args, workload)
+        results["roofline"] = {"schedule": "measured (every executed step)",
+                               **roofline_report(cost, ceil, steps, results["wall_seconds"], step_seconds)}
+    else:
+        from benchmarks.offline_transformers import run_transformers
+        from benchmarks.schedule_sim import simulate_steps
+        results = run_transformers(args, workload, shape.kv_bytes_per_token(DTYPE_BYTES[args.dtype]))
+        steps = simulate_steps(workload.prompts, workload.output_lens, args.block_size, args.max_num_seqs,
+                               args.max_num_batched_tokens)
+        results["roofline"] = {"schedule": "simulated: Baton's scheduler with the same limits (transformers' "
+                                           "own steps are not observable)",
+                               **roofline_report(cost, ceil, steps, results["wall_seconds"])}
+    rec["results"] = {"workload": workload.describe(), **results}
+    _print_summary(rec["results"])
+
+
+# -- Baton -------------------------------------------------------------------------------------
+class StepRecorder:
+    """Wraps the engine's scheduler to note each step's shape as it is scheduled (before
+    the step advances the sequences). Benchmark-only; the engine is not modified."""
+
+    def __init__(self, scheduler):
+        self._schedule = scheduler.schedule
+        scheduler.schedule = self._record
+        self.last: StepShape | None = None
+
+    def _record(self):
+        out = self._schedule()
+        self.last = StepShape([(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled],
+                              sum(s.samples for s in out.scheduled)) if out.scheduled else None
+        return out
+
+
+def engine_config(args: argparse.Namespace) -> dict:
+    cfg = {k: getattr(args, k) for k in ENGINE_KNOBS}
+    return dict(cfg, device=args.device, dtype=args.dtype, seed=args.seed,
+                enable_prefix_caching=not args.no_prefix_caching)
+
+
+def run_baton(args: argparse.Namespace, workload: OfflineWorkload) -> tuple[dict, list[StepShape], list[float]]:
+    from engine import LLM
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **engine_config(args))
+    engine = llm.engine
+    load_seconds = time.perf_counter() - t0
+    recorder = StepRecorder(engine.scheduler)
+    _drive(engine, warmup_workload(workload, args.seed), recorder, progress=False)
+    wall, out_tokens, steps, step_seconds = _drive(engine, workload, recorder, progress=True)
+    decode_s = [t for s, t in zip(steps, step_seconds, strict=True) if s.is_decode]
+    prefill_s = [t for s, t in zip(steps, step_seconds, strict=True) if not s.is_decode]
+    results = {
+        "engine": "baton", "mode": "baton continuous batching", "load_seconds": load_seconds,
+        "wall_seconds": wall, "prompt_tokens": workload.prompt_tokens, "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall, "total_tokens_per_s": (workload.prompt_tokens + out_tokens) / wall,
+        "steps": {"count": len(steps), "decode_seconds": summarize(decode_s),
+                  "prefill_seconds": summarize(prefill_s),
+                  "decode_batch_size": summarize([len(s.contexts) for s in steps if s.is_decode])},
+        "engine_config": dict(engine_config(args), num_kv_blocks=engine.runner.num_blocks,
+                              max_model_len=engine.max_model_len),
+    }
+    return results, steps, step_seconds
+
+
+def _drive(engine, workload: OfflineWorkload, recorder: StepRecorder, progress: bool):
+    """Add every request, step until all finish; (wall, output tokens, step shapes, step seconds)."""
+    from engine import SamplingParams
+    steps: list[StepShape] = []
+    step_seconds: list[float] = []
+    out_tokens = finished = idle = 0
+    t0 = last = time.perf_counter()
+    for ids, n in zip(workload.prompts, workload.output_lens, strict=True):
+        engine.add_request(ids, SamplingParams(temperature=workload.temperature, max_tokens=n, ignore_eos=True))
+    while engine.has_unfinished:
+        ts = time.perf_counter()
+        outs = engine.step()
+        te = time.perf_counter()
+        if recorder.last is None:
+            idle += 1
+            if idle > 1000:
+                raise RuntimeError("the engine scheduled nothing for 1000 steps with requests unfinished")
+            continue
+        idle = 0
+        steps.append(recorder.last)
+        step_seconds.append(te - ts)
+        recorder.last = None
+        out_tokens += sum(len(o.new_token_ids) for o in outs)
+        finished += sum(o.finished for o in outs)
+        if progress and te - last > 5:
+            last = te
+            print(f"[bench] {finished}/{len(workload.prompts)} done, {out_tokens} tokens, "
+                  f"{out_tokens / (te - t0):.1f} tok/s", file=sys.stderr, flush=True)
+    return time.perf_counter() - t0, out_tokens, steps, step_seconds
+
+
+def _print_summary(r: dict) -> None:
+    roof = r["roofline"]
+    dec = r.get("steps", {}).get("decode_seconds", {})
+    line = (f"[bench] {r['engine']}: {r['output_tokens']} output tokens in {r['wall_seconds']:.2f}s = "
+            f"{r['output_tokens_per_s']:.1f} tok/s; roofline fraction {roof['roofline_fraction']:.3f}")
+    if dec.get("p50") is not None:
+        line += f"; decode step p50 {dec['p50'] * 1e3:.1f} ms p99 {dec['p99'] * 1e3:.1f} ms"
+    print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,108 @@
+"""The roofline: the least time the device could spend on each executed step.
+
+least(step) = max(bytes the step must move / measured copy bandwidth,
+                  FLOPs it must compute / measured matmul rate)
+
+bytes = weights read once (the LM head only when some row samples) + the embedding rows
+        of the step's tokens + KV read for every context token already in the cache +
+        KV written for every new token
+FLOPs = 2 x layer weights x tokens + 2 x LM head x sampled rows
+        + attention: 4 x layers x q_heads x head_dim per (query, key) pair, causal
+
+Activations are left out: they are what a perfect kernel keeps on chip.
+`roofline_fraction` = sum of least times / measured wall time.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from benchmarks.model_shape import ModelShape
+
+
+@dataclass(slots=True)
+class StepShape:
+    """One executed step: per scheduled sequence (tokens already in its KV cache, new tokens
+    fed this step), and how many sequences sample a token (get logits)."""
+    contexts: list[tuple[int, int]]
+    sampled: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.contexts)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for _, n in self.contexts)
+
+
+@dataclass(slots=True, frozen=True)
+class Ceilings:
+    copy_bytes_per_s: float          # bytes read + written per second
+    matmul_flops_per_s: float
+
+
+class CostModel:
+    def __init__(self, shape: ModelShape, dtype_bytes: int):
+        self.shape = shape
+        self.dtype_bytes = dtype_bytes
+        self.kv_per_token = shape.kv_bytes_per_token(dtype_bytes)
+
+    def step_bytes(self, step: StepShape) -> int:
+        s = self.shape
+        weights = s.body_matmul_params + s.small_params + (s.head_params if step.sampled else 0)
+        embedding_rows = step.tokens * s.hidden
+        kv_read = sum(c for c, _ in step.contexts) * self.kv_per_token
+        kv_written = step.tokens * self.kv_per_token
+        return (weights + embedding_rows) * self.dtype_bytes + kv_read + kv_written
+
+    def step_flops(self, step: StepShape) -> int:
+        s = self.shape
+        # new token i (0-based) of a sequence with c cached tokens attends to c + i + 1 keys
+        pairs = sum(n * c + n * (n + 1) // 2 for c, n in step.contexts)
+        attention = 4 * s.layers * s.heads * s.head_dim * pairs
+        return 2 * s.body_matmul_params * step.tokens + 2 * s.head_params * step.sampled + attention
+
+    def least_seconds(self, step: StepShape, ceilings: Ceilings) -> tuple[float, str]:
+        """(least time, "memory" or "compute": which ceiling binds)."""
+        t_mem = self.step_bytes(step) / ceilings.copy_bytes_per_s
+        t_flop = self.step_flops(step) / ceilings.matmul_flops_per_s
+        return (t_mem, "memory") if t_mem >= t_flop else (t_flop, "compute")
+
+
+def roofline_report(cost: CostModel, ceilings: Ceilings, steps: Sequence[StepShape], wall_seconds: float,
+                    step_seconds: Sequence[float] | None = None) -> dict:
+    """Σ least times against the wall time, overall and (with measured step times) by kind."""
+    least, bound = [], {"memory": 0, "compute": 0}
+    total_bytes = total_flops = 0
+    for step in steps:
+        t, which = cost.least_seconds(step, ceilings)
+        least.append(t)
+        bound[which] += 1
+        total_bytes += cost.step_bytes(step)
+        total_flops += cost.step_flops(step)
+    report = {
+        "steps": len(steps), "least_seconds": sum(least), "wall_seconds": wall_seconds,
+        "roofline_fraction": sum(least) / wall_seconds if wall_seconds > 0 else None,
+        "bytes": total_bytes, "flops": total_flops,
+        "memory_bound_steps": bound["memory"], "compute_bound_steps": bound["compute"],
+        "ceilings": {"copy_bytes_per_s": ceilings.copy_bytes_per_s,
+                     "matmul_flops_per_s": ceilings.matmul_flops_per_s},
+    }
+    if step_seconds is not None:
+        report["by_kind"] = _by_kind(steps, least, step_seconds)
+    return report
+
+
+def _by_kind(steps: Sequence[StepShape], least: Sequence[float], measured: Sequence[float]) -> dict:
+    out = {}
+    for kind in ("decode", "prefill"):
+        idx = [i for i, s in enumerate(steps) if s.is_decode == (kind == "decode")]
+        spent = sum(measured[i] for i in idx)
+        out[kind] = {"steps": len(idx), "least_seconds": sum(least[i] for i in idx), "measured_seconds": spent,
+                     "roofline_fraction": sum(least[i] for i in idx) / spent if spent > 0 else None}
+    return out
+
+
+def total_least_seconds(cost: CostModel, ceilings: Ceilings, steps: Iterable[StepShape]) -> float:
+    return sum(cost.least_seconds(s, ceilings)[0] for s in steps)

@@ -1,0 +1,3 @@
+from decode_service.main import main
+
+main()

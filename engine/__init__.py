@@ -1,0 +1,18 @@
+"""What prefill and decode share: config, scheduling, KV blocks, model runner, sampler,
+platforms, and the offline `LLM` API."""
+from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.sampling_params import SamplingParams
+
+
+def __getattr__(name):
+    # torch-heavy pieces load on first use, so `import engine` stays cheap for the router
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from engine.llm_engine import LLMEngine
+        return LLMEngine
+    raise AttributeError(name)
+
+
+__all__ = ["DEFAULT_MODEL", "EngineConfig", "LLM", "LLMEngine", "SamplingParams"]

@@ -1,0 +1,119 @@
+"""Runs an LLMEngine on its own thread for an asyncio server.
+
+The model never runs on the event loop. Callers talk to the engine thread through
+commands (functions run between steps, so engine state is only touched by one thread)
+and receive each request's outputs on an asyncio.Queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.output_processor import RequestOutput
+
+IDLE_WAIT_S = 0.05
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.loop = loop
+        self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], asyncio.Future | None]] = queue.Queue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None
+        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop ---------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], Any], timeout: float = 30.0) -> Any:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        if self.error is not None:
+            raise EngineDead(f"engine thread failed: {self.error!r}")
+        fut = self.loop.create_future()
+        self._commands.put((fn, fut))
+        return await asyncio.wait_for(fut, timeout)
+
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Fire-and-forget variant of `call` (usable from any thread)."""
+        self._commands.put((fn, None))
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def deliver(self, out: RequestOutput) -> None:
+        """Hand an output to its stream (engine thread -> event loop)."""
+        q = self._streams.get(out.request_id)
+        if q is not None:
+            self.loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put((lambda e: None, None))
+        self._thread.join(timeout=10)
+
+    # -- the engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.scheduler.has_work)
+                if self.engine.scheduler.has_work:
+                    outputs = self.engine.step()
+                    for out in outputs:
+                        self.deliver(out)
+                    if self.on_step is not None:
+                        self.on_step(self.engine, outputs)
+        except BaseException as exc:         # a dead engine must fail every waiter, not hang them
+            self.error = exc
+            traceback.print_exc()
+            for q in list(self._streams.values()):
+                self.loop.call_soon_threadsafe(q.put_nowait, EngineDead(repr(exc)))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._execute(*item)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _execute(self, fn, fut: asyncio.Future | None) -> None:
+        try:
+            result = fn(self.engine)
+        except BaseException as exc:
+            if fut is not None:
+                self.loop.call_soon_threadsafe(_set_exception, fut, exc)
+            else:
+                traceback.print_exc()
+            return
+        if fut is not None:
+            self.loop.call_soon_threadsafe(_set_result, fut, result)
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

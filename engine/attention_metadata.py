@@ -1,0 +1,31 @@
+"""Per-step attention metadata, built by the model runner and passed down explicitly.
+
+One object per forward pass; no module globals. Layout conventions (vLLM vocabulary):
+tokens of all sequences in a step are concatenated (T tokens, B sequences); sequence i owns
+query rows query_start_loc[i]:query_start_loc[i+1] and its KV history is seq_lens[i] tokens
+long (already-cached context + this step's new tokens), addressed through block_tables[i].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttnMetadata:
+    is_decode: bool                  # every sequence has exactly one new token (graph-capturable)
+    slot_mapping: torch.Tensor       # [T] int64, flat KV slot (block * block_size + offset); -1 = padding row
+    query_start_loc: torch.Tensor    # [B+1] int32, cumulative new-token counts
+    seq_lens: torch.Tensor           # [B] int32, context length including this step's tokens
+    block_tables: torch.Tensor       # [B, max_blocks] int32, -1 past a sequence's last block
+    max_query_len: int
+    max_seq_len: int
+    has_context: bool                # some sequence attends to KV computed in an earlier step
+    # host copies, so reference back ends and NPU ops (which take Python lists) need no sync
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)

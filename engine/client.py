@@ -1,0 +1,50 @@
+"""`baton generate`: a streaming client for the public Router API."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from baton.v1 import router_pb2, router_pb2_grpc
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="baton generate", description="stream a completion from a router")
+    p.add_argument("prompt")
+    p.add_argument("--addr", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    p.add_argument("--raw", action="store_true", help="send the prompt as raw text (no chat template)")
+    p.add_argument("--timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    sampling = router_pb2.SamplingParams(stop=args.stop)
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    req = router_pb2.GenerateRequest(sampling=sampling)
+    if args.raw and not args.chat:
+        req.text = args.prompt
+    else:       # an instruct model answers best through its chat template
+        req.chat.messages.add(role="user", content=args.prompt)
+    with grpc.insecure_channel(args.addr) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        try:
+            for resp in stub.Generate(req, timeout=args.timeout):
+                sys.stdout.write(resp.text)
+                sys.stdout.flush()
+                if resp.finish_reason:
+                    u = resp.usage
+                    print(f"\n[{router_pb2.FinishReason.Name(resp.finish_reason)}; prompt {u.prompt_tokens}, "
+                          f"completion {u.completion_tokens}, cached {u.cached_prompt_tokens} tokens]",
+                          file=sys.stderr)
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                print(f"is a router running at {args.addr}? start one with `baton serve`", file=sys.stderr)
+            sys.exit(1)

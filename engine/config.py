@@ -1,0 +1,42 @@
+"""The engine's one config object: validated once, shared by the offline API and the services."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL          # preset name, HF directory or .gguf file
+    device: str = "cpu"                 # cpu | cuda:N | npu:N
+    dtype: str | None = None            # float32 | bfloat16 | float16; None = platform default
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None    # None = the model's context length (capped by KV capacity)
+    num_kv_blocks: int | None = None    # exact KV cache size; overrides the memory budget
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None = platform default
+    gpu_memory_utilization: float = 0.90
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False         # no graph capture
+    seed: int = 0                       # random weights for presets and unseeded sampling
+    tp_size: int = 1
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"max_num_batched_tokens must be >= block_size, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ValueError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")

@@ -1,0 +1,85 @@
+"""Decode steps replayed from captured device graphs (CUDA graphs, NPU aclgraph).
+
+One graph per batch-size bucket, all sharing one memory pool; a step of n sequences runs
+the smallest bucket >= n. Padding rows are provably harmless: their slot is -1 (no KV
+write), their context is one token of block 0 (valid memory), and their outputs are
+dropped. Buffers are static, so a step only copies its inputs in and replays.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from engine.attention_metadata import AttnMetadata
+from engine.forward_context import ForwardContext
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    ladder = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
+    return [b for b in ladder if b < max_num_seqs] + [max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(self, runner):
+        self.runner = runner
+        self.platform = runner.platform
+        self.buckets = batch_buckets(runner.config.max_num_seqs)
+        self.max_bs = self.buckets[-1]
+        dev = runner.device
+        max_blocks = (runner.max_model_len + runner.block_size - 1) // runner.block_size
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(self.max_bs, max_blocks, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, object] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture()
+
+    def can_run(self, n: int) -> bool:
+        return n <= self.max_bs
+
+    def _meta(self, bs: int) -> AttnMetadata:
+        return AttnMetadata(
+            is_decode=True, slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_query_len=1,
+            max_seq_len=self.runner.max_model_len, has_context=True,
+            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        t0 = time.perf_counter()
+        pool = None
+        r = self.runner
+        for i, bs in enumerate(reversed(self.buckets)):        # largest first: it sizes the pool
+            ctx = ForwardContext(self._meta(bs), r.kv_caches, self.platform, r.scale)
+            args = (self.input_ids[:bs], self.positions[:bs], ctx)
+            r.model(*args)                                     # warm-up: kernels compiled, workspaces sized
+            self.platform.synchronize()
+            graph = self.platform.new_graph()
+            with self.platform.graph_capture(graph, pool):
+                self.outputs[bs] = r.model(*args)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+            print(f"\r[baton] capturing decode graphs: {i + 1}/{len(self.buckets)}", end="", file=sys.stderr)
+        self.platform.synchronize()
+        print(f"\r[baton] captured {len(self.buckets)} decode graphs (batch 1..{self.max_bs}) "
+              f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        n = meta.num_seqs
+        bs = next(b for b in self.buckets if b >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.slot_mapping[n:bs].fill_(-1)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        self.seq_lens[n:bs].fill_(1)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.block_tables[n:bs, 0].fill_(0)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]

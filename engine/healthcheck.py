@@ -1,0 +1,25 @@
+"""`python -m engine.healthcheck ADDR`: exit 0 when the server at ADDR reports SERVING.
+
+Used by docker-compose healthchecks; works for the router and every worker.
+"""
+from __future__ import annotations
+
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def check(address: str, timeout: float = 3.0) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m engine.healthcheck HOST:PORT")
+    sys.exit(0 if check(sys.argv[1]) else 1)

@@ -1,0 +1,140 @@
+"""`baton serve`: router + prefill + decode (or colocated) workers as separate local processes.
+
+Workers get free loopback ports; the router gets --port (default 50051). The launcher waits
+until every process reports SERVING, prints the router address, and on Ctrl-C / SIGTERM
+stops them all (SIGTERM, then SIGKILL after the grace period).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+START_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    proc: subprocess.Popen
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _devices(spec: str | None, default: str, n: int) -> list[str]:
+    items = [d.strip() for d in (spec or "").split(",") if d.strip()] or [default]
+    return [items[i % len(items)] for i in range(n)]
+
+
+def worker_command(module: str, host: str, port: int, model: str, device: str, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", module, "--host", host, "--port", str(port), "--model", model,
+            "--device", device, *extra]
+
+
+def wait_serving(address: str, proc: subprocess.Popen, name: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up; see its log above")
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.25)
+    raise TimeoutError(f"{name} at {address} not serving after {timeout:.0f}s")
+
+
+def stop_all(children: list[Child], grace: float = 10.0) -> None:
+    for c in reversed(children):
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for c in children:
+        try:
+            c.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+
+
+def serve(args) -> int:
+    host = args.host
+    worker_args = ["--block-size", str(args.block_size)]
+    if args.num_kv_blocks:
+        worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.max_model_len:
+        worker_args += ["--max-model-len", str(args.max_model_len)]
+    children: list[Child] = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    def start(name: str, module: str, device: str, extra: list[str]) -> str:
+        port = free_port(host)
+        cmd = worker_command(module, host, port, args.model, device, worker_args + extra)
+        children.append(Child(name, f"{host}:{port}", subprocess.Popen(cmd, env=env)))
+        return f"{host}:{port}"
+
+    try:
+        router_flags: list[str] = []
+        if args.colocated:
+            addrs = [start(f"colocated-{i}", "decode_service", d, ["--colocated"])
+                     for i, d in enumerate(_devices(args.decode_devices or args.device, args.device, args.instances))]
+            router_flags += ["--colocated", ",".join(addrs)]
+        else:
+            pre = [start(f"prefill-{i}", "prefill_service", d, [])
+                   for i, d in enumerate(_devices(args.prefill_devices, args.device, args.prefill_instances))]
+            dec = [start(f"decode-{i}", "decode_service", d, [])
+                   for i, d in enumerate(_devices(args.decode_devices, args.device, args.decode_instances))]
+            router_flags += ["--prefill", ",".join(pre), "--decode", ",".join(dec)]
+        print(f"[baton] starting {len(children)} worker(s) on {args.model} ...", file=sys.stderr, flush=True)
+        for c in children:
+            wait_serving(c.address, c.proc, c.name, START_TIMEOUT_S)
+        router_addr = f"{host}:{args.port}"
+        cmd = [sys.executable, "-m", "router", "--host", host, "--port", str(args.port), "--model", args.model,
+               "--policy", args.policy, *router_flags]
+        if args.metrics_port:
+            cmd += ["--metrics-port", str(args.metrics_port)]
+        children.append(Child("router", router_addr, subprocess.Popen(cmd, env=env)))
+        wait_serving(router_addr, children[-1].proc, "router", START_TIMEOUT_S)
+        print(f"baton is serving on {router_addr}  (try: baton generate \"What is the capital of France?\")",
+              flush=True)
+        _wait_until_signal_or_exit(children)
+    except KeyboardInterrupt:
+        pass
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"[baton] {exc}", file=sys.stderr)
+        stop_all(children)
+        return 1
+    stop_all(children)
+    return 0
+
+
+def _wait_until_signal_or_exit(children: list[Child]) -> None:
+    stop = {"flag": False}
+
+    def handler(signum, frame):
+        stop["flag"] = True
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    while not stop["flag"]:
+        for c in children:
+            if c.proc.poll() is not None:
+                print(f"[baton] {c.name} exited with code {c.proc.returncode}; stopping the rest",
+                      file=sys.stderr)
+                return
+        time.sleep(0.5)

@@ -1,0 +1,95 @@
+"""The offline API, as in nano-vllm / vLLM: `LLM(model).generate(prompts, params)`."""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence as Seq
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.output_processor import CompletionOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import render_chat
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, **config):
+        unknown = set(config) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown engine options {sorted(unknown)}; "
+                             f"known: {sorted(EngineConfig.__dataclass_fields__)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 progress: bool = False) -> list[CompletionOutput]:
+        prompts = _as_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        # validate everything first so a bad prompt leaves the engine untouched
+        token_lists = [self.engine.tokenize(p) for p in prompts]
+        for ids, p in zip(token_lists, params, strict=True):
+            self.engine.validate(ids, p)
+        results: dict[str, CompletionOutput] = {}
+        order = []
+        try:
+            for ids, p in zip(token_lists, params, strict=True):
+                rid = self.engine.add_request(ids, p)
+                results[rid] = CompletionOutput(rid, ids)
+                order.append(rid)
+            self._run(results, progress)
+        finally:
+            for rid in order:                 # on an exception mid-run: free everything we queued
+                self.engine.abort(rid)
+        return [results[r] for r in order]
+
+    def chat(self, conversations, sampling_params=None, progress: bool = False) -> list[CompletionOutput]:
+        """One conversation ([{"role", "content"}, ...]) or a list of them."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, progress)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return render_chat(self.tokenizer, messages)
+
+    def _run(self, results: dict[str, CompletionOutput], progress: bool) -> None:
+        done, total, t0, last = 0, len(results), time.monotonic(), 0.0
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                r = results[out.request_id]
+                r.token_ids += out.new_token_ids
+                r.text += out.new_text
+                r.cached_tokens = out.cached_tokens
+                if out.finished:
+                    r.finish_reason = out.finish_reason
+                    done += 1
+            if progress and time.monotonic() - last > 1.0:
+                last = time.monotonic()
+                print(f"\r[baton] {done}/{total} done, {last - t0:.0f}s", end="", file=sys.stderr)
+        if progress:
+            print(f"\r[baton] {done}/{total} done in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+
+    @staticmethod
+    def _params_per_prompt(sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts: give one, or one per prompt")
+        return sp
+
+
+def _as_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("no prompts given")
+    if all(isinstance(t, int) for t in prompts):
+        return [prompts]                      # a single pre-tokenized prompt
+    return prompts

@@ -1,0 +1,119 @@
+"""The platform interface: everything device-specific the engine needs, behind one class.
+
+A platform owns a torch device and provides paged-KV storage, attention for prefill
+(varlen, prefix-aware) and decode (paged), optional fused layer ops, graph capture for
+decode, collectives and memory info. The CPU platform is the reference every other one is
+tested against; models and the scheduler never import a platform directly.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.attention_metadata import AttnMetadata
+
+
+class LayerOps:
+    """Plain-torch layer math; a platform may subclass with fused kernels (NPU, Triton).
+
+    Numerics follow Hugging Face transformers exactly (norms in float32, rotary cos/sin in
+    float32 then cast), so greedy tokens can be compared token for token.
+    """
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (rms_norm(x + residual), x + residual)."""
+        s = x + residual
+        return self.rms_norm(s, weight, eps), s
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Neox-style (rotate-half) rotary; q [T, Hq, D], k [T, Hkv, D], cos/sin [T, D]."""
+        cos = cos.unsqueeze(1).to(q.dtype)
+        sin = sin.unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Platform(ABC):
+    """One accelerator family. Instances are bound to one device (`cpu`, `cuda:N`, `npu:N`)."""
+
+    name: str = "base"
+    dist_backend: str = "gloo"           # torch.distributed backend for collectives
+    supports_graphs: bool = False        # can capture decode steps (CUDA graphs, torchair)
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.ops = LayerOps()
+
+    # -- device -----------------------------------------------------------------------------
+    @abstractmethod
+    def default_dtype(self) -> torch.dtype: ...
+
+    @abstractmethod
+    def memory_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of the memory the KV cache will live in."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Raise ValueError naming the constraint if the KV layout is unsupported here."""
+
+    # -- decode graphs (platforms with supports_graphs) -------------------------------------
+    def new_graph(self):
+        """A fresh device graph object with replay() and pool() (torch.cuda.CUDAGraph-like)."""
+        raise NotImplementedError(f"{self.name} does not capture graphs")
+
+    def graph_capture(self, graph, pool):
+        """Context manager capturing device work into `graph`, sharing memory `pool`."""
+        raise NotImplementedError(f"{self.name} does not capture graphs")
+
+    # -- KV cache and attention -------------------------------------------------------------
+    def allocate_kv_cache(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """[layers, 2, num_blocks, block_size, kv_heads, head_dim]; [l, 0] is K, [l, 1] is V."""
+        return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                           dtype=dtype, device=self.device)
+
+    @abstractmethod
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write key/value [T, Hkv, D] into caches [blocks, block_size, Hkv, D]; slot -1 = skip."""
+
+    @abstractmethod
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                          meta: AttnMetadata, scale: float) -> torch.Tensor:
+        """Causal attention of this step's tokens over each sequence's whole history.
+
+        q [T, Hq, D]; k/v [T, Hkv, D] are this step's tokens (already stored in the cache).
+        When meta.has_context, earlier tokens must be read from the cache via block_tables.
+        """
+
+    @abstractmethod
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttnMetadata, scale: float) -> torch.Tensor:
+        """One query token per sequence, q [B, Hq, D], over paged caches -> [B, Hq, D]."""

@@ -1,0 +1,91 @@
+"""The CPU platform: plain-torch reference attention over the paged KV cache.
+
+Every other platform is tested against this one, so it favours obvious correctness:
+per-sequence SDPA for prefill, a padded gather for decode.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention_metadata import AttnMetadata
+from engine.platforms.base import Platform
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    dist_backend = "gloo"
+    supports_graphs = False
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def memory_info(self) -> tuple[int, int]:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return free, total
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):
+            key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])
+        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+    def prefill_attention(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float):
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            qs, qe = starts[i], starts[i + 1]
+            if qe == qs:
+                continue
+            if meta.has_context and k_cache is not None:
+                keys, values = gather_sequence_kv(k_cache, v_cache, meta.block_tables[i], seq_len)
+            else:
+                keys, values = k[qs:qe], v[qs:qe]
+            out[qs:qe] = _causal_attention(q[qs:qe], keys, values, scale)
+        return out
+
+    def decode_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float):
+        block_size = k_cache.shape[1]
+        tables = meta.block_tables.long().clamp(min=0)
+        max_blocks = (meta.max_seq_len + block_size - 1) // block_size
+        tables = tables[:, :max_blocks]
+        b = tables.shape[0]
+        keys = k_cache[tables].reshape(b, max_blocks * block_size, *k_cache.shape[2:])
+        values = v_cache[tables].reshape(b, max_blocks * block_size, *v_cache.shape[2:])
+        positions = torch.arange(keys.shape[1], device=q.device)
+        mask = positions[None, :] < meta.seq_lens[:, None].to(positions.dtype)     # [B, S]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2).to(keys.dtype),                  # [B, Hq, 1, D]
+            keys.transpose(1, 2), values.transpose(1, 2),   # [B, Hkv, S, D]
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+        )
+        return out.squeeze(2).to(q.dtype)
+
+
+def gather_sequence_kv(k_cache, v_cache, block_table, seq_len: int):
+    """The first seq_len cached tokens of one sequence, [seq_len, Hkv, D] each."""
+    block_size = k_cache.shape[1]
+    n = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:n].long()
+    keys = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:seq_len]
+    values = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:seq_len]
+    return keys, values
+
+
+def _causal_attention(q, keys, values, scale):
+    """q [Tq, Hq, D] are the last Tq positions of a Tk-long history; keys/values [Tk, Hkv, D]."""
+    tq, tk = q.shape[0], keys.shape[0]
+    pos_q = torch.arange(tk - tq, tk, device=q.device)
+    pos_k = torch.arange(tk, device=q.device)
+    mask = pos_k[None, :] <= pos_q[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).to(keys.dtype), keys.transpose(0, 1), values.transpose(0, 1),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )
+    return out.transpose(0, 1).to(q.dtype)

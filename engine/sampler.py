@@ -1,0 +1,86 @@
+"""Token sampling on the device: greedy, temperature, top-k, top-p, per-request seeds.
+
+Seeded rows draw their noise from a counter-based hash of (seed, position, token id), so a
+request's tokens depend only on its own seed and history, never on its batch neighbours.
+Unseeded rows use the device's ordinary generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 torch stores."""
+    x &= _M64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2, _POS = (_i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9),
+                               _i64(0x94D049BB133111EB), _i64(0xD6E8FEB86659FD93))
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, vocab] uniforms in (0, 1) from splitmix64 of (seed, position, token id)."""
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = seeds[:, None] * _GOLDEN + positions[:, None] * _POS + ids[None, :]
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 40).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling settings, as device tensors, for N rows of logits."""
+    temperatures: torch.Tensor   # [N] float32; 0 = greedy
+    top_ks: torch.Tensor         # [N] int64; 0 = off
+    top_ps: torch.Tensor         # [N] float32
+    seeds: torch.Tensor          # [N] int64 (only meaningful where has_seed)
+    has_seed: torch.Tensor       # [N] bool
+    positions: torch.Tensor      # [N] int64: index of the token being sampled
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_seed: bool
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy
+        temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
+        logits = logits / temps[:, None]
+        if batch.any_top_k or batch.any_top_p:
+            logits = _apply_top_k_top_p(logits, batch)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        if batch.any_seed:
+            seeded = -torch.log(hashed_uniform(batch.seeds, batch.positions, probs.shape[-1]))
+            noise = torch.where(batch.has_seed[:, None], seeded, noise)
+        sampled = (probs / noise).argmax(dim=-1)      # exponential race == multinomial draw
+        return torch.where(batch.temperatures > 0, sampled, greedy)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(batch.top_ks > 0, batch.top_ks, torch.full_like(batch.top_ks, vocab))
+    drop = ranks >= k[:, None]
+    if batch.any_top_p:
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs          # mass strictly above this token
+        drop |= before >= batch.top_ps[:, None]        # always keeps the top token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,190 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Torch-free. Each step spends a token budget: running sequences first (one token for a
+decode, a chunk for an unfinished prefill), then new ones from the waiting queue, chunked
+to fit. When KV blocks run out, the most recently admitted running sequence is preempted
+by recompute (its blocks are freed; the prefix cache usually brings most of them back).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int          # tokens fed to the model this step, from seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Does this step produce the sequence's next token (its prefill is complete)?"""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def is_decode(self) -> bool:
+        return all(s.num_new_tokens == 1 for s in self.scheduled)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int]):
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt has {seq.num_tokens} tokens, over max_model_len {self.config.max_model_len}")
+        if self.block_manager.blocks_needed(seq.num_tokens + 1) > self.block_manager.num_blocks:
+            raise ValueError(f"prompt of {seq.num_tokens} tokens cannot fit the KV cache "
+                             f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Join a sequence whose KV is already in its blocks (decode side of a handover)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+        self._finish(seq, FinishReason.ABORT)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.allocate(seq, n)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            break           # seq itself was preempted: it was the last one
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                seq.num_computed_tokens = self.block_manager.match_prefix(seq)
+                if seq.num_preemptions == 0:        # usage reports the first admission's hits
+                    seq.num_cached_tokens = seq.num_computed_tokens
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, n):
+                if not self.running and not out.scheduled:
+                    n = self._shrink_to_fit(seq, n)
+                if n == 0 or not self.block_manager.can_allocate(seq, n):
+                    break
+            self.block_manager.allocate(seq, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def _shrink_to_fit(self, seq: Sequence, n: int) -> int:
+        """With nothing else running, take as big a chunk as the free blocks allow."""
+        free_tokens = (self.block_manager.num_free_blocks + len(seq.block_table)) * self.block_manager.block_size
+        return max(0, min(n, free_tokens - seq.num_computed_tokens))
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_sequence(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    # -- after the model step ---------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens, finish sequences. Returns finished."""
+        finished = []
+        for item, token in zip(out.scheduled, sampled, strict=True):
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_full_blocks(seq)
+            if token is None:
+                continue
+            seq.append_token(token)
+            reason = self.stop_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= seq.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence from outside (stop string matched, client gone)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if not (seq.hold_kv and reason is not FinishReason.ABORT):
+            self.block_manager.free_sequence(seq)

@@ -1,0 +1,48 @@
+"""Loading a model's tokenizer and its end-of-sequence ids."""
+from __future__ import annotations
+
+import os
+
+from models import ModelSource
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(source.tokenizer_path)
+
+
+def eos_token_ids(source: ModelSource, tokenizer) -> list[int]:
+    """EOS ids from the model config, then generation config, then the tokenizer."""
+    ids: list[int] = []
+    for value in (getattr(source.hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if value is None:
+            continue
+        ids += value if isinstance(value, list) else [value]
+    return sorted(set(ids))
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """A raw prompt's ids, with whatever special tokens the tokenizer's config adds (BOS...)."""
+    if not text:
+        raise ValueError("prompt text is empty: give at least one character")
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat messages through the model's chat template, ready for the assistant's turn."""
+    if not messages:
+        raise ValueError("chat has no messages: give at least one {role, content}")
+    for i, m in enumerate(messages):
+        if m.get("role") not in CHAT_ROLES:
+            raise ValueError(f"chat message {i} has role {m.get('role')!r}; use one of {CHAT_ROLES}")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template; send text or tokens instead")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)

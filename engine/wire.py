@@ -1,0 +1,50 @@
+"""Engine types <-> baton.v1 messages, in one place so every service converts alike."""
+from __future__ import annotations
+
+from baton.v1 import decode_pb2, router_pb2
+
+from engine.output_processor import RequestOutput
+from engine.sampling_params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 256
+
+FINISH_TO_PROTO = {
+    None: router_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": router_pb2.FINISH_REASON_STOP,
+    "length": router_pb2.FINISH_REASON_LENGTH,
+    "abort": router_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(p: router_pb2.SamplingParams) -> SamplingParams:
+    """Apply the contract's defaults for unset fields; range checks are SamplingParams.validate's."""
+    return SamplingParams(
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k if p.HasField("top_k") else 0,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        seed=p.seed if p.HasField("seed") else None,
+    )
+
+
+def sampling_to_proto(s: SamplingParams) -> router_pb2.SamplingParams:
+    p = router_pb2.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+        stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos)
+    if s.seed is not None:
+        p.seed = s.seed
+    return p
+
+
+def chunk_from_output(out: RequestOutput, handover_seconds: float = 0.0) -> decode_pb2.TokenChunk:
+    chunk = decode_pb2.TokenChunk(token_ids=out.new_token_ids, text=out.new_text,
+                                  finish_reason=FINISH_TO_PROTO[out.finish_reason],
+                                  handover_seconds=handover_seconds)
+    if out.finished:
+        chunk.usage.CopyFrom(router_pb2.Usage(prompt_tokens=out.prompt_tokens,
+                                              completion_tokens=out.completion_tokens,
+                                              cached_prompt_tokens=out.cached_tokens))
+    return chunk

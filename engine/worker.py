@@ -1,0 +1,87 @@
+"""What every engine-backed server process shares: start-up, status, abort, metrics, drain.
+
+`prefill_service` and `decode_service` subclass `EngineWorker` and add their RPCs. The
+engine runs on its own thread (AsyncEngine); everything here runs on the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import grpc
+from baton.v1 import worker_pb2
+
+from engine.async_engine import AsyncEngine
+from engine.grpc_server import Server, ServiceError
+from engine.llm_engine import LLMEngine
+from engine.metrics import Metrics
+from engine.worker_config import WorkerConfig
+
+
+class EngineWorker:
+    service_names: tuple[str, ...] = ()
+
+    def __init__(self, cfg: WorkerConfig):
+        self.cfg = cfg
+        self.metrics = Metrics(cfg.role)
+        self.engine: AsyncEngine | None = None
+        self.server: Server | None = None
+        self.requests_served = 0
+
+    @property
+    def llm(self) -> LLMEngine:
+        return self.engine.engine
+
+    async def start(self) -> Server:
+        t0 = time.perf_counter()
+        print(f"[baton] {self.cfg.role}: loading {self.cfg.engine.model} on {self.cfg.engine.device}",
+              file=sys.stderr, flush=True)
+        loop = asyncio.get_running_loop()
+        llm = await loop.run_in_executor(None, LLMEngine, self.cfg.engine)
+        self.engine = AsyncEngine(llm, loop)
+        self.engine.on_step = self._after_step
+        self.server = Server(self.cfg.host, self.cfg.port, self.service_names)
+        self.add_services(self.server.server)
+        await self.server.start()
+        self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
+        self._observe(llm)
+        print(f"[baton] {self.cfg.role} ready on {self.server.address} "
+              f"({llm.runner.num_blocks} KV blocks of {llm.config.block_size}, "
+              f"max_model_len {llm.max_model_len}) in {time.perf_counter() - t0:.1f}s",
+              file=sys.stderr, flush=True)
+        return self.server
+
+    def add_services(self, server) -> None:
+        raise NotImplementedError
+
+    async def serve_forever(self) -> None:
+        server = await self.start()
+        await server.wait_for_signal(self.cfg.grace_seconds, on_stop=self.engine.shutdown)
+
+    # -- shared RPC bodies ------------------------------------------------------------------
+    def status(self) -> worker_pb2.WorkerStatus:
+        llm = self.llm
+        bm = llm.block_manager
+        return worker_pb2.WorkerStatus(
+            role=self.cfg.role, model=llm.source.name, running=len(llm.scheduler.running),
+            waiting=len(llm.scheduler.waiting) + self.num_pending(), kv_blocks_total=bm.num_blocks,
+            kv_blocks_free=bm.num_free_blocks, block_size=bm.block_size, max_model_len=llm.max_model_len,
+            kv_backends=[self.cfg.kv_backend], device=self.cfg.engine.device,
+            draining=bool(self.server and self.server.draining), requests_served=self.requests_served)
+
+    def num_pending(self) -> int:
+        return 0
+
+    def check_accepting(self) -> None:
+        if self.server is not None and self.server.draining:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "worker is draining; send the request elsewhere")
+
+    def _after_step(self, llm: LLMEngine, outputs) -> None:
+        self.metrics.step_seconds.labels("step").observe(llm.last_step_seconds)
+        self._observe(llm)
+
+    def _observe(self, llm: LLMEngine) -> None:
+        bm = llm.block_manager
+        self.metrics.observe_engine(len(llm.scheduler.running), len(llm.scheduler.waiting),
+                                    bm.num_blocks, bm.num_free_blocks)

@@ -1,0 +1,216 @@
+"""Loopback throughput of the grpc KV backend, next to a plain TCP socket copy of the same bytes.
+
+Sender and receiver run in separate processes (multiprocessing, spawn); each send is timed
+from the open to the DONE ack, i.e. until the receiver's on_complete holds every byte.
+
+    python -m kvtransfer.bench                       # 8, 64 and 256 MiB
+    python -m kvtransfer.bench --sizes-mib 64 --chunk-mib 4 --window-mib 16 --json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+import zlib
+
+from kvtransfer.grpc_options import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW_BYTES
+
+MIB = 1 << 20
+READY_TIMEOUT_S = 60.0
+BENCH_LAYOUT = dict(model="bench", architecture="bench", dtype="uint8", block_size=1, num_layers=1,
+                    num_kv_heads=1, head_dim=1)
+
+
+# -- the grpc backend ------------------------------------------------------------------------------
+def _grpc_receiver(conn, total_bytes: int, repeats: int) -> None:
+    asyncio.run(_grpc_receive(conn, total_bytes, repeats))
+
+
+async def _grpc_receive(conn, total_bytes: int, repeats: int) -> None:
+    import grpc
+
+    from kvtransfer.grpc_backend import KVTransferServicer
+    from kvtransfer.grpc_options import server_options
+    from kvtransfer.layout import KVLayout
+    from kvtransfer.receiver import PendingTransfers
+
+    pending = PendingTransfers(max_staged_bytes=max(total_bytes, 1))
+    done = asyncio.Event()
+    crcs: list[int] = []
+
+    def on_complete(tid, payload, first_token, extra):
+        crcs.append(zlib.crc32(payload))
+        if len(crcs) == repeats:
+            done.set()
+
+    def on_fail(tid, reason):
+        crcs.append(-1)
+        done.set()
+
+    server = grpc.aio.server(options=server_options())
+    KVTransferServicer(pending, KVLayout(**BENCH_LAYOUT)).add_to_server(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    for i in range(repeats):
+        pending.expect(f"bench-{i}", total_bytes, 600.0, on_complete, on_fail)
+    conn.send(port)
+    cpu = time.process_time()
+    await asyncio.wait_for(done.wait(), 600.0)
+    conn.send({"crcs": crcs, "cpu_s": time.process_time() - cpu})
+    await server.stop(1.0)
+
+
+def _grpc_sender(conn, port: int, total_bytes: int, chunk_bytes: int, window_bytes: int, repeats: int) -> None:
+    conn.send(asyncio.run(_grpc_send(port, total_bytes, chunk_bytes, window_bytes, repeats)))
+
+
+async def _grpc_send(port: int, total_bytes: int, chunk_bytes: int, window_bytes: int, repeats: int) -> dict:
+    from kvtransfer.grpc_backend import GrpcKVSender
+    from kvtransfer.layout import KVLayout
+
+    payload = os.urandom(total_bytes)
+    sender = GrpcKVSender(f"127.0.0.1:{port}", chunk_bytes=chunk_bytes, window_bytes=window_bytes)
+    await sender.handshake(KVLayout(**BENCH_LAYOUT))
+    seconds, in_flight = [], 0
+    cpu = time.process_time()
+    for i in range(repeats):
+        stats = await sender.send(f"bench-{i}", payload, first_token=0, timeout=600.0)
+        seconds.append(stats.seconds)
+        in_flight = max(in_flight, stats.max_in_flight_bytes)
+    cpu = time.process_time() - cpu
+    await sender.close()
+    return {"seconds": seconds, "crc": zlib.crc32(payload), "max_in_flight_bytes": in_flight, "cpu_s": cpu}
+
+
+# -- the baseline: one TCP socket, sendall / recv_into -------------------------------------------
+def _tcp_receiver(conn, total_bytes: int, repeats: int) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        conn.send(listener.getsockname()[1])
+        peer, _ = listener.accept()
+        cpu = time.process_time()
+        with peer:
+            buffer = bytearray(total_bytes)
+            view = memoryview(buffer)
+            for _ in range(repeats):
+                got = 0
+                while got < total_bytes:
+                    n = peer.recv_into(view[got:])
+                    if n == 0:
+                        raise ConnectionError("sender closed early")
+                    got += n
+                peer.sendall(b"k")
+    conn.send({"crcs": [zlib.crc32(buffer)] * repeats, "cpu_s": time.process_time() - cpu})
+
+
+def _tcp_sender(conn, port: int, total_bytes: int, repeats: int) -> None:
+    payload = os.urandom(total_bytes)
+    seconds = []
+    cpu = time.process_time()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sock.sendall(payload)
+            if sock.recv(1) != b"k":
+                raise ConnectionError("receiver closed early")
+            seconds.append(time.perf_counter() - t0)
+    conn.send({"seconds": seconds, "crc": zlib.crc32(payload), "max_in_flight_bytes": 0,
+               "cpu_s": time.process_time() - cpu})
+
+
+# -- driver ------------------------------------------------------------------------------------------
+def _run_pair(receiver, receiver_args: tuple, sender, sender_args: tuple) -> tuple[dict, dict]:
+    """Start receiver, hand its port to the sender, collect both results (spawned processes)."""
+    ctx = mp.get_context("spawn")
+    r_parent, r_child = ctx.Pipe()
+    s_parent, s_child = ctx.Pipe()
+    rp = ctx.Process(target=receiver, args=(r_child, *receiver_args), daemon=True)
+    rp.start()
+    sp = None
+    try:
+        if not r_parent.poll(READY_TIMEOUT_S):
+            raise TimeoutError("the receiver process did not start listening")
+        port = r_parent.recv()
+        sp = ctx.Process(target=sender, args=(s_child, port, *sender_args), daemon=True)
+        sp.start()
+        if not s_parent.poll(600.0):
+            raise TimeoutError("the sender process did not finish")
+        sent = s_parent.recv()
+        if not r_parent.poll(60.0):
+            raise TimeoutError("the receiver process did not report")
+        return sent, r_parent.recv()
+    finally:
+        for p in (sp, rp):
+            if p is not None:
+                p.join(10.0)
+                if p.is_alive():
+                    p.kill()
+
+
+def _summary(total_bytes: int, sent: dict, received: dict) -> dict:
+    if any(c != sent["crc"] for c in received["crcs"]):
+        raise RuntimeError("the received bytes differ from the sent bytes")
+    best, median = min(sent["seconds"]), statistics.median(sent["seconds"])
+    return {"gbps": total_bytes / median / 1e9, "best_gbps": total_bytes / best / 1e9,
+            "latency_ms": median * 1e3, "best_latency_ms": best * 1e3,
+            "max_in_flight_bytes": sent["max_in_flight_bytes"],
+            # CPU seconds per GB moved, each side: what the copy costs besides wall time
+            "sender_cpu_s_per_gb": sent["cpu_s"] / (total_bytes * len(sent["seconds"]) / 1e9),
+            "receiver_cpu_s_per_gb": received["cpu_s"] / (total_bytes * len(sent["seconds"]) / 1e9)}
+
+
+def measure_tcp_loopback(total_bytes: int, repeats: int = 3) -> dict:
+    sent, received = _run_pair(_tcp_receiver, (total_bytes, repeats), _tcp_sender, (total_bytes, repeats))
+    return _summary(total_bytes, sent, received)
+
+
+def measure_grpc_loopback(total_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                          window_bytes: int = DEFAULT_WINDOW_BYTES, repeats: int = 3,
+                          baseline: bool = True) -> dict:
+    """GB/s and latency of pushing `total_bytes` over the grpc backend between two processes on
+    127.0.0.1 (median of `repeats` sends on one warm connection), and, with `baseline`, of a plain
+    TCP socket copy of the same bytes, with the ratio grpc / tcp."""
+    sent, received = _run_pair(_grpc_receiver, (total_bytes, repeats), _grpc_sender,
+                               (total_bytes, chunk_bytes, window_bytes, repeats))
+    result = {"total_bytes": total_bytes, "chunk_bytes": chunk_bytes, "window_bytes": window_bytes,
+              "repeats": repeats, **_summary(total_bytes, sent, received)}
+    if baseline:
+        tcp = measure_tcp_loopback(total_bytes, repeats)
+        result["tcp_gbps"] = tcp["gbps"]
+        result["tcp_latency_ms"] = tcp["latency_ms"]
+        result["ratio_vs_tcp"] = result["gbps"] / tcp["gbps"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtransfer.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_BYTES / MIB)
+    parser.add_argument("--window-mib", type=float, default=DEFAULT_WINDOW_BYTES / MIB)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="print one JSON object per size")
+    args = parser.parse_args(argv)
+    chunk, window = int(args.chunk_mib * MIB), int(args.window_mib * MIB)
+    if not args.json:
+        print(f"KV loopback, chunk {args.chunk_mib:g} MiB, window {args.window_mib:g} MiB, median of "
+              f"{args.repeats} ({os.cpu_count()} CPUs)")
+        print(f"{'size':>8} {'grpc GB/s':>10} {'grpc ms':>9} {'tcp GB/s':>9} {'tcp ms':>8} {'grpc/tcp':>9}")
+    for mib in args.sizes_mib:
+        print(f"  measuring {mib} MiB ...", file=sys.stderr, flush=True)
+        r = measure_grpc_loopback(mib * MIB, chunk, window, args.repeats)
+        if args.json:
+            print(json.dumps(r), flush=True)
+        else:
+            print(f"{mib:>4} MiB {r['gbps']:>10.2f} {r['latency_ms']:>9.1f} {r['tcp_gbps']:>9.2f} "
+                  f"{r['tcp_latency_ms']:>8.1f} {r['ratio_vs_tcp']:>9.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""A request's KV blocks <-> one contiguous byte payload.
+
+The payload of `block_ids` is `kv[:, :, block_ids]` of the paged cache
+[layers, 2, num_blocks, block_size, kv_heads, head_dim], contiguous, viewed as uint8: the
+prefill side packs it on the host (through pinned memory from an accelerator), the decode
+side unpacks it into the blocks it reserved.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+KV_DIMS = 6     # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+
+
+def payload_shape(kv: torch.Tensor, n_blocks: int) -> tuple[int, ...]:
+    return (kv.shape[0], kv.shape[1], n_blocks, *kv.shape[3:])
+
+
+def payload_nbytes(kv: torch.Tensor, n_blocks: int) -> int:
+    return n_blocks * kv[:, :, :1].numel() * kv.element_size()
+
+
+def pack_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    """Copy blocks `block_ids` of `kv` into a contiguous host uint8 tensor, in that order."""
+    index = _block_index(kv, block_ids)
+    gathered = kv.index_select(2, index)             # contiguous, on kv's device
+    if gathered.device.type != "cpu":
+        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=_can_pin())
+        host.copy_(gathered)                          # waits for the device: bytes are final on return
+        gathered = host
+    return gathered.reshape(-1).view(torch.uint8)
+
+
+def unpack_blocks(kv: torch.Tensor, block_ids: Sequence[int], payload) -> None:
+    """Write a payload (bytes-like or uint8 tensor from `pack_blocks`) into blocks `block_ids` of `kv`."""
+    index = _block_index(kv, block_ids)
+    if len(set(block_ids)) != len(block_ids):
+        raise ValueError(f"block ids must be distinct to unpack into, got {list(block_ids)}")
+    data = _as_uint8(payload)
+    expected = payload_nbytes(kv, len(block_ids))
+    if data.numel() != expected:
+        raise ValueError(f"KV payload has {data.numel()} bytes but {len(block_ids)} blocks of "
+                         f"{tuple(kv.shape[3:])} {kv.dtype} per layer need {expected} "
+                         f"({kv.shape[0]} layers x K,V): were both ends started with the same layout?")
+    values = data.view(kv.dtype).view(payload_shape(kv, len(block_ids)))
+    kv.index_copy_(2, index, values.to(kv.device))
+
+
+def _block_index(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    if kv.dim() != KV_DIMS:
+        raise ValueError(f"KV cache must be [layers, 2, blocks, block_size, kv_heads, head_dim], "
+                         f"got shape {tuple(kv.shape)}")
+    if not kv.is_contiguous():
+        raise ValueError("KV cache must be contiguous")
+    num_blocks = kv.shape[2]
+    bad = [b for b in block_ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"block ids {bad[:8]} are outside the cache's {num_blocks} blocks")
+    return torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
+
+
+def _as_uint8(payload) -> torch.Tensor:
+    if isinstance(payload, torch.Tensor):
+        if payload.dtype != torch.uint8 or payload.device.type != "cpu":
+            raise ValueError(f"a tensor payload must be a CPU uint8 tensor, got {payload.dtype} on "
+                             f"{payload.device}")
+        return payload.reshape(-1)
+    view = memoryview(payload).cast("B")
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():      # read-only buffers (bytes) are only read here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _can_pin() -> bool:
+    try:
+        return torch.cuda.is_available() or (hasattr(torch, "npu") and torch.npu.is_available())
+    except RuntimeError:
+        return False

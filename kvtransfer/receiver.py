@@ -1,0 +1,223 @@
+"""The decode side's registry of expected transfers, whatever backend brings the bytes.
+
+Admission calls `expect` with the payload size, a deadline and two callbacks. Exactly one
+of them runs, once, on the event loop: `on_complete(transfer_id, payload, first_token,
+extra)` when every byte arrived intact (payload: a writable memoryview the callee now owns,
+e.g. for `unpack_blocks`), or `on_fail(transfer_id, reason)` on a rejection, a broken stream
+or the deadline (the reaper) -- that is where the decode engine frees the blocks it
+reserved. `cancel` (the decode side gave up, e.g. abort) ends a transfer with no callback.
+Everything is bounded: staged bytes, remembered ids, and time. Callbacks must be quick
+(hand work to the engine thread) and should not raise.
+
+Every method runs on the event loop thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+log = logging.getLogger("baton.kvtransfer")
+
+DEFAULT_MAX_STAGED_BYTES = 4 << 30
+REMEMBERED_ENDED = 4096          # ids of ended transfers kept, to answer late chunks precisely
+MMAP_MIN_BYTES = 1 << 20
+
+OnComplete = Callable[[str, memoryview, int, dict[str, str]], None]
+OnFail = Callable[[str, str], None]
+
+
+class TransferRejected(Exception):
+    """A transfer (or one message of it) was refused; `code` is the status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One expected transfer. Backends read it and fill `buffer`; the registry owns the rest."""
+
+    transfer_id: str
+    nbytes: int
+    deadline: float                      # event-loop time
+    on_complete: OnComplete
+    on_fail: OnFail
+    timer: asyncio.TimerHandle | None = None
+    buffer: memoryview | None = None     # staging, allocated by `stage`
+    claimed: bool = False                # a sender is pushing it
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryStats:
+    active: int                          # expected and not ended
+    staged_bytes: int                    # staging buffers allocated for active transfers
+    completed: int
+    failed: int
+    cancelled: int
+
+
+class PendingTransfers:
+    def __init__(self, max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES):
+        if max_staged_bytes < 1:
+            raise ValueError(f"max_staged_bytes must be positive, got {max_staged_bytes}")
+        self.max_staged_bytes = max_staged_bytes
+        self._active: dict[str, Transfer] = {}
+        self._ended: OrderedDict[str, tuple[grpc.StatusCode, str]] = OrderedDict()   # id -> what late messages get
+        self._staging_freed: asyncio.Event | None = None    # set (and replaced) when room frees
+        self.staged_bytes = 0
+        self.completed = 0
+        self.failed = 0
+        self.cancelled = 0
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    def __contains__(self, transfer_id: str) -> bool:
+        return transfer_id in self._active
+
+    def stats(self) -> RegistryStats:
+        return RegistryStats(len(self._active), self.staged_bytes, self.completed, self.failed, self.cancelled)
+
+    # -- the decode engine's side -------------------------------------------------------------
+    def expect(self, transfer_id: str, nbytes: int, deadline_s: float, on_complete: OnComplete,
+               on_fail: OnFail) -> None:
+        """Register a transfer of `nbytes`; unless it completes within `deadline_s`, on_fail runs."""
+        if not transfer_id:
+            raise ValueError("transfer_id must not be empty")
+        if transfer_id in self._active or transfer_id in self._ended:
+            raise ValueError(f"transfer id {transfer_id!r} was already used")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if nbytes > self.max_staged_bytes:
+            raise MemoryError(f"a KV payload of {nbytes} bytes can never be staged here (limit "
+                              f"{self.max_staged_bytes} bytes); raise the limit or use a shorter prompt")
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s must be positive, got {deadline_s}")
+        loop = asyncio.get_running_loop()
+        t = Transfer(transfer_id, nbytes, loop.time() + deadline_s, on_complete, on_fail)
+        t.timer = loop.call_later(deadline_s, self._reap, transfer_id, deadline_s)
+        self._active[transfer_id] = t
+
+    def cancel(self, transfer_id: str) -> bool:
+        """End a transfer without calling back (the caller frees its blocks). False: not active."""
+        t = self._end(transfer_id, (grpc.StatusCode.CANCELLED,
+                                    f"transfer {transfer_id} was cancelled by the decode worker"))
+        if t is None:
+            return False
+        self.cancelled += 1
+        return True
+
+    def fail(self, transfer_id: str, reason: str, code: grpc.StatusCode = grpc.StatusCode.ABORTED) -> bool:
+        """End a transfer and call its on_fail(transfer_id, reason). False: it had already ended."""
+        late = grpc.StatusCode.DEADLINE_EXCEEDED if code is grpc.StatusCode.DEADLINE_EXCEEDED \
+            else grpc.StatusCode.FAILED_PRECONDITION
+        t = self._end(transfer_id, (late, f"transfer {transfer_id} already failed: {reason}"))
+        if t is None:
+            return False
+        self.failed += 1
+        try:
+            t.on_fail(transfer_id, reason)
+        except Exception:
+            log.exception("on_fail of KV transfer %s raised", transfer_id)
+        return True
+
+    # -- the backends' side --------------------------------------------------------------------
+    def lookup(self, transfer_id: str) -> Transfer:
+        """The active transfer, or TransferRejected saying why there is none."""
+        t = self._active.get(transfer_id)
+        if t is not None:
+            return t
+        ended = self._ended.get(transfer_id)
+        if ended is not None:
+            raise TransferRejected(*ended)
+        raise TransferRejected(grpc.StatusCode.NOT_FOUND, f"unknown KV transfer id {transfer_id!r}: the "
+                               "decode worker never admitted it here (or has restarted)")
+
+    def check_active(self, t: Transfer) -> None:
+        """Raise the right TransferRejected if `t` ended (reaped, cancelled) since it was looked up."""
+        if self._active.get(t.transfer_id) is not t:
+            self.lookup(t.transfer_id)
+            raise TransferRejected(grpc.StatusCode.FAILED_PRECONDITION, f"transfer {t.transfer_id} has ended")
+
+    def time_left(self, t: Transfer) -> float:
+        return t.deadline - asyncio.get_running_loop().time()
+
+    def claim(self, t: Transfer, nbytes: int) -> None:
+        """A sender starts pushing `t`: one sender per transfer, and the size it announces must match."""
+        self.check_active(t)
+        if t.claimed:
+            raise TransferRejected(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"transfer {t.transfer_id} is already being pushed on another stream")
+        if nbytes != t.nbytes:
+            msg = f"payload size {nbytes} does not match the {t.nbytes} bytes reserved for transfer {t.transfer_id}"
+            self.fail(t.transfer_id, msg)
+            raise TransferRejected(grpc.StatusCode.INVALID_ARGUMENT, msg)
+        t.claimed = True
+
+    async def stage(self, t: Transfer) -> None:
+        """Allocate t.buffer, first waiting (until t's deadline) for room under max_staged_bytes."""
+        while self.staged_bytes + t.nbytes > self.max_staged_bytes:
+            if self._staging_freed is None:
+                self._staging_freed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._staging_freed.wait(), max(0.0, self.time_left(t)))
+            except TimeoutError:
+                self.fail(t.transfer_id, f"no room to stage the {t.nbytes}-byte KV of transfer {t.transfer_id} "
+                          f"before its deadline ({self.staged_bytes} of {self.max_staged_bytes} bytes staged)",
+                          grpc.StatusCode.DEADLINE_EXCEEDED)
+            self.check_active(t)
+        t.buffer = staging_buffer(t.nbytes)
+        self.staged_bytes += t.nbytes
+
+    def complete(self, t: Transfer, first_token: int, extra: dict[str, str]) -> None:
+        """Every byte is in `t.buffer`: hand it (and its ownership) to on_complete."""
+        self.check_active(t)
+        self._end(t.transfer_id, (grpc.StatusCode.FAILED_PRECONDITION, f"transfer {t.transfer_id} already completed"))
+        self.completed += 1
+        payload = t.buffer if t.buffer is not None else memoryview(bytearray())
+        try:
+            t.on_complete(t.transfer_id, payload, first_token, extra)
+        except Exception as exc:
+            log.exception("on_complete of KV transfer %s raised", t.transfer_id)
+            raise TransferRejected(grpc.StatusCode.INTERNAL,
+                                   f"the decode worker could not take the KV of {t.transfer_id}: {exc}") from exc
+
+    # -- internals ------------------------------------------------------------------------------
+    def _reap(self, transfer_id: str, deadline_s: float) -> None:
+        self.fail(transfer_id, f"the KV of transfer {transfer_id} did not arrive within its {deadline_s:g}s "
+                  "deadline", grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    def _end(self, transfer_id: str, later: tuple[grpc.StatusCode, str]) -> Transfer | None:
+        t = self._active.pop(transfer_id, None)
+        if t is None:
+            return None
+        if t.timer is not None:
+            t.timer.cancel()
+        if t.buffer is not None:
+            self.staged_bytes -= t.nbytes
+        self._notify_staging()
+        self._ended[transfer_id] = later
+        while len(self._ended) > REMEMBERED_ENDED:
+            self._ended.popitem(last=False)
+        return t
+
+    def _notify_staging(self) -> None:
+        """Wake every claim waiting for staging room; each checks again."""
+        if self._staging_freed is not None:
+            self._staging_freed.set()
+            self._staging_freed = None
+
+
+def staging_buffer(nbytes: int) -> memoryview:
+    """A writable byte buffer. Large ones are anonymous mappings: the kernel's zero pages cost
+    nothing until written, where bytearray(n) would first write n zeros."""
+    if nbytes < MMAP_MIN_BYTES:
+        return memoryview(bytearray(nbytes))
+    return memoryview(mmap.mmap(-1, nbytes))

@@ -1,0 +1,126 @@
+"""The decoder-only transformer that Llama, Qwen2 and Qwen3 share, composed from layers.
+
+The architectures differ only in switches: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3),
+tied embeddings, explicit head_dim. Attention goes through `ctx.attend`, so the model knows
+nothing of the KV cache or the platform.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.forward_context import ForwardContext
+from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TPInfo
+from models.layers.norm import RMSNorm
+from models.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, ops, tp: TPInfo, dtype, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=qkv_bias, tp=tp, dtype=dtype)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=False, tp=tp, dtype=dtype)
+        theta, scaling = rope_parameters(config)
+        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling, ops)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype) if qk_norm else None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = ctx.attend(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(t, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config, ops, tp: TPInfo, dtype):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: silu)")
+        self.ops = ops
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       bias=False, tp=tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False, tp=tp,
+                                           dtype=dtype)
+
+    def forward(self, x):
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx, ops, tp, dtype, qkv_bias, qk_norm):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, ops, tp, dtype, qkv_bias, qk_norm)
+        self.mlp = MLP(config, ops, tp, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
+
+    def forward(self, positions, x, residual, ctx):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, ops, tp, dtype, qkv_bias, qk_norm):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, tp, dtype, qkv_bias, qk_norm)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
+
+    def forward(self, input_ids, positions, ctx):
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class DecoderForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, ops, dtype=None, tp: TPInfo | None = None):
+        super().__init__()
+        tp = tp or TPInfo()
+        self.config = config
+        self.model = DecoderModel(config, ops, tp, dtype, self.qkv_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        attn = self.model.layers[0].self_attn
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,1 @@
+"""Layers the models compose: fused projections, norms, rotary, embeddings, attention."""

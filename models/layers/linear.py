@@ -1,0 +1,116 @@
+"""Linear layers with tensor-parallel sharding and fused (packed) projections.
+
+Each parameter carries a `weight_loader` that knows how a checkpoint tensor maps onto its
+shard, so the loader only routes names; with tp_size 1 no torch.distributed is needed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class TPInfo:
+    def __init__(self, rank: int = 0, size: int = 1, group=None):
+        self.rank, self.size, self.group = rank, size, group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
+def _divide(n: int, by: int, what: str) -> int:
+    if n % by:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {by}")
+    return n // by
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo, dtype):
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features, out_features, bias=False, tp: TPInfo | None = None, dtype=None):
+        super().__init__(in_features, out_features, bias, tp or TPInfo(), dtype)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication."""
+
+    def __init__(self, in_features, out_features, bias=False, tp: TPInfo | None = None, dtype=None):
+        tp = tp or TPInfo()
+        super().__init__(in_features, _divide(out_features, tp.size, "output features"), bias, tp, dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        n = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several projections of the same input fused into one matmul (gate_up_proj)."""
+
+    def __init__(self, in_features, output_sizes: list[int], bias=False, tp: TPInfo | None = None, dtype=None):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, tp, dtype)
+
+    def weight_loader(self, param, loaded, shard_id: int = 0):
+        size = self.output_sizes[shard_id] // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; heads split across ranks (kv heads replicated if fewer)."""
+
+    def __init__(self, hidden_size, head_dim, num_heads, num_kv_heads, bias=False, tp: TPInfo | None = None,
+                 dtype=None):
+        tp = tp or TPInfo()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp.size, "attention heads")
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out, bias, tp, dtype)
+
+    def weight_loader(self, param, loaded, shard_id: str = "q"):
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        rank = self.tp.rank if shard_id == "q" else self.tp.rank // self.kv_replicas
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial sums all-reduced."""
+
+    def __init__(self, in_features, out_features, bias=False, tp: TPInfo | None = None, dtype=None):
+        tp = tp or TPInfo()
+        super().__init__(_divide(in_features, tp.size, "input features"), out_features, bias, tp, dtype)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:            # bias: added once, on rank 0
+            param.data.copy_(loaded if self.tp.rank == 0 else torch.zeros_like(loaded))
+            return
+        n = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        return self.tp.all_reduce(y)

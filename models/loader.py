@@ -1,0 +1,100 @@
+"""Weights into a built model: HF safetensors through each parameter's weight_loader, or
+deterministic random weights for presets."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+IGNORED = ("rotary_emb.inv_freq",)
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for i, f in enumerate(files):
+        if len(files) > 1:
+            print(f"\r[baton] loading weights: {i + 1}/{len(files)} files", end="", file=sys.stderr)
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                if any(name.endswith(s) for s in IGNORED):
+                    continue
+                loaded.add(_load_one(model, params, name, st.get_tensor(name)))
+    if len(files) > 1:
+        print(file=sys.stderr)
+    _check_complete(model, params, loaded)
+
+
+def _load_one(model, params: dict, name: str, tensor: torch.Tensor) -> str:
+    for part, (target, shard) in getattr(model, "packed_modules_mapping", {}).items():
+        if f".{part}." in name:
+            pname = name.replace(f".{part}.", f".{target}.")
+            param = params[pname]
+            param.weight_loader(param, tensor, shard)
+            return pname
+    if name not in params:
+        if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+            return name          # tied: the embedding is the head
+        raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
+    param = params[name]
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        param.data.copy_(tensor)
+    else:
+        loader(param, tensor)
+    return name
+
+
+def _check_complete(model, params: dict, loaded: set[str]) -> None:
+    missing = [n for n in params if n not in loaded and not (n == "lm_head.weight" and model.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def checkpoint_shapes(config) -> list[tuple[str, tuple[int, ...]]]:
+    """The tensors an HF checkpoint of this decoder config holds, with their full shapes."""
+    h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    hq, hkv = config.num_attention_heads * d, config.num_key_value_heads * d
+    arch = config.architectures[0]
+    bias = arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+    out = [("model.embed_tokens.weight", (v, h)), ("model.norm.weight", (h,))]
+    if not getattr(config, "tie_word_embeddings", False):
+        out.append(("lm_head.weight", (v, h)))
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        out += [(p + "self_attn.q_proj.weight", (hq, h)), (p + "self_attn.k_proj.weight", (hkv, h)),
+                (p + "self_attn.v_proj.weight", (hkv, h)), (p + "self_attn.o_proj.weight", (h, hq)),
+                (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                (p + "mlp.down_proj.weight", (h, i)),
+                (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+        if bias:
+            out += [(p + "self_attn.q_proj.bias", (hq,)), (p + "self_attn.k_proj.bias", (hkv,)),
+                    (p + "self_attn.v_proj.bias", (hkv,))]
+        if arch == "Qwen3ForCausalLM":
+            out += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
+    return out
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights in real shapes, as a synthesized checkpoint routed through the weight
+    loaders, so every tensor-parallel layout of the same seed holds the same model."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = set()
+    for k, (name, shape) in enumerate(checkpoint_shapes(model.config)):
+        if len(shape) == 1:
+            t = torch.ones(shape) if name.endswith("norm.weight") else torch.zeros(shape)
+        else:
+            g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + k)
+            t = torch.randn(shape, generator=g, device=device, dtype=dtype).mul_(0.02)
+        loaded.add(_load_one(model, params, name, t.to(device=device, dtype=dtype)))
+    _check_complete(model, params, loaded)

@@ -1,0 +1,6 @@
+"""Qwen2 / Qwen2.5: the decoder with biases on q, k and v."""
+from models.decoder import DecoderForCausalLM
+
+
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    qkv_bias = True

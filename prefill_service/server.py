@@ -1,0 +1,137 @@
+"""The prefill worker: runs prompts in continuous batches (prefix cache, chunked prefill),
+samples each request's first token, and pushes its KV to the decode worker the router chose.
+
+Per request: QUEUED -> PREFILLED (first token, KV held) -> TRANSFERRING -> done. The KV is
+staged to host memory right after prefill (grpc backend), so its device blocks are released
+at once and stay in the prefix cache; abort, deadline or a failed push ends the request with
+a status and nothing held.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import grpc
+from baton.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
+
+from engine.async_engine import EngineDead
+from engine.grpc_server import ServiceError
+from engine.llm_engine import LLMEngine
+from engine.wire import sampling_from_proto
+from engine.worker import EngineWorker
+from kvtransfer.blocks import pack_blocks
+from kvtransfer.grpc_backend import GrpcKVSender, KVTransferError
+from kvtransfer.layout import KVLayout
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class PrefillWorker(EngineWorker):
+    service_names = ("baton.v1.Prefill",)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.senders: dict[str, GrpcKVSender] = {}
+        self.layout: KVLayout | None = None
+
+    def add_services(self, server) -> None:
+        from decode_service.server import kv_layout_of
+        self.layout = kv_layout_of(self.llm, self.cfg)
+        prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), server)
+
+    async def sender_for(self, address: str, timeout: float) -> GrpcKVSender:
+        sender = self.senders.get(address)
+        if sender is None:
+            sender = GrpcKVSender(address)
+            await asyncio.wait_for(sender.handshake(self.layout), timeout)   # mismatch: clear error
+            self.senders[address] = sender
+        return sender
+
+    async def prefill(self, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+        self.check_accepting()
+        rid = req.request_id
+        if not rid:
+            raise ValueError("request_id is required")
+        if rid in self.tasks:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already prefilling here")
+        if not req.handoff.decode_address or not req.handoff.transfer_id:
+            raise ValueError("handoff.decode_address and handoff.transfer_id are required")
+        prompt = list(req.prompt_token_ids)
+        params = sampling_from_proto(req.sampling)
+        self.llm.validate(prompt, params)
+        timeout = req.timeout_ms / 1000 if req.timeout_ms else DEFAULT_TIMEOUT_S
+        self.tasks[rid] = asyncio.current_task()
+        try:
+            return await asyncio.wait_for(self._run(rid, prompt, params, req.handoff, timeout), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"prefill of {rid} did not finish within {timeout:.1f}s") from None
+        finally:
+            self.requests_served += 1
+            self.tasks.pop(rid, None)
+            self.engine.submit(lambda e: e.abort(rid))    # no-op when it completed
+
+    async def _run(self, rid, prompt, params, handoff, timeout) -> prefill_pb2.PrefillResponse:
+        t0 = time.perf_counter()
+        queue = self.engine.open_stream(rid)
+        try:
+            # one token here; the decode worker continues with the request's own limits
+            first_params = replace(params, max_tokens=1, stop=[])
+            await self.engine.call(lambda e: e.add_request(prompt, first_params, request_id=rid, hold_kv=True))
+            out = await queue.get()
+            if isinstance(out, EngineDead):
+                raise ServiceError(grpc.StatusCode.INTERNAL, f"prefill engine failed: {out}")
+        finally:
+            self.engine.close_stream(rid)
+        first_token = out.new_token_ids[0]
+        prefill_done = time.time()
+        payload = await self.engine.call(lambda e: self._stage(e, rid))
+        t1 = time.perf_counter()
+        try:
+            sender = await self.sender_for(handoff.decode_address, timeout)
+            await sender.send(handoff.transfer_id, payload, first_token,
+                              {"prefill_done_unix": repr(prefill_done), "request_id": rid}, timeout)
+        except KVTransferError as exc:
+            self.metrics.kv_transfer_failures.labels("send").inc()
+            self.senders.pop(handoff.decode_address, None)
+            raise ServiceError(getattr(exc, "code", None) or grpc.StatusCode.UNAVAILABLE,
+                               f"KV push to {handoff.decode_address} failed: {exc}") from exc
+        t2 = time.perf_counter()
+        self.metrics.kv_transfer_bytes.labels("out").inc(len(payload))
+        self.metrics.kv_transfer_seconds.observe(t2 - t1)
+        return prefill_pb2.PrefillResponse(first_token=first_token, cached_prompt_tokens=out.cached_tokens,
+                                           prefill_seconds=t1 - t0, transfer_seconds=t2 - t1,
+                                           transfer_bytes=len(payload))
+
+    @staticmethod
+    def _stage(llm: LLMEngine, rid: str):
+        """Copy the request's KV blocks to host memory and release them (engine thread)."""
+        seq = llm.held.get(rid)
+        if seq is None:
+            raise ServiceError(grpc.StatusCode.ABORTED, f"request {rid} was aborted during prefill")
+        try:
+            return pack_blocks(llm.runner.kv_cache, seq.block_table)
+        finally:
+            llm.release(rid)
+
+    def abort_request(self, rid: str) -> bool:
+        task = self.tasks.get(rid)
+        self.engine.submit(lambda e: e.abort(rid))
+        if task is not None:
+            task.cancel()
+        return task is not None
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker):
+        self.w = worker
+
+    async def Prefill(self, request, context):
+        return await self.w.prefill(request)
+
+    async def Abort(self, request, context):
+        return worker_pb2.WorkerAbortResponse(found=self.w.abort_request(request.request_id))
+
+    async def GetStatus(self, request, context):
+        return self.w.status()

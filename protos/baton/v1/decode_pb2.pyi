@@ -1,0 +1,69 @@
+from baton.v1 import router_pb2 as _router_pb2
+from baton.v1 import worker_pb2 as _worker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "timeout_ms", "backend")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _router_pb2.SamplingParams
+    timeout_ms: int
+    backend: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class AdmitResponse(_message.Message):
+    __slots__ = ("transfer_id", "num_blocks", "kv_address", "backend_params")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    num_blocks: int
+    kv_address: str
+    backend_params: bytes
+    def __init__(self, transfer_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., kv_address: _Optional[str] = ..., backend_params: _Optional[bytes] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("request_id", "timeout_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class WorkerGenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "timeout_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _router_pb2.SamplingParams
+    timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "handover_seconds")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: _router_pb2.FinishReason
+    usage: _router_pb2.Usage
+    handover_seconds: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_router_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_router_pb2.Usage, _Mapping]] = ..., handover_seconds: _Optional[float] = ...) -> None: ...

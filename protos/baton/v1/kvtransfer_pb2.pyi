@@ -1,0 +1,121 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVLayout(_message.Message):
+    __slots__ = ("model", "architecture", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "tp_size", "tp_rank", "backends")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    architecture: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp_size: int
+    tp_rank: int
+    backends: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., backends: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("layout",)
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("layout", "max_chunk_bytes", "max_window_bytes")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    max_chunk_bytes: int
+    max_window_bytes: int
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., max_window_bytes: _Optional[int] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("transfer_id", "index", "offset", "data", "crc32", "open", "done")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    index: int
+    offset: int
+    data: bytes
+    crc32: int
+    open: PushOpen
+    done: PushDone
+    def __init__(self, transfer_id: _Optional[str] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., open: _Optional[_Union[PushOpen, _Mapping]] = ..., done: _Optional[_Union[PushDone, _Mapping]] = ...) -> None: ...
+
+class PushOpen(_message.Message):
+    __slots__ = ("total_bytes", "chunk_bytes", "window_bytes")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    chunk_bytes: int
+    window_bytes: int
+    def __init__(self, total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., window_bytes: _Optional[int] = ...) -> None: ...
+
+class PushDone(_message.Message):
+    __slots__ = ("first_token", "num_tokens", "num_chunks", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    num_tokens: int
+    num_chunks: int
+    extra: _containers.ScalarMap[str, str]
+    def __init__(self, first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class KVAck(_message.Message):
+    __slots__ = ("kind", "index", "credit", "reason")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[KVAck.Kind]
+        KIND_CREDIT: _ClassVar[KVAck.Kind]
+        KIND_ACK: _ClassVar[KVAck.Kind]
+        KIND_NACK: _ClassVar[KVAck.Kind]
+        KIND_DONE: _ClassVar[KVAck.Kind]
+        KIND_REFUSED: _ClassVar[KVAck.Kind]
+    KIND_UNSPECIFIED: KVAck.Kind
+    KIND_CREDIT: KVAck.Kind
+    KIND_ACK: KVAck.Kind
+    KIND_NACK: KVAck.Kind
+    KIND_DONE: KVAck.Kind
+    KIND_REFUSED: KVAck.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    kind: KVAck.Kind
+    index: int
+    credit: int
+    reason: str
+    def __init__(self, kind: _Optional[_Union[KVAck.Kind, str]] = ..., index: _Optional[int] = ..., credit: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...

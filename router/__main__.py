@@ -1,0 +1,3 @@
+from router.main import main
+
+main()

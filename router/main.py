@@ -1,0 +1,51 @@
+"""Starting the router process: model info and tokenizer, worker registry, gRPC server."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from baton.v1 import router_pb2, router_pb2_grpc
+
+import models
+from engine.grpc_server import Server
+from engine.metrics import Metrics
+from engine.tokenizer import eos_token_ids, load_tokenizer
+from router.config import RouterConfig, add_router_args, router_config_from_args
+from router.registry import Registry
+from router.server import RouterService, RouterServicer
+
+
+async def serve(cfg: RouterConfig) -> None:
+    source = models.resolve_model(cfg.model)
+    tokenizer = load_tokenizer(source)
+    hf = source.hf_config
+    info = router_pb2.ModelInfo(name=source.name, architecture=source.architecture,
+                                max_model_len=getattr(hf, "max_position_embeddings", 0), vocab_size=hf.vocab_size,
+                                eos_token_ids=eos_token_ids(source, tokenizer))
+    registry = Registry(cfg.prefill, cfg.decode, cfg.colocated, source.name)
+    await registry.start()
+    svc = RouterService(registry, tokenizer, info, cfg.policy)
+    svc.metrics = Metrics("router")
+    server = Server(cfg.host, cfg.port, ["baton.v1.Router"])
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(svc), server.server)
+    await server.start()
+    svc.metrics.serve(cfg.metrics_port, cfg.host)
+    healthy = sum(w.healthy for w in registry.workers)
+    print(f"[baton] router ready on {server.address} ({healthy}/{len(registry.workers)} workers healthy, "
+          f"policy {cfg.policy})", file=sys.stderr, flush=True)
+    await server.wait_for_signal(cfg.grace_seconds)
+    await registry.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="baton router", description="Baton's public gRPC router")
+    add_router_args(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = router_config_from_args(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    asyncio.run(serve(cfg))

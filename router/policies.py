@@ -1,0 +1,59 @@
+"""Routing policies: which healthy worker gets the next request.
+
+`round_robin` cycles; `least_loaded` takes the worker with the fewest queued + running
+requests, breaking ties by free KV; `prefix_aware` sends prompts that share their first
+block(s) to the same prefill worker (rendezvous hashing, so a worker leaving moves only
+its own prefixes) and places decode by load.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence as Seq
+
+from router.registry import Worker
+
+POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+PREFIX_TOKENS = 64          # how much of the prompt identifies a shared prefix
+
+
+class Policy:
+    name = "base"
+
+    def pick(self, workers: Seq[Worker], prompt: Seq[int]) -> Worker:
+        raise NotImplementedError
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self):
+        self._counter = itertools.count()
+
+    def pick(self, workers, prompt):
+        return workers[next(self._counter) % len(workers)]
+
+
+class LeastLoaded(Policy):
+    name = "least_loaded"
+
+    def pick(self, workers, prompt):
+        return min(workers, key=lambda w: (w.load(), -w.kv_free_fraction(), w.address))
+
+
+class PrefixAware(Policy):
+    name = "prefix_aware"
+
+    def pick(self, workers, prompt):
+        key = ",".join(map(str, prompt[:PREFIX_TOKENS])).encode()
+        return max(workers, key=lambda w: hashlib.blake2b(key + w.address.encode(), digest_size=8).digest())
+
+
+def make_policy(name: str, role: str) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {POLICIES}")
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "prefix_aware" and role in ("prefill", "colocated"):
+        return PrefixAware()
+    return LeastLoaded()

@@ -1,0 +1,272 @@
+"""The public front door, `baton.v1.Router`: validate, tokenize, route, relay, clean up.
+
+A disaggregated request: pick a decode worker D and Admit (it reserves KV blocks), open
+D's token stream, ask a prefill worker P to prefill and push the KV to D, relay D's tokens
+to the client. Anything failing before the first token reaches the client is retried on
+other workers; after that the stream ends with a status. Cancel, Abort and deadlines
+propagate to both workers, which free the request's blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+from baton.v1 import decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc, worker_pb2
+
+from engine.grpc_server import ServiceError
+from engine.wire import sampling_to_proto
+from router import validation
+from router.policies import make_policy
+from router.registry import Registry, Worker
+
+log = logging.getLogger("baton.router")
+MAX_ATTEMPTS = 3
+DEFAULT_DEADLINE_S = 600.0
+ABORT_TIMEOUT_S = 2.0
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+@dataclass(slots=True)
+class Active:
+    request_id: str
+    task: asyncio.Task
+    calls: list[tuple[Worker, str]] = field(default_factory=list)   # (worker, id used there)
+    aborted: bool = False
+    finished: bool = False
+    attempt: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        """Each attempt gets its own id on the workers, so a retry never meets its predecessor."""
+        return f"{self.request_id}.{self.attempt}"
+
+
+class AttemptFailed(Exception):
+    """Nothing reached the client yet: another worker may take the request."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None):
+        super().__init__(message)
+        self.code, self.worker = code, worker
+
+
+class RouterService:
+    def __init__(self, registry: Registry, tokenizer, model_info: router_pb2.ModelInfo, policy: str):
+        self.registry = registry
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+        self.prefill_policy = make_policy(policy, "prefill")
+        self.decode_policy = make_policy(policy, "decode")
+        self.colocated_policy = make_policy(policy, "colocated")
+        self.active: dict[str, Active] = {}
+        self.metrics = None
+
+    @property
+    def max_model_len(self) -> int:
+        lens = [w.status.max_model_len for w in self.registry.workers if w.healthy and w.status.max_model_len]
+        return min(lens) if lens else self.model_info.max_model_len
+
+    # -- Generate -----------------------------------------------------------------------------
+    async def generate(self, req: router_pb2.GenerateRequest, context):
+        validation.check_request_id(req.request_id)
+        ids = validation.prompt_ids(req, self.tokenizer, self.model_info.vocab_size)
+        params = validation.sampling(req, len(ids), self.max_model_len, self.model_info.vocab_size)
+        rid = req.request_id or uuid.uuid4().hex
+        if rid in self.active:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
+        remaining = context.time_remaining()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (remaining if remaining is not None else DEFAULT_DEADLINE_S)
+        active = Active(rid, asyncio.current_task())
+        self.active[rid] = active
+        t0 = time.perf_counter()
+        try:
+            async for resp in self._route(active, ids, sampling_to_proto(params), deadline):
+                yield resp
+            if self.metrics:
+                self.metrics.e2e.observe(time.perf_counter() - t0)
+        except asyncio.CancelledError:
+            if active.aborted:        # Abort RPC: end the stream with a status, not a silent cancel
+                raise ServiceError(grpc.StatusCode.CANCELLED, f"request {rid} aborted") from None
+            raise
+        finally:
+            self.active.pop(rid, None)
+            for w, _ in active.calls:
+                w.inflight -= 1
+            if not active.finished:
+                await self._abort_on_workers(active.calls)
+
+    async def _route(self, active: Active, ids: list[int], sampling, deadline: float):
+        loop = asyncio.get_running_loop()
+        tried: set[str] = set()
+        last: AttemptFailed | None = None
+        for attempt in range(MAX_ATTEMPTS):
+            active.attempt = attempt
+            if loop.time() >= deadline:
+                raise TimeoutError(f"request {active.request_id} passed its deadline before starting")
+            try:
+                if self.registry.healthy("colocated") and not self.registry.healthy("decode"):
+                    attempt = self._colocated(active, ids, sampling, deadline, tried)
+                else:
+                    attempt = self._disaggregated(active, ids, sampling, deadline, tried)
+                async for resp in attempt:
+                    yield resp
+                active.finished = True
+                return
+            except AttemptFailed as exc:
+                last = exc
+                await self._abort_on_workers([c for c in active.calls if c[1] == active.worker_id])
+                if exc.worker is not None:
+                    tried.add(exc.worker.address)
+                    if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+                        exc.worker.mark_down(str(exc))
+                log.info("request %s: attempt failed (%s), retrying elsewhere", active.request_id, exc)
+                if exc.code not in RETRYABLE:
+                    break
+        code = last.code if last else grpc.StatusCode.UNAVAILABLE
+        raise ServiceError(code, f"request {active.request_id} failed on every worker tried: {last}")
+
+    def _pick(self, role: str, policy, ids, tried: set[str]) -> Worker:
+        workers = self.registry.healthy(role, tried) or self.registry.healthy(role)
+        if not workers:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"no healthy {role} worker; check the workers with GetServerInfo")
+        return policy.pick(workers, ids)
+
+    def _use(self, active: Active, w: Worker) -> None:
+        active.calls.append((w, active.worker_id))
+        w.inflight += 1
+
+    async def _disaggregated(self, active: Active, ids, sampling, deadline, tried):
+        loop = asyncio.get_running_loop()
+        rid = active.worker_id
+        d = self._pick("decode", self.decode_policy, ids, tried)
+        self._use(active, d)
+        try:
+            admit = await d.stub.Admit(decode_pb2.AdmitRequest(
+                request_id=rid, prompt_token_ids=ids, sampling=sampling, backend="grpc",
+                timeout_ms=_ms(deadline - loop.time())), timeout=deadline - loop.time())
+        except grpc.aio.AioRpcError as exc:
+            raise _failed(exc, d, "admit") from exc
+        stream = d.stub.Stream(decode_pb2.StreamRequest(request_id=rid, timeout_ms=_ms(deadline - loop.time())),
+                               timeout=deadline - loop.time())
+        p = self._pick("prefill", self.prefill_policy, ids, tried)
+        self._use(active, p)
+        prefill = asyncio.ensure_future(p.stub.Prefill(prefill_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(deadline - loop.time()),
+            handoff=prefill_pb2.Handoff(decode_address=admit.kv_address or d.address,
+                                        transfer_id=admit.transfer_id, backend="grpc")),
+            timeout=deadline - loop.time()))
+        try:
+            first = asyncio.ensure_future(_next(stream))
+            await asyncio.wait({prefill, first}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() and prefill.exception() is not None and not first.done():
+                first.cancel()
+                stream.cancel()
+                raise _failed(prefill.exception(), p, "prefill")
+            try:
+                chunk = await first
+            except grpc.aio.AioRpcError as exc:
+                raise _failed(exc, d, "decode stream") from exc
+            async for resp in self._relay(active.request_id, chunk, stream, d):
+                yield resp
+        finally:
+            if not prefill.done():
+                prefill.cancel()
+
+    async def _colocated(self, active: Active, ids, sampling, deadline, tried):
+        loop = asyncio.get_running_loop()
+        w = self._pick("colocated", self.colocated_policy, ids, tried)
+        self._use(active, w)
+        stream = w.stub.Generate(decode_pb2.WorkerGenerateRequest(
+            request_id=active.worker_id, prompt_token_ids=ids, sampling=sampling,
+            timeout_ms=_ms(deadline - loop.time())), timeout=deadline - loop.time())
+        try:
+            chunk = await _next(stream)
+        except grpc.aio.AioRpcError as exc:
+            raise _failed(exc, w, "generate") from exc
+        async for resp in self._relay(active.request_id, chunk, stream, w):
+            yield resp
+
+    async def _relay(self, rid: str, chunk, stream, worker: Worker):
+        """Forward chunks; after the first one reaches the client there is no retry."""
+        while chunk is not None:
+            yield router_pb2.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text,
+                                              finish_reason=chunk.finish_reason,
+                                              usage=chunk.usage if chunk.HasField("usage") else None)
+            if chunk.finish_reason != router_pb2.FINISH_REASON_UNSPECIFIED:
+                return
+            try:
+                chunk = await _next(stream)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    worker.mark_down(exc.details() or "stream broke")
+                raise ServiceError(exc.code(), f"{worker.role} worker {worker.address} failed mid-stream: "
+                                               f"{exc.details()}") from exc
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                           f"{worker.role} worker {worker.address} ended the stream without finishing")
+
+    async def _abort_on_workers(self, calls: list[tuple[Worker, str]]) -> None:
+        """Best effort, bounded: the workers free the request's blocks (a no-op if finished)."""
+        async def one(w: Worker, wid: str):
+            try:
+                await w.stub.Abort(worker_pb2.WorkerAbortRequest(request_id=wid), timeout=ABORT_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                pass
+        await asyncio.shield(asyncio.gather(*(one(w, wid) for w, wid in calls)))
+
+    # -- the other RPCs -----------------------------------------------------------------------
+    def abort(self, rid: str) -> bool:
+        active = self.active.get(rid)
+        if active is None:
+            return False
+        active.aborted = True
+        active.task.cancel()
+        return True
+
+    def server_info(self) -> router_pb2.ServerInfo:
+        return router_pb2.ServerInfo(workers=[
+            router_pb2.WorkerInfo(address=w.address, role=w.role, healthy=w.healthy, running=w.status.running,
+                                  waiting=w.status.waiting, kv_blocks_total=w.status.kv_blocks_total,
+                                  kv_blocks_free=w.status.kv_blocks_free)
+            for w in self.registry.workers])
+
+
+async def _next(stream):
+    item = await stream.read()
+    return None if item is grpc.aio.EOF else item
+
+
+def _failed(exc: BaseException, worker: Worker, what: str) -> AttemptFailed:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return AttemptFailed(exc.code(), f"{what} on {worker.address}: {exc.code().name}: {exc.details()}", worker)
+    return AttemptFailed(grpc.StatusCode.UNAVAILABLE, f"{what} on {worker.address}: {exc!r}", worker)
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, svc: RouterService):
+        self.svc = svc
+
+    async def Generate(self, request, context):
+        async for resp in self.svc.generate(request, context):
+            yield resp
+
+    async def Abort(self, request, context):
+        return router_pb2.AbortResponse(found=self.svc.abort(request.request_id))
+
+    async def GetModelInfo(self, request, context):
+        info = router_pb2.ModelInfo()
+        info.CopyFrom(self.svc.model_info)
+        info.max_model_len = self.svc.max_model_len
+        return info
+
+    async def GetServerInfo(self, request, context):
+        return self.svc.server_info()

@@ -1,0 +1,56 @@
+"""Turning a public GenerateRequest into prompt token ids and engine SamplingParams.
+
+Every field is checked here; a bad one is a ValueError (INVALID_ARGUMENT) that says what
+to fix. Nothing reaches a worker unless it passes.
+"""
+from __future__ import annotations
+
+import re
+
+from baton.v1 import router_pb2
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import encode_text, render_chat
+from engine.wire import sampling_from_proto
+
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+MAX_TEXT_CHARS = 1_000_000
+
+
+def check_request_id(rid: str) -> None:
+    if rid and not REQUEST_ID.match(rid):
+        raise ValueError("request_id must be 1-128 characters of letters, digits and . _ : -")
+
+
+def prompt_ids(req: router_pb2.GenerateRequest, tokenizer, vocab_size: int) -> list[int]:
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise ValueError("no input: set one of text, tokens or chat")
+    if kind == "text":
+        if len(req.text) > MAX_TEXT_CHARS:
+            raise ValueError(f"prompt text is {len(req.text)} characters; the limit is {MAX_TEXT_CHARS}")
+        ids = encode_text(tokenizer, req.text)
+    elif kind == "tokens":
+        ids = list(req.tokens.ids)
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    else:
+        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        ids = render_chat(tokenizer, messages)
+    if not ids:
+        raise ValueError("prompt is empty: give at least one token")
+    return ids
+
+
+def sampling(req: router_pb2.GenerateRequest, prompt_len: int, max_model_len: int,
+             vocab_size: int) -> SamplingParams:
+    if req.sampling.HasField("max_tokens") and req.sampling.max_tokens == 0:
+        raise ValueError("max_tokens must be >= 1 (leave it unset for the default of 256)")
+    params = sampling_from_proto(req.sampling)
+    params.validate(vocab_size)
+    if prompt_len >= max_model_len:
+        raise ValueError(f"prompt has {prompt_len} tokens; the model's context is {max_model_len} "
+                         "and must leave room for one new token: shorten the prompt")
+    params.max_tokens = min(params.max_tokens, max_model_len - prompt_len)   # capped by the context
+    return params

@@ -1,0 +1,141 @@
+"""Real Baton processes on loopback for end-to-end tests: start, wait healthy, kill, stop."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from baton.v1 import router_pb2, router_pb2_grpc
+
+from engine.launcher import free_port, wait_serving
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    address: str
+    popen: subprocess.Popen | None = None
+    log: Path | None = None
+
+    def start(self, env: dict, log_dir: Path) -> None:
+        self.log = log_dir / f"{self.name}.log"
+        f = open(self.log, "ab")
+        self.popen = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        try:
+            wait_serving(self.address, self.popen, self.name, START_TIMEOUT_S)
+        except Exception as exc:
+            raise RuntimeError(f"{exc}\n--- {self.name} log ---\n{self.tail()}") from exc
+
+    def tail(self, n: int = 60) -> str:
+        if not self.log or not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.popen and self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            self.popen.wait(30)
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+@dataclass
+class Cluster:
+    log_dir: Path
+    procs: list[Proc] = field(default_factory=list)
+    router: Proc | None = None
+    env: dict = field(default_factory=dict)
+
+    @classmethod
+    def launch(cls, log_dir: Path, prefill: int = 1, decode: int = 1, colocated: int = 0,
+               worker_args: list[str] = (), router_args: list[str] = (), env: dict | None = None) -> Cluster:
+        c = cls(log_dir, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        workers = ([c._worker("prefill", i, "prefill_service", worker_args) for i in range(prefill)]
+                   + [c._worker("decode", i, "decode_service", worker_args) for i in range(decode)]
+                   + [c._worker("colocated", i, "decode_service", [*worker_args, "--colocated"])
+                      for i in range(colocated)])
+        for p in workers:
+            p.start(c.env, log_dir)
+        for p in workers:
+            p.wait_ready()
+        flags = []
+        for role in ("prefill", "decode", "colocated"):
+            addrs = [p.address for p in workers if p.name.startswith(role)]
+            if addrs:
+                flags += [f"--{role}", ",".join(addrs)]
+        port = free_port()
+        c.router = Proc("router", [sys.executable, "-m", "router", "--port", str(port), *flags, *router_args],
+                        f"127.0.0.1:{port}")
+        c.router.start(c.env, log_dir)
+        c.procs.append(c.router)
+        c.router.wait_ready()
+        return c
+
+    def _worker(self, role: str, i: int, module: str, extra) -> Proc:
+        port = free_port()
+        p = Proc(f"{role}-{i}", [sys.executable, "-m", module, "--port", str(port), *extra], f"127.0.0.1:{port}")
+        self.procs.append(p)
+        return p
+
+    def worker(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def restart(self, name: str) -> None:
+        p = self.worker(name)
+        p.kill()
+        p.start(self.env, self.log_dir)
+        p.wait_ready()
+
+    def stub(self) -> router_pb2_grpc.RouterStub:
+        return router_pb2_grpc.RouterStub(grpc.insecure_channel(self.router.address))
+
+    def server_info(self) -> router_pb2.ServerInfo:
+        return self.stub().GetServerInfo(router_pb2.GetServerInfoRequest(), timeout=5)
+
+    def wait_blocks_free(self, timeout: float = 15.0) -> router_pb2.ServerInfo:
+        """Until every healthy worker reports free == total (health checks refresh each second)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.server_info()
+            healthy = [w for w in info.workers if w.healthy]
+            if healthy and all(w.kv_blocks_free == w.kv_blocks_total and w.running == 0 and w.waiting == 0
+                               for w in healthy):
+                return info
+            if time.monotonic() > deadline:
+                raise AssertionError(f"KV blocks still held after {timeout}s: {info}")
+            time.sleep(0.3)
+
+    def wait_health(self, address: str, healthy: bool, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(w.address == address and w.healthy == healthy for w in self.server_info().workers):
+                return
+            time.sleep(0.3)
+        raise AssertionError(f"{address} did not become {'healthy' if healthy else 'unhealthy'}")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.alive:
+                p.popen.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            if p.popen is None:
+                continue
+            try:
+                p.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()

@@ -1,0 +1,58 @@
+"""Shared test helpers: tiny random HF checkpoints and Hugging Face greedy references."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, rms_norm_eps=1e-6,
+            bos_token_id=1, eos_token_id=2)
+
+
+def tiny_hf_config(arch: str, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    kw = dict(TINY)
+    if arch == "qwen3":
+        kw["head_dim"] = 32
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def save_tiny_checkpoint(arch: str, path: Path, tokenizer_dir: str, seed: int = 0, **overrides) -> Path:
+    """A random-weight HF checkpoint of `arch`, with the embedded model's tokenizer."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    config = tiny_hf_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():                       # larger-than-default weights: sharper, less tie-prone logits
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        src = Path(tokenizer_dir) / name
+        if src.exists():
+            shutil.copy(src, path / name)
+    return path
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy tokens from the transformers model itself, one prompt at a time, with its own
+    KV cache; EOS is just another token (like ignore_eos), nothing is suppressed."""
+    outs = []
+    for ids in prompts:
+        x, past, out = torch.tensor([ids]), None, []
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                r = model(input_ids=x, past_key_values=past, use_cache=True)
+                past = r.past_key_values
+                out.append(int(r.logits[0, -1].argmax()))
+                x = torch.tensor([[out[-1]]])
+        outs.append(out)
+    return outs

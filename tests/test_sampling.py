@@ -1,0 +1,72 @@
+"""Sampling and streaming semantics on the embedded model: seeds, top-k/top-p, stops, UTF-8."""
+from __future__ import annotations
+
+import torch
+
+from engine import SamplingParams
+from engine.sampler import hashed_uniform
+
+
+def test_same_seed_same_tokens_whatever_the_batch(embedded_llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = embedded_llm.generate(["Tell me a story"], p)[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    batch = embedded_llm.generate(["Something else", "Tell me a story", "More"], [others, p, others])
+    assert batch[1].token_ids == alone
+    different = embedded_llm.generate(["Tell me a story"], SamplingParams(
+        temperature=1.0, top_p=0.9, seed=4321, max_tokens=16, ignore_eos=True))[0].token_ids
+    assert different != alone
+
+
+def test_top_k_one_is_greedy(embedded_llm):
+    greedy = embedded_llm.generate(["The weather today"], SamplingParams(temperature=0, max_tokens=12))
+    topk1 = embedded_llm.generate(["The weather today"], SamplingParams(temperature=0.8, top_k=1, max_tokens=12,
+                                                                       seed=5))
+    assert greedy[0].token_ids == topk1[0].token_ids
+
+
+def test_hashed_uniform_is_uniform_and_position_dependent():
+    u = hashed_uniform(torch.tensor([7, 7]), torch.tensor([0, 1]), 50_000)
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert not torch.equal(u[0], u[1])
+
+
+def test_stop_string_is_cut_from_text_and_ends_with_stop(embedded_llm):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = embedded_llm.generate(["1, 2, 3, 4,"], params)[0]
+    assert " 7" in base.text
+    cut = embedded_llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                              stop=[" 7"]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == base.text[:base.text.index(" 7")]
+
+
+def test_stop_token_ids_and_max_tokens(embedded_llm):
+    base = embedded_llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 10
+    stop_at = base.token_ids[3]
+    cut = embedded_llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                              stop_token_ids=[stop_at]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.token_ids == base.token_ids[:base.token_ids.index(stop_at) + 1]
+
+
+def test_streamed_text_is_whole_utf8_and_sums_to_full_text(embedded_llm):
+    engine = embedded_llm.engine
+    tok = embedded_llm.tokenizer
+    ids = tok("Emoji and 日本語: 🎉🚀", add_special_tokens=False)["input_ids"]
+    # feed the prompt's own tokens as "generated" ones to force characters split across tokens
+    from engine.detokenizer import IncrementalDetokenizer
+    d = IncrementalDetokenizer(tok, [])
+    deltas = [d.add(t) for t in ids] + [d.flush()]
+    assert all("\ufffd" not in x for x in deltas)
+    assert "".join(deltas) == tok.decode(ids)
+    rid = engine.add_request("Say something in Japanese:", SamplingParams(temperature=0, max_tokens=24))
+    text, tokens = "", []
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.request_id == rid
+            text += out.new_text
+            tokens += out.new_token_ids
+    assert text == tok.decode(tokens, skip_special_tokens=True)

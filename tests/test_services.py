@@ -1,0 +1,199 @@
+"""The disaggregated system end to end: real router, prefill and decode processes on
+loopback, real weights, real KV transfers."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import time
+
+import grpc
+import pytest
+from baton.v1 import router_pb2
+from cluster import Cluster
+
+from engine import SamplingParams
+
+pytestmark = pytest.mark.timeout(600)
+
+WORKER_ARGS = ["--num-kv-blocks", "256", "--max-num-seqs", "32"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster.launch(tmp_path_factory.mktemp("logs"), prefill=1, decode=1, worker_args=WORKER_ARGS)
+    yield c
+    c.stop()
+
+
+def greedy(max_tokens: int, **kw) -> router_pb2.SamplingParams:
+    return router_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def collect(stub, req, timeout=120):
+    """(token ids, text, last response) of one streamed Generate."""
+    ids, text, last = [], "", None
+    for resp in stub.Generate(req, timeout=timeout):
+        ids += resp.token_ids
+        text += resp.text
+        last = resp
+    return ids, text, last
+
+
+PROMPTS = ["The quick brown fox", "def quicksort(arr):", "La capitale de la France est",
+           "東京は日本の", "1, 2, 3,", "Once upon a time there was a dragon who loved tea and"] * 3
+
+
+def test_concurrent_greedy_requests_match_the_offline_engine(cluster, embedded_llm):
+    lengths = [8 + (i * 5) % 24 for i in range(len(PROMPTS))]
+    want = embedded_llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                           for n in lengths])
+    stub = cluster.stub()
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futs = [pool.submit(collect, stub, router_pb2.GenerateRequest(text=p, sampling=greedy(n)))
+                for p, n in zip(PROMPTS, lengths, strict=True)]
+        got = [f.result() for f in futs]
+    for (ids, text, last), w in zip(got, want, strict=True):
+        assert ids == w.token_ids
+        assert text == w.text
+        assert last.finish_reason == router_pb2.FINISH_REASON_LENGTH
+        assert last.usage.completion_tokens == len(ids)
+    cluster.wait_blocks_free()
+
+
+def test_chat_request_answers_paris(cluster):
+    req = router_pb2.GenerateRequest(sampling=router_pb2.SamplingParams(temperature=0, max_tokens=32))
+    req.chat.messages.add(role="user", content="What is the capital of France?")
+    ids, text, last = collect(cluster.stub(), req)
+    assert "Paris" in text
+    assert last.usage.prompt_tokens > 0 and last.request_id
+
+
+def test_model_and_server_info(cluster):
+    stub = cluster.stub()
+    info = stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=5)
+    assert info.name == "smollm2-135m-instruct" and info.architecture == "LlamaForCausalLM"
+    assert info.vocab_size == 49152 and info.max_model_len > 0 and list(info.eos_token_ids)
+    roles = sorted(w.role for w in cluster.server_info().workers)
+    assert roles == ["decode", "prefill"]
+
+
+def _start_stream(stub, rid: str, max_tokens=400, timeout=120):
+    req = router_pb2.GenerateRequest(request_id=rid, text="Count slowly: one, two, three,",
+                                     sampling=greedy(max_tokens))
+    return stub.Generate(req, timeout=timeout)
+
+
+def test_client_cancel_frees_blocks_on_both_sides(cluster):
+    stream = _start_stream(cluster.stub(), "cancel-me")
+    next(stream)                      # streaming has begun
+    stream.cancel()
+    cluster.wait_blocks_free()
+
+
+def test_abort_rpc_ends_the_stream_and_frees_blocks(cluster):
+    stub = cluster.stub()
+    stream = _start_stream(stub, "abort-me")
+    next(stream)
+    assert stub.Abort(router_pb2.AbortRequest(request_id="abort-me"), timeout=5).found
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert not stub.Abort(router_pb2.AbortRequest(request_id="abort-me"), timeout=5).found
+    cluster.wait_blocks_free()
+
+
+def test_deadline_expiry_frees_blocks(cluster):
+    stream = _start_stream(cluster.stub(), "slow", max_tokens=2000, timeout=1.5)
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    cluster.wait_blocks_free()
+
+
+BAD_REQUESTS = [
+    ("no input", dict()),
+    ("empty text", dict(text="")),
+    ("empty tokens", dict(tokens=router_pb2.TokenIds(ids=[]))),
+    ("token outside vocab", dict(tokens=router_pb2.TokenIds(ids=[1, 2, 999999]))),
+    ("prompt over context", dict(tokens=router_pb2.TokenIds(ids=[5] * 9000))),
+    ("empty chat", dict(chat=router_pb2.Chat())),
+    ("bad chat role", dict(chat=router_pb2.Chat(messages=[router_pb2.ChatMessage(role="wizard", content="x")]))),
+    ("negative temperature", dict(text="hi", sampling=router_pb2.SamplingParams(temperature=-1))),
+    ("nan temperature", dict(text="hi", sampling=router_pb2.SamplingParams(temperature=float("nan")))),
+    ("top_p zero", dict(text="hi", sampling=router_pb2.SamplingParams(top_p=0))),
+    ("top_p above one", dict(text="hi", sampling=router_pb2.SamplingParams(top_p=1.01))),
+    ("negative top_k", dict(text="hi", sampling=router_pb2.SamplingParams(top_k=-3))),
+    ("max_tokens zero", dict(text="hi", sampling=router_pb2.SamplingParams(max_tokens=0))),
+    ("stop token outside vocab", dict(text="hi", sampling=router_pb2.SamplingParams(stop_token_ids=[10**7]))),
+    ("empty stop string", dict(text="hi", sampling=router_pb2.SamplingParams(stop=[""]))),
+    ("too many stop strings", dict(text="hi", sampling=router_pb2.SamplingParams(stop=["x"] * 17))),
+    ("bad request id", dict(request_id="has spaces and /slashes", text="hi")),
+    ("overlong request id", dict(request_id="r" * 500, text="hi")),
+]
+
+
+@pytest.mark.parametrize("name,fields", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_router_input_is_invalid_argument(cluster, name, fields):
+    with pytest.raises(grpc.RpcError) as err:
+        collect(cluster.stub(), router_pb2.GenerateRequest(**fields), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details()
+
+
+def test_servers_are_healthy_and_clean_after_bad_input(cluster):
+    info = cluster.wait_blocks_free()
+    assert all(w.healthy for w in info.workers)
+    ids, _, _ = collect(cluster.stub(), router_pb2.GenerateRequest(text="Hello", sampling=greedy(4)))
+    assert len(ids) == 4
+
+
+def test_stop_strings_through_the_router(cluster, embedded_llm):
+    base = embedded_llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    ids, text, last = collect(cluster.stub(), router_pb2.GenerateRequest(
+        text="1, 2, 3, 4,", sampling=greedy(30, stop=[" 8"])))
+    assert last.finish_reason == router_pb2.FINISH_REASON_STOP
+    assert text == base.text[:base.text.index(" 8")]
+
+
+def test_seeded_sampling_is_reproducible_through_the_router(cluster):
+    sp = router_pb2.SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=12, ignore_eos=True)
+    a = collect(cluster.stub(), router_pb2.GenerateRequest(text="A poem:", sampling=sp))[0]
+    b = collect(cluster.stub(), router_pb2.GenerateRequest(text="A poem:", sampling=sp))[0]
+    assert a == b and len(a) == 12
+
+
+def test_duplicate_request_id_is_refused_while_running(cluster):
+    stub = cluster.stub()
+    first = _start_stream(stub, "dup-id")
+    next(first)
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub, router_pb2.GenerateRequest(request_id="dup-id", text="hi", sampling=greedy(2)))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    first.cancel()
+    cluster.wait_blocks_free()
+
+
+def test_router_without_workers_is_unavailable(tmp_path):
+    from engine.launcher import free_port
+    c = Cluster(tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    port = free_port()
+    dead = f"127.0.0.1:{free_port()}"
+    import sys
+
+    from cluster import Proc
+    c.router = Proc("router", [sys.executable, "-m", "router", "--port", str(port), "--colocated", dead],
+                    f"127.0.0.1:{port}")
+    c.procs.append(c.router)
+    c.router.start(c.env, tmp_path)
+    try:
+        c.router.wait_ready()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            collect(c.stub(), router_pb2.GenerateRequest(text="hi", sampling=greedy(2)), timeout=20)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no healthy" in err.value.details()
+        assert time.monotonic() - t0 < 10
+    finally:
+        c.stop()
