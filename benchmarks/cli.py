@@ -19,13 +19,22 @@ BENCHMARKS = {
 }
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows a flag's default when it has a meaningful one (not None/False, not already said)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="baton bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="benchmark", required=True, metavar="{offline,serve,kv}")
     for name, (module, summary) in BENCHMARKS.items():
-        sp = sub.add_parser(name, help=summary, description=module.__doc__,
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        sp = sub.add_parser(name, help=summary, description=module.__doc__, formatter_class=_HelpFormatter)
         sp.add_argument("--smoke", action="store_true",
                         help="seconds-long CPU mode on the embedded model (what CI runs)")
         sp.add_argument("--output", default=None,
@@ -44,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     out = Path(args.output) if args.output else record.default_output(args.benchmark, args.smoke)
+    args.output = str(out)
     rec = record.new_record(args.benchmark, argv, args.smoke, _config(args))
     try:
         module.run(args, rec)

@@ -22,8 +22,9 @@ RESULT_TIMEOUT_S = 600.0
 
 def load_hf_model(model: str, device: str, dtype: str):
     """The transformers model holding exactly the weights Baton's engine would load."""
-    import models
     from transformers import AutoModelForCausalLM
+
+    import models
     source = models.resolve_model(model)
     torch_dtype = getattr(torch, dtype)
     if source.weights_path is not None:

@@ -10,7 +10,6 @@ import platform
 import shlex
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 SCHEMA = "baton.bench/v1"

@@ -8,7 +8,8 @@ hash, so a collision can never hand out another prompt's KV.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from engine.sequence import Sequence

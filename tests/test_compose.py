@@ -4,7 +4,6 @@ own commands as local processes, answers a request."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import yaml

@@ -74,11 +74,12 @@ class Platform(ABC):
     def memory_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the memory the KV cache will live in."""
 
-    def synchronize(self) -> None:
-        pass
+    def synchronize(self) -> None:  # noqa: B027  (host-synchronous platforms need nothing)
+        return None
 
-    def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+    def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:  # noqa: B027
         """Raise ValueError naming the constraint if the KV layout is unsupported here."""
+        return None
 
     # -- decode graphs (platforms with supports_graphs) -------------------------------------
     def new_graph(self):

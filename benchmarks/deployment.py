@@ -1,0 +1,118 @@
+"""Local deployments for B2, one per topology, at equal device count:
+
+1p1d        one prefill worker + one decode worker (2 devices)
+2colocated  two colocated workers behind the same router (2 devices)
+1colocated  one colocated worker (1 device)
+
+Every worker gets a free port and a Prometheus port (the handover histogram is read from
+it); each process logs to its own file. CPU workers get an even share of the cores
+(OMP_NUM_THREADS), since oversubscribed OpenMP threads stall each other.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.launcher import START_TIMEOUT_S, Child, free_port, stop_all, wait_serving, worker_command
+
+TOPOLOGIES = ("1p1d", "2colocated", "1colocated")
+
+
+@dataclass
+class Deployment:
+    topology: str
+    router_address: str
+    workers: list[dict]                         # role, address, device, metrics_url, log
+    children: list[Child] = field(default_factory=list)
+    log_dir: Path | None = None
+
+    @property
+    def metrics_urls(self) -> list[str]:
+        return [w["metrics_url"] for w in self.workers]
+
+    @property
+    def devices(self) -> list[str]:
+        return [w["device"] for w in self.workers]
+
+    def describe(self) -> dict:
+        return {"topology": self.topology, "router": self.router_address, "workers": self.workers,
+                "log_dir": str(self.log_dir) if self.log_dir else None}
+
+    def stop(self) -> None:
+        stop_all(self.children)
+
+
+def plan(topology: str, prefill_devices: list[str], decode_devices: list[str]) -> list[tuple[str, str]]:
+    """(role, device) of every worker of a topology."""
+    if topology == "1p1d":
+        return [("prefill", prefill_devices[0]), ("decode", decode_devices[0])]
+    if topology == "2colocated":
+        return [("colocated", prefill_devices[0]), ("colocated", decode_devices[0])]
+    if topology == "1colocated":
+        return [("colocated", prefill_devices[0])]
+    raise ValueError(f"unknown topology {topology!r}: use {', '.join(TOPOLOGIES)}")
+
+
+def _env(workers: list[tuple[str, str]]) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    on_cpu = sum(device == "cpu" for _, device in workers)
+    if on_cpu and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // on_cpu))
+    return env
+
+
+def launch(topology: str, model: str, prefill_devices: list[str], decode_devices: list[str],
+           worker_args: list[str], log_dir: Path, router_args: list[str] = (), host: str = "127.0.0.1") -> Deployment:
+    """Start the workers, then the router; return once every process reports SERVING."""
+    roles = plan(topology, prefill_devices, decode_devices)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = _env(roles)
+    dep = Deployment(topology, "", [], log_dir=log_dir)
+
+    def start(name: str, cmd: list[str], address: str) -> Child:
+        log = log_dir / f"{name}.log"
+        with open(log, "ab") as f:
+            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        child = Child(name, address, proc)
+        dep.children.append(child)
+        return child
+
+    try:
+        for i, (role, device) in enumerate(roles):
+            port, mport = free_port(host), free_port(host)
+            module = "prefill_service" if role == "prefill" else "decode_service"
+            extra = ["--metrics-port", str(mport), *worker_args, *(["--colocated"] if role == "colocated" else [])]
+            name = f"{role}-{i}"
+            start(name, worker_command(module, host, port, model, device, extra), f"{host}:{port}")
+            dep.workers.append({"role": role, "address": f"{host}:{port}", "device": device,
+                                "metrics_url": f"http://{host}:{mport}/metrics", "log": str(log_dir / f"{name}.log")})
+        print(f"[bench] {topology}: starting {len(roles)} worker(s) on {model} (logs in {log_dir}) ...",
+              file=sys.stderr, flush=True)
+        for c in dep.children:
+            _wait(c, log_dir)
+        port = free_port(host)
+        flags = []
+        for role in ("prefill", "decode", "colocated"):
+            addrs = [w["address"] for w in dep.workers if w["role"] == role]
+            if addrs:
+                flags += [f"--{role}", ",".join(addrs)]
+        dep.router_address = f"{host}:{port}"
+        cmd = [sys.executable, "-m", "router", "--host", host, "--port", str(port), "--model", model,
+               *flags, *router_args]
+        _wait(start("router", cmd, dep.router_address), log_dir)
+    except BaseException:
+        dep.stop()
+        raise
+    return dep
+
+
+def _wait(child: Child, log_dir: Path) -> None:
+    try:
+        wait_serving(child.address, child.proc, child.name, START_TIMEOUT_S)
+    except (RuntimeError, TimeoutError) as exc:
+        log = log_dir / f"{child.name}.log"
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if log.exists() else ""
+        raise RuntimeError(f"{exc}\n--- {log} ---\n{tail}") from exc

@@ -1,0 +1,134 @@
+"""B3 — KV transfer (`baton bench kv`): for each backend and request size (tokens of a given
+model's KV, rounded up to whole blocks), latency p50/p99 and effective bandwidth, as a
+fraction of a reference measured in the same run: a plain loopback socket copy for the
+grpc backend, the raw peer copy between the two devices for device-direct backends.
+
+Backends are pluggable (BACKENDS); `grpc` pushes between two processes on 127.0.0.1
+through kvtransfer.bench, on one warm connection, exactly as a prefill worker does.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from benchmarks import ceilings, record
+from benchmarks.model_shape import DTYPE_BYTES, ModelShape, shape_of
+from benchmarks.stats import percentile
+from engine.config import DEFAULT_MODEL
+
+FULL = dict(model="qwen3-0.6b", tokens="512,2048,8192,32768", iters=10)
+SMOKE = dict(model=DEFAULT_MODEL, tokens="16,128", iters=3)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="whose KV shape sizes the payloads (default qwen3-0.6b; "
+                   f"smoke: {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPE_BYTES), help="KV cache dtype")
+    p.add_argument("--block-size", type=int, default=16, help="payloads are whole KV blocks")
+    p.add_argument("--tokens", default=None, help="comma list of request sizes in tokens "
+                   "(default 512,2048,8192,32768; smoke 16,128)")
+    p.add_argument("--backends", default="grpc", help=f"comma list of {', '.join(BACKENDS)}")
+    p.add_argument("--iters", type=int, default=None, help="timed transfers per size (default 10; smoke 3)")
+    p.add_argument("--chunk-bytes", type=int, default=None, help="grpc chunk size (default: the backend's)")
+    p.add_argument("--window-bytes", type=int, default=None, help="grpc credit window (default: the backend's)")
+    p.add_argument("--device", default="cpu", help="device whose ceilings are recorded (device backends: the "
+                   "sending device)")
+    p.add_argument("--peer-device", default=None, help="receiving device of device-direct backends")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    for k, v in (SMOKE if args.smoke else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    try:
+        args.token_sizes = [int(t) for t in str(args.tokens).split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"bad --tokens {args.tokens!r}: use a comma list of integers") from None
+    if not args.token_sizes or min(args.token_sizes) < 1:
+        raise ValueError("--tokens needs at least one size >= 1")
+    if args.iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {args.iters}")
+    args.backend_names = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in args.backend_names if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown KV backend(s) {unknown}: available {', '.join(BACKENDS)} "
+                         "(device-direct backends plug in here as they land)")
+    return args
+
+
+def payload_bytes(shape: ModelShape, tokens: int, dtype: str, block_size: int) -> tuple[int, int]:
+    """(bytes, tokens rounded up to whole blocks) of one request's KV: layers x (K, V) x kv
+    heads x head_dim x dtype per token, as kvtransfer's layout packs it."""
+    padded = math.ceil(tokens / block_size) * block_size
+    return padded * shape.kv_bytes_per_token(DTYPE_BYTES[dtype]), padded
+
+
+# -- backends ------------------------------------------------------------------------------------
+class GrpcLoopback:
+    """The portable backend between two local processes, next to a TCP socket copy."""
+
+    name = "grpc"
+    reference = "plain TCP socket copy on 127.0.0.1 between two processes (same bytes, same run)"
+
+    def __init__(self, args: argparse.Namespace):
+        from kvtransfer import grpc_options
+        self.chunk = args.chunk_bytes or grpc_options.DEFAULT_CHUNK_BYTES
+        self.window = args.window_bytes or grpc_options.DEFAULT_WINDOW_BYTES
+
+    def measure(self, nbytes: int, iters: int) -> dict:
+        from kvtransfer.bench import measure_grpc_loopback
+        # timed sends on one connection warmed by the layout handshake, as a prefill worker keeps it
+        r = measure_grpc_loopback(nbytes, self.chunk, self.window, repeats=iters, baseline=True)
+        seconds = r.get("seconds")
+        if seconds:
+            latency = {"p50": percentile(seconds, 50), "p99": percentile(seconds, 99), "best": min(seconds),
+                       "samples": list(seconds)}
+        else:           # kvtransfer.bench reports the median and the best of its sends only
+            latency = {"p50": r["latency_ms"] / 1e3, "p99": None, "best": r["best_latency_ms"] / 1e3,
+                       "samples": None}
+        ref_bw = r["tcp_gbps"] * 1e9
+        bw = nbytes / latency["p50"]
+        return {"latency_s": latency, "bandwidth_bytes_per_s": bw,
+                "reference": {"name": self.reference, "bandwidth_bytes_per_s": ref_bw,
+                              "latency_s": r["tcp_latency_ms"] / 1e3},
+                "fraction_of_reference": bw / ref_bw,
+                "backend_config": {"chunk_bytes": self.chunk, "window_bytes": self.window},
+                "cpu_seconds_per_gb": {"sender": r.get("sender_cpu_s_per_gb"),
+                                       "receiver": r.get("receiver_cpu_s_per_gb")},
+                # the prefill worker packs and pushes a request's KV after its prefill ends
+                "overlap_with_prefill": {"streams_during_prefill": False, "hidden_fraction": 0.0}}
+
+
+BACKENDS = {"grpc": GrpcLoopback}
+
+
+# -- the run -------------------------------------------------------------------------------------
+def run(args: argparse.Namespace, rec: dict) -> None:
+    shape = shape_of(args.model)
+    rec["model"] = shape.to_json()
+    rec["dtype"] = args.dtype
+    devices = [args.device] + ([args.peer_device] if args.peer_device else [])
+    rec["device"] = record.device_info(devices)
+    rec["ceilings"] = ceilings.measure(args.device, peer_device=args.peer_device, quick=args.smoke)
+    rows = []
+    for name in args.backend_names:
+        backend = BACKENDS[name](args)
+        for tokens in args.token_sizes:
+            nbytes, padded = payload_bytes(shape, tokens, args.dtype, args.block_size)
+            print(f"[bench] kv {name}: {tokens} tokens = {nbytes / (1 << 20):.1f} MiB x {args.iters} ...",
+                  file=sys.stderr, flush=True)
+            row = {"backend": name, "tokens": tokens, "tokens_in_blocks": padded, "bytes": nbytes,
+                   "iters": args.iters, **backend.measure(nbytes, args.iters)}
+            rows.append(row)
+            _print_row(row)
+    rec["results"] = {"kv_bytes_per_token": shape.kv_bytes_per_token(DTYPE_BYTES[args.dtype]),
+                      "block_size": args.block_size, "transfers": rows}
+
+
+def _print_row(r: dict) -> None:
+    lat = r["latency_s"]
+    p99 = "-" if lat["p99"] is None else f"{lat['p99'] * 1e3:.1f}"
+    print(f"[bench] kv {r['backend']} {r['tokens']} tokens ({r['bytes'] / (1 << 20):.1f} MiB): p50 "
+          f"{lat['p50'] * 1e3:.1f} ms p99 {p99} ms, {r['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s = "
+          f"{r['fraction_of_reference']:.2f} of the reference", file=sys.stderr, flush=True)

@@ -1,0 +1,149 @@
+"""The load generator: streams requests to a baton.v1.Router at Poisson arrival times and
+times every token as the client sees it (grpc.aio, one event loop)."""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from baton.v1 import router_pb2, router_pb2_grpc
+
+from benchmarks.datasets import ServeRequest
+from benchmarks.stats import tpot
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+STREAMS_PER_CHANNEL = 64
+FINISH_NAMES = {router_pb2.FINISH_REASON_UNSPECIFIED: None, router_pb2.FINISH_REASON_STOP: "stop",
+                router_pb2.FINISH_REASON_LENGTH: "length", router_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int
+    sent_at: float                  # seconds after the rate's first arrival
+    status: str = "OK"              # "OK" or the gRPC status code name
+    error: str | None = None
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)    # gaps between token-carrying chunks
+    e2e: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "OK"
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.e2e is None or self.ttft is None:
+            return None
+        return tpot(self.e2e, self.ttft, self.output_tokens)
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "sent_at": self.sent_at, "status": self.status, "error": self.error,
+                "ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e, "itls": self.itls,
+                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                "cached_tokens": self.cached_tokens, "finish_reason": self.finish_reason}
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Poisson arrivals: exponential gaps of mean 1/rate, the first at 0; all at 0 for inf."""
+    if rate <= 0:
+        raise ValueError(f"request rate must be > 0 (or inf), got {rate}")
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        if i:
+            t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def generate_request(req: ServeRequest, sampling: dict) -> router_pb2.GenerateRequest:
+    params = router_pb2.SamplingParams(max_tokens=req.max_tokens, **sampling)
+    if req.prompt_ids is not None:
+        return router_pb2.GenerateRequest(tokens=router_pb2.TokenIds(ids=req.prompt_ids), sampling=params)
+    return router_pb2.GenerateRequest(text=req.text, sampling=params)
+
+
+async def send_one(stub: router_pb2_grpc.RouterStub, index: int, req: ServeRequest, sampling: dict,
+                   timeout: float, t_zero: float) -> RequestResult:
+    start = time.perf_counter()
+    res = RequestResult(index, start - t_zero)
+    last = None
+    try:
+        async for resp in stub.Generate(generate_request(req, sampling), timeout=timeout):
+            now = time.perf_counter()
+            if resp.token_ids:
+                if res.ttft is None:
+                    res.ttft = now - start
+                else:
+                    res.itls.append(now - last)
+                last = now
+                res.output_tokens += len(resp.token_ids)
+            if resp.HasField("usage"):
+                res.prompt_tokens = resp.usage.prompt_tokens
+                res.cached_tokens = resp.usage.cached_prompt_tokens
+            if resp.finish_reason:
+                res.finish_reason = FINISH_NAMES.get(resp.finish_reason, str(resp.finish_reason))
+    except grpc.aio.AioRpcError as exc:
+        res.status, res.error = exc.code().name, exc.details()
+    res.e2e = time.perf_counter() - start
+    return res
+
+
+async def run_rate(address: str, requests: list[ServeRequest], rate: float, seed: int,
+                   max_concurrency: int | None, sampling: dict, timeout: float) -> tuple[list[RequestResult], float]:
+    """Send every request at its arrival time; (results in request order, wall seconds)."""
+    n_channels = max(1, min(8, math.ceil(min(len(requests), max_concurrency or len(requests)) / STREAMS_PER_CHANNEL)))
+    channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(n_channels)]
+    stubs = [router_pb2_grpc.RouterStub(ch) for ch in channels]
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    arrivals = arrival_times(len(requests), rate, seed)
+    t_zero = time.perf_counter()
+
+    async def one(i: int) -> RequestResult:
+        delay = t_zero + arrivals[i] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if limit is None:
+            return await send_one(stubs[i % n_channels], i, requests[i], sampling, timeout, t_zero)
+        async with limit:
+            return await send_one(stubs[i % n_channels], i, requests[i], sampling, timeout, t_zero)
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(requests))]
+    reporter = asyncio.ensure_future(_report_progress(tasks, rate))
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:
+        reporter.cancel()
+        for t in tasks:
+            t.cancel()
+        for ch in channels:
+            await ch.close()
+    return list(results), time.perf_counter() - t_zero
+
+
+async def _report_progress(tasks: list[asyncio.Future], rate: float, every: float = 10.0) -> None:
+    t0 = time.perf_counter()
+    while True:
+        await asyncio.sleep(every)
+        done = sum(t.done() for t in tasks)
+        print(f"[bench] rate {rate:g}: {done}/{len(tasks)} requests done after {time.perf_counter() - t0:.0f}s",
+              file=sys.stderr, flush=True)
+
+
+async def model_info(address: str, timeout: float = 30.0) -> tuple[router_pb2.ModelInfo, router_pb2.ServerInfo]:
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        info = await stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=timeout)
+        server = await stub.GetServerInfo(router_pb2.GetServerInfoRequest(), timeout=timeout)
+    return info, server

@@ -1,0 +1,56 @@
+"""Server-side figures for B2, read from the workers' Prometheus endpoints: the handover
+histogram (prefill's last forward -> decode's first step), summed over workers and
+differenced across a sweep point so each rate gets its own quantiles."""
+from __future__ import annotations
+
+import math
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.stats import histogram_quantile
+
+HANDOVER = "baton_handover_seconds"
+
+
+def metrics_url(spec: str) -> str:
+    """"host:port" or a full URL -> the /metrics URL."""
+    url = spec if "://" in spec else f"http://{spec}"
+    return url if url.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
+
+
+def parse_histogram(text: str, name: str) -> dict[float, float]:
+    """Cumulative bucket counts {upper bound: count} of histogram `name`, summed over label sets."""
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != name:
+            continue
+        for s in family.samples:
+            if s.name == f"{name}_bucket":
+                le = float(s.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + s.value
+    return buckets
+
+
+def scrape(urls: list[str], name: str = HANDOVER, timeout: float = 5.0) -> tuple[dict[float, float], list[str]]:
+    """The histogram summed over every reachable URL, and the errors of the others."""
+    total: dict[float, float] = {}
+    errors = []
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                text = r.read().decode()
+        except OSError as exc:
+            errors.append(f"{url}: {exc}")
+            continue
+        for le, count in parse_histogram(text, name).items():
+            total[le] = total.get(le, 0.0) + count
+    return total, errors
+
+
+def quantiles_between(before: dict[float, float], after: dict[float, float]) -> dict:
+    """Count, p50 and p99 of what the histogram observed between two scrapes."""
+    delta = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    if not delta or not math.isinf(delta[-1][0]) or delta[-1][1] <= 0:
+        return {"count": 0, "p50": None, "p99": None}
+    return {"count": int(delta[-1][1]), "p50": histogram_quantile(0.5, delta), "p99": histogram_quantile(0.99, delta)}

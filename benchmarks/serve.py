@@ -1,0 +1,228 @@
+"""B2 — online serving (`baton bench serve`): Poisson load against a baton.v1.Router, swept
+over request rates, per topology. Per request: TTFT, every ITL, TPOT, E2E, tokens, status.
+Per rate: throughput, latency percentiles, errors by status, SLO attainment, handover
+latency (from the decode workers' metrics). Per topology: goodput (DistServe's: the
+highest rate at which >= 90 % of requests meet both SLOs). Plots next to the JSON.
+
+Point it at a running deployment (--addr) or let it launch local ones (--launch 1p1d, or
+--topologies 1p1d,2colocated,1colocated to compare them in one JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import shlex
+import sys
+from collections import Counter
+from pathlib import Path
+
+from benchmarks import ceilings, datasets, deployment, loadgen, prometheus, record
+from benchmarks.model_shape import shape_of
+from benchmarks.stats import GOODPUT_ATTAINMENT, attainment, goodput_rate, meets_slo, summarize
+from engine.config import DEFAULT_MODEL
+
+FULL = dict(request_rates="1,2,4,8,inf", num_prompts=200, worker_args="", prefix_len=datasets.DEFAULT_PREFIX_LEN)
+SMOKE = dict(request_rates="4,inf", num_prompts=3, worker_args="--num-kv-blocks 128 --max-num-seqs 16",
+             prefix_len=datasets.SMOKE_PREFIX_LEN, launch="1p1d")
+DEFAULT_ADDR = "127.0.0.1:50051"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("deployment")
+    t.add_argument("--addr", default=None, help=f"router of a running deployment (default {DEFAULT_ADDR})")
+    t.add_argument("--label", default="external", help="topology name of the --addr deployment in the JSON")
+    t.add_argument("--metrics-urls", default="",
+                   help="comma list of the decode workers' metrics endpoints (host:port or URL), for handover")
+    t.add_argument("--launch", default=None, choices=deployment.TOPOLOGIES, help="launch this topology locally")
+    t.add_argument("--topologies", default=None, help="comma list of topologies to launch one after another")
+    t.add_argument("--model", default=DEFAULT_MODEL, help="model of launched deployments")
+    t.add_argument("--prefill-devices", default="cpu", help="comma list; 1p1d's prefill, the first colocated")
+    t.add_argument("--decode-devices", default="cpu", help="comma list; 1p1d's decode, the second colocated")
+    t.add_argument("--worker-args", default=None, help="extra flags for every launched worker, e.g. "
+                   "'--num-kv-blocks 4096 --max-num-seqs 128' (smoke: '--num-kv-blocks 128 --max-num-seqs 16')")
+    t.add_argument("--router-args", default="", help="extra flags for a launched router, e.g. '--policy least_loaded'")
+    t.add_argument("--log-dir", default=None, help="worker logs (default: next to the JSON)")
+    t.add_argument("--device", default=None,
+                   help="device whose ceilings are recorded (default: the launched prefill device; for --addr: cpu)")
+    w = p.add_argument_group("load")
+    w.add_argument("--dataset", default="random",
+                   help="random | prefill-heavy | decode-heavy | shared-prefix | path/to/file.jsonl")
+    w.add_argument("--input-len", default=None, help="MIN:MAX prompt tokens (shared-prefix: the unique suffix); "
+                   "default per dataset")
+    w.add_argument("--output-len", default=None, help="MIN:MAX output tokens; default per dataset")
+    w.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: system prompt tokens (default 1024)")
+    w.add_argument("--group-size", type=int, default=8, help="shared-prefix: requests per shared prompt")
+    w.add_argument("--request-rates", default=None, help="comma list of req/s, 'inf' = all at once "
+                   "(default 1,2,4,8,inf; smoke 4,inf)")
+    w.add_argument("--num-prompts", type=int, default=None, help="requests per rate (default 200; smoke 3)")
+    w.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    w.add_argument("--seed", type=int, default=0, help="rate i draws prompts with seed+i; arrivals with seed")
+    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: ignore_eos, exact lengths)")
+    w.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    s = p.add_argument_group("SLOs")
+    s.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    s.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--no-plots", action="store_true")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    defaults = SMOKE if args.smoke else FULL
+    for k, v in defaults.items():
+        if getattr(args, k, None) is None and not (k == "launch" and (args.addr or args.topologies)):
+            setattr(args, k, v)
+    if args.launch and args.topologies:
+        raise ValueError("give --launch or --topologies, not both")
+    if args.addr and (args.launch or args.topologies):
+        raise ValueError("--addr measures a running deployment; --launch/--topologies start their own")
+    if args.topologies:
+        names = [t.strip() for t in args.topologies.split(",") if t.strip()]
+        for name in names:
+            deployment.plan(name, ["cpu"], ["cpu"])          # raises on an unknown topology
+        args.topologies = names
+    elif args.launch:
+        args.topologies = [args.launch]
+    else:
+        args.addr = args.addr or DEFAULT_ADDR
+        args.topologies = []
+    args.rates = parse_rates(args.request_rates)
+    in_range, out_range = datasets.LENGTHS.get(args.dataset, datasets.LENGTHS["random"])
+    if args.smoke:
+        in_range, out_range = datasets.SMOKE_LENGTHS
+    args.input_len = list(datasets.parse_range(args.input_len) if args.input_len else in_range)
+    args.output_len = list(datasets.parse_range(args.output_len) if args.output_len else out_range)
+    if args.device is None:
+        args.device = _split(args.prefill_devices)[0] if args.topologies else "cpu"
+    return args
+
+
+def parse_rates(spec: str) -> list[float]:
+    try:
+        rates = [float(r) for r in spec.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"bad --request-rates {spec!r}: use numbers and 'inf', e.g. 1,2,4,inf") from None
+    if not rates or any(r <= 0 or math.isnan(r) for r in rates):
+        raise ValueError(f"bad --request-rates {spec!r}: every rate must be > 0 (or inf)")
+    return rates
+
+
+def _split(spec: str) -> list[str]:
+    return [s.strip() for s in (spec or "").split(",") if s.strip()]
+
+
+# -- one rate ------------------------------------------------------------------------------------
+def summarize_rate(rate: float, results: list[loadgen.RequestResult], wall: float, slo_ttft_s: float | None,
+                   slo_tpot_s: float | None) -> dict:
+    ok = [r for r in results if r.ok]
+    met = [meets_slo(r.ok, r.ttft, r.tpot, slo_ttft_s, slo_tpot_s) for r in results]
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "request_rate": rate, "num_requests": len(results), "completed": len(ok), "duration_s": wall,
+        "request_throughput": len(ok) / wall, "output_throughput": out_tokens / wall,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok), "output_tokens": out_tokens,
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "ttft_s": summarize(r.ttft for r in ok if r.ttft is not None),
+        "tpot_s": summarize(t for t in (r.tpot for r in ok) if t is not None),
+        "itl_s": summarize(x for r in ok for x in r.itls),
+        "e2e_s": summarize(r.e2e for r in ok),
+        "errors": dict(Counter(r.status for r in results if not r.ok)),
+        "slo_met": sum(met), "slo_attainment": attainment(met), "goodput_req_s": sum(met) / wall,
+    }
+
+
+async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str]) -> dict:
+    info, server = await loadgen.model_info(address)
+    sampling = {"temperature": args.temperature, "ignore_eos": not args.respect_eos}
+    common = dict(max_model_len=info.max_model_len, vocab_size=info.vocab_size, prefix_len=args.prefix_len,
+                  group_size=args.group_size, input_len=tuple(args.input_len), output_len=tuple(args.output_len))
+    warm = datasets.build_requests(args.dataset, 1, args.seed + 10_007, **common)
+    await loadgen.run_rate(address, warm, math.inf, args.seed, None, sampling, args.request_timeout)
+    points = []
+    for i, rate in enumerate(args.rates):
+        reqs = datasets.build_requests(args.dataset, args.num_prompts, args.seed + i, **common)
+        before, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls)
+        results, wall = await loadgen.run_rate(address, reqs, rate, args.seed, args.max_concurrency, sampling,
+                                               args.request_timeout)
+        after, errors = await asyncio.to_thread(prometheus.scrape, metrics_urls)
+        point = summarize_rate(rate, results, wall, _s(args.slo_ttft_ms), _s(args.slo_tpot_ms))
+        point["handover_s"] = prometheus.quantiles_between(before, after) if metrics_urls else None
+        if errors:
+            point["metrics_errors"] = errors
+        point["dataset"] = datasets.describe(reqs)
+        point["requests"] = [r.to_json() for r in results]
+        points.append(point)
+        _print_point(point)
+    return {"model_info": {"name": info.name, "architecture": info.architecture, "max_model_len": info.max_model_len,
+                           "vocab_size": info.vocab_size},
+            "server_info": [{"address": w.address, "role": w.role, "kv_blocks_total": w.kv_blocks_total}
+                            for w in server.workers],
+            "rates": points,
+            "goodput_rate": goodput_rate((p["request_rate"], p["slo_attainment"]) for p in points)}
+
+
+def _s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1e3
+
+
+def _print_point(p: dict) -> None:
+    def ms(d: dict) -> str:
+        return "-" if d["p99"] is None else f"{d['p50'] * 1e3:.0f}/{d['p99'] * 1e3:.0f}"
+    att = p["slo_attainment"]
+    print(f"[bench] rate {p['request_rate']:g}: {p['completed']}/{p['num_requests']} ok, "
+          f"{p['request_throughput']:.2f} req/s, {p['output_throughput']:.1f} tok/s, TTFT p50/p99 {ms(p['ttft_s'])} ms, "
+          f"TPOT {ms(p['tpot_s'])} ms, SLO {'-' if att is None else f'{100 * att:.0f}%'}"
+          + (f", errors {p['errors']}" if p["errors"] else ""), file=sys.stderr, flush=True)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def run(args: argparse.Namespace, rec: dict) -> None:
+    out = Path(args.output)
+    prefill, decode = _split(args.prefill_devices), _split(args.decode_devices)
+    used = [d for t in args.topologies for _, d in deployment.plan(t, prefill, decode)] or [args.device]
+    peer = next((d for d in used if d != args.device), None)
+    rec["ceilings"] = ceilings.measure(args.device, peer_device=peer, quick=args.smoke)
+    rec["device"] = record.device_info(used)
+    topologies: dict[str, dict] = {}
+    if args.topologies:
+        rec["model"] = shape_of(args.model).to_json()
+        log_root = Path(args.log_dir) if args.log_dir else out.with_suffix("").with_name(out.stem + "-logs")
+        for name in args.topologies:
+            dep = deployment.launch(name, args.model, prefill, decode, shlex.split(args.worker_args),
+                                    log_root / name, shlex.split(args.router_args))
+            try:
+                topologies[name] = asyncio.run(sweep(args, dep.router_address, dep.metrics_urls))
+                topologies[name]["deployment"] = dep.describe()
+            finally:
+                dep.stop()
+    else:
+        urls = [prometheus.metrics_url(u) for u in _split(args.metrics_urls)]
+        topologies[args.label] = asyncio.run(sweep(args, args.addr, urls))
+        topologies[args.label]["deployment"] = {"router": args.addr, "metrics_urls": urls}
+        rec["model"] = _shape_or_name(topologies[args.label]["model_info"]["name"])
+    rec["dtype"] = _worker_dtype(args)
+    rec["results"] = {"slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms,
+                              "goodput_attainment": GOODPUT_ATTAINMENT},
+                      "topologies": topologies, "plots": []}
+    if not args.no_plots:
+        from benchmarks.plots import plot_sweep
+        paths = plot_sweep({n: t["rates"] for n, t in topologies.items()}, _s(args.slo_ttft_ms),
+                           _s(args.slo_tpot_ms), out.with_suffix(""))
+        rec["results"]["plots"] = [str(p) for p in paths]
+    for name, t in topologies.items():
+        g = t["goodput_rate"]
+        print(f"[bench] {name}: goodput {'none' if g is None else f'{g:g} req/s'}", file=sys.stderr, flush=True)
+
+
+def _shape_or_name(name: str) -> dict:
+    try:
+        return shape_of(name).to_json()
+    except ValueError:
+        return {"name": name}
+
+
+def _worker_dtype(args: argparse.Namespace) -> str:
+    flags = shlex.split(args.worker_args or "")
+    if "--dtype" in flags and flags.index("--dtype") + 1 < len(flags):
+        return flags[flags.index("--dtype") + 1]
+    return "float32" if args.device == "cpu" else "bfloat16"

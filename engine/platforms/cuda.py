@@ -1,0 +1,98 @@
+"""The CUDA platform: Triton kernels over the paged KV cache, CUDA graphs for decode, NCCL.
+
+Kernels live in `triton_kernels/` and are imported on first use, so this module (and its
+layout checks) import on machines without triton or a GPU. Decode attention is capturable:
+its launch shape depends only on tensor shapes, never on seq_lens values (see
+triton_kernels/decode_attention.py). BATON_CUDA_FUSED_OPS=0 selects plain-torch layer ops.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.attention_metadata import AttnMetadata
+from engine.platforms.base import LayerOps, Platform
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+class TritonLayerOps(LayerOps):
+    """Fused RMSNorm, add-RMSNorm and SiLU-and-mul; rotary stays plain torch."""
+
+    def rms_norm(self, x, weight, eps):
+        from engine.platforms.triton_kernels import layer_ops
+        return layer_ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        from engine.platforms.triton_kernels import layer_ops
+        return layer_ops.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x):
+        from engine.platforms.triton_kernels import layer_ops
+        return layer_ops.silu_and_mul(x)
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    dist_backend = "nccl"
+    supports_graphs = True
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        if os.environ.get("BATON_CUDA_FUSED_OPS", "1") != "0":
+            self.ops = TritonLayerOps()
+        self._num_sms: int | None = None
+
+    # -- device -----------------------------------------------------------------------------
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def memory_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"cuda attention kernels take float16, bfloat16 or float32, not {dtype}")
+        if head_dim < 16 or head_dim > MAX_HEAD_DIM or head_dim & (head_dim - 1):
+            raise ValueError(f"cuda attention kernels need head_dim a power of two in [16, {MAX_HEAD_DIM}] "
+                             f"(Triton tiles span the whole head), got {head_dim}")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"cuda attention kernels need block_size a power of two, got {block_size}")
+
+    @property
+    def num_sms(self) -> int:
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return self._num_sms
+
+    # -- decode graphs ----------------------------------------------------------------------
+    def new_graph(self):
+        return torch.cuda.CUDAGraph()
+
+    def graph_capture(self, graph, pool):
+        return torch.cuda.graph(graph, pool=pool)
+
+    # -- KV cache and attention -------------------------------------------------------------
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        from engine.platforms.triton_kernels import kv_store
+        kv_store.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def prefill_attention(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float):
+        from engine.platforms.triton_kernels import prefill_attention
+        if meta.has_context and k_cache is not None:
+            return prefill_attention.varlen_prefill(
+                q, k, v, meta.query_start_loc, meta.max_query_len, scale, seq_lens=meta.seq_lens,
+                k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables)
+        return prefill_attention.varlen_prefill(q, k, v, meta.query_start_loc, meta.max_query_len, scale)
+
+    def decode_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float):
+        """Splits derive from block_tables' width, fixed for a captured graph (the graph runner
+        sizes it for max_model_len); each program reads its sequence length on the device."""
+        from engine.platforms.triton_kernels import decode_attention
+        return decode_attention.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                             self.num_sms)

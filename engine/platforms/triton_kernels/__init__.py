@@ -1,0 +1,5 @@
+"""Triton kernels behind the CUDA platform: KV store, paged decode, varlen prefill, fused layer ops.
+
+Each submodule imports triton at import time, so only `engine.platforms.cuda` imports them, and
+only when a kernel first runs: the package itself stays importable on machines without triton.
+"""

@@ -1,0 +1,55 @@
+"""Writes this step's K and V rows into their paged-cache slots in one launch.
+
+One program per token copies all of its kv heads for K and V; slot -1 (a padding row) writes
+nothing. Caches are [num_blocks, block_size, kv_heads, head_dim] views, addressed by strides.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.maximum(slot, 0)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, HEADS_P)
+    d = tl.arange(0, HEAD_DIM)
+    mask = (h[:, None] < NUM_HEADS) & valid
+    k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    kc = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h[:, None] * stride_kch + d[None, :]
+    vc = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch + d[None, :]
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """key/value [T, Hkv, D] (last dim contiguous) into caches [blocks, block_size, Hkv, D]."""
+    t, heads, dim = key.shape
+    if t == 0:
+        return
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    _store_kv_kernel[(t,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_HEADS=heads, HEADS_P=triton.next_power_of_2(heads), HEAD_DIM=dim, BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4 if heads * dim >= 1024 else 1,
+    )
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -1,0 +1,87 @@
+"""Fused RMSNorm, add-RMSNorm and SiLU-and-mul: one pass over the activations instead of the
+half-dozen elementwise kernels plain torch launches.
+
+Rounding follows `LayerOps` step for step (normalise in fp32, round to the input dtype, then
+multiply by the weight and round again; the residual sum rounded before the norm; SiLU rounded
+before the product), so results differ from plain torch only by reduction order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n, eps, stride_x, stride_r, stride_o, stride_s,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)   # rounded in the input dtype
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, 0) / n + eps)
+    normed = (h * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _norm_warps(block: int) -> int:
+    return min(16, max(1, block // 256))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    rows = _rows(x)
+    n = rows.shape[1]
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, n, eps, rows.stride(0), 0, out.stride(0), 0,
+                                           HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block))
+    return out.view(*x.shape[:-1], n)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, res = _rows(x), _rows(residual)
+    n = rows.shape[1]
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    total = torch.empty_like(rows)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, total, n, eps, rows.stride(0), res.stride(0),
+                                           out.stride(0), total.stride(0), HAS_RESIDUAL=True, BLOCK=block,
+                                           num_warps=_norm_warps(block))
+    return out.view(*x.shape[:-1], n), total.view(*x.shape[:-1], n)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    rows = _rows(x)
+    n = rows.shape[1] // 2
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = min(4096, triton.next_power_of_2(n))
+        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, n, rows.stride(0), out.stride(0),
+                                                                     BLOCK=block, num_warps=4)
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,300 @@
+"""The benchmark harness: its numbers are computed as BENCHMARKS.md defines them (checked on
+hand-computed cases), and each `--smoke` mode runs end to end on the CPU and writes its JSON.
+Timings are never asserted: only that they exist and add up."""
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+from cluster import REPO
+
+from benchmarks import datasets, loadgen, prometheus, record
+from benchmarks.kv import payload_bytes
+from benchmarks.model_shape import ModelShape
+from benchmarks.roofline import Ceilings, CostModel, StepShape, roofline_report
+from benchmarks.schedule_sim import simulate_steps
+from benchmarks.serve import parse_rates, summarize_rate
+from benchmarks.stats import (
+    attainment,
+    goodput_rate,
+    histogram_quantile,
+    meets_slo,
+    percentile,
+    summarize,
+    tpot,
+)
+from benchmarks.workload import nano_vllm_workload
+
+BENCH = [sys.executable, "-m", "engine.cli", "bench"]
+
+
+# -- statistics ------------------------------------------------------------------------------------
+def test_percentile_interpolates_between_order_statistics_like_numpy():
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(xs, 0) == 1.0
+    assert percentile(xs, 50) == 2.5
+    assert percentile(xs, 90) == pytest.approx(3.7)
+    assert percentile(xs, 100) == 4.0
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile(xs, 101)
+
+
+def test_summary_of_an_empty_sample_is_all_none():
+    assert summarize([]) == {"count": 0, "mean": None, "min": None, "p50": None, "p90": None, "p99": None,
+                             "max": None}
+    s = summarize([1, 2, 3])
+    assert (s["count"], s["mean"], s["min"], s["p50"], s["max"]) == (3, 2, 1, 2, 3)
+
+
+def test_tpot_is_the_time_after_the_first_token_over_the_remaining_tokens():
+    assert tpot(e2e=1.0, ttft=0.2, output_tokens=5) == pytest.approx(0.2)
+    assert tpot(e2e=1.0, ttft=0.2, output_tokens=1) is None       # no inter-token time exists
+
+
+def test_a_request_meets_the_slos_only_if_it_succeeded_within_both():
+    assert meets_slo(True, 0.5, 0.05, slo_ttft=1.0, slo_tpot=0.1)
+    assert not meets_slo(True, 1.5, 0.05, slo_ttft=1.0, slo_tpot=0.1)
+    assert not meets_slo(True, 0.5, 0.15, slo_ttft=1.0, slo_tpot=0.1)
+    assert not meets_slo(False, 0.1, 0.01, slo_ttft=1.0, slo_tpot=0.1)     # failed requests always miss
+    assert meets_slo(True, 0.5, None, slo_ttft=1.0, slo_tpot=0.1)         # one token: no TPOT to miss
+    assert meets_slo(True, 9.0, 9.0, slo_ttft=None, slo_tpot=None)        # no SLO given: not checked
+    assert attainment([True, False, True, True]) == 0.75
+    assert attainment([]) is None
+
+
+def test_goodput_is_the_highest_rate_with_at_least_90_percent_attainment():
+    assert goodput_rate([(1, 1.0), (2, 0.95), (4, 0.85), (math.inf, 0.4)]) == 2
+    assert goodput_rate([(1, 0.9), (2, 0.5)]) == 1                           # exactly 90 % passes
+    assert goodput_rate([(1, 0.95), (2, 0.8), (4, 0.92)]) == 4              # the highest passing rate
+    assert goodput_rate([(1, 0.95), (math.inf, 0.99)]) == math.inf
+    assert goodput_rate([(1, 0.5), (2, None)]) is None
+
+
+def test_histogram_quantile_interpolates_inside_the_bucket_as_prometheus_does():
+    buckets = [(0.1, 2), (0.5, 6), (1.0, 10), (math.inf, 10)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * 3 / 4)
+    assert histogram_quantile(0.99, buckets) == pytest.approx(0.5 + 0.5 * 3.9 / 4)
+    assert histogram_quantile(0.5, [(0.1, 0), (1.0, 0), (math.inf, 4)]) == 1.0     # beyond the last bound
+    assert histogram_quantile(0.5, [(1.0, 0), (math.inf, 0)]) is None
+    with pytest.raises(ValueError):
+        histogram_quantile(0.5, [(1.0, 3)])
+
+
+def test_handover_quantiles_come_from_the_histogram_delta_summed_over_workers():
+    from prometheus_client import CollectorRegistry, Histogram
+    regs = [CollectorRegistry(), CollectorRegistry()]
+    hists = [Histogram("baton_handover_seconds", "h", buckets=(0.01, 0.1, 1.0), registry=r) for r in regs]
+    hists[0].observe(5.0)                                       # before the sweep point: must not count
+    before = _sum_parsed(regs)
+    for v in (0.005, 0.05, 0.05):
+        hists[0].observe(v)
+    hists[1].observe(0.5)
+    after = _sum_parsed(regs)
+    q = prometheus.quantiles_between(before, after)
+    assert q["count"] == 4
+    assert q["p50"] == pytest.approx(0.01 + 0.09 * (2 - 1) / 2)      # rank 2 in the (0.01, 0.1] bucket
+    assert q["p99"] == pytest.approx(0.1 + 0.9 * (3.96 - 3) / 1)
+    assert prometheus.quantiles_between(after, after) == {"count": 0, "p50": None, "p99": None}
+    assert prometheus.metrics_url("127.0.0.1:9100") == "http://127.0.0.1:9100/metrics"
+
+
+def _sum_parsed(registries) -> dict:
+    from prometheus_client import generate_latest
+    total: dict = {}
+    for r in registries:
+        for le, n in prometheus.parse_histogram(generate_latest(r).decode(), "baton_handover_seconds").items():
+            total[le] = total.get(le, 0) + n
+    return total
+
+
+# -- roofline --------------------------------------------------------------------------------------
+TINY = ModelShape("tiny", "LlamaForCausalLM", layers=1, hidden=4, heads=2, kv_heads=1, head_dim=2, vocab=10,
+                  intermediate=8, tie_word_embeddings=True)
+
+
+def test_model_shape_counts_parameters_and_kv_bytes():
+    # per layer: q 4x4 + k,v 2x(4x2) + o 4x4 + gate/up/down 3x(4x8) = 16 + 16 + 16 + 96
+    assert TINY.layer_matmul_params == 144
+    assert TINY.small_params == 2 * 4 + 4                      # two norms per layer + the final norm
+    assert TINY.params == 144 + 12 + 40                        # tied: the 10x4 embedding counted once
+    assert TINY.kv_bytes_per_token(2) == 2 * 1 * 1 * 2 * 2     # K and V x layers x kv heads x head_dim x bf16
+
+
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b", "llama-3.2-1b", "qwen2-0.5b"])
+def test_model_shape_parameter_count_matches_the_checkpoint(preset):
+    import models
+    from models.loader import checkpoint_shapes
+    cfg = models.resolve_model(preset).hf_config
+    assert ModelShape.from_hf_config(preset, cfg).params == sum(math.prod(s) for _, s in checkpoint_shapes(cfg))
+
+
+def test_roofline_of_hand_computed_steps():
+    cost = CostModel(TINY, dtype_bytes=2)
+    decode = StepShape([(3, 1), (5, 1)], sampled=2)
+    chunk = StepShape([(0, 4)], sampled=0)                     # a prefill chunk that samples nothing
+    # weights (144 + 12 + head 40) + 2 embedding rows of 4, in bf16; KV read 3 + 5 tokens, written 2; 8 B each
+    assert cost.step_bytes(decode) == (144 + 12 + 40 + 2 * 4) * 2 + 8 * 8 + 2 * 8 == 488
+    # 2 x 144 x 2 tokens + 2 x 40 x 2 rows + 4 x 1 layer x 2 heads x 2 dims x (4 + 6) query-key pairs
+    assert cost.step_flops(decode) == 576 + 160 + 160 == 896
+    # no head read (nothing samples); KV written for 4 tokens; causal pairs 1 + 2 + 3 + 4
+    assert cost.step_bytes(chunk) == (144 + 12 + 4 * 4) * 2 + 4 * 8 == 376
+    assert cost.step_flops(chunk) == 2 * 144 * 4 + 16 * 10 == 1312
+    ceil = Ceilings(copy_bytes_per_s=200.0, matmul_flops_per_s=500.0)
+    assert cost.least_seconds(decode, ceil) == (pytest.approx(2.44), "memory")
+    assert cost.least_seconds(chunk, ceil) == (pytest.approx(2.624), "compute")
+    r = roofline_report(cost, ceil, [decode, chunk], wall_seconds=10.0, step_seconds=[4.0, 6.0])
+    assert r["least_seconds"] == pytest.approx(5.064)
+    assert r["roofline_fraction"] == pytest.approx(0.5064)
+    assert (r["memory_bound_steps"], r["compute_bound_steps"]) == (1, 1)
+    assert r["by_kind"]["decode"]["roofline_fraction"] == pytest.approx(2.44 / 4.0)
+    assert r["by_kind"]["prefill"]["roofline_fraction"] == pytest.approx(2.624 / 6.0)
+
+
+def test_simulated_schedule_feeds_every_prompt_once_and_samples_every_output_token():
+    prompts = [[1] * 40, [2] * 7, [3] * 100]
+    outs = [5, 1, 12]
+    steps = simulate_steps(prompts, outs, block_size=16, max_num_batched_tokens=64)
+    assert sum(s.tokens for s in steps) == sum(len(p) + o - 1 for p, o in zip(prompts, outs, strict=True))
+    assert sum(s.sampled for s in steps) == sum(outs)
+    assert max(s.tokens for s in steps) <= 64
+    assert steps[-1].is_decode
+
+
+# -- workloads and load ----------------------------------------------------------------------------
+def test_offline_workload_is_nano_vllms_draw_for_draw():
+    from random import randint
+    random.seed(0)                   # nano-vllm's bench.py, verbatim
+    want_prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(256)]
+    want_outs = [randint(100, 1024) for _ in range(256)]
+    w = nano_vllm_workload()
+    assert w.prompts == want_prompts
+    assert w.output_lens == want_outs
+    assert w.temperature == 0.6
+
+
+def test_poisson_arrivals_have_the_requested_mean_rate_and_inf_sends_all_at_once():
+    assert loadgen.arrival_times(5, math.inf, seed=0) == [0.0] * 5
+    t = loadgen.arrival_times(4001, 10.0, seed=0)
+    assert t[0] == 0.0 and t == sorted(t)
+    assert t[-1] / 4000 == pytest.approx(0.1, rel=0.1)
+    assert t == loadgen.arrival_times(4001, 10.0, seed=0)           # fixed seed, same schedule
+    with pytest.raises(ValueError):
+        loadgen.arrival_times(3, 0.0, seed=0)
+
+
+def test_shared_prefix_requests_share_their_groups_system_prompt(tmp_path):
+    reqs = datasets.build_requests("shared-prefix", 6, seed=1, input_len=(4, 8), output_len=(2, 3),
+                                   max_model_len=2048, vocab_size=49152, prefix_len=20, group_size=3)
+    assert [r.group for r in reqs] == [0, 0, 0, 1, 1, 1]
+    assert reqs[0].prompt_ids[:20] == reqs[2].prompt_ids[:20] != reqs[3].prompt_ids[:20]
+    assert all(24 <= len(r.prompt_ids) <= 28 and 2 <= r.max_tokens <= 3 for r in reqs)
+    f = tmp_path / "set.jsonl"
+    f.write_text('{"prompt": "hi", "max_tokens": 4}\n\n{"prompt": "yo", "max_tokens": 2}\n')
+    rows = datasets.build_requests(str(f), 3, 0, (1, 1), (1, 1), 2048, 49152)
+    assert [(r.text, r.max_tokens) for r in rows] == [("hi", 4), ("yo", 2), ("hi", 4)]
+    with pytest.raises(ValueError, match="does not fit"):
+        datasets.build_requests("random", 1, 0, (100, 200), (50, 60), max_model_len=120, vocab_size=100)
+    assert datasets.parse_range("8:32") == (8, 32) and datasets.parse_range("5") == (5, 5)
+    assert parse_rates("1,2.5,inf") == [1.0, 2.5, math.inf]
+    with pytest.raises(ValueError):
+        parse_rates("1,-2")
+
+
+def test_rate_summary_counts_errors_throughput_and_slo_attainment():
+    ok = [loadgen.RequestResult(i, 0.0, ttft=0.1 * (i + 1), e2e=0.1 * (i + 1) + 0.4, output_tokens=5,
+                                prompt_tokens=10, cached_tokens=2, itls=[0.1] * 4) for i in range(3)]
+    failed = loadgen.RequestResult(3, 0.0, status="UNAVAILABLE", error="no decode worker", e2e=0.01)
+    p = summarize_rate(2.0, ok + [failed], wall=2.0, slo_ttft_s=0.25, slo_tpot_s=0.11)
+    assert (p["num_requests"], p["completed"], p["errors"]) == (4, 3, {"UNAVAILABLE": 1})
+    assert p["request_throughput"] == 1.5 and p["output_throughput"] == 7.5
+    assert (p["prompt_tokens"], p["output_tokens"], p["cached_tokens"]) == (30, 15, 6)
+    assert p["tpot_s"]["p50"] == pytest.approx(0.1)                        # (E2E - TTFT) / (5 - 1)
+    assert p["itl_s"]["count"] == 12
+    assert p["ttft_s"]["p50"] == pytest.approx(0.2)
+    assert (p["slo_met"], p["slo_attainment"]) == (2, 0.5)                # TTFT 0.3 misses; failure misses
+    assert p["goodput_req_s"] == 1.0
+
+
+def test_kv_payload_is_layers_times_k_and_v_times_heads_times_head_dim_in_whole_blocks():
+    import models
+    qwen = ModelShape.from_hf_config("qwen3-0.6b", models.resolve_model("qwen3-0.6b").hf_config)
+    assert payload_bytes(qwen, 512, "bfloat16", 16) == (512 * 28 * 2 * 8 * 128 * 2, 512)
+    assert payload_bytes(qwen, 500, "float32", 16) == (512 * 28 * 2 * 8 * 128 * 4, 512)
+
+
+def test_json_records_write_infinite_rates_as_strings(tmp_path):
+    rec = record.new_record("serve", ["serve", "--smoke"], True, {"rates": [1.0, math.inf]})
+    path = record.write(rec, tmp_path / "r.json")
+    data = json.loads(path.read_text())
+    assert data["config"]["rates"] == [1.0, "inf"]
+    assert data["command_line"] == "baton bench serve --smoke" and data["finished_at"]
+
+
+# -- smoke runs, end to end on the CPU ------------------------------------------------------------------
+def _bench(tmp_path, *args: str, timeout: int = 240) -> dict:
+    out = tmp_path / f"{args[0]}.json"
+    r = subprocess.run([*BENCH, *args, "--output", str(out)], cwd=REPO, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    data = json.loads(out.read_text())
+    for key in ("schema", "command_line", "git", "versions", "model", "dtype", "device", "ceilings", "results"):
+        assert data[key] is not None, key
+    assert data["ceilings"]["copy"]["bytes_per_s"] > 0 and data["ceilings"]["matmul"]["flops_per_s"] > 0
+    return data
+
+
+def test_offline_smoke_runs_the_workload_and_accounts_for_every_token(tmp_path):
+    data = _bench(tmp_path, "offline", "--smoke")
+    r, w = data["results"], data["results"]["workload"]
+    assert data["model"]["name"] == "smollm2-135m-instruct" and data["model"]["params"] > 1e8
+    assert r["output_tokens"] == w["requested_output_tokens"]             # ignore_eos: exact lengths
+    # every prompt token fed once, every output token but the last fed back once
+    assert r["steps"]["scheduled_tokens"] == w["prompt_tokens"] + w["requested_output_tokens"] - w["num_seqs"]
+    assert r["steps"]["sampled_rows"] == w["requested_output_tokens"]
+    assert r["steps"]["decode_seconds"]["count"] > 0
+    assert 0 < r["roofline"]["roofline_fraction"]
+    assert r["roofline"]["steps"] == r["steps"]["count"]
+
+
+def test_offline_smoke_through_transformers_generates_the_same_token_count(tmp_path):
+    data = _bench(tmp_path, "offline", "--smoke", "--engine", "transformers", "--model", "tiny-llama",
+                  "--num-seqs", "4")
+    r = data["results"]
+    assert r["engine"] == "transformers" and r["hf_mode"] == "continuous"
+    assert r["output_tokens"] == r["workload"]["requested_output_tokens"]
+    assert r["roofline"]["roofline_fraction"] > 0
+
+
+def test_kv_smoke_measures_grpc_against_a_loopback_socket(tmp_path):
+    data = _bench(tmp_path, "kv", "--smoke")
+    rows = data["results"]["transfers"]
+    assert [(t["backend"], t["tokens"]) for t in rows] == [("grpc", 16), ("grpc", 128)]
+    per_token = data["results"]["kv_bytes_per_token"]
+    assert per_token == 30 * 2 * 3 * 64 * 2                   # SmolLM2-135M, bf16
+    for t in rows:
+        assert t["bytes"] == t["tokens_in_blocks"] * per_token
+        assert t["latency_s"]["p50"] > 0 and t["reference"]["bandwidth_bytes_per_s"] > 0
+        assert t["fraction_of_reference"] == pytest.approx(t["bandwidth_bytes_per_s"]
+                                                           / t["reference"]["bandwidth_bytes_per_s"])
+
+
+def test_serve_smoke_launches_1p1d_and_reports_every_request(tmp_path):
+    data = _bench(tmp_path, "serve", "--smoke", timeout=400)
+    topo = data["results"]["topologies"]["1p1d"]
+    assert [p["request_rate"] for p in topo["rates"]] == [4.0, "inf"]
+    for p in topo["rates"]:
+        assert p["completed"] == p["num_requests"] == 3 and p["errors"] == {}
+        for req in p["requests"]:
+            assert req["status"] == "OK" and req["finish_reason"] == "length"
+            assert req["output_tokens"] >= 1 and len(req["itls"]) <= req["output_tokens"] - 1
+            assert req["ttft"] <= req["e2e"]
+        assert p["handover_s"]["count"] == 3                   # one handover per request, from decode metrics
+        assert 0 <= p["slo_attainment"] <= 1
+    assert {w["role"] for w in topo["deployment"]["workers"]} == {"prefill", "decode"}
+    assert all(path.endswith(".png") for path in data["results"]["plots"])
