@@ -24,7 +24,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+        d = action.default
+        if not (d is None or d is False or d == "" or d is argparse.SUPPRESS) and "default" not in text:
             text += " (default: %(default)s)"
         return text
 

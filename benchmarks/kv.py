@@ -77,14 +77,12 @@ class GrpcLoopback:
         self.window = args.window_bytes or grpc_options.DEFAULT_WINDOW_BYTES
 
     def measure(self, nbytes: int, iters: int) -> dict:
-        from kvtransfer.bench import measure_grpc_loopback
         # timed sends on one connection warmed by the layout handshake, as a prefill worker keeps it
-        r = measure_grpc_loopback(nbytes, self.chunk, self.window, repeats=iters, baseline=True)
-        seconds = r.get("seconds")
+        seconds, r = self._grpc(nbytes, iters)
         if seconds:
             latency = {"p50": percentile(seconds, 50), "p99": percentile(seconds, 99), "best": min(seconds),
                        "samples": list(seconds)}
-        else:           # kvtransfer.bench reports the median and the best of its sends only
+        else:
             latency = {"p50": r["latency_ms"] / 1e3, "p99": None, "best": r["best_latency_ms"] / 1e3,
                        "samples": None}
         ref_bw = r["tcp_gbps"] * 1e9
@@ -98,6 +96,12 @@ class GrpcLoopback:
                                        "receiver": r.get("receiver_cpu_s_per_gb")},
                 # the prefill worker packs and pushes a request's KV after its prefill ends
                 "overlap_with_prefill": {"streams_during_prefill": False, "hidden_fraction": 0.0}}
+
+    def _grpc(self, nbytes: int, iters: int) -> tuple[list[float] | None, dict]:
+        """(every send's seconds, kvtransfer.bench's summary with the TCP baseline)."""
+        from kvtransfer.bench import measure_grpc_loopback
+        r = measure_grpc_loopback(nbytes, self.chunk, self.window, repeats=iters, baseline=True)
+        return r.get("seconds"), r       # without per-send seconds only the median and best are known
 
 
 BACKENDS = {"grpc": GrpcLoopback}

@@ -25,7 +25,7 @@ ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_mod
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", choices=("baton", "transformers"), default="baton")
+    p.add_argument("--engine", choices=("baton", "transformers"), default="baton", help="which engine runs it")
     p.add_argument("--model", default=None, help="preset, HF directory or .gguf (default qwen3-0.6b; "
                    f"smoke: {DEFAULT_MODEL})")
     p.add_argument("--num-seqs", type=int, default=None, help="default 256 (smoke: 8)")
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-input-len", type=int, default=None, help="default 1024 (smoke: 64)")
     p.add_argument("--min-output-len", type=int, default=None, help="default 100 (smoke: 4)")
     p.add_argument("--max-output-len", type=int, default=None, help="default 1024 (smoke: 8)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (nano-vllm: 0)")
     p.add_argument("--temperature", type=float, default=0.6, help="nano-vllm samples at 0.6")
     p.add_argument("--device", default=None, help="cpu, cuda:N, npu:N (default: cuda:0 if present, else cpu)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
@@ -41,13 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     e = p.add_argument_group("baton engine knobs (EngineConfig)")
     d = EngineConfig()
-    e.add_argument("--block-size", type=int, default=d.block_size)
-    e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    e.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=d.block_size, help="KV block size in tokens")
+    e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
+    e.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="tokens per step")
+    e.add_argument("--max-model-len", type=int, default=None, help="default: the model's, capped by the KV cache")
+    e.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV cache size (default: memory budget)")
     e.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
-    e.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    e.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="share of device memory the engine may use")
     e.add_argument("--enforce-eager", action="store_true", help="no decode graph capture")
     e.add_argument("--no-prefix-caching", action="store_true")
     h = p.add_argument_group("transformers peer")

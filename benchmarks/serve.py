@@ -58,13 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--num-prompts", type=int, default=None, help="requests per rate (default 200; smoke 3)")
     w.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     w.add_argument("--seed", type=int, default=0, help="rate i draws prompts with seed+i; arrivals with seed")
-    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     w.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: ignore_eos, exact lengths)")
     w.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     s = p.add_argument_group("SLOs")
-    s.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    s.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    p.add_argument("--no-plots", action="store_true")
+    s.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="time-to-first-token SLO")
+    s.add_argument("--slo-tpot-ms", type=float, default=100.0, help="time-per-output-token SLO")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:

@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
 def serve_main(argv: list[str]) -> None:
     from engine.config import DEFAULT_MODEL
     from engine.launcher import serve
-    p = argparse.ArgumentParser(prog="baton serve", description=serve.__module__ and
-                                "router + prefill + decode as separate local processes")
+    p = argparse.ArgumentParser(prog="baton serve",
+                                description="router + prefill + decode as separate local processes")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="router port")
     p.add_argument("--model", default=DEFAULT_MODEL)

@@ -59,9 +59,7 @@ class DecodeGraphs:
             args = (self.input_ids[:bs], self.positions[:bs], ctx)
             r.model(*args)                                     # warm-up: kernels compiled, workspaces sized
             self.platform.synchronize()
-            graph = self.platform.new_graph()
-            with self.platform.graph_capture(graph, pool):
-                self.outputs[bs] = r.model(*args)
+            graph, self.outputs[bs] = self.platform.capture_graph(lambda a=args: r.model(*a), pool)
             pool = graph.pool()
             self.graphs[bs] = graph
             print(f"\r[baton] capturing decode graphs: {i + 1}/{len(self.buckets)}", end="", file=sys.stderr)
@@ -81,5 +79,6 @@ class DecodeGraphs:
         width = meta.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(meta.block_tables)
         self.block_tables[n:bs, 0].fill_(0)
+        self.platform.before_replay(self.graphs[bs], meta, bs)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -34,6 +34,10 @@ SERVER_OPTIONS = [
     *KEEPALIVE_OPTIONS,
 ]
 CHANNEL_OPTIONS = [
+    # a restarted worker must be seen again within seconds, not after gRPC's 2-minute backoff
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.enable_retries", 0),    # retries are the router's decision, never implicit

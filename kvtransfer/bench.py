@@ -156,7 +156,7 @@ def _summary(total_bytes: int, sent: dict, received: dict) -> dict:
     if any(c != sent["crc"] for c in received["crcs"]):
         raise RuntimeError("the received bytes differ from the sent bytes")
     best, median = min(sent["seconds"]), statistics.median(sent["seconds"])
-    return {"gbps": total_bytes / median / 1e9, "best_gbps": total_bytes / best / 1e9,
+    return {"seconds": list(sent["seconds"]), "gbps": total_bytes / median / 1e9, "best_gbps": total_bytes / best / 1e9,
             "latency_ms": median * 1e3, "best_latency_ms": best * 1e3,
             "max_in_flight_bytes": sent["max_in_flight_bytes"],
             # CPU seconds per GB moved, each side: what the copy costs besides wall time

@@ -27,6 +27,7 @@ from kvtransfer.backend import (
     TransferDescriptor,
     resolve_payload,
 )
+from kvtransfer.chunk_codec import decode_chunk, encode_chunk, transfer_id_field
 from kvtransfer.grpc_options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_WINDOW_BYTES,
@@ -38,7 +39,8 @@ from kvtransfer.receiver import PendingTransfers, Transfer, TransferRejected
 
 Ack = kvtransfer_pb2.KVAck
 Code = grpc.StatusCode
-PUSH_METHOD = "/baton.v1.KVTransfer/Push"
+SERVICE = "baton.v1.KVTransfer"
+PUSH_METHOD = f"/{SERVICE}/Push"
 DEFAULT_MAX_WINDOW_BYTES = 64 << 20
 MAX_CRC_RETRIES = 3                  # NACKs of one chunk before the transfer fails with DATA_LOSS
 MAX_CHUNKS = 1 << 20                 # bounds per-transfer bookkeeping whatever the sender claims
@@ -66,7 +68,17 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer, KVReceiver):
         self.open_timeout_s = open_timeout_s
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        kvtransfer_pb2_grpc.add_KVTransferServicer_to_server(self, server)
+        """Like the generated add_KVTransferServicer_to_server, with Push's data chunks decoded as
+        views of the received bytes (chunk_codec) instead of two protobuf copies."""
+        handlers = {
+            "Handshake": grpc.unary_unary_rpc_method_handler(
+                self.Handshake, request_deserializer=kvtransfer_pb2.HandshakeRequest.FromString,
+                response_serializer=kvtransfer_pb2.HandshakeResponse.SerializeToString),
+            "Push": grpc.stream_stream_rpc_method_handler(
+                self.Push, request_deserializer=decode_chunk, response_serializer=Ack.SerializeToString),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        server.add_registered_method_handlers(SERVICE, handlers)
 
     async def Handshake(self, request, context):
         try:
@@ -216,7 +228,7 @@ class _PushSession:
         return t
 
     def _store(self, t: Transfer, msg) -> kvtransfer_pb2.KVAck:
-        data = msg.data                                       # every access copies: once only
+        data = msg.data                                       # a view (DataChunk) or one copy (KVChunk)
         i, n = msg.index, len(data)
         if n > self.window:
             raise TransferRejected(Code.RESOURCE_EXHAUSTED, f"chunk {i} of {n} bytes exceeds the {self.window}-byte "
@@ -287,7 +299,7 @@ class GrpcKVSender(KVSender):
             self.channel = channel_or_address
             self._owns_channel = False
         self.stub = kvtransfer_pb2_grpc.KVTransferStub(self.channel)
-        # Push taking data chunks pre-encoded by _encode_chunk (one copy of the payload) or messages
+        # Push taking data chunks pre-encoded by encode_chunk (one copy of the payload) or messages
         self._push_call = self.channel.stream_stream(
             PUSH_METHOD, request_serializer=_serialize, response_deserializer=Ack.FromString)
         self.chunk_bytes = chunk_bytes
@@ -358,13 +370,12 @@ class GrpcKVSender(KVSender):
         stats = SendStats(nbytes=total, chunks=num_chunks, window_bytes=grant.credit)
         credit, in_flight = grant.credit, 0
         todo: deque[int] = deque(range(num_chunks))
-        tid_bytes = tid.encode()
-        tid_field = _length_delimited(1, tid_bytes) + tid_bytes
+        tid_field = transfer_id_field(tid)
         while todo or in_flight:
             while todo and credit >= _chunk_size(todo[0], chunk, total):
                 i = todo.popleft()
                 data = payload[i * chunk:(i + 1) * chunk]
-                await _write(call, acks, _encode_chunk(tid_field, i, i * chunk, data))
+                await _write(call, acks, encode_chunk(tid_field, i, i * chunk, data))
                 credit -= len(data)
                 in_flight += len(data)
                 stats.max_in_flight_bytes = max(stats.max_in_flight_bytes, in_flight)
@@ -461,28 +472,6 @@ async def _write(call, acks: _AckReader, msg) -> None:
 
 def _serialize(msg: kvtransfer_pb2.KVChunk | bytes) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _length_delimited(field: int, value) -> bytes:
-    """Tag and length of a length-delimited field; the value follows."""
-    return _varint(field << 3 | 2) + _varint(len(value))
-
-
-def _encode_chunk(tid_field: bytes, index: int, offset: int, data: memoryview) -> bytes:
-    """KVChunk{transfer_id, index, offset, data, crc32} in protobuf wire format, built with a single
-    copy of `data` (constructing and serializing the message would copy it twice more).
-    `tid_field` is field 1 (transfer_id) encoded; tests check the result parses as that KVChunk."""
-    return b"".join((tid_field, b"\x10", _varint(index), b"\x18", _varint(offset),
-                     _length_delimited(4, data), data, b"\x28", _varint(zlib.crc32(data))))
 
 
 def _chunk_size(index: int, chunk: int, total: int) -> int:

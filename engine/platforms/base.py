@@ -82,13 +82,17 @@ class Platform(ABC):
         return None
 
     # -- decode graphs (platforms with supports_graphs) -------------------------------------
-    def new_graph(self):
-        """A fresh device graph object with replay() and pool() (torch.cuda.CUDAGraph-like)."""
+    def capture_graph(self, fn, pool=None):
+        """Capture fn() (one decode forward over static buffers) into a device graph sharing
+        memory `pool`; returns (graph, output). graph.replay() reruns it in place, graph.pool()
+        is the pool to share with the next capture."""
         raise NotImplementedError(f"{self.name} does not capture graphs")
 
-    def graph_capture(self, graph, pool):
-        """Context manager capturing device work into `graph`, sharing memory `pool`."""
-        raise NotImplementedError(f"{self.name} does not capture graphs")
+    def before_replay(self, graph, meta, batch_size: int) -> None:  # noqa: B027
+        """Refresh whatever a captured graph froze that this step changes (host-side arguments
+        such as NPU attention's sequence lengths); `meta` is the step's own metadata, padded
+        to `batch_size` rows in the graph. Nothing on CUDA."""
+        return None
 
     # -- KV cache and attention -------------------------------------------------------------
     def allocate_kv_cache(

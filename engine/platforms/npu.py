@@ -100,11 +100,11 @@ class NpuPlatform(Platform):
             raise ValueError(f"npu fused attention needs head_dim <= 512 and a multiple of 16, got {head_dim}")
 
     # -- graphs (aclgraph) ------------------------------------------------------------------
-    def new_graph(self):
-        return self.npu.NPUGraph()
-
-    def graph_capture(self, graph, pool):
-        return self.npu.graph(graph, pool=pool)
+    def capture_graph(self, fn, pool=None):
+        graph = self.npu.NPUGraph()
+        with self.npu.graph(graph, pool=pool):
+            out = fn()
+        return graph, out
 
     # -- KV cache and attention -------------------------------------------------------------
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:

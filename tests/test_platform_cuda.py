@@ -1,0 +1,319 @@
+"""CUDA platform: every Triton kernel against the CPU platform's reference code.
+
+The reference is CpuPlatform's own code run in float64 on upcast copies of the same inputs
+(on the GPU, so multi-thousand-token cases stay quick). Inputs are random, never zero; kernel
+outputs are poisoned with NaN first and must be fully overwritten. Skipped with a reason where
+there is no CUDA GPU or no triton; the layout checks run everywhere.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engine.attention_metadata import AttnMetadata
+from engine.platforms.base import LayerOps
+from engine.platforms.cpu import CpuPlatform
+from engine.platforms.cuda import CudaPlatform
+
+HAS_GPU = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+_why_skip = "no CUDA GPU visible to torch" if not HAS_GPU else "triton is not installed"
+
+
+def on_gpu(test):
+    """Marks a test that runs kernels: skipped, with the reason, without a GPU or triton."""
+    return pytest.mark.device(pytest.mark.skipif(not (HAS_GPU and HAS_TRITON), reason=_why_skip)(test))
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+DEV = "cuda"
+
+# (dtype, q heads per kv head, head_dim, block_size): each GQA ratio, head_dim and block size,
+# in both precisions, without compiling the whole cartesian product
+CASES = [
+    (torch.float32, 1, 64, 16),
+    (torch.float32, 4, 128, 32),
+    (torch.bfloat16, 1, 128, 16),
+    (torch.bfloat16, 2, 128, 16),
+    (torch.bfloat16, 4, 64, 32),
+    (torch.bfloat16, 8, 128, 32),
+    (torch.float16, 2, 64, 16),
+]
+KV_HEADS = 2
+
+
+def case_id(case) -> str:
+    dtype, group, dim, bs = case
+    return f"{str(dtype).removeprefix('torch.')}-gqa{group}-d{dim}-bs{bs}"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def poisoned(like: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(like, float("nan"))
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} outputs never written (still NaN)"
+    err = rel_err(out, ref)
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e} over {TOLERANCE[dtype]:.0e}"
+
+
+@dataclass
+class PagedBatch:
+    """A step over a paged cache: new tokens q/k/v (not yet stored) and their metadata."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: AttnMetadata
+
+    def upcast(self) -> PagedBatch:
+        """The same inputs in float64, for the reference."""
+        d = torch.float64
+        return PagedBatch(self.q.to(d), self.k.to(d), self.v.to(d), self.k_cache.to(d), self.v_cache.to(d),
+                          self.meta)
+
+
+def make_batch(context_lens: list[int], query_lens: list[int], group: int, dim: int, block_size: int,
+               dtype: torch.dtype, pad_rows: int = 0, seed: int = 0, min_blocks: int = 0) -> PagedBatch:
+    """Random sequences with shuffled, non-contiguous blocks; block tables padded with -1 (plus
+    one spare -1 column); `pad_rows` graph-style padding rows (one token of block 0, slot -1)."""
+    g = torch.Generator().manual_seed(seed)
+    totals = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    need = [-(-n // block_size) for n in totals]
+    num_blocks = max(sum(need) + 3, min_blocks)
+    order = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()     # block 0 stays for padding rows
+    width = max(need) + 1
+    tables, slots, starts = [], [], [0]
+    for c, q, n in zip(context_lens, query_lens, need, strict=True):
+        blocks, order = order[:n], order[n:]
+        tables.append(blocks + [-1] * (width - n))
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
+        starts.append(starts[-1] + q)
+    for _ in range(pad_rows):
+        tables.append([0] + [-1] * (width - 1))
+        slots.append(-1)
+        starts.append(starts[-1] + 1)
+    seq_lens = totals + [1] * pad_rows
+    t = starts[-1]
+    hkv, hq = KV_HEADS, KV_HEADS * group
+    kv = torch.randn(1, 2, num_blocks, block_size, hkv, dim, generator=g).to(dtype)   # the platform's layout
+    meta = AttnMetadata(
+        is_decode=all(q == 1 for q in query_lens), slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32), max_query_len=max(query_lens + [1] * pad_rows),
+        max_seq_len=max(seq_lens), has_context=any(c > 0 for c in context_lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        setattr(meta, name, getattr(meta, name).to(DEV))
+    kv = kv.to(DEV)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(DEV)  # noqa: E731
+    return PagedBatch(rnd(t, hq, dim), rnd(t, hkv, dim), rnd(t, hkv, dim), kv[0, 0], kv[0, 1], meta)
+
+
+def reference_store(batch: PagedBatch) -> PagedBatch:
+    ref = batch.upcast()
+    CpuPlatform(torch.device("cpu")).store_kv(ref.k, ref.v, ref.k_cache, ref.v_cache, batch.meta.slot_mapping)
+    return ref
+
+
+def cuda_platform() -> CudaPlatform:
+    return CudaPlatform(torch.device(DEV))
+
+
+# -- layout checks (run everywhere) ---------------------------------------------------------
+@pytest.mark.parametrize("block_size,head_dim,dtype,needle", [
+    (16, 96, torch.bfloat16, "head_dim"),
+    (16, 512, torch.bfloat16, "head_dim"),
+    (24, 128, torch.bfloat16, "block_size"),
+    (16, 128, torch.int8, "float16, bfloat16 or float32"),
+])
+def test_check_kv_layout_names_the_constraint(block_size, head_dim, dtype, needle):
+    with pytest.raises(ValueError, match=needle):
+        CudaPlatform(torch.device("cuda")).check_kv_layout(block_size, head_dim, dtype)
+
+
+def test_check_kv_layout_accepts_common_models():
+    for head_dim in (64, 128, 256):
+        CudaPlatform(torch.device("cuda")).check_kv_layout(16, head_dim, torch.bfloat16)
+
+
+def test_platform_identity():
+    p = CudaPlatform(torch.device("cuda"))
+    assert (p.name, p.dist_backend, p.supports_graphs, p.default_dtype()) == ("cuda", "nccl", True, torch.bfloat16)
+
+
+# -- KV store -------------------------------------------------------------------------------
+@on_gpu
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "qkv-view"])
+def test_store_kv_writes_every_slot_and_skips_padding(case, strided):
+    dtype, group, dim, bs = case
+    batch = make_batch([0, 5, 40], [19, 1, 3], group, dim, bs, dtype, pad_rows=2)
+    k, v = batch.k, batch.v
+    if strided:     # k/v as column slices of one fused qkv projection
+        fused = torch.cat([k.flatten(1), v.flatten(1), k.flatten(1)], dim=1)
+        k = fused[:, :KV_HEADS * dim].view(-1, KV_HEADS, dim)
+        v = fused[:, KV_HEADS * dim:2 * KV_HEADS * dim].view(-1, KV_HEADS, dim)
+    ref = reference_store(batch)
+    cuda_platform().store_kv(k, v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    assert torch.equal(batch.k_cache.double(), ref.k_cache)     # written rows exact, all others untouched
+    assert torch.equal(batch.v_cache.double(), ref.v_cache)
+
+
+# -- decode ---------------------------------------------------------------------------------
+DECODE_CONTEXTS = [1, 2, 17, 600, 4100, 2049, 33, 1000]
+
+
+@on_gpu
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("splits", ["auto", "one"])
+def test_decode_matches_reference(case, splits):
+    from engine.platforms.triton_kernels import decode_attention as dk
+    dtype, group, dim, bs = case
+    ctx = [n - 1 for n in DECODE_CONTEXTS]
+    batch = make_batch(ctx, [1] * len(ctx), group, dim, bs, dtype, pad_rows=2, seed=hash(case_id(case)) % 1000)
+    platform = cuda_platform()
+    platform.store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    ref = reference_store(batch)
+    scale = dim ** -0.5
+    expected = CpuPlatform(torch.device("cpu")).decode_attention(ref.q, ref.k_cache, ref.v_cache, batch.meta, scale)
+    cfg = dk.default_config(dim, dtype)
+    if splits == "one":
+        cfg = dk.DecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, max_splits=1)
+    out = dk.paged_decode(batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables, batch.meta.seq_lens,
+                          scale, platform.num_sms, cfg, out=poisoned(batch.q))
+    assert_close(out, expected, dtype)
+    if splits == "auto":   # the platform entry point is the same kernel
+        assert torch.equal(platform.decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale), out)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_decode_split_count_depends_on_shapes_only():
+    from engine.platforms.triton_kernels import decode_attention as dk  # host-side arithmetic: no GPU needed
+    cfg = dk.DecodeConfig()
+    assert dk.num_splits(1, 8, 4096, 132, cfg) == 16          # 4096 tokens / 256 per split
+    assert dk.num_splits(1, 8, 40960, 132, cfg) == 64         # capped
+    assert dk.num_splits(256, 8, 40960, 132, cfg) == 1        # the batch fills the GPU
+    assert dk.num_splits(4, 8, 16, 132, cfg) == 1             # nothing to split
+
+
+# -- prefill --------------------------------------------------------------------------------
+@on_gpu
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("with_cache", [False, True], ids=["no-cache", "cache"])
+def test_prefill_without_context_matches_reference(case, with_cache):
+    dtype, group, dim, bs = case
+    batch = make_batch([0, 0, 0, 0], [1, 37, 300, 1100], group, dim, bs, dtype, seed=7)
+    platform = cuda_platform()
+    scale = dim ** -0.5
+    ref = batch.upcast()
+    expected = CpuPlatform(torch.device("cpu")).prefill_attention(ref.q, ref.k, ref.v, None, None, batch.meta, scale)
+    if with_cache:
+        platform.store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+        out = platform.prefill_attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, scale)
+    else:
+        out = platform.prefill_attention(batch.q, batch.k, batch.v, None, None, batch.meta, scale)
+    assert_close(out, expected, dtype)
+
+
+@on_gpu
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_chunked_and_prefix_cached_prefill_reads_context_from_cache(case):
+    from engine.platforms.triton_kernels import prefill_attention as pk
+    dtype, group, dim, bs = case
+    # a fresh prompt, a one-token chunk, a prefix hit, a long chunk over a long context, a short tail
+    batch = make_batch([0, 16, 1000, 3000, 5], [7, 1, 256, 700, 64], group, dim, bs, dtype, seed=11)
+    platform = cuda_platform()
+    platform.store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    ref = reference_store(batch)
+    scale = dim ** -0.5
+    expected = CpuPlatform(torch.device("cpu")).prefill_attention(ref.q, ref.k, ref.v, ref.k_cache, ref.v_cache,
+                                                                 batch.meta, scale)
+    m = batch.meta
+    out = pk.varlen_prefill(batch.q, batch.k, batch.v, m.query_start_loc, m.max_query_len, scale,
+                            seq_lens=m.seq_lens, k_cache=batch.k_cache, v_cache=batch.v_cache,
+                            block_tables=m.block_tables, out=poisoned(batch.q))
+    assert_close(out, expected, dtype)
+    assert torch.equal(platform.prefill_attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, m, scale),
+                       out)
+
+
+# -- decode under CUDA graphs ---------------------------------------------------------------
+@on_gpu
+@pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=case_id)
+def test_decode_graph_replay_with_new_seq_lens_matches_eager(case):
+    dtype, group, dim, bs = case
+    max_len = 8192
+    width = max_len // bs
+    platform = cuda_platform()
+    scale = dim ** -0.5
+
+    def step(contexts, seed):
+        b = make_batch(contexts, [1] * len(contexts), group, dim, bs, dtype, pad_rows=1, seed=seed,
+                       min_blocks=2 * width)
+        tables = torch.full((b.meta.num_seqs, width), -1, dtype=torch.int32, device=DEV)
+        tables[:, :b.meta.block_tables.shape[1]] = b.meta.block_tables
+        b.meta.block_tables = tables
+        return b
+
+    first = step([100, 3000, 0, 7000], seed=1)
+    # static buffers, as the graph runner keeps them; the cache tensors are reused in place
+    q, k, v = first.q.clone(), first.k.clone(), first.v.clone()
+    slots, seq_lens, tables = (first.meta.slot_mapping.clone(), first.meta.seq_lens.clone(),
+                               first.meta.block_tables.clone())
+    meta = AttnMetadata(True, slots, first.meta.query_start_loc, seq_lens, tables, 1, max_len, True,
+                        first.meta.query_start_loc_cpu, first.meta.seq_lens_cpu)
+    k_cache, v_cache = first.k_cache, first.v_cache
+
+    def forward():
+        platform.store_kv(k, v, k_cache, v_cache, slots)
+        return platform.decode_attention(q, k_cache, v_cache, meta, scale)
+
+    forward()                                       # warm-up compiles outside the capture
+    platform.synchronize()
+    graph = platform.new_graph()
+    with platform.graph_capture(graph, None):
+        graph_out = forward()
+
+    second = step([4500, 1, 250, 60], seed=2)       # other lengths, other blocks: same shapes
+    assert second.k_cache.shape == k_cache.shape
+    k_cache.copy_(second.k_cache)
+    v_cache.copy_(second.v_cache)
+    for dst, src in ((q, second.q), (k, second.k), (v, second.v), (slots, second.meta.slot_mapping),
+                     (seq_lens, second.meta.seq_lens), (tables, second.meta.block_tables)):
+        dst.copy_(src)
+    graph_out.fill_(float("nan"))
+    graph.replay()
+    platform.synchronize()
+    replayed = graph_out.clone()
+    eager = forward()
+    assert torch.equal(replayed, eager)
+    ref = reference_store(second)
+    expected = CpuPlatform(torch.device("cpu")).decode_attention(ref.q, ref.k_cache, ref.v_cache, second.meta, scale)
+    assert_close(replayed, expected, dtype)
+
+
+# -- fused layer ops ------------------------------------------------------------------------
+@on_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(7, 1024), (33, 4, 128), (3, 896)], ids=["hidden", "per-head", "odd-width"])
+def test_fused_layer_ops_match_plain_torch(dtype, shape):
+    fused, plain = cuda_platform().ops, LayerOps()
+    g = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(*shape, generator=g).to(dtype).to(DEV) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).to(DEV)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    assert rel_err(fused.rms_norm(x, w, 1e-6), plain.rms_norm(x, w, 1e-6)) < tol
+    y, s = fused.add_rms_norm(x, res, w, 1e-6)
+    y_ref, s_ref = plain.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(s, s_ref) and rel_err(y, y_ref) < tol
+    gate_up = torch.randn(shape[0], 2 * shape[-1], generator=g).to(dtype).to(DEV)
+    assert rel_err(fused.silu_and_mul(gate_up), plain.silu_and_mul(gate_up)) < tol
