@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import kv, offline, record, serve
+from benchmarks.deployment import LaunchError
 
 BENCHMARKS = {
     "offline": (offline, "B1: offline throughput on the nano-vllm workload, with a roofline"),
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:            # bad input found once running (model name, lengths, ...)
         print(f"baton bench {args.benchmark}: {exc}", file=sys.stderr)
         sys.exit(2)
+    except LaunchError as exc:           # a launched deployment did not come up
+        print(f"baton bench {args.benchmark}: {exc}", file=sys.stderr)
+        sys.exit(1)
     path = record.write(rec, out)
     print(f"[bench] wrote {path}", file=sys.stderr)
     print(path)

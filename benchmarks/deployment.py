@@ -21,6 +21,10 @@ from engine.launcher import START_TIMEOUT_S, Child, free_port, stop_all, wait_se
 TOPOLOGIES = ("1p1d", "2colocated", "1colocated")
 
 
+class LaunchError(RuntimeError):
+    """A process of the deployment did not come up; the message ends with its log."""
+
+
 @dataclass
 class Deployment:
     topology: str
@@ -115,4 +119,4 @@ def _wait(child: Child, log_dir: Path) -> None:
     except (RuntimeError, TimeoutError) as exc:
         log = log_dir / f"{child.name}.log"
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if log.exists() else ""
-        raise RuntimeError(f"{exc}\n--- {log} ---\n{tail}") from exc
+        raise LaunchError(f"{exc}\n--- {log} ---\n{tail}") from exc

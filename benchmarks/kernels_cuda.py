@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -276,6 +277,7 @@ def table(results: dict) -> str:
     for r in results["layer_ops"]:
         lines.append(f"  {r['op']:<13} T={r['tokens']:<5} {r['fused_us']:9.1f} {r['plain_us']:10.1f} "
                      f"{r['speedup']:8.1f}x {r['fused_bw_frac']:9.0%}")
+    lines += [f"ERROR in {name}: {tb.strip().splitlines()[-1]}" for name, tb in results.get("errors", {}).items()]
     return "\n".join(lines)
 
 
@@ -300,7 +302,12 @@ def main() -> None:
                      ("prefill", lambda: bench_prefill(results["ceilings"]["matmul"]["flops_per_s"])),
                      ("layer_ops", lambda: bench_layer_ops(copy_bw))):
         t0 = time.perf_counter()
-        results[name] = fn()
+        try:
+            results[name] = fn()
+        except Exception:     # keep the other sections' numbers; the traceback goes into the JSON
+            results[name] = []
+            results.setdefault("errors", {})[name] = traceback.format_exc()
+            log(f"{name} FAILED:\n{results['errors'][name]}")
         log(f"{name} done in {time.perf_counter() - t0:.0f}s")
         (out_dir / "kernels_cuda.json").write_text(json.dumps(results, indent=1))
     print(table(results), flush=True)

@@ -14,7 +14,7 @@ Activations are left out: they are what a perfect kernel keeps on chip.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from benchmarks.model_shape import ModelShape
@@ -103,6 +103,3 @@ def _by_kind(steps: Sequence[StepShape], least: Sequence[float], measured: Seque
                      "roofline_fraction": sum(least[i] for i in idx) / spent if spent > 0 else None}
     return out
 
-
-def total_least_seconds(cost: CostModel, ceilings: Ceilings, steps: Iterable[StepShape]) -> float:
-    return sum(cost.least_seconds(s, ceilings)[0] for s in steps)

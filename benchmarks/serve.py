@@ -181,11 +181,12 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     prefill, decode = _split(args.prefill_devices), _split(args.decode_devices)
     used = [d for t in args.topologies for _, d in deployment.plan(t, prefill, decode)] or [args.device]
     peer = next((d for d in used if d != args.device), None)
+    if args.topologies:
+        rec["model"] = shape_of(args.model).to_json()           # an unknown model fails here, not later
     rec["ceilings"] = ceilings.measure(args.device, peer_device=peer, quick=args.smoke)
     rec["device"] = record.device_info(used)
     topologies: dict[str, dict] = {}
     if args.topologies:
-        rec["model"] = shape_of(args.model).to_json()
         log_root = Path(args.log_dir) if args.log_dir else out.with_suffix("").with_name(out.stem + "-logs")
         for name in args.topologies:
             dep = deployment.launch(name, args.model, prefill, decode, shlex.split(args.worker_args),
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace, rec: dict) -> None:
         topologies[args.label] = asyncio.run(sweep(args, args.addr, urls))
         topologies[args.label]["deployment"] = {"router": args.addr, "metrics_urls": urls}
         rec["model"] = _shape_or_name(topologies[args.label]["model_info"]["name"])
-    rec["dtype"] = _worker_dtype(args)
+    rec["dtype"] = _worker_dtype(args) if args.topologies else None      # a running deployment's is not known
     rec["results"] = {"slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms,
                               "goodput_attainment": GOODPUT_ATTAINMENT},
                       "topologies": topologies, "plots": []}

@@ -59,7 +59,8 @@ def serve_main(argv: list[str]) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="router metrics on this port, each worker on the ports after it")
     sys.exit(serve(p.parse_args(argv)))
 
 

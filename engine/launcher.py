@@ -82,9 +82,15 @@ def serve(args) -> int:
         worker_args += ["--max-model-len", str(args.max_model_len)]
     children: list[Child] = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if "cpu" in (args.device, args.prefill_devices, args.decode_devices):
+        # CPU workers share the machine's cores: oversubscribed torch threads crawl
+        n = (args.instances if args.colocated else args.prefill_instances + args.decode_instances)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
 
     def start(name: str, module: str, device: str, extra: list[str]) -> str:
         port = free_port(host)
+        if args.metrics_port:           # the router gets --metrics-port; workers the ports after it
+            extra = [*extra, "--metrics-port", str(args.metrics_port + 1 + len(children))]
         cmd = worker_command(module, host, port, args.model, device, worker_args + extra)
         children.append(Child(name, f"{host}:{port}", subprocess.Popen(cmd, env=env)))
         return f"{host}:{port}"

@@ -16,6 +16,7 @@ import zlib
 from collections import deque
 
 import grpc
+import numpy as np
 from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 from kvtransfer.backend import (
@@ -46,6 +47,7 @@ MAX_CRC_RETRIES = 3                  # NACKs of one chunk before the transfer fa
 MAX_CHUNKS = 1 << 20                 # bounds per-transfer bookkeeping whatever the sender claims
 OPEN_TIMEOUT_S = 10.0                # a stream must say which transfer it carries by then
 LINGER_S = 2.0                       # after REFUSED, how long to wait for the sender to half-close
+THREADED_COPY_BYTES = 256 << 10      # smaller chunks are checked and copied inline: a thread hop costs more
 
 
 # -- decode side ---------------------------------------------------------------------------------
@@ -190,7 +192,7 @@ class _PushSession:
                 self._finish(t, msg.done)
                 await self.context.write(Ack(kind=Ack.KIND_DONE))
                 return
-            await self.context.write(self._store(t, msg))
+            await self.context.write(await self._store(t, msg))
 
     async def _next(self, timeout: float, what: str):
         try:
@@ -227,7 +229,7 @@ class _PushSession:
         await self.pending.stage(t)                           # waits (bounded) for staging room
         return t
 
-    def _store(self, t: Transfer, msg) -> kvtransfer_pb2.KVAck:
+    async def _store(self, t: Transfer, msg) -> kvtransfer_pb2.KVAck:
         data = msg.data                                       # a view (DataChunk) or one copy (KVChunk)
         i, n = msg.index, len(data)
         if n > self.window:
@@ -247,7 +249,7 @@ class _PushSession:
             if msg.crc32 != self.crcs[i]:
                 raise TransferRejected(Code.INVALID_ARGUMENT, f"chunk {i} was sent again with different contents")
             return Ack(kind=Ack.KIND_ACK, index=i, credit=n)
-        actual = zlib.crc32(data)
+        actual = await _checked_copy(t.buffer[start:start + n], data, msg.crc32)
         if actual != msg.crc32:
             self.nacks[i] = self.nacks.get(i, 0) + 1
             if self.nacks[i] > self.s.max_crc_retries:
@@ -255,7 +257,6 @@ class _PushSession:
                                        f"{self.nacks[i]} times (the link corrupts data)")
             return Ack(kind=Ack.KIND_NACK, index=i, credit=n,
                        reason=f"crc32 {actual:#010x} of the received bytes != {msg.crc32:#010x} sent")
-        t.buffer[start:start + n] = data
         self.crcs[i] = actual
         self.stored_bytes += n
         return Ack(kind=Ack.KIND_ACK, index=i, credit=n)
@@ -370,14 +371,15 @@ class GrpcKVSender(KVSender):
         stats = SendStats(nbytes=total, chunks=num_chunks, window_bytes=grant.credit)
         credit, in_flight = grant.credit, 0
         todo: deque[int] = deque(range(num_chunks))
-        tid_field = transfer_id_field(tid)
+        encoded = _Encoder(transfer_id_field(tid), payload, chunk)
         while todo or in_flight:
             while todo and credit >= _chunk_size(todo[0], chunk, total):
                 i = todo.popleft()
-                data = payload[i * chunk:(i + 1) * chunk]
-                await _write(call, acks, encode_chunk(tid_field, i, i * chunk, data))
-                credit -= len(data)
-                in_flight += len(data)
+                if todo:                                  # checksum the next one while this one goes out
+                    encoded.start(todo[0])
+                await _write(call, acks, await encoded.take(i))
+                credit -= _chunk_size(i, chunk, total)
+                in_flight += _chunk_size(i, chunk, total)
                 stats.max_in_flight_bytes = max(stats.max_in_flight_bytes, in_flight)
             ack = await acks.next(Ack.KIND_ACK, Ack.KIND_NACK)
             if ack.index >= num_chunks:
@@ -468,6 +470,40 @@ async def _write(call, acks: _AckReader, msg) -> None:
         await call.write(msg)
     except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
         await acks.raise_why_it_ended()
+
+
+class _Encoder:
+    """Encodes chunks on a worker thread, one ahead of the writes: zlib.crc32 releases the GIL, so the
+    checksum of chunk i+1 overlaps gRPC sending chunk i."""
+
+    def __init__(self, tid_field: bytes, payload: memoryview, chunk: int):
+        self.tid_field, self.payload, self.chunk = tid_field, payload, chunk
+        self.futures: dict[int, asyncio.Future] = {}
+
+    def start(self, i: int) -> None:
+        if i not in self.futures:
+            data = self.payload[i * self.chunk:(i + 1) * self.chunk]
+            self.futures[i] = asyncio.get_running_loop().run_in_executor(
+                None, encode_chunk, self.tid_field, i, i * self.chunk, data)
+
+    async def take(self, i: int) -> bytes:
+        self.start(i)
+        return await self.futures.pop(i)
+
+
+async def _checked_copy(dst: memoryview, src, crc: int) -> int:
+    """Copy `src` into `dst` if its crc32 is `crc`; returns the crc32 found. Large chunks go to a worker
+    thread (zlib and numpy's copy release the GIL), so the event loop keeps serving gRPC meanwhile."""
+    if len(src) < THREADED_COPY_BYTES:
+        return _check_then_copy(dst, src, crc)
+    return await asyncio.get_running_loop().run_in_executor(None, _check_then_copy, dst, src, crc)
+
+
+def _check_then_copy(dst: memoryview, src, crc: int) -> int:
+    actual = zlib.crc32(src)
+    if actual == crc:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+    return actual
 
 
 def _serialize(msg: kvtransfer_pb2.KVChunk | bytes) -> bytes:

@@ -132,5 +132,6 @@ def _preset(name: str) -> ModelSource:
     from transformers import AutoConfig
     fields = dict(PRESETS[name])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    tokenizer = resolve_model(EMBEDDED).tokenizer_path      # text I/O for presets uses SmolLM2's tokenizer
+    # text I/O for presets uses SmolLM2's tokenizer (or any HF tokenizer dir named by the env)
+    tokenizer = os.environ.get("BATON_PRESET_TOKENIZER") or resolve_model(EMBEDDED).tokenizer_path
     return ModelSource(name, config, None, tokenizer, config.architectures[0])

@@ -62,7 +62,8 @@ class Cluster:
     @classmethod
     def launch(cls, log_dir: Path, prefill: int = 1, decode: int = 1, colocated: int = 0,
                worker_args: list[str] = (), router_args: list[str] = (), env: dict | None = None) -> Cluster:
-        c = cls(log_dir, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+        # one torch thread per worker: several processes share CI's two cores
+        c = cls(log_dir, env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})))
         log_dir.mkdir(parents=True, exist_ok=True)
         workers = ([c._worker("prefill", i, "prefill_service", worker_args) for i in range(prefill)]
                    + [c._worker("decode", i, "decode_service", worker_args) for i in range(decode)]

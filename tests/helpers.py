@@ -47,12 +47,13 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
     KV cache; EOS is just another token (like ignore_eos), nothing is suppressed."""
     outs = []
     for ids in prompts:
-        x, past, out = torch.tensor([ids]), None, []
+        device = next(model.parameters()).device
+        x, past, out = torch.tensor([ids], device=device), None, []
         with torch.no_grad():
             for _ in range(max_new_tokens):
                 r = model(input_ids=x, past_key_values=past, use_cache=True)
                 past = r.past_key_values
                 out.append(int(r.logits[0, -1].argmax()))
-                x = torch.tensor([[out[-1]]])
+                x = torch.tensor([[out[-1]]], device=device)
         outs.append(out)
     return outs

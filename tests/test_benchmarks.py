@@ -272,9 +272,9 @@ def test_offline_smoke_through_transformers_generates_the_same_token_count(tmp_p
 
 
 def test_kv_smoke_measures_grpc_against_a_loopback_socket(tmp_path):
-    data = _bench(tmp_path, "kv", "--smoke")
+    data = _bench(tmp_path, "kv", "--smoke", "--tokens", "20")         # one size: each spawns 4 processes
     rows = data["results"]["transfers"]
-    assert [(t["backend"], t["tokens"]) for t in rows] == [("grpc", 16), ("grpc", 128)]
+    assert [(t["backend"], t["tokens"], t["tokens_in_blocks"]) for t in rows] == [("grpc", 20, 32)]
     per_token = data["results"]["kv_bytes_per_token"]
     assert per_token == 30 * 2 * 3 * 64 * 2                   # SmolLM2-135M, bf16
     for t in rows:

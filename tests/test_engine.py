@@ -2,6 +2,8 @@
 path gives the same tokens, and bad input is refused without harming the engine."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import hf_greedy, save_tiny_checkpoint
@@ -91,11 +93,12 @@ def test_capital_of_france_is_paris(embedded_llm):
 def test_tiny_architectures_match_transformers(tmp_path, embedded_source, arch, overrides, block_size):
     from transformers import AutoModelForCausalLM
     path = save_tiny_checkpoint(arch, tmp_path / arch, embedded_source.tokenizer_path, **overrides)
-    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    device = os.environ.get("BATON_TEST_DEVICE", "cpu")      # cuda:0 on a GPU machine: same test, fp32
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).to(device).eval()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 23, 40)]
     want = hf_greedy(hf, prompts, 16)
-    llm = LLM(str(path), block_size=block_size, num_kv_blocks=256)
+    llm = LLM(str(path), block_size=block_size, num_kv_blocks=256, device=device, dtype="float32")
     got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in got] == want
 

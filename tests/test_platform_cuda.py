@@ -179,7 +179,7 @@ def test_decode_matches_reference(case, splits):
     from engine.platforms.triton_kernels import decode_attention as dk
     dtype, group, dim, bs = case
     ctx = [n - 1 for n in DECODE_CONTEXTS]
-    batch = make_batch(ctx, [1] * len(ctx), group, dim, bs, dtype, pad_rows=2, seed=hash(case_id(case)) % 1000)
+    batch = make_batch(ctx, [1] * len(ctx), group, dim, bs, dtype, pad_rows=2, seed=CASES.index(case))
     platform = cuda_platform()
     platform.store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
     ref = reference_store(batch)
@@ -279,9 +279,7 @@ def test_decode_graph_replay_with_new_seq_lens_matches_eager(case):
 
     forward()                                       # warm-up compiles outside the capture
     platform.synchronize()
-    graph = platform.new_graph()
-    with platform.graph_capture(graph, None):
-        graph_out = forward()
+    graph, graph_out = platform.capture_graph(forward)
 
     second = step([4500, 1, 250, 60], seed=2)       # other lengths, other blocks: same shapes
     assert second.k_cache.shape == k_cache.shape
@@ -291,6 +289,7 @@ def test_decode_graph_replay_with_new_seq_lens_matches_eager(case):
                      (seq_lens, second.meta.seq_lens), (tables, second.meta.block_tables)):
         dst.copy_(src)
     graph_out.fill_(float("nan"))
+    platform.before_replay(graph, second.meta, second.meta.num_seqs)
     graph.replay()
     platform.synchronize()
     replayed = graph_out.clone()

@@ -71,11 +71,13 @@ class CudaPlatform(Platform):
         return self._num_sms
 
     # -- decode graphs ----------------------------------------------------------------------
-    def new_graph(self):
-        return torch.cuda.CUDAGraph()
-
-    def graph_capture(self, graph, pool):
-        return torch.cuda.graph(graph, pool=pool)
+    def capture_graph(self, fn, pool=None):
+        """Kernels must already be compiled (the caller warms fn up first): Triton compiles on
+        the host, and decode's partial buffers are allocated from the graph's pool."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph, out
 
     # -- KV cache and attention -------------------------------------------------------------
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:

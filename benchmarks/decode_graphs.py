@@ -1,0 +1,65 @@
+"""Decode step time with CUDA graphs vs eager, at fixed batch sizes and context length.
+
+    python -m benchmarks.decode_graphs --model qwen3-0.6b --device cuda:0 --batches 1,64,256
+
+Each batch: requests with a random prompt of --context tokens are prefilled, then the median
+of --steps pure decode steps (engine.last_step_seconds: schedule + inputs + forward + sample)
+is reported for the eager and the graph-captured runner, in one JSON line per setting.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from engine import LLMEngine, SamplingParams
+from engine.config import EngineConfig
+
+
+def step_times(engine: LLMEngine, batch: int, context: int, steps: int, seed: int = 0) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    ids = [engine.add_request(torch.randint(0, vocab, (context,), generator=g).tolist(), params)
+           for _ in range(batch)]
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+    times = []
+    for _ in range(steps):
+        engine.step()
+        times.append(engine.last_step_seconds)
+    for rid in ids:
+        engine.abort(rid)
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--batches", default="1,64,256")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=30)
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    for eager in (True, False):
+        cfg = EngineConfig(model=args.model, device=args.device, enforce_eager=eager, max_num_seqs=max(batches),
+                           max_model_len=args.context + args.steps + 64, max_num_batched_tokens=16384)
+        engine = LLMEngine(cfg)
+        for b in batches:
+            step_times(engine, b, args.context, 5)               # warm-up
+            t = step_times(engine, b, args.context, args.steps)
+            print(json.dumps({"model": args.model, "mode": "eager" if eager else "graphs", "batch": b,
+                              "context": args.context, "median_step_ms": 1000 * statistics.median(t),
+                              "p90_step_ms": 1000 * sorted(t)[int(0.9 * len(t))]}), flush=True)
+        del engine
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    print("done", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
