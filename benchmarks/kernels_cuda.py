@@ -17,6 +17,7 @@ import datetime
 import importlib.util
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,7 @@ DECODE_BATCHES = (1, 64, 256)
 DECODE_CONTEXTS = (1024, 4096)
 PREFILL_CASES = ((1, 4096), (16, 512))                               # sequences x tokens each
 BLOCK_SIZE = 16
+GRAPH_WIDTH = 40960       # block-table width (tokens) of a decode graph for Qwen3's max_model_len
 ROTATE_BYTES = 1 << 30    # rotate decode inputs over >= 1 GiB so the 50-60 MB L2 cannot serve them
 
 
@@ -85,12 +87,12 @@ def decode_configs():
         "n32": dataclasses.replace(base, block_n=32),
         "n128": dataclasses.replace(base, block_n=128),
         "w8": dataclasses.replace(base, num_warps=8),
-        "n128w8": dataclasses.replace(base, block_n=128, num_warps=8),
         "s2": dataclasses.replace(base, num_stages=2),
         "s4": dataclasses.replace(base, num_stages=4),
-        "split128": dataclasses.replace(base, min_split_tokens=128),
-        "pps8": dataclasses.replace(base, programs_per_sm=8),
-        "pps2": dataclasses.replace(base, programs_per_sm=2),
+        "split64": dataclasses.replace(base, min_split_tokens=64),
+        "split256": dataclasses.replace(base, min_split_tokens=256),
+        "pps1": dataclasses.replace(base, programs_per_sm=1),
+        "pps4": dataclasses.replace(base, programs_per_sm=4),
     }
 
 
@@ -101,33 +103,47 @@ def bench_decode(num_sms: int, copy_bw: float) -> list[dict]:
             for batch in DECODE_BATCHES:
                 rows.append(decode_shape(model, hq, hkv, dim, batch, ctx, num_sms, copy_bw))
                 torch.cuda.empty_cache()
+    # as under the engine's decode graphs: block tables as wide as max_model_len (Qwen3's 40960)
+    hq, hkv, dim = MODELS["qwen3-8b"]
+    for ctx in DECODE_CONTEXTS:
+        for batch in (1, 8, 64):
+            rows.append(decode_shape("qwen3-8b", hq, hkv, dim, batch, ctx, num_sms, copy_bw, width_tokens=GRAPH_WIDTH))
+            torch.cuda.empty_cache()
     return rows
 
 
 def decode_shape(model: str, hq: int, hkv: int, dim: int, batch: int, ctx: int, num_sms: int,
-                 copy_bw: float) -> dict:
-    """Every decode config on one shape; inputs rotate over `sets` copies to defeat the L2."""
+                 copy_bw: float, width_tokens: int | None = None) -> dict:
+    """Every decode config on one shape (only the default one with `width_tokens`, block tables
+    that wide); inputs rotate over `sets` copies to defeat the L2."""
     from engine.platforms.triton_kernels.decode_attention import num_splits, paged_decode
     kv_bytes = batch * ctx * hkv * dim * 2 * 2                 # K and V, bf16
     sets = max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes)))
     blocks_per_seq = ctx // BLOCK_SIZE
     total_blocks = sets * batch * blocks_per_seq
     kv = torch.randn(2, total_blocks, BLOCK_SIZE, hkv, dim, device="cuda", dtype=torch.bfloat16)
-    tables = torch.randperm(total_blocks, device="cuda", dtype=torch.int32).view(sets, batch, blocks_per_seq)
+    width = (width_tokens or ctx) // BLOCK_SIZE
+    tables = torch.full((sets, batch, width), -1, device="cuda", dtype=torch.int32)
+    tables[:, :, :blocks_per_seq] = torch.randperm(total_blocks, device="cuda", dtype=torch.int32).view(
+        sets, batch, blocks_per_seq)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qs = torch.randn(sets, batch, hq, dim, device="cuda", dtype=torch.bfloat16)
     outs = torch.empty_like(qs)
-    moved = kv_bytes + 2 * qs[0].numel() * 2 + tables[0].numel() * 4   # KV + q + out + block tables
-    row = {"model": model, "batch": batch, "context": ctx, "bytes": moved, "sets": sets}
+    moved = kv_bytes + 2 * qs[0].numel() * 2 + batch * blocks_per_seq * 4   # KV + q + out + block tables
+    row = {"model": model, "batch": batch, "context": ctx, "bytes": moved, "sets": sets,
+           "table_tokens": width * BLOCK_SIZE}
     configs = decode_configs()
+    if width_tokens:
+        configs = {"default": configs["default"]}
     for name, cfg in configs.items():
         def call(i, cfg=cfg):
             return lambda: paged_decode(qs[i], kv[0], kv[1], tables[i], seq_lens, dim ** -0.5, num_sms, cfg,
                                         out=outs[i])
         t = graph_seconds_per_call([call(i % sets) for i in range(max(sets, 8))])
-        row[name] = {"us": t * 1e6, "bw_frac": moved / t / copy_bw, "splits": num_splits(batch, hkv, ctx, num_sms, cfg)}
+        row[name] = {"us": t * 1e6, "bw_frac": moved / t / copy_bw,
+                     "splits": num_splits(batch, hkv, width * BLOCK_SIZE, num_sms, cfg)}
     row["best"] = best = min(configs, key=lambda n: row[n]["us"])
-    log(f"decode {model} B={batch} ctx={ctx}: default {row['default']['us']:.1f} us "
+    log(f"decode {model} B={batch} ctx={ctx} table={width * BLOCK_SIZE}: default {row['default']['us']:.1f} us "
         f"({row['default']['bw_frac']:.0%} of copy bw, {row['default']['splits']} splits); "
         f"best {best} {row[best]['us']:.1f} us")
     return row
@@ -136,9 +152,10 @@ def decode_shape(model: str, hq: int, hkv: int, dim: int, batch: int, ctx: int, 
 # -- prefill ----------------------------------------------------------------------------------
 def prefill_configs():
     from engine.platforms.triton_kernels.prefill_attention import PrefillConfig
-    return {"default": PrefillConfig(), "m128n64w4": PrefillConfig(128, 64, 4, 3),
-            "m128n128w8": PrefillConfig(128, 128, 8, 3), "m64n64w4": PrefillConfig(64, 64, 4, 3),
-            "m128n64w8s2": PrefillConfig(128, 64, 8, 2), "m128n32w4": PrefillConfig(128, 32, 4, 3)}
+    return {"default": None, "m128n128w8": PrefillConfig(128, 128, 8, 3), "m64n64w4": PrefillConfig(64, 64, 4, 3),
+            "m128n64w8": PrefillConfig(128, 64, 8, 3), "m128n128w8s2": PrefillConfig(128, 128, 8, 2),
+            "m64n128w4": PrefillConfig(64, 128, 4, 3), "m64n64w4s4": PrefillConfig(64, 64, 4, 4),
+            "m128n32w4": PrefillConfig(128, 32, 4, 3)}
 
 
 def bench_prefill(matmul_rate: float) -> list[dict]:
@@ -224,7 +241,8 @@ def layer_ops_shape(tokens: int, hidden: int, inter: int, copy_bw: float) -> lis
 
 # -- driver -----------------------------------------------------------------------------------
 def run_tests(out_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_platform_cuda.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:benchmark",
+           "tests/test_platform_cuda.py"]
     if importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", "8"]
     log("running " + " ".join(cmd[2:]))
@@ -237,7 +255,8 @@ def run_tests(out_dir: Path) -> dict:
     (out_dir / "pytest.log").write_text(text)
     tail = [line for line in text.splitlines() if line.strip()][-40:]
     print("\n".join(tail), file=sys.stderr, flush=True)
-    return {"rc": rc, "seconds": time.perf_counter() - t0, "summary": tail[-1] if tail else ""}
+    counts = [line for line in tail if re.search(r"\d+ (passed|failed|error)", line)]
+    return {"rc": rc, "seconds": time.perf_counter() - t0, "summary": counts[-1] if counts else f"rc {rc}"}
 
 
 def environment() -> dict:
@@ -264,8 +283,10 @@ def table(results: dict) -> str:
              "", "decode (bf16, block 16)   default: us  %copyBW splits |  best config: us  %copyBW"]
     for r in results["decode"]:
         d, b = r["default"], r[r["best"]]
-        lines.append(f"  {r['model']:<11} B={r['batch']:<4} ctx={r['context']:<5} {d['us']:9.1f} {d['bw_frac']:7.0%} "
+        wide = "*" if r.get("table_tokens", r["context"]) > r["context"] else " "
+        lines.append(f"  {r['model']:<11} B={r['batch']:<4} ctx={r['context']:<5}{wide}{d['us']:8.1f} {d['bw_frac']:7.0%} "
                      f"{d['splits']:6d} | {r['best']:>9} {b['us']:8.1f} {b['bw_frac']:7.0%}")
+    lines += ["  (* block tables 40960 tokens wide, as in a decode graph)"]
     lines += ["", "prefill (bf16, causal)     TFLOP/s (%matmul): fresh  paged | best fresh / paged | torch sdpa"]
     for r in results["prefill"]:
         f, p, s = r["fresh:default"], r["paged:default"], r["torch_sdpa"]

@@ -22,9 +22,11 @@ import grpc
 from kvtransfer.layout import KVLayout
 
 # What a sender is given to send: the payload itself, or a zero-argument function (sync or
-# async) that produces it, called only once the receiver has accepted the transfer, so a
-# rejected transfer costs no packing. The grpc backend wants host bytes (bytes, bytearray,
-# memoryview or a CPU uint8 tensor); a device-direct backend wants a device tensor.
+# async) that produces it, called only once the receiver has accepted the transfer (when the
+# descriptor states nbytes), so a rejected transfer costs no packing. A sync function runs on
+# the event loop: make heavy packing async (e.g. run pack_blocks on the engine thread). The
+# grpc backend wants host bytes (bytes, bytearray, memoryview or a CPU uint8 tensor); a
+# device-direct backend wants a device tensor.
 PayloadProvider = object | Callable[[], object] | Callable[[], Awaitable[object]]
 
 

@@ -232,9 +232,6 @@ class _PushSession:
     async def _store(self, t: Transfer, msg) -> kvtransfer_pb2.KVAck:
         data = msg.data                                       # a view (DataChunk) or one copy (KVChunk)
         i, n = msg.index, len(data)
-        if n > self.window:
-            raise TransferRejected(Code.RESOURCE_EXHAUSTED, f"chunk {i} of {n} bytes exceeds the {self.window}-byte "
-                                   "window granted: the sender ignored flow control")
         if i >= self.num_chunks:
             raise TransferRejected(Code.INVALID_ARGUMENT, f"chunk index {i} is out of range: {self.total} bytes in "
                                    f"{self.chunk_bytes}-byte chunks make {self.num_chunks} chunks")

@@ -90,9 +90,12 @@ def test_capital_of_france_is_paris(embedded_llm):
     ("qwen3", {"tie_word_embeddings": False}),                        # q/k norm
 ])
 @pytest.mark.parametrize("block_size", [16, 4])
-def test_tiny_architectures_match_transformers(tmp_path, embedded_source, arch, overrides, block_size):
+def test_tiny_architectures_match_transformers(tmp_path, arch, overrides, block_size):
     from transformers import AutoModelForCausalLM
-    path = save_tiny_checkpoint(arch, tmp_path / arch, embedded_source.tokenizer_path, **overrides)
+
+    from models.source import resolve_model
+    tokenizer_dir = os.environ.get("BATON_PRESET_TOKENIZER") or resolve_model(None).tokenizer_path
+    path = save_tiny_checkpoint(arch, tmp_path / arch, tokenizer_dir, **overrides)
     device = os.environ.get("BATON_TEST_DEVICE", "cpu")      # cuda:0 on a GPU machine: same test, fp32
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).to(device).eval()
     g = torch.Generator().manual_seed(1)

@@ -438,7 +438,9 @@ def test_a_chunk_that_does_not_fit_the_payload_is_rejected(mutate, code, words):
     assert got is code and words in details and out.ends("bad") == 1 and out.failed["bad"]
 
 
-def test_a_corrupted_chunk_is_nacked_and_resent(monkeypatch):
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+def test_a_corrupted_chunk_is_nacked_and_resent(monkeypatch, threaded):
+    monkeypatch.setattr(grpc_backend, "THREADED_COPY_BYTES", 0 if threaded else 1 << 30)
     encode, spoiled = grpc_backend.encode_chunk, []
 
     def corrupt_once(tid_field, index, offset, data):
@@ -771,8 +773,10 @@ _example = iter(range(1 << 30))
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
-@given(scenario=scenarios())
-def test_garbled_streams_never_crash_the_server_or_deliver_wrong_bytes(shared_server, scenario):
+@given(scenario=scenarios(), threaded=st.booleans())
+def test_garbled_streams_never_crash_the_server_or_deliver_wrong_bytes(shared_server, monkeypatch, scenario,
+                                                                       threaded):
+    monkeypatch.setattr(grpc_backend, "THREADED_COPY_BYTES", 0 if threaded else 1 << 30)
     loop, pending, address = shared_server
     payloads, streams = scenario
     prefix = f"e{next(_example)}-"                             # transfer ids are never reused

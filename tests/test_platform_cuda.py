@@ -198,9 +198,10 @@ def test_decode_matches_reference(case, splits):
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_decode_split_count_depends_on_shapes_only():
     from engine.platforms.triton_kernels import decode_attention as dk  # host-side arithmetic: no GPU needed
-    cfg = dk.DecodeConfig()
+    cfg = dk.DecodeConfig(min_split_tokens=256, programs_per_sm=4, max_splits=64)
     assert dk.num_splits(1, 8, 4096, 132, cfg) == 16          # 4096 tokens / 256 per split
     assert dk.num_splits(1, 8, 40960, 132, cfg) == 64         # capped
+    assert dk.num_splits(2, 8, 40960, 132, cfg) == 33         # 4 programs per SM reached
     assert dk.num_splits(256, 8, 40960, 132, cfg) == 1        # the batch fills the GPU
     assert dk.num_splits(4, 8, 16, 132, cfg) == 1             # nothing to split
 
@@ -209,9 +210,10 @@ def test_decode_split_count_depends_on_shapes_only():
 @on_gpu
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("with_cache", [False, True], ids=["no-cache", "cache"])
-def test_prefill_without_context_matches_reference(case, with_cache):
+@pytest.mark.parametrize("longest", [1100, 2100])    # below / above the long-prompt tile config
+def test_prefill_without_context_matches_reference(case, with_cache, longest):
     dtype, group, dim, bs = case
-    batch = make_batch([0, 0, 0, 0], [1, 37, 300, 1100], group, dim, bs, dtype, seed=7)
+    batch = make_batch([0, 0, 0, 0], [1, 37, 300, longest], group, dim, bs, dtype, seed=7)
     platform = cuda_platform()
     scale = dim ** -0.5
     ref = batch.upcast()
@@ -226,11 +228,12 @@ def test_prefill_without_context_matches_reference(case, with_cache):
 
 @on_gpu
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_chunked_and_prefix_cached_prefill_reads_context_from_cache(case):
+@pytest.mark.parametrize("longest", [700, 2100])     # below / above the long-prompt tile config
+def test_chunked_and_prefix_cached_prefill_reads_context_from_cache(case, longest):
     from engine.platforms.triton_kernels import prefill_attention as pk
     dtype, group, dim, bs = case
     # a fresh prompt, a one-token chunk, a prefix hit, a long chunk over a long context, a short tail
-    batch = make_batch([0, 16, 1000, 3000, 5], [7, 1, 256, 700, 64], group, dim, bs, dtype, seed=11)
+    batch = make_batch([0, 16, 1000, 3000, 5], [7, 1, 256, longest, 64], group, dim, bs, dtype, seed=11)
     platform = cuda_platform()
     platform.store_kv(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
     ref = reference_store(batch)

@@ -26,8 +26,8 @@ class DecodeConfig:
     block_n: int = 64                # context tokens per inner-loop tile (any multiple/fraction of block_size)
     num_warps: int = 4
     num_stages: int = 3
-    min_split_tokens: int = 256      # a split covers at least this much context, so splits amortise the merge
-    programs_per_sm: int = 4         # split until batch * kv_heads * splits reaches this many per SM
+    min_split_tokens: int = 128      # a split covers at least this much context, so splits amortise the merge
+    programs_per_sm: int = 2         # split until batch * kv_heads * splits reaches this many per SM
     max_splits: int = 64
 
 

@@ -27,14 +27,16 @@ class PrefillConfig:
     num_stages: int = 3
 
 
-def default_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+def default_config(head_dim: int, dtype: torch.dtype, max_query_len: int = 0) -> PrefillConfig:
+    """Measured on an H100 (docs/cuda-kernels.md): wide tiles pay off on long prompts, small
+    ones on batches of short prompts, whose tiles are few and mostly diagonal."""
     if dtype == torch.float32:     # exact fp32 dots run on FMA units: small tiles, quick to compile
         return PrefillConfig(32, 32, 4, 1)
     if head_dim > 128:
         return PrefillConfig(64, 32, 4, 2)
-    if head_dim <= 64:
-        return PrefillConfig(128, 64, 4, 3)
-    return PrefillConfig()
+    if max_query_len >= 2048:
+        return PrefillConfig(128, 128, 8, 3)
+    return PrefillConfig(64, 64, 4, 3)
 
 
 @triton.jit
@@ -149,7 +151,7 @@ def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_star
         strides = (keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), 0, 0, 0)
         seq_lens = block_tables = query_start_loc   # unused without PAGED
     q = _last_dim_contiguous(q)
-    cfg = cfg or default_config(dim, keys.dtype)
+    cfg = cfg or default_config(dim, keys.dtype, max_query_len)
     grid = (q_heads, triton.cdiv(max_query_len, cfg.block_m), batch)
     _prefill_kernel[grid](
         q, keys, values, out, query_start_loc, seq_lens, block_tables,
