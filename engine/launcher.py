@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 START_TIMEOUT_S = 600.0
 
@@ -44,6 +43,7 @@ def worker_command(module: str, host: str, port: int, model: str, device: str, e
 
 
 def wait_serving(address: str, proc: subprocess.Popen, name: str, timeout: float) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # lazily: benchmarks import this module too
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
