@@ -12,6 +12,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 
@@ -37,6 +38,34 @@ def step_times(engine: LLMEngine, batch: int, context: int, steps: int, seed: in
     return times
 
 
+class PhaseTimer:
+    """Wall time per engine phase, with the device synchronized at each boundary, so the
+    split between host work (schedule, inputs, sampling bookkeeping) and device work shows."""
+
+    def __init__(self, engine: LLMEngine):
+        self.totals: dict[str, float] = {}
+        r = engine.runner
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(engine.scheduler, "postprocess", "postprocess+detok")
+        self._wrap(r, "_prepare", "prepare inputs")
+        if r.graphs is not None:
+            self._wrap(r.graphs, "run", "forward (graph replay)")
+        self._wrap(r.model, "compute_logits", "logits")
+        self._wrap(r, "sampler", "sample", call=True)
+
+    def _wrap(self, obj, name: str, label: str, call: bool = False) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **kw):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            torch.cuda.synchronize()
+            self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - t0
+            return out
+        setattr(obj, name, timed)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
@@ -44,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--breakdown", action="store_true", help="also time each phase of a graph step")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     for eager in (True, False):
@@ -56,6 +86,18 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"model": args.model, "mode": "eager" if eager else "graphs", "batch": b,
                               "context": args.context, "median_step_ms": 1000 * statistics.median(t),
                               "p90_step_ms": 1000 * sorted(t)[int(0.9 * len(t))]}), flush=True)
+        if args.breakdown and not eager:
+            for b in batches:
+                timer = PhaseTimer(engine)
+                t = step_times(engine, b, args.context, args.steps)
+                timer.totals = {}
+                t = step_times(engine, b, args.context, args.steps)
+                n = args.steps
+                print(json.dumps({"model": args.model, "mode": "graphs-breakdown", "batch": b,
+                                  "context": args.context, "step_ms": 1000 * statistics.median(t),
+                                  "phases_ms": {k: round(1000 * v / n, 3) for k, v in timer.totals.items()}}),
+                      flush=True)
+                engine.runner.__dict__.pop("_prepare", None)
         del engine
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     print("done", file=sys.stderr)

@@ -49,7 +49,7 @@ def run_transformers(args: argparse.Namespace, workload: OfflineWorkload, kv_byt
     extra: dict = {}
     if mode == "continuous":
         cb = _cb_config(args, workload, kv_bytes_per_token)
-        extra["continuous_batching_config"] = {k: getattr(cb, k) for k in ("num_blocks", "page_size",
+        extra["continuous_batching_config"] = {k: getattr(cb, k, None) for k in ("num_blocks", "page_size",
                                                "max_batch_tokens", "max_requests_per_batch")}
         wall, out_tokens, generated, attn = _continuous(hf, workload, args.seed, cb)
         desc = "transformers continuous batching (paged attention; generate_batch's manager)"
