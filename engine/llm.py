@@ -21,6 +21,7 @@ class LLM:
             raise ValueError(f"unknown engine options {sorted(unknown)}; "
                              f"known: {sorted(EngineConfig.__dataclass_fields__)}")
         self.engine = LLMEngine(EngineConfig(model=model, **config))
+        self.engine.stream_text = False        # outputs are decoded once, when they finish
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Seq[Prompt],
@@ -35,11 +36,14 @@ class LLM:
         results: dict[str, CompletionOutput] = {}
         order = []
         try:
+            streamed = set()
             for ids, p in zip(token_lists, params, strict=True):
                 rid = self.engine.add_request(ids, p)
                 results[rid] = CompletionOutput(rid, ids)
                 order.append(rid)
-            self._run(results, progress)
+                if p.stop:                  # stop strings need the text as it grows
+                    streamed.add(rid)
+            self._run(results, streamed, progress)
         finally:
             for rid in order:                 # on an exception mid-run: free everything we queued
                 self.engine.abort(rid)
@@ -55,7 +59,7 @@ class LLM:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return render_chat(self.tokenizer, messages)
 
-    def _run(self, results: dict[str, CompletionOutput], progress: bool) -> None:
+    def _run(self, results: dict[str, CompletionOutput], streamed: set[str], progress: bool) -> None:
         done, total, t0, last = 0, len(results), time.monotonic(), 0.0
         while self.engine.has_unfinished:
             for out in self.engine.step():
@@ -65,6 +69,9 @@ class LLM:
                 r.cached_tokens = out.cached_tokens
                 if out.finished:
                     r.finish_reason = out.finish_reason
+                    if out.request_id not in streamed:   # not streamed: decode it once, now
+                        r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True,
+                                                       clean_up_tokenization_spaces=False)
                     done += 1
             if progress and time.monotonic() - last > 1.0:
                 last = time.monotonic()

@@ -62,7 +62,11 @@ def test_streamed_text_is_whole_utf8_and_sums_to_full_text(embedded_llm):
     deltas = [d.add(t) for t in ids] + [d.flush()]
     assert all("\ufffd" not in x for x in deltas)
     assert "".join(deltas) == tok.decode(ids)
-    rid = engine.add_request("Say something in Japanese:", SamplingParams(temperature=0, max_tokens=24))
+    engine.stream_text = True               # what the services do (LLM itself decodes once at the end)
+    try:
+        rid = engine.add_request("Say something in Japanese:", SamplingParams(temperature=0, max_tokens=24))
+    finally:
+        engine.stream_text = False
     text, tokens = "", []
     while engine.has_unfinished:
         for out in engine.step():
