@@ -82,6 +82,7 @@ class BlockManager:
             parent = h
         cached = len(seq.block_table) * self.block_size
         self.num_hits += len(seq.block_table)
+        seq.num_hashed_blocks = len(seq.block_table)
         return cached
 
     def _verified(self, block_id: int, h: int, parent: int | None, tokens: tuple[int, ...]) -> bool:
@@ -93,8 +94,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         n_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        parent: int | None = None
-        for i in range(n_full):
+        start = seq.num_hashed_blocks       # only blocks that filled up since the last call
+        parent = self.blocks[seq.block_table[start - 1]].hash if start else None
+        for i in range(start, n_full):
             b = self.blocks[seq.block_table[i]]
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             if b.hash is None:
@@ -102,6 +104,7 @@ class BlockManager:
                 b.hash, b.parent_hash, b.token_ids = h, parent, tokens
                 self.cached.setdefault(h, b.block_id)
             parent = b.hash
+        seq.num_hashed_blocks = max(start, n_full)
 
     # -- allocation -------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -129,6 +132,7 @@ class BlockManager:
     def free_sequence(self, seq: Sequence) -> None:
         self.free_blocks(seq.block_table)
         seq.block_table = []
+        seq.num_hashed_blocks = 0
 
     def _take_free(self) -> int:
         block_id, _ = self.free.popitem(last=False)

@@ -30,7 +30,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "block_table", "status", "params", "finish_reason", "max_model_len",
-        "arrival", "num_preemptions", "sampling_seed", "hold_kv",
+        "arrival", "num_preemptions", "sampling_seed", "hold_kv", "num_hashed_blocks",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -42,6 +42,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0          # prompt tokens served by the prefix cache
         self.block_table: list[int] = []
+        self.num_hashed_blocks = 0          # leading blocks already registered in the prefix cache
         self.status = SequenceStatus.WAITING
         self.params = params
         self.finish_reason: FinishReason | None = None
