@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from baton.v1 import decode_pb2, decode_pb2_grpc, worker_pb2
@@ -43,7 +43,6 @@ class DecodeRequest:
     joined_at: float | None = None
     prefill_done_unix: float | None = None
     handover_seconds: float = 0.0
-    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class KVFailed(Exception):
@@ -66,7 +65,7 @@ class DecodeWorker(EngineWorker):
 
     def add_services(self, server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)
-        self.layout = kv_layout_of(self.llm, self.cfg)
+        self.layout = self.kv_layout()
         KVTransferServicer(self.pending, self.layout).add_to_server(server)
 
     def num_pending(self) -> int:
@@ -264,14 +263,6 @@ def _float(x) -> float | None:
         return float(x)
     except (TypeError, ValueError):
         return None
-
-
-def kv_layout_of(llm: LLMEngine, cfg) -> KVLayout:
-    m = llm.runner.model
-    return KVLayout(model=llm.source.name, architecture=llm.source.architecture,
-                    dtype=str(llm.runner.dtype).removeprefix("torch."), block_size=llm.config.block_size,
-                    num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                    tp_size=1, tp_rank=0, backends=[cfg.kv_backend])
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):

@@ -163,9 +163,3 @@ class Server:
 def insecure_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
-
-def remaining_ms(deadline: float | None, loop_time: float) -> int:
-    """Milliseconds left until a loop-clock deadline (0 = no deadline)."""
-    if deadline is None:
-        return 0
-    return max(1, int((deadline - loop_time) * 1000))

@@ -17,6 +17,7 @@ from engine.grpc_server import Server, ServiceError
 from engine.llm_engine import LLMEngine
 from engine.metrics import Metrics
 from engine.worker_config import WorkerConfig
+from kvtransfer.layout import KVLayout
 
 
 class EngineWorker:
@@ -69,6 +70,14 @@ class EngineWorker:
             kv_blocks_free=bm.num_free_blocks, block_size=bm.block_size, max_model_len=llm.max_model_len,
             kv_backends=[self.cfg.kv_backend], device=self.cfg.engine.device,
             draining=bool(self.server and self.server.draining), requests_served=self.requests_served)
+
+    def kv_layout(self) -> KVLayout:
+        """This worker's KV layout, for the transfer handshake (both ends must agree)."""
+        llm, m = self.llm, self.llm.runner.model
+        return KVLayout(model=llm.source.name, architecture=llm.source.architecture,
+                        dtype=str(llm.runner.dtype).removeprefix("torch."), block_size=llm.config.block_size,
+                        num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                        tp_size=1, tp_rank=0, backends=[self.cfg.kv_backend])
 
     def num_pending(self) -> int:
         return 0

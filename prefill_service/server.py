@@ -37,8 +37,7 @@ class PrefillWorker(EngineWorker):
         self.layout: KVLayout | None = None
 
     def add_services(self, server) -> None:
-        from decode_service.server import kv_layout_of
-        self.layout = kv_layout_of(self.llm, self.cfg)
+        self.layout = self.kv_layout()
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), server)
 
     async def sender_for(self, address: str, timeout: float) -> GrpcKVSender:
