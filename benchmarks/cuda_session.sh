@@ -7,11 +7,13 @@
 set -uo pipefail
 export PYTHONPATH="$PWD:$PWD/protos" PYTHONUNBUFFERED=1 BATON_PRESET_TOKENIZER="$PWD/.carry/tokenizer"
 OUT=${OUT:-bench-results/cuda}; mkdir -p "$OUT"
-STEPS=${STEPS:-"parity graphs b1 b1s b1hf b1big"}
+STEPS=${STEPS:-"kernels parity graphs b1 b1s b1hf b1big"}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 for step in $STEPS; do
   echo "=== $step $(date +%T)"
   case $step in
+    kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py 2>&1 \
+              | tail -30 | tee "$OUT/kernels.txt" ;;
     parity) BATON_TEST_DEVICE=cuda:0 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py \
               -k tiny_architectures 2>&1 | tail -4 | tee "$OUT/parity.txt" ;;
     graphs) timeout 240 python3 -m benchmarks.decode_graphs --model qwen3-0.6b --batches 1,64,256 \

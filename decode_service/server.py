@@ -25,6 +25,7 @@ from engine.worker import EngineWorker
 from kvtransfer.blocks import unpack_blocks
 from kvtransfer.grpc_backend import KVTransferServicer
 from kvtransfer.layout import KVLayout
+from kvtransfer.peer_auth import KVPeerAuth
 from kvtransfer.receiver import PendingTransfers
 
 DEFAULT_ADMIT_TIMEOUT_S = 60.0
@@ -66,10 +67,14 @@ class DecodeWorker(EngineWorker):
     def add_services(self, server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)
         self.layout = self.kv_layout()
-        KVTransferServicer(self.pending, self.layout).add_to_server(server)
+        auth = KVPeerAuth(self.cfg.kv_secret) if self.cfg.kv_secret else None
+        KVTransferServicer(self.pending, self.layout, auth=auth).add_to_server(server)
 
     def num_pending(self) -> int:
         return len(self.by_transfer)
+
+    def num_active(self) -> int:
+        return len(self.requests)
 
     # -- engine-thread commands (they touch engine state) -----------------------------------
     def _reserve(self, llm: LLMEngine, request_id: str, num_tokens: int) -> list[int]:
@@ -124,7 +129,7 @@ class DecodeWorker(EngineWorker):
                             self._on_kv_complete, self._on_kv_fail)
         loop.call_later(timeout, self._expire_unattached, rid, r.transfer_id)
         return decode_pb2.AdmitResponse(transfer_id=r.transfer_id, num_blocks=len(blocks),
-                                        kv_address=self.server.address)
+                                        kv_address=self.cfg.kv_advertise or self.server.address)
 
     def _on_kv_complete(self, transfer_id: str, payload, first_token: int, extra: dict) -> None:
         rid = self.by_transfer.pop(transfer_id, None)

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
 from baton.v1 import router_pb2, router_pb2_grpc
+
+from engine.grpc_server import open_sync_channel, retry_after_ms
+from engine.security import add_tls_args, tls_from_args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,6 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     p.add_argument("--raw", action="store_true", help="send the prompt as raw text (no chat template)")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--token", default=os.environ.get("BATON_AUTH_TOKEN"),
+                   help="bearer token, when the router requires one (env BATON_AUTH_TOKEN)")
+    add_tls_args(p)
     args = p.parse_args(argv)
     sampling = router_pb2.SamplingParams(stop=args.stop)
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
@@ -32,10 +39,15 @@ def main(argv: list[str] | None = None) -> None:
         req.text = args.prompt
     else:       # an instruct model answers best through its chat template
         req.chat.messages.add(role="user", content=args.prompt)
-    with grpc.insecure_channel(args.addr) as ch:
+    try:
+        tls = tls_from_args(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    metadata = [("authorization", f"Bearer {args.token}")] if args.token else None
+    with open_sync_channel(args.addr, tls) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         try:
-            for resp in stub.Generate(req, timeout=args.timeout):
+            for resp in stub.Generate(req, timeout=args.timeout, metadata=metadata):
                 sys.stdout.write(resp.text)
                 sys.stdout.flush()
                 if resp.finish_reason:
@@ -46,5 +58,12 @@ def main(argv: list[str] | None = None) -> None:
         except grpc.RpcError as exc:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                print(f"is a router running at {args.addr}? start one with `baton serve`", file=sys.stderr)
+                print(f"is a router running at {args.addr}? start one with `baton serve` "
+                      "(TLS routers need --tls-ca)", file=sys.stderr)
+            elif exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                print("the router wants a bearer token: pass --token or set BATON_AUTH_TOKEN", file=sys.stderr)
+            elif exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                hint = retry_after_ms(exc.trailing_metadata())
+                if hint:
+                    print(f"the router is at capacity: retry in {hint / 1000:.1f}s", file=sys.stderr)
             sys.exit(1)

@@ -10,11 +10,13 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from engine.security import TLSConfig
 
 log = logging.getLogger("baton")
 
@@ -46,11 +48,27 @@ CHANNEL_OPTIONS = [
 
 
 class ServiceError(Exception):
-    """An error with an explicit gRPC status code and a message a person can act on."""
+    """An error with an explicit gRPC status code and a message a person can act on.
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    `retry_after` (seconds) goes to the client as the `retry-after-ms` trailer: when an
+    overloaded server expects capacity again.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float | None = None):
         super().__init__(message)
         self.code = code
+        self.retry_after = retry_after
+
+
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
+def retry_after_ms(metadata) -> int | None:
+    """The retry hint an overloaded Baton server attached to its error, if any."""
+    for key, value in metadata or ():
+        if key == RETRY_AFTER_KEY:
+            return int(value)
+    return None
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -88,9 +106,7 @@ def _wrap_unary(fn):
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:
-            code, msg = status_for(exc)
-            _log_unexpected(code, exc)
-            await context.abort(code, msg)
+            await _abort_with(context, exc)
     return wrapped
 
 
@@ -102,10 +118,17 @@ def _wrap_stream(fn):
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:
-            code, msg = status_for(exc)
-            _log_unexpected(code, exc)
-            await context.abort(code, msg)
+            await _abort_with(context, exc)
     return wrapped
+
+
+async def _abort_with(context, exc: Exception) -> None:
+    code, msg = status_for(exc)
+    _log_unexpected(code, exc)
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(1, int(retry_after * 1000)))),))
+    await context.abort(code, msg)
 
 
 def _log_unexpected(code: grpc.StatusCode, exc: Exception) -> None:
@@ -114,10 +137,16 @@ def _log_unexpected(code: grpc.StatusCode, exc: Exception) -> None:
 
 
 class Server:
-    """A grpc.aio server with health + reflection, bound to one address, drained on SIGTERM."""
+    """A grpc.aio server with health + reflection, bound to one address, drained on SIGTERM.
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str]):
-        self.server = grpc.aio.server(interceptors=[ErrorMapper()], options=SERVER_OPTIONS)
+    Plaintext unless `tls` is enabled (then TLS, mutual when it requires client certs).
+    `max_concurrent_rpcs` is a hard bound: gRPC itself answers RESOURCE_EXHAUSTED beyond it.
+    """
+
+    def __init__(self, host: str, port: int, service_names: Iterable[str], tls: TLSConfig | None = None,
+                 interceptors: Iterable[grpc.aio.ServerInterceptor] = (), max_concurrent_rpcs: int | None = None):
+        self.server = grpc.aio.server(interceptors=[*interceptors, ErrorMapper()], options=SERVER_OPTIONS,
+                                      maximum_concurrent_rpcs=max_concurrent_rpcs)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -125,7 +154,10 @@ class Server:
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
         self.address = f"{host}:{port}"
-        self.port = self.server.add_insecure_port(self.address)
+        if tls is not None and tls.cert:
+            self.port = self.server.add_secure_port(self.address, tls.server_credentials())
+        else:
+            self.port = self.server.add_insecure_port(self.address)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.address}: address in use or not available")
         self.address = f"{host}:{self.port}"
@@ -142,24 +174,57 @@ class Server:
             if asyncio.iscoroutine(result):
                 await result
 
-    async def drain_and_stop(self, grace: float) -> None:
-        """Health to NOT_SERVING, refuse new work, let in-flight calls finish, then stop."""
+    async def drain_and_stop(self, grace: float, busy: Callable[[], int] | None = None) -> None:
+        """Health to NOT_SERVING and refuse new work (servicers check `draining`), let the
+        `busy()` in-flight requests finish within `grace` seconds, then stop the server.
+
+        The port stays open while draining: in-flight requests still need RPCs that are new
+        to gRPC (a KV push into an admitted request, an Abort, a status poll).
+        """
         self.draining = True
         await self.set_serving(False)
-        await self.server.stop(grace)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        last_report = 0.0
+        while busy is not None and loop.time() < deadline:
+            n = busy()
+            if n == 0:
+                break
+            if loop.time() - last_report > 5:
+                print(f"[baton] draining {self.address}: {n} request(s) in flight, "
+                      f"{deadline - loop.time():.0f}s of grace left", file=sys.stderr, flush=True)
+                last_report = loop.time()
+            await asyncio.sleep(0.05)
+        await self.server.stop(max(0.0, min(1.0, deadline - loop.time())))
 
-    async def wait_for_signal(self, grace: float, on_stop=None) -> None:
+    async def wait_for_signal(self, grace: float, on_stop=None, busy: Callable[[], int] | None = None) -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         print(f"[baton] draining {self.address} (grace {grace:.0f}s)", file=sys.stderr, flush=True)
-        await self.drain_and_stop(grace)
+        await self.drain_and_stop(grace, busy)
         if on_stop is not None:
             on_stop()
+        print(f"[baton] {self.address} stopped", file=sys.stderr, flush=True)
+
+
+def open_channel(address: str, tls: TLSConfig | None = None, options=None) -> grpc.aio.Channel:
+    """An asyncio channel to a Baton peer: TLS when this process has a TLS config.
+    `options` replace the defaults (CHANNEL_OPTIONS), e.g. the KV channel's own."""
+    opts = list(CHANNEL_OPTIONS if options is None else options)
+    if tls is not None and tls.enabled:
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts + tls.channel_options())
+    return grpc.aio.insecure_channel(address, options=opts)
+
+
+def open_sync_channel(address: str, tls: TLSConfig | None = None) -> grpc.Channel:
+    """The blocking twin of `open_channel`, for CLIs and health checks."""
+    if tls is not None and tls.enabled:
+        return grpc.secure_channel(address, tls.channel_credentials(), options=tls.channel_options())
+    return grpc.insecure_channel(address)
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-
+    return open_channel(address)

@@ -1,6 +1,7 @@
 """`python -m engine.healthcheck ADDR`: exit 0 when the server at ADDR reports SERVING.
 
-Used by docker-compose healthchecks; works for the router and every worker.
+Used by docker-compose healthchecks; works for the router and every worker, over TLS when
+the BATON_TLS_* variables configure it (as they do for the server in the same container).
 """
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.grpc_server import open_sync_channel
+from engine.security import tls_from_env
+
 
 def check(address: str, timeout: float = 3.0) -> bool:
-    with grpc.insecure_channel(address) as ch:
+    with open_sync_channel(address, tls_from_env()) as ch:
         try:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError:

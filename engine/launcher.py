@@ -42,10 +42,14 @@ def worker_command(module: str, host: str, port: int, model: str, device: str, e
             "--device", device, *extra]
 
 
-def wait_serving(address: str, proc: subprocess.Popen, name: str, timeout: float) -> None:
+def wait_serving(address: str, proc: subprocess.Popen, name: str, timeout: float, tls=None) -> None:
+    """Until the process at `address` reports SERVING (TLS per `tls`, else per BATON_TLS_*)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc  # lazily: benchmarks import this module too
+
+    from engine.grpc_server import open_sync_channel
+    from engine.security import tls_from_env
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
+    with open_sync_channel(address, tls if tls is not None else tls_from_env()) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc.poll() is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import time
 
+import numpy as np
 import torch
 
 import models
@@ -42,6 +43,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.model.num_layers)]
         self.scale = self.model.head_dim ** -0.5
         self.sampler = Sampler()
+        self.upload = HostUpload(self.device)
         self.max_model_len = self._max_model_len()
         self.graphs = None
         if self.platform.supports_graphs and not config.enforce_eager:
@@ -118,52 +120,49 @@ class ModelRunner:
         return result
 
     def _prepare(self, out: SchedulerOutput) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor]:
+        """The step's inputs, built in numpy and moved to the device in one copy (HostUpload)."""
         bs = self.block_size
+        scheduled = out.scheduled
+        counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, len(scheduled))
+        begins = np.fromiter((item.seq.num_computed_tokens for item in scheduled), np.int64, len(scheduled))
+        ends = begins + counts
+        starts = np.zeros(len(scheduled) + 1, np.int32)
+        np.cumsum(counts, out=starts[1:])
+        width = max(len(item.seq.block_table) for item in scheduled)
+        tables = np.full((len(scheduled), width), -1, np.int32)
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts, seq_lens, tables = [0], [], []
-        has_context = False
-        for item in out.scheduled:
-            seq, n = item.seq, item.num_new_tokens
-            begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            has_context |= begin > 0
-            input_ids += seq.token_ids[begin:end]
-            positions += range(begin, end)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
-            starts.append(starts[-1] + n)
-            seq_lens.append(end)
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        padded = [t + [-1] * (width - len(t)) for t in tables]
-        dev = self.device
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            tables[i, :len(seq.block_table)] = seq.block_table
+            input_ids += seq.token_ids[begins[i]:ends[i]]
+        if out.is_decode:                                  # one token each: no per-token loop
+            positions = begins
+        else:
+            positions = np.concatenate([np.arange(b, e) for b, e in zip(begins, ends, strict=True)])
+        rows = np.repeat(np.arange(len(scheduled)), counts)
+        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        ids_d, pos_d, slots_d, starts_d, lens_d, tables_d = self.upload(
+            np.asarray(input_ids, np.int64), positions, slots, starts, ends.astype(np.int32), tables)
+        seq_lens = ends.tolist()
         meta = AttnMetadata(
-            is_decode=out.is_decode,
-            slot_mapping=_tensor(slots, torch.int64, dev),
-            query_start_loc=_tensor(starts, torch.int32, dev),
-            seq_lens=_tensor(seq_lens, torch.int32, dev),
-            block_tables=_tensor(padded, torch.int32, dev),
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
-            max_seq_len=max(seq_lens),
-            has_context=has_context,
-            query_start_loc_cpu=starts,
-            seq_lens_cpu=seq_lens,
+            is_decode=out.is_decode, slot_mapping=slots_d, query_start_loc=starts_d, seq_lens=lens_d,
+            block_tables=tables_d, max_query_len=int(counts.max()), max_seq_len=max(seq_lens),
+            has_context=bool((begins > 0).any()), query_start_loc_cpu=starts.tolist(), seq_lens_cpu=seq_lens,
         )
-        return meta, _tensor(input_ids, torch.int64, dev), _tensor(positions, torch.int64, dev)
+        return meta, ids_d, pos_d
 
     def _sampling_batch(self, out: SchedulerOutput, rows: list[int]) -> SamplingBatch:
         seqs = [out.scheduled[r].seq for r in rows]
         params = [s.params for s in seqs]
-        dev = self.device
         seeds = [s.sampling_seed if s.sampling_seed is not None else 0 for s in seqs]
+        temperatures, top_ks, top_ps, seeds_d, has_seed, positions = self.upload(
+            np.array([p.temperature for p in params], np.float32), np.array([p.top_k for p in params], np.int64),
+            np.array([p.top_p for p in params], np.float32), np.array([_signed64(x) for x in seeds], np.int64),
+            np.array([s.sampling_seed is not None for s in seqs], np.bool_),
+            np.array([s.num_tokens for s in seqs], np.int64))
         return SamplingBatch(
-            temperatures=_tensor([p.temperature for p in params], torch.float32, dev),
-            top_ks=_tensor([p.top_k for p in params], torch.int64, dev),
-            top_ps=_tensor([p.top_p for p in params], torch.float32, dev),
-            seeds=_tensor([_signed64(x) for x in seeds], torch.int64, dev),
-            has_seed=_tensor([s.sampling_seed is not None for s in seqs], torch.bool, dev),
-            positions=_tensor([s.num_tokens for s in seqs], torch.int64, dev),
+            temperatures=temperatures, top_ks=top_ks, top_ps=top_ps, seeds=seeds_d, has_seed=has_seed,
+            positions=positions,
             all_greedy=all(p.temperature == 0 for p in params),
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
@@ -171,12 +170,51 @@ class ModelRunner:
         )
 
 
+class HostUpload:
+    """Moves a step's small host arrays to the device in one copy.
+
+    Each array is packed, 8-byte aligned, into a pinned staging buffer; one non-blocking copy
+    moves the lot; the device tensors are views of that one allocation. Two staging buffers
+    alternate, and a buffer is rewritten only after its last copy has completed (an event),
+    so the host can prepare step N+1 while step N's copy is still in flight. On the CPU the
+    arrays are wrapped as they are.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pinned = device.type != "cpu"
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.events: list = [None, None]
+        self.turn = 0
+
+    def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        if not self.pinned:
+            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // 8) * 8
+        i, self.turn = self.turn, self.turn ^ 1
+        if self.events[i] is not None:
+            self.events[i].synchronize()                    # its previous copy has left the buffer
+        buf = self.buffers[i]
+        if buf is None or buf.numel() < total:
+            buf = self.buffers[i] = torch.empty(max(total, 1 << 16) * 2, dtype=torch.uint8, pin_memory=True)
+        host = buf.numpy()
+        for a, off in zip(arrays, offsets, strict=True):
+            host[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        dev = buf[:max(total, 8)].to(self.device, non_blocking=True)
+        event = self.events[i] = self.events[i] or torch.Event(self.device)
+        event.record()
+        out = []
+        for a, off in zip(arrays, offsets, strict=True):
+            dtype = _TORCH_OF[a.dtype.type]
+            out.append(dev[off:off + a.nbytes].view(dtype).view(a.shape))
+        return out
+
+
+_TORCH_OF = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32, np.bool_: torch.bool}
+
+
 def _signed64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _tensor(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(data, dtype=dtype)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)

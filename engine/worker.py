@@ -42,14 +42,16 @@ class EngineWorker:
         llm = await loop.run_in_executor(None, LLMEngine, self.cfg.engine)
         self.engine = AsyncEngine(llm, loop)
         self.engine.on_step = self._after_step
-        self.server = Server(self.cfg.host, self.cfg.port, self.service_names)
+        self.server = Server(self.cfg.host, self.cfg.port, self.service_names, tls=self.cfg.tls)
         self.add_services(self.server.server)
         await self.server.start()
         self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
         self._observe(llm)
         print(f"[baton] {self.cfg.role} ready on {self.server.address} "
               f"({llm.runner.num_blocks} KV blocks of {llm.config.block_size}, "
-              f"max_model_len {llm.max_model_len}) in {time.perf_counter() - t0:.1f}s",
+              f"max_model_len {llm.max_model_len}) in {time.perf_counter() - t0:.1f}s; "
+              f"{'mutual TLS' if self.cfg.tls.require_client_cert else 'TLS' if self.cfg.tls.cert else 'plaintext'}"
+              f"{', KV peers proven by shared secret' if self.cfg.kv_secret else ''}",
               file=sys.stderr, flush=True)
         return self.server
 
@@ -58,7 +60,7 @@ class EngineWorker:
 
     async def serve_forever(self) -> None:
         server = await self.start()
-        await server.wait_for_signal(self.cfg.grace_seconds, on_stop=self.engine.shutdown)
+        await server.wait_for_signal(self.cfg.grace_seconds, on_stop=self.engine.shutdown, busy=self.num_active)
 
     # -- shared RPC bodies ------------------------------------------------------------------
     def status(self) -> worker_pb2.WorkerStatus:
@@ -82,9 +84,19 @@ class EngineWorker:
     def num_pending(self) -> int:
         return 0
 
+    def num_active(self) -> int:
+        """Requests in flight here (what a drain waits for)."""
+        return 0
+
     def check_accepting(self) -> None:
+        """Admission control for a new request: draining or a full queue refuses it."""
         if self.server is not None and self.server.draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "worker is draining; send the request elsewhere")
+        waiting = len(self.llm.scheduler.waiting) + self.num_pending()
+        if waiting >= self.cfg.max_waiting:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{self.cfg.role} worker has {waiting} requests queued (limit {self.cfg.max_waiting}); "
+                               "retry shortly or on another worker", retry_after=1.0)
 
     def _after_step(self, llm: LLMEngine, outputs) -> None:
         self.metrics.step_seconds.labels("step").observe(llm.last_step_seconds)

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 
 from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.security import TLSConfig, add_tls_args, tls_from_args
+from kvtransfer.peer_auth import load_secret
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -22,6 +24,10 @@ class WorkerConfig:
     metrics_port: int | None = None
     grace_seconds: float = 30.0
     kv_backend: str = "grpc"
+    max_waiting: int = 1024             # queued requests beyond this are refused: RESOURCE_EXHAUSTED
+    kv_advertise: str | None = None     # KV address prefill workers are told to push to (default: ours)
+    tls: TLSConfig = field(default_factory=TLSConfig)
+    kv_secret: bytes | None = None      # KV peers must prove it in the handshake (kvtransfer/peer_auth.py)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def validate(self) -> None:
@@ -29,6 +35,9 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        self.tls.validate()
         self.engine.validate()
 
 
@@ -47,6 +56,7 @@ def add_common_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--device", default=_env("device", "cpu"), help="cpu, cuda:N or npu:N")
     p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None),
                    help="serve Prometheus metrics over HTTP on this port")
+    add_tls_args(p)
 
 
 def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -63,7 +73,17 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no decode graph capture")
     p.add_argument("--kv-backend", default=_env("kv_backend", "grpc"), help="KV transport: grpc (portable)")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    p.add_argument("--grace", type=float, default=_env("grace", 30.0),
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--max-waiting", type=int, default=_env("max_waiting", 1024),
+                   help="requests queued beyond this are refused with RESOURCE_EXHAUSTED")
+    p.add_argument("--kv-advertise", default=_env("kv_advertise", None),
+                   help="decode: the HOST:PORT prefill workers push KV to, when not this server's own "
+                        "address (NAT, a separate KV network, a proxy)")
+    p.add_argument("--kv-secret-file", default=_env("kv_secret_file", None),
+                   help="file whose first line is the shared KV secret (>= 16 bytes): prefill and decode "
+                        "workers then accept each other only after a mutual HMAC handshake. "
+                        "BATON_KV_SECRET passes the secret itself")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -76,6 +96,8 @@ def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig
         enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager, seed=args.seed,
     )
     cfg = WorkerConfig(role=role, host=args.host, port=args.port, metrics_port=args.metrics_port,
-                       grace_seconds=args.grace, kv_backend=args.kv_backend, engine=engine)
+                       grace_seconds=args.grace, kv_backend=args.kv_backend, max_waiting=args.max_waiting,
+                       kv_advertise=args.kv_advertise, tls=tls_from_args(args),
+                       kv_secret=load_secret(os.environ.get("BATON_KV_SECRET"), args.kv_secret_file), engine=engine)
     cfg.validate()
     return cfg

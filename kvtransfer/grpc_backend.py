@@ -36,6 +36,7 @@ from kvtransfer.grpc_options import (
     channel_options,
 )
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, check_compatible
+from kvtransfer.peer_auth import SESSION_KEY, KVPeerAuth, PeerAuthError, session_of
 from kvtransfer.receiver import PendingTransfers, Transfer, TransferRejected
 
 Ack = kvtransfer_pb2.KVAck
@@ -58,7 +59,8 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer, KVReceiver):
 
     def __init__(self, pending: PendingTransfers, local_layout: KVLayout, *,
                  max_chunk_bytes: int = MAX_CHUNK_BYTES, max_window_bytes: int = DEFAULT_MAX_WINDOW_BYTES,
-                 max_crc_retries: int = MAX_CRC_RETRIES, open_timeout_s: float = OPEN_TIMEOUT_S):
+                 max_crc_retries: int = MAX_CRC_RETRIES, open_timeout_s: float = OPEN_TIMEOUT_S,
+                 auth: KVPeerAuth | None = None):
         if not 0 < max_chunk_bytes <= max_window_bytes:
             raise ValueError(f"need 0 < max_chunk_bytes ({max_chunk_bytes}) <= max_window_bytes "
                              f"({max_window_bytes})")
@@ -68,6 +70,7 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer, KVReceiver):
         self.max_window_bytes = max_window_bytes
         self.max_crc_retries = max_crc_retries
         self.open_timeout_s = open_timeout_s
+        self.auth = auth                  # None: any peer that reaches the port may push
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Like the generated add_KVTransferServicer_to_server, with Push's data chunks decoded as
@@ -87,15 +90,28 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer, KVReceiver):
             remote = KVLayout.from_proto(request.layout)
         except ValueError as exc:
             await context.abort(Code.INVALID_ARGUMENT, f"the prefill worker sent an unusable KV layout: {exc}")
+        session = proof = b""
+        if self.auth is not None:     # the secret first: a stranger learns nothing, not even our layout
+            try:
+                session, proof = self.auth.accept(request.nonce, request.unix_ms, request.proof,
+                                                  request.layout.SerializeToString(deterministic=True))
+            except PeerAuthError as exc:
+                await context.abort(Code.UNAUTHENTICATED, str(exc))
         try:
             check_compatible(self.layout, remote)
         except KVLayoutMismatch as exc:
             await context.abort(Code.FAILED_PRECONDITION, str(exc))
         return kvtransfer_pb2.HandshakeResponse(layout=self.layout.to_proto(), max_chunk_bytes=self.max_chunk_bytes,
-                                                max_window_bytes=self.max_window_bytes)
+                                                max_window_bytes=self.max_window_bytes, session=session, proof=proof)
 
     async def Push(self, request_iterator, context):
         push = _PushSession(self, context)
+        if self.auth is not None and not self.auth.session_valid(session_of(context.invocation_metadata())):
+            why = ("KV push without a valid session: handshake with the shared KV secret first (a restarted "
+                   "decode worker forgets old sessions)")
+            await push.refuse(why)                   # its messages are dropped unread; no transfer is touched
+            push.stop_reading()
+            await context.abort(Code.UNAUTHENTICATED, why)
         try:
             await push.run()
         except TransferRejected as exc:
@@ -283,7 +299,7 @@ class GrpcKVSender(KVSender):
     backend = "grpc"
 
     def __init__(self, channel_or_address: grpc.aio.Channel | str, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 window_bytes: int = DEFAULT_WINDOW_BYTES):
+                 window_bytes: int = DEFAULT_WINDOW_BYTES, auth: KVPeerAuth | None = None):
         if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
         if window_bytes < chunk_bytes:
@@ -303,17 +319,29 @@ class GrpcKVSender(KVSender):
         self.chunk_bytes = chunk_bytes
         self.window_bytes = window_bytes
         self.peer_layout: KVLayout | None = None
+        self.auth = auth
+        self._layout: KVLayout | None = None
+        self._metadata: tuple[tuple[str, str], ...] = ()
 
     async def handshake(self, layout: KVLayout, timeout: float = 10.0) -> KVLayout:
+        request = kvtransfer_pb2.HandshakeRequest(layout=layout.to_proto())
+        if self.auth is not None:
+            request.nonce, request.unix_ms, request.proof = self.auth.hello(
+                request.layout.SerializeToString(deterministic=True))
         try:
-            reply = await self.stub.Handshake(kvtransfer_pb2.HandshakeRequest(layout=layout.to_proto()),
-                                              timeout=timeout)
+            reply = await self.stub.Handshake(request, timeout=timeout)
+            if self.auth is not None:
+                self.auth.check_reply(request.nonce, reply.session, reply.proof)
             peer = KVLayout.from_proto(reply.layout)
             check_compatible(layout, peer, local_role="prefill", remote_role="decode")
         except grpc.aio.AioRpcError as exc:
             raise KVTransferError(f"KV handshake with {self.address} failed: {exc.details()}", exc.code()) from exc
+        except PeerAuthError as exc:
+            raise KVTransferError(f"KV handshake with {self.address}: {exc}", Code.UNAUTHENTICATED) from exc
         except ValueError as exc:               # an unusable or mismatching layout in the reply
             raise KVTransferError(f"KV handshake with {self.address}: {exc}", Code.FAILED_PRECONDITION) from exc
+        self._layout = layout
+        self._metadata = ((SESSION_KEY, reply.session.hex()),) if reply.session else ()
         if reply.max_chunk_bytes:
             self.chunk_bytes = min(self.chunk_bytes, reply.max_chunk_bytes)
         if reply.max_window_bytes:
@@ -326,8 +354,18 @@ class GrpcKVSender(KVSender):
         transfer = TransferDescriptor.of(transfer)
         if self.peer_layout is None:
             raise KVTransferError(f"handshake with {self.address} before sending KV", Code.FAILED_PRECONDITION)
+        try:
+            return await self._send(transfer, payload_provider, first_token, extra, timeout)
+        except KVTransferError as exc:    # the receiver restarted and forgot our session: once more
+            if exc.code != Code.UNAUTHENTICATED or self.auth is None:
+                raise
+        await self.handshake(self._layout, timeout=min(timeout, 10.0))
+        return await self._send(transfer, payload_provider, first_token, extra, timeout)
+
+    async def _send(self, transfer: TransferDescriptor, payload_provider: PayloadProvider, first_token: int,
+                    extra: dict[str, str] | None, timeout: float) -> SendStats:
         started = time.perf_counter()
-        call = self._push_call(timeout=timeout)           # the receiver sees this deadline too
+        call = self._push_call(timeout=timeout, metadata=self._metadata)   # the receiver sees this deadline too
         acks = _AckReader(call)
         try:
             async with asyncio.timeout(timeout):

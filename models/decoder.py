@@ -28,9 +28,10 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=False, tp=tp, dtype=dtype)
         theta, scaling = rope_parameters(config)
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling, ops)
+        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype) if qk_norm else None
+        self.ops, self.eps = ops, config.rms_norm_eps
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -40,9 +41,9 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.ops.qk_norm_rotary(q, k, self.q_norm.weight if self.q_norm is not None else None,
+                                       self.k_norm.weight if self.k_norm is not None else None, self.eps,
+                                       self.rotary.cos, self.rotary.sin, positions)
         out = ctx.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, q_size))
 

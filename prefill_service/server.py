@@ -16,13 +16,15 @@ import grpc
 from baton.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
 
 from engine.async_engine import EngineDead
-from engine.grpc_server import ServiceError
+from engine.grpc_server import ServiceError, open_channel
 from engine.llm_engine import LLMEngine
 from engine.wire import sampling_from_proto
 from engine.worker import EngineWorker
 from kvtransfer.blocks import pack_blocks
 from kvtransfer.grpc_backend import GrpcKVSender, KVTransferError
+from kvtransfer.grpc_options import channel_options
 from kvtransfer.layout import KVLayout
+from kvtransfer.peer_auth import KVPeerAuth
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -35,15 +37,19 @@ class PrefillWorker(EngineWorker):
         self.tasks: dict[str, asyncio.Task] = {}
         self.senders: dict[str, GrpcKVSender] = {}
         self.layout: KVLayout | None = None
+        self.kv_auth = KVPeerAuth(cfg.kv_secret) if cfg.kv_secret else None
 
     def add_services(self, server) -> None:
         self.layout = self.kv_layout()
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), server)
 
+    def num_active(self) -> int:
+        return len(self.tasks)
+
     async def sender_for(self, address: str, timeout: float) -> GrpcKVSender:
         sender = self.senders.get(address)
-        if sender is None:
-            sender = GrpcKVSender(address)
+        if sender is None:       # over TLS (mutual, with our certificate) when this worker runs TLS
+            sender = GrpcKVSender(open_channel(address, self.cfg.tls, options=channel_options()), auth=self.kv_auth)
             await asyncio.wait_for(sender.handshake(self.layout), timeout)   # mismatch: clear error
             self.senders[address] = sender
         return sender

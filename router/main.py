@@ -24,18 +24,25 @@ async def serve(cfg: RouterConfig) -> None:
     info = router_pb2.ModelInfo(name=source.name, architecture=source.architecture,
                                 max_model_len=getattr(hf, "max_position_embeddings", 0), vocab_size=hf.vocab_size,
                                 eos_token_ids=eos_token_ids(source, tokenizer))
-    registry = Registry(cfg.prefill, cfg.decode, cfg.colocated, source.name)
+    registry = Registry(cfg.prefill, cfg.decode, cfg.colocated, source.name, tls=cfg.tls)
     await registry.start()
-    svc = RouterService(registry, tokenizer, info, cfg.policy)
+    svc = RouterService(registry, tokenizer, info, cfg)
     svc.metrics = Metrics("router")
-    server = Server(cfg.host, cfg.port, ["baton.v1.Router"])
+    # a hard bound under admission control: gRPC itself refuses RPCs beyond it
+    server = Server(cfg.host, cfg.port, ["baton.v1.Router"], tls=cfg.tls,
+                    interceptors=[svc.auth] if svc.auth else [],
+                    max_concurrent_rpcs=cfg.max_inflight + cfg.max_queued + 256)
+    svc.server = server
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(svc), server.server)
     await server.start()
     svc.metrics.serve(cfg.metrics_port, cfg.host)
     healthy = sum(w.healthy for w in registry.workers)
+    security = ("TLS" + (", mutual" if cfg.tls.require_client_cert else "")) if cfg.tls.cert else "plaintext"
+    if svc.auth:
+        security += f", bearer tokens for {len(set(cfg.auth_tokens.values()))} client(s)"
     print(f"[baton] router ready on {server.address} ({healthy}/{len(registry.workers)} workers healthy, "
-          f"policy {cfg.policy})", file=sys.stderr, flush=True)
-    await server.wait_for_signal(cfg.grace_seconds)
+          f"policy {cfg.policy}, {security})", file=sys.stderr, flush=True)
+    await server.wait_for_signal(cfg.grace_seconds, busy=lambda: len(svc.active))
     await registry.stop()
 
 

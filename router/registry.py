@@ -14,7 +14,8 @@ import grpc
 from baton.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.grpc_server import insecure_channel
+from engine.grpc_server import open_channel
+from engine.security import TLSConfig
 
 log = logging.getLogger("baton.router")
 CHECK_INTERVAL_S = 1.0
@@ -34,8 +35,8 @@ class Worker:
     last_error: str = ""
     last_seen: float = 0.0
 
-    def connect(self) -> None:
-        self.channel = insecure_channel(self.address)
+    def connect(self, tls: TLSConfig | None = None) -> None:
+        self.channel = open_channel(self.address, tls)
         stub_cls = prefill_pb2_grpc.PrefillStub if self.role == "prefill" else decode_pb2_grpc.DecodeStub
         self.stub = stub_cls(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -55,8 +56,10 @@ class Worker:
 
 
 class Registry:
-    def __init__(self, prefill: list[str], decode: list[str], colocated: list[str], model: str):
+    def __init__(self, prefill: list[str], decode: list[str], colocated: list[str], model: str,
+                 tls: TLSConfig | None = None):
         self.model = model
+        self.tls = tls
         self.workers = ([Worker(a, "prefill") for a in prefill] + [Worker(a, "decode") for a in decode]
                         + [Worker(a, "colocated") for a in colocated])
         if not self.workers:
@@ -71,7 +74,7 @@ class Registry:
 
     async def start(self) -> None:
         for w in self.workers:
-            w.connect()
+            w.connect(self.tls)
         await self.check_all()
         self._task = asyncio.create_task(self._loop())
 

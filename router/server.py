@@ -18,8 +18,11 @@ import grpc
 from baton.v1 import decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 from engine.grpc_server import ServiceError
+from engine.security import TokenAuth
 from engine.wire import sampling_to_proto
 from router import validation
+from router.admission import Admission
+from router.config import RouterConfig
 from router.policies import make_policy
 from router.registry import Registry, Worker
 
@@ -47,23 +50,40 @@ class Active:
 
 
 class AttemptFailed(Exception):
-    """Nothing reached the client yet: another worker may take the request."""
+    """Nothing reached the client yet: another worker may take the request.
 
-    def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None):
+    `worker` failed for sure (it may be marked down); `suspects` are avoided on the retry
+    without blame (a stalled handover: prefill, decode or the link between them)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None,
+                 suspects: tuple[Worker, ...] = ()):
         super().__init__(message)
-        self.code, self.worker = code, worker
+        self.code, self.worker, self.suspects = code, worker, suspects
 
 
 class RouterService:
-    def __init__(self, registry: Registry, tokenizer, model_info: router_pb2.ModelInfo, policy: str):
+    def __init__(self, registry: Registry, tokenizer, model_info: router_pb2.ModelInfo,
+                 cfg: RouterConfig | None = None):
+        cfg = cfg or RouterConfig()
+        self.cfg = cfg
         self.registry = registry
         self.tokenizer = tokenizer
         self.model_info = model_info
-        self.prefill_policy = make_policy(policy, "prefill")
-        self.decode_policy = make_policy(policy, "decode")
-        self.colocated_policy = make_policy(policy, "colocated")
+        self.prefill_policy = make_policy(cfg.policy, "prefill")
+        self.decode_policy = make_policy(cfg.policy, "decode")
+        self.colocated_policy = make_policy(cfg.policy, "colocated")
         self.active: dict[str, Active] = {}
+        self.admission = Admission(cfg.max_inflight, cfg.max_queued, cfg.queue_timeout, cfg.max_per_client)
+        self.auth = TokenAuth(cfg.auth_tokens) if cfg.auth_tokens else None
+        self.server = None                  # the grpc_server.Server, whose `draining` we honour
         self.metrics = None
+
+    def client_of(self, context) -> str:
+        """Whom per-client limits count against: the bearer token's client, else the peer host."""
+        if self.auth is not None:
+            return self.auth.client_of(context.invocation_metadata()) or "anonymous"
+        peer = context.peer() or "unknown"
+        return peer.rsplit(":", 1)[0]
 
     @property
     def max_model_len(self) -> int:
@@ -72,9 +92,13 @@ class RouterService:
 
     # -- Generate -----------------------------------------------------------------------------
     async def generate(self, req: router_pb2.GenerateRequest, context):
+        if self.server is not None and self.server.draining:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "router is draining (shutting down); retry on another")
         validation.check_request_id(req.request_id)
         ids = validation.prompt_ids(req, self.tokenizer, self.model_info.vocab_size)
-        params = validation.sampling(req, len(ids), self.max_model_len, self.model_info.vocab_size)
+        validation.check_limits(req, len(ids), self.cfg.max_prompt_tokens, self.cfg.max_new_tokens)
+        params = validation.sampling(req, len(ids), self.max_model_len, self.model_info.vocab_size,
+                                     self.cfg.max_new_tokens)
         rid = req.request_id or uuid.uuid4().hex
         if rid in self.active:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
@@ -85,8 +109,9 @@ class RouterService:
         self.active[rid] = active
         t0 = time.perf_counter()
         try:
-            async for resp in self._route(active, ids, sampling_to_proto(params), deadline):
-                yield resp
+            async with self.admission.slot(self.client_of(context), deadline):
+                async for resp in self._route(active, ids, sampling_to_proto(params), deadline):
+                    yield resp
             if self.metrics:
                 self.metrics.e2e.observe(time.perf_counter() - t0)
         except asyncio.CancelledError:
@@ -120,6 +145,7 @@ class RouterService:
             except AttemptFailed as exc:
                 last = exc
                 await self._abort_on_workers([c for c in active.calls if c[1] == active.worker_id])
+                tried.update(w.address for w in exc.suspects)
                 if exc.worker is not None:
                     tried.add(exc.worker.address)
                     if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
@@ -161,13 +187,27 @@ class RouterService:
             handoff=prefill_pb2.Handoff(decode_address=admit.kv_address or d.address,
                                         transfer_id=admit.transfer_id, backend="grpc")),
             timeout=deadline - loop.time()))
+        prefill.add_done_callback(_retrieve)
+        first_by = loop.time() + min(self.cfg.first_token_timeout, deadline - loop.time())
         try:
             first = asyncio.ensure_future(_next(stream))
-            await asyncio.wait({prefill, first}, return_when=asyncio.FIRST_COMPLETED)
+            first.add_done_callback(_retrieve)           # abandoned on a failed attempt: no warning
+            await asyncio.wait({prefill, first}, timeout=max(0.0, first_by - loop.time()),
+                               return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and prefill.exception() is not None and not first.done():
                 first.cancel()
                 stream.cancel()
                 raise _failed(prefill.exception(), p, "prefill")
+            if not first.done():
+                await asyncio.wait({first}, timeout=max(0.0, first_by - loop.time()))
+            if not first.done():
+                first.cancel()
+                stream.cancel()
+                if loop.time() >= deadline:
+                    raise TimeoutError(f"request {active.request_id} got no first token before its deadline")
+                raise AttemptFailed(grpc.StatusCode.UNAVAILABLE,
+                                    f"no first token within {self.cfg.first_token_timeout:.0f}s from prefill "
+                                    f"{p.address} via decode {d.address} (stalled KV handover?)", None, (p, d))
             try:
                 chunk = await first
             except grpc.aio.AioRpcError as exc:
@@ -241,6 +281,11 @@ async def _next(stream):
     return None if item is grpc.aio.EOF else item
 
 
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 def _failed(exc: BaseException, worker: Worker, what: str) -> AttemptFailed:
     if isinstance(exc, grpc.aio.AioRpcError):
         return AttemptFailed(exc.code(), f"{what} on {worker.address}: {exc.code().name}: {exc.details()}", worker)
@@ -252,6 +297,8 @@ def _ms(seconds: float) -> int:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Thin: every RPC of the public contract, each a call into RouterService."""
+
     def __init__(self, svc: RouterService):
         self.svc = svc
 

@@ -43,12 +43,23 @@ def prompt_ids(req: router_pb2.GenerateRequest, tokenizer, vocab_size: int) -> l
     return ids
 
 
+def check_limits(req: router_pb2.GenerateRequest, prompt_len: int, max_prompt_tokens: int,
+                 max_new_tokens: int) -> None:
+    """The operator's configured limits (0 = none); exceeding one is the client's to fix."""
+    if max_prompt_tokens and prompt_len > max_prompt_tokens:
+        raise ValueError(f"prompt has {prompt_len} tokens; this server accepts at most {max_prompt_tokens}")
+    if max_new_tokens and req.sampling.HasField("max_tokens") and req.sampling.max_tokens > max_new_tokens:
+        raise ValueError(f"max_tokens {req.sampling.max_tokens} is over this server's limit of {max_new_tokens}")
+
+
 def sampling(req: router_pb2.GenerateRequest, prompt_len: int, max_model_len: int,
-             vocab_size: int) -> SamplingParams:
+             vocab_size: int, max_new_tokens: int = 0) -> SamplingParams:
     if req.sampling.HasField("max_tokens") and req.sampling.max_tokens == 0:
         raise ValueError("max_tokens must be >= 1 (leave it unset for the default of 256)")
     params = sampling_from_proto(req.sampling)
     params.validate(vocab_size)
+    if max_new_tokens:
+        params.max_tokens = min(params.max_tokens, max_new_tokens)
     if prompt_len >= max_model_len:
         raise ValueError(f"prompt has {prompt_len} tokens; the model's context is {max_model_len} "
                          "and must leave room for one new token: shorten the prompt")

@@ -31,9 +31,9 @@ class Proc:
         f = open(self.log, "ab")
         self.popen = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, tls=None) -> None:
         try:
-            wait_serving(self.address, self.popen, self.name, START_TIMEOUT_S)
+            wait_serving(self.address, self.popen, self.name, START_TIMEOUT_S, tls)
         except Exception as exc:
             raise RuntimeError(f"{exc}\n--- {self.name} log ---\n{self.tail()}") from exc
 
@@ -51,6 +51,20 @@ class Proc:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
+    def peak_rss_mib(self) -> float:
+        """The process's peak resident memory so far (VmHWM), MiB."""
+        for line in Path(f"/proc/{self.popen.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    def status(self, timeout: float = 5.0):
+        """The worker's own GetStatus (works while the router is down)."""
+        from baton.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
+        with grpc.insecure_channel(self.address) as ch:
+            stub_cls = prefill_pb2_grpc.PrefillStub if self.name.startswith("prefill") else decode_pb2_grpc.DecodeStub
+            return stub_cls(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=timeout)
+
 
 @dataclass
 class Cluster:
@@ -58,21 +72,31 @@ class Cluster:
     procs: list[Proc] = field(default_factory=list)
     router: Proc | None = None
     env: dict = field(default_factory=dict)
+    tls: object = None                    # engine.security.TLSConfig the test talks to the cluster with
 
     @classmethod
     def launch(cls, log_dir: Path, prefill: int = 1, decode: int = 1, colocated: int = 0,
-               worker_args: list[str] = (), router_args: list[str] = (), env: dict | None = None) -> Cluster:
+               worker_args: list[str] = (), router_args: list[str] = (), env: dict | None = None,
+               ports: dict[str, int] | None = None, extra: dict[str, list[str]] | None = None,
+               tls=None) -> Cluster:
+        """`ports`/`extra`: a fixed port / more flags for the worker of that name ("decode-0");
+        `tls`: how this test process reaches the cluster (its health checks) when it runs TLS."""
         # one torch thread per worker: several processes share CI's two cores
-        c = cls(log_dir, env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})))
+        c = cls(log_dir, env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})), tls=tls)
         log_dir.mkdir(parents=True, exist_ok=True)
-        workers = ([c._worker("prefill", i, "prefill_service", worker_args) for i in range(prefill)]
-                   + [c._worker("decode", i, "decode_service", worker_args) for i in range(decode)]
-                   + [c._worker("colocated", i, "decode_service", [*worker_args, "--colocated"])
+        ports, extra = ports or {}, extra or {}
+
+        def make(role, i, module, args):
+            name = f"{role}-{i}"
+            return c._worker(role, i, module, [*args, *extra.get(name, [])], ports.get(name))
+        workers = ([make("prefill", i, "prefill_service", worker_args) for i in range(prefill)]
+                   + [make("decode", i, "decode_service", worker_args) for i in range(decode)]
+                   + [make("colocated", i, "decode_service", [*worker_args, "--colocated"])
                       for i in range(colocated)])
         for p in workers:
             p.start(c.env, log_dir)
         for p in workers:
-            p.wait_ready()
+            p.wait_ready(tls)
         flags = []
         for role in ("prefill", "decode", "colocated"):
             addrs = [p.address for p in workers if p.name.startswith(role)]
@@ -83,11 +107,11 @@ class Cluster:
                         f"127.0.0.1:{port}")
         c.router.start(c.env, log_dir)
         c.procs.append(c.router)
-        c.router.wait_ready()
+        c.router.wait_ready(tls)
         return c
 
-    def _worker(self, role: str, i: int, module: str, extra) -> Proc:
-        port = free_port()
+    def _worker(self, role: str, i: int, module: str, extra, port: int | None = None) -> Proc:
+        port = port or free_port()
         p = Proc(f"{role}-{i}", [sys.executable, "-m", module, "--port", str(port), *extra], f"127.0.0.1:{port}")
         self.procs.append(p)
         return p
@@ -99,7 +123,7 @@ class Cluster:
         p = self.worker(name)
         p.kill()
         p.start(self.env, self.log_dir)
-        p.wait_ready()
+        p.wait_ready(self.tls)
 
     def stub(self) -> router_pb2_grpc.RouterStub:
         return router_pb2_grpc.RouterStub(grpc.insecure_channel(self.router.address))
@@ -118,6 +142,25 @@ class Cluster:
                 return info
             if time.monotonic() > deadline:
                 raise AssertionError(f"KV blocks still held after {timeout}s: {info}")
+            time.sleep(0.3)
+
+    def wait_workers_idle(self, timeout: float = 15.0) -> int:
+        """Until every live worker holds no KV block and runs nothing, asked directly (no router
+        needed); returns the blocks still held when it gives up (0 = clean)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            held = 0
+            for p in self.procs:
+                if p is self.router or not p.alive:
+                    continue
+                try:
+                    s = p.status()
+                except grpc.RpcError:
+                    held += 1 << 20          # unreachable counts as not clean
+                    continue
+                held += (s.kv_blocks_total - s.kv_blocks_free) + s.running + s.waiting
+            if held == 0 or time.monotonic() > deadline:
+                return held
             time.sleep(0.3)
 
     def wait_health(self, address: str, healthy: bool, timeout: float = 20.0) -> None:

@@ -29,3 +29,25 @@ def hf_embedded(embedded_source):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(embedded_source.weights_path, torch_dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def reliability():
+    """The reliability suite's report: scenarios record into it, written once at the end."""
+    from reliability import Report
+    report = Report()
+    yield report
+    where = report.write()
+    if where is not None:
+        print(f"\n[reliability] report written to {where}/report.md")
+
+
+@pytest.fixture(scope="session")
+def pd_cluster(tmp_path_factory):
+    """One router + prefill + decode on loopback, shared by the modules that only send traffic
+    (services, fuzzing); modules that kill processes launch their own."""
+    from cluster import Cluster
+    c = Cluster.launch(tmp_path_factory.mktemp("pd-logs"), prefill=1, decode=1,
+                       worker_args=["--num-kv-blocks", "256", "--max-num-seqs", "32"])
+    yield c
+    c.stop()

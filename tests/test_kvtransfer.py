@@ -21,12 +21,13 @@ from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvtransfer import chunk_codec, grpc_backend
+from kvtransfer import chunk_codec, grpc_backend, peer_auth
 from kvtransfer.backend import KVTransferError, TransferDescriptor
 from kvtransfer.blocks import pack_blocks, unpack_blocks
 from kvtransfer.grpc_backend import GrpcKVSender, KVTransferServicer
 from kvtransfer.grpc_options import channel_options, server_options
 from kvtransfer.layout import KVLayout, KVLayoutMismatch, check_compatible
+from kvtransfer.peer_auth import KVPeerAuth, load_secret
 from kvtransfer.receiver import PendingTransfers
 
 Ack = kvtransfer_pb2.KVAck
@@ -255,6 +256,101 @@ def test_multi_mib_kv_arrives_byte_exact_through_many_chunks():
     unpack_blocks(decode_kv, dst_blocks, payload)
     assert torch.equal(decode_kv[:, :, dst_blocks], prefill_kv[:, :, src_blocks])
     assert len(pending) == 0 and pending.stats().staged_bytes == 0 and not out.failed
+
+
+# -- peer authentication (shared secret) ---------------------------------------------------
+SECRET = b"kv-secret-0123456789abcdef"
+
+
+def test_with_the_shared_secret_peers_handshake_and_push_and_strangers_cannot_touch_a_transfer():
+    payload = bytes(range(256)) * 40
+
+    async def main():
+        receiver = KVTransferServicer(PendingTransfers(max_staged_bytes=1 << 20), LAYOUT, auth=KVPeerAuth(SECRET))
+        async with serving(receiver) as (_, out, address):
+            pending = receiver.pending
+            out.expect(pending, "t1", len(payload))
+            # a stranger that guessed the id: refused before its stream is read, the transfer untouched
+            stranger = await play(address, full_stream("t1", payload[::-1], 512))
+            assert "t1" in pending and not out.failed
+            refused = {"push without a session": stranger[0]}
+            for name, auth in [("no secret", None), ("wrong secret", KVPeerAuth(b"another-secret-0123456789"))]:
+                sender = GrpcKVSender(address, auth=auth)
+                try:
+                    await sender.handshake(LAYOUT)
+                except KVTransferError as exc:
+                    refused[name] = exc.code
+                finally:
+                    await sender.close()
+            async with sender_to(address, auth=KVPeerAuth(SECRET)) as sender:
+                await sender.send("t1", payload, first_token=3, timeout=10)
+            return refused, out, pending
+
+    refused, out, pending = run(main())
+    assert refused == {"push without a session": Code.UNAUTHENTICATED, "no secret": Code.UNAUTHENTICATED,
+                       "wrong secret": Code.UNAUTHENTICATED}
+    assert [p for p, _, _ in out.completed["t1"]] == [payload] and len(pending) == 0
+
+
+def test_a_sender_with_the_secret_refuses_a_receiver_that_cannot_prove_it():
+    async def main():
+        async with serving() as (_, _, address):                  # a receiver without any secret
+            sender = GrpcKVSender(address, auth=KVPeerAuth(SECRET))
+            try:
+                await sender.handshake(LAYOUT)
+            finally:
+                await sender.close()
+
+    with pytest.raises(KVTransferError, match="did not answer the KV secret challenge") as err:
+        run(main())
+    assert err.value.code is Code.UNAUTHENTICATED
+
+
+def test_a_replayed_handshake_is_refused():
+    auth = KVPeerAuth(SECRET)
+    layout_bytes = LAYOUT.to_proto().SerializeToString(deterministic=True)
+    nonce, unix_ms, proof = auth.hello(layout_bytes)
+    receiver = KVPeerAuth(SECRET)
+    session, reply = receiver.accept(nonce, unix_ms, proof, layout_bytes)
+    auth.check_reply(nonce, session, reply)
+    assert receiver.session_valid(session) and not receiver.session_valid(session[:-1] + b"x")
+    with pytest.raises(Exception, match="replays"):
+        receiver.accept(nonce, unix_ms, proof, layout_bytes)
+    with pytest.raises(Exception, match="proof is wrong"):        # the proof covers the layout
+        receiver.accept(auth.hello(layout_bytes)[0], unix_ms, proof, layout_bytes)
+    old = int(time.time() * 1000) - 3_600_000                   # a correct proof, an hour old
+    with pytest.raises(Exception, match="clock"):
+        receiver.accept(bytes(16), old, peer_auth._mac(SECRET, b"hello", bytes(16), str(old).encode(), layout_bytes),
+                        layout_bytes)
+
+
+def test_after_a_receiver_restart_the_sender_handshakes_again_by_itself():
+    async def main():
+        async with serving(KVTransferServicer(PendingTransfers(), LAYOUT, auth=KVPeerAuth(SECRET))) as (_, _, a1):
+            sender = GrpcKVSender(a1, auth=KVPeerAuth(SECRET))
+            await sender.handshake(LAYOUT)
+            stale = sender._metadata
+            await sender.close()
+        # "the same decode worker, restarted": same secret, a new process key
+        restarted = KVTransferServicer(PendingTransfers(), LAYOUT, auth=KVPeerAuth(SECRET))
+        async with serving(restarted) as (_, out, address), \
+                sender_to(address, auth=KVPeerAuth(SECRET)) as sender:
+            sender._metadata = stale
+            out.expect(restarted.pending, "t2", 3000)
+            await sender.send("t2", b"k" * 3000, first_token=1, timeout=10)
+            return out
+
+    assert run(main()).completed["t2"][0][0] == b"k" * 3000
+
+
+def test_short_or_empty_secrets_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        load_secret("short", None)
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        load_secret(None, str(tmp_path / "empty"))
+    (tmp_path / "s").write_text("0123456789abcdef0123\nignored")
+    assert load_secret(None, str(tmp_path / "s")) == b"0123456789abcdef0123" and load_secret(None, None) is None
 
 
 class StingyReceiver(kvtransfer_pb2_grpc.KVTransferServicer):

@@ -319,3 +319,27 @@ def test_fused_layer_ops_match_plain_torch(dtype, shape):
     assert torch.equal(s, s_ref) and rel_err(y, y_ref) < tol
     gate_up = torch.randn(shape[0], 2 * shape[-1], generator=g).to(dtype).to(DEV)
     assert rel_err(fused.silu_and_mul(gate_up), plain.silu_and_mul(gate_up)) < tol
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3-qk-norm", "llama-no-norm"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_qk_norm_rotary_matches_plain_torch(dtype, qk_norm, head_dim):
+    """Read straight out of a fused qkv row (strided views), as the model calls it."""
+    from models.layers.rotary import RotaryEmbedding
+    fused, plain = cuda_platform().ops, LayerOps()
+    g = torch.Generator().manual_seed(5)
+    tokens, hq, hk = 37, 8, 2
+    qkv = torch.randn(tokens, (hq + 2 * hk) * head_dim, generator=g).to(dtype).to(DEV)
+    q = qkv[:, :hq * head_dim].view(tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim:(hq + hk) * head_dim].view(tokens, hk, head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, 1e6, None).to(DEV)
+    positions = torch.randint(0, 4096, (tokens,), generator=g).to(DEV)
+    qw, kw = ((1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype).to(DEV) for _ in range(2))
+    weights = (qw, kw) if qk_norm else (None, None)
+    q1, k1 = fused.qk_norm_rotary(q, k, *weights, 1e-6, rope.cos, rope.sin, positions)
+    q0, k0 = plain.qk_norm_rotary(q, k, *weights, 1e-6, rope.cos, rope.sin, positions)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    assert q1.is_contiguous() and not q1.isnan().any() and not k1.isnan().any()
+    assert rel_err(q1, q0) < tol and rel_err(k1, k0) < tol

@@ -15,14 +15,11 @@ from engine import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 
-WORKER_ARGS = ["--num-kv-blocks", "256", "--max-num-seqs", "32"]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster.launch(tmp_path_factory.mktemp("logs"), prefill=1, decode=1, worker_args=WORKER_ARGS)
-    yield c
-    c.stop()
+def cluster(pd_cluster):
+    return pd_cluster
 
 
 def greedy(max_tokens: int, **kw) -> router_pb2.SamplingParams:

@@ -45,6 +45,16 @@ class LayerOps:
         sin = sin.unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
+    def qk_norm_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+        eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of q and k (none when the weights are None, as in Llama), then rotary
+        at `positions` from the fp32 tables cos/sin [max_positions, D]. One kernel on CUDA."""
+        if q_weight is not None:
+            q, k = self.rms_norm(q, q_weight, eps), self.rms_norm(k, k_weight, eps)
+        return self.rotary(q, k, cos[positions], sin[positions])
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

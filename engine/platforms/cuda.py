@@ -19,7 +19,7 @@ MAX_HEAD_DIM = 256
 
 
 class TritonLayerOps(LayerOps):
-    """Fused RMSNorm, add-RMSNorm and SiLU-and-mul; rotary stays plain torch."""
+    """Fused RMSNorm, add-RMSNorm, SiLU-and-mul, and q/k norm + rotary in one kernel."""
 
     def rms_norm(self, x, weight, eps):
         from engine.platforms.triton_kernels import layer_ops
@@ -32,6 +32,10 @@ class TritonLayerOps(LayerOps):
     def silu_and_mul(self, x):
         from engine.platforms.triton_kernels import layer_ops
         return layer_ops.silu_and_mul(x)
+
+    def qk_norm_rotary(self, q, k, q_weight, k_weight, eps, cos, sin, positions):
+        from engine.platforms.triton_kernels import layer_ops
+        return layer_ops.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, positions)
 
 
 class CudaPlatform(Platform):

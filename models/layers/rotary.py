@@ -45,15 +45,13 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, ops):
+    """The cos/sin tables [max_positions, head_dim]; LayerOps.qk_norm_rotary applies them."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        self.ops = ops
         inv = inverse_frequencies(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(t, inv)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return self.ops.rotary(q, k, self.cos[positions], self.sin[positions])

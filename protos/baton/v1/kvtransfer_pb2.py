@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/kvtransfer.proto\x12\x08\x62\x61ton.v1\"\xc2\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\x0f\n\x07tp_rank\x18\t \x01(\r\x12\x10\n\x08\x62\x61\x63kends\x18\n \x03(\t\"6\n\x10HandshakeRequest\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVLayout\"j\n\x11HandshakeResponse\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVLayout\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\x04\x12\x18\n\x10max_window_bytes\x18\x03 \x01(\x04\"\xad\x01\n\x07KVChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\x12\"\n\x04open\x18\x06 \x01(\x0b\x32\x12.baton.v1.PushOpenH\x00\x12\"\n\x04\x64one\x18\x07 \x01(\x0b\x32\x12.baton.v1.PushDoneH\x00\x42\t\n\x07\x63ontrol\"J\n\x08PushOpen\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cwindow_bytes\x18\x03 \x01(\x04\"\xa3\x01\n\x08PushDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12,\n\x05\x65xtra\x18\x04 \x03(\x0b\x32\x1d.baton.v1.PushDone.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc7\x01\n\x05KVAck\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.baton.v1.KVAck.Kind\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06\x63redit\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"k\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_CREDIT\x10\x01\x12\x0c\n\x08KIND_ACK\x10\x02\x12\r\n\tKIND_NACK\x10\x03\x12\r\n\tKIND_DONE\x10\x04\x12\x10\n\x0cKIND_REFUSED\x10\x05\x32\x82\x01\n\nKVTransfer\x12\x44\n\tHandshake\x12\x1a.baton.v1.HandshakeRequest\x1a\x1b.baton.v1.HandshakeResponse\x12.\n\x04Push\x12\x11.baton.v1.KVChunk\x1a\x0f.baton.v1.KVAck(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/kvtransfer.proto\x12\x08\x62\x61ton.v1\"\xc2\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\x0f\n\x07tp_rank\x18\t \x01(\r\x12\x10\n\x08\x62\x61\x63kends\x18\n \x03(\t\"e\n\x10HandshakeRequest\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVLayout\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x0f\n\x07unix_ms\x18\x03 \x01(\x04\x12\r\n\x05proof\x18\x04 \x01(\x0c\"\x8a\x01\n\x11HandshakeResponse\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVLayout\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\x04\x12\x18\n\x10max_window_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07session\x18\x04 \x01(\x0c\x12\r\n\x05proof\x18\x05 \x01(\x0c\"\xad\x01\n\x07KVChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\x12\"\n\x04open\x18\x06 \x01(\x0b\x32\x12.baton.v1.PushOpenH\x00\x12\"\n\x04\x64one\x18\x07 \x01(\x0b\x32\x12.baton.v1.PushDoneH\x00\x42\t\n\x07\x63ontrol\"J\n\x08PushOpen\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cwindow_bytes\x18\x03 \x01(\x04\"\xa3\x01\n\x08PushDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12,\n\x05\x65xtra\x18\x04 \x03(\x0b\x32\x1d.baton.v1.PushDone.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc7\x01\n\x05KVAck\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.baton.v1.KVAck.Kind\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06\x63redit\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"k\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_CREDIT\x10\x01\x12\x0c\n\x08KIND_ACK\x10\x02\x12\r\n\tKIND_NACK\x10\x03\x12\r\n\tKIND_DONE\x10\x04\x12\x10\n\x0cKIND_REFUSED\x10\x05\x32\x82\x01\n\nKVTransfer\x12\x44\n\tHandshake\x12\x1a.baton.v1.HandshakeRequest\x1a\x1b.baton.v1.HandshakeResponse\x12.\n\x04Push\x12\x11.baton.v1.KVChunk\x1a\x0f.baton.v1.KVAck(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,21 +36,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=40
   _globals['_KVLAYOUT']._serialized_end=234
   _globals['_HANDSHAKEREQUEST']._serialized_start=236
-  _globals['_HANDSHAKEREQUEST']._serialized_end=290
-  _globals['_HANDSHAKERESPONSE']._serialized_start=292
-  _globals['_HANDSHAKERESPONSE']._serialized_end=398
-  _globals['_KVCHUNK']._serialized_start=401
-  _globals['_KVCHUNK']._serialized_end=574
-  _globals['_PUSHOPEN']._serialized_start=576
-  _globals['_PUSHOPEN']._serialized_end=650
-  _globals['_PUSHDONE']._serialized_start=653
-  _globals['_PUSHDONE']._serialized_end=816
-  _globals['_PUSHDONE_EXTRAENTRY']._serialized_start=772
-  _globals['_PUSHDONE_EXTRAENTRY']._serialized_end=816
-  _globals['_KVACK']._serialized_start=819
-  _globals['_KVACK']._serialized_end=1018
-  _globals['_KVACK_KIND']._serialized_start=911
-  _globals['_KVACK_KIND']._serialized_end=1018
-  _globals['_KVTRANSFER']._serialized_start=1021
-  _globals['_KVTRANSFER']._serialized_end=1151
+  _globals['_HANDSHAKEREQUEST']._serialized_end=337
+  _globals['_HANDSHAKERESPONSE']._serialized_start=340
+  _globals['_HANDSHAKERESPONSE']._serialized_end=478
+  _globals['_KVCHUNK']._serialized_start=481
+  _globals['_KVCHUNK']._serialized_end=654
+  _globals['_PUSHOPEN']._serialized_start=656
+  _globals['_PUSHOPEN']._serialized_end=730
+  _globals['_PUSHDONE']._serialized_start=733
+  _globals['_PUSHDONE']._serialized_end=896
+  _globals['_PUSHDONE_EXTRAENTRY']._serialized_start=852
+  _globals['_PUSHDONE_EXTRAENTRY']._serialized_end=896
+  _globals['_KVACK']._serialized_start=899
+  _globals['_KVACK']._serialized_end=1098
+  _globals['_KVACK_KIND']._serialized_start=991
+  _globals['_KVACK_KIND']._serialized_end=1098
+  _globals['_KVTRANSFER']._serialized_start=1101
+  _globals['_KVTRANSFER']._serialized_end=1231
 # @@protoc_insertion_point(module_scope)

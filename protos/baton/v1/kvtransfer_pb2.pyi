@@ -32,20 +32,30 @@ class KVLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., backends: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("layout",)
+    __slots__ = ("layout", "nonce", "unix_ms", "proof")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    nonce: bytes
+    unix_ms: int
+    proof: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., nonce: _Optional[bytes] = ..., unix_ms: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("layout", "max_chunk_bytes", "max_window_bytes")
+    __slots__ = ("layout", "max_chunk_bytes", "max_window_bytes", "session", "proof")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     max_chunk_bytes: int
     max_window_bytes: int
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., max_window_bytes: _Optional[int] = ...) -> None: ...
+    session: bytes
+    proof: bytes
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., max_window_bytes: _Optional[int] = ..., session: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("transfer_id", "index", "offset", "data", "crc32", "open", "done")

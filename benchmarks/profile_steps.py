@@ -1,0 +1,98 @@
+"""Where a step's device time goes: torch.profiler over eager prefill and decode steps.
+
+    python -m benchmarks.profile_steps --model qwen3-0.6b --device cuda:0 --batch 256 --context 512
+
+Runs the engine eagerly (so every kernel is a separate, attributable launch), profiles one
+prefill step of --prefill-tokens tokens and --steps decode steps at --batch sequences of
+--context tokens, and prints one JSON line per phase: wall ms per step, summed kernel ms per
+step and the top kernels by device time. Wall minus kernel time is launch and host overhead
+(which decode graphs remove).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine import LLMEngine, SamplingParams
+from engine.config import EngineConfig
+
+
+def _kernels(prof, steps: int, top: int) -> tuple[float, list[dict]]:
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append((t, e.key, e.count))
+    rows.sort(reverse=True)
+    total_ms = sum(t for t, _, _ in rows) / 1000 / steps
+    return total_ms, [{"kernel": k[:90], "ms_per_step": round(t / 1000 / steps, 3), "calls_per_step": c // steps}
+                      for t, k, c in rows[:top]]
+
+
+def _profiled(engine: LLMEngine, steps: int):
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    return prof, wall
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--prefill-tokens", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args(argv)
+    cfg = EngineConfig(model=args.model, device=args.device, enforce_eager=True, max_num_seqs=args.batch,
+                       max_model_len=args.context + 4 * args.steps + 64,
+                       max_num_batched_tokens=max(args.prefill_tokens, args.context))
+    engine = LLMEngine(cfg)
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.6, max_tokens=4 * args.steps + 16, ignore_eos=True)
+
+    def add(n: int) -> list[str]:
+        return [engine.add_request(torch.randint(0, engine.vocab_size, (args.context,), generator=g).tolist(),
+                                   params) for _ in range(n)]
+
+    # warm-up: compile every kernel on both paths
+    ids = add(max(1, args.prefill_tokens // args.context))
+    for _ in range(3):
+        engine.step()
+    for rid in ids:
+        engine.abort(rid)
+    # one full-budget prefill step
+    ids = add(max(1, args.prefill_tokens // args.context))
+    prof, wall = _profiled(engine, 1)
+    kernel_ms, top = _kernels(prof, 1, args.top)
+    print(json.dumps({"phase": "prefill", "tokens": args.prefill_tokens, "wall_ms": round(1000 * wall, 2),
+                      "kernel_ms": round(kernel_ms, 2), "top": top}), flush=True)
+    for rid in ids:
+        engine.abort(rid)
+    # decode at the batch
+    ids = add(args.batch)
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                          for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    prof, wall = _profiled(engine, args.steps)
+    kernel_ms, top = _kernels(prof, args.steps, args.top)
+    print(json.dumps({"phase": "decode", "batch": args.batch, "context": args.context,
+                      "wall_ms": round(1000 * wall, 2), "kernel_ms": round(kernel_ms, 2), "top": top}), flush=True)
+    for rid in ids:
+        engine.abort(rid)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,469 @@
+"""The chaos suite: real router, 2 prefill and 2 decode processes on loopback, faults injected
+while known-answer traffic runs. decode-0's KV channel goes through a `FaultyLink` proxy, so
+the link between prefill and decode can be partitioned or cut mid-transfer.
+
+Every scenario checks the same things: each request ends with a terminal status within its
+deadline (nothing lost), completed requests carry the known greedy answer (nothing
+corrupted), and no KV block stays held on any survivor. Figures go to the reliability
+report (tests/reliability.py; docs/reliability.md quotes one run). BATON_SOAK=1 runs
+bigger loads by hand.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+from baton.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
+from cluster import Cluster, Proc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from netfault import FaultyLink
+from reliability import Load, Outcomes
+
+from engine import SamplingParams
+from engine.grpc_server import retry_after_ms
+from engine.launcher import free_port
+
+pytestmark = pytest.mark.timeout(900)
+
+SOAK = os.environ.get("BATON_SOAK") == "1"
+PROMPTS = ["The quick brown fox", "def quicksort(arr):", "1, 2, 3,", "Once upon a time"]
+LONG_PROMPTS = [f"Chapter {i}. " + "The river ran past the old mill and the miller counted sacks. " * 14
+                for i in range(2)]
+N_TOKENS = 6
+FIRST_TOKEN_TIMEOUT_S = 8
+
+
+def greedy(n: int) -> router_pb2.SamplingParams:
+    return router_pb2.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def known(embedded_llm):
+    """prompt -> the offline engine's greedy tokens: the answer every survivor must give."""
+    prompts = PROMPTS + LONG_PROMPTS
+    outs = embedded_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True))
+    return {p: o.token_ids for p, o in zip(prompts, outs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def link():
+    port = free_port()
+    proxy = FaultyLink(("127.0.0.1", port))
+    proxy.decode_port = port
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, link):
+    c = Cluster.launch(tmp_path_factory.mktemp("logs"), prefill=2, decode=2,
+                       worker_args=["--num-kv-blocks", "256", "--grace", "60"],
+                       router_args=["--policy", "round_robin", "--first-token-timeout", str(FIRST_TOKEN_TIMEOUT_S),
+                                    "--grace", "60"],
+                       ports={"decode-0": link.decode_port}, extra={"decode-0": ["--kv-advertise", link.address]})
+    yield c
+    c.stop()
+
+
+def known_load(cluster, known, n: int, deadline: float = 60.0, prompts=PROMPTS, stub=None) -> Load:
+    load = Load(stub or cluster.stub(), workers=n)
+    for i in range(n):
+        p = prompts[i % len(prompts)]
+        load.submit(router_pb2.GenerateRequest(text=p, sampling=greedy(N_TOKENS)), known[p], deadline)
+    return load
+
+
+def settle(cluster, timeout: float = 20.0) -> int:
+    return cluster.wait_workers_idle(timeout)
+
+
+# -- routing and worker loss ------------------------------------------------------------------
+def test_round_robin_spreads_requests_over_every_worker(cluster, known):
+    before = {p.name: p.status().requests_served for p in cluster.procs if p is not cluster.router}
+    out = known_load(cluster, known, 4).wait()
+    out.assert_clean()
+    assert out.completed == 4
+    after = {p.name: p.status().requests_served for p in cluster.procs if p is not cluster.router}
+    assert sorted(n for n in after if after[n] > before[n]) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    assert settle(cluster) == 0
+
+
+def test_sigkill_of_a_decode_worker_mid_stream(cluster, known, reliability):
+    victim = cluster.worker("decode-1")
+    stub = cluster.stub()
+    streams = Load(stub, workers=8)
+    for i in range(8):
+        streams.submit(router_pb2.GenerateRequest(text=f"Story {i}: once upon a time", sampling=greedy(150)),
+                       None, 120)
+    time.sleep(2.5)                        # streams are under way on both decode workers
+    victim.kill()
+    during = known_load(cluster, known, 8)
+    out = streams.wait()
+    ka = during.wait()
+    out.assert_clean()
+    ka.assert_clean()
+    assert set(out.statuses) <= {"UNAVAILABLE"} and out.completed > 0, out.summary()
+    assert ka.completed == ka.sent, ka.summary()          # the survivor answers correctly meanwhile
+    cluster.wait_health(victim.address, healthy=False)
+    leaked = settle(cluster)
+    out.merge(ka)
+    reliability.record("SIGKILL decode mid-stream", out, leaked_blocks=leaked)
+    assert leaked == 0
+
+
+def test_restarted_decode_worker_returns_to_rotation(cluster, known):
+    victim = cluster.worker("decode-1")
+    victim.kill()
+    victim.start(cluster.env, cluster.log_dir)
+    victim.wait_ready()
+    cluster.wait_health(victim.address, healthy=True)
+    before = victim.status().requests_served
+    known_load(cluster, known, 4).wait().assert_clean()
+    assert victim.status().requests_served > before
+    assert settle(cluster) == 0
+
+
+def test_sigkill_of_a_prefill_worker_is_retried_on_the_other(cluster, known, reliability):
+    victim = cluster.worker("prefill-0")
+    victim.kill()
+    out = known_load(cluster, known, 6).wait()      # some are routed to the dead one first and retried
+    out.assert_clean()
+    assert out.completed == out.sent, out.summary()
+    cluster.wait_health(victim.address, healthy=False)
+    leaked = settle(cluster)
+    reliability.record("SIGKILL idle prefill (retry)", out, leaked_blocks=leaked)
+    cluster.restart("prefill-0")
+    cluster.wait_health(victim.address, healthy=True)
+    assert leaked == 0
+
+
+# -- the KV link --------------------------------------------------------------------------------
+def _prefill_holding(cluster, link: FaultyLink) -> Proc | None:
+    """The prefill process with a TCP connection into the proxy (its KV push is what stalled)."""
+    ports = link.client_ports()
+    for p in cluster.procs:
+        if not p.name.startswith("prefill") or not p.alive:
+            continue
+        for conn in psutil.Process(p.popen.pid).net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port in ports:
+                return p
+    return None
+
+
+def test_sigkill_of_a_prefill_worker_mid_transfer(cluster, link, known, reliability):
+    """The proxy lets 256 KiB of a multi-MiB KV push through, then holds the rest; the prefill
+    worker doing that push is killed while its transfer is half done."""
+    link.stall_after(256 << 10)
+    load = known_load(cluster, known, 4, prompts=LONG_PROMPTS)
+    deadline = time.monotonic() + 30
+    while not link.stalled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert link.stalled, "no KV push reached the proxy"
+    victim = _prefill_holding(cluster, link)
+    assert victim is not None
+    victim.kill()
+    link.open()
+    during = known_load(cluster, known, 4)
+    out = load.wait()
+    out.merge(during.wait())
+    out.assert_clean()
+    assert out.completed == out.sent, out.summary()       # retried on the surviving prefill worker
+    leaked = settle(cluster)
+    reliability.record("SIGKILL prefill mid-transfer", out, leaked_blocks=leaked,
+                       transfer_cut_after_kib=256)
+    cluster.restart(victim.name)
+    cluster.wait_health(victim.address, healthy=True)
+    assert leaked == 0
+
+
+def test_partition_between_prefill_and_decode(cluster, link, known, reliability):
+    """decode-0 stops hearing from every prefill worker: attempts through it get no first token
+    within --first-token-timeout and are retried on decode-1; a request whose deadline is
+    shorter than that ends DEADLINE_EXCEEDED on time; nothing stays held."""
+    link.stall()
+    try:
+        load = known_load(cluster, known, 8, deadline=60)
+        short = known_load(cluster, known, 2, deadline=2.5)
+        held = 0
+        t_end = time.monotonic() + 10
+        while held == 0 and time.monotonic() < t_end:
+            held = link.held()
+            time.sleep(0.1)
+        out = load.wait()
+        s = short.wait()
+    finally:
+        link.open()
+    assert held > 0, "the partition was never hit"
+    out.assert_clean()
+    s.assert_clean()
+    assert out.completed == out.sent, out.summary()
+    assert set(s.statuses) <= {"DEADLINE_EXCEEDED"}, s.summary()
+    out.merge(s)
+    leaked = settle(cluster, 30)
+    reliability.record("partition prefill -> decode (stalled transfer)", out, leaked_blocks=leaked,
+                       bytes_held_by_partition=held, first_token_timeout_s=FIRST_TOKEN_TIMEOUT_S)
+    assert leaked == 0
+
+
+def test_garbage_on_the_kv_channel(cluster, known, reliability):
+    """Random bytes, a truncated HTTP/2 preface and hostile KV messages at decode-1, while
+    known-answer traffic runs through it."""
+    target = cluster.worker("decode-1").address
+    host, port = target.rsplit(":", 1)
+    load = known_load(cluster, known, 8)
+    rng = random.Random(0)
+    tried = 0
+    for i in range(20):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            if i % 4 == 0:
+                s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + rng.randbytes(rng.randint(1, 4096)))
+            elif i % 4 == 1:
+                s.sendall(b"PRI * HTTP/2.0\r\n")            # truncated preface, then silence
+            else:
+                s.sendall(rng.randbytes(rng.randint(1, 65536)))
+            tried += 1
+    tried += _hostile_kv_messages(target, rng)
+    out = load.wait()
+    out.assert_clean()
+    assert out.completed == out.sent, out.summary()
+    assert cluster.worker("decode-1").alive
+    leaked = settle(cluster)
+    reliability.record("garbage on the KV channel", out, leaked_blocks=leaked, bad_inputs_tried=tried)
+    assert leaked == 0
+
+
+def _hostile_kv_messages(address: str, rng: random.Random) -> int:
+    """Well-formed gRPC carrying nonsense: pushes for unknown transfers, chunks out of order,
+    with bad checksums, wrong sizes, no open. Each must end with a status, not a crash."""
+    from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+
+    def chunks(kind: int):
+        tid = "nope" if kind % 2 else rng.randbytes(8).hex()
+        if kind % 3 == 0:
+            yield kvtransfer_pb2.KVChunk(transfer_id=tid, open=kvtransfer_pb2.PushOpen(
+                total_bytes=rng.randint(0, 1 << 40), chunk_bytes=rng.randint(0, 1 << 30), window_bytes=1))
+        for _ in range(rng.randint(0, 4)):
+            data = rng.randbytes(rng.randint(0, 2048))
+            yield kvtransfer_pb2.KVChunk(transfer_id=tid, index=rng.randint(0, 9), offset=rng.randint(0, 1 << 20),
+                                         data=data, crc32=rng.randint(0, (1 << 32) - 1))
+        yield kvtransfer_pb2.KVChunk(transfer_id=tid, done=kvtransfer_pb2.PushDone(first_token=rng.randint(0, 1 << 31)))
+
+    n = 0
+    with grpc.insecure_channel(address) as ch:
+        stub = kvtransfer_pb2_grpc.KVTransferStub(ch)
+        for kind in range(12):
+            try:
+                for _ in stub.Push(chunks(kind), timeout=5):
+                    pass
+            except grpc.RpcError as exc:
+                assert exc.code() != grpc.StatusCode.UNKNOWN, exc
+            n += 1
+    return n
+
+
+# -- clients and the router ---------------------------------------------------------------------
+def test_a_client_that_stops_reading(cluster, known, reliability):
+    """Three clients read one message and stop; everyone else is served, their KV is freed
+    when generation ends (not when the client reads), and cancelling them ends cleanly."""
+    stub = cluster.stub()
+    stalled = []
+    for i in range(3):
+        it = stub.Generate(router_pb2.GenerateRequest(text=f"Stalled {i}: count to a hundred", sampling=greedy(64)),
+                           timeout=120)
+        next(it)
+        stalled.append(it)
+    out = known_load(cluster, known, 8).wait()
+    out.assert_clean()
+    assert out.completed == out.sent, out.summary()
+    leaked = settle(cluster, 60)             # generation finished; the unread tokens are not KV
+    ended = Outcomes()
+    for it in stalled:
+        it.cancel()
+        try:
+            for _ in it:
+                pass
+            result = []
+        except grpc.RpcError as exc:
+            result = exc
+        ended.add(result, None, 0.0, 120)
+    assert set(ended.statuses) <= {"CANCELLED"}
+    out.merge(ended)
+    reliability.record("client stops reading (backpressure)", out, leaked_blocks=leaked, stalled_clients=3)
+    assert leaked == 0
+
+
+def test_router_restart_while_workers_live(cluster, known, reliability):
+    streams = Load(cluster.stub(), workers=4)
+    for i in range(4):
+        streams.submit(router_pb2.GenerateRequest(text=f"Long {i}: the history of", sampling=greedy(300)), None, 120)
+    time.sleep(2.0)
+    cluster.router.kill()                  # SIGKILL: the workers see their streams cancelled
+    out = streams.wait()
+    leaked = settle(cluster, 20)           # asked of each worker directly: no router up
+    assert set(out.statuses) <= {"UNAVAILABLE", "CANCELLED"} and out.lost == 0, out.summary()
+    cluster.restart("router")
+    after = known_load(cluster, known, 6).wait()
+    after.assert_clean()
+    assert after.completed == after.sent, after.summary()
+    out.merge(after)
+    reliability.record("router restart (SIGKILL) with workers live", out, leaked_blocks=leaked)
+    assert leaked == 0
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        except grpc.RpcError:
+            return -1
+
+
+def test_sigterm_drains_a_decode_worker(cluster, known, reliability):
+    victim = cluster.worker("decode-1")
+    streams = known_load(cluster, known, 4, deadline=120)
+    long = Load(cluster.stub(), workers=4)
+    for i in range(4):
+        long.submit(router_pb2.GenerateRequest(text=f"Drain {i}: a long story", sampling=greedy(40)), None, 120)
+    deadline = time.monotonic() + 20
+    while victim.status().running == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert victim.status().running > 0
+    t0 = time.monotonic()
+    victim.popen.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert _health(victim.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+    with grpc.insecure_channel(victim.address) as ch:      # new work is refused while it drains
+        with pytest.raises(grpc.RpcError) as err:
+            decode_pb2_grpc.DecodeStub(ch).Admit(decode_pb2.AdmitRequest(request_id="late", prompt_token_ids=[1, 2]),
+                                                 timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    out = long.wait()
+    out.merge(streams.wait())
+    out.assert_clean()
+    assert out.completed == out.sent, out.summary()        # in-flight requests all finished
+    assert victim.popen.wait(70) == 0
+    drained_in = time.monotonic() - t0
+    leaked = settle(cluster)
+    reliability.record("SIGTERM drain of a decode worker", out, leaked_blocks=leaked,
+                       drained_in_s=round(drained_in, 1), grace_s=60, refused_while_draining="UNAVAILABLE")
+    victim.start(cluster.env, cluster.log_dir)
+    victim.wait_ready()
+    cluster.wait_health(victim.address, healthy=True)
+    assert leaked == 0
+
+
+def test_sigterm_drains_the_router(cluster, known, reliability):
+    long = Load(cluster.stub(), workers=4)
+    for i in range(3):
+        long.submit(router_pb2.GenerateRequest(text=f"Router drain {i}:", sampling=greedy(30)), None, 120)
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    cluster.router.popen.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(grpc.RpcError) as err:
+        list(cluster.stub().Generate(router_pb2.GenerateRequest(text="late", sampling=greedy(2)), timeout=5))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    out = long.wait()
+    out.assert_clean()
+    assert out.completed == out.sent, out.summary()
+    assert cluster.router.popen.wait(70) == 0
+    drained_in = time.monotonic() - t0
+    leaked = settle(cluster)
+    reliability.record("SIGTERM drain of the router", out, leaked_blocks=leaked, drained_in_s=round(drained_in, 1),
+                       refused_while_draining="UNAVAILABLE")
+    cluster.restart("router")
+    assert leaked == 0
+
+
+# -- overload -------------------------------------------------------------------------------------
+def _extra_router(cluster, name: str, flags: list[str]) -> Proc:
+    workers = [p for p in cluster.procs if p is not cluster.router]
+    port = free_port()
+    cmd = [sys.executable, "-m", "router", "--port", str(port),
+           "--prefill", ",".join(p.address for p in workers if p.name.startswith("prefill")),
+           "--decode", ",".join(p.address for p in workers if p.name.startswith("decode")), *flags]
+    p = Proc(name, cmd, f"127.0.0.1:{port}")
+    p.start(cluster.env, cluster.log_dir)
+    p.wait_ready()
+    return p
+
+
+async def _streams(address: str, n: int, known, deadline: float) -> tuple[Outcomes, list]:
+    """n concurrent streams over a few channels, as many clients would open them."""
+    channels = [grpc.aio.insecure_channel(address) for _ in range(8)]
+    hints = []
+
+    async def one(i: int):
+        stub = router_pb2_grpc.RouterStub(channels[i % len(channels)])
+        p = PROMPTS[i % len(PROMPTS)]
+        t0 = time.monotonic()
+        ids: list[int] = []
+        try:
+            call = stub.Generate(router_pb2.GenerateRequest(text=p, sampling=greedy(N_TOKENS)), timeout=deadline)
+            async for resp in call:
+                ids += resp.token_ids
+            result = ids
+        except grpc.aio.AioRpcError as exc:
+            result = exc
+            hints.append(retry_after_ms(exc.trailing_metadata()))
+        return result, known[p], time.monotonic() - t0
+
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), deadline + 30)
+    finally:
+        for ch in channels:
+            await ch.close()
+    out = Outcomes()
+    for result, expected, seconds in results:
+        out.add(result, expected, seconds, deadline)
+    return out, hints
+
+
+def test_500_concurrent_streams_with_bounded_memory(cluster, known, reliability):
+    n = 5000 if SOAK else 500
+    router = _extra_router(cluster, "router-load", ["--max-inflight", "64", "--max-queued", str(n * 2),
+                                                    "--queue-timeout", "300"])
+    try:
+        procs = [p for p in cluster.procs if p.alive] + [router]
+        rss_before = {p.name: p.peak_rss_mib() for p in procs}
+        t0 = time.monotonic()
+        out, _ = asyncio.run(_streams(router.address, n, known, deadline=300))
+        seconds = time.monotonic() - t0
+        rss_after = {p.name: p.peak_rss_mib() for p in procs}
+        assert router.alive and all(p.alive for p in procs)
+    finally:
+        router.kill(signal.SIGTERM)
+    out.assert_clean()
+    assert out.completed == n, out.summary()               # queued, not dropped: the queue held them all
+    leaked = settle(cluster, 30)
+    growth = {k: round(rss_after[k] - rss_before[k]) for k in rss_after}
+    reliability.record(f"load: {n} concurrent streams", out, leaked_blocks=leaked, seconds=round(seconds, 1),
+                       router_max_inflight=64, peak_rss_mib={k: round(v) for k, v in rss_after.items()},
+                       peak_rss_growth_mib=growth)
+    assert leaked == 0
+    assert growth[router.name] < 300 and max(growth.values()) < 600, growth   # bounded, not proportional
+
+
+def test_beyond_capacity_is_resource_exhausted_with_a_retry_hint(cluster, known, reliability):
+    router = _extra_router(cluster, "router-small", ["--max-inflight", "2", "--max-queued", "2",
+                                                     "--queue-timeout", "20"])
+    try:
+        out, hints = asyncio.run(_streams(router.address, 24, known, deadline=60))
+    finally:
+        router.kill(signal.SIGTERM)
+    out.assert_clean()
+    assert out.statuses.get("RESOURCE_EXHAUSTED", 0) > 0 and out.completed >= 4, out.summary()
+    assert set(out.statuses) == {"RESOURCE_EXHAUSTED"}
+    assert all(h and h > 0 for h in hints), hints
+    leaked = settle(cluster)
+    reliability.record("overload: 24 at once into 2 running + 2 queued", out, leaked_blocks=leaked,
+                       retry_after_ms_range=[min(hints), max(hints)])
+    assert leaked == 0
