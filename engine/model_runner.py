@@ -46,6 +46,8 @@ class ModelRunner:
         self.upload = HostUpload(self.device)
         self.max_model_len = self._max_model_len()
         self.graphs = None
+        if self.device.type != "cpu":
+            self._warm_up()
         if self.platform.supports_graphs and not config.enforce_eager:
             from engine.graph_runner import DecodeGraphs
             self.graphs = DecodeGraphs(self)
@@ -65,6 +67,35 @@ class ModelRunner:
         if time.perf_counter() - t0 > 5:
             print(f"[baton] model {self.source.name} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         return model
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Run each prefill kernel variant once (long and short prompts, with and without cached
+        context) and a full-budget step, so JIT compiles and allocator growth happen here, not
+        in some request's TTFT. The KV it writes lands in blocks no sequence owns yet."""
+        t0 = time.perf_counter()
+        capacity = min(self.num_blocks * self.block_size, self.max_model_len)
+        budget = min(self.config.max_num_batched_tokens, capacity - 16)
+        shapes = [(budget, 0), (16, 0), (16, 16), (min(2048, budget), 16)]
+        for new, context in shapes:
+            if new > 0 and new + context <= capacity:
+                self._dummy_prefill(new, context)
+        self.platform.synchronize()
+        if time.perf_counter() - t0 > 2:
+            print(f"[baton] prefill kernels warmed up in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    def _dummy_prefill(self, new: int, context: int) -> None:
+        seq_len = new + context
+        blocks = np.arange(-(-seq_len // self.block_size), dtype=np.int32)
+        positions = np.arange(context, seq_len, dtype=np.int64)    # identity table: slot == position
+        starts = np.array([0, new], np.int32)
+        ids, pos, slots, starts_d, lens, tables = self.upload(
+            np.zeros(new, np.int64), positions, positions.copy(), starts, np.array([seq_len], np.int32), blocks[None])
+        meta = AttnMetadata(is_decode=False, slot_mapping=slots, query_start_loc=starts_d, seq_lens=lens,
+                            block_tables=tables, max_query_len=new, max_seq_len=seq_len, has_context=context > 0,
+                            query_start_loc_cpu=[0, new], seq_lens_cpu=[seq_len])
+        hidden = self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.platform, self.scale))
+        self.model.compute_logits(hidden[-1:])
 
     def block_bytes(self) -> int:
         m = self.model

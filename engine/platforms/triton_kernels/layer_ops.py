@@ -88,42 +88,48 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _qk_norm_rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_out_ptr,
-                           num_q_heads, eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
-                           stride_oqt, stride_oqh, stride_okt, stride_okh,
-                           HAS_NORM: tl.constexpr, HALF: tl.constexpr):
-    """One (token, head): optional per-head RMSNorm, then rotate-half rotary at the token's position."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    is_q = h < num_q_heads
-    if is_q:
-        src = q_ptr + t * stride_qt + h * stride_qh
-        dst = q_out_ptr + t * stride_oqt + h * stride_oqh
-        w_ptr = qw_ptr
-    else:
-        src = k_ptr + t * stride_kt + (h - num_q_heads) * stride_kh
-        dst = k_out_ptr + t * stride_okt + (h - num_q_heads) * stride_okh
-        w_ptr = kw_ptr
+def _norm_rotary_heads(src, dst, w_ptr, n_heads, stride_h, stride_oh, eps, c1, c2, s1, s2,
+                       HAS_NORM: tl.constexpr, HEADS_P: tl.constexpr, HALF: tl.constexpr):
+    """All heads of one token, [HEADS_P, HALF] per half: optional RMSNorm, then rotary."""
+    h = tl.arange(0, HEADS_P)
     d = tl.arange(0, HALF)
-    x1 = tl.load(src + d)
-    x2 = tl.load(src + HALF + d)
+    live = (h < n_heads)[:, None]
+    at = h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(src + at, mask=live, other=0.0)
+    x2 = tl.load(src + HALF + at, mask=live, other=0.0)
     dt = x1.dtype
     if HAS_NORM:        # as LayerOps.rms_norm: fp32 statistics, round, weight, round
         a, b = x1.to(tl.float32), x2.to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / (2 * HALF) + eps)
-        x1 = (tl.load(w_ptr + d).to(tl.float32) * (a * rstd).to(dt).to(tl.float32)).to(dt)
-        x2 = (tl.load(w_ptr + HALF + d).to(tl.float32) * (b * rstd).to(dt).to(tl.float32)).to(dt)
-    pos = tl.load(pos_ptr + t)
-    c1 = tl.load(cos_ptr + pos * stride_cos + d).to(dt).to(tl.float32)
-    c2 = tl.load(cos_ptr + pos * stride_cos + HALF + d).to(dt).to(tl.float32)
-    s1 = tl.load(sin_ptr + pos * stride_cos + d).to(dt).to(tl.float32)
-    s2 = tl.load(sin_ptr + pos * stride_cos + HALF + d).to(dt).to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
+        x1 = (tl.load(w_ptr + d).to(tl.float32)[None, :] * (a * rstd).to(dt).to(tl.float32)).to(dt)
+        x2 = (tl.load(w_ptr + HALF + d).to(tl.float32)[None, :] * (b * rstd).to(dt).to(tl.float32)).to(dt)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
     # as LayerOps.rotary: x * cos + rotate_half(x) * sin, each product rounded to the dtype
     o1 = (a * c1).to(dt).to(tl.float32) + (-b * s1).to(dt).to(tl.float32)
     o2 = (b * c2).to(dt).to(tl.float32) + (a * s2).to(dt).to(tl.float32)
-    tl.store(dst + d, o1.to(dt))
-    tl.store(dst + HALF + d, o2.to(dt))
+    out = h[:, None] * stride_oh + d[None, :]
+    tl.store(dst + out, o1.to(dt), mask=live)
+    tl.store(dst + HALF + out, o2.to(dt), mask=live)
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_out_ptr,
+                           num_q_heads, num_k_heads, eps, stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
+                           stride_oqt, stride_oqh, stride_okt, stride_okh,
+                           HAS_NORM: tl.constexpr, QH_P: tl.constexpr, KH_P: tl.constexpr, HALF: tl.constexpr):
+    """One token: its q heads and k heads normed and rotated, cos/sin read once."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + t)
+    dt = q_out_ptr.dtype.element_ty
+    c1 = tl.load(cos_ptr + pos * stride_cos + d).to(dt).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + pos * stride_cos + HALF + d).to(dt).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + pos * stride_cos + d).to(dt).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + pos * stride_cos + HALF + d).to(dt).to(tl.float32)[None, :]
+    _norm_rotary_heads(q_ptr + t * stride_qt, q_out_ptr + t * stride_oqt, qw_ptr, num_q_heads, stride_qh,
+                       stride_oqh, eps, c1, c2, s1, s2, HAS_NORM, QH_P, HALF)
+    _norm_rotary_heads(k_ptr + t * stride_kt, k_out_ptr + t * stride_okt, kw_ptr, num_k_heads, stride_kh,
+                       stride_okh, eps, c1, c2, s1, s2, HAS_NORM, KH_P, HALF)
 
 
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
@@ -137,9 +143,11 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | No
     k_out = torch.empty(t, hk, dim, dtype=k.dtype, device=k.device)
     if t:
         has_norm = q_weight is not None
-        _qk_norm_rotary_kernel[(t, hq + hk)](
+        qh_p = triton.next_power_of_2(hq)
+        _qk_norm_rotary_kernel[(t,)](
             q, k, q_weight if has_norm else q, k_weight if has_norm else k, cos, sin, positions, q_out, k_out,
-            hq, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+            hq, hk, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-            HAS_NORM=has_norm, HALF=dim // 2, num_warps=1)
+            HAS_NORM=has_norm, QH_P=qh_p, KH_P=triton.next_power_of_2(hk), HALF=dim // 2,
+            num_warps=4 if qh_p * dim >= 2048 else 2)
     return q_out, k_out
