@@ -50,6 +50,7 @@ class PhaseTimer:
         self._wrap(r, "_prepare", "prepare inputs")
         if r.graphs is not None:
             self._wrap(r.graphs, "run", "forward (graph replay)")
+        self._wrap(r.model, "forward", "forward (eager)")
         self._wrap(r.model, "compute_logits", "logits")
         self._wrap(r, "sampler", "sample", call=True)
 

@@ -143,11 +143,21 @@ def run_baton(args: argparse.Namespace, workload: OfflineWorkload) -> tuple[dict
         "steps": {"count": len(steps), "scheduled_tokens": sum(s.tokens for s in steps),
                   "sampled_rows": sum(s.sampled for s in steps), "decode_seconds": summarize(decode_s),
                   "prefill_seconds": summarize(prefill_s),
-                  "decode_batch_size": summarize([len(s.contexts) for s in steps if s.is_decode])},
+                  "decode_batch_size": summarize([len(s.contexts) for s in steps if s.is_decode]),
+                  "slowest": _slowest(steps, step_seconds)},
         "engine_config": dict(engine_config(args), num_kv_blocks=engine.runner.num_blocks,
                               max_model_len=engine.max_model_len),
     }
     return results, steps, step_seconds
+
+
+def _slowest(steps: list[StepShape], seconds: list[float], n: int = 5) -> list[dict]:
+    """The n slowest steps with their shape: where outliers (compiles, allocations) hide."""
+    order = sorted(range(len(steps)), key=lambda i: -seconds[i])[:n]
+    return [{"index": i, "seconds": seconds[i], "kind": "decode" if steps[i].is_decode else "prefill",
+             "seqs": len(steps[i].contexts), "tokens": steps[i].tokens,
+             "with_context": sum(c > 0 for c, _ in steps[i].contexts),
+             "max_new": max(n for _, n in steps[i].contexts)} for i in order]
 
 
 def _drive(engine, workload: OfflineWorkload, recorder: StepRecorder, progress: bool):

@@ -17,6 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.decode_graphs import PhaseTimer
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
 
@@ -90,6 +91,20 @@ def main(argv: list[str] | None = None) -> None:
     kernel_ms, top = _kernels(prof, args.steps, args.top)
     print(json.dumps({"phase": "decode", "batch": args.batch, "context": args.context,
                       "wall_ms": round(1000 * wall, 2), "kernel_ms": round(kernel_ms, 2), "top": top}), flush=True)
+    # a mixed step: the running batch decodes while one long prompt fills the rest of the token budget
+    timer = PhaseTimer(engine)
+    for _ in range(2):
+        engine.add_request(torch.randint(0, engine.vocab_size, (args.prefill_tokens - args.batch,),
+                                         generator=g).tolist(), params)
+        timer.totals = {}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    print(json.dumps({"phase": "mixed", "decode_rows": args.batch, "tokens": args.prefill_tokens,
+                      "wall_ms": round(1000 * wall, 2),
+                      "phases_ms": {k: round(1000 * v, 2) for k, v in timer.totals.items()}}), flush=True)
     for rid in ids:
         engine.abort(rid)
 

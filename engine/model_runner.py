@@ -204,7 +204,8 @@ class ModelRunner:
 class HostUpload:
     """Moves a step's small host arrays to the device in one copy.
 
-    Each array is packed, 8-byte aligned, into a pinned staging buffer; one non-blocking copy
+    Each array is packed, 64-byte aligned, into a pinned staging buffer (Triton specializes
+    kernels on 16-byte pointer alignment: a view at an odd offset would compile a new variant); one non-blocking copy
     moves the lot; the device tensors are views of that one allocation. Two staging buffers
     alternate, and a buffer is rewritten only after its last copy has completed (an event),
     so the host can prepare step N+1 while step N's copy is still in flight. On the CPU the
@@ -224,7 +225,7 @@ class HostUpload:
         offsets, total = [], 0
         for a in arrays:
             offsets.append(total)
-            total += -(-a.nbytes // 8) * 8
+            total += -(-a.nbytes // ALIGN) * ALIGN
         i, self.turn = self.turn, self.turn ^ 1
         if self.events[i] is not None:
             self.events[i].synchronize()                    # its previous copy has left the buffer
@@ -234,7 +235,7 @@ class HostUpload:
         host = buf.numpy()
         for a, off in zip(arrays, offsets, strict=True):
             host[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        dev = buf[:max(total, 8)].to(self.device, non_blocking=True)
+        dev = buf[:max(total, ALIGN)].to(self.device, non_blocking=True)
         event = self.events[i] = self.events[i] or torch.Event(self.device)
         event.record()
         out = []
@@ -244,6 +245,7 @@ class HostUpload:
         return out
 
 
+ALIGN = 64
 _TORCH_OF = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32, np.bool_: torch.bool}
 
 

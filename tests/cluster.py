@@ -58,10 +58,12 @@ class Proc:
                 return int(line.split()[1]) / 1024
         return 0.0
 
-    def status(self, timeout: float = 5.0):
+    def status(self, timeout: float = 5.0, tls=None):
         """The worker's own GetStatus (works while the router is down)."""
         from baton.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
-        with grpc.insecure_channel(self.address) as ch:
+
+        from engine.grpc_server import open_sync_channel
+        with open_sync_channel(self.address, tls) as ch:
             stub_cls = prefill_pb2_grpc.PrefillStub if self.name.startswith("prefill") else decode_pb2_grpc.DecodeStub
             return stub_cls(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=timeout)
 
@@ -154,7 +156,7 @@ class Cluster:
                 if p is self.router or not p.alive:
                     continue
                 try:
-                    s = p.status()
+                    s = p.status(tls=self.tls)
                 except grpc.RpcError:
                     held += 1 << 20          # unreachable counts as not clean
                     continue

@@ -7,6 +7,7 @@ streams at the servicer and checks that every expected transfer still ends exact
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import random
 import socket
@@ -867,11 +868,24 @@ def shared_server():
 _example = iter(range(1 << 30))
 
 
+@pytest.fixture(scope="module")
+def fuzz_tally(reliability):
+    """Totals over every generated example, for the reliability report."""
+    tally = collections.Counter()
+    yield tally
+    reliability.record("fuzz: KV-channel chunk streams (hypothesis)", None, sent=tally["transfers"],
+                       completed=tally["completed"], statuses={"failed, blocks freed": tally["failed"]},
+                       lost=tally["transfers"] - tally["completed"] - tally["failed"],
+                       leaked_blocks=tally["staged_bytes_left"], examples=tally["examples"],
+                       streams=tally["streams"], garbled_streams=tally["garbled"],
+                       stream_statuses={k[7:]: v for k, v in sorted(tally.items()) if k.startswith("status:")})
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(scenario=scenarios(), threaded=st.booleans())
-def test_garbled_streams_never_crash_the_server_or_deliver_wrong_bytes(shared_server, monkeypatch, scenario,
-                                                                       threaded):
+def test_garbled_streams_never_crash_the_server_or_deliver_wrong_bytes(shared_server, monkeypatch, fuzz_tally,
+                                                                       scenario, threaded):
     monkeypatch.setattr(grpc_backend, "THREADED_COPY_BYTES", 0 if threaded else 1 << 30)
     loop, pending, address = shared_server
     payloads, streams = scenario
@@ -895,9 +909,11 @@ def test_garbled_streams_never_crash_the_server_or_deliver_wrong_bytes(shared_se
         return results
 
     results = loop.run_until_complete(asyncio.wait_for(example(), 30))
+    fuzz_tally.update(examples=1, streams=len(streams), garbled=sum(not s[2] for s in streams))
     for code, details, _ in results:
         assert code not in (Code.UNKNOWN, Code.INTERNAL), details       # a handler blew up
         event(f"stream status {code.name}")
+        fuzz_tally[f"status:{code.name}"] += 1
     for tid, p in payloads.items():
         for payload, first_token, _ in out.completed.get(prefix + tid, []):
             assert payload == p and first_token == 7                    # never wrong bytes
@@ -910,4 +926,7 @@ def test_garbled_streams_never_crash_the_server_or_deliver_wrong_bytes(shared_se
             pending.fail(prefix + tid, "example over")
         assert out.ends(prefix + tid) == 1                              # complete XOR fail, once
         event("completed" if out.completed.get(prefix + tid) else "failed")
+        fuzz_tally.update(transfers=1, completed=len(out.completed.get(prefix + tid, [])),
+                          failed=len(out.failed.get(prefix + tid, [])))
+    fuzz_tally["staged_bytes_left"] = pending.stats().staged_bytes + len(pending)
     assert pending.stats().staged_bytes == 0 and len(pending) == 0

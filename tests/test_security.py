@@ -146,17 +146,20 @@ def test_bad_credentials_are_refused(cluster, pki, reliability, embedded_llm):
     assert _code(lambda: worker_health(grpc.ssl_channel_credentials(
         ca, open(key, "rb").read(), open(cert, "rb").read()))) is None          # the right cert gets in
     # a host with a good certificate but not the KV secret cannot become a KV peer
+    node = TLSConfig(cert=cert, key=key, ca=pki["ca"])
     for name, secret in [("KV handshake: right cert, no secret", None),
                          ("KV handshake: right cert, wrong secret", b"not-the-kv-secret-0123456789")]:
-        refused[name] = _kv_handshake(worker, embedded_llm.engine, TLSConfig(cert=cert, key=key, ca=pki["ca"]), secret)
-    assert _kv_handshake(worker, embedded_llm.engine, TLSConfig(cert=cert, key=key, ca=pki["ca"]), KV_SECRET.encode()) is None
+        refused[name] = _kv_handshake(worker, embedded_llm.engine, node, secret)
+    assert _kv_handshake(worker, embedded_llm.engine, node, KV_SECRET.encode()) is None
     unauth = {"no token", "wrong token", "not a bearer header", "token on GetModelInfo too",
               "KV handshake: right cert, no secret", "KV handshake: right cert, wrong secret"}
     for name, code in refused.items():
         want = grpc.StatusCode.UNAUTHENTICATED if name in unauth else grpc.StatusCode.UNAVAILABLE
         assert code == want, (name, code)
+    leaked = cluster.wait_workers_idle()
     reliability.record("security: bad credentials", None, bad_inputs_tried=len(refused),
-                       rejected=sum(c is not None for c in refused.values()), leaked_blocks=cluster.wait_workers_idle())
+                       rejected=sum(c is not None for c in refused.values()), leaked_blocks=leaked)
+    assert leaked == 0
 
 
 def test_per_client_concurrency_limit(cluster, pki, reliability):
@@ -175,19 +178,26 @@ def test_per_client_concurrency_limit(cluster, pki, reliability):
             it.cancel()
     out = Outcomes()
     out.add(err.value, None, 0, 10)
-    reliability.record("limit: concurrent requests per client", out, limit=2,
-                       leaked_blocks=cluster.wait_workers_idle())
+    leaked = cluster.wait_workers_idle()
+    reliability.record("limit: concurrent requests per client", out, limit=2, leaked_blocks=leaked)
+    assert leaked == 0
 
 
 @pytest.mark.parametrize("fields, fragment", [
     (dict(tokens=router_pb2.TokenIds(ids=[5] * 65)), "at most 64"),
     (dict(text="hi", sampling=router_pb2.SamplingParams(max_tokens=49)), "limit of 48"),
 ])
-def test_configured_limits_are_invalid_argument(cluster, pki, fields, fragment):
+def test_configured_limits_are_invalid_argument(cluster, pki, fields, fragment, reliability):
     with public_channel(cluster, pki) as ch:
         with pytest.raises(grpc.RpcError) as err:
             stream_ids(router_pb2_grpc.RouterStub(ch), router_pb2.GenerateRequest(**fields), 10, auth(BOB))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in err.value.details()
+    out = Outcomes()
+    out.add(err.value, None, 0, 10)
+    leaked = cluster.wait_workers_idle()
+    reliability.record(f"limit: {fragment.replace('at most', 'prompt tokens at most').replace('limit of', 'max_tokens limit')}",
+                       out, leaked_blocks=leaked)
+    assert leaked == 0
 
 
 def test_the_cli_client_speaks_tls_with_a_token(cluster, pki):

@@ -58,7 +58,7 @@ def _split_range(seq_len, pid_s, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: t
     return start, end, used
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])   # they vary in eager steps: one binary
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -115,7 +115,7 @@ def _decode_kernel(
         tl.store(o, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
     num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,

@@ -61,7 +61,7 @@ def _kv_tile(k_ptr, v_ptr, table_ptr, kv_start, pos, valid, d, stride_kt, stride
     return k, v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])   # the block-table width varies step to step: one binary
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
     scale_log2, group,
