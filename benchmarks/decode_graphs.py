@@ -47,7 +47,8 @@ class PhaseTimer:
         r = engine.runner
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.scheduler, "postprocess", "postprocess+detok")
-        self._wrap(r, "_prepare", "prepare inputs")
+        self._wrap(r, "step_inputs", "host inputs")
+        self._wrap(r, "_device_inputs", "upload")
         if r.graphs is not None:
             self._wrap(r.graphs, "run", "forward (graph replay)")
         self._wrap(r.model, "forward", "forward (eager)")
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                                   "context": args.context, "step_ms": 1000 * statistics.median(t),
                                   "phases_ms": {k: round(1000 * v / n, 3) for k, v in timer.totals.items()}}),
                       flush=True)
-                engine.runner.__dict__.pop("_prepare", None)
+                engine.runner.__dict__.pop("step_inputs", None)
         del engine
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     print("done", file=sys.stderr)

@@ -21,7 +21,7 @@ FULL = dict(model="qwen3-0.6b", num_seqs=256, min_input_len=100, max_input_len=1
 SMOKE = dict(model=DEFAULT_MODEL, num_seqs=8, min_input_len=16, max_input_len=64, min_output_len=4,
              max_output_len=8, device="cpu")
 ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
-                "kv_cache_memory", "gpu_memory_utilization", "enforce_eager")
+                "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "tp_size", "tp_devices")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of device memory the engine may use")
     e.add_argument("--enforce-eager", action="store_true", help="no decode graph capture")
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one device each")
+    e.add_argument("--tp-devices", default=None, help="devices of the ranks, e.g. cuda:0,cuda:1 "
+                   "(default: counted up from --device)")
     h = p.add_argument_group("transformers peer")
     h.add_argument("--hf-mode", choices=("auto", "continuous", "static"), default="auto",
                    help="continuous: transformers' continuous batching (paged attention, the engine behind "
@@ -81,9 +84,14 @@ def run(args: argparse.Namespace, rec: dict) -> None:
                                   args.max_output_len, args.seed, shape.vocab, args.temperature)
     rec["model"] = shape.to_json()
     rec["dtype"] = args.dtype
-    rec["device"] = record.device_info([args.device])
+    from engine.tensor_parallel import rank_devices
+    rec["device"] = record.device_info(rank_devices(args.device, args.tp_size, args.tp_devices)
+                                       if args.engine == "baton" else [args.device])
     rec["ceilings"] = ceilings.measure(args.device, getattr(torch, args.dtype), quick=args.smoke)
-    ceil = Ceilings(rec["ceilings"]["copy"]["bytes_per_s"], rec["ceilings"]["matmul"]["flops_per_s"])
+    # tensor parallel: the ranks' devices together, at best tp_size times one device's rates
+    ranks = args.tp_size if args.engine == "baton" else 1
+    ceil = Ceilings(ranks * rec["ceilings"]["copy"]["bytes_per_s"], ranks * rec["ceilings"]["matmul"]["flops_per_s"])
+    rec["ceilings"]["devices_in_roofline"] = ranks
     cost = CostModel(shape, DTYPE_BYTES[args.dtype])
     if args.engine == "baton":
         results, steps, step_seconds = run_baton(args, workload)

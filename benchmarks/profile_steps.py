@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
     cfg = EngineConfig(model=args.model, device=args.device, enforce_eager=True, max_num_seqs=args.batch,
-                       max_model_len=args.context + 4 * args.steps + 64,
+                       max_model_len=max(args.context, args.prefill_tokens) + 4 * args.steps + 64,
                        max_num_batched_tokens=max(args.prefill_tokens, args.context))
     engine = LLMEngine(cfg)
     g = torch.Generator().manual_seed(0)

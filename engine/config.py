@@ -21,7 +21,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False         # no graph capture
     seed: int = 0                       # random weights for presets and unseeded sampling
-    tp_size: int = 1
+    tp_size: int = 1                    # tensor-parallel ranks (processes), one device each
+    tp_devices: str | None = None       # "cuda:0,cuda:1"; default: counted up from `device`
+    tp_port: int = 0                    # rendezvous port on 127.0.0.1; 0 = a free one
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -40,3 +42,5 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if not 0 <= self.tp_port < 65536:
+            raise ValueError(f"tp_port must be in [0, 65535], got {self.tp_port}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from engine.forward_context import ForwardContext
 from engine.platforms import Platform, get_platform
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import SchedulerOutput
+from engine.tensor_parallel import TensorParallel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_DEFAULT = 1 << 30          # 1 GiB: plenty for tests and a laptop
@@ -25,9 +27,15 @@ CPU_KV_CACHE_DEFAULT = 1 << 30          # 1 GiB: plenty for tests and a laptop
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: models.ModelSource | None = None,
-                 tp_rank: int = 0, tp_group=None):
+                 tp_rank: int = 0, tp_group=None, device: str | None = None):
         self.config = config
-        self.platform: Platform = get_platform(config.device)
+        self.tp_rank = tp_rank
+        self.tp: TensorParallel | None = None
+        if config.tp_size > 1 and tp_group is None:          # rank 0: start the other ranks first
+            self.tp = TensorParallel(config)
+            tp_group, device = self.tp.group, self.tp.devices[0]
+        self.tp_group = tp_group
+        self.platform: Platform = get_platform(device or config.device)
         self.device = self.platform.device
         self.source = source or models.resolve_model(config.model)
         hf = self.source.hf_config
@@ -51,6 +59,14 @@ class ModelRunner:
         if self.platform.supports_graphs and not config.enforce_eager:
             from engine.graph_runner import DecodeGraphs
             self.graphs = DecodeGraphs(self)
+        if self.tp is not None:
+            self.tp.wait_ready()
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing to do without them)."""
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
 
     # -- set-up -----------------------------------------------------------------------------
     def _load_model(self, tp_rank: int, tp_group) -> torch.nn.Module:
@@ -113,6 +129,10 @@ class ModelRunner:
                 used = total - free
                 budget = int(total * self.config.gpu_memory_utilization) - used - self._activation_reserve()
         num = budget // self.block_bytes()
+        if self.config.tp_size > 1:            # every rank holds the same blocks: the smallest budget wins
+            n = torch.tensor([num], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+            num = int(n.item())
         if num < 1:
             raise ValueError(f"no memory left for the KV cache (budget {budget} bytes); "
                              "lower the model size or raise --gpu-memory-utilization")
@@ -133,25 +153,36 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int | None]:
         """Run the model on the scheduled tokens; the sampled token per sequence, or None."""
-        meta, input_ids, positions = self._prepare(out)
-        rows = [i for i, s in enumerate(out.scheduled) if s.samples]
+        inputs = self.step_inputs(out)
+        if self.tp is not None:
+            self.tp.send(inputs)                       # the other ranks run the same step
+        tokens = self.run(inputs)
+        result: list[int | None] = [None] * len(out.scheduled)
+        for row, token in zip(inputs.rows.tolist(), tokens, strict=True):
+            result[row] = token
+        return result
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> list[int]:
+        """Forward (and, on rank 0, sampling) for host inputs; every rank runs this."""
+        meta, input_ids, positions, sampling = self._device_inputs(inputs)
         if self.graphs is not None and meta.is_decode and self.graphs.can_run(meta.num_seqs):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             ctx = ForwardContext(meta, self.kv_caches, self.platform, self.scale)
             hidden = self.model(input_ids, positions, ctx)
-        result: list[int | None] = [None] * len(out.scheduled)
-        if not rows:
-            return result
+        if not len(inputs.rows):
+            return []
         last = meta.query_start_loc[1:].long() - 1
+        rows = inputs.rows.tolist()
         logits = self.model.compute_logits(hidden[last[rows]] if len(rows) < len(last) else hidden[last])
-        tokens = self.sampler(logits, self._sampling_batch(out, rows)).tolist()
-        for row, token in zip(rows, tokens, strict=True):
-            result[row] = token
-        return result
+        if self.tp_rank != 0:                          # the LM head's gather was the last collective
+            return []
+        return self.sampler(logits, sampling).tolist()
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor]:
-        """The step's inputs, built in numpy and moved to the device in one copy (HostUpload)."""
+    def step_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """The step's inputs as small numpy arrays: what the device needs, and what rank 0
+        sends to the other tensor-parallel ranks."""
         bs = self.block_size
         scheduled = out.scheduled
         counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, len(scheduled))
@@ -170,35 +201,62 @@ class ModelRunner:
             positions = begins
         else:
             positions = np.concatenate([np.arange(b, e) for b, e in zip(begins, ends, strict=True)])
-        rows = np.repeat(np.arange(len(scheduled)), counts)
-        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
-        ids_d, pos_d, slots_d, starts_d, lens_d, tables_d = self.upload(
-            np.asarray(input_ids, np.int64), positions, slots, starts, ends.astype(np.int32), tables)
-        seq_lens = ends.tolist()
-        meta = AttnMetadata(
-            is_decode=out.is_decode, slot_mapping=slots_d, query_start_loc=starts_d, seq_lens=lens_d,
-            block_tables=tables_d, max_query_len=int(counts.max()), max_seq_len=max(seq_lens),
-            has_context=bool((begins > 0).any()), query_start_loc_cpu=starts.tolist(), seq_lens_cpu=seq_lens,
+        token_rows = np.repeat(np.arange(len(scheduled)), counts)
+        slots = tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        rows = np.array([i for i, item in enumerate(scheduled) if item.samples], np.int64)
+        seqs = [scheduled[r].seq for r in rows.tolist()]
+        params = [q.params for q in seqs]
+        return StepInputs(
+            is_decode=out.is_decode, input_ids=np.asarray(input_ids, np.int64), positions=positions, slots=slots,
+            query_starts=starts, seq_lens=ends.astype(np.int32), block_tables=tables,
+            max_query_len=int(counts.max()), has_context=bool((begins > 0).any()), rows=rows,
+            temperatures=np.array([p.temperature for p in params], np.float32),
+            top_ks=np.array([p.top_k for p in params], np.int64),
+            top_ps=np.array([p.top_p for p in params], np.float32),
+            seeds=np.array([_signed64(q.sampling_seed or 0) for q in seqs], np.int64),
+            has_seed=np.array([q.sampling_seed is not None for q in seqs], np.bool_),
+            sample_positions=np.array([q.num_tokens for q in seqs], np.int64),
         )
-        return meta, ids_d, pos_d
 
-    def _sampling_batch(self, out: SchedulerOutput, rows: list[int]) -> SamplingBatch:
-        seqs = [out.scheduled[r].seq for r in rows]
-        params = [s.params for s in seqs]
-        seeds = [s.sampling_seed if s.sampling_seed is not None else 0 for s in seqs]
-        temperatures, top_ks, top_ps, seeds_d, has_seed, positions = self.upload(
-            np.array([p.temperature for p in params], np.float32), np.array([p.top_k for p in params], np.int64),
-            np.array([p.top_p for p in params], np.float32), np.array([_signed64(x) for x in seeds], np.int64),
-            np.array([s.sampling_seed is not None for s in seqs], np.bool_),
-            np.array([s.num_tokens for s in seqs], np.int64))
-        return SamplingBatch(
-            temperatures=temperatures, top_ks=top_ks, top_ps=top_ps, seeds=seeds_d, has_seed=has_seed,
-            positions=positions,
-            all_greedy=all(p.temperature == 0 for p in params),
-            any_top_k=any(p.top_k > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-            any_seed=any(s.sampling_seed is not None for s in seqs),
+    def _device_inputs(self, h: StepInputs) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor, SamplingBatch]:
+        """Everything to the device in one copy (HostUpload)."""
+        (ids, pos, slots, starts, lens, tables, temperatures, top_ks, top_ps, seeds, has_seed,
+         sample_pos) = self.upload(h.input_ids, h.positions, h.slots, h.query_starts, h.seq_lens, h.block_tables,
+                                   h.temperatures, h.top_ks, h.top_ps, h.seeds, h.has_seed, h.sample_positions)
+        seq_lens = h.seq_lens.tolist()
+        meta = AttnMetadata(
+            is_decode=h.is_decode, slot_mapping=slots, query_start_loc=starts, seq_lens=lens, block_tables=tables,
+            max_query_len=h.max_query_len, max_seq_len=max(seq_lens), has_context=h.has_context,
+            query_start_loc_cpu=h.query_starts.tolist(), seq_lens_cpu=seq_lens,
         )
+        sampling = SamplingBatch(
+            temperatures=temperatures, top_ks=top_ks, top_ps=top_ps, seeds=seeds, has_seed=has_seed,
+            positions=sample_pos, all_greedy=bool((h.temperatures == 0).all()), any_top_k=bool((h.top_ks > 0).any()),
+            any_top_p=bool((h.top_ps < 1.0).any()), any_seed=bool(h.has_seed.any()),
+        )
+        return meta, ids, pos, sampling
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's host-side inputs (numpy): token ids, positions, KV slots, per-sequence query
+    starts, lengths and block tables, which rows sample, and their sampling settings."""
+    is_decode: bool
+    input_ids: np.ndarray            # [T] int64
+    positions: np.ndarray            # [T] int64
+    slots: np.ndarray                # [T] int64
+    query_starts: np.ndarray         # [B+1] int32
+    seq_lens: np.ndarray             # [B] int32
+    block_tables: np.ndarray         # [B, W] int32, -1 padded
+    max_query_len: int
+    has_context: bool
+    rows: np.ndarray                 # [N] int64: scheduled sequences that sample a token
+    temperatures: np.ndarray         # [N] float32
+    top_ks: np.ndarray               # [N] int64
+    top_ps: np.ndarray               # [N] float32
+    seeds: np.ndarray                # [N] int64
+    has_seed: np.ndarray             # [N] bool
+    sample_positions: np.ndarray     # [N] int64: index of the token being sampled
 
 
 class HostUpload:

@@ -37,6 +37,10 @@ class WorkerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.engine.tp_size > 1 and self.role != "colocated":
+            raise ValueError(f"--tp-size {self.engine.tp_size} on a {self.role} worker: KV transfer moves one "
+                             "rank's cache, so disaggregated roles run with tp_size 1 for now (use --role colocated, "
+                             "or one worker per device)")
         self.tls.validate()
         self.engine.validate()
 
@@ -72,6 +76,12 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="no decode graph capture")
+    p.add_argument("--tp-size", type=int, default=_env("tp_size", 1),
+                   help="tensor-parallel ranks, one device each (colocated role only, for now)")
+    p.add_argument("--tp-devices", default=_env("tp_devices", None),
+                   help="devices of the ranks, e.g. cuda:0,cuda:1 (default: counted up from --device)")
+    p.add_argument("--tp-port", type=int, default=_env("tp_port", 0),
+                   help="rendezvous port of the ranks on 127.0.0.1 (default: a free one)")
     p.add_argument("--kv-backend", default=_env("kv_backend", "grpc"), help="KV transport: grpc (portable)")
     p.add_argument("--grace", type=float, default=_env("grace", 30.0),
                    help="seconds in-flight requests get to finish after SIGTERM")
@@ -94,6 +104,7 @@ def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager, seed=args.seed,
+        tp_size=args.tp_size, tp_devices=args.tp_devices, tp_port=args.tp_port,
     )
     cfg = WorkerConfig(role=role, host=args.host, port=args.port, metrics_port=args.metrics_port,
                        grace_seconds=args.grace, kv_backend=args.kv_backend, max_waiting=args.max_waiting,

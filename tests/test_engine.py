@@ -106,6 +106,30 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, overrides, block_
     assert [o.token_ids for o in got] == want
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_tensor_parallel_ranks_give_the_single_device_tokens(tmp_path, arch):
+    """TP=2 (two processes: gloo on the CPU, NCCL across two GPUs) against transformers' greedy."""
+    from transformers import AutoModelForCausalLM
+
+    from models.source import resolve_model
+    device = os.environ.get("BATON_TEST_DEVICE", "cpu")
+    if device.startswith("cuda") and torch.cuda.device_count() < 2:
+        pytest.skip(f"tensor parallelism on {device} needs two GPUs; torch sees {torch.cuda.device_count()}")
+    tokenizer_dir = os.environ.get("BATON_PRESET_TOKENIZER") or resolve_model(None).tokenizer_path
+    path = save_tiny_checkpoint(arch, tmp_path / arch, tokenizer_dir)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (7, 30)]
+    want = hf_greedy(hf, prompts, 12)
+    llm = LLM(str(path), num_kv_blocks=64, device=device, dtype="float32", tp_size=2)
+    try:
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert llm.engine.runner.tp.procs[0].is_alive()
+    finally:
+        llm.engine.runner.close()
+    assert [o.token_ids for o in got] == want
+
+
 @pytest.mark.parametrize("prompt,params,match", [
     ("", SamplingParams(), "empty"),
     ([], SamplingParams(), "empty"),

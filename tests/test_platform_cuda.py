@@ -343,3 +343,24 @@ def test_fused_qk_norm_rotary_matches_plain_torch(dtype, qk_norm, head_dim):
     tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
     assert q1.is_contiguous() and not q1.isnan().any() and not k1.isnan().any()
     assert rel_err(q1, q0) < tol and rel_err(k1, k0) < tol
+
+
+@pytest.mark.device
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (tensor parallelism)")
+def test_tp2_gives_the_tp1_greedy_tokens_on_the_qwen3_0_6b_preset():
+    """Real checkpoint shapes (random weights), fp32 so reduction order cannot flip a token."""
+    from engine import LLM, SamplingParams
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 151_000, (n,), generator=g).tolist() for n in (9, 200, 700)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM("qwen3-0.6b", device="cuda:0", dtype="float32", tp_size=tp, max_num_seqs=8,
+                  max_model_len=1024, gpu_memory_utilization=0.5)
+        try:
+            outs[tp] = [o.token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.engine.runner.close()
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[2] == outs[1]

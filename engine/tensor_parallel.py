@@ -1,0 +1,134 @@
+"""Tensor parallelism across the devices of one host: one process per rank, in lockstep.
+
+Rank 0 lives in the engine's process and owns the scheduler; ranks 1..n-1 are spawned
+processes, each holding its shard of the weights and of every KV head group. Every step,
+rank 0 sends the step's host inputs (`StepInputs`: a few small numpy arrays) to each rank
+over a pipe, and all ranks run the same forward: the row-parallel layers all-reduce and the
+LM head all-gathers through torch.distributed (NCCL on CUDA, HCCL on Ascend, gloo on the
+CPU). Only rank 0 samples. Start-up (KV sizing, kernel warm-up, graph capture) runs the
+same code on every rank, so the collectives inside it line up.
+
+    EngineConfig(model=..., device="cuda:0", tp_size=2)                    # ranks on cuda:0, cuda:1
+    EngineConfig(..., tp_devices="cuda:2,cuda:3", tp_port=29600)           # or name them
+
+The rendezvous is TCP on 127.0.0.1:`tp_port` (0: a free port). Disaggregated KV transfer
+sends one rank's payload; prefill and decode roles therefore run with tp_size 1 for now.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+STARTUP_TIMEOUT_S = 600          # loading, warm-up and graph capture on every rank
+STEP_TIMEOUT_S = 300             # a collective that waits longer than this means a rank died
+
+
+def rank_devices(device: str, tp_size: int, tp_devices: str | None) -> list[str]:
+    """The device of each rank: named explicitly, or counted up from `device`."""
+    if tp_devices:
+        names = [d.strip() for d in tp_devices.split(",") if d.strip()]
+        if len(names) != tp_size:
+            raise ValueError(f"tp_devices names {len(names)} devices for tp_size {tp_size}")
+        return names
+    kind, _, index = device.partition(":")
+    if kind == "cpu":
+        return ["cpu"] * tp_size
+    start = int(index or 0)
+    return [f"{kind}:{start + r}" for r in range(tp_size)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: str) -> str:
+    return {"cuda": "nccl", "npu": "hccl"}.get(device.partition(":")[0], "gloo")
+
+
+def init_group(rank: int, world: int, port: int, device: str) -> None:
+    kind = device.partition(":")[0]
+    if kind == "cuda":
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S))
+
+
+class TensorParallel:
+    """Rank 0's handle on the other ranks: started before rank 0 builds its own runner."""
+
+    def __init__(self, config):
+        self.size = config.tp_size
+        self.devices = rank_devices(config.device, config.tp_size, config.tp_devices)
+        port = config.tp_port or free_port()
+        ctx = mp.get_context("spawn")
+        self.pipes, self.procs = [], []
+        for rank in range(1, self.size):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_rank_main, args=(config, rank, port, self.devices[rank], theirs),
+                            name=f"baton-tp-rank{rank}", daemon=True)
+            p.start()
+            self.pipes.append(mine)
+            self.procs.append(p)
+        print(f"[baton] tensor parallel: {self.size} ranks on {', '.join(self.devices)} "
+              f"({backend_for(self.devices[0])}, rendezvous 127.0.0.1:{port})", file=sys.stderr)
+        init_group(0, self.size, port, self.devices[0])
+        self.group = dist.group.WORLD
+
+    def wait_ready(self) -> None:
+        """Each rank says it built its runner (or why it could not)."""
+        for rank, pipe in enumerate(self.pipes, 1):
+            if not pipe.poll(STARTUP_TIMEOUT_S):
+                raise RuntimeError(f"tensor-parallel rank {rank} did not start within {STARTUP_TIMEOUT_S}s")
+            status = pipe.recv()
+            if status != "ready":
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{status}")
+
+    def send(self, inputs) -> None:
+        for rank, (pipe, proc) in enumerate(zip(self.pipes, self.procs, strict=True), 1):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} died (exit code {proc.exitcode})")
+            pipe.send(inputs)
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _rank_main(config, rank: int, port: int, device: str, pipe) -> None:
+    """A rank other than 0: build the same runner on its device, then run what rank 0 sends."""
+    from engine.model_runner import ModelRunner
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        init_group(rank, config.tp_size, port, device)
+        runner = ModelRunner(config, tp_rank=rank, tp_group=dist.group.WORLD, device=device)
+    except BaseException:
+        pipe.send(traceback.format_exc())
+        raise
+    pipe.send("ready")
+    while True:
+        try:
+            inputs = pipe.recv()
+        except EOFError:              # rank 0 went away
+            break
+        if inputs is None:
+            break
+        runner.run(inputs)
+    dist.destroy_process_group()
