@@ -4,8 +4,15 @@
 # files carried in .carry/tokenizer (presets use SmolLM2's tokenizer for text).
 #   bash benchmarks/cuda_session.sh            # all steps
 #   STEPS="parity graphs" bash benchmarks/cuda_session.sh
+# Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 set -uo pipefail
 export PYTHONPATH="$PWD:$PWD/protos" PYTHONUNBUFFERED=1 BATON_PRESET_TOKENIZER="$PWD/.carry/tokenizer"
+if [ -d .carry/whl ]; then    # the stubs need the grpcio/protobuf they were generated with
+  python3 -m pip install -q --no-deps --no-index --find-links .carry/whl --target /tmp/site grpcio \
+    grpcio-health-checking grpcio-reflection protobuf 2>&1 | tail -3
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  python3 -c "import grpc, google.protobuf as p; print('grpcio', grpc.__version__, 'protobuf', p.__version__)"
+fi
 OUT=${OUT:-bench-results/cuda}; mkdir -p "$OUT"
 STEPS=${STEPS:-"kernels parity graphs profile b1 b1s b1hf b1big"}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -28,5 +35,22 @@ for step in $STEPS; do
               --device cuda:0 --num-seqs 64 --output "$OUT/b1-qwen3-0.6b-transformers-64.json" 2>&1 | tail -15 ;;
     b1big)  timeout 240 python3 -m engine.cli bench offline --model qwen3-8b --device cuda:0 \
               --output "$OUT/b1-qwen3-8b-baton.json" 2>&1 | tail -15 ;;
+    tp)     timeout 200 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=100 \
+              tests/test_platform_cuda.py -k "${TP_TESTS:-tp2}" 2>&1 | tail -60 | tee "$OUT/tp.txt" ;;
+    direct) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \
+              -k "${DIRECT_TESTS:-nccl}" 2>&1 | tail -30 | tee "$OUT/direct.txt" ;;
+    b3)     for b in ${B3_BACKENDS:-direct grpc}; do     # qwen3-8b KV: 147 KiB a token
+              if [ $b = direct ]; then sizes=512,2048,8192,32768 iters=10; else sizes=512,2048,8192 iters=5; fi
+              timeout 150 python3 -m engine.cli bench kv --backends $b --device cuda:0 --peer-device cuda:1 \
+                --model qwen3-8b --tokens $sizes --iters $iters --output "$OUT/b3-$b.json" 2>&1 | grep "^\[bench\] kv"
+            done ;;
+    b2)     for ds in prefill-heavy decode-heavy; do     # 1P1D vs 2 colocated replicas, qwen3-8b
+              if [ $ds = prefill-heavy ]; then load="--request-rates 4,12,24 --num-prompts 48"
+              else load="--output-len 128:384 --request-rates 8,32 --num-prompts 64"; fi
+              timeout 280 python3 -m engine.cli bench serve --topologies 1p1d,2colocated --model qwen3-8b \
+                --prefill-devices cuda:0 --decode-devices cuda:1 --worker-args "--kv-backend direct" \
+                --dataset $ds $load --slo-ttft-ms 1000 --slo-tpot-ms 50 --output "$OUT/b2-$ds.json" 2>&1 \
+                | grep "^\[bench\]" | tail -14
+            done ;;
   esac
 done

@@ -104,7 +104,37 @@ class GrpcLoopback:
         return r.get("seconds"), r       # without per-send seconds only the median and best are known
 
 
-BACKENDS = {"grpc": GrpcLoopback}
+class DirectDevices:
+    """The device-direct backend from --device to --peer-device (NCCL between GPUs, gloo on
+    the CPU), next to a raw copy of the same bytes between the same two devices."""
+
+    name = "direct"
+
+    def __init__(self, args: argparse.Namespace):
+        self.src = args.device
+        self.dst = args.peer_device or args.device
+        self.reference = (f"raw tensor copy {self.src} -> {self.dst} (peer copy between devices; "
+                          "same bytes, same run)")
+
+    def measure(self, nbytes: int, iters: int) -> dict:
+        from kvtransfer.bench import measure_direct
+        r = measure_direct(nbytes, self.src, self.dst, repeats=iters)
+        ref = ceilings.peer_copy_bandwidth(self.src, self.dst, nbytes)
+        latency = {"p50": percentile(r["seconds"], 50), "p99": percentile(r["seconds"], 99), "best": r["best_s"],
+                   "samples": r["seconds"]}
+        bw = nbytes / latency["p50"]
+        ov = r.get("overlap")
+        return {"latency_s": latency, "bandwidth_bytes_per_s": bw,
+                "reference": {"name": self.reference, "bandwidth_bytes_per_s": ref["bytes_per_s"],
+                              "latency_s": ref["best_seconds"]},
+                "fraction_of_reference": bw / ref["bytes_per_s"],
+                "backend_config": {"collective": r["collective"], "src": self.src, "dst": self.dst},
+                "overlap_with_prefill": {"streams_during_prefill": True,
+                                         "hidden_fraction": ov["hidden_fraction"] if ov else None,
+                                         "measured": ov}}
+
+
+BACKENDS = {"grpc": GrpcLoopback, "direct": DirectDevices}
 
 
 # -- the run -------------------------------------------------------------------------------------

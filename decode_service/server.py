@@ -23,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from engine.wire import chunk_from_output, sampling_from_proto
 from engine.worker import EngineWorker
 from kvtransfer.blocks import unpack_blocks
+from kvtransfer.direct_backend import DirectKVReceiver
 from kvtransfer.grpc_backend import KVTransferServicer
 from kvtransfer.layout import KVLayout
 from kvtransfer.peer_auth import KVPeerAuth
@@ -58,17 +59,24 @@ class DecodeWorker(EngineWorker):
 
     def __init__(self, cfg):
         super().__init__(cfg)
+        if cfg.kv_backend == "direct":
+            self.service_names = (*self.service_names, "baton.v1.KVDirect")
         self.requests: dict[str, DecodeRequest] = {}
         self.by_transfer: dict[str, str] = {}
         self.reserved: dict[str, list[int]] = {}     # engine thread only: request -> blocks awaiting KV
         self.pending = PendingTransfers()
         self.layout: KVLayout | None = None
+        self.direct: DirectKVReceiver | None = None
 
     def add_services(self, server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)
         self.layout = self.kv_layout()
         auth = KVPeerAuth(self.cfg.kv_secret) if self.cfg.kv_secret else None
         KVTransferServicer(self.pending, self.layout, auth=auth).add_to_server(server)
+        if self.cfg.kv_backend == "direct":     # descriptors here, bytes device to device
+            store_host = (self.cfg.kv_advertise or "").rpartition(":")[0] or self.cfg.host
+            self.direct = DirectKVReceiver(self.pending, self.llm.runner.device, store_host, auth=auth)
+            self.direct.add_to_server(server)
 
     def num_pending(self) -> int:
         return len(self.by_transfer)

@@ -70,6 +70,7 @@ class AsyncEngine:
     # -- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self.engine.runner.platform.bind_thread()      # cuda:1 etc.: launch on the right device
             while not self._stop.is_set():
                 self._drain(block=not self.engine.scheduler.has_work)
                 if self.engine.scheduler.has_work:

@@ -37,6 +37,7 @@ class ModelRunner:
         self.tp_group = tp_group
         self.platform: Platform = get_platform(device or config.device)
         self.device = self.platform.device
+        self.platform.bind_thread()          # the engine thread binds itself too (AsyncEngine)
         self.source = source or models.resolve_model(config.model)
         hf = self.source.hf_config
         self.dtype = _DTYPES[config.dtype] if config.dtype else self.platform.default_dtype()
@@ -65,6 +66,7 @@ class ModelRunner:
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (nothing to do without them)."""
         if self.tp is not None:
+            self.graphs = None          # captured graphs hold communicator resources: free them first
             self.tp.close()
             self.tp = None
 
@@ -134,8 +136,10 @@ class ModelRunner:
             torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
             num = int(n.item())
         if num < 1:
-            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes); "
-                             "lower the model size or raise --gpu-memory-utilization")
+            where = " on the tightest tensor-parallel rank" if self.config.tp_size > 1 else ""
+            raise ValueError(f"no memory left for the KV cache{where} (this rank's budget {budget} bytes, "
+                             f"{self.block_bytes()} per block); lower the model size or raise "
+                             "--gpu-memory-utilization")
         return int(num)
 
     def _activation_reserve(self) -> int:

@@ -17,10 +17,12 @@ sends one rank's payload; prefill and decode roles therefore run with tp_size 1 
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import socket
 import sys
+import threading
 import traceback
 
 import torch
@@ -58,6 +60,9 @@ def init_group(rank: int, world: int, port: int, device: str) -> None:
     kind = device.partition(":")[0]
     if kind == "cuda":
         torch.cuda.set_device(torch.device(device))
+    elif kind == "npu" and os.environ.get("BATON_NPU_EMULATION") != "1":
+        import torch_npu  # noqa: F401  (registers torch.npu and the hccl backend)
+        torch.npu.set_device(torch.device(device))
     dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S))
 
@@ -108,8 +113,21 @@ class TensorParallel:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_group()
+
+
+def destroy_group(timeout: float = 30.0) -> None:
+    """Tear down the ranks' process group; a teardown that hangs (a rank gone mid-collective)
+    is left behind after `timeout` rather than hanging the engine's shutdown."""
+    if not dist.is_initialized():
+        return
+    gc.collect()                      # graphs and work handles referencing the communicator
+    t = threading.Thread(target=dist.destroy_process_group, name="baton-tp-teardown", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        print(f"[baton] tensor parallel: process group teardown still blocked after {timeout:.0f}s; "
+              "leaving it to process exit", file=sys.stderr)
 
 
 def _rank_main(config, rank: int, port: int, device: str, pipe) -> None:
@@ -131,4 +149,5 @@ def _rank_main(config, rank: int, port: int, device: str, pipe) -> None:
         if inputs is None:
             break
         runner.run(inputs)
-    dist.destroy_process_group()
+    runner.graphs = None
+    destroy_group()

@@ -70,7 +70,7 @@ class EngineWorker:
             role=self.cfg.role, model=llm.source.name, running=len(llm.scheduler.running),
             waiting=len(llm.scheduler.waiting) + self.num_pending(), kv_blocks_total=bm.num_blocks,
             kv_blocks_free=bm.num_free_blocks, block_size=bm.block_size, max_model_len=llm.max_model_len,
-            kv_backends=[self.cfg.kv_backend], device=self.cfg.engine.device,
+            kv_backends=self.kv_backends(), device=self.cfg.engine.device,
             draining=bool(self.server and self.server.draining), requests_served=self.requests_served)
 
     def kv_layout(self) -> KVLayout:
@@ -79,7 +79,11 @@ class EngineWorker:
         return KVLayout(model=llm.source.name, architecture=llm.source.architecture,
                         dtype=str(llm.runner.dtype).removeprefix("torch."), block_size=llm.config.block_size,
                         num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                        tp_size=1, tp_rank=0, backends=[self.cfg.kv_backend])
+                        tp_size=1, tp_rank=0, backends=self.kv_backends())
+
+    def kv_backends(self) -> list[str]:
+        """KV transports this worker speaks; a device-direct one also takes grpc pushes."""
+        return ["direct", "grpc"] if self.cfg.kv_backend == "direct" else ["grpc"]
 
     def num_pending(self) -> int:
         return 0

@@ -82,7 +82,10 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="devices of the ranks, e.g. cuda:0,cuda:1 (default: counted up from --device)")
     p.add_argument("--tp-port", type=int, default=_env("tp_port", 0),
                    help="rendezvous port of the ranks on 127.0.0.1 (default: a free one)")
-    p.add_argument("--kv-backend", default=_env("kv_backend", "grpc"), help="KV transport: grpc (portable)")
+    p.add_argument("--kv-backend", default=_env("kv_backend", "grpc"), choices=("grpc", "direct"),
+                   help="KV transport: grpc (portable, through host memory) or direct (device to device over "
+                        "NCCL between GPUs, HCCL between NPUs, gloo on the CPU; prefill and decode both say "
+                        "direct, and a direct decode worker still takes grpc pushes)")
     p.add_argument("--grace", type=float, default=_env("grace", 30.0),
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--max-waiting", type=int, default=_env("max_waiting", 1024),

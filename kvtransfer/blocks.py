@@ -34,6 +34,16 @@ def pack_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
     return gathered.reshape(-1).view(torch.uint8)
 
 
+def pack_blocks_on_device(kv: torch.Tensor, block_ids: Sequence[int], synchronize: bool = True) -> torch.Tensor:
+    """Like pack_blocks, but the contiguous copy stays on kv's device (device-direct backends).
+    With `synchronize` the copy has finished when this returns; without, it is ordered on the
+    calling thread's current stream (for a consumer on that same stream)."""
+    gathered = kv.index_select(2, _block_index(kv, block_ids)).reshape(-1).view(torch.uint8)
+    if synchronize and gathered.device.type != "cpu":
+        getattr(torch, gathered.device.type).synchronize(gathered.device)
+    return gathered
+
+
 def unpack_blocks(kv: torch.Tensor, block_ids: Sequence[int], payload) -> None:
     """Write a payload (bytes-like or uint8 tensor from `pack_blocks`) into blocks `block_ids` of `kv`."""
     index = _block_index(kv, block_ids)
@@ -64,9 +74,8 @@ def _block_index(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
 
 def _as_uint8(payload) -> torch.Tensor:
     if isinstance(payload, torch.Tensor):
-        if payload.dtype != torch.uint8 or payload.device.type != "cpu":
-            raise ValueError(f"a tensor payload must be a CPU uint8 tensor, got {payload.dtype} on "
-                             f"{payload.device}")
+        if payload.dtype != torch.uint8:
+            raise ValueError(f"a tensor payload must be a uint8 tensor, got {payload.dtype} on {payload.device}")
         return payload.reshape(-1)
     view = memoryview(payload).cast("B")
     if view.nbytes == 0:

@@ -349,6 +349,12 @@ class GrpcKVSender(KVSender):
         self.peer_layout = peer
         return peer
 
+    @property
+    def session_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata proving the handshake (empty without a KV secret), for other services
+        of the same peer (the direct backend's KVDirect)."""
+        return self._metadata
+
     async def send(self, transfer: TransferDescriptor | str, payload_provider: PayloadProvider,
                    first_token: int, extra: dict[str, str] | None = None, timeout: float = 30.0) -> SendStats:
         transfer = TransferDescriptor.of(transfer)

@@ -2,8 +2,8 @@
 
 Admission calls `expect` with the payload size, a deadline and two callbacks. Exactly one
 of them runs, once, on the event loop: `on_complete(transfer_id, payload, first_token,
-extra)` when every byte arrived intact (payload: a writable memoryview the callee now owns,
-e.g. for `unpack_blocks`), or `on_fail(transfer_id, reason)` on a rejection, a broken stream
+extra)` when every byte arrived intact (payload: a writable memoryview, or a uint8 device
+tensor from a device-direct backend, that the callee now owns, e.g. for `unpack_blocks`), or `on_fail(transfer_id, reason)` on a rejection, a broken stream
 or the deadline (the reaper) -- that is where the decode engine frees the blocks it
 reserved. `cancel` (the decode side gave up, e.g. abort) ends a transfer with no callback.
 Everything is bounded: staged bytes, remembered ids, and time. Callbacks must be quick
@@ -50,7 +50,7 @@ class Transfer:
     on_complete: OnComplete
     on_fail: OnFail
     timer: asyncio.TimerHandle | None = None
-    buffer: memoryview | None = None     # staging, allocated by `stage`
+    buffer: object | None = None         # staging (memoryview, or a device tensor), from `stage`
     claimed: bool = False                # a sender is pushing it
 
 
@@ -161,8 +161,9 @@ class PendingTransfers:
             raise TransferRejected(grpc.StatusCode.INVALID_ARGUMENT, msg)
         t.claimed = True
 
-    async def stage(self, t: Transfer) -> None:
-        """Allocate t.buffer, first waiting (until t's deadline) for room under max_staged_bytes."""
+    async def stage(self, t: Transfer, allocate: Callable[[int], object] | None = None) -> None:
+        """Allocate t.buffer (host memory by default; `allocate(nbytes)` for e.g. a device tensor),
+        first waiting (until t's deadline) for room under max_staged_bytes."""
         while self.staged_bytes + t.nbytes > self.max_staged_bytes:
             if self._staging_freed is None:
                 self._staging_freed = asyncio.Event()
@@ -173,7 +174,7 @@ class PendingTransfers:
                           f"before its deadline ({self.staged_bytes} of {self.max_staged_bytes} bytes staged)",
                           grpc.StatusCode.DEADLINE_EXCEEDED)
             self.check_active(t)
-        t.buffer = staging_buffer(t.nbytes)
+        t.buffer = (allocate or staging_buffer)(t.nbytes)
         self.staged_bytes += t.nbytes
 
     def complete(self, t: Transfer, first_token: int, extra: dict[str, str]) -> None:

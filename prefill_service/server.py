@@ -3,8 +3,10 @@ samples each request's first token, and pushes its KV to the decode worker the r
 
 Per request: QUEUED -> PREFILLED (first token, KV held) -> TRANSFERRING -> done. The KV is
 staged to host memory right after prefill (grpc backend), so its device blocks are released
-at once and stay in the prefix cache; abort, deadline or a failed push ends the request with
-a status and nothing held.
+at once and stay in the prefix cache. With the direct backend the blocks stay held until the
+decode worker has posted its receive; the sender then packs them on its own device stream
+and sends them device to device, and they are released when the send ends. Abort, deadline or a failed push ends the request with a status and
+nothing held.
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from engine.grpc_server import ServiceError, open_channel
 from engine.llm_engine import LLMEngine
 from engine.wire import sampling_from_proto
 from engine.worker import EngineWorker
+from kvtransfer.backend import KVSender, TransferDescriptor
 from kvtransfer.blocks import pack_blocks
+from kvtransfer.direct_backend import DirectKVSender, HeldBlocks
 from kvtransfer.grpc_backend import GrpcKVSender, KVTransferError
 from kvtransfer.grpc_options import channel_options
 from kvtransfer.layout import KVLayout
@@ -35,7 +39,7 @@ class PrefillWorker(EngineWorker):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.tasks: dict[str, asyncio.Task] = {}
-        self.senders: dict[str, GrpcKVSender] = {}
+        self.senders: dict[str, KVSender] = {}
         self.layout: KVLayout | None = None
         self.kv_auth = KVPeerAuth(cfg.kv_secret) if cfg.kv_secret else None
 
@@ -46,10 +50,14 @@ class PrefillWorker(EngineWorker):
     def num_active(self) -> int:
         return len(self.tasks)
 
-    async def sender_for(self, address: str, timeout: float) -> GrpcKVSender:
+    async def sender_for(self, address: str, timeout: float) -> KVSender:
         sender = self.senders.get(address)
         if sender is None:       # over TLS (mutual, with our certificate) when this worker runs TLS
-            sender = GrpcKVSender(open_channel(address, self.cfg.tls, options=channel_options()), auth=self.kv_auth)
+            channel = open_channel(address, self.cfg.tls, options=channel_options())
+            if self.cfg.kv_backend == "direct":
+                sender = DirectKVSender(channel, address, self.llm.runner.device, auth=self.kv_auth)
+            else:
+                sender = GrpcKVSender(channel, auth=self.kv_auth)
             await asyncio.wait_for(sender.handshake(self.layout), timeout)   # mismatch: clear error
             self.senders[address] = sender
         return sender
@@ -91,23 +99,40 @@ class PrefillWorker(EngineWorker):
             self.engine.close_stream(rid)
         first_token = out.new_token_ids[0]
         prefill_done = time.time()
-        payload = await self.engine.call(lambda e: self._stage(e, rid))
-        t1 = time.perf_counter()
+        direct = self.cfg.kv_backend == "direct"
         try:
+            if direct:      # the blocks stay held until the send ends (prefill()'s abort frees them)
+                blocks = self._held_blocks(rid)
+                nbytes = self.layout.payload_nbytes(len(blocks))
+                transfer = TransferDescriptor(handoff.transfer_id, nbytes=nbytes, backend="direct")
+                payload = HeldBlocks(self.llm.runner.kv_cache, blocks)
+            else:
+                payload = await self.engine.call(lambda e: self._stage(e, rid))
+                transfer, nbytes = handoff.transfer_id, len(payload)
+            t1 = time.perf_counter()
             sender = await self.sender_for(handoff.decode_address, timeout)
-            await sender.send(handoff.transfer_id, payload, first_token,
-                              {"prefill_done_unix": repr(prefill_done), "request_id": rid}, timeout)
+            stats = await sender.send(transfer, payload, first_token,
+                                      {"prefill_done_unix": repr(prefill_done), "request_id": rid}, timeout)
         except KVTransferError as exc:
             self.metrics.kv_transfer_failures.labels("send").inc()
             self.senders.pop(handoff.decode_address, None)
             raise ServiceError(getattr(exc, "code", None) or grpc.StatusCode.UNAVAILABLE,
                                f"KV push to {handoff.decode_address} failed: {exc}") from exc
         t2 = time.perf_counter()
-        self.metrics.kv_transfer_bytes.labels("out").inc(len(payload))
+        self.metrics.kv_transfer_bytes.labels("out").inc(stats.nbytes)
         self.metrics.kv_transfer_seconds.observe(t2 - t1)
         return prefill_pb2.PrefillResponse(first_token=first_token, cached_prompt_tokens=out.cached_tokens,
                                            prefill_seconds=t1 - t0, transfer_seconds=t2 - t1,
-                                           transfer_bytes=len(payload))
+                                           transfer_bytes=nbytes)
+
+    def _held_blocks(self, rid: str) -> tuple[int, ...]:
+        """The KV blocks a prefilled request holds, read from the event loop: held blocks are
+        final and stay put until released, so the direct sender packs them on its own stream
+        without waiting for the engine's step in flight."""
+        seq = self.llm.held.get(rid)
+        if seq is None:
+            raise ServiceError(grpc.StatusCode.ABORTED, f"request {rid} was aborted during prefill")
+        return tuple(seq.block_table)
 
     @staticmethod
     def _stage(llm: LLMEngine, rid: str):

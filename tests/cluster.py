@@ -25,11 +25,13 @@ class Proc:
     address: str
     popen: subprocess.Popen | None = None
     log: Path | None = None
+    env: dict = field(default_factory=dict)      # this process's own variables, over the cluster's
 
     def start(self, env: dict, log_dir: Path) -> None:
         self.log = log_dir / f"{self.name}.log"
         f = open(self.log, "ab")
-        self.popen = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        self.popen = subprocess.Popen(self.cmd, cwd=REPO, env={**env, **self.env}, stdout=f,
+                                      stderr=subprocess.STDOUT)
 
     def wait_ready(self, tls=None) -> None:
         try:
@@ -80,8 +82,9 @@ class Cluster:
     def launch(cls, log_dir: Path, prefill: int = 1, decode: int = 1, colocated: int = 0,
                worker_args: list[str] = (), router_args: list[str] = (), env: dict | None = None,
                ports: dict[str, int] | None = None, extra: dict[str, list[str]] | None = None,
-               tls=None) -> Cluster:
-        """`ports`/`extra`: a fixed port / more flags for the worker of that name ("decode-0");
+               tls=None, worker_env: dict[str, dict] | None = None) -> Cluster:
+        """`ports`/`extra`/`worker_env`: a fixed port / more flags / environment variables for the
+        worker of that name ("decode-0");
         `tls`: how this test process reaches the cluster (its health checks) when it runs TLS."""
         # one torch thread per worker: several processes share CI's two cores
         c = cls(log_dir, env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})), tls=tls)
@@ -96,6 +99,7 @@ class Cluster:
                    + [make("colocated", i, "decode_service", [*worker_args, "--colocated"])
                       for i in range(colocated)])
         for p in workers:
+            p.env = dict((worker_env or {}).get(p.name, {}))
             p.start(c.env, log_dir)
         for p in workers:
             p.wait_ready(tls)

@@ -347,7 +347,8 @@ def test_fused_qk_norm_rotary_matches_plain_torch(dtype, qk_norm, head_dim):
 
 @pytest.mark.device
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (tensor parallelism)")
-def test_tp2_gives_the_tp1_greedy_tokens_on_the_qwen3_0_6b_preset():
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_tp2_gives_the_tp1_greedy_tokens_on_the_qwen3_0_6b_preset(eager):
     """Real checkpoint shapes (random weights), fp32 so reduction order cannot flip a token."""
     from engine import LLM, SamplingParams
     g = torch.Generator().manual_seed(4)
@@ -356,7 +357,7 @@ def test_tp2_gives_the_tp1_greedy_tokens_on_the_qwen3_0_6b_preset():
     outs = {}
     for tp in (1, 2):
         llm = LLM("qwen3-0.6b", device="cuda:0", dtype="float32", tp_size=tp, max_num_seqs=8,
-                  max_model_len=1024, gpu_memory_utilization=0.5)
+                  max_model_len=1024, kv_cache_memory=2 << 30, enforce_eager=eager)
         try:
             outs[tp] = [o.token_ids for o in llm.generate(prompts, params)]
         finally:
@@ -364,3 +365,98 @@ def test_tp2_gives_the_tp1_greedy_tokens_on_the_qwen3_0_6b_preset():
         del llm
         torch.cuda.empty_cache()
     assert outs[2] == outs[1]
+
+
+# -- device-direct KV over NCCL (issue 5) ---------------------------------------------------------
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (device-direct KV)")
+
+
+@pytest.mark.device
+@two_gpus
+def test_direct_kv_over_nccl_is_bit_exact_between_two_gpus():
+    from kvtransfer.bench import measure_direct
+    r = measure_direct(64 << 20, "cuda:0", "cuda:1", repeats=3, overlap=False)   # checks the bytes itself
+    assert r["collective"] == "nccl" and len(r["seconds"]) == 3
+
+
+@pytest.mark.device
+@two_gpus
+def test_a_stalled_nccl_transfer_fails_frees_staging_aborts_the_pair_and_the_next_one_works():
+    import asyncio
+
+    import grpc
+
+    from kvtransfer.backend import KVTransferError, TransferDescriptor
+    from kvtransfer.direct_backend import DirectKVReceiver, DirectKVSender
+    from kvtransfer.grpc_backend import KVTransferServicer
+    from kvtransfer.layout import KVLayout
+    from kvtransfer.receiver import PendingTransfers
+
+    layout = KVLayout(model="m", architecture="a", dtype="uint8", block_size=1, num_layers=1, num_kv_heads=1,
+                      head_dim=1, backends=["direct", "grpc"])
+    n = 8 << 20
+    payload = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda:0")
+
+    async def main():
+        pending = PendingTransfers(max_staged_bytes=1 << 30)
+        server = grpc.aio.server()
+        KVTransferServicer(pending, layout).add_to_server(server)
+        receiver = DirectKVReceiver(pending, torch.device("cuda:1"))
+        receiver.add_to_server(server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        sender = DirectKVSender(channel, f"127.0.0.1:{port}", torch.device("cuda:0"))
+        landed, failed = {}, {}
+        try:
+            await sender.handshake(layout)
+            pending.expect("stalled", n, 2.0, lambda t, p, *_: landed.__setitem__(t, p),
+                           lambda t, why: failed.__setitem__(t, why))
+            sender.stall_s = 60
+            with pytest.raises(KVTransferError):
+                await sender.send(TransferDescriptor("stalled", nbytes=n), payload, 1, timeout=20)
+            sender.stall_s = 0
+            pairs_after_stall = len(receiver.pairs)
+            pending.expect("after", n, 30, lambda t, p, *_: landed.__setitem__(t, p),
+                           lambda t, why: failed.__setitem__(t, why))
+            await sender.send(TransferDescriptor("after", nbytes=n), payload, 2, timeout=30)
+            return landed, failed, pairs_after_stall, pending.stats()
+        finally:
+            await sender.close()
+            await receiver.close()
+            await channel.close()
+            await server.stop(0)
+    landed, failed, pairs_after_stall, stats = asyncio.run(main())
+    assert "stalled" in failed and pairs_after_stall == 0
+    assert torch.equal(landed["after"].cpu(), payload.cpu())
+    assert stats.active == 0 and stats.staged_bytes == 0
+
+
+@pytest.mark.device
+@two_gpus
+def test_1p1d_over_nccl_gives_the_colocated_engines_greedy_tokens(tmp_path):
+    """Prefill on cuda:0, decode on cuda:1, KV device to device; fp32 so batching cannot flip a token."""
+    import concurrent.futures as cf
+
+    from baton.v1 import router_pb2
+    from cluster import Cluster
+
+    from engine import LLM, SamplingParams
+    prompts = ["The quick brown fox", "def quicksort(arr):", "Once upon a time there was a dragon who loved tea"]
+    common = ["--model", "qwen3-0.6b", "--dtype", "float32", "--kv-backend", "direct", "--num-kv-blocks", "512"]
+    llm = LLM("qwen3-0.6b", device="cuda:0", dtype="float32", max_num_seqs=8, kv_cache_memory=1 << 30)
+    want = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+    del llm
+    torch.cuda.empty_cache()
+    c = Cluster.launch(tmp_path, prefill=1, decode=1, worker_args=common, router_args=["--model", "qwen3-0.6b"],
+                       extra={"prefill-0": ["--device", "cuda:0"], "decode-0": ["--device", "cuda:1"]})
+    try:
+        stub = c.stub()
+        sampling = router_pb2.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: [t for r in stub.Generate(router_pb2.GenerateRequest(
+                text=p, sampling=sampling), timeout=300) for t in r.token_ids], prompts))
+        assert got == want
+        assert c.wait_workers_idle() == 0
+    finally:
+        c.stop()

@@ -170,6 +170,8 @@ def test_contract_fields_have_presence_where_the_contract_says_optional():
 
 # -- the internal KV-transfer service ---------------------------------------------------------------------
 def test_kvtransfer_push_is_a_bidi_stream_and_handshake_is_unary():
-    [service] = file_proto(kvtransfer_pb2).service
-    methods = {m.name: (m.client_streaming, m.server_streaming) for m in service.method}
-    assert methods == {"Handshake": (False, False), "Push": (True, True)}
+    services = {s.name: {m.name: (m.client_streaming, m.server_streaming) for m in s.method}
+                for s in file_proto(kvtransfer_pb2).service}
+    assert services == {"KVTransfer": {"Handshake": (False, False), "Push": (True, True)},
+                        # the device-direct backend: rendezvous unary, each transfer a bidi stream
+                        "KVDirect": {"Connect": (False, False), "Transfer": (True, True)}}

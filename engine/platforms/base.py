@@ -87,6 +87,11 @@ class Platform(ABC):
     def synchronize(self) -> None:  # noqa: B027  (host-synchronous platforms need nothing)
         return None
 
+    def bind_thread(self) -> None:  # noqa: B027
+        """Make this platform's device the calling thread's current one (accelerators keep a
+        current device per thread: kernels launch there)."""
+        return None
+
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:  # noqa: B027
         """Raise ValueError naming the constraint if the KV layout is unsupported here."""
         return None

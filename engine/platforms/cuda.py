@@ -56,6 +56,9 @@ class CudaPlatform(Platform):
     def memory_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.device)
 
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.device)
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 

@@ -129,3 +129,68 @@ class KVAck(_message.Message):
     credit: int
     reason: str
     def __init__(self, kind: _Optional[_Union[KVAck.Kind, str]] = ..., index: _Optional[int] = ..., credit: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ConnectRequest(_message.Message):
+    __slots__ = ("pair_id", "collective")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    collective: str
+    def __init__(self, pair_id: _Optional[str] = ..., collective: _Optional[str] = ...) -> None: ...
+
+class ConnectResponse(_message.Message):
+    __slots__ = ("store_host", "store_port", "collective")
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    store_host: str
+    store_port: int
+    collective: str
+    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., collective: _Optional[str] = ...) -> None: ...
+
+class DirectMessage(_message.Message):
+    __slots__ = ("open",)
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    open: DirectOpen
+    def __init__(self, open: _Optional[_Union[DirectOpen, _Mapping]] = ...) -> None: ...
+
+class DirectOpen(_message.Message):
+    __slots__ = ("transfer_id", "pair_id", "total_bytes", "first_token", "num_tokens", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    pair_id: str
+    total_bytes: int
+    first_token: int
+    num_tokens: int
+    extra: _containers.ScalarMap[str, str]
+    def __init__(self, transfer_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., total_bytes: _Optional[int] = ..., first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DirectAck(_message.Message):
+    __slots__ = ("kind", "reason")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[DirectAck.Kind]
+        KIND_READY: _ClassVar[DirectAck.Kind]
+        KIND_DONE: _ClassVar[DirectAck.Kind]
+        KIND_REFUSED: _ClassVar[DirectAck.Kind]
+    KIND_UNSPECIFIED: DirectAck.Kind
+    KIND_READY: DirectAck.Kind
+    KIND_DONE: DirectAck.Kind
+    KIND_REFUSED: DirectAck.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    kind: DirectAck.Kind
+    reason: str
+    def __init__(self, kind: _Optional[_Union[DirectAck.Kind, str]] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -145,3 +145,133 @@ class KVTransfer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KVDirectStub:
+    """The device-direct backend ("direct"): KV bytes go device to device through a collective
+    library (NCCL on GPUs, HCCL on Ascend, gloo on the CPU) over one two-rank communicator per
+    prefill->decode pair; this service carries only the rendezvous and each transfer's
+    descriptor. Calls carry the "baton-kv-session" metadata when the workers share a KV secret.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Connect = channel.unary_unary(
+                '/baton.v1.KVDirect/Connect',
+                request_serializer=baton_dot_v1_dot_kvtransfer__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_kvtransfer__pb2.ConnectResponse.FromString,
+                _registered_method=True)
+        self.Transfer = channel.stream_stream(
+                '/baton.v1.KVDirect/Transfer',
+                request_serializer=baton_dot_v1_dot_kvtransfer__pb2.DirectMessage.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_kvtransfer__pb2.DirectAck.FromString,
+                _registered_method=True)
+
+
+class KVDirectServicer:
+    """The device-direct backend ("direct"): KV bytes go device to device through a collective
+    library (NCCL on GPUs, HCCL on Ascend, gloo on the CPU) over one two-rank communicator per
+    prefill->decode pair; this service carries only the rendezvous and each transfer's
+    descriptor. Calls carry the "baton-kv-session" metadata when the workers share a KV secret.
+    """
+
+    def Connect(self, request, context):
+        """Join a new pair: the decode worker (rank 1) hosts the rendezvous store for it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Transfer(self, request_iterator, context):
+        """One transfer: open -> READY (the receive is posted) -> the sender posts its send ->
+        DONE (bytes landed and handed to the decode engine), or REFUSED / an error status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVDirectServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Connect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=baton_dot_v1_dot_kvtransfer__pb2.ConnectRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_kvtransfer__pb2.ConnectResponse.SerializeToString,
+            ),
+            'Transfer': grpc.stream_stream_rpc_method_handler(
+                    servicer.Transfer,
+                    request_deserializer=baton_dot_v1_dot_kvtransfer__pb2.DirectMessage.FromString,
+                    response_serializer=baton_dot_v1_dot_kvtransfer__pb2.DirectAck.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'baton.v1.KVDirect', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('baton.v1.KVDirect', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVDirect:
+    """The device-direct backend ("direct"): KV bytes go device to device through a collective
+    library (NCCL on GPUs, HCCL on Ascend, gloo on the CPU) over one two-rank communicator per
+    prefill->decode pair; this service carries only the rendezvous and each transfer's
+    descriptor. Calls carry the "baton-kv-session" metadata when the workers share a KV secret.
+    """
+
+    @staticmethod
+    def Connect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.KVDirect/Connect',
+            baton_dot_v1_dot_kvtransfer__pb2.ConnectRequest.SerializeToString,
+            baton_dot_v1_dot_kvtransfer__pb2.ConnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transfer(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/baton.v1.KVDirect/Transfer',
+            baton_dot_v1_dot_kvtransfer__pb2.DirectMessage.SerializeToString,
+            baton_dot_v1_dot_kvtransfer__pb2.DirectAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
