@@ -52,10 +52,12 @@ Ack = kvtransfer_pb2.DirectAck
 
 BACKEND = "direct"
 COLLECTIVES = ("nccl", "hccl", "gloo")
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 OPEN_TIMEOUT_S = 10.0          # the receiver waits this long for a Transfer stream's first message
 JOIN_TIMEOUT_S = 60.0          # building a pair's communicator (both ends must join)
 MAX_POLL_S = 200e-6            # completion polling interval at most (a transfer's latency floor)
-MAX_PAIRS = 256                # communicators one decode worker keeps (oldest idle ones closed first)
+MAX_PAIRS = 64                 # communicators one decode worker keeps (oldest idle ones closed first)
+PAIR_IDLE_S = 600.0            # a pair unused this long is closed (its sender reconnects when it returns)
 # Fault injection for tests and drills: a sender holds each transfer this many seconds after
 # the receiver answered READY, as a stalled device link would.
 STALL_ENV = "BATON_KV_FAULT_STALL_S"
@@ -239,9 +241,11 @@ class DirectKVReceiver(kvtransfer_pb2_grpc.KVDirectServicer):
         pair = PairGroup(request.pair_id, self.collective, self.device)
         port = pair.host_store(self.store_host)
         self.pairs[pair.pair_id] = pair
+        # a wildcard bind address means nothing to the sender: it then uses the host it dialed
+        advertised = "" if self.store_host in WILDCARD_HOSTS else self.store_host
         self._joins[pair.pair_id] = asyncio.ensure_future(pair.join(rank=1))
         self._joins[pair.pair_id].add_done_callback(lambda f, p=pair: self._joined(p, f))
-        return kvtransfer_pb2.ConnectResponse(store_host=self.store_host, store_port=port,
+        return kvtransfer_pb2.ConnectResponse(store_host=advertised, store_port=port,
                                               collective=self.collective)
 
     def _joined(self, pair: PairGroup, fut: asyncio.Future) -> None:
@@ -250,7 +254,14 @@ class DirectKVReceiver(kvtransfer_pb2_grpc.KVDirectServicer):
             self.pairs.pop(pair.pair_id, None)      # join() closed it already
 
     def _evict_idle(self) -> None:
-        idle = sorted((p for p in self.pairs.values() if not p.busy), key=lambda p: p.last_used)
+        """Close pairs of senders that went away (a restarted prefill worker never says so),
+        and the oldest idle ones beyond MAX_PAIRS: each communicator holds device buffers."""
+        now = time.monotonic()
+        idle = sorted((p for p in self.pairs.values() if not p.busy and p.pair_id not in self._joins),
+                      key=lambda p: p.last_used)
+        for pair in [p for p in idle if now - p.last_used > PAIR_IDLE_S]:
+            self._drop(pair, f"unused for {PAIR_IDLE_S:.0f}s")
+            idle.remove(pair)
         while len(self.pairs) >= MAX_PAIRS and idle:
             self._drop(idle.pop(0), "too many KV pairs on this decode worker; the oldest idle one was closed")
 
@@ -332,6 +343,7 @@ class DirectKVSender(KVSender):
         self.stub = kvtransfer_pb2_grpc.KVDirectStub(channel)
         self._handshaker = GrpcKVSender(channel, auth=auth)
         self.peer_layout: KVLayout | None = None
+        self._layout: KVLayout | None = None
         self.pair: PairGroup | None = None
         self._lock = asyncio.Lock()
         self._metadata: tuple[tuple[str, str], ...] = ()
@@ -341,6 +353,7 @@ class DirectKVSender(KVSender):
                         self.stall_s)
 
     async def handshake(self, layout: KVLayout, timeout: float = 10.0) -> KVLayout:
+        self._layout = layout
         peer = await self._handshaker.handshake(layout, timeout)
         if BACKEND not in peer.backends:
             raise KVTransferError(f"the decode worker at {self.address} does not take device-direct KV "
@@ -372,9 +385,20 @@ class DirectKVSender(KVSender):
         try:
             async with asyncio.timeout(timeout):
                 async with self._lock:                 # one transfer at a time on this pair
-                    if self.pair is None or self.pair.broken:
-                        self.pair = await self._connect(timeout)
-                    await self._transfer(transfer, payload_provider, first_token, extra or {}, started, timeout)
+                    try:
+                        await self._connect_and_transfer(transfer, payload_provider, first_token, extra or {},
+                                                         started, timeout)
+                    except _RefusedBeforeReady as refused:
+                        # the peer forgot our pair (restart, idle eviction) or our session: nothing of
+                        # the transfer was touched, so once more with a fresh pair (and handshake)
+                        self._break(str(refused.error))
+                        if refused.error.code == Code.UNAUTHENTICATED:
+                            await self.handshake(self._layout, timeout=min(timeout, 10.0))
+                        try:
+                            await self._connect_and_transfer(transfer, payload_provider, first_token, extra or {},
+                                                             started, timeout)
+                        except _RefusedBeforeReady as again:
+                            raise again.error from None
         except TimeoutError:
             self._break(f"transfer {tid} timed out")
             raise KVTransferError(f"KV transfer {tid} to {self.address} did not finish within {timeout:g}s",
@@ -389,6 +413,11 @@ class DirectKVSender(KVSender):
                                   Code.UNAVAILABLE) from exc
         return SendStats(nbytes=transfer.nbytes, chunks=1, seconds=time.perf_counter() - started)
 
+    async def _connect_and_transfer(self, transfer, provider, first_token, extra, started, timeout) -> None:
+        if self.pair is None or self.pair.broken:
+            self.pair = await self._connect(timeout)
+        await self._transfer(transfer, provider, first_token, extra, started, timeout)
+
     async def _transfer(self, transfer: TransferDescriptor, provider, first_token: int, extra: dict,
                         started: float, timeout: float) -> None:
         call = self.stub.Transfer(timeout=timeout, metadata=self._metadata)
@@ -397,9 +426,17 @@ class DirectKVSender(KVSender):
                 transfer_id=transfer.transfer_id, pair_id=self.pair.pair_id, total_bytes=transfer.nbytes,
                 first_token=first_token, num_tokens=transfer.num_tokens,
                 extra={k: str(v) for k, v in extra.items()})))
-            ack = await call.read()
+            try:
+                ack = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                ack, error = grpc.aio.EOF, KVTransferError(exc.details() or exc.code().name, exc.code())
+            else:
+                error = None
             if ack is grpc.aio.EOF or ack.kind != Ack.KIND_READY:
-                raise await _why(call, ack)
+                error = error or await _why(call, ack)
+                if error.code in (Code.FAILED_PRECONDITION, Code.UNAUTHENTICATED):
+                    raise _RefusedBeforeReady(error)
+                raise error
             # the send runs while we listen: a receiver that gives up (its deadline) ends it
             sending = asyncio.ensure_future(self._send_payload(transfer, provider, started, timeout))
             answer = asyncio.ensure_future(call.read())
@@ -443,6 +480,15 @@ class DirectKVSender(KVSender):
 
     async def close(self) -> None:
         self._break("sender closed", wait=5.0)
+
+
+class _RefusedBeforeReady(Exception):
+    """The receiver refused a transfer before posting its receive: the pair or the session is
+    unknown to it, or the transfer's state forbids it; nothing was sent."""
+
+    def __init__(self, error: KVTransferError):
+        super().__init__(str(error))
+        self.error = error
 
 
 async def _why(call, ack) -> KVTransferError:

@@ -5,8 +5,8 @@ Per request: QUEUED -> PREFILLED (first token, KV held) -> TRANSFERRING -> done.
 staged to host memory right after prefill (grpc backend), so its device blocks are released
 at once and stay in the prefix cache. With the direct backend the blocks stay held until the
 decode worker has posted its receive; the sender then packs them on its own device stream
-and sends them device to device, and they are released when the send ends. Abort, deadline or a failed push ends the request with a status and
-nothing held.
+and sends them device to device, and they are released when the send ends. Abort, deadline
+or a failed push ends the request with a status and nothing held.
 """
 from __future__ import annotations
 
@@ -115,7 +115,9 @@ class PrefillWorker(EngineWorker):
                                       {"prefill_done_unix": repr(prefill_done), "request_id": rid}, timeout)
         except KVTransferError as exc:
             self.metrics.kv_transfer_failures.labels("send").inc()
-            self.senders.pop(handoff.decode_address, None)
+            stale = self.senders.pop(handoff.decode_address, None)
+            if stale is not None:                   # the next request handshakes afresh
+                asyncio.ensure_future(_close_sender(stale))
             raise ServiceError(getattr(exc, "code", None) or grpc.StatusCode.UNAVAILABLE,
                                f"KV push to {handoff.decode_address} failed: {exc}") from exc
         t2 = time.perf_counter()
@@ -151,6 +153,12 @@ class PrefillWorker(EngineWorker):
         if task is not None:
             task.cancel()
         return task is not None
+
+
+async def _close_sender(sender: KVSender) -> None:
+    """Release a sender and its channel (the worker opened the channel, so it closes it)."""
+    await sender.close()
+    await sender.channel.close()
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):

@@ -276,6 +276,10 @@ def test_held_blocks_are_packed_by_the_sender_and_a_broken_promise_is_refused():
             pending.expect("short", n, 20, landed.on_complete, landed.on_fail)
             with pytest.raises(KVTransferError) as short:               # two blocks where three were promised
                 await sender.send(TransferDescriptor("short", nbytes=n), direct_backend.HeldBlocks(src, (1, 3)), 9)
+            for _ in range(200):                                 # the receiver hears of it asynchronously
+                if pending.stats().active == 0:
+                    break
+                await asyncio.sleep(0.01)
             return landed, short.value, pending.stats()
     landed, short, stats = run(main())
     dst = torch.zeros_like(src)
@@ -283,3 +287,22 @@ def test_held_blocks_are_packed_by_the_sender_and_a_broken_promise_is_refused():
     assert torch.equal(dst[:, :, [0, 1, 2]], src[:, :, [5, 0, 2]])
     assert short.code == Code.INVALID_ARGUMENT and "promised" in str(short)
     assert "short" in landed.failed and stats.active == 0 and stats.staged_bytes == 0
+
+
+def test_a_receiver_that_forgot_the_pair_is_reconnected_to_without_failing_the_transfer():
+    src = kv(4, seed=5)
+    n = LAYOUT.payload_nbytes(2)
+
+    async def main():
+        async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:
+            pending.expect("first", n, 20, landed.on_complete, landed.on_fail)
+            await sender.send(TransferDescriptor("first", nbytes=n), direct_backend.HeldBlocks(src, (0, 1)), 1)
+            first_pair = sender.pair.pair_id
+            for pair in list(receiver.pairs.values()):           # as a restart or an idle eviction would
+                receiver._drop(pair, "forgotten", wait=5.0)
+            pending.expect("second", n, 20, landed.on_complete, landed.on_fail)
+            await sender.send(TransferDescriptor("second", nbytes=n), direct_backend.HeldBlocks(src, (2, 3)), 2)
+            return first_pair, sender.pair.pair_id, landed, list(receiver.pairs)
+    first_pair, second_pair, landed, pairs = run(main())
+    assert sorted(landed.completed) == ["first", "second"] and not landed.failed
+    assert second_pair != first_pair and pairs == [second_pair]
