@@ -81,6 +81,10 @@ class DecodeWorker(EngineWorker):
     def num_pending(self) -> int:
         return len(self.by_transfer)
 
+    def release_transports(self) -> None:
+        if self.direct is not None:
+            self.direct.close_pairs()
+
     def num_active(self) -> int:
         return len(self.requests)
 

@@ -60,7 +60,15 @@ class EngineWorker:
 
     async def serve_forever(self) -> None:
         server = await self.start()
-        await server.wait_for_signal(self.cfg.grace_seconds, on_stop=self.engine.shutdown, busy=self.num_active)
+        await server.wait_for_signal(self.cfg.grace_seconds, on_stop=self.stop, busy=self.num_active)
+
+    def stop(self) -> None:
+        """After the drain: release the KV transports (device communicators), stop the engine."""
+        self.release_transports()
+        self.engine.shutdown()
+
+    def release_transports(self) -> None:  # noqa: B027  (workers with device-direct KV override it)
+        return None
 
     # -- shared RPC bodies ------------------------------------------------------------------
     def status(self) -> worker_pb2.WorkerStatus:

@@ -322,9 +322,13 @@ class DirectKVReceiver(kvtransfer_pb2_grpc.KVDirectServicer):
                 self._drop(pair, f"a receive of transfer {op.transfer_id} was left unmatched")
             pair.busy = False
 
-    async def close(self) -> None:
+    def close_pairs(self, wait: float = 5.0) -> None:
+        """Abort every pair's communicator (at shutdown: each abort gets `wait` seconds)."""
         for pair in list(self.pairs.values()):
-            self._drop(pair, "decode worker stopping", wait=5.0)
+            self._drop(pair, "decode worker stopping", wait)
+
+    async def close(self) -> None:
+        self.close_pairs()
 
 
 # -- prefill side --------------------------------------------------------------------------------
@@ -478,8 +482,11 @@ class DirectKVSender(KVSender):
             self.pair.close(reason, wait)
             self.pair = None
 
+    def close_pair(self, wait: float = 5.0) -> None:
+        self._break("sender closed", wait)
+
     async def close(self) -> None:
-        self._break("sender closed", wait=5.0)
+        self.close_pair()
 
 
 class _RefusedBeforeReady(Exception):

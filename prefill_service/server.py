@@ -50,6 +50,11 @@ class PrefillWorker(EngineWorker):
     def num_active(self) -> int:
         return len(self.tasks)
 
+    def release_transports(self) -> None:
+        for sender in self.senders.values():
+            if isinstance(sender, DirectKVSender):
+                sender.close_pair()
+
     async def sender_for(self, address: str, timeout: float) -> KVSender:
         sender = self.senders.get(address)
         if sender is None:       # over TLS (mutual, with our certificate) when this worker runs TLS
