@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -199,40 +200,55 @@ def measure_direct(total_bytes: int, src_device: str, dst_device: str, repeats: 
     return asyncio.run(_direct(total_bytes, src_device, dst_device, repeats, overlap))
 
 
-async def _direct(total_bytes: int, src_device: str, dst_device: str, repeats: int, overlap: bool) -> dict:
+@contextlib.asynccontextmanager
+async def direct_loopback(src_device: str, dst_device: str, max_staged_bytes: int = 1 << 30):
+    """A decode side (KVTransfer handshake + KVDirect on `dst_device`) on 127.0.0.1 and a
+    handshaken sender from `src_device`, in this process; yields (pending, sender, receiver)."""
     import grpc
     import torch
 
-    from kvtransfer.backend import TransferDescriptor
     from kvtransfer.direct_backend import DirectKVReceiver, DirectKVSender
     from kvtransfer.grpc_backend import KVTransferServicer
     from kvtransfer.layout import KVLayout
     from kvtransfer.receiver import PendingTransfers
 
-    src, dst = torch.device(src_device), torch.device(dst_device)
     layout = KVLayout(**BENCH_LAYOUT, backends=["direct", "grpc"])
-    pending = PendingTransfers(max_staged_bytes=max(total_bytes, 1) * 2)
+    pending = PendingTransfers(max_staged_bytes=max_staged_bytes)
     server = grpc.aio.server()
     KVTransferServicer(pending, layout).add_to_server(server)
-    receiver = DirectKVReceiver(pending, dst)
+    receiver = DirectKVReceiver(pending, torch.device(dst_device))
     receiver.add_to_server(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    sender = DirectKVSender(channel, f"127.0.0.1:{port}", src)
-    landed: dict[str, torch.Tensor] = {}
-    payload = torch.randint(0, 256, (total_bytes,), dtype=torch.uint8, device=src)
-
-    async def one(tid: str) -> float:
-        keep = tid == "warm-up"          # checked once; later payloads are dropped at once, as after unpacking
-        pending.expect(tid, total_bytes, 120, lambda t, p, *_: landed.__setitem__(t, p if keep else None),
-                       lambda t, why: landed.__setitem__(t, why))
-        t0 = time.perf_counter()
-        await sender.send(TransferDescriptor(tid, nbytes=total_bytes), payload, 1, timeout=120)
-        return time.perf_counter() - t0
-
+    sender = DirectKVSender(channel, f"127.0.0.1:{port}", torch.device(src_device))
     try:
         await sender.handshake(layout)
+        yield pending, sender, receiver
+    finally:
+        await sender.close()
+        await receiver.close()
+        await channel.close()
+        await server.stop(0)
+
+
+async def _direct(total_bytes: int, src_device: str, dst_device: str, repeats: int, overlap: bool) -> dict:
+    import torch
+
+    from kvtransfer.backend import TransferDescriptor
+
+    src = torch.device(src_device)
+    landed: dict[str, torch.Tensor] = {}
+    payload = torch.randint(0, 256, (total_bytes,), dtype=torch.uint8, device=src)
+    async with direct_loopback(src_device, dst_device, max(total_bytes, 1) * 2) as (pending, sender, _):
+        async def one(tid: str) -> float:
+            keep = tid == "warm-up"      # checked once; later payloads are dropped at once, as after unpacking
+            pending.expect(tid, total_bytes, 120, lambda t, p, *_: landed.__setitem__(t, p if keep else None),
+                           lambda t, why: landed.__setitem__(t, why))
+            t0 = time.perf_counter()
+            await sender.send(TransferDescriptor(tid, nbytes=total_bytes), payload, 1, timeout=120)
+            return time.perf_counter() - t0
+
         await one("warm-up")                       # the pair's communicator connects here
         if not torch.equal(landed.pop("warm-up").to(src), payload):
             raise RuntimeError("the received bytes differ from the sent bytes")
@@ -243,11 +259,6 @@ async def _direct(total_bytes: int, src_device: str, dst_device: str, repeats: i
         if overlap and src.type != "cpu":
             result["overlap"] = await _overlap(one, src, statistics.median(seconds))
         return result
-    finally:
-        await sender.close()
-        await receiver.close()
-        await channel.close()
-        await server.stop(0)
 
 
 async def _overlap(one, device, transfer_s: float) -> dict:

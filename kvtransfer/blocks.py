@@ -34,14 +34,10 @@ def pack_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
     return gathered.reshape(-1).view(torch.uint8)
 
 
-def pack_blocks_on_device(kv: torch.Tensor, block_ids: Sequence[int], synchronize: bool = True) -> torch.Tensor:
-    """Like pack_blocks, but the contiguous copy stays on kv's device (device-direct backends).
-    With `synchronize` the copy has finished when this returns; without, it is ordered on the
-    calling thread's current stream (for a consumer on that same stream)."""
-    gathered = kv.index_select(2, _block_index(kv, block_ids)).reshape(-1).view(torch.uint8)
-    if synchronize and gathered.device.type != "cpu":
-        getattr(torch, gathered.device.type).synchronize(gathered.device)
-    return gathered
+def pack_blocks_on_device(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    """Like pack_blocks, but the contiguous copy stays on kv's device (device-direct backends),
+    ordered on the calling thread's current stream: consume it on that same stream."""
+    return kv.index_select(2, _block_index(kv, block_ids)).reshape(-1).view(torch.uint8)
 
 
 def unpack_blocks(kv: torch.Tensor, block_ids: Sequence[int], payload) -> None:

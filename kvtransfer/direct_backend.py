@@ -134,7 +134,7 @@ class PairGroup:
         def post():
             tensor = payload
             if isinstance(payload, HeldBlocks):    # stream-ordered with the send: no device sync
-                tensor = pack_blocks_on_device(payload.kv, payload.block_ids, synchronize=False)
+                tensor = pack_blocks_on_device(payload.kv, payload.block_ids)
             if tensor.dtype != torch.uint8 or tensor.device != self.device or tensor.numel() != nbytes:
                 raise ValueError(f"the payload is {tensor.numel()} {tensor.dtype} on {tensor.device}; the "
                                  f"descriptor promised {nbytes} uint8 bytes on {self.device}")

@@ -49,8 +49,9 @@ PLATFORMS = [
                                          pytest.mark.skipif(NPU_ERROR is not None, reason=str(NPU_ERROR))]),
     pytest.param("npu-emulation", id="npu-emulation"),
 ]
+ACCELERATORS = [p for p in PLATFORMS if p.values[0] != "cpu"]          # checked against the cpu reference
+NPU_PLATFORMS = [p for p in PLATFORMS if p.values[0] in ("npu", "npu-emulation")]
 DEVICE = {"cpu": "cpu", "cuda": "cuda:0", "npu": "npu:0", "npu-emulation": "npu:0"}
-NPU_KINDS = ("npu", "npu-emulation")
 BLOCK = 128                        # the one block size every platform takes (npu: 128..512, x128)
 BF16_TOLERANCE = 1e-2              # relative (norm) error of a bf16 kernel against a float32 reference
 
@@ -249,12 +250,11 @@ def run_two_batches(llm: LLM) -> tuple[list[list[int]], list]:
     return [o.token_ids for o in first + second], second
 
 
+@pytest.mark.parametrize("kind", ACCELERATORS)
 def test_greedy_tokens_match_the_cpu_platform(kind, engines):
     """Token for token at the same dtype (bf16 for npu, which takes nothing wider). Layer ops are
     plain torch here: fused kernels round differently (within bf16 tolerance, see
     test_layer_ops_match_plain_torch_within_bf16), enough to flip a near-tie in 24 greedy steps."""
-    if kind == "cpu":
-        pytest.skip("the CPU platform is the reference")
     dtype = PARITY_DTYPE[kind]
     want, _ = run_two_batches(engines("cpu", dtype))
     llm = engines(kind, dtype, fused_ops=False)
@@ -268,10 +268,10 @@ def test_greedy_tokens_match_the_cpu_platform(kind, engines):
         assert got == want
 
 
+@pytest.mark.parametrize("kind", ACCELERATORS)       # the cpu platform captures no graphs
 def test_graph_decode_gives_the_eager_tokens(kind, engines):
     with platform_env(kind):
-        if not get_platform(DEVICE[kind]).supports_graphs:
-            pytest.skip(f"the {kind} platform does not capture graphs")
+        assert get_platform(DEVICE[kind]).supports_graphs
     dtype = PARITY_DTYPE[kind]
     eager = engines(kind, dtype, enforce_eager=True)
     graphed = engines(kind, dtype)
@@ -304,16 +304,14 @@ def tiny_checkpoint(tmp_path_factory):
     (dict(block_size=BLOCK, dtype="float32"), "float16 or bfloat16"),
     (dict(block_size=BLOCK, dtype="bfloat16"), "multiple of 16"),          # the checkpoint's head_dim 24
 ], ids=["block-16", "float32", "head-dim-24"])
+@pytest.mark.parametrize("kind", NPU_PLATFORMS)     # these layout limits are the npu platform's
 def test_npu_refuses_unsupported_layouts_at_start(kind, tiny_checkpoint, overrides, constraint):
-    if kind not in NPU_KINDS:
-        pytest.skip(f"these layout limits are the npu platform's; {kind} has its own")
     with platform_env(kind), pytest.raises(ValueError, match=constraint):
         LLM(str(tiny_checkpoint), device=DEVICE[kind], num_kv_blocks=8, **overrides)
 
 
+@pytest.mark.parametrize("kind", NPU_PLATFORMS)
 def test_npu_refuses_unknown_graph_mode_and_missing_torchair(kind):
-    if kind not in NPU_KINDS:
-        pytest.skip("BATON_NPU_GRAPH_MODE is the npu platform's")
     with platform_env(kind, BATON_NPU_GRAPH_MODE="cudagraph"), pytest.raises(ValueError, match="aclgraph, torchair"):
         get_platform(DEVICE[kind])
     if importlib.util.find_spec("torchair") is None:

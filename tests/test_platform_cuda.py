@@ -384,32 +384,15 @@ def test_direct_kv_over_nccl_is_bit_exact_between_two_gpus():
 def test_a_stalled_nccl_transfer_fails_frees_staging_aborts_the_pair_and_the_next_one_works():
     import asyncio
 
-    import grpc
-
     from kvtransfer.backend import KVTransferError, TransferDescriptor
-    from kvtransfer.direct_backend import DirectKVReceiver, DirectKVSender
-    from kvtransfer.grpc_backend import KVTransferServicer
-    from kvtransfer.layout import KVLayout
-    from kvtransfer.receiver import PendingTransfers
+    from kvtransfer.bench import direct_loopback
 
-    layout = KVLayout(model="m", architecture="a", dtype="uint8", block_size=1, num_layers=1, num_kv_heads=1,
-                      head_dim=1, backends=["direct", "grpc"])
     n = 8 << 20
     payload = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda:0")
 
     async def main():
-        pending = PendingTransfers(max_staged_bytes=1 << 30)
-        server = grpc.aio.server()
-        KVTransferServicer(pending, layout).add_to_server(server)
-        receiver = DirectKVReceiver(pending, torch.device("cuda:1"))
-        receiver.add_to_server(server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        sender = DirectKVSender(channel, f"127.0.0.1:{port}", torch.device("cuda:0"))
         landed, failed = {}, {}
-        try:
-            await sender.handshake(layout)
+        async with direct_loopback("cuda:0", "cuda:1") as (pending, sender, receiver):
             pending.expect("stalled", n, 2.0, lambda t, p, *_: landed.__setitem__(t, p),
                            lambda t, why: failed.__setitem__(t, why))
             sender.stall_s = 60
@@ -421,11 +404,6 @@ def test_a_stalled_nccl_transfer_fails_frees_staging_aborts_the_pair_and_the_nex
                            lambda t, why: failed.__setitem__(t, why))
             await sender.send(TransferDescriptor("after", nbytes=n), payload, 2, timeout=30)
             return landed, failed, pairs_after_stall, pending.stats()
-        finally:
-            await sender.close()
-            await receiver.close()
-            await channel.close()
-            await server.stop(0)
     landed, failed, pairs_after_stall, stats = asyncio.run(main())
     assert "stalled" in failed and pairs_after_stall == 0
     assert torch.equal(landed["after"].cpu(), payload.cpu())
