@@ -42,15 +42,16 @@ for step in $STEPS; do
     b3)     for b in ${B3_BACKENDS:-direct grpc}; do     # qwen3-8b KV: 147 KiB a token
               if [ $b = direct ]; then sizes=512,2048,8192,32768 iters=10; else sizes=512,2048,8192 iters=5; fi
               timeout 150 python3 -m engine.cli bench kv --backends $b --device cuda:0 --peer-device cuda:1 \
-                --model qwen3-8b --tokens $sizes --iters $iters --output "$OUT/b3-$b.json" 2>&1 | grep "^\[bench\] kv"
+                --model qwen3-8b --tokens $sizes --iters $iters --output "$OUT/b3-$b.json" 2>&1 | tee "$OUT/b3-$b.log" \
+                | grep "^\[bench\] "
             done ;;
-    b2)     for ds in prefill-heavy decode-heavy; do     # 1P1D vs 2 colocated replicas, qwen3-8b
-              if [ $ds = prefill-heavy ]; then load="--request-rates 4,12,24 --num-prompts 48"
-              else load="--output-len 128:384 --request-rates 8,32 --num-prompts 64"; fi
-              timeout 280 python3 -m engine.cli bench serve --topologies 1p1d,2colocated --model qwen3-8b \
-                --prefill-devices cuda:0 --decode-devices cuda:1 --worker-args "--kv-backend direct" \
+    b2)     for ds in ${B2_DATASETS:-prefill-heavy decode-heavy}; do     # 1P1D vs 2 colocated replicas, qwen3-8b
+              if [ $ds = prefill-heavy ]; then load="--request-rates ${B2_RATES:-4,12,24} --num-prompts ${B2_PROMPTS:-48}"
+              else load="--output-len 128:384 --request-rates ${B2_DH_RATES:-8,32} --num-prompts ${B2_DH_PROMPTS:-64}"; fi
+              timeout ${B2_TIMEOUT:-280} python3 -m engine.cli bench serve --topologies ${B2_TOPOLOGIES:-1p1d,2colocated} \
+                --model qwen3-8b --prefill-devices cuda:0 --decode-devices cuda:1 --worker-args "--kv-backend direct" \
                 --dataset $ds $load --slo-ttft-ms 1000 --slo-tpot-ms 50 --output "$OUT/b2-$ds.json" 2>&1 \
-                | grep "^\[bench\]" | tail -14
+                | tee "$OUT/b2-$ds.log" | grep "^\[bench\]" | tail -24
             done ;;
   esac
 done

@@ -1,6 +1,7 @@
 """Server-side figures for B2, read from the workers' Prometheus endpoints: the handover
-histogram (prefill's last forward -> decode's first step), summed over workers and
-differenced across a sweep point so each rate gets its own quantiles."""
+histograms (prefill's last forward -> decode's first step; and -> the KV landed on the decode
+worker, its transfer part), summed over workers and differenced across a sweep point so
+each rate gets its own quantiles."""
 from __future__ import annotations
 
 import math
@@ -11,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.stats import histogram_quantile
 
 HANDOVER = "baton_handover_seconds"
+KV_LANDED = "baton_kv_landed_seconds"
 
 
 def metrics_url(spec: str) -> str:

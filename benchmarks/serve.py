@@ -142,11 +142,14 @@ async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str])
     for i, rate in enumerate(args.rates):
         reqs = datasets.build_requests(args.dataset, args.num_prompts, args.seed + i, **common)
         before, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls)
+        landed_before, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls, prometheus.KV_LANDED)
         results, wall = await loadgen.run_rate(address, reqs, rate, args.seed, args.max_concurrency, sampling,
                                                args.request_timeout)
         after, errors = await asyncio.to_thread(prometheus.scrape, metrics_urls)
+        landed_after, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls, prometheus.KV_LANDED)
         point = summarize_rate(rate, results, wall, _s(args.slo_ttft_ms), _s(args.slo_tpot_ms))
         point["handover_s"] = prometheus.quantiles_between(before, after) if metrics_urls else None
+        point["kv_landed_s"] = prometheus.quantiles_between(landed_before, landed_after) if metrics_urls else None
         if errors:
             point["metrics_errors"] = errors
         point["dataset"] = datasets.describe(reqs)
@@ -172,7 +175,15 @@ def _print_point(p: dict) -> None:
     print(f"[bench] rate {p['request_rate']:g}: {p['completed']}/{p['num_requests']} ok, "
           f"{p['request_throughput']:.2f} req/s, {p['output_throughput']:.1f} tok/s, TTFT p50/p99 {ms(p['ttft_s'])} ms, "
           f"TPOT {ms(p['tpot_s'])} ms, SLO {'-' if att is None else f'{100 * att:.0f}%'}"
-          + (f", errors {p['errors']}" if p["errors"] else ""), file=sys.stderr, flush=True)
+          + (f", errors {p['errors']}" if p["errors"] else "") + _handover(p), file=sys.stderr, flush=True)
+
+
+def _handover(p: dict) -> str:
+    h, k = p.get("handover_s") or {}, p.get("kv_landed_s") or {}
+    if not h.get("count"):
+        return ""
+    text = f", handover p50/p99 {h['p50'] * 1e3:.1f}/{h['p99'] * 1e3:.1f} ms"
+    return text + (f" (KV landed {k['p50'] * 1e3:.1f}/{k['p99'] * 1e3:.1f})" if k.get("count") else "")
 
 
 # -- the run ---------------------------------------------------------------------------------------

@@ -75,7 +75,8 @@ class DecodeWorker(EngineWorker):
         KVTransferServicer(self.pending, self.layout, auth=auth).add_to_server(server)
         if self.cfg.kv_backend == "direct":     # descriptors here, bytes device to device
             store_host = (self.cfg.kv_advertise or "").rpartition(":")[0] or self.cfg.host
-            self.direct = DirectKVReceiver(self.pending, self.llm.runner.device, store_host, auth=auth)
+            self.direct = DirectKVReceiver(self.pending, self.llm.runner.device, self.layout.payload_nbytes(1),
+                                           store_host, auth=auth)
             self.direct.add_to_server(server)
 
     def num_pending(self) -> int:
@@ -150,6 +151,8 @@ class DecodeWorker(EngineWorker):
             return
         r.prefill_done_unix = _float(extra.get("prefill_done_unix"))
         r.joined_at = time.time()
+        if r.prefill_done_unix:
+            self.metrics.kv_landed.observe(max(0.0, r.joined_at - r.prefill_done_unix))
         nbytes = len(payload)
         self.metrics.kv_transfer_bytes.labels("in").inc(nbytes)
 

@@ -7,6 +7,7 @@ request never changes engine state.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 from engine.block_manager import BlockManager
@@ -17,6 +18,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
+
+log = logging.getLogger("baton.engine")
 
 
 class LLMEngine:
@@ -63,8 +66,11 @@ class LLMEngine:
         params.validate(self.vocab_size)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, hold_kv: bool = False) -> str:
-        """Queue a request. With hold_kv its KV blocks outlive it until `release` (handoff)."""
+                    request_id: str | None = None, hold_kv: bool = False, on_kv=None) -> str:
+        """Queue a request. With hold_kv its KV blocks outlive it until `release` (handoff).
+        `on_kv(first_block, block_ids)` is called on the engine thread, right after the step
+        whose forward was the last to write them (its device work queued, not finished), with
+        the prompt blocks that became final, in order, each once (streamed handoff)."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
@@ -75,6 +81,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is still handing off its KV")
         seq = Sequence(request_id, token_ids, params, self.max_model_len, arrival=time.monotonic())
         seq.hold_kv = hold_kv
+        seq.on_kv = on_kv
         self.scheduler.add(seq)
         self.states[request_id] = RequestState(seq, self._detokenizer_for(params))
         return request_id
@@ -143,6 +150,7 @@ class LLMEngine:
         if out.is_empty:
             return []
         sampled = self.runner.execute(out)
+        self._emit_kv(out)                  # before postprocess frees a finished prefill's blocks
         self.scheduler.postprocess(out, sampled)
         self.last_step_seconds = time.perf_counter() - t0
         outputs = []
@@ -151,6 +159,25 @@ class LLMEngine:
                 continue
             outputs.append(self._emit(item.seq.request_id))
         return outputs
+
+    def _emit_kv(self, out) -> None:
+        """Pass each streamed request the prompt blocks this step made final: the full ones
+        its prefill has covered, and the last, partial one once the prompt is done."""
+        bs = self.block_manager.block_size
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.on_kv is None:
+                continue
+            done = min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens)
+            final = -(-done // bs) if done == seq.num_prompt_tokens else done // bs
+            if final <= seq.kv_emitted:
+                continue
+            first, seq.kv_emitted = seq.kv_emitted, final
+            try:
+                seq.on_kv(first, list(seq.block_table[first:final]))
+            except Exception:
+                log.exception("the KV listener of request %s failed; it gets no more blocks", seq.request_id)
+                seq.on_kv = None
 
     def _emit(self, request_id: str) -> RequestOutput:
         state = self.states[request_id]

@@ -8,6 +8,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# the handover is compared with one decode step (a few ms): finer where it lives
+HANDOVER_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02,
+                    0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 
 
 class Metrics:
@@ -29,7 +32,9 @@ class Metrics:
         self.kv_transfer_failures = Counter("baton_kv_transfer_failures", "failed KV transfers", ["reason"],
                                             registry=r)
         self.handover = Histogram("baton_handover_seconds", "prefill's last forward -> decode's first step",
-                                  buckets=LATENCY_BUCKETS, registry=r)
+                                  buckets=HANDOVER_BUCKETS, registry=r)
+        self.kv_landed = Histogram("baton_kv_landed_seconds", "prefill's last forward -> its KV landed on the "
+                                   "decode worker (the handover's transfer part)", buckets=HANDOVER_BUCKETS, registry=r)
         self.step_seconds = Histogram("baton_step_seconds", "engine step time", ["kind"],
                                       buckets=LATENCY_BUCKETS, registry=r)
 

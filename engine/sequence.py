@@ -31,6 +31,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "block_table", "status", "params", "finish_reason", "max_model_len",
         "arrival", "num_preemptions", "sampling_seed", "hold_kv", "num_hashed_blocks",
+        "on_kv", "kv_emitted",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -51,6 +52,8 @@ class Sequence:
         self.num_preemptions = 0
         self.sampling_seed = params.seed
         self.hold_kv = False                # keep blocks after finishing (prefill awaiting handoff)
+        self.on_kv = None                   # on_kv(first_block, block_ids): prompt blocks made final
+        self.kv_emitted = 0                 # prompt blocks already passed to on_kv
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -191,13 +192,16 @@ def measure_grpc_loopback(total_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYT
 
 # -- the direct backend -----------------------------------------------------------------------------
 def measure_direct(total_bytes: int, src_device: str, dst_device: str, repeats: int = 3,
-                   overlap: bool = True) -> dict:
-    """Seconds per send of `total_bytes` over the direct backend from `src_device` to
-    `dst_device` (each rank on its own thread of this process, descriptors over gRPC on
-    127.0.0.1), the bytes checked once. With `overlap` on an accelerator, also how much of a
-    transfer hides under compute on the sending device (prefill's matmuls stand-in):
-    hidden = (compute alone + transfer alone - both at once) / transfer alone."""
-    return asyncio.run(_direct(total_bytes, src_device, dst_device, repeats, overlap))
+                   overlap: bool = True, prefill_flops: float = 0.0, chunks: int = 1) -> dict:
+    """The direct backend from `src_device` to `dst_device` (each rank on its own thread of
+    this process, descriptors over gRPC on 127.0.0.1), the bytes checked once:
+      - `seconds`: one transfer at a time, open -> DONE (what a lone request pays);
+      - `pipelined`: several transfers in flight on the pair, as under load (bytes per second);
+      - on an accelerator with `overlap`, `overlap`: a transfer beside unrelated compute, and,
+        given `prefill_flops` (the prefill that makes this KV), `streamed`: that prefill as
+        `chunks` chunks of bf16 matmuls, each chunk's piece sent as it ends, as a prefill worker
+        streams -- how much of the transfer is still exposed after the prefill ends."""
+    return asyncio.run(_direct(total_bytes, src_device, dst_device, repeats, overlap, prefill_flops, chunks))
 
 
 @contextlib.asynccontextmanager
@@ -216,7 +220,7 @@ async def direct_loopback(src_device: str, dst_device: str, max_staged_bytes: in
     pending = PendingTransfers(max_staged_bytes=max_staged_bytes)
     server = grpc.aio.server()
     KVTransferServicer(pending, layout).add_to_server(server)
-    receiver = DirectKVReceiver(pending, torch.device(dst_device))
+    receiver = DirectKVReceiver(pending, torch.device(dst_device), layout.payload_nbytes(1))
     receiver.add_to_server(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -232,7 +236,11 @@ async def direct_loopback(src_device: str, dst_device: str, max_staged_bytes: in
         await server.stop(0)
 
 
-async def _direct(total_bytes: int, src_device: str, dst_device: str, repeats: int, overlap: bool) -> dict:
+PIPELINE_BYTES = 8 << 30        # staging the pipelined measure may take on the receiving device
+
+
+async def _direct(total_bytes: int, src_device: str, dst_device: str, repeats: int, overlap: bool,
+                  prefill_flops: float, chunks: int) -> dict:
     import torch
 
     from kvtransfer.backend import TransferDescriptor
@@ -240,11 +248,15 @@ async def _direct(total_bytes: int, src_device: str, dst_device: str, repeats: i
     src = torch.device(src_device)
     landed: dict[str, torch.Tensor] = {}
     payload = torch.randint(0, 256, (total_bytes,), dtype=torch.uint8, device=src)
-    async with direct_loopback(src_device, dst_device, max(total_bytes, 1) * 2) as (pending, sender, _):
-        async def one(tid: str) -> float:
+    depth = max(2, min(8, PIPELINE_BYTES // max(total_bytes, 1)))
+    async with direct_loopback(src_device, dst_device, max(total_bytes, 1) * depth) as (pending, sender, _):
+        def expect(tid: str) -> None:
             keep = tid == "warm-up"      # checked once; later payloads are dropped at once, as after unpacking
             pending.expect(tid, total_bytes, 120, lambda t, p, *_: landed.__setitem__(t, p if keep else None),
                            lambda t, why: landed.__setitem__(t, why))
+
+        async def one(tid: str) -> float:
+            expect(tid)
             t0 = time.perf_counter()
             await sender.send(TransferDescriptor(tid, nbytes=total_bytes), payload, 1, timeout=120)
             return time.perf_counter() - t0
@@ -253,20 +265,39 @@ async def _direct(total_bytes: int, src_device: str, dst_device: str, repeats: i
         if not torch.equal(landed.pop("warm-up").to(src), payload):
             raise RuntimeError("the received bytes differ from the sent bytes")
         seconds = [await one(f"t{i}") for i in range(repeats)]
-        landed.clear()
         result = {"seconds": seconds, "median_s": statistics.median(seconds), "best_s": min(seconds),
                   "collective": sender.collective, "src": src_device, "dst": dst_device}
+
+        async def pipelined(rounds: int = 3) -> float:
+            best = math.inf
+            for r in range(rounds):
+                tids = [f"p{r}-{i}" for i in range(depth)]
+                for tid in tids:
+                    expect(tid)
+                t0 = time.perf_counter()
+                await asyncio.gather(*(sender.send(TransferDescriptor(t, nbytes=total_bytes), payload, 1,
+                                                   timeout=120) for t in tids))
+                best = min(best, time.perf_counter() - t0)
+            return best
+        took = await pipelined()
+        result["pipelined"] = {"transfers_in_flight": depth, "seconds": took,
+                               "bytes_per_s": depth * total_bytes / took}
         if overlap and src.type != "cpu":
             result["overlap"] = await _overlap(one, src, statistics.median(seconds))
+        if overlap and prefill_flops > 0:
+            result["streamed"] = await _streamed(sender, expect, payload, src, prefill_flops, chunks,
+                                                 statistics.median(seconds))
+        landed.clear()
         return result
 
 
-async def _overlap(one, device, transfer_s: float) -> dict:
-    """Compute (bf16 matmuls sized to last about as long as one transfer) alone, then with one
-    transfer under way: the fraction of the transfer's time that vanished under the compute."""
+def _matmul_timer(device):
+    """(a, compute) where compute(n) launches n bf16 matmuls a @ a on `device` and times them
+    to completion; a is 8192^2 on accelerators, 256^2 on the CPU."""
     import torch
     accel = getattr(torch, device.type)
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    size = 256 if device.type == "cpu" else 8192
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
 
     def compute(n: int) -> float:
         accel.synchronize(device)
@@ -275,8 +306,14 @@ async def _overlap(one, device, transfer_s: float) -> dict:
             torch.mm(a, a)
         accel.synchronize(device)
         return time.perf_counter() - t0
-
     compute(2)
+    return a, compute
+
+
+async def _overlap(one, device, transfer_s: float) -> dict:
+    """Compute (bf16 matmuls sized to last about as long as one transfer) alone, then with one
+    transfer under way: the fraction of the transfer's time that vanished under the compute."""
+    _, compute = _matmul_timer(device)
     per_mm = compute(10) / 10
     n = max(1, round(transfer_s / per_mm))
     alone = compute(n)
@@ -289,6 +326,60 @@ async def _overlap(one, device, transfer_s: float) -> dict:
     hidden = (alone + transfer_s - both) / transfer_s
     return {"compute_alone_s": alone, "transfer_alone_s": transfer_s, "both_s": both,
             "hidden_fraction": max(0.0, min(1.0, hidden)), "compute": f"{n} bf16 8192^3 matmuls on {device}"}
+
+
+async def _streamed(sender, expect, payload, device, prefill_flops: float, chunks: int, transfer_s: float,
+                    rounds: int = 3) -> dict:
+    """A stand-in prefill (matmuls of `prefill_flops`, in `chunks` steps) with the transfer
+    streamed as a prefill worker streams it: opened as the compute starts, one piece per chunk
+    posted once that chunk's compute is queued (the send waits for it on the device, through an
+    event), the first token after the last. exposed = DONE - the end of the last chunk's compute
+    (seen by a thread waiting on its event)."""
+    import torch
+
+    from kvtransfer.backend import TransferDescriptor
+    from kvtransfer.direct_backend import record_ready
+    accel = getattr(torch, device.type)
+    a, compute = _matmul_timer(device)
+    per_mm = compute(10) / 10
+    mm_flops = 2 * a.shape[0] ** 3
+    per_chunk = max(1, round(prefill_flops / chunks / mm_flops))
+    alone = min(compute(per_chunk * chunks) for _ in range(2))
+    total, bb = payload.numel(), sender.block_bytes
+    bounds = [total // bb * i // chunks for i in range(chunks + 1)]       # in blocks
+    loop = asyncio.get_running_loop()
+    exposed, prefill = [], []
+    for r in range(rounds):
+        tid = f"streamed-{r}"
+        expect(tid)
+        accel.synchronize(device)
+        t0 = time.perf_counter()
+        opening = asyncio.ensure_future(sender.open(TransferDescriptor(tid, nbytes=total), timeout=120))
+        for i in range(chunks):
+            for _ in range(per_chunk):
+                torch.mm(a, a)
+            ready = record_ready(device)
+            if i == 0:
+                out = await opening
+            await out.piece(payload[bounds[i] * bb:bounds[i + 1] * bb], bounds[i + 1] - bounds[i], ready)
+        computed = loop.run_in_executor(None, _wait_event, ready)
+        await out.finish(1)
+        done = time.perf_counter()
+        computed_at = await computed
+        exposed.append(max(0.0, done - computed_at))
+        prefill.append(computed_at - t0)
+    exposed_s = statistics.median(exposed)
+    return {"chunks": chunks, "prefill_alone_s": alone, "prefill_while_streaming_s": statistics.median(prefill),
+            "prefill_flops": prefill_flops, "exposed_s": exposed_s, "transfer_alone_s": transfer_s,
+            "hidden_fraction": max(0.0, min(1.0, 1 - exposed_s / transfer_s)),
+            "compute": f"{chunks} x {per_chunk} bf16 {a.shape[0]}^3 matmuls on {device} ({per_mm * 1e3:.2f} ms each)"}
+
+
+def _wait_event(event) -> float:
+    """When `event` passed (perf_counter), seen from a thread blocking on it."""
+    if event is not None:
+        event.synchronize()
+    return time.perf_counter()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,12 +3,14 @@
 The payload of `block_ids` is `kv[:, :, block_ids]` of the paged cache
 [layers, 2, num_blocks, block_size, kv_heads, head_dim], contiguous, viewed as uint8: the
 prefill side packs it on the host (through pinned memory from an accelerator), the decode
-side unpacks it into the blocks it reserved.
+side unpacks it into the blocks it reserved. A device-direct transfer may arrive as `Pieces`:
+consecutive block ranges, each packed on its own as the prefill computed them.
 """
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -40,8 +42,34 @@ def pack_blocks_on_device(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.T
     return kv.index_select(2, _block_index(kv, block_ids)).reshape(-1).view(torch.uint8)
 
 
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """A payload in parts: `parts[i] = (first_block, num_blocks, data)`, where data holds blocks
+    [first_block, first_block + num_blocks) of the transfer packed on their own; the parts
+    cover the transfer's blocks in order."""
+
+    parts: tuple[tuple[int, int, object], ...]
+
+    def __len__(self) -> int:
+        """Bytes in all, like a payload's len()."""
+        return sum(len(data) for _, _, data in self.parts)
+
+
 def unpack_blocks(kv: torch.Tensor, block_ids: Sequence[int], payload) -> None:
-    """Write a payload (bytes-like or uint8 tensor from `pack_blocks`) into blocks `block_ids` of `kv`."""
+    """Write a payload (bytes-like or uint8 tensor from `pack_blocks`, or `Pieces` of them)
+    into blocks `block_ids` of `kv`."""
+    if isinstance(payload, Pieces):
+        covered = 0
+        for first, n, _ in payload.parts:
+            if first != covered:
+                raise ValueError(f"KV pieces must cover the blocks in order: a piece starts at block {first}, "
+                                 f"expected {covered}")
+            covered += n
+        if covered != len(block_ids):
+            raise ValueError(f"KV pieces hold {covered} blocks, the request reserved {len(block_ids)}")
+        for first, n, data in payload.parts:
+            unpack_blocks(kv, block_ids[first:first + n], data)
+        return
     index = _block_index(kv, block_ids)
     if len(set(block_ids)) != len(block_ids):
         raise ValueError(f"block ids must be distinct to unpack into, got {list(block_ids)}")

@@ -3,21 +3,31 @@ decode device through a collective library (NCCL between GPUs, HCCL between Asce
 gloo on the CPU), with no host staging; gRPC carries only the rendezvous and descriptors.
 
 Each prefill->decode pair of workers shares one two-rank communicator (prefill rank 0,
-decode rank 1). `Connect` sets it up: the decode worker hosts a torch.distributed TCPStore
-for that pair and both ends build the process group on it. A transfer is one `Transfer`
-stream: the sender opens with the descriptor (transfer id, size, first token), the receiver
-claims the reserved transfer, posts the receive into a device buffer and answers READY, the
-sender packs its blocks on its device and posts the send, and the receiver answers DONE once
-the bytes landed and went to its engine. One transfer at a time per pair, and every
-operation of a pair is issued from that pair's own thread, so both ends post them in the
-same order.
+decode rank 1) and one long-lived control stream. `Connect` sets the communicator up (the
+decode worker hosts a torch.distributed TCPStore for the pair and both ends build the
+process group on it); `Session` is the control stream, on which transfers are multiplexed:
 
-A transfer that does not complete before its deadline (a stalled link, a sender that died
-after READY) fails on the receiver -- its blocks are freed through the registry's on_fail --
-and the pair's communicator is aborted, since it has a receive posted that will never match;
-the sender's next transfer connects a fresh pair.
+    OPEN -> READY                  the receiver claimed the transfer and staged a device buffer;
+                                   the prefill worker opens when the prefill starts, so this
+                                   round trip hides under the prefill compute
+    PIECE, PIECE, ...              one per prefill chunk: those blocks' KV, final and packed on
+                                   the prefill device, follows on the communicator at once
+    FINISH (first token) -> DONE   every byte landed and went to the decode engine
 
-Security: with a KV secret, Connect and Transfer need the session of the KVTransfer
+The bytes of each PIECE go on the communicator in the order of the PIECE messages: the
+sender posts its sends, and the receiver its receives, in that order, each from the pair's
+own thread and device stream (so they overlap the engines' compute). Any number of transfers
+may be open on a pair; their pieces interleave.
+
+Faults: a transfer that does not land by its deadline (a stalled link, a sender that died)
+fails on the receiver -- its blocks are freed through the registry's on_fail -- and, when a
+receive of it is left unmatched, the pair is closed: its communicator is aborted and its
+control stream ends, which fails the pair's other open transfers; the sender connects a fresh
+pair for its next transfer. A transfer the decode worker ended early (cancelled, refused)
+still gets its posted pieces received, into a scratch buffer, so the pair stays in step.
+A sender that gives a transfer up says so (ABANDON) and the receiver frees it at once.
+
+Security: with a KV secret, Connect and Session need the session of the KVTransfer
 handshake. The per-pair TCPStore and the collective's own sockets are not authenticated by
 torch.distributed; they live on the KV network (`--kv-advertise` host) for as long as the
 pair, so keep that network private.
@@ -30,8 +40,9 @@ import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import grpc
@@ -40,37 +51,28 @@ import torch.distributed as dist
 from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 from kvtransfer.backend import KVSender, KVTransferError, SendStats, TransferDescriptor, resolve_payload
-from kvtransfer.blocks import pack_blocks_on_device
+from kvtransfer.blocks import Pieces
 from kvtransfer.grpc_backend import GrpcKVSender
 from kvtransfer.layout import KVLayout
 from kvtransfer.peer_auth import KVPeerAuth, session_of
-from kvtransfer.receiver import PendingTransfers, TransferRejected
+from kvtransfer.receiver import REMEMBERED_ENDED, PendingTransfers, Transfer, TransferRejected
 
 log = logging.getLogger("baton.kvtransfer")
 Code = grpc.StatusCode
 Ack = kvtransfer_pb2.DirectAck
+Msg = kvtransfer_pb2.DirectMessage
 
 BACKEND = "direct"
 COLLECTIVES = ("nccl", "hccl", "gloo")
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
-OPEN_TIMEOUT_S = 10.0          # the receiver waits this long for a Transfer stream's first message
+HELLO_TIMEOUT_S = 10.0         # the receiver waits this long for a control stream's first message
 JOIN_TIMEOUT_S = 60.0          # building a pair's communicator (both ends must join)
 MAX_POLL_S = 200e-6            # completion polling interval at most (a transfer's latency floor)
 MAX_PAIRS = 64                 # communicators one decode worker keeps (oldest idle ones closed first)
 PAIR_IDLE_S = 600.0            # a pair unused this long is closed (its sender reconnects when it returns)
-# Fault injection for tests and drills: a sender holds each transfer this many seconds after
-# the receiver answered READY, as a stalled device link would.
+# Fault injection for tests and drills: a sender holds each piece this many seconds between
+# announcing it and sending its bytes, as a stalled device link would.
 STALL_ENV = "BATON_KV_FAULT_STALL_S"
-
-
-@dataclass(frozen=True, slots=True)
-class HeldBlocks:
-    """A payload the sender packs itself, on its pair's stream, right before sending: blocks
-    `block_ids` of the paged cache `kv`, which the prefill engine holds (their KV is final and
-    nothing rewrites them) until the send has ended. No wait for the engine's step in flight."""
-
-    kv: torch.Tensor
-    block_ids: tuple[int, ...]
 
 
 class PairGroup:
@@ -85,19 +87,21 @@ class PairGroup:
         self.pg = None
         self.store = None
         self.broken: str | None = None          # why the pair can no longer be used
-        self.busy = False                        # a transfer is in flight (one at a time)
+        self.control: asyncio.Task | None = None   # the receiver's control stream handler
+        self.in_flight = 0                       # transfers open on the pair (receiver side)
         self.last_used = time.monotonic()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{collective}-{pair_id[:8]}",
                                           initializer=self._bind_device)
+        self._posted: list[Posted] = []          # operations posted and maybe not complete
 
     def _bind_device(self) -> None:
         """The pair's thread works on the pair's device, on a stream of its own: collectives
         wait for the issuing thread's current stream, and on the default stream they would
         queue behind whatever prefill compute the engine has launched."""
-        if self.device.type != "cpu":
+        if self.device.type != "cpu":      # high priority: its kernels go first when SMs free up
             accel = getattr(torch, self.device.type)
             accel.set_device(self.device)
-            accel.set_stream(accel.Stream(self.device))
+            accel.set_stream(accel.Stream(self.device, priority=-1))
 
     async def _on_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -129,41 +133,42 @@ class PairGroup:
             raise
 
     # -- transfers ----------------------------------------------------------------------------
-    async def send(self, payload: torch.Tensor | HeldBlocks, nbytes: int, timeout: float) -> None:
-        """Send a packed uint8 tensor, or pack HeldBlocks on this pair's stream and send them."""
+    async def post_send(self, tensor: torch.Tensor, after=None) -> Posted:
+        """Post the send of a packed uint8 tensor (once `after`, a device event, has passed)."""
         def post():
-            tensor = payload
-            if isinstance(payload, HeldBlocks):    # stream-ordered with the send: no device sync
-                tensor = pack_blocks_on_device(payload.kv, payload.block_ids)
-            if tensor.dtype != torch.uint8 or tensor.device != self.device or tensor.numel() != nbytes:
-                raise ValueError(f"the payload is {tensor.numel()} {tensor.dtype} on {tensor.device}; the "
-                                 f"descriptor promised {nbytes} uint8 bytes on {self.device}")
-            return self.pg.send([tensor.contiguous()], 1, 0)
-        await self._complete(await self._on_thread(post), timeout, "send")
+            if after is not None:           # the engine packed it on its own stream
+                getattr(torch, self.device.type).current_stream().wait_event(after)
+            return self.pg.send([tensor], 1, 0)
+        return self._track(await self._on_thread(post), tensor)
 
-    async def post_recv(self, tensor: torch.Tensor):
-        return await self._on_thread(lambda: self.pg.recv([tensor], 0, 0))
+    async def post_recv(self, tensor: torch.Tensor) -> Posted:
+        return self._track(await self._on_thread(lambda: self.pg.recv([tensor], 0, 0)), tensor)
 
-    async def _complete(self, work, timeout: float, what: str) -> None:
-        """Wait until `work` has finished on the device (its bytes are final), within `timeout`."""
+    def _track(self, work, tensor: torch.Tensor) -> Posted:
+        """Keep every posted operation, and its tensor, alive until it completes, whoever still
+        cares: a pending gloo work that is dropped is cancelled, which would put every later
+        operation of the pair out of step."""
         self.last_used = time.monotonic()
-        if self.collective == "gloo":       # gloo completes a work in wait(), which takes a timeout
-            await self._on_thread(work.wait, timedelta(seconds=max(timeout, 0.001)))
-            return
+        posted = Posted(work, tensor, watch=self.collective == "gloo")
+        self._posted = [p for p in self._posted if not p.completed()]
+        self._posted.append(posted)
+        return posted
+
+    async def wait_done(self, posted: list[Posted], timeout: float, what: str) -> None:
+        """Wait until every operation has finished on the device (its bytes are final), within `timeout`."""
         deadline = time.monotonic() + timeout
         pause = 20e-6
-        while not work.is_completed():      # device collectives: poll, never block the loop
+        while not all(p.completed() for p in posted):   # poll, never block the loop
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the {self.collective} {what} did not complete within {timeout:.1f}s")
             await asyncio.sleep(pause)
             pause = min(pause * 2, MAX_POLL_S)
-        work.wait()
-
-    async def finish_recv(self, work, timeout: float) -> None:
-        await self._complete(work, timeout, "receive")
+        for p in posted:
+            p.result()                      # raises if the collective failed
+        self.last_used = time.monotonic()
 
     def close(self, reason: str, wait: float = 0.0) -> None:
-        """Abort the communicator (pending operations fail) and free its thread; `wait`: seconds
+        """Abort the communicator (pending operations fail) and free its threads; `wait`: seconds
         to let the abort finish (at shutdown; the event loop must not block on it otherwise)."""
         if self.broken is None:
             self.broken = reason
@@ -178,13 +183,45 @@ class PairGroup:
         self.store = None
 
 
+class Posted:
+    """One posted send or receive, with its tensor. Device collectives tell completion by
+    polling; gloo only inside wait(), which blocks, so a daemon thread waits for it."""
+
+    __slots__ = ("work", "tensor", "_done", "_error")
+
+    def __init__(self, work, tensor: torch.Tensor, watch: bool):
+        self.work = work
+        self.tensor = tensor
+        self._done: threading.Event | None = None
+        self._error: Exception | None = None
+        if watch:
+            self._done = threading.Event()
+            threading.Thread(target=self._wait, daemon=True, name="kv-gloo-wait").start()
+
+    def _wait(self) -> None:
+        try:
+            self.work.wait(timedelta(seconds=JOIN_TIMEOUT_S))
+        except Exception as exc:             # timed out, or the peer went away
+            self._error = exc
+        self._done.set()
+
+    def completed(self) -> bool:
+        return self._done.is_set() if self._done is not None else self.work.is_completed()
+
+    def result(self) -> None:
+        if self._done is None:
+            self.work.wait()
+        elif self._error is not None:
+            raise RuntimeError(str(self._error))
+
+
 def make_group(collective: str, store, rank: int, timeout: float):
     """A two-rank process group of `collective` on `store`, without touching the default group."""
     td = timedelta(seconds=timeout)
     if collective == "gloo":
         return dist.ProcessGroupGloo(store, rank, 2, td)
-    if collective == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
+    if collective == "nccl":     # NCCL's own stream high priority too: sends are not starved by
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)   # the GEMMs they overlap
         options._timeout = td
         return dist.ProcessGroupNCCL(store, rank, 2, options)
     from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # the HCCL twin (never run here)
@@ -197,6 +234,17 @@ def collective_for(device: torch.device) -> str:
     return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
 
 
+def record_ready(device: torch.device):
+    """An event on the calling thread's current stream of `device` (None on the CPU, where work
+    is done when it returns): a piece packed there may be sent once it has passed."""
+    if device.type == "cpu":
+        return None
+    accel = getattr(torch, device.type)
+    event = accel.Event()
+    event.record(accel.current_stream(device))
+    return event
+
+
 def _quietly(fn) -> None:
     try:
         fn()
@@ -204,17 +252,218 @@ def _quietly(fn) -> None:
         log.debug("aborting a KV communicator: %s", exc)
 
 
+def _refused(tid: str, code: grpc.StatusCode, reason: str) -> Ack:
+    return Ack(kind=Ack.KIND_REFUSED, transfer_id=tid, reason=reason, code=code.value[0])
+
+
+def _code(number: int) -> grpc.StatusCode:
+    return next((c for c in grpc.StatusCode if c.value[0] == number), Code.UNKNOWN)
+
+
 # -- decode side ---------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Incoming:
+    """One transfer open on a control stream (receiver side)."""
+
+    t: Transfer
+    num_blocks: int
+    ready: bool = False
+    next_block: int = 0                  # pieces so far cover [0, next_block)
+    parts: list = field(default_factory=list)
+    works: list = field(default_factory=list)
+    tasks: list = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
+
+
+class _Control:
+    """The receiver's end of one pair's control stream."""
+
+    def __init__(self, receiver: DirectKVReceiver, pair: PairGroup, context):
+        self.r = receiver
+        self.pair = pair
+        self.context = context
+        self.open: dict[str, _Incoming] = {}
+        # transfers that ended here -> (block count, their buffer while pieces may still come)
+        self.ended: OrderedDict[str, tuple[int, torch.Tensor | None]] = OrderedDict()
+        self._write_lock = asyncio.Lock()
+
+    async def write(self, ack: Ack) -> None:
+        async with self._write_lock:
+            await self.context.write(ack)
+
+    def _spawn(self, inc: _Incoming, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        inc.tasks.append(task)
+        task.add_done_callback(inc.tasks.remove)
+
+    async def handle(self, msg) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "open":
+            await self.on_open(msg.open)
+        elif kind == "piece":
+            await self.on_piece(msg.piece)
+        elif kind == "finish":
+            await self.on_finish(msg.finish)
+        elif kind == "abandon":
+            tid = msg.abandon.transfer_id
+            self.end(tid, f"the prefill worker gave it up: {msg.abandon.reason}", Code.ABORTED)
+            if tid in self.ended:            # nothing more comes for it: let its buffer go
+                self._remember(tid, self.ended[tid][0], None)
+        else:
+            raise ProtocolError(f"unexpected control message {kind!r}")
+
+    async def on_open(self, op) -> None:
+        tid, bb = op.transfer_id, self.r.block_bytes
+        if tid in self.open or tid in self.ended:
+            raise ProtocolError(f"transfer {tid!r} was opened twice on pair {self.pair.pair_id}")
+        try:
+            t = self.r.pending.lookup(tid)
+            if op.total_bytes % bb:
+                msg = f"transfer {tid}: {op.total_bytes} bytes is not a whole number of {bb}-byte blocks"
+                self.r.pending.fail(tid, msg, Code.INVALID_ARGUMENT)
+                raise TransferRejected(Code.INVALID_ARGUMENT, msg)
+            self.r.pending.claim(t, op.total_bytes)
+        except TransferRejected as exc:
+            self._remember(tid, 0, None)
+            await self.write(_refused(tid, exc.code, str(exc)))
+            return
+        inc = _Incoming(t, op.total_bytes // bb)
+        self.open[tid] = inc
+        self.pair.in_flight += 1
+        inc.timer = asyncio.get_running_loop().call_at(t.deadline, self.overdue, tid)
+        self._spawn(inc, self._stage(tid, inc))   # may wait for staging room: never in the reader
+
+    async def _stage(self, tid: str, inc: _Incoming) -> None:
+        try:
+            await self.r.pending.stage(inc.t, lambda n: torch.empty(n, dtype=torch.uint8, device=self.r.device))
+            self.r.pending.check_active(inc.t)
+        except TransferRejected as exc:
+            self.end(tid, str(exc), exc.code)
+            return
+        inc.ready = True
+        await self.write(Ack(kind=Ack.KIND_READY, transfer_id=tid))
+
+    async def on_piece(self, piece) -> None:
+        tid, bb = piece.transfer_id, self.r.block_bytes
+        inc = self.open.get(tid)
+        if inc is None:                      # ended here (cancelled, abandoned): keep the pair in step
+            num_blocks, buffer = self.ended.get(tid, (0, None))
+            if buffer is None or piece.first_block + piece.num_blocks > num_blocks:
+                raise ProtocolError(f"a piece of transfer {tid!r}, which is not open on this pair")
+            # into its old buffer, which nothing reads any more (no new device memory)
+            await self.pair.post_recv(buffer[piece.first_block * bb:(piece.first_block + piece.num_blocks) * bb])
+            if piece.first_block + piece.num_blocks == num_blocks:
+                self._remember(tid, num_blocks, None)
+            return
+        if not inc.ready or piece.first_block != inc.next_block or piece.num_blocks < 1 \
+                or piece.first_block + piece.num_blocks > inc.num_blocks:
+            raise ProtocolError(f"transfer {tid}: a piece of blocks [{piece.first_block}, "
+                                f"{piece.first_block + piece.num_blocks}) where [{inc.next_block}, ...) of "
+                                f"{inc.num_blocks} was due{'' if inc.ready else ', before READY'}")
+        view = inc.t.buffer[piece.first_block * bb:(piece.first_block + piece.num_blocks) * bb]
+        inc.works.append(await self.pair.post_recv(view))
+        inc.parts.append((piece.first_block, piece.num_blocks, view))
+        inc.next_block += piece.num_blocks
+
+    async def on_finish(self, fin) -> None:
+        tid = fin.transfer_id
+        inc = self.open.get(tid)
+        if inc is None:
+            if tid not in self.ended:
+                raise ProtocolError(f"FINISH of transfer {tid!r}, which is not open on this pair")
+            self._remember(tid, self.ended[tid][0], None)     # no more pieces: let the buffer go
+            return                           # it was refused already
+        if inc.next_block != inc.num_blocks:
+            self.end(tid, f"transfer {tid} finished with {inc.next_block} of its {inc.num_blocks} blocks sent",
+                     Code.INVALID_ARGUMENT)
+            return
+        self._spawn(inc, self._land(tid, inc, fin.first_token, dict(fin.extra)))
+
+    async def _land(self, tid: str, inc: _Incoming, first_token: int, extra: dict) -> None:
+        try:
+            await self.pair.wait_done(inc.works, max(0.0, self.r.pending.time_left(inc.t)), "receive")
+        except TimeoutError as exc:
+            self.r.drop(self.pair, f"a receive of transfer {tid} was left unmatched")
+            self.end(tid, f"KV of transfer {tid} did not land before its deadline: {exc}", Code.DEADLINE_EXCEEDED)
+            return
+        except RuntimeError as exc:          # the collective failed (peer gone, aborted)
+            self.r.drop(self.pair, f"a receive of transfer {tid} failed")
+            self.end(tid, f"KV receive of {tid} failed: {exc}", Code.UNAVAILABLE)
+            return
+        self._forget(tid)
+        payload = inc.t.buffer if len(inc.parts) == 1 else Pieces(tuple(inc.parts))
+        try:
+            self.r.pending.complete(inc.t, first_token, extra, payload)
+        except TransferRejected as exc:      # ended meanwhile (deadline, cancel), or the engine refused it
+            await self._tell(_refused(tid, exc.code, str(exc)))
+            return
+        await self._tell(Ack(kind=Ack.KIND_DONE, transfer_id=tid))
+
+    def overdue(self, tid: str) -> None:
+        """At a transfer's deadline: the registry has failed it; unmatched receives close the pair."""
+        inc = self.open.get(tid)
+        if inc is None:
+            return
+        if not all(p.completed() for p in inc.works):
+            self.r.drop(self.pair, f"a receive of transfer {tid} was left unmatched past its deadline")
+        self.end(tid, f"the KV of transfer {tid} did not arrive before its deadline", Code.DEADLINE_EXCEEDED)
+
+    def end(self, tid: str, reason: str, code: grpc.StatusCode) -> None:
+        """Fail an open transfer (freeing its blocks) and tell the sender, unless the stream is over."""
+        inc = self._forget(tid)
+        if inc is None:
+            return
+        self.r.pending.fail(tid, reason, code)
+        for task in list(inc.tasks):
+            if task is not asyncio.current_task():
+                task.cancel()
+        if self.pair.control is not None and not self.pair.broken:
+            asyncio.ensure_future(self._tell(_refused(tid, code, reason)))
+
+    async def _tell(self, ack: Ack) -> None:
+        try:
+            await self.write(ack)
+        except Exception as exc:             # the stream went away meanwhile; the sender will know
+            log.debug("could not write %s: %s", ack.transfer_id, exc)
+
+    def _forget(self, tid: str) -> _Incoming | None:
+        inc = self.open.pop(tid, None)
+        if inc is not None:
+            self._remember(tid, inc.num_blocks, inc.t.buffer if inc.next_block < inc.num_blocks else None)
+            self.pair.in_flight -= 1
+            if inc.timer is not None:
+                inc.timer.cancel()
+        return inc
+
+    def _remember(self, tid: str, num_blocks: int, buffer) -> None:
+        self.ended[tid] = (num_blocks, buffer)
+        self.ended.move_to_end(tid)
+        while len(self.ended) > REMEMBERED_ENDED:
+            self.ended.popitem(last=False)
+
+    def close(self, reason: str) -> None:
+        """The control stream is over: every transfer still open on it fails."""
+        for tid in list(self.open):
+            self.end(tid, reason, Code.CANCELLED)
+
+
+class ProtocolError(Exception):
+    """The sender broke the control protocol: the pair can no longer be trusted to be in step."""
+
+
 class DirectKVReceiver(kvtransfer_pb2_grpc.KVDirectServicer):
     """Serves KVDirect: builds pairs on request and receives transfers into device buffers
-    that the registry `pending` hands to the decode engine."""
+    that the registry `pending` hands to the decode engine (a uint8 tensor, or `Pieces`)."""
 
     backend = BACKEND
 
-    def __init__(self, pending: PendingTransfers, device: torch.device, store_host: str = "127.0.0.1",
-                 auth: KVPeerAuth | None = None):
+    def __init__(self, pending: PendingTransfers, device: torch.device, block_bytes: int,
+                 store_host: str = "127.0.0.1", auth: KVPeerAuth | None = None):
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         self.pending = pending
         self.device = device
+        self.block_bytes = block_bytes
         self.collective = collective_for(device)
         self.store_host = store_host
         self.auth = auth
@@ -257,84 +506,284 @@ class DirectKVReceiver(kvtransfer_pb2_grpc.KVDirectServicer):
         """Close pairs of senders that went away (a restarted prefill worker never says so),
         and the oldest idle ones beyond MAX_PAIRS: each communicator holds device buffers."""
         now = time.monotonic()
-        idle = sorted((p for p in self.pairs.values() if not p.busy and p.pair_id not in self._joins),
+        idle = sorted((p for p in self.pairs.values() if not p.in_flight and p.pair_id not in self._joins),
                       key=lambda p: p.last_used)
         for pair in [p for p in idle if now - p.last_used > PAIR_IDLE_S]:
-            self._drop(pair, f"unused for {PAIR_IDLE_S:.0f}s")
+            self.drop(pair, f"unused for {PAIR_IDLE_S:.0f}s")
             idle.remove(pair)
         while len(self.pairs) >= MAX_PAIRS and idle:
-            self._drop(idle.pop(0), "too many KV pairs on this decode worker; the oldest idle one was closed")
+            self.drop(idle.pop(0), "too many KV pairs on this decode worker; the oldest idle one was closed")
 
-    def _drop(self, pair: PairGroup, reason: str, wait: float = 0.0) -> None:
+    def drop(self, pair: PairGroup, reason: str, wait: float = 0.0) -> None:
+        """Close a pair: its communicator is aborted and its control stream ends."""
         self.pairs.pop(pair.pair_id, None)
         pair.close(reason, wait)
+        control, pair.control = pair.control, None
+        if control is not None and control is not asyncio.current_task():
+            control.cancel()
 
-    async def Transfer(self, request_iterator, context):
+    async def Session(self, request_iterator, context):
         await self._check_session(context)
+        messages = aiter(request_iterator)
         try:
-            msg = await asyncio.wait_for(anext(aiter(request_iterator)), OPEN_TIMEOUT_S)
+            msg = await asyncio.wait_for(anext(messages), HELLO_TIMEOUT_S)
         except (TimeoutError, StopAsyncIteration):
-            await context.abort(Code.INVALID_ARGUMENT, "a KV direct transfer must open with its descriptor")
-        op = msg.open
+            msg = None
+        if msg is None or msg.WhichOneof("kind") != "hello":
+            await context.abort(Code.INVALID_ARGUMENT, "a KV control stream must open with its pair's hello")
+        pair = self.pairs.get(msg.hello.pair_id)
+        why = "unknown pair: Connect first (a restarted decode worker forgets pairs)" if pair is None else \
+            pair.broken or ("it has a control stream already" if pair.control is not None else None)
+        if why is not None:
+            await context.abort(Code.FAILED_PRECONDITION, f"KV pair {msg.hello.pair_id!r}: {why}")
+        join = self._joins.get(pair.pair_id)
+        if join is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(join), JOIN_TIMEOUT_S)
+            except Exception as exc:
+                await context.abort(Code.UNAVAILABLE, f"KV pair {pair.pair_id} could not be built: {exc}")
+        pair.control = asyncio.current_task()
+        control = _Control(self, pair, context)
+        reason = "the prefill worker closed the pair's control stream"
+        closed_here = None
         try:
-            await self._receive(op, context)
-        except TransferRejected as exc:      # a transfer it had claimed is failed already; others untouched
-            await context.write(Ack(kind=Ack.KIND_REFUSED, reason=str(exc)))
-            await context.abort(exc.code, str(exc))
-
-    async def _receive(self, op, context) -> None:
-        pair = self.pairs.get(op.pair_id)
-        if pair is None or pair.broken:
-            why = pair.broken if pair else "unknown pair: Connect first (a restarted decode worker forgets pairs)"
-            raise TransferRejected(Code.FAILED_PRECONDITION, f"KV pair {op.pair_id!r}: {why}")
-        if pair.busy:
-            raise TransferRejected(Code.FAILED_PRECONDITION, f"KV pair {op.pair_id} is already carrying a "
-                                   "transfer: one at a time per pair")
-        t = self.pending.lookup(op.transfer_id)
-        self.pending.claim(t, op.total_bytes)
-        pair.busy = True
-        posted = None
-        try:
-            join = self._joins.get(pair.pair_id)
-            if join is not None:
-                await asyncio.wait_for(asyncio.shield(join), self.pending.time_left(t))
-            await self.pending.stage(t, lambda n: torch.empty(n, dtype=torch.uint8, device=self.device))
-            self.pending.check_active(t)
-            posted = await pair.post_recv(t.buffer)
-            await context.write(Ack(kind=Ack.KIND_READY))
-            await pair.finish_recv(posted, self.pending.time_left(t))
-            posted = None
-            self.pending.complete(t, op.first_token, dict(op.extra))
-            await context.write(Ack(kind=Ack.KIND_DONE))
-        except (TimeoutError, asyncio.TimeoutError) as exc:
-            reason = f"KV of transfer {op.transfer_id} did not land before its deadline: {exc or 'stalled'}"
-            self.pending.fail(op.transfer_id, reason, Code.DEADLINE_EXCEEDED)
-            raise TransferRejected(Code.DEADLINE_EXCEEDED, reason) from None
-        except RuntimeError as exc:          # the collective failed (peer gone, aborted)
-            self.pending.fail(op.transfer_id, f"KV receive failed: {exc}", Code.UNAVAILABLE)
-            raise TransferRejected(Code.UNAVAILABLE, f"KV receive of {op.transfer_id} failed: {exc}") from None
-        except TransferRejected as exc:      # ended meanwhile (deadline, cancel) or no room to stage
-            self.pending.fail(op.transfer_id, str(exc), exc.code)
-            raise
-        finally:                             # cancelled (the sender went away), or any failure above
-            if self.pending.fail(op.transfer_id, "the prefill worker's stream ended before the KV landed",
-                                 Code.CANCELLED) or posted is not None:
-                self._drop(pair, f"a receive of transfer {op.transfer_id} was left unmatched")
-            pair.busy = False
+            await control.write(Ack(kind=Ack.KIND_READY))
+            async for msg in messages:
+                await control.handle(msg)
+        except ProtocolError as exc:
+            log.warning("KV pair %s closed: %s", pair.pair_id, exc)
+            reason = closed_here = str(exc)
+        except asyncio.CancelledError:
+            if not pair.broken:              # the RPC itself was cancelled (the sender went away)
+                raise
+            reason = closed_here = pair.broken   # drop(): end the stream with a status, below
+        finally:
+            if pair.control is asyncio.current_task():
+                pair.control = None
+            control.close(f"KV pair {pair.pair_id}: {reason}")
+            self.drop(pair, reason)
+        if closed_here is not None:          # tell the sender why, so it stops using the pair
+            await context.abort(Code.UNAVAILABLE, f"KV pair {pair.pair_id} closed: {closed_here}")
 
     def close_pairs(self, wait: float = 5.0) -> None:
         """Abort every pair's communicator (at shutdown: each abort gets `wait` seconds)."""
         for pair in list(self.pairs.values()):
-            self._drop(pair, "decode worker stopping", wait)
+            self.drop(pair, "decode worker stopping", wait)
 
     async def close(self) -> None:
         self.close_pairs()
 
 
 # -- prefill side --------------------------------------------------------------------------------
+class _SessionLost(Exception):
+    """The pair's control stream is gone (or was refused) before this transfer was READY:
+    nothing of it was sent, so it may go again on a fresh pair."""
+
+    def __init__(self, error: KVTransferError):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _SenderControl:
+    """The sender's end of one pair's control stream: writes, and acks routed per transfer."""
+
+    def __init__(self, pair: PairGroup, call):
+        self.pair = pair
+        self.call = call
+        self.acks: dict[str, asyncio.Queue] = {}
+        self.lost: KVTransferError | None = None
+        self.lost_event = asyncio.Event()
+        self.order = asyncio.Lock()          # PIECE message then its send, one piece at a time
+        self._write_lock = asyncio.Lock()
+        self._reader = asyncio.ensure_future(self._read())
+
+    @property
+    def alive(self) -> bool:
+        return self.lost is None and not self.pair.broken
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                ack = await self.call.read()
+                if ack is grpc.aio.EOF:
+                    break
+                queue = self.acks.get(ack.transfer_id)
+                if queue is not None:
+                    queue.put_nowait(ack)
+            why = f"{(await self.call.code()).name}: {await self.call.details()}"
+        except grpc.aio.AioRpcError as exc:
+            why = f"{exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:
+            why = "closed by this prefill worker"
+        # whatever the reason, the pair is gone and its open transfers with it (retryable)
+        self.fail_all(KVTransferError(f"the KV pair's control stream ended ({why})", Code.UNAVAILABLE))
+
+    def fail_all(self, why: KVTransferError) -> None:
+        if self.lost is None:
+            self.lost = why
+            self.lost_event.set()
+            for queue in self.acks.values():
+                queue.put_nowait(why)
+
+    async def write(self, msg) -> None:
+        if self.lost is not None:
+            raise self.lost
+        try:
+            async with self._write_lock:
+                await self.call.write(msg)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            self.fail_all(KVTransferError(f"the KV control stream broke: {exc}", Code.UNAVAILABLE))
+            raise self.lost from None
+
+    async def next_ack(self, tid: str, timeout: float):
+        item = await asyncio.wait_for(self.acks[tid].get(), max(timeout, 0.0))
+        if isinstance(item, KVTransferError):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._reader.cancel()
+        if not self.call.done():
+            self.call.cancel()
+
+
+class OutgoingTransfer:
+    """A transfer open on a pair: send its blocks piece by piece as they become final, then
+    `finish` with the first token. Any failure ends it; `abandon` gives it up."""
+
+    def __init__(self, sender: DirectKVSender, control: _SenderControl, transfer: TransferDescriptor,
+                 num_blocks: int, deadline: float):
+        self.sender = sender
+        self.control = control
+        self.transfer = transfer
+        self.num_blocks = num_blocks
+        self.deadline = deadline            # event-loop time
+        self.next_block = 0
+        self.pieces = 0
+        self.opened = time.perf_counter()
+        self.ended = False
+        self._keep: list[torch.Tensor] = []  # sent tensors stay alive until the transfer ends
+
+    def _left(self) -> float:
+        return self.deadline - asyncio.get_running_loop().time()
+
+    def _refused(self) -> None:
+        """Raise what the receiver said, if it already refused or failed this transfer."""
+        queue = self.control.acks.get(self.transfer.transfer_id)
+        if queue is not None and not queue.empty():
+            item = queue.get_nowait()
+            self._end()
+            raise item if isinstance(item, KVTransferError) else KVTransferError(item.reason, _code(item.code))
+
+    async def piece(self, data: torch.Tensor, num_blocks: int, after=None) -> None:
+        """Send the next `num_blocks` blocks, packed in `data` (a uint8 tensor on this device,
+        final once the device event `after` has passed)."""
+        if self.ended:
+            raise KVTransferError(f"transfer {self.transfer.transfer_id} has ended", Code.FAILED_PRECONDITION)
+        self._refused()
+        nbytes = num_blocks * self.sender.block_bytes
+        if data.dtype != torch.uint8 or data.device != self.sender.device or data.numel() != nbytes \
+                or not data.is_contiguous() or self.next_block + num_blocks > self.num_blocks or num_blocks < 1:
+            self.abandon("payload mismatch")
+            raise KVTransferError(f"a piece of {num_blocks} blocks must be {nbytes} contiguous uint8 bytes on "
+                                  f"{self.sender.device}, got {data.numel()} {data.dtype} on {data.device}; the "
+                                  f"descriptor promised {self.num_blocks} blocks, {self.next_block} sent",
+                                  Code.INVALID_ARGUMENT)
+        ctl = self.control
+        announced = False
+        try:
+            async with asyncio.timeout(self._left()), ctl.order:
+                await ctl.write(Msg(piece=kvtransfer_pb2.DirectPiece(
+                    transfer_id=self.transfer.transfer_id, first_block=self.next_block, num_blocks=num_blocks)))
+                announced = True
+                if self.sender.stall_s:
+                    await self._stall()
+                await ctl.pair.post_send(data, after)
+                announced = False
+        except BaseException as exc:
+            why = f"piece {self.pieces} of transfer {self.transfer.transfer_id} failed: {exc!r}"
+            if announced:                    # the receiver posted a receive that nothing will match
+                self._fail(why)
+            else:
+                self.abandon(why)
+            if isinstance(exc, TimeoutError):
+                raise KVTransferError(f"KV transfer {self.transfer.transfer_id} to {self.sender.address} ran "
+                                      "out of time", Code.DEADLINE_EXCEEDED) from None
+            if isinstance(exc, RuntimeError):
+                raise KVTransferError(f"KV send to {self.sender.address} failed on {ctl.pair.collective}: "
+                                      f"{exc}", Code.UNAVAILABLE) from exc
+            raise
+        self._keep.append(data)
+        self.next_block += num_blocks
+        self.pieces += 1
+
+    async def _stall(self) -> None:
+        """Fault injection: hold the announced bytes back, as a stalled device link would."""
+        try:
+            await asyncio.wait_for(self.control.lost_event.wait(), self.sender.stall_s)
+        except TimeoutError:
+            return
+        raise self.control.lost
+
+    async def finish(self, first_token: int, extra: dict[str, str] | None = None) -> SendStats:
+        """Send the first token; returns once every byte landed and went to the decode engine."""
+        tid = self.transfer.transfer_id
+        if self.ended:
+            raise KVTransferError(f"transfer {tid} has ended", Code.FAILED_PRECONDITION)
+        if self.next_block != self.num_blocks:
+            self.abandon("finished early")
+            raise KVTransferError(f"transfer {tid} finished with {self.next_block} of {self.num_blocks} blocks "
+                                  "sent", Code.INVALID_ARGUMENT)
+        try:
+            await self.control.write(Msg(finish=kvtransfer_pb2.DirectFinish(
+                transfer_id=tid, first_token=first_token, extra={k: str(v) for k, v in (extra or {}).items()})))
+            ack = await self.control.next_ack(tid, self._left())
+        except TimeoutError:
+            self._fail(f"transfer {tid} timed out")
+            raise KVTransferError(f"KV transfer {tid} to {self.sender.address} was not confirmed in time",
+                                  Code.DEADLINE_EXCEEDED) from None
+        except KVTransferError:
+            self._fail("the control stream broke")
+            raise
+        except BaseException:
+            self.abandon("cancelled")
+            raise
+        self._end()
+        if ack.kind != Ack.KIND_DONE:
+            raise KVTransferError(ack.reason or "the decode worker refused the KV", _code(ack.code))
+        return SendStats(nbytes=self.transfer.nbytes, chunks=self.pieces,
+                         seconds=time.perf_counter() - self.opened)
+
+    def abandon(self, reason: str) -> None:
+        """Give the transfer up: the receiver frees it now, not at its deadline."""
+        if self.ended:
+            return
+        self._end()
+        if self.control.alive:
+            asyncio.ensure_future(self._say_abandon(reason))
+
+    async def _say_abandon(self, reason: str) -> None:
+        try:
+            await self.control.write(Msg(abandon=kvtransfer_pb2.DirectAbandon(
+                transfer_id=self.transfer.transfer_id, reason=reason)))
+        except KVTransferError:
+            pass                             # the stream is gone: the receiver fails it anyway
+
+    def _fail(self, reason: str) -> None:
+        """The pair may be out of step: close it (the receiver fails its open transfers)."""
+        self._end()
+        self.sender.break_pair(reason)
+
+    def _end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.control.acks.pop(self.transfer.transfer_id, None)
+            self._keep.clear()
+
+
 class DirectKVSender(KVSender):
     """Prefill side, one per decode worker: the KVTransfer handshake (layout, secret), then
-    transfers over this pair's communicator; payload providers must yield device tensors."""
+    transfers over this pair's communicator; payloads are uint8 tensors on this device."""
 
     backend = BACKEND
 
@@ -348,13 +797,18 @@ class DirectKVSender(KVSender):
         self._handshaker = GrpcKVSender(channel, auth=auth)
         self.peer_layout: KVLayout | None = None
         self._layout: KVLayout | None = None
-        self.pair: PairGroup | None = None
-        self._lock = asyncio.Lock()
+        self.block_bytes = 0
+        self.control: _SenderControl | None = None
+        self._connecting = asyncio.Lock()
         self._metadata: tuple[tuple[str, str], ...] = ()
         self.stall_s = float(os.environ.get(STALL_ENV) or 0)
         if self.stall_s:
             log.warning("%s=%g: every device-direct KV transfer will stall (fault injection)", STALL_ENV,
                         self.stall_s)
+
+    @property
+    def pair(self) -> PairGroup | None:
+        return self.control.pair if self.control is not None else None
 
     async def handshake(self, layout: KVLayout, timeout: float = 10.0) -> KVLayout:
         self._layout = layout
@@ -365,145 +819,122 @@ class DirectKVSender(KVSender):
                                   Code.FAILED_PRECONDITION)
         self._metadata = self._handshaker.session_metadata
         self.peer_layout = peer
+        self.block_bytes = layout.payload_nbytes(1)
         return peer
 
-    async def _connect(self, timeout: float) -> PairGroup:
-        pair = PairGroup(uuid.uuid4().hex, self.collective, self.device)
-        reply = await self.stub.Connect(kvtransfer_pb2.ConnectRequest(pair_id=pair.pair_id,
-                                                                      collective=self.collective),
-                                        timeout=timeout, metadata=self._metadata)
-        host = reply.store_host or self.address.rsplit(":", 1)[0]
-        await pair.join(rank=0, host=host, port=reply.store_port, timeout=min(timeout, JOIN_TIMEOUT_S))
-        return pair
+    async def _control(self, timeout: float) -> _SenderControl:
+        """The live control stream, connecting a fresh pair when there is none."""
+        async with self._connecting:
+            if self.control is not None and self.control.alive:
+                return self.control
+            self.break_pair("replaced")
+            pair = PairGroup(uuid.uuid4().hex, self.collective, self.device)
+            try:
+                reply = await self.stub.Connect(kvtransfer_pb2.ConnectRequest(
+                    pair_id=pair.pair_id, collective=self.collective), timeout=timeout, metadata=self._metadata)
+                host = reply.store_host or self.address.rsplit(":", 1)[0]
+                await pair.join(rank=0, host=host, port=reply.store_port, timeout=min(timeout, JOIN_TIMEOUT_S))
+                call = self.stub.Session(timeout=None, metadata=self._metadata)
+                await call.write(Msg(hello=kvtransfer_pb2.DirectHello(pair_id=pair.pair_id)))
+                ack = await asyncio.wait_for(call.read(), timeout)
+            except grpc.aio.AioRpcError as exc:
+                pair.close("could not connect")
+                raise _SessionLost(KVTransferError(f"KV pair with {self.address}: {exc.details()}",
+                                                   exc.code())) from None
+            except BaseException:
+                pair.close("could not connect")
+                raise
+            if ack is grpc.aio.EOF or ack.kind != Ack.KIND_READY:
+                call.cancel()
+                pair.close("refused")
+                raise _SessionLost(KVTransferError(f"the decode worker at {self.address} refused the KV pair",
+                                                   Code.FAILED_PRECONDITION))
+            self.control = _SenderControl(pair, call)
+            return self.control
 
-    async def send(self, transfer: TransferDescriptor | str, payload_provider, first_token: int,
-                   extra: dict[str, str] | None = None, timeout: float = 30.0) -> SendStats:
+    async def open(self, transfer: TransferDescriptor | str, timeout: float = 30.0) -> OutgoingTransfer:
+        """Open a transfer (before its KV exists, e.g. when its prefill starts); returns once the
+        receiver has staged it. `timeout` bounds the whole transfer, up to its DONE."""
         transfer = TransferDescriptor.of(transfer)
         if self.peer_layout is None:
             raise KVTransferError(f"handshake with {self.address} before sending KV", Code.FAILED_PRECONDITION)
-        if transfer.nbytes < 0:
-            raise KVTransferError("the direct backend needs the payload size in the descriptor",
-                                  Code.INVALID_ARGUMENT)
-        started = time.perf_counter()
+        if transfer.nbytes < 0 or transfer.nbytes % self.block_bytes:
+            raise KVTransferError(f"the direct backend needs the payload size in the descriptor, in whole "
+                                  f"{self.block_bytes}-byte blocks (got {transfer.nbytes})", Code.INVALID_ARGUMENT)
         tid = transfer.transfer_id
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
             async with asyncio.timeout(timeout):
-                async with self._lock:                 # one transfer at a time on this pair
+                for attempt in range(2):
                     try:
-                        await self._connect_and_transfer(transfer, payload_provider, first_token, extra or {},
-                                                         started, timeout)
-                    except _RefusedBeforeReady as refused:
-                        # the peer forgot our pair (restart, idle eviction) or our session: nothing of
-                        # the transfer was touched, so once more with a fresh pair (and handshake)
-                        self._break(str(refused.error))
-                        if refused.error.code == Code.UNAUTHENTICATED:
+                        return await self._open_on(await self._control(timeout), transfer, deadline)
+                    except _SessionLost as lost:
+                        # the peer forgot our pair (restart, idle eviction) or our session, before
+                        # anything of this transfer was sent: once more with a fresh pair
+                        self.break_pair(str(lost.error))
+                        if attempt:
+                            raise lost.error from None
+                        if lost.error.code == Code.UNAUTHENTICATED:
                             await self.handshake(self._layout, timeout=min(timeout, 10.0))
-                        try:
-                            await self._connect_and_transfer(transfer, payload_provider, first_token, extra or {},
-                                                             started, timeout)
-                        except _RefusedBeforeReady as again:
-                            raise again.error from None
         except TimeoutError:
-            self._break(f"transfer {tid} timed out")
-            raise KVTransferError(f"KV transfer {tid} to {self.address} did not finish within {timeout:g}s",
+            self.break_pair(f"opening transfer {tid} timed out")
+            raise KVTransferError(f"KV transfer {tid} to {self.address} could not open within {timeout:g}s",
                                   Code.DEADLINE_EXCEEDED) from None
-        except grpc.aio.AioRpcError as exc:
-            self._break(f"transfer {tid} failed")
-            raise KVTransferError(f"KV transfer {tid} to {self.address} failed: {exc.details()}",
-                                  exc.code()) from exc
-        except RuntimeError as exc:                    # the collective itself failed
-            self._break(str(exc))
-            raise KVTransferError(f"KV transfer {tid} to {self.address} failed on {self.collective}: {exc}",
+        except RuntimeError as exc:          # building the communicator failed
+            self.break_pair(str(exc))
+            raise KVTransferError(f"KV pair with {self.address} failed on {self.collective}: {exc}",
                                   Code.UNAVAILABLE) from exc
-        return SendStats(nbytes=transfer.nbytes, chunks=1, seconds=time.perf_counter() - started)
+        raise AssertionError("unreachable")
 
-    async def _connect_and_transfer(self, transfer, provider, first_token, extra, started, timeout) -> None:
-        if self.pair is None or self.pair.broken:
-            self.pair = await self._connect(timeout)
-        await self._transfer(transfer, provider, first_token, extra, started, timeout)
-
-    async def _transfer(self, transfer: TransferDescriptor, provider, first_token: int, extra: dict,
-                        started: float, timeout: float) -> None:
-        call = self.stub.Transfer(timeout=timeout, metadata=self._metadata)
+    async def _open_on(self, ctl: _SenderControl, transfer: TransferDescriptor, deadline: float) -> OutgoingTransfer:
+        tid = transfer.transfer_id
+        if tid in ctl.acks:
+            raise KVTransferError(f"transfer {tid} is already open to {self.address}", Code.ALREADY_EXISTS)
+        ctl.acks[tid] = asyncio.Queue()
         try:
-            await call.write(kvtransfer_pb2.DirectMessage(open=kvtransfer_pb2.DirectOpen(
-                transfer_id=transfer.transfer_id, pair_id=self.pair.pair_id, total_bytes=transfer.nbytes,
-                first_token=first_token, num_tokens=transfer.num_tokens,
-                extra={k: str(v) for k, v in extra.items()})))
-            try:
-                ack = await call.read()
-            except grpc.aio.AioRpcError as exc:
-                ack, error = grpc.aio.EOF, KVTransferError(exc.details() or exc.code().name, exc.code())
-            else:
-                error = None
-            if ack is grpc.aio.EOF or ack.kind != Ack.KIND_READY:
-                error = error or await _why(call, ack)
-                if error.code in (Code.FAILED_PRECONDITION, Code.UNAUTHENTICATED):
-                    raise _RefusedBeforeReady(error)
-                raise error
-            # the send runs while we listen: a receiver that gives up (its deadline) ends it
-            sending = asyncio.ensure_future(self._send_payload(transfer, provider, started, timeout))
-            answer = asyncio.ensure_future(call.read())
-            try:
-                await asyncio.wait({sending, answer}, return_when=asyncio.FIRST_COMPLETED)
-                if answer.done() and not sending.done():
-                    ack = answer.result()
-                    if ack is grpc.aio.EOF or ack.kind != Ack.KIND_DONE:
-                        self._break(f"the receiver ended transfer {transfer.transfer_id} before the bytes went")
-                        raise await _why(call, ack)
-                await sending                           # the send's own failure, if any
-                ack = await answer
-            finally:
-                for task in (sending, answer):
-                    task.cancel()
-            if ack is grpc.aio.EOF or ack.kind != Ack.KIND_DONE:
-                raise await _why(call, ack)
-            await call.done_writing()
-        finally:
-            if not call.done():
-                call.cancel()
+            await ctl.write(Msg(open=kvtransfer_pb2.DirectOpen(transfer_id=tid, total_bytes=transfer.nbytes,
+                                                               num_tokens=transfer.num_tokens)))
+            ack = await ctl.next_ack(tid, deadline - asyncio.get_running_loop().time())
+        except KVTransferError as exc:
+            ctl.acks.pop(tid, None)
+            raise _SessionLost(exc) from None
+        except BaseException:
+            ctl.acks.pop(tid, None)
+            raise
+        if ack.kind != Ack.KIND_READY:
+            ctl.acks.pop(tid, None)
+            raise KVTransferError(ack.reason or "the decode worker refused the transfer", _code(ack.code))
+        return OutgoingTransfer(self, ctl, transfer, transfer.nbytes // self.block_bytes, deadline)
 
-    async def _send_payload(self, transfer: TransferDescriptor, provider, started: float, timeout: float) -> None:
-        if self.stall_s:
-            await asyncio.sleep(self.stall_s)
-        payload = await resolve_payload(provider)
-        if not isinstance(payload, torch.Tensor | HeldBlocks):
-            self._break("bad payload")
-            raise KVTransferError(f"the direct backend sends HeldBlocks or a uint8 tensor on {self.device}, "
-                                  f"got {type(payload).__name__}", Code.INTERNAL)
+    async def send(self, transfer: TransferDescriptor | str, payload_provider, first_token: int,
+                   extra: dict[str, str] | None = None, timeout: float = 30.0) -> SendStats:
+        """The whole payload in one piece: open, send, finish."""
+        transfer = TransferDescriptor.of(transfer)
+        out = await self.open(transfer, timeout)
         try:
-            await self.pair.send(payload, transfer.nbytes, timeout - (time.perf_counter() - started))
-        except ValueError as exc:               # the payload broke its descriptor's promise
-            self._break("payload mismatch")
-            raise KVTransferError(str(exc), Code.INVALID_ARGUMENT) from None
+            payload = await resolve_payload(payload_provider)
+            if not isinstance(payload, torch.Tensor):
+                raise KVTransferError(f"the direct backend sends a uint8 tensor on {self.device}, got "
+                                      f"{type(payload).__name__}", Code.INTERNAL)
+            await out.piece(payload, out.num_blocks, record_ready(self.device))
+            return await out.finish(first_token, extra)
+        except BaseException as exc:
+            out.abandon(f"the send failed: {exc}")
+            raise
 
-    def _break(self, reason: str, wait: float = 0.0) -> None:
-        if self.pair is not None:
-            self.pair.close(reason, wait)
-            self.pair = None
+    def break_pair(self, reason: str, wait: float = 0.0) -> None:
+        control, self.control = self.control, None
+        if control is not None:
+            control.fail_all(KVTransferError(f"KV pair closed: {reason}", Code.UNAVAILABLE))
+            control.close()
+            control.pair.close(reason, wait)
 
     def close_pair(self, wait: float = 5.0) -> None:
-        self._break("sender closed", wait)
+        self.break_pair("sender closed", wait)
 
     async def close(self) -> None:
         self.close_pair()
 
 
-class _RefusedBeforeReady(Exception):
-    """The receiver refused a transfer before posting its receive: the pair or the session is
-    unknown to it, or the transfer's state forbids it; nothing was sent."""
-
-    def __init__(self, error: KVTransferError):
-        super().__init__(str(error))
-        self.error = error
-
-
-async def _why(call, ack) -> KVTransferError:
-    if ack is not grpc.aio.EOF and ack.kind == Ack.KIND_REFUSED:
-        code = await call.code()
-        return KVTransferError(ack.reason, code if code is not None and code != Code.OK else Code.ABORTED)
-    code = await call.code()
-    return KVTransferError(await call.details() or f"the receiver ended the transfer ({code.name})", code)
-
-
-__all__ = ["BACKEND", "DirectKVReceiver", "DirectKVSender", "HeldBlocks", "PairGroup", "collective_for"]
+__all__ = ["BACKEND", "DirectKVReceiver", "DirectKVSender", "OutgoingTransfer", "PairGroup", "collective_for",
+           "record_ready"]

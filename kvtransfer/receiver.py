@@ -177,12 +177,14 @@ class PendingTransfers:
         t.buffer = (allocate or staging_buffer)(t.nbytes)
         self.staged_bytes += t.nbytes
 
-    def complete(self, t: Transfer, first_token: int, extra: dict[str, str]) -> None:
-        """Every byte is in `t.buffer`: hand it (and its ownership) to on_complete."""
+    def complete(self, t: Transfer, first_token: int, extra: dict[str, str], payload: object = None) -> None:
+        """Every byte is in `t.buffer`: hand it (or `payload`, a view of it in parts) and its
+        ownership to on_complete."""
         self.check_active(t)
         self._end(t.transfer_id, (grpc.StatusCode.FAILED_PRECONDITION, f"transfer {t.transfer_id} already completed"))
         self.completed += 1
-        payload = t.buffer if t.buffer is not None else memoryview(bytearray())
+        if payload is None:
+            payload = t.buffer if t.buffer is not None else memoryview(bytearray())
         try:
             t.on_complete(t.transfer_id, payload, first_token, extra)
         except Exception as exc:

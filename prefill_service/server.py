@@ -1,12 +1,18 @@
 """The prefill worker: runs prompts in continuous batches (prefix cache, chunked prefill),
 samples each request's first token, and pushes its KV to the decode worker the router chose.
 
-Per request: QUEUED -> PREFILLED (first token, KV held) -> TRANSFERRING -> done. The KV is
-staged to host memory right after prefill (grpc backend), so its device blocks are released
-at once and stay in the prefix cache. With the direct backend the blocks stay held until the
-decode worker has posted its receive; the sender then packs them on its own device stream
-and sends them device to device, and they are released when the send ends. Abort, deadline
-or a failed push ends the request with a status and nothing held.
+Per request, grpc backend: QUEUED -> PREFILLED (first token, KV held) -> TRANSFERRING ->
+done; the KV is staged to host memory right after prefill, so its device blocks are released
+at once and stay in the prefix cache.
+
+Direct backend (device to device), streamed: the transfer opens when the request is queued,
+so the decode worker stages it while the prefill runs. After each prefill step the engine
+packs the prompt blocks that step made final into a device buffer (on its own stream, no
+wait) and the sender sends them at once, overlapping the next chunk's compute; the first
+token follows the last piece. No block is held past the prefill.
+
+Abort, deadline or a failed push ends the request with a status and nothing held; a streamed
+transfer is abandoned, so the decode worker frees its blocks at once.
 """
 from __future__ import annotations
 
@@ -23,8 +29,8 @@ from engine.llm_engine import LLMEngine
 from engine.wire import sampling_from_proto
 from engine.worker import EngineWorker
 from kvtransfer.backend import KVSender, TransferDescriptor
-from kvtransfer.blocks import pack_blocks
-from kvtransfer.direct_backend import DirectKVSender, HeldBlocks
+from kvtransfer.blocks import pack_blocks, pack_blocks_on_device
+from kvtransfer.direct_backend import DirectKVSender, OutgoingTransfer, record_ready
 from kvtransfer.grpc_backend import GrpcKVSender, KVTransferError
 from kvtransfer.grpc_options import channel_options
 from kvtransfer.layout import KVLayout
@@ -91,55 +97,111 @@ class PrefillWorker(EngineWorker):
             self.engine.submit(lambda e: e.abort(rid))    # no-op when it completed
 
     async def _run(self, rid, prompt, params, handoff, timeout) -> prefill_pb2.PrefillResponse:
+        if self.cfg.kv_backend == "direct":
+            return await self._run_streamed(rid, prompt, params, handoff, timeout)
         t0 = time.perf_counter()
+        out = await self._prefill(rid, prompt, params, hold_kv=True)
+        first_token = out.new_token_ids[0]
+        prefill_done = time.time()
+        try:
+            payload = await self.engine.call(lambda e: self._stage(e, rid))
+            t1 = time.perf_counter()
+            sender = await self.sender_for(handoff.decode_address, timeout)
+            stats = await sender.send(handoff.transfer_id, payload, first_token,
+                                      {"prefill_done_unix": repr(prefill_done), "request_id": rid}, timeout)
+        except KVTransferError as exc:
+            raise self._push_failed(handoff, exc) from exc
+        return self._done(out, stats, t0, t1)
+
+    async def _prefill(self, rid, prompt, params, hold_kv: bool, on_kv=None):
+        """Run the prompt (one token here; the decode worker continues with the request's own
+        limits); returns the engine's output carrying the first token."""
         queue = self.engine.open_stream(rid)
         try:
-            # one token here; the decode worker continues with the request's own limits
             first_params = replace(params, max_tokens=1, stop=[])
-            await self.engine.call(lambda e: e.add_request(prompt, first_params, request_id=rid, hold_kv=True))
+            await self.engine.call(lambda e: e.add_request(prompt, first_params, request_id=rid, hold_kv=hold_kv,
+                                                           on_kv=on_kv))
             out = await queue.get()
             if isinstance(out, EngineDead):
                 raise ServiceError(grpc.StatusCode.INTERNAL, f"prefill engine failed: {out}")
+            return out
         finally:
             self.engine.close_stream(rid)
-        first_token = out.new_token_ids[0]
-        prefill_done = time.time()
-        direct = self.cfg.kv_backend == "direct"
+
+    async def _run_streamed(self, rid, prompt, params, handoff, timeout) -> prefill_pb2.PrefillResponse:
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+        kv, device = self.llm.runner.kv_cache, self.llm.runner.device
+        num_blocks = -(-len(prompt) // self.llm.block_manager.block_size)
+
+        def on_kv(first_block: int, block_ids: list[int]) -> None:    # engine thread, after a step
+            try:
+                item = (pack_blocks_on_device(kv, block_ids), len(block_ids), record_ready(device))
+            except Exception as exc:
+                item = KVTransferError(f"packing the KV of {rid} failed: {exc}", grpc.StatusCode.INTERNAL)
+            loop.call_soon_threadsafe(pieces.put_nowait, item)
+
+        transfer = TransferDescriptor(handoff.transfer_id, nbytes=self.layout.payload_nbytes(num_blocks),
+                                      num_tokens=len(prompt), backend="direct")
+        streaming = asyncio.ensure_future(self._stream(handoff.decode_address, transfer, pieces, timeout))
+        prefill = asyncio.ensure_future(self._prefill(rid, prompt, params, hold_kv=False, on_kv=on_kv))
         try:
-            if direct:      # the blocks stay held until the send ends (prefill()'s abort frees them)
-                blocks = self._held_blocks(rid)
-                nbytes = self.layout.payload_nbytes(len(blocks))
-                transfer = TransferDescriptor(handoff.transfer_id, nbytes=nbytes, backend="direct")
-                payload = HeldBlocks(self.llm.runner.kv_cache, blocks)
-            else:
-                payload = await self.engine.call(lambda e: self._stage(e, rid))
-                transfer, nbytes = handoff.transfer_id, len(payload)
+            await asyncio.wait({streaming, prefill}, return_when=asyncio.FIRST_COMPLETED)
+            if streaming.done() and streaming.exception() is not None:
+                raise streaming.exception()   # refused or broken: no point finishing the prefill
+            out = await prefill
+            first_token = out.new_token_ids[0]
+            prefill_done = time.time()
             t1 = time.perf_counter()
-            sender = await self.sender_for(handoff.decode_address, timeout)
-            stats = await sender.send(transfer, payload, first_token,
-                                      {"prefill_done_unix": repr(prefill_done), "request_id": rid}, timeout)
+            outgoing = await streaming
+            stats = await outgoing.finish(first_token, {"prefill_done_unix": repr(prefill_done), "request_id": rid})
         except KVTransferError as exc:
-            self.metrics.kv_transfer_failures.labels("send").inc()
+            raise self._push_failed(handoff, exc) from exc
+        finally:
+            for task in (streaming, prefill):
+                task.cancel()
+            if streaming.done() and not streaming.cancelled() and streaming.exception() is None:
+                streaming.result().abandon("the prefill ended first")   # no-op once finished
+        return self._done(out, stats, t0, t1)
+
+    async def _stream(self, address: str, transfer: TransferDescriptor, pieces: asyncio.Queue,
+                      timeout: float) -> OutgoingTransfer:
+        """Open the transfer and send every piece the engine hands over; the first token is
+        left for the caller to finish with."""
+        sender = await self.sender_for(address, timeout)
+        outgoing = await sender.open(transfer, timeout)
+        try:
+            while outgoing.next_block < outgoing.num_blocks:
+                item = await pieces.get()
+                if isinstance(item, BaseException):
+                    raise item
+                data, n, ready = item
+                await outgoing.piece(data, n, ready)
+        except BaseException as exc:
+            outgoing.abandon(f"{exc!r}" if not isinstance(exc, asyncio.CancelledError) else "prefill aborted")
+            raise
+        return outgoing
+
+    def _push_failed(self, handoff, exc: KVTransferError) -> ServiceError:
+        self.metrics.kv_transfer_failures.labels("send").inc()
+        # a grpc sender is dropped (the next request handshakes afresh); a direct one carries other
+        # transfers on its pair, and closes and reconnects the pair by itself when it breaks
+        if not isinstance(self.senders.get(handoff.decode_address), DirectKVSender):
             stale = self.senders.pop(handoff.decode_address, None)
-            if stale is not None:                   # the next request handshakes afresh
+            if stale is not None:
                 asyncio.ensure_future(_close_sender(stale))
-            raise ServiceError(getattr(exc, "code", None) or grpc.StatusCode.UNAVAILABLE,
-                               f"KV push to {handoff.decode_address} failed: {exc}") from exc
+        return ServiceError(getattr(exc, "code", None) or grpc.StatusCode.UNAVAILABLE,
+                            f"KV push to {handoff.decode_address} failed: {exc}")
+
+    def _done(self, out, stats, t0: float, t1: float) -> prefill_pb2.PrefillResponse:
+        """`t1`: when the prefill ended; the transfer time reported is what came after it."""
         t2 = time.perf_counter()
         self.metrics.kv_transfer_bytes.labels("out").inc(stats.nbytes)
         self.metrics.kv_transfer_seconds.observe(t2 - t1)
-        return prefill_pb2.PrefillResponse(first_token=first_token, cached_prompt_tokens=out.cached_tokens,
+        return prefill_pb2.PrefillResponse(first_token=out.new_token_ids[0], cached_prompt_tokens=out.cached_tokens,
                                            prefill_seconds=t1 - t0, transfer_seconds=t2 - t1,
-                                           transfer_bytes=nbytes)
-
-    def _held_blocks(self, rid: str) -> tuple[int, ...]:
-        """The KV blocks a prefilled request holds, read from the event loop: held blocks are
-        final and stay put until released, so the direct sender packs them on its own stream
-        without waiting for the engine's step in flight."""
-        seq = self.llm.held.get(rid)
-        if seq is None:
-            raise ServiceError(grpc.StatusCode.ABORTED, f"request {rid} was aborted during prefill")
-        return tuple(seq.block_table)
+                                           transfer_bytes=stats.nbytes)
 
     @staticmethod
     def _stage(llm: LLMEngine, rid: str):

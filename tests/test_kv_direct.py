@@ -1,4 +1,5 @@
-"""The device-direct KV backend: pairs, transfers, refusals and stalls.
+"""The device-direct KV backend: pairs, streamed and multiplexed transfers, refusals, stalls
+and protocol violations.
 
 On the CPU the collective is gloo (the same code path as NCCL/HCCL except completion
 waiting); on a GPU machine `tests/test_platform_cuda.py` drives it over NCCL. Here sender and
@@ -24,7 +25,7 @@ from reliability import Outcomes
 from engine import SamplingParams
 from kvtransfer import direct_backend
 from kvtransfer.backend import KVTransferError, TransferDescriptor
-from kvtransfer.blocks import pack_blocks_on_device, unpack_blocks
+from kvtransfer.blocks import Pieces, pack_blocks_on_device, unpack_blocks
 from kvtransfer.direct_backend import DirectKVReceiver, DirectKVSender
 from kvtransfer.grpc_backend import KVTransferServicer
 from kvtransfer.grpc_options import server_options
@@ -65,7 +66,7 @@ async def decode_side(layout: KVLayout = LAYOUT):
     server = grpc.aio.server(options=server_options())
     pending = PendingTransfers(max_staged_bytes=1 << 30)
     KVTransferServicer(pending, layout).add_to_server(server)
-    receiver = DirectKVReceiver(pending, CPU)
+    receiver = DirectKVReceiver(pending, CPU, layout.payload_nbytes(1))
     receiver.add_to_server(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -126,11 +127,15 @@ def test_unknown_transfer_and_wrong_size_are_refused_without_touching_others():
             with pytest.raises(KVTransferError) as unknown:
                 await sender.send(TransferDescriptor("nobody", nbytes=n), lambda: pack_blocks_on_device(src, [0, 1]), 1)
             with pytest.raises(KVTransferError) as wrong:      # claims "mine" with a size it never reserved
-                await sender.send(TransferDescriptor("mine", nbytes=n + 2), lambda: pack_blocks_on_device(src, [0]), 1)
+                await sender.send(TransferDescriptor("mine", nbytes=LAYOUT.payload_nbytes(3)),
+                                  lambda: pack_blocks_on_device(src, [0, 1, 2]), 1)
+            with pytest.raises(KVTransferError) as partial:    # not whole blocks: refused before any call
+                await sender.send(TransferDescriptor("next", nbytes=n + 2), lambda: pack_blocks_on_device(src, [0]), 1)
             pending.expect("next", n, 20, landed.on_complete, landed.on_fail)
             await sender.send(TransferDescriptor("next", nbytes=n), lambda: pack_blocks_on_device(src, [2, 3]), 5)
-            return unknown.value, wrong.value, landed, pending.stats()
-    unknown, wrong, landed, stats = run(main())
+            return unknown.value, wrong.value, partial.value, landed, pending.stats()
+    unknown, wrong, partial, landed, stats = run(main())
+    assert partial.code == Code.INVALID_ARGUMENT and "whole" in str(partial)
     assert unknown.code == Code.NOT_FOUND and "unknown KV transfer" in str(unknown)
     assert wrong.code == Code.INVALID_ARGUMENT and "does not match" in str(wrong)
     assert "mine" in landed.failed and "next" in landed.completed    # the sender's next pair works
@@ -169,21 +174,16 @@ def test_a_sender_that_vanishes_after_ready_fails_the_transfer_at_once():
         async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:
             n = LAYOUT.payload_nbytes(1)
             pending.expect("gone", n, 30, landed.on_complete, landed.on_fail)
-            pair = await sender._connect(10)
-            call = kvtransfer_pb2_grpc.KVDirectStub(sender.channel).Transfer(timeout=10)
-            await call.write(kvtransfer_pb2.DirectMessage(open=kvtransfer_pb2.DirectOpen(
-                transfer_id="gone", pair_id=pair.pair_id, total_bytes=n, first_token=1)))
-            ack = await call.read()
-            call.cancel()                                       # the prefill worker dies here
+            await sender.open(TransferDescriptor("gone", nbytes=n), timeout=10)     # READY came
+            sender.control.call.cancel()                        # the prefill worker dies here
             for _ in range(100):
                 if "gone" in landed.failed:
                     break
                 await asyncio.sleep(0.05)
-            pair.close("test over")
-            return ack, landed, pending.stats(), dict(receiver.pairs)
-    ack, landed, stats, pairs = run(main())
-    assert ack.kind == kvtransfer_pb2.DirectAck.KIND_READY
-    assert "gone" in landed.failed and stats.active == 0 and stats.staged_bytes == 0
+            return landed, pending.stats(), dict(receiver.pairs)
+    landed, stats, pairs = run(main())
+    assert "gone" in landed.failed and "control stream" in landed.failed["gone"]
+    assert stats.active == 0 and stats.staged_bytes == 0
     assert not pairs
 
 
@@ -222,7 +222,7 @@ def test_collective_follows_the_device():
 # -- between real worker processes ------------------------------------------------------------
 DIRECT = ["--kv-backend", "direct", "--num-kv-blocks", "128"]
 PROMPTS = ["The quick brown fox", "def quicksort(arr):", "Once upon a time there was a dragon who loved tea and",
-           "1, 2, 3,"]
+           "1, 2, 3,", "Summarize: " + "the river rose over the old stone bridge while the village slept, " * 4]
 
 
 def greedy(n: int) -> router_pb2.SamplingParams:
@@ -230,8 +230,10 @@ def greedy(n: int) -> router_pb2.SamplingParams:
 
 
 def test_direct_transfers_between_workers_give_the_colocated_engines_tokens(tmp_path, embedded_llm):
+    """Streamed chunk by chunk: a 16-token prefill budget splits every longer prompt."""
     want = embedded_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    c = Cluster.launch(tmp_path, prefill=1, decode=1, worker_args=DIRECT)
+    c = Cluster.launch(tmp_path, prefill=1, decode=1, worker_args=DIRECT,
+                       extra={"prefill-0": ["--max-num-batched-tokens", "16"]})
     try:
         stub = c.stub()
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -255,7 +257,7 @@ def test_a_stalled_device_transfer_ends_the_request_and_frees_blocks_on_both_sid
         took = time.monotonic() - t0
         assert err.value.code() in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED), err.value
         assert took < 30, f"the stalled request took {took:.0f}s to end"
-        leaked = c.wait_workers_idle()                # prefill's held blocks and decode's reserved ones
+        leaked = c.wait_workers_idle()                # prefill's blocks and decode's reserved ones
         out = Outcomes()
         out.add(err.value, None, took, 60)
         reliability.record("device-direct KV transfer stalled (injected)", out, leaked_blocks=leaked)
@@ -265,28 +267,92 @@ def test_a_stalled_device_transfer_ends_the_request_and_frees_blocks_on_both_sid
         c.stop()
 
 
-def test_held_blocks_are_packed_by_the_sender_and_a_broken_promise_is_refused():
-    src = kv(6, seed=4)
+def test_pieces_streamed_while_another_transfer_goes_through_land_bit_exact():
+    src = kv(10, seed=4)
+    a_blocks, b_blocks = [9, 0, 4, 7, 2, 5], [1, 3]
+    dst, a_into, b_into = torch.zeros_like(src), [0, 1, 2, 3, 4, 5], [8, 9]
+
+    async def main():
+        async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:
+            na, nb = LAYOUT.payload_nbytes(len(a_blocks)), LAYOUT.payload_nbytes(len(b_blocks))
+            pending.expect("a", na, 20, landed.on_complete, landed.on_fail)
+            pending.expect("b", nb, 20, landed.on_complete, landed.on_fail)
+            a = await sender.open(TransferDescriptor("a", nbytes=na), timeout=20)   # before its KV exists
+            b = await sender.open(TransferDescriptor("b", nbytes=nb), timeout=20)
+            await a.piece(pack_blocks_on_device(src, a_blocks[:2]), 2)            # chunk 1 of a's prefill
+            await b.piece(pack_blocks_on_device(src, b_blocks), 2)                # b, all at once
+            b_stats = await b.finish(7)
+            await a.piece(pack_blocks_on_device(src, a_blocks[2:5]), 3)
+            await a.piece(pack_blocks_on_device(src, a_blocks[5:]), 1)
+            a_stats = await a.finish(8, {"request_id": "a"})
+            return landed, a_stats, b_stats, list(receiver.pairs), pending.stats()
+    landed, a_stats, b_stats, pairs, stats = run(main())
+    assert sorted(landed.completed) == ["a", "b"] and not landed.failed and len(pairs) == 1
+    payload, first, extra = landed.completed["a"]
+    assert isinstance(payload, Pieces) and [p[:2] for p in payload.parts] == [(0, 2), (2, 3), (5, 1)]
+    assert first == 8 and extra == {"request_id": "a"} and (a_stats.chunks, b_stats.chunks) == (3, 1)
+    unpack_blocks(dst, a_into, payload)
+    unpack_blocks(dst, b_into, landed.completed["b"][0])
+    assert torch.equal(dst[:, :, a_into], src[:, :, a_blocks]) and torch.equal(dst[:, :, b_into], src[:, :, b_blocks])
+    assert stats.active == 0 and stats.staged_bytes == 0
+
+
+def test_abandoned_cancelled_and_short_transfers_free_at_once_and_the_pair_stays_in_step():
+    src = kv(6, seed=6)
     n = LAYOUT.payload_nbytes(3)
 
     async def main():
         async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:
-            pending.expect("held", n, 20, landed.on_complete, landed.on_fail)
-            await sender.send(TransferDescriptor("held", nbytes=n), direct_backend.HeldBlocks(src, (5, 0, 2)), 9)
-            pending.expect("short", n, 20, landed.on_complete, landed.on_fail)
-            with pytest.raises(KVTransferError) as short:               # two blocks where three were promised
-                await sender.send(TransferDescriptor("short", nbytes=n), direct_backend.HeldBlocks(src, (1, 3)), 9)
-            for _ in range(200):                                 # the receiver hears of it asynchronously
-                if pending.stats().active == 0:
+            for tid in ("abandoned", "cancelled", "short", "after"):
+                pending.expect(tid, n, 20, landed.on_complete, landed.on_fail)
+            gone = await sender.open(TransferDescriptor("abandoned", nbytes=n))
+            await gone.piece(pack_blocks_on_device(src, [0]), 1)
+            gone.abandon("the prefill was aborted")            # the receiver frees it now, not at 20 s
+            cancelled = await sender.open(TransferDescriptor("cancelled", nbytes=n))
+            await cancelled.piece(pack_blocks_on_device(src, [0]), 1)
+            pending.cancel("cancelled")                         # the decode side gave up (client gone)
+            await cancelled.piece(pack_blocks_on_device(src, [1, 2]), 2)   # received into scratch
+            with pytest.raises(KVTransferError) as refused:
+                await cancelled.finish(1)
+            short = await sender.open(TransferDescriptor("short", nbytes=n))
+            with pytest.raises(KVTransferError) as broken_promise:       # 2 blocks' bytes, 3 announced
+                await short.piece(pack_blocks_on_device(src, [1, 3]), 3)
+            for _ in range(200):                                 # the receiver hears of them asynchronously
+                if {"abandoned", "short"} <= set(landed.failed):
                     break
                 await asyncio.sleep(0.01)
-            return landed, short.value, pending.stats()
-    landed, short, stats = run(main())
-    dst = torch.zeros_like(src)
-    unpack_blocks(dst, [0, 1, 2], landed.completed["held"][0])
-    assert torch.equal(dst[:, :, [0, 1, 2]], src[:, :, [5, 0, 2]])
-    assert short.code == Code.INVALID_ARGUMENT and "promised" in str(short)
-    assert "short" in landed.failed and stats.active == 0 and stats.staged_bytes == 0
+            pair_before = sender.pair.pair_id
+            await sender.send(TransferDescriptor("after", nbytes=n), pack_blocks_on_device(src, [3, 4, 5]), 3)
+            return landed, refused.value, broken_promise.value, pair_before, sender.pair.pair_id, pending.stats()
+    landed, refused, broken_promise, pair_before, pair_after, stats = run(main())
+    assert "gave it up" in landed.failed["abandoned"] and "short" in landed.failed
+    assert "cancelled" not in landed.failed and "cancelled" not in landed.completed   # cancel: no callback
+    assert refused.code == Code.CANCELLED and "cancelled by the decode worker" in str(refused)
+    assert broken_promise.code == Code.INVALID_ARGUMENT and "promised" in str(broken_promise)
+    assert pair_after == pair_before and "after" in landed.completed            # still in step
+    assert stats.active == 0 and stats.staged_bytes == 0
+
+
+def test_a_malformed_piece_closes_the_pair_and_fails_its_transfers():
+    n = LAYOUT.payload_nbytes(2)
+
+    async def main():
+        async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:
+            pending.expect("victim", n, 20, landed.on_complete, landed.on_fail)
+            pending.expect("next", n, 20, landed.on_complete, landed.on_fail)
+            await sender.open(TransferDescriptor("victim", nbytes=n))
+            await sender.control.write(kvtransfer_pb2.DirectMessage(piece=kvtransfer_pb2.DirectPiece(
+                transfer_id="victim", first_block=1, num_blocks=1)))    # skips block 0
+            for _ in range(200):                                 # both ends hear of it asynchronously
+                if "victim" in landed.failed and sender.control.lost is not None:
+                    break
+                await asyncio.sleep(0.01)
+            lost = sender.control.lost
+            await sender.send(TransferDescriptor("next", nbytes=n), pack_blocks_on_device(kv(2, seed=7), [0, 1]), 1)
+            return landed, lost, pending.stats()
+    landed, lost, stats = run(main())
+    assert "victim" in landed.failed and lost is not None and "blocks [1, 2)" in str(lost)
+    assert "next" in landed.completed and stats.active == 0 and stats.staged_bytes == 0
 
 
 def test_a_receiver_that_forgot_the_pair_is_reconnected_to_without_failing_the_transfer():
@@ -296,12 +362,12 @@ def test_a_receiver_that_forgot_the_pair_is_reconnected_to_without_failing_the_t
     async def main():
         async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:
             pending.expect("first", n, 20, landed.on_complete, landed.on_fail)
-            await sender.send(TransferDescriptor("first", nbytes=n), direct_backend.HeldBlocks(src, (0, 1)), 1)
+            await sender.send(TransferDescriptor("first", nbytes=n), pack_blocks_on_device(src, (0, 1)), 1)
             first_pair = sender.pair.pair_id
             for pair in list(receiver.pairs.values()):           # as a restart or an idle eviction would
-                receiver._drop(pair, "forgotten", wait=5.0)
+                receiver.drop(pair, "forgotten", wait=5.0)
             pending.expect("second", n, 20, landed.on_complete, landed.on_fail)
-            await sender.send(TransferDescriptor("second", nbytes=n), direct_backend.HeldBlocks(src, (2, 3)), 2)
+            await sender.send(TransferDescriptor("second", nbytes=n), pack_blocks_on_device(src, (2, 3)), 2)
             return first_pair, sender.pair.pair_id, landed, list(receiver.pairs)
     first_pair, second_pair, landed, pairs = run(main())
     assert sorted(landed.completed) == ["first", "second"] and not landed.failed

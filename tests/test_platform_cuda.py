@@ -413,21 +413,24 @@ def test_a_stalled_nccl_transfer_fails_frees_staging_aborts_the_pair_and_the_nex
 @pytest.mark.device
 @two_gpus
 def test_1p1d_over_nccl_gives_the_colocated_engines_greedy_tokens(tmp_path):
-    """Prefill on cuda:0, decode on cuda:1, KV device to device; fp32 so batching cannot flip a token."""
+    """Prefill on cuda:0, decode on cuda:1, KV device to device, streamed chunk by chunk (a
+    32-token prefill budget splits the long prompt); fp32 so batching cannot flip a token."""
     import concurrent.futures as cf
 
     from baton.v1 import router_pb2
     from cluster import Cluster
 
     from engine import LLM, SamplingParams
-    prompts = ["The quick brown fox", "def quicksort(arr):", "Once upon a time there was a dragon who loved tea"]
+    prompts = ["The quick brown fox", "def quicksort(arr):", "Once upon a time there was a dragon who loved tea",
+               "Summarize: " + "the river rose over the old stone bridge while the village slept, " * 6]
     common = ["--model", "qwen3-0.6b", "--dtype", "float32", "--kv-backend", "direct", "--num-kv-blocks", "512"]
     llm = LLM("qwen3-0.6b", device="cuda:0", dtype="float32", max_num_seqs=8, kv_cache_memory=1 << 30)
     want = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
     del llm
     torch.cuda.empty_cache()
     c = Cluster.launch(tmp_path, prefill=1, decode=1, worker_args=common, router_args=["--model", "qwen3-0.6b"],
-                       extra={"prefill-0": ["--device", "cuda:0"], "decode-0": ["--device", "cuda:1"]})
+                       extra={"prefill-0": ["--device", "cuda:0", "--max-num-batched-tokens", "32"],
+                              "decode-0": ["--device", "cuda:1"]})
     try:
         stub = c.stub()
         sampling = router_pb2.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -173,5 +173,5 @@ def test_kvtransfer_push_is_a_bidi_stream_and_handshake_is_unary():
     services = {s.name: {m.name: (m.client_streaming, m.server_streaming) for m in s.method}
                 for s in file_proto(kvtransfer_pb2).service}
     assert services == {"KVTransfer": {"Handshake": (False, False), "Push": (True, True)},
-                        # the device-direct backend: rendezvous unary, each transfer a bidi stream
-                        "KVDirect": {"Connect": (False, False), "Transfer": (True, True)}}
+                        # the device-direct backend: rendezvous unary, one bidi control stream per pair
+                        "KVDirect": {"Connect": (False, False), "Session": (True, True)}}

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/kvtransfer.proto\x12\x08\x62\x61ton.v1\"\xc2\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\x0f\n\x07tp_rank\x18\t \x01(\r\x12\x10\n\x08\x62\x61\x63kends\x18\n \x03(\t\"e\n\x10HandshakeRequest\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVLayout\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x0f\n\x07unix_ms\x18\x03 \x01(\x04\x12\r\n\x05proof\x18\x04 \x01(\x0c\"\x8a\x01\n\x11HandshakeResponse\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVLayout\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\x04\x12\x18\n\x10max_window_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07session\x18\x04 \x01(\x0c\x12\r\n\x05proof\x18\x05 \x01(\x0c\"\xad\x01\n\x07KVChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\x12\"\n\x04open\x18\x06 \x01(\x0b\x32\x12.baton.v1.PushOpenH\x00\x12\"\n\x04\x64one\x18\x07 \x01(\x0b\x32\x12.baton.v1.PushDoneH\x00\x42\t\n\x07\x63ontrol\"J\n\x08PushOpen\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cwindow_bytes\x18\x03 \x01(\x04\"\xa3\x01\n\x08PushDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12,\n\x05\x65xtra\x18\x04 \x03(\x0b\x32\x1d.baton.v1.PushDone.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc7\x01\n\x05KVAck\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.baton.v1.KVAck.Kind\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06\x63redit\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"k\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_CREDIT\x10\x01\x12\x0c\n\x08KIND_ACK\x10\x02\x12\r\n\tKIND_NACK\x10\x03\x12\r\n\tKIND_DONE\x10\x04\x12\x10\n\x0cKIND_REFUSED\x10\x05\"5\n\x0e\x43onnectRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x12\n\ncollective\x18\x02 \x01(\t\"M\n\x0f\x43onnectResponse\x12\x12\n\nstore_host\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\x12\x12\n\ncollective\x18\x03 \x01(\t\"3\n\rDirectMessage\x12\"\n\x04open\x18\x01 \x01(\x0b\x32\x14.baton.v1.DirectOpen\"\xce\x01\n\nDirectOpen\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07pair_id\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12.\n\x05\x65xtra\x18\x06 \x03(\x0b\x32\x1f.baton.v1.DirectOpen.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x92\x01\n\tDirectAck\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.baton.v1.DirectAck.Kind\x12\x0e\n\x06reason\x18\x02 \x01(\t\"M\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_READY\x10\x01\x12\r\n\tKIND_DONE\x10\x02\x12\x10\n\x0cKIND_REFUSED\x10\x03\x32\x82\x01\n\nKVTransfer\x12\x44\n\tHandshake\x12\x1a.baton.v1.HandshakeRequest\x1a\x1b.baton.v1.HandshakeResponse\x12.\n\x04Push\x12\x11.baton.v1.KVChunk\x1a\x0f.baton.v1.KVAck(\x01\x30\x01\x32\x88\x01\n\x08KVDirect\x12>\n\x07\x43onnect\x12\x18.baton.v1.ConnectRequest\x1a\x19.baton.v1.ConnectResponse\x12<\n\x08Transfer\x12\x17.baton.v1.DirectMessage\x1a\x13.baton.v1.DirectAck(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/kvtransfer.proto\x12\x08\x62\x61ton.v1\"\xc2\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\x0f\n\x07tp_rank\x18\t \x01(\r\x12\x10\n\x08\x62\x61\x63kends\x18\n \x03(\t\"e\n\x10HandshakeRequest\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVLayout\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x0f\n\x07unix_ms\x18\x03 \x01(\x04\x12\r\n\x05proof\x18\x04 \x01(\x0c\"\x8a\x01\n\x11HandshakeResponse\x12\"\n\x06layout\x18\x01 \x01(\x0b\x32\x12.baton.v1.KVLayout\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\x04\x12\x18\n\x10max_window_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07session\x18\x04 \x01(\x0c\x12\r\n\x05proof\x18\x05 \x01(\x0c\"\xad\x01\n\x07KVChunk\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\x12\"\n\x04open\x18\x06 \x01(\x0b\x32\x12.baton.v1.PushOpenH\x00\x12\"\n\x04\x64one\x18\x07 \x01(\x0b\x32\x12.baton.v1.PushDoneH\x00\x42\t\n\x07\x63ontrol\"J\n\x08PushOpen\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cwindow_bytes\x18\x03 \x01(\x04\"\xa3\x01\n\x08PushDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12,\n\x05\x65xtra\x18\x04 \x03(\x0b\x32\x1d.baton.v1.PushDone.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc7\x01\n\x05KVAck\x12\"\n\x04kind\x18\x01 \x01(\x0e\x32\x14.baton.v1.KVAck.Kind\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06\x63redit\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"k\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKIND_CREDIT\x10\x01\x12\x0c\n\x08KIND_ACK\x10\x02\x12\r\n\tKIND_NACK\x10\x03\x12\r\n\tKIND_DONE\x10\x04\x12\x10\n\x0cKIND_REFUSED\x10\x05\"5\n\x0e\x43onnectRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x12\n\ncollective\x18\x02 \x01(\t\"M\n\x0f\x43onnectResponse\x12\x12\n\nstore_host\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\x12\x12\n\ncollective\x18\x03 \x01(\t\"\xe3\x01\n\rDirectMessage\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x15.baton.v1.DirectHelloH\x00\x12$\n\x04open\x18\x02 \x01(\x0b\x32\x14.baton.v1.DirectOpenH\x00\x12&\n\x05piece\x18\x03 \x01(\x0b\x32\x15.baton.v1.DirectPieceH\x00\x12(\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x16.baton.v1.DirectFinishH\x00\x12*\n\x07\x61\x62\x61ndon\x18\x05 \x01(\x0b\x32\x17.baton.v1.DirectAbandonH\x00\x42\x06\n\x04kind\"\x1e\n\x0b\x44irectHello\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\"J\n\nDirectOpen\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"K\n\x0b\x44irectPiece\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\"\x98\x01\n\x0c\x44irectFinish\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12\x30\n\x05\x65xtra\x18\x03 \x03(\x0b\x32!.baton.v1.DirectFinish.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"4\n\rDirectAbandon\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xb5\x01\n\tDirectAck\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.baton.v1.DirectAck.Kind\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04\x63ode\x18\x04 \x01(\r\"M\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_READY\x10\x01\x12\r\n\tKIND_DONE\x10\x02\x12\x10\n\x0cKIND_REFUSED\x10\x03\x32\x82\x01\n\nKVTransfer\x12\x44\n\tHandshake\x12\x1a.baton.v1.HandshakeRequest\x1a\x1b.baton.v1.HandshakeResponse\x12.\n\x04Push\x12\x11.baton.v1.KVChunk\x1a\x0f.baton.v1.KVAck(\x01\x30\x01\x32\x87\x01\n\x08KVDirect\x12>\n\x07\x43onnect\x12\x18.baton.v1.ConnectRequest\x1a\x19.baton.v1.ConnectResponse\x12;\n\x07Session\x12\x17.baton.v1.DirectMessage\x1a\x13.baton.v1.DirectAck(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PUSHDONE_EXTRAENTRY']._loaded_options = None
   _globals['_PUSHDONE_EXTRAENTRY']._serialized_options = b'8\001'
-  _globals['_DIRECTOPEN_EXTRAENTRY']._loaded_options = None
-  _globals['_DIRECTOPEN_EXTRAENTRY']._serialized_options = b'8\001'
+  _globals['_DIRECTFINISH_EXTRAENTRY']._loaded_options = None
+  _globals['_DIRECTFINISH_EXTRAENTRY']._serialized_options = b'8\001'
   _globals['_KVLAYOUT']._serialized_start=40
   _globals['_KVLAYOUT']._serialized_end=234
   _globals['_HANDSHAKEREQUEST']._serialized_start=236
@@ -57,18 +57,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONNECTREQUEST']._serialized_end=1153
   _globals['_CONNECTRESPONSE']._serialized_start=1155
   _globals['_CONNECTRESPONSE']._serialized_end=1232
-  _globals['_DIRECTMESSAGE']._serialized_start=1234
-  _globals['_DIRECTMESSAGE']._serialized_end=1285
-  _globals['_DIRECTOPEN']._serialized_start=1288
-  _globals['_DIRECTOPEN']._serialized_end=1494
-  _globals['_DIRECTOPEN_EXTRAENTRY']._serialized_start=852
-  _globals['_DIRECTOPEN_EXTRAENTRY']._serialized_end=896
-  _globals['_DIRECTACK']._serialized_start=1497
-  _globals['_DIRECTACK']._serialized_end=1643
-  _globals['_DIRECTACK_KIND']._serialized_start=1566
-  _globals['_DIRECTACK_KIND']._serialized_end=1643
-  _globals['_KVTRANSFER']._serialized_start=1646
-  _globals['_KVTRANSFER']._serialized_end=1776
-  _globals['_KVDIRECT']._serialized_start=1779
-  _globals['_KVDIRECT']._serialized_end=1915
+  _globals['_DIRECTMESSAGE']._serialized_start=1235
+  _globals['_DIRECTMESSAGE']._serialized_end=1462
+  _globals['_DIRECTHELLO']._serialized_start=1464
+  _globals['_DIRECTHELLO']._serialized_end=1494
+  _globals['_DIRECTOPEN']._serialized_start=1496
+  _globals['_DIRECTOPEN']._serialized_end=1570
+  _globals['_DIRECTPIECE']._serialized_start=1572
+  _globals['_DIRECTPIECE']._serialized_end=1647
+  _globals['_DIRECTFINISH']._serialized_start=1650
+  _globals['_DIRECTFINISH']._serialized_end=1802
+  _globals['_DIRECTFINISH_EXTRAENTRY']._serialized_start=852
+  _globals['_DIRECTFINISH_EXTRAENTRY']._serialized_end=896
+  _globals['_DIRECTABANDON']._serialized_start=1804
+  _globals['_DIRECTABANDON']._serialized_end=1856
+  _globals['_DIRECTACK']._serialized_start=1859
+  _globals['_DIRECTACK']._serialized_end=2040
+  _globals['_DIRECTACK_KIND']._serialized_start=1963
+  _globals['_DIRECTACK_KIND']._serialized_end=2040
+  _globals['_KVTRANSFER']._serialized_start=2043
+  _globals['_KVTRANSFER']._serialized_end=2173
+  _globals['_KVDIRECT']._serialized_start=2176
+  _globals['_KVDIRECT']._serialized_end=2311
 # @@protoc_insertion_point(module_scope)

@@ -149,13 +149,47 @@ class ConnectResponse(_message.Message):
     def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., collective: _Optional[str] = ...) -> None: ...
 
 class DirectMessage(_message.Message):
-    __slots__ = ("open",)
+    __slots__ = ("hello", "open", "piece", "finish", "abandon")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    ABANDON_FIELD_NUMBER: _ClassVar[int]
+    hello: DirectHello
     open: DirectOpen
-    def __init__(self, open: _Optional[_Union[DirectOpen, _Mapping]] = ...) -> None: ...
+    piece: DirectPiece
+    finish: DirectFinish
+    abandon: DirectAbandon
+    def __init__(self, hello: _Optional[_Union[DirectHello, _Mapping]] = ..., open: _Optional[_Union[DirectOpen, _Mapping]] = ..., piece: _Optional[_Union[DirectPiece, _Mapping]] = ..., finish: _Optional[_Union[DirectFinish, _Mapping]] = ..., abandon: _Optional[_Union[DirectAbandon, _Mapping]] = ...) -> None: ...
+
+class DirectHello(_message.Message):
+    __slots__ = ("pair_id",)
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    def __init__(self, pair_id: _Optional[str] = ...) -> None: ...
 
 class DirectOpen(_message.Message):
-    __slots__ = ("transfer_id", "pair_id", "total_bytes", "first_token", "num_tokens", "extra")
+    __slots__ = ("transfer_id", "total_bytes", "num_tokens")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    total_bytes: int
+    num_tokens: int
+    def __init__(self, transfer_id: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class DirectPiece(_message.Message):
+    __slots__ = ("transfer_id", "first_block", "num_blocks")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    first_block: int
+    num_blocks: int
+    def __init__(self, transfer_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class DirectFinish(_message.Message):
+    __slots__ = ("transfer_id", "first_token", "extra")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -164,21 +198,23 @@ class DirectOpen(_message.Message):
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
-    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
-    pair_id: str
-    total_bytes: int
     first_token: int
-    num_tokens: int
     extra: _containers.ScalarMap[str, str]
-    def __init__(self, transfer_id: _Optional[str] = ..., pair_id: _Optional[str] = ..., total_bytes: _Optional[int] = ..., first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., first_token: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DirectAbandon(_message.Message):
+    __slots__ = ("transfer_id", "reason")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    reason: str
+    def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DirectAck(_message.Message):
-    __slots__ = ("kind", "reason")
+    __slots__ = ("kind", "transfer_id", "reason", "code")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[DirectAck.Kind]
@@ -190,7 +226,11 @@ class DirectAck(_message.Message):
     KIND_DONE: DirectAck.Kind
     KIND_REFUSED: DirectAck.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     kind: DirectAck.Kind
+    transfer_id: str
     reason: str
-    def __init__(self, kind: _Optional[_Union[DirectAck.Kind, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    code: int
+    def __init__(self, kind: _Optional[_Union[DirectAck.Kind, str]] = ..., transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., code: _Optional[int] = ...) -> None: ...

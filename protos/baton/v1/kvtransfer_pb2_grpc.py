@@ -150,8 +150,8 @@ class KVTransfer:
 class KVDirectStub:
     """The device-direct backend ("direct"): KV bytes go device to device through a collective
     library (NCCL on GPUs, HCCL on Ascend, gloo on the CPU) over one two-rank communicator per
-    prefill->decode pair; this service carries only the rendezvous and each transfer's
-    descriptor. Calls carry the "baton-kv-session" metadata when the workers share a KV secret.
+    prefill->decode pair; this service carries only the rendezvous and the descriptors. Calls
+    carry the "baton-kv-session" metadata when the workers share a KV secret.
     """
 
     def __init__(self, channel):
@@ -165,8 +165,8 @@ class KVDirectStub:
                 request_serializer=baton_dot_v1_dot_kvtransfer__pb2.ConnectRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_kvtransfer__pb2.ConnectResponse.FromString,
                 _registered_method=True)
-        self.Transfer = channel.stream_stream(
-                '/baton.v1.KVDirect/Transfer',
+        self.Session = channel.stream_stream(
+                '/baton.v1.KVDirect/Session',
                 request_serializer=baton_dot_v1_dot_kvtransfer__pb2.DirectMessage.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_kvtransfer__pb2.DirectAck.FromString,
                 _registered_method=True)
@@ -175,8 +175,8 @@ class KVDirectStub:
 class KVDirectServicer:
     """The device-direct backend ("direct"): KV bytes go device to device through a collective
     library (NCCL on GPUs, HCCL on Ascend, gloo on the CPU) over one two-rank communicator per
-    prefill->decode pair; this service carries only the rendezvous and each transfer's
-    descriptor. Calls carry the "baton-kv-session" metadata when the workers share a KV secret.
+    prefill->decode pair; this service carries only the rendezvous and the descriptors. Calls
+    carry the "baton-kv-session" metadata when the workers share a KV secret.
     """
 
     def Connect(self, request, context):
@@ -186,9 +186,13 @@ class KVDirectServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Transfer(self, request_iterator, context):
-        """One transfer: open -> READY (the receive is posted) -> the sender posts its send ->
-        DONE (bytes landed and handed to the decode engine), or REFUSED / an error status.
+    def Session(self, request_iterator, context):
+        """The pair's control stream, open as long as the pair: it opens with `hello`, which the
+        receiver accepts with a READY carrying no transfer id. Transfers are multiplexed on it,
+        each OPEN -> READY (staged, may come while the prefill still runs) -> PIECE ... -> FINISH
+        (the first token) -> DONE (landed and handed to the decode engine), or REFUSED. The bytes
+        of each PIECE travel on the communicator in the order of the PIECE messages: the sender
+        posts its sends, and the receiver its receives, in that order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -202,8 +206,8 @@ def add_KVDirectServicer_to_server(servicer, server):
                     request_deserializer=baton_dot_v1_dot_kvtransfer__pb2.ConnectRequest.FromString,
                     response_serializer=baton_dot_v1_dot_kvtransfer__pb2.ConnectResponse.SerializeToString,
             ),
-            'Transfer': grpc.stream_stream_rpc_method_handler(
-                    servicer.Transfer,
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
                     request_deserializer=baton_dot_v1_dot_kvtransfer__pb2.DirectMessage.FromString,
                     response_serializer=baton_dot_v1_dot_kvtransfer__pb2.DirectAck.SerializeToString,
             ),
@@ -218,8 +222,8 @@ def add_KVDirectServicer_to_server(servicer, server):
 class KVDirect:
     """The device-direct backend ("direct"): KV bytes go device to device through a collective
     library (NCCL on GPUs, HCCL on Ascend, gloo on the CPU) over one two-rank communicator per
-    prefill->decode pair; this service carries only the rendezvous and each transfer's
-    descriptor. Calls carry the "baton-kv-session" metadata when the workers share a KV secret.
+    prefill->decode pair; this service carries only the rendezvous and the descriptors. Calls
+    carry the "baton-kv-session" metadata when the workers share a KV secret.
     """
 
     @staticmethod
@@ -250,7 +254,7 @@ class KVDirect:
             _registered_method=True)
 
     @staticmethod
-    def Transfer(request_iterator,
+    def Session(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -263,7 +267,7 @@ class KVDirect:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/baton.v1.KVDirect/Transfer',
+            '/baton.v1.KVDirect/Session',
             baton_dot_v1_dot_kvtransfer__pb2.DirectMessage.SerializeToString,
             baton_dot_v1_dot_kvtransfer__pb2.DirectAck.FromString,
             options,
