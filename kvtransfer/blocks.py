@@ -93,7 +93,10 @@ def _block_index(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
     bad = [b for b in block_ids if not 0 <= b < num_blocks]
     if bad:
         raise ValueError(f"block ids {bad[:8]} are outside the cache's {num_blocks} blocks")
-    return torch.tensor(list(block_ids), dtype=torch.long, device=kv.device)
+    index = torch.tensor(list(block_ids), dtype=torch.long)
+    # non_blocking: a pageable host -> device copy is staged at once, without waiting for the
+    # device's queued work (a blocking one would stall the engine thread until its step ends)
+    return index if kv.device.type == "cpu" else index.to(kv.device, non_blocking=True)
 
 
 def _as_uint8(payload) -> torch.Tensor:
