@@ -368,6 +368,24 @@ def test_tp2_gives_the_tp1_greedy_tokens_on_the_qwen3_0_6b_preset(eager):
 
 
 # -- device-direct KV over NCCL (issue 5) ---------------------------------------------------------
+@pytest.mark.device
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU visible to torch")
+def test_streamed_pieces_pack_and_unpack_on_the_gpu_bit_exact():
+    """What a streamed transfer does to the bytes: pieces packed on the device (block indices
+    uploaded without a device wait) and unpacked piece by piece into other blocks."""
+    from kvtransfer.blocks import Pieces, pack_blocks_on_device, unpack_blocks
+    kv = torch.randn(3, 2, 40, 16, 4, 64, device="cuda").to(torch.bfloat16)
+    src, into = [37, 2, 19, 5, 8, 30, 11], [0, 1, 2, 3, 4, 5, 6]
+    parts, first = [], 0
+    for n in (3, 1, 3):
+        parts.append((first, n, pack_blocks_on_device(kv, src[first:first + n])))
+        first += n
+    dst = torch.zeros_like(kv)
+    unpack_blocks(dst, into, Pieces(tuple(parts)))
+    assert torch.equal(dst[:, :, into], kv[:, :, src])
+
+
+
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (device-direct KV)")
 
 
