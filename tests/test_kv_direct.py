@@ -372,3 +372,48 @@ def test_a_receiver_that_forgot_the_pair_is_reconnected_to_without_failing_the_t
     first_pair, second_pair, landed, pairs = run(main())
     assert sorted(landed.completed) == ["first", "second"] and not landed.failed
     assert second_pair != first_pair and pairs == [second_pair]
+
+
+def test_dead_peers_mid_stream_end_with_a_status_and_the_survivors_serve(tmp_path, embedded_llm, reliability):
+    """Direct backend, 2 prefill + 2 decode workers. prefill-0 wedges every transfer after
+    announcing its first piece (a stalled device link) and is SIGKILLed with transfers open;
+    then decode-1 is SIGKILLed with streams in flight. Every request ends with the known answer
+    or a status, the survivors answer correctly, and no survivor holds a block."""
+    from reliability import Load
+    want = {p: o.token_ids for p, o in zip(PROMPTS, embedded_llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)), strict=True)}
+    c = Cluster.launch(tmp_path, prefill=2, decode=2, worker_args=DIRECT,
+                       router_args=["--policy", "round_robin", "--first-token-timeout", "6"],
+                       worker_env={"prefill-0": {direct_backend.STALL_ENV: "600"}})
+    try:
+        stub = c.stub()
+        wedged = Load(stub, workers=8)
+        for i in range(8):
+            p = PROMPTS[i % len(PROMPTS)]
+            wedged.submit(router_pb2.GenerateRequest(text=p, sampling=greedy(8)), want[p], 60)
+        time.sleep(2.0)                                  # prefill-0's transfers are open and wedged
+        c.worker("prefill-0").kill()
+        out = wedged.wait()
+        streams = Load(stub, workers=6)
+        for i in range(6):
+            streams.submit(router_pb2.GenerateRequest(text=f"Story {i}: once upon a time", sampling=greedy(60)),
+                           None, 120)
+        time.sleep(2.0)                                  # streams under way on both decode workers
+        c.worker("decode-1").kill()
+        during = Load(stub, workers=4)
+        for p in PROMPTS[:4]:
+            during.submit(router_pb2.GenerateRequest(text=p, sampling=greedy(8)), want[p], 60)
+        s_out, d_out = streams.wait(), during.wait()
+        for o in (out, s_out, d_out):
+            o.assert_clean()
+        assert out.completed == out.sent, out.summary()          # retried on prefill-1
+        assert set(s_out.statuses) <= {"UNAVAILABLE"} and s_out.completed > 0, s_out.summary()
+        assert d_out.completed == d_out.sent, d_out.summary()    # the survivors answer correctly
+        leaked = c.wait_workers_idle()
+        out.merge(s_out)
+        out.merge(d_out)
+        reliability.record("device-direct: SIGKILL of a wedged prefill, then of a decode mid-stream", out,
+                           leaked_blocks=leaked)
+        assert leaked == 0
+    finally:
+        c.stop()
