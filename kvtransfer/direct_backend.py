@@ -760,25 +760,25 @@ class OutgoingTransfer:
             return
         self._end()
         if self.control.alive:
-            asyncio.ensure_future(self._say_abandon(reason))
-
-    async def _say_abandon(self, reason: str) -> None:
-        try:
-            await self.control.write(Msg(abandon=kvtransfer_pb2.DirectAbandon(
-                transfer_id=self.transfer.transfer_id, reason=reason)))
-        except KVTransferError:
-            pass                             # the stream is gone: the receiver fails it anyway
+            asyncio.ensure_future(_say_abandon(self.control, self.transfer.transfer_id, reason))
 
     def _fail(self, reason: str) -> None:
         """The pair may be out of step: close it (the receiver fails its open transfers)."""
         self._end()
-        self.sender.break_pair(reason)
+        self.sender.break_pair(reason, control=self.control)
 
     def _end(self) -> None:
         if not self.ended:
             self.ended = True
             self.control.acks.pop(self.transfer.transfer_id, None)
             self._keep.clear()
+
+
+async def _say_abandon(control: _SenderControl, tid: str, reason: str) -> None:
+    try:
+        await control.write(Msg(abandon=kvtransfer_pb2.DirectAbandon(transfer_id=tid, reason=reason)))
+    except KVTransferError:
+        pass                                 # the stream is gone: the receiver fails it anyway
 
 
 class DirectKVSender(KVSender):
@@ -863,25 +863,31 @@ class DirectKVSender(KVSender):
                                   f"{self.block_bytes}-byte blocks (got {transfer.nbytes})", Code.INVALID_ARGUMENT)
         tid = transfer.transfer_id
         deadline = asyncio.get_running_loop().time() + timeout
+        ctl = None
         try:
             async with asyncio.timeout(timeout):
                 for attempt in range(2):
+                    ctl = None
                     try:
-                        return await self._open_on(await self._control(timeout), transfer, deadline)
+                        ctl = await self._control(timeout)
+                        return await self._open_on(ctl, transfer, deadline)
                     except _SessionLost as lost:
                         # the peer forgot our pair (restart, idle eviction) or our session, before
                         # anything of this transfer was sent: once more with a fresh pair
-                        self.break_pair(str(lost.error))
+                        if ctl is not None:
+                            self.break_pair(str(lost.error), control=ctl)
                         if attempt:
                             raise lost.error from None
                         if lost.error.code == Code.UNAUTHENTICATED:
                             await self.handshake(self._layout, timeout=min(timeout, 10.0))
         except TimeoutError:
-            self.break_pair(f"opening transfer {tid} timed out")
+            # nothing of it was sent: the pair is fine, the receiver is told to let the transfer go
+            if ctl is not None and ctl.alive:
+                ctl.acks.pop(tid, None)
+                asyncio.ensure_future(_say_abandon(ctl, tid, "the sender gave up waiting for READY"))
             raise KVTransferError(f"KV transfer {tid} to {self.address} could not open within {timeout:g}s",
                                   Code.DEADLINE_EXCEEDED) from None
-        except RuntimeError as exc:          # building the communicator failed
-            self.break_pair(str(exc))
+        except RuntimeError as exc:          # building the communicator failed (that pair is closed)
             raise KVTransferError(f"KV pair with {self.address} failed on {self.collective}: {exc}",
                                   Code.UNAVAILABLE) from exc
         raise AssertionError("unreachable")
@@ -922,8 +928,11 @@ class DirectKVSender(KVSender):
             out.abandon(f"the send failed: {exc}")
             raise
 
-    def break_pair(self, reason: str, wait: float = 0.0) -> None:
-        control, self.control = self.control, None
+    def break_pair(self, reason: str, wait: float = 0.0, control: _SenderControl | None = None) -> None:
+        """Close the current pair (or `control`'s, which a newer pair may have replaced already)."""
+        control = control or self.control
+        if control is self.control:
+            self.control = None
         if control is not None:
             control.fail_all(KVTransferError(f"KV pair closed: {reason}", Code.UNAVAILABLE))
             control.close()
