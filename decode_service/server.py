@@ -42,9 +42,8 @@ class DecodeRequest:
     deadline: float                      # loop clock; the KV must arrive before it
     queue: asyncio.Queue
     attached: bool = False
-    joined_at: float | None = None
-    prefill_done_unix: float | None = None
-    handover_seconds: float = 0.0
+    prefill_done_unix: float | None = None    # the prefill worker's clock at its last forward
+    handover_seconds: float = 0.0             # -> joined into the running batch here
 
 
 class KVFailed(Exception):
@@ -104,7 +103,11 @@ class DecodeWorker(EngineWorker):
         except Exception:
             llm.free_blocks(blocks)
             raise
-        return llm.join(r.request_id, r.prompt, first_token, r.params, blocks)
+        out = llm.join(r.request_id, r.prompt, first_token, r.params, blocks)
+        if r.prefill_done_unix:              # the engine's next step is the request's first decode step
+            r.handover_seconds = max(0.0, time.time() - r.prefill_done_unix)
+            self.metrics.handover.observe(r.handover_seconds)
+        return out
 
     def _abort(self, llm: LLMEngine, request_id: str) -> bool:
         blocks = self.reserved.pop(request_id, None)
@@ -150,9 +153,8 @@ class DecodeWorker(EngineWorker):
         if r is None:
             return
         r.prefill_done_unix = _float(extra.get("prefill_done_unix"))
-        r.joined_at = time.time()
         if r.prefill_done_unix:
-            self.metrics.kv_landed.observe(max(0.0, r.joined_at - r.prefill_done_unix))
+            self.metrics.kv_landed.observe(max(0.0, time.time() - r.prefill_done_unix))
         nbytes = len(payload)
         self.metrics.kv_transfer_bytes.labels("in").inc(nbytes)
 
@@ -224,8 +226,7 @@ class DecodeWorker(EngineWorker):
         prompt, params = list(req.prompt_token_ids), sampling_from_proto(req.sampling)
         self.llm.validate(prompt, params)
         loop = asyncio.get_running_loop()
-        r = DecodeRequest(rid, "", prompt, params, loop.time(), self.engine.open_stream(rid), attached=True,
-                          joined_at=time.time())
+        r = DecodeRequest(rid, "", prompt, params, loop.time(), self.engine.open_stream(rid), attached=True)
         self.requests[rid] = r
         try:
             await self.engine.call(lambda e: e.add_request(prompt, params, request_id=rid))
@@ -255,15 +256,11 @@ class DecodeWorker(EngineWorker):
                     raise ServiceError(grpc.StatusCode.ABORTED, f"request {r.request_id} aborted: {item}")
                 if isinstance(item, EngineDead):
                     raise ServiceError(grpc.StatusCode.INTERNAL, f"decode engine failed: {item}")
-                handover = 0.0
-                if first and r.prefill_done_unix:
-                    handover = max(0.0, time.time() - r.prefill_done_unix)
-                    self.metrics.handover.observe(handover)
-                first = False
                 finished = item.finished
                 if finished:
                     self.metrics.requests.labels(item.finish_reason or "stop").inc()
-                yield chunk_from_output(item, handover)
+                yield chunk_from_output(item, r.handover_seconds if first else 0.0)
+                first = False
         finally:
             self.requests_served += 1
             if not finished:        # cancelled, deadline, failure: free everything, once

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import multiprocessing as mp
 import os
 import socket
@@ -191,32 +190,92 @@ def measure_grpc_loopback(total_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYT
 
 
 # -- the direct backend -----------------------------------------------------------------------------
+PIPELINE_BYTES = 8 << 30        # staging the pipelined measure may take on the receiving device
+ROUNDS = 3                      # pipelined and streamed measures: best / median of this many
+
+
 def measure_direct(total_bytes: int, src_device: str, dst_device: str, repeats: int = 3,
                    overlap: bool = True, prefill_flops: float = 0.0, chunks: int = 1) -> dict:
-    """The direct backend from `src_device` to `dst_device` (each rank on its own thread of
-    this process, descriptors over gRPC on 127.0.0.1), the bytes checked once:
-      - `seconds`: one transfer at a time, open -> DONE (what a lone request pays);
-      - `pipelined`: several transfers in flight on the pair, as under load (bytes per second);
+    """The direct backend from a sender process on `src_device` to a receiver process on
+    `dst_device` (KVTransfer + KVDirect on 127.0.0.1), as a prefill and a decode worker run it.
+    A transfer has landed when the receiver's registry hands its bytes over (on_complete);
+    both processes read the host's monotonic clock. The first transfer's bytes are checked.
+      - `seconds`: a lone transfer, open -> landed (its open round trip included);
+      - `from_ready`: a lone transfer opened ahead, as the prefill worker opens one when the
+        prefill starts: the KV is ready -> landed (what is left after the prefill);
+      - `pipelined`: several transfers in flight on the pair, as under load: first open -> last
+        landed, bytes per second;
       - on an accelerator with `overlap`, `overlap`: a transfer beside unrelated compute, and,
         given `prefill_flops` (the prefill that makes this KV), `streamed`: that prefill as
-        `chunks` chunks of bf16 matmuls, each chunk's piece sent as it ends, as a prefill worker
-        streams -- how much of the transfer is still exposed after the prefill ends."""
-    return asyncio.run(_direct(total_bytes, src_device, dst_device, repeats, overlap, prefill_flops, chunks))
+        `chunks` chunks of bf16 matmuls, each chunk's piece announced once its compute is
+        done (as the prefill worker does after each step), the next chunk computing meanwhile;
+        `exposed_s` = landed - the end of the last chunk's compute."""
+    import torch
+    accel = torch.device(src_device).type != "cpu"
+    depth = max(2, min(8, PIPELINE_BYTES // max(total_bytes, 1)))
+    plan = {"repeats": repeats, "depth": depth, "overlap": overlap and accel,
+            "prefill_flops": prefill_flops if overlap else 0.0, "chunks": chunks}
+    tids = _direct_tids(plan)
+    sent, got = _run_pair(_direct_receiver, (dst_device, total_bytes, tids, total_bytes * depth),
+                          _direct_sender, (src_device, total_bytes, plan))
+    if got["failed"]:
+        raise RuntimeError(f"direct transfers failed: {got['failed']}")
+    if not got["bytes_equal"]:
+        raise RuntimeError("the received bytes differ from the sent bytes")
+    landed = got["landed"]
+    seconds = [landed[f"cold-{i}"] - sent["opened"][f"cold-{i}"] for i in range(repeats)]
+    from_ready = [landed[f"ahead-{i}"] - sent["ready"][f"ahead-{i}"] for i in range(repeats)]
+    took = min(max(landed[f"pipe-{r}-{i}"] for i in range(depth)) - sent["pipe_start"][r] for r in range(ROUNDS))
+    result = {"seconds": seconds, "median_s": statistics.median(seconds), "best_s": min(seconds),
+              "from_ready": {"seconds": from_ready, "median_s": statistics.median(from_ready)},
+              "done_seconds": sent["done_seconds"],
+              "pipelined": {"transfers_in_flight": depth, "seconds": took, "bytes_per_s": depth * total_bytes / took},
+              "collective": sent["collective"], "src": src_device, "dst": dst_device, "processes": 2}
+    if "overlap" in sent:
+        result["overlap"] = sent["overlap"]
+    st = sent.get("streamed")
+    if st:
+        exposed = [max(0.0, landed[f"streamed-{r}"] - at) for r, at in enumerate(st.pop("computed_at"))]
+        st["exposed_s"] = statistics.median(exposed)
+        st["transfer_alone_s"] = result["median_s"]
+        st["hidden_fraction"] = max(0.0, min(1.0, 1 - st["exposed_s"] / result["median_s"]))
+        result["streamed"] = st
+    return result
+
+
+def _direct_tids(plan: dict) -> list[str]:
+    """Every transfer the measurement makes, in order (the receiver expects them all)."""
+    tids = ["warm-up"] + [f"cold-{i}" for i in range(plan["repeats"])] + \
+        [f"ahead-{i}" for i in range(plan["repeats"])] + \
+        [f"pipe-{r}-{i}" for r in range(ROUNDS) for i in range(plan["depth"])]
+    if plan["overlap"]:
+        tids.append("overlap")
+    if plan["prefill_flops"] > 0:
+        tids += [f"streamed-{r}" for r in range(ROUNDS)]
+    return tids
+
+
+def _pattern(nbytes: int, device):
+    """Bytes both processes can make alike, so the receiver checks what landed: a hashed
+    counter whose period (32,744 bytes) lines up with no block or piece boundary."""
+    import torch
+    period = 4093 * 8
+    base = ((torch.arange(period, dtype=torch.int64, device=device) * 2654435761) >> 11).to(torch.uint8)
+    return base.repeat(-(-nbytes // period))[:nbytes]
 
 
 @contextlib.asynccontextmanager
-async def direct_loopback(src_device: str, dst_device: str, max_staged_bytes: int = 1 << 30):
-    """A decode side (KVTransfer handshake + KVDirect on `dst_device`) on 127.0.0.1 and a
-    handshaken sender from `src_device`, in this process; yields (pending, sender, receiver)."""
+async def _decode_side(dst_device: str, max_staged_bytes: int):
+    """KVTransfer (the handshake) and KVDirect on `dst_device`, on 127.0.0.1; yields
+    (pending, port, receiver)."""
     import grpc
     import torch
 
-    from kvtransfer.direct_backend import DirectKVReceiver, DirectKVSender
+    from kvtransfer.direct_backend import DirectKVReceiver
     from kvtransfer.grpc_backend import KVTransferServicer
-    from kvtransfer.layout import KVLayout
     from kvtransfer.receiver import PendingTransfers
 
-    layout = KVLayout(**BENCH_LAYOUT, backends=["direct", "grpc"])
+    layout = _direct_layout()
     pending = PendingTransfers(max_staged_bytes=max_staged_bytes)
     server = grpc.aio.server()
     KVTransferServicer(pending, layout).add_to_server(server)
@@ -224,71 +283,130 @@ async def direct_loopback(src_device: str, dst_device: str, max_staged_bytes: in
     receiver.add_to_server(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    sender = DirectKVSender(channel, f"127.0.0.1:{port}", torch.device(src_device))
     try:
-        await sender.handshake(layout)
-        yield pending, sender, receiver
+        yield pending, port, receiver
     finally:
-        await sender.close()
         await receiver.close()
-        await channel.close()
         await server.stop(0)
 
 
-PIPELINE_BYTES = 8 << 30        # staging the pipelined measure may take on the receiving device
+def _direct_layout():
+    from kvtransfer.layout import KVLayout
+    return KVLayout(**BENCH_LAYOUT, backends=["direct", "grpc"])
 
 
-async def _direct(total_bytes: int, src_device: str, dst_device: str, repeats: int, overlap: bool,
-                  prefill_flops: float, chunks: int) -> dict:
+@contextlib.asynccontextmanager
+async def direct_loopback(src_device: str, dst_device: str, max_staged_bytes: int = 1 << 30):
+    """A decode side on `dst_device` and a handshaken sender from `src_device`, both in this
+    process (tests); yields (pending, sender, receiver)."""
+    import grpc
+    import torch
+
+    from kvtransfer.direct_backend import DirectKVSender
+
+    async with _decode_side(dst_device, max_staged_bytes) as (pending, port, receiver):
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        sender = DirectKVSender(channel, f"127.0.0.1:{port}", torch.device(src_device))
+        try:
+            await sender.handshake(_direct_layout())
+            yield pending, sender, receiver
+        finally:
+            await sender.close()
+            await channel.close()
+
+
+def _direct_receiver(conn, device: str, total_bytes: int, tids: list[str], max_staged: int) -> None:
+    _bind(device)
+    asyncio.run(_direct_receive(conn, device, total_bytes, tids, max_staged))
+
+
+async def _direct_receive(conn, device: str, total_bytes: int, tids: list[str], max_staged: int) -> None:
+    import torch
+    landed: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    checked: list[bool] = []
+    settled = asyncio.Event()
+
+    def on_complete(tid, payload, first_token, extra):
+        landed[tid] = time.monotonic()
+        if tid == tids[0]:               # off the clock: the warm-up is not timed
+            checked.append(torch.equal(payload, _pattern(total_bytes, payload.device)))
+        if len(landed) + len(failed) == len(tids):
+            settled.set()
+
+    def on_fail(tid, why):
+        failed[tid] = why
+        settled.set()
+
+    async with _decode_side(device, max_staged) as (pending, port, _):
+        for tid in tids:
+            pending.expect(tid, total_bytes, 600.0, on_complete, on_fail)
+        conn.send(port)
+        await asyncio.wait_for(settled.wait(), 600.0)
+    conn.send({"landed": landed, "failed": failed, "bytes_equal": all(checked) and bool(checked)})
+
+
+def _direct_sender(conn, port: int, device: str, total_bytes: int, plan: dict) -> None:
+    _bind(device)
+    conn.send(asyncio.run(_direct_send(port, device, total_bytes, plan)))
+
+
+def _bind(device: str) -> None:
+    """Work on `device` only (no context on the other device of the pair)."""
+    import torch
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        getattr(torch, dev.type).set_device(dev)
+
+
+async def _direct_send(port: int, device: str, total_bytes: int, plan: dict) -> dict:
+    import grpc
     import torch
 
     from kvtransfer.backend import TransferDescriptor
+    from kvtransfer.direct_backend import DirectKVSender
 
-    src = torch.device(src_device)
-    landed: dict[str, torch.Tensor] = {}
-    payload = torch.randint(0, 256, (total_bytes,), dtype=torch.uint8, device=src)
-    depth = max(2, min(8, PIPELINE_BYTES // max(total_bytes, 1)))
-    async with direct_loopback(src_device, dst_device, max(total_bytes, 1) * depth) as (pending, sender, _):
-        def expect(tid: str) -> None:
-            keep = tid == "warm-up"      # checked once; later payloads are dropped at once, as after unpacking
-            pending.expect(tid, total_bytes, 120, lambda t, p, *_: landed.__setitem__(t, p if keep else None),
-                           lambda t, why: landed.__setitem__(t, why))
+    src = torch.device(device)
+    payload = _pattern(total_bytes, src)
+    opened, ready, done_seconds, pipe_start = {}, {}, [], []
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    sender = DirectKVSender(channel, f"127.0.0.1:{port}", src)
 
-        async def one(tid: str) -> float:
-            expect(tid)
-            t0 = time.perf_counter()
-            await sender.send(TransferDescriptor(tid, nbytes=total_bytes), payload, 1, timeout=120)
-            return time.perf_counter() - t0
+    def descriptor(tid: str) -> TransferDescriptor:
+        return TransferDescriptor(tid, nbytes=total_bytes)
 
-        await one("warm-up")                       # the pair's communicator connects here
-        if not torch.equal(landed.pop("warm-up").to(src), payload):
-            raise RuntimeError("the received bytes differ from the sent bytes")
-        seconds = [await one(f"t{i}") for i in range(repeats)]
-        result = {"seconds": seconds, "median_s": statistics.median(seconds), "best_s": min(seconds),
-                  "collective": sender.collective, "src": src_device, "dst": dst_device}
+    async def one(tid: str) -> float:
+        """A lone transfer: open, the whole payload, finish; open -> DONE on this side."""
+        opened[tid] = time.monotonic()
+        await sender.send(descriptor(tid), payload, 1, timeout=120)
+        return time.monotonic() - opened[tid]
 
-        async def pipelined(rounds: int = 3) -> float:
-            best = math.inf
-            for r in range(rounds):
-                tids = [f"p{r}-{i}" for i in range(depth)]
-                for tid in tids:
-                    expect(tid)
-                t0 = time.perf_counter()
-                await asyncio.gather(*(sender.send(TransferDescriptor(t, nbytes=total_bytes), payload, 1,
-                                                   timeout=120) for t in tids))
-                best = min(best, time.perf_counter() - t0)
-            return best
-        took = await pipelined()
-        result["pipelined"] = {"transfers_in_flight": depth, "seconds": took,
-                               "bytes_per_s": depth * total_bytes / took}
-        if overlap and src.type != "cpu":
-            result["overlap"] = await _overlap(one, src, statistics.median(seconds))
-        if overlap and prefill_flops > 0:
-            result["streamed"] = await _streamed(sender, expect, payload, src, prefill_flops, chunks,
-                                                 statistics.median(seconds))
-        landed.clear()
+    async def ahead(tid: str) -> None:
+        out = await sender.open(descriptor(tid), timeout=120)
+        ready[tid] = time.monotonic()
+        await out.piece(payload, out.num_blocks, None)
+        await out.finish(1)
+
+    try:
+        await sender.handshake(_direct_layout())
+        await one("warm-up")                      # the pair's communicator connects here
+        done_seconds = [await one(f"cold-{i}") for i in range(plan["repeats"])]
+        for i in range(plan["repeats"]):
+            await ahead(f"ahead-{i}")
+        for r in range(ROUNDS):
+            pipe_start.append(time.monotonic())
+            await asyncio.gather(*(sender.send(descriptor(f"pipe-{r}-{i}"), payload, 1, timeout=120)
+                                   for i in range(plan["depth"])))
+        result = {"opened": opened, "ready": ready, "done_seconds": done_seconds, "pipe_start": pipe_start,
+                  "collective": sender.collective}
+        if plan["overlap"]:
+            result["overlap"] = await _overlap(one, src, statistics.median(done_seconds))
+        if plan["prefill_flops"] > 0:
+            result["streamed"] = await _streamed(sender, payload, src, plan["prefill_flops"], plan["chunks"])
         return result
+    finally:
+        await sender.close()
+        await channel.close()
 
 
 def _matmul_timer(device):
@@ -312,7 +430,8 @@ def _matmul_timer(device):
 
 async def _overlap(one, device, transfer_s: float) -> dict:
     """Compute (bf16 matmuls sized to last about as long as one transfer) alone, then with one
-    transfer under way: the fraction of the transfer's time that vanished under the compute."""
+    transfer under way (open -> DONE, like `transfer_s`): the fraction of the transfer's time
+    that vanished under the compute."""
     _, compute = _matmul_timer(device)
     per_mm = compute(10) / 10
     n = max(1, round(transfer_s / per_mm))
@@ -328,58 +447,60 @@ async def _overlap(one, device, transfer_s: float) -> dict:
             "hidden_fraction": max(0.0, min(1.0, hidden)), "compute": f"{n} bf16 8192^3 matmuls on {device}"}
 
 
-async def _streamed(sender, expect, payload, device, prefill_flops: float, chunks: int, transfer_s: float,
-                    rounds: int = 3) -> dict:
+async def _streamed(sender, payload, device, prefill_flops: float, chunks: int) -> dict:
     """A stand-in prefill (matmuls of `prefill_flops`, in `chunks` steps) with the transfer
-    streamed as a prefill worker streams it: opened as the compute starts, one piece per chunk
-    posted once that chunk's compute is queued (the send waits for it on the device, through an
-    event), the first token after the last. exposed = DONE - the end of the last chunk's compute
-    (seen by a thread waiting on its event)."""
+    streamed as the prefill worker streams it: opened as the compute starts; after each chunk
+    has finished (seen by a thread waiting on its event, as the engine's step ends) its piece
+    goes to the sending task while the next chunk computes; the first token after the last.
+    Returns when each round's last compute ended (`computed_at`); the caller adds when it landed."""
     import torch
 
     from kvtransfer.backend import TransferDescriptor
     from kvtransfer.direct_backend import record_ready
-    accel = getattr(torch, device.type)
+    accel = getattr(torch, device.type) if device.type != "cpu" else None
     a, compute = _matmul_timer(device)
     per_mm = compute(10) / 10
-    mm_flops = 2 * a.shape[0] ** 3
-    per_chunk = max(1, round(prefill_flops / chunks / mm_flops))
+    per_chunk = max(1, round(prefill_flops / chunks / (2 * a.shape[0] ** 3)))
     alone = min(compute(per_chunk * chunks) for _ in range(2))
     total, bb = payload.numel(), sender.block_bytes
     bounds = [total // bb * i // chunks for i in range(chunks + 1)]       # in blocks
     loop = asyncio.get_running_loop()
-    exposed, prefill = [], []
-    for r in range(rounds):
-        tid = f"streamed-{r}"
-        expect(tid)
-        accel.synchronize(device)
-        t0 = time.perf_counter()
-        opening = asyncio.ensure_future(sender.open(TransferDescriptor(tid, nbytes=total), timeout=120))
+    computed_at, prefill = [], []
+    for r in range(ROUNDS):
+        if accel is not None:
+            accel.synchronize(device)
+        t0 = time.monotonic()
+        opening = asyncio.ensure_future(sender.open(TransferDescriptor(f"streamed-{r}", nbytes=total), timeout=120))
+        pieces: asyncio.Queue = asyncio.Queue()
+        streaming = asyncio.ensure_future(_send_pieces(opening, pieces))
         for i in range(chunks):
             for _ in range(per_chunk):
                 torch.mm(a, a)
-            ready = record_ready(device)
-            if i == 0:
-                out = await opening
-            await out.piece(payload[bounds[i] * bb:bounds[i + 1] * bb], bounds[i + 1] - bounds[i], ready)
-        computed = loop.run_in_executor(None, _wait_event, ready)
+            at = await loop.run_in_executor(None, _wait_event, record_ready(device))
+            pieces.put_nowait((payload[bounds[i] * bb:bounds[i + 1] * bb], bounds[i + 1] - bounds[i]))
+        out = await streaming
         await out.finish(1)
-        done = time.perf_counter()
-        computed_at = await computed
-        exposed.append(max(0.0, done - computed_at))
-        prefill.append(computed_at - t0)
-    exposed_s = statistics.median(exposed)
+        computed_at.append(at)
+        prefill.append(at - t0)
     return {"chunks": chunks, "prefill_alone_s": alone, "prefill_while_streaming_s": statistics.median(prefill),
-            "prefill_flops": prefill_flops, "exposed_s": exposed_s, "transfer_alone_s": transfer_s,
-            "hidden_fraction": max(0.0, min(1.0, 1 - exposed_s / transfer_s)),
+            "prefill_flops": prefill_flops, "computed_at": computed_at,
             "compute": f"{chunks} x {per_chunk} bf16 {a.shape[0]}^3 matmuls on {device} ({per_mm * 1e3:.2f} ms each)"}
 
 
+async def _send_pieces(opening, pieces: asyncio.Queue):
+    """The prefill worker's sending task: each piece as it is handed over, in order."""
+    out = await opening
+    while out.next_block < out.num_blocks:
+        data, num_blocks = await pieces.get()
+        await out.piece(data, num_blocks, None)
+    return out
+
+
 def _wait_event(event) -> float:
-    """When `event` passed (perf_counter), seen from a thread blocking on it."""
+    """When `event` passed (monotonic clock), seen from a thread blocking on it."""
     if event is not None:
         event.synchronize()
-    return time.perf_counter()
+    return time.monotonic()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
@@ -67,7 +68,6 @@ COLLECTIVES = ("nccl", "hccl", "gloo")
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 HELLO_TIMEOUT_S = 10.0         # the receiver waits this long for a control stream's first message
 JOIN_TIMEOUT_S = 60.0          # building a pair's communicator (both ends must join)
-MAX_POLL_S = 200e-6            # completion polling interval at most (a transfer's latency floor)
 MAX_PAIRS = 64                 # communicators one decode worker keeps (oldest idle ones closed first)
 PAIR_IDLE_S = 600.0            # a pair unused this long is closed (its sender reconnects when it returns)
 # Fault injection for tests and drills: a sender holds each piece this many seconds between
@@ -92,7 +92,8 @@ class PairGroup:
         self.last_used = time.monotonic()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{collective}-{pair_id[:8]}",
                                           initializer=self._bind_device)
-        self._posted: list[Posted] = []          # operations posted and maybe not complete
+        self._watching: queue.SimpleQueue[Posted | None] = queue.SimpleQueue()   # posted, not yet seen done
+        self._watcher: threading.Thread | None = None
 
     def _bind_device(self) -> None:
         """The pair's thread works on the pair's device, on a stream of its own: collectives
@@ -138,31 +139,55 @@ class PairGroup:
         def post():
             if after is not None:           # the engine packed it on its own stream
                 getattr(torch, self.device.type).current_stream().wait_event(after)
-            return self.pg.send([tensor], 1, 0)
-        return self._track(await self._on_thread(post), tensor)
+            return self._issued(self.pg.send([tensor], 1, 0))
+        return self._track(*await self._on_thread(post), tensor)
 
     async def post_recv(self, tensor: torch.Tensor) -> Posted:
-        return self._track(await self._on_thread(lambda: self.pg.recv([tensor], 0, 0)), tensor)
+        return self._track(*await self._on_thread(lambda: self._issued(self.pg.recv([tensor], 0, 0))), tensor)
 
-    def _track(self, work, tensor: torch.Tensor) -> Posted:
-        """Keep every posted operation, and its tensor, alive until it completes, whoever still
-        cares: a pending gloo work that is dropped is cancelled, which would put every later
-        operation of the pair out of step."""
+    def _issued(self, work):
+        """Pair thread, right after posting: on a device, an event that passes when the operation
+        has (the pair's stream waits for it; nothing waits on the host)."""
+        if self.device.type == "cpu":
+            return work, None
+        work.wait()
+        event = getattr(torch, self.device.type).Event(blocking=True)
+        event.record()
+        return work, event
+
+    def _track(self, work, event, tensor: torch.Tensor) -> Posted:
+        """Hand the operation to the pair's watcher thread, which keeps it and its tensor alive
+        until it completes (a pending gloo work that is dropped is cancelled, which would put
+        every later operation of the pair out of step) and then settles its `done`."""
         self.last_used = time.monotonic()
-        posted = Posted(work, tensor, watch=self.collective == "gloo")
-        self._posted = [p for p in self._posted if not p.completed()]
-        self._posted.append(posted)
+        loop = asyncio.get_running_loop()
+        posted = Posted(work, tensor, event, loop)
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, args=(loop,), daemon=True,
+                                             name=f"kv-watch-{self.pair_id[:8]}")
+            self._watcher.start()
+        self._watching.put(posted)
         return posted
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Watcher thread: operations complete in the order they were posted (one communicator,
+        one stream), so waiting for them one after the other loses nothing."""
+        if self.device.type != "cpu":
+            getattr(torch, self.device.type).set_device(self.device)
+        while (posted := self._watching.get()) is not None:
+            error = posted.wait_blocking()
+            try:
+                loop.call_soon_threadsafe(posted.settle, error)
+            except RuntimeError:             # the loop has closed: nobody is waiting any more
+                return
 
     async def wait_done(self, posted: list[Posted], timeout: float, what: str) -> None:
         """Wait until every operation has finished on the device (its bytes are final), within `timeout`."""
-        deadline = time.monotonic() + timeout
-        pause = 20e-6
-        while not all(p.completed() for p in posted):   # poll, never block the loop
-            if time.monotonic() > deadline:
+        pending = [p.done for p in posted if not p.done.done()]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=timeout)
+            if late:
                 raise TimeoutError(f"the {self.collective} {what} did not complete within {timeout:.1f}s")
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, MAX_POLL_S)
         for p in posted:
             p.result()                      # raises if the collective failed
         self.last_used = time.monotonic()
@@ -180,39 +205,50 @@ class PairGroup:
                 t.start()
                 t.join(wait)
         self._thread.shutdown(wait=False, cancel_futures=True)
+        self._watching.put(None)             # the watcher ends once what is posted has settled
         self.store = None
 
 
 class Posted:
-    """One posted send or receive, with its tensor. Device collectives tell completion by
-    polling; gloo only inside wait(), which blocks, so a daemon thread waits for it."""
+    """One posted send or receive, with its tensor (alive until the operation completes).
+    `done` is settled on the event loop by the pair's watcher thread once the operation has
+    finished. Nothing polls from the loop: a sub-millisecond asyncio sleep lasts a whole
+    millisecond (epoll's timeout resolution), four times what 100 MiB takes over NVLink."""
 
-    __slots__ = ("work", "tensor", "_done", "_error")
+    __slots__ = ("work", "tensor", "event", "done", "_error")
 
-    def __init__(self, work, tensor: torch.Tensor, watch: bool):
+    def __init__(self, work, tensor: torch.Tensor, event, loop: asyncio.AbstractEventLoop):
         self.work = work
         self.tensor = tensor
-        self._done: threading.Event | None = None
-        self._error: Exception | None = None
-        if watch:
-            self._done = threading.Event()
-            threading.Thread(target=self._wait, daemon=True, name="kv-gloo-wait").start()
+        self.event = event                   # device collectives: passes when the operation has
+        self.done = loop.create_future()     # gloo (event None): known by waiting on the work
+        self._error: str | None = None
 
-    def _wait(self) -> None:
+    def settle(self, error: str | None) -> None:
+        """Event-loop side of the watcher's notice."""
+        self._error = error
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def wait_blocking(self) -> str | None:
+        """Watcher thread: block until the operation has finished; its error, if any."""
         try:
-            self.work.wait(timedelta(seconds=JOIN_TIMEOUT_S))
+            if self.event is not None:
+                self.event.synchronize()     # releases the GIL; a blocking-sync event sleeps, not spins
+            else:
+                self.work.wait(timedelta(seconds=JOIN_TIMEOUT_S))
         except Exception as exc:             # timed out, or the peer went away
-            self._error = exc
-        self._done.set()
+            return str(exc) or type(exc).__name__
+        return None
 
     def completed(self) -> bool:
-        return self._done.is_set() if self._done is not None else self.work.is_completed()
+        return self.done.done()
 
     def result(self) -> None:
-        if self._done is None:
-            self.work.wait()
-        elif self._error is not None:
-            raise RuntimeError(str(self._error))
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        if self.event is not None:
+            self.work.wait()                 # raises if the collective failed (aborted, peer gone)
 
 
 def make_group(collective: str, store, rank: int, timeout: float):
@@ -661,8 +697,7 @@ class OutgoingTransfer:
         self.next_block = 0
         self.pieces = 0
         self.opened = time.perf_counter()
-        self.ended = False
-        self._keep: list[torch.Tensor] = []  # sent tensors stay alive until the transfer ends
+        self.ended = False                   # (the pair keeps each sent tensor until its send completes)
 
     def _left(self) -> float:
         return self.deadline - asyncio.get_running_loop().time()
@@ -713,7 +748,6 @@ class OutgoingTransfer:
                 raise KVTransferError(f"KV send to {self.sender.address} failed on {ctl.pair.collective}: "
                                       f"{exc}", Code.UNAVAILABLE) from exc
             raise
-        self._keep.append(data)
         self.next_block += num_blocks
         self.pieces += 1
 
@@ -771,7 +805,6 @@ class OutgoingTransfer:
         if not self.ended:
             self.ended = True
             self.control.acks.pop(self.transfer.transfer_id, None)
-            self._keep.clear()
 
 
 async def _say_abandon(control: _SenderControl, tid: str, reason: str) -> None:

@@ -134,8 +134,11 @@ class PrefillWorker(EngineWorker):
         pieces: asyncio.Queue = asyncio.Queue()
         kv, device = self.llm.runner.kv_cache, self.llm.runner.device
         num_blocks = -(-len(prompt) // self.llm.block_manager.block_size)
+        last_forward = [0.0]                  # wall clock when the prompt's last forward ended
 
         def on_kv(first_block: int, block_ids: list[int]) -> None:    # engine thread, after a step
+            if first_block + len(block_ids) == num_blocks:
+                last_forward[0] = time.time()
             try:
                 item = (pack_blocks_on_device(kv, block_ids), len(block_ids), record_ready(device))
             except Exception as exc:
@@ -152,10 +155,10 @@ class PrefillWorker(EngineWorker):
                 raise streaming.exception()   # refused or broken: no point finishing the prefill
             out = await prefill
             first_token = out.new_token_ids[0]
-            prefill_done = time.time()
             t1 = time.perf_counter()
             outgoing = await streaming
-            stats = await outgoing.finish(first_token, {"prefill_done_unix": repr(prefill_done), "request_id": rid})
+            stats = await outgoing.finish(first_token, {"prefill_done_unix": repr(last_forward[0] or time.time()),
+                                                        "request_id": rid})
         except KVTransferError as exc:
             raise self._push_failed(handoff, exc) from exc
         finally:

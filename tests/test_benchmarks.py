@@ -271,10 +271,10 @@ def test_offline_smoke_through_transformers_generates_the_same_token_count(tmp_p
     assert r["roofline"]["roofline_fraction"] > 0
 
 
-def test_kv_smoke_measures_grpc_against_a_loopback_socket(tmp_path):
-    data = _bench(tmp_path, "kv", "--smoke", "--tokens", "20")         # one size: each spawns 4 processes
+def test_kv_smoke_measures_grpc_and_direct_against_their_references(tmp_path):
+    data = _bench(tmp_path, "kv", "--smoke", "--tokens", "20", "--backends", "grpc,direct")   # each spawns processes
     rows = data["results"]["transfers"]
-    assert [(t["backend"], t["tokens"], t["tokens_in_blocks"]) for t in rows] == [("grpc", 20, 32)]
+    assert [(t["backend"], t["tokens"], t["tokens_in_blocks"]) for t in rows] == [("grpc", 20, 32), ("direct", 20, 32)]
     per_token = data["results"]["kv_bytes_per_token"]
     assert per_token == 30 * 2 * 3 * 64 * 2                   # SmolLM2-135M, bf16
     for t in rows:
@@ -284,6 +284,12 @@ def test_kv_smoke_measures_grpc_against_a_loopback_socket(tmp_path):
         assert lat["p99"] is None or lat["best"] <= lat["p50"] <= lat["p99"]
         assert t["fraction_of_reference"] == pytest.approx(t["bandwidth_bytes_per_s"]
                                                            / t["reference"]["bandwidth_bytes_per_s"])
+    direct = rows[1]                 # gloo between two processes on the CPU, as between two workers
+    assert direct["backend_config"]["collective"] == "gloo" and direct["backend_config"]["processes"] == 2
+    assert len(direct["latency_s"]["samples"]) == len(direct["from_ready"]["latency_s"]["samples"]) == 3
+    assert 0 < direct["from_ready"]["latency_s"]["p50"] and direct["pipelined"]["transfers_in_flight"] >= 2
+    assert direct["pipelined"]["fraction_of_reference"] == pytest.approx(
+        direct["pipelined"]["bytes_per_s"] / direct["reference"]["bandwidth_bytes_per_s"])
 
 
 def test_serve_smoke_launches_1p1d_and_reports_every_request(tmp_path):
