@@ -68,9 +68,10 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, hold_kv: bool = False, on_kv=None) -> str:
         """Queue a request. With hold_kv its KV blocks outlive it until `release` (handoff).
-        `on_kv(first_block, block_ids)` is called on the engine thread, right after the step
-        whose forward was the last to write them (its device work queued, not finished), with
-        the prompt blocks that became final, in order, each once (streamed handoff)."""
+        `on_kv(first_block, block_ids, first_token)` is called on the engine thread, right after
+        the step whose forward was the last to write them (its device work queued, maybe not
+        finished), with the prompt blocks that became final, in order, each once (streamed
+        handoff); `first_token` is the token that step sampled once the prompt is done, else None."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
@@ -150,7 +151,7 @@ class LLMEngine:
         if out.is_empty:
             return []
         sampled = self.runner.execute(out)
-        self._emit_kv(out)                  # before postprocess frees a finished prefill's blocks
+        self._emit_kv(out, sampled)         # before postprocess frees a finished prefill's blocks
         self.scheduler.postprocess(out, sampled)
         self.last_step_seconds = time.perf_counter() - t0
         outputs = []
@@ -160,11 +161,12 @@ class LLMEngine:
             outputs.append(self._emit(item.seq.request_id))
         return outputs
 
-    def _emit_kv(self, out) -> None:
+    def _emit_kv(self, out, sampled: list[int | None]) -> None:
         """Pass each streamed request the prompt blocks this step made final: the full ones
-        its prefill has covered, and the last, partial one once the prompt is done."""
+        its prefill has covered, and the last, partial one once the prompt is done, with the
+        token sampled after it."""
         bs = self.block_manager.block_size
-        for item in out.scheduled:
+        for item, token in zip(out.scheduled, sampled, strict=True):
             seq = item.seq
             if seq.on_kv is None:
                 continue
@@ -174,7 +176,7 @@ class LLMEngine:
                 continue
             first, seq.kv_emitted = seq.kv_emitted, final
             try:
-                seq.on_kv(first, list(seq.block_table[first:final]))
+                seq.on_kv(first, list(seq.block_table[first:final]), token if done == seq.num_prompt_tokens else None)
             except Exception:
                 log.exception("the KV listener of request %s failed; it gets no more blocks", seq.request_id)
                 seq.on_kv = None

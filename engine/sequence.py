@@ -52,7 +52,7 @@ class Sequence:
         self.num_preemptions = 0
         self.sampling_seed = params.seed
         self.hold_kv = False                # keep blocks after finishing (prefill awaiting handoff)
-        self.on_kv = None                   # on_kv(first_block, block_ids): prompt blocks made final
+        self.on_kv = None                   # on_kv(first_block, block_ids, first_token): prompt blocks made final
         self.kv_emitted = 0                 # prompt blocks already passed to on_kv
 
     def __len__(self) -> int:

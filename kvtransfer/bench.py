@@ -338,11 +338,15 @@ async def _direct_receive(conn, device: str, total_bytes: int, tids: list[str], 
         failed[tid] = why
         settled.set()
 
-    async with _decode_side(device, max_staged) as (pending, port, _):
+    async with _decode_side(device, max_staged) as (pending, port, receiver):
         for tid in tids:
             pending.expect(tid, total_bytes, 600.0, on_complete, on_fail)
         conn.send(port)
         await asyncio.wait_for(settled.wait(), 600.0)
+        for _ in range(600):                 # the last DONE goes out; the sender closes the pair
+            if not receiver.pairs:
+                break
+            await asyncio.sleep(0.05)
     conn.send({"landed": landed, "failed": failed, "bytes_equal": all(checked) and bool(checked)})
 
 
@@ -384,8 +388,8 @@ async def _direct_send(port: int, device: str, total_bytes: int, plan: dict) -> 
     async def ahead(tid: str) -> None:
         out = await sender.open(descriptor(tid), timeout=120)
         ready[tid] = time.monotonic()
-        await out.piece(payload, out.num_blocks, None)
-        await out.finish(1)
+        await out.piece(payload, out.num_blocks, None, first_token=1)
+        await out.done()
 
     try:
         await sender.handshake(_direct_layout())
@@ -451,7 +455,7 @@ async def _streamed(sender, payload, device, prefill_flops: float, chunks: int) 
     """A stand-in prefill (matmuls of `prefill_flops`, in `chunks` steps) with the transfer
     streamed as the prefill worker streams it: opened as the compute starts; after each chunk
     has finished (seen by a thread waiting on its event, as the engine's step ends) its piece
-    goes to the sending task while the next chunk computes; the first token after the last.
+    goes to the sending task while the next chunk computes; the first token with the last.
     Returns when each round's last compute ended (`computed_at`); the caller adds when it landed."""
     import torch
 
@@ -477,9 +481,10 @@ async def _streamed(sender, payload, device, prefill_flops: float, chunks: int) 
             for _ in range(per_chunk):
                 torch.mm(a, a)
             at = await loop.run_in_executor(None, _wait_event, record_ready(device))
-            pieces.put_nowait((payload[bounds[i] * bb:bounds[i + 1] * bb], bounds[i + 1] - bounds[i]))
+            pieces.put_nowait((payload[bounds[i] * bb:bounds[i + 1] * bb], bounds[i + 1] - bounds[i],
+                               1 if i == chunks - 1 else None))
         out = await streaming
-        await out.finish(1)
+        await out.done()
         computed_at.append(at)
         prefill.append(at - t0)
     return {"chunks": chunks, "prefill_alone_s": alone, "prefill_while_streaming_s": statistics.median(prefill),
@@ -491,8 +496,8 @@ async def _send_pieces(opening, pieces: asyncio.Queue):
     """The prefill worker's sending task: each piece as it is handed over, in order."""
     out = await opening
     while out.next_block < out.num_blocks:
-        data, num_blocks = await pieces.get()
-        await out.piece(data, num_blocks, None)
+        data, num_blocks, first_token = await pieces.get()
+        await out.piece(data, num_blocks, None, first_token)
     return out
 
 

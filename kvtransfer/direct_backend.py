@@ -11,13 +11,16 @@ process group on it); `Session` is the control stream, on which transfers are mu
                                    the prefill worker opens when the prefill starts, so this
                                    round trip hides under the prefill compute
     PIECE, PIECE, ...              one per prefill chunk: those blocks' KV, final and packed on
-                                   the prefill device, follows on the communicator at once
-    FINISH (first token) -> DONE   every byte landed and went to the decode engine
+                                   the prefill device, follows on the communicator at once;
+                                   the last PIECE carries the first token (sampled in the step
+                                   that made its blocks final), or a FINISH follows with it
+    -> DONE                        every byte landed and went to the decode engine
 
 The bytes of each PIECE go on the communicator in the order of the PIECE messages: the
-sender posts its sends, and the receiver its receives, in that order, each from the pair's
-own thread and device stream (so they overlap the engines' compute). Any number of transfers
-may be open on a pair; their pieces interleave.
+sender posts its sends, and the receiver its receives, in that order, on the pair's own
+device stream (so they overlap the engines' compute); a watcher thread per pair tells the
+event loop when each has completed. Any number of transfers may be open on a pair; their
+pieces interleave.
 
 Faults: a transfer that does not land by its deadline (a stalled link, a sender that died)
 fails on the receiver -- its blocks are freed through the registry's on_fail -- and, when a
@@ -76,7 +79,8 @@ STALL_ENV = "BATON_KV_FAULT_STALL_S"
 
 
 class PairGroup:
-    """One two-rank communicator and the single thread that issues its operations."""
+    """One two-rank communicator with its own device stream, a thread that builds it (the
+    rendezvous blocks) and a thread that watches its operations complete."""
 
     def __init__(self, pair_id: str, collective: str, device: torch.device):
         if collective not in COLLECTIVES:
@@ -90,19 +94,21 @@ class PairGroup:
         self.control: asyncio.Task | None = None   # the receiver's control stream handler
         self.in_flight = 0                       # transfers open on the pair (receiver side)
         self.last_used = time.monotonic()
+        # the pair's operations go on a stream of their own: collectives wait for the posting
+        # thread's current stream, and on the default one they would queue behind whatever
+        # compute the engine has launched; high priority, so its kernels go first when SMs free up
+        self.stream = None if device.type == "cpu" else getattr(torch, device.type).Stream(device, priority=-1)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{collective}-{pair_id[:8]}",
                                           initializer=self._bind_device)
         self._watching: queue.SimpleQueue[Posted | None] = queue.SimpleQueue()   # posted, not yet seen done
         self._watcher: threading.Thread | None = None
 
     def _bind_device(self) -> None:
-        """The pair's thread works on the pair's device, on a stream of its own: collectives
-        wait for the issuing thread's current stream, and on the default stream they would
-        queue behind whatever prefill compute the engine has launched."""
-        if self.device.type != "cpu":      # high priority: its kernels go first when SMs free up
+        """The set-up thread works on the pair's device, on the pair's stream."""
+        if self.stream is not None:
             accel = getattr(torch, self.device.type)
             accel.set_device(self.device)
-            accel.set_stream(accel.Stream(self.device, priority=-1))
+            accel.set_stream(self.stream)
 
     async def _on_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -134,26 +140,30 @@ class PairGroup:
             raise
 
     # -- transfers ----------------------------------------------------------------------------
-    async def post_send(self, tensor: torch.Tensor, after=None) -> Posted:
+    # Operations are posted from the event loop's thread: posting only enqueues work on the
+    # pair's stream (a few tens of microseconds), where a hop to another thread and back costs
+    # a few hundred on a lone transfer's critical path, at each end.
+    def post_send(self, tensor: torch.Tensor, after=None) -> Posted:
         """Post the send of a packed uint8 tensor (once `after`, a device event, has passed)."""
-        def post():
-            if after is not None:           # the engine packed it on its own stream
-                getattr(torch, self.device.type).current_stream().wait_event(after)
-            return self._issued(self.pg.send([tensor], 1, 0))
-        return self._track(*await self._on_thread(post), tensor)
+        return self._post(lambda: self.pg.send([tensor], 1, 0), tensor, after)
 
-    async def post_recv(self, tensor: torch.Tensor) -> Posted:
-        return self._track(*await self._on_thread(lambda: self._issued(self.pg.recv([tensor], 0, 0))), tensor)
+    def post_recv(self, tensor: torch.Tensor) -> Posted:
+        return self._post(lambda: self.pg.recv([tensor], 0, 0), tensor)
 
-    def _issued(self, work):
-        """Pair thread, right after posting: on a device, an event that passes when the operation
-        has (the pair's stream waits for it; nothing waits on the host)."""
-        if self.device.type == "cpu":
-            return work, None
-        work.wait()
-        event = getattr(torch, self.device.type).Event(blocking=True)
-        event.record()
-        return work, event
+    def _post(self, op, tensor: torch.Tensor, after=None) -> Posted:
+        if self.pg is None:
+            raise RuntimeError(f"KV pair {self.pair_id} is closed: {self.broken}")
+        if self.stream is None:
+            return self._track(op(), None, tensor)
+        accel = getattr(torch, self.device.type)
+        with accel.stream(self.stream):
+            if after is not None:            # the engine packed it on its own stream
+                self.stream.wait_event(after)
+            work = op()
+            work.wait()                      # the pair's stream waits for it (the host does not)
+            event = accel.Event(blocking=True)   # passes when the operation has
+            event.record(self.stream)
+        return self._track(work, event, tensor)
 
     def _track(self, work, event, tensor: torch.Tensor) -> Posted:
         """Hand the operation to the pair's watcher thread, which keeps it and its tensor alive
@@ -292,6 +302,10 @@ def _refused(tid: str, code: grpc.StatusCode, reason: str) -> Ack:
     return Ack(kind=Ack.KIND_REFUSED, transfer_id=tid, reason=reason, code=code.value[0])
 
 
+def _strings(extra: dict | None) -> dict[str, str]:
+    return {k: str(v) for k, v in (extra or {}).items()}
+
+
 def _code(number: int) -> grpc.StatusCode:
     return next((c for c in grpc.StatusCode if c.value[0] == number), Code.UNKNOWN)
 
@@ -387,7 +401,7 @@ class _Control:
             if buffer is None or piece.first_block + piece.num_blocks > num_blocks:
                 raise ProtocolError(f"a piece of transfer {tid!r}, which is not open on this pair")
             # into its old buffer, which nothing reads any more (no new device memory)
-            await self.pair.post_recv(buffer[piece.first_block * bb:(piece.first_block + piece.num_blocks) * bb])
+            self.pair.post_recv(buffer[piece.first_block * bb:(piece.first_block + piece.num_blocks) * bb])
             if piece.first_block + piece.num_blocks == num_blocks:
                 self._remember(tid, num_blocks, None)
             return
@@ -396,10 +410,16 @@ class _Control:
             raise ProtocolError(f"transfer {tid}: a piece of blocks [{piece.first_block}, "
                                 f"{piece.first_block + piece.num_blocks}) where [{inc.next_block}, ...) of "
                                 f"{inc.num_blocks} was due{'' if inc.ready else ', before READY'}")
+        last = piece.HasField("first_token")
+        if last and piece.first_block + piece.num_blocks != inc.num_blocks:
+            raise ProtocolError(f"transfer {tid}: the first token came with blocks [{piece.first_block}, "
+                                f"{piece.first_block + piece.num_blocks}) of {inc.num_blocks}, not with the last")
         view = inc.t.buffer[piece.first_block * bb:(piece.first_block + piece.num_blocks) * bb]
-        inc.works.append(await self.pair.post_recv(view))
+        inc.works.append(self.pair.post_recv(view))
         inc.parts.append((piece.first_block, piece.num_blocks, view))
         inc.next_block += piece.num_blocks
+        if last:                             # lands as soon as these bytes have
+            self._spawn(inc, self._land(tid, inc, piece.first_token, dict(piece.extra)))
 
     async def on_finish(self, fin) -> None:
         tid = fin.transfer_id
@@ -684,8 +704,9 @@ class _SenderControl:
 
 
 class OutgoingTransfer:
-    """A transfer open on a pair: send its blocks piece by piece as they become final, then
-    `finish` with the first token. Any failure ends it; `abandon` gives it up."""
+    """A transfer open on a pair: send its blocks piece by piece as they become final, the
+    first token with the last piece (or in `finish`), then `done` waits for the decode
+    worker's word. Any failure ends it; `abandon` gives it up."""
 
     def __init__(self, sender: DirectKVSender, control: _SenderControl, transfer: TransferDescriptor,
                  num_blocks: int, deadline: float):
@@ -698,6 +719,7 @@ class OutgoingTransfer:
         self.pieces = 0
         self.opened = time.perf_counter()
         self.ended = False                   # (the pair keeps each sent tensor until its send completes)
+        self.token_sent = False
 
     def _left(self) -> float:
         return self.deadline - asyncio.get_running_loop().time()
@@ -710,30 +732,40 @@ class OutgoingTransfer:
             self._end()
             raise item if isinstance(item, KVTransferError) else KVTransferError(item.reason, _code(item.code))
 
-    async def piece(self, data: torch.Tensor, num_blocks: int, after=None) -> None:
+    async def piece(self, data: torch.Tensor, num_blocks: int, after=None, first_token: int | None = None,
+                    extra: dict[str, str] | None = None) -> None:
         """Send the next `num_blocks` blocks, packed in `data` (a uint8 tensor on this device,
-        final once the device event `after` has passed)."""
+        final once the device event `after` has passed). With `first_token` this is the last
+        piece and the token travels with it: the decode side lands the transfer as soon as these
+        bytes have, and `done` waits for its word (no `finish`)."""
         if self.ended:
             raise KVTransferError(f"transfer {self.transfer.transfer_id} has ended", Code.FAILED_PRECONDITION)
         self._refused()
         nbytes = num_blocks * self.sender.block_bytes
+        end = self.next_block + num_blocks
         if data.dtype != torch.uint8 or data.device != self.sender.device or data.numel() != nbytes \
-                or not data.is_contiguous() or self.next_block + num_blocks > self.num_blocks or num_blocks < 1:
+                or not data.is_contiguous() or end > self.num_blocks or num_blocks < 1 \
+                or (first_token is not None and end != self.num_blocks):
             self.abandon("payload mismatch")
             raise KVTransferError(f"a piece of {num_blocks} blocks must be {nbytes} contiguous uint8 bytes on "
                                   f"{self.sender.device}, got {data.numel()} {data.dtype} on {data.device}; the "
-                                  f"descriptor promised {self.num_blocks} blocks, {self.next_block} sent",
+                                  f"descriptor promised {self.num_blocks} blocks, {self.next_block} sent"
+                                  f"{'; the first token goes with the last piece' if first_token is not None else ''}",
                                   Code.INVALID_ARGUMENT)
+        msg = kvtransfer_pb2.DirectPiece(transfer_id=self.transfer.transfer_id, first_block=self.next_block,
+                                         num_blocks=num_blocks)
+        if first_token is not None:
+            msg.first_token = first_token
+            msg.extra.update(_strings(extra))
         ctl = self.control
         announced = False
         try:
             async with asyncio.timeout(self._left()), ctl.order:
-                await ctl.write(Msg(piece=kvtransfer_pb2.DirectPiece(
-                    transfer_id=self.transfer.transfer_id, first_block=self.next_block, num_blocks=num_blocks)))
+                await ctl.write(Msg(piece=msg))
                 announced = True
                 if self.sender.stall_s:
                     await self._stall()
-                await ctl.pair.post_send(data, after)
+                ctl.pair.post_send(data, after)
                 announced = False
         except BaseException as exc:
             why = f"piece {self.pieces} of transfer {self.transfer.transfer_id} failed: {exc!r}"
@@ -748,8 +780,9 @@ class OutgoingTransfer:
                 raise KVTransferError(f"KV send to {self.sender.address} failed on {ctl.pair.collective}: "
                                       f"{exc}", Code.UNAVAILABLE) from exc
             raise
-        self.next_block += num_blocks
+        self.next_block = end
         self.pieces += 1
+        self.token_sent = first_token is not None
 
     async def _stall(self) -> None:
         """Fault injection: hold the announced bytes back, as a stalled device link would."""
@@ -760,17 +793,35 @@ class OutgoingTransfer:
         raise self.control.lost
 
     async def finish(self, first_token: int, extra: dict[str, str] | None = None) -> SendStats:
-        """Send the first token; returns once every byte landed and went to the decode engine."""
+        """Send the first token after the last piece; returns once every byte landed and went
+        to the decode engine."""
         tid = self.transfer.transfer_id
-        if self.ended:
-            raise KVTransferError(f"transfer {tid} has ended", Code.FAILED_PRECONDITION)
+        if self.ended or self.token_sent:
+            raise KVTransferError(f"transfer {tid} has ended or has its first token", Code.FAILED_PRECONDITION)
         if self.next_block != self.num_blocks:
             self.abandon("finished early")
             raise KVTransferError(f"transfer {tid} finished with {self.next_block} of {self.num_blocks} blocks "
                                   "sent", Code.INVALID_ARGUMENT)
         try:
             await self.control.write(Msg(finish=kvtransfer_pb2.DirectFinish(
-                transfer_id=tid, first_token=first_token, extra={k: str(v) for k, v in (extra or {}).items()})))
+                transfer_id=tid, first_token=first_token, extra=_strings(extra))))
+        except KVTransferError:
+            self._fail("the control stream broke")
+            raise
+        except BaseException:
+            self.abandon("cancelled")
+            raise
+        self.token_sent = True
+        return await self.done()
+
+    async def done(self) -> SendStats:
+        """Once the first token went (with the last piece, or `finish`): wait until every byte
+        landed and went to the decode engine."""
+        tid = self.transfer.transfer_id
+        if self.ended or not self.token_sent:
+            raise KVTransferError(f"transfer {tid} has ended or has not sent its first token",
+                                  Code.FAILED_PRECONDITION)
+        try:
             ack = await self.control.next_ack(tid, self._left())
         except TimeoutError:
             self._fail(f"transfer {tid} timed out")
@@ -955,8 +1006,8 @@ class DirectKVSender(KVSender):
             if not isinstance(payload, torch.Tensor):
                 raise KVTransferError(f"the direct backend sends a uint8 tensor on {self.device}, got "
                                       f"{type(payload).__name__}", Code.INTERNAL)
-            await out.piece(payload, out.num_blocks, record_ready(self.device))
-            return await out.finish(first_token, extra)
+            await out.piece(payload, out.num_blocks, record_ready(self.device), first_token, extra)
+            return await out.done()
         except BaseException as exc:
             out.abandon(f"the send failed: {exc}")
             raise

@@ -9,7 +9,7 @@ Direct backend (device to device), streamed: the transfer opens when the request
 so the decode worker stages it while the prefill runs. After each prefill step the engine
 packs the prompt blocks that step made final into a device buffer (on its own stream, no
 wait) and the sender sends them at once, overlapping the next chunk's compute; the first
-token follows the last piece. No block is held past the prefill.
+token goes with the last piece. No block is held past the prefill.
 
 Abort, deadline or a failed push ends the request with a status and nothing held; a streamed
 transfer is abandoned, so the decode worker frees its blocks at once.
@@ -134,13 +134,12 @@ class PrefillWorker(EngineWorker):
         pieces: asyncio.Queue = asyncio.Queue()
         kv, device = self.llm.runner.kv_cache, self.llm.runner.device
         num_blocks = -(-len(prompt) // self.llm.block_manager.block_size)
-        last_forward = [0.0]                  # wall clock when the prompt's last forward ended
 
-        def on_kv(first_block: int, block_ids: list[int]) -> None:    # engine thread, after a step
-            if first_block + len(block_ids) == num_blocks:
-                last_forward[0] = time.time()
+        def on_kv(first_block: int, block_ids: list[int], first_token: int | None) -> None:   # engine thread
+            # the last piece carries the first token and when the prompt's last forward ended
+            extra = None if first_token is None else {"prefill_done_unix": repr(time.time()), "request_id": rid}
             try:
-                item = (pack_blocks_on_device(kv, block_ids), len(block_ids), record_ready(device))
+                item = (pack_blocks_on_device(kv, block_ids), len(block_ids), record_ready(device), first_token, extra)
             except Exception as exc:
                 item = KVTransferError(f"packing the KV of {rid} failed: {exc}", grpc.StatusCode.INTERNAL)
             loop.call_soon_threadsafe(pieces.put_nowait, item)
@@ -154,11 +153,13 @@ class PrefillWorker(EngineWorker):
             if streaming.done() and streaming.exception() is not None:
                 raise streaming.exception()   # refused or broken: no point finishing the prefill
             out = await prefill
-            first_token = out.new_token_ids[0]
             t1 = time.perf_counter()
             outgoing = await streaming
-            stats = await outgoing.finish(first_token, {"prefill_done_unix": repr(last_forward[0] or time.time()),
-                                                        "request_id": rid})
+            if outgoing.token_sent:
+                stats = await outgoing.done()
+            else:                             # the engine passed no token with the last blocks
+                stats = await outgoing.finish(out.new_token_ids[0], {"prefill_done_unix": repr(time.time()),
+                                                                     "request_id": rid})
         except KVTransferError as exc:
             raise self._push_failed(handoff, exc) from exc
         finally:
@@ -170,8 +171,8 @@ class PrefillWorker(EngineWorker):
 
     async def _stream(self, address: str, transfer: TransferDescriptor, pieces: asyncio.Queue,
                       timeout: float) -> OutgoingTransfer:
-        """Open the transfer and send every piece the engine hands over; the first token is
-        left for the caller to finish with."""
+        """Open the transfer and send every piece the engine hands over, the last one with the
+        first token; the caller waits for the decode worker's word."""
         sender = await self.sender_for(address, timeout)
         outgoing = await sender.open(transfer, timeout)
         try:
@@ -179,8 +180,7 @@ class PrefillWorker(EngineWorker):
                 item = await pieces.get()
                 if isinstance(item, BaseException):
                     raise item
-                data, n, ready = item
-                await outgoing.piece(data, n, ready)
+                await outgoing.piece(*item)
         except BaseException as exc:
             outgoing.abandon(f"{exc!r}" if not isinstance(exc, asyncio.CancelledError) else "prefill aborted")
             raise

@@ -161,18 +161,23 @@ def test_unknown_model_or_option_is_a_clear_error():
 
 def test_streamed_kv_passes_each_prompt_block_once_in_order_as_its_chunk_ends(embedded_source, prompt_ids):
     """on_kv (the device-direct handoff's source) gets every prompt block exactly once, in
-    order, chunk by chunk, with its final KV already written: the pieces, packed when they
-    were passed, equal the blocks the finished request holds."""
+    order, chunk by chunk, with its final KV already written, and the first token with the
+    last: the pieces, packed when they were passed, equal the blocks the finished request holds."""
     from kvtransfer.blocks import pack_blocks
     llm = LLM(embedded_source.name, max_num_batched_tokens=24, num_kv_blocks=64, block_size=8)
     e = llm.engine
     prompt = max(prompt_ids, key=len)
-    pieces = []
-    e.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id="s", hold_kv=True,
-                  on_kv=lambda first, ids: pieces.append((first, ids, pack_blocks(e.runner.kv_cache, ids))))
+    pieces, tokens = [], []
+
+    def on_kv(first, ids, token):
+        pieces.append((first, ids, pack_blocks(e.runner.kv_cache, ids)))
+        tokens.append(token)
+    e.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id="s", hold_kv=True, on_kv=on_kv)
+    outs = []
     while e.has_unfinished:
-        e.step()
+        outs += e.step()
     held = e.held["s"].block_table
+    assert tokens[:-1] == [None] * (len(tokens) - 1) and [tokens[-1]] == outs[-1].new_token_ids   # with the last
     assert len(pieces) == -(-len(prompt) // 24) > 1                 # one piece per chunk
     assert [first for first, _, _ in pieces] == [0, *itertools.accumulate(len(ids) for _, ids, _ in pieces[:-1])]
     assert [b for _, ids, _ in pieces for b in ids] == held          # each block once, in order

@@ -268,6 +268,7 @@ def test_a_stalled_device_transfer_ends_the_request_and_frees_blocks_on_both_sid
 
 
 def test_pieces_streamed_while_another_transfer_goes_through_land_bit_exact():
+    """a streams in three pieces, the first token riding on the last; b is sent whole, then FINISH."""
     src = kv(10, seed=4)
     a_blocks, b_blocks = [9, 0, 4, 7, 2, 5], [1, 3]
     dst, a_into, b_into = torch.zeros_like(src), [0, 1, 2, 3, 4, 5], [8, 9]
@@ -283,8 +284,8 @@ def test_pieces_streamed_while_another_transfer_goes_through_land_bit_exact():
             await b.piece(pack_blocks_on_device(src, b_blocks), 2)                # b, all at once
             b_stats = await b.finish(7)
             await a.piece(pack_blocks_on_device(src, a_blocks[2:5]), 3)
-            await a.piece(pack_blocks_on_device(src, a_blocks[5:]), 1)
-            a_stats = await a.finish(8, {"request_id": "a"})
+            await a.piece(pack_blocks_on_device(src, a_blocks[5:]), 1, first_token=8, extra={"request_id": "a"})
+            a_stats = await a.done()                           # no FINISH: the token came with the bytes
             return landed, a_stats, b_stats, list(receiver.pairs), pending.stats()
     landed, a_stats, b_stats, pairs, stats = run(main())
     assert sorted(landed.completed) == ["a", "b"] and not landed.failed and len(pairs) == 1
@@ -295,6 +296,26 @@ def test_pieces_streamed_while_another_transfer_goes_through_land_bit_exact():
     unpack_blocks(dst, b_into, landed.completed["b"][0])
     assert torch.equal(dst[:, :, a_into], src[:, :, a_blocks]) and torch.equal(dst[:, :, b_into], src[:, :, b_blocks])
     assert stats.active == 0 and stats.staged_bytes == 0
+
+
+def test_a_first_token_before_the_last_piece_is_refused_and_the_transfer_freed():
+    src = kv(3, seed=8)
+    n = LAYOUT.payload_nbytes(3)
+
+    async def main():
+        async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:
+            pending.expect("early", n, 20, landed.on_complete, landed.on_fail)
+            out = await sender.open(TransferDescriptor("early", nbytes=n))
+            with pytest.raises(KVTransferError) as early:
+                await out.piece(pack_blocks_on_device(src, [0, 1]), 2, first_token=4)
+            for _ in range(200):                                 # the abandon reaches the receiver
+                if "early" in landed.failed:
+                    break
+                await asyncio.sleep(0.01)
+            return early.value, landed, pending.stats()
+    early, landed, stats = run(main())
+    assert early.code == Code.INVALID_ARGUMENT and "first token goes with the last piece" in str(early)
+    assert "early" in landed.failed and stats.active == 0 and stats.staged_bytes == 0
 
 
 def test_abandoned_cancelled_and_short_transfers_free_at_once_and_the_pair_stays_in_step():
@@ -333,7 +354,11 @@ def test_abandoned_cancelled_and_short_transfers_free_at_once_and_the_pair_stays
     assert stats.active == 0 and stats.staged_bytes == 0
 
 
-def test_a_malformed_piece_closes_the_pair_and_fails_its_transfers():
+@pytest.mark.parametrize("piece, says", [
+    (dict(first_block=1, num_blocks=1), "blocks [1, 2)"),                           # skips block 0
+    (dict(first_block=0, num_blocks=1, first_token=3), "not with the last"),       # token before the end
+])
+def test_a_malformed_piece_closes_the_pair_and_fails_its_transfers(piece, says):
     n = LAYOUT.payload_nbytes(2)
 
     async def main():
@@ -342,7 +367,7 @@ def test_a_malformed_piece_closes_the_pair_and_fails_its_transfers():
             pending.expect("next", n, 20, landed.on_complete, landed.on_fail)
             await sender.open(TransferDescriptor("victim", nbytes=n))
             await sender.control.write(kvtransfer_pb2.DirectMessage(piece=kvtransfer_pb2.DirectPiece(
-                transfer_id="victim", first_block=1, num_blocks=1)))    # skips block 0
+                transfer_id="victim", **piece)))
             for _ in range(200):                                 # both ends hear of it asynchronously
                 if "victim" in landed.failed and sender.control.lost is not None:
                     break
@@ -351,7 +376,7 @@ def test_a_malformed_piece_closes_the_pair_and_fails_its_transfers():
             await sender.send(TransferDescriptor("next", nbytes=n), pack_blocks_on_device(kv(2, seed=7), [0, 1]), 1)
             return landed, lost, pending.stats()
     landed, lost, stats = run(main())
-    assert "victim" in landed.failed and lost is not None and "blocks [1, 2)" in str(lost)
+    assert "victim" in landed.failed and lost is not None and says in str(lost)
     assert "next" in landed.completed and stats.active == 0 and stats.staged_bytes == 0
 
 

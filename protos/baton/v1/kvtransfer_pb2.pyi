@@ -179,14 +179,25 @@ class DirectOpen(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class DirectPiece(_message.Message):
-    __slots__ = ("transfer_id", "first_block", "num_blocks")
+    __slots__ = ("transfer_id", "first_block", "num_blocks", "first_token", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     first_block: int
     num_blocks: int
-    def __init__(self, transfer_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    first_token: int
+    extra: _containers.ScalarMap[str, str]
+    def __init__(self, transfer_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_token: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DirectFinish(_message.Message):
     __slots__ = ("transfer_id", "first_token", "extra")

@@ -189,8 +189,9 @@ class KVDirectServicer:
     def Session(self, request_iterator, context):
         """The pair's control stream, open as long as the pair: it opens with `hello`, which the
         receiver accepts with a READY carrying no transfer id. Transfers are multiplexed on it,
-        each OPEN -> READY (staged, may come while the prefill still runs) -> PIECE ... -> FINISH
-        (the first token) -> DONE (landed and handed to the decode engine), or REFUSED. The bytes
+        each OPEN -> READY (staged, may come while the prefill still runs) -> PIECE ... -> the
+        first token, on the last PIECE or in a FINISH -> DONE (landed and handed to the decode
+        engine), or REFUSED. The bytes
         of each PIECE travel on the communicator in the order of the PIECE messages: the sender
         posts its sends, and the receiver its receives, in that order.
         """
