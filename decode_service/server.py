@@ -159,15 +159,14 @@ class DecodeWorker(EngineWorker):
         self.metrics.kv_transfer_bytes.labels("in").inc(nbytes)
 
         def join(llm: LLMEngine):
-            out = self._join(llm, r, payload, first_token)
+            try:
+                out = self._join(llm, r, payload, first_token)
+            except Exception as exc:
+                self.engine.loop.call_soon_threadsafe(
+                    r.queue.put_nowait, KVFailed(f"could not join the transferred KV: {exc}"))
+                return
             self.engine.deliver(out)
-        fut = asyncio.ensure_future(self.engine.call(join))
-        fut.add_done_callback(lambda f: self._join_failed(r, f))
-
-    def _join_failed(self, r: DecodeRequest, fut: asyncio.Future) -> None:
-        exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
-        if exc is not None:
-            r.queue.put_nowait(KVFailed(f"could not join the transferred KV: {exc}"))
+        self.engine.submit(join)         # queued now, not a loop turn later: the engine joins it between steps
 
     def _on_kv_fail(self, transfer_id: str, reason: str) -> None:
         rid = self.by_transfer.pop(transfer_id, None)
