@@ -38,7 +38,7 @@ for step in $STEPS; do
     tp)     timeout 200 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=100 \
               tests/test_platform_cuda.py -k "${TP_TESTS:-tp2}" 2>&1 | tail -60 | tee "$OUT/tp.txt" ;;
     direct) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \
-              -k "${DIRECT_TESTS:-nccl}" 2>&1 | tail -30 | tee "$OUT/direct.txt" ;;
+              -k "${DIRECT_TESTS:-nccl or pieces}" 2>&1 | tail -30 | tee "$OUT/direct.txt" ;;
     b3)     for b in ${B3_BACKENDS:-direct grpc}; do     # qwen3-8b KV: 147 KiB a token
               if [ $b = direct ]; then sizes=512,2048,8192,32768 iters=10; else sizes=512,2048,8192 iters=5; fi
               timeout 150 python3 -m engine.cli bench kv --backends $b --device cuda:0 --peer-device cuda:1 \
