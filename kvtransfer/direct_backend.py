@@ -805,11 +805,8 @@ class OutgoingTransfer:
         try:
             await self.control.write(Msg(finish=kvtransfer_pb2.DirectFinish(
                 transfer_id=tid, first_token=first_token, extra=_strings(extra))))
-        except KVTransferError:
-            self._fail("the control stream broke")
-            raise
-        except BaseException:
-            self.abandon("cancelled")
+        except BaseException as exc:
+            self._interrupted(exc)
             raise
         self.token_sent = True
         return await self.done()
@@ -827,17 +824,22 @@ class OutgoingTransfer:
             self._fail(f"transfer {tid} timed out")
             raise KVTransferError(f"KV transfer {tid} to {self.sender.address} was not confirmed in time",
                                   Code.DEADLINE_EXCEEDED) from None
-        except KVTransferError:
-            self._fail("the control stream broke")
-            raise
-        except BaseException:
-            self.abandon("cancelled")
+        except BaseException as exc:
+            self._interrupted(exc)
             raise
         self._end()
         if ack.kind != Ack.KIND_DONE:
             raise KVTransferError(ack.reason or "the decode worker refused the KV", _code(ack.code))
         return SendStats(nbytes=self.transfer.nbytes, chunks=self.pieces,
                          seconds=time.perf_counter() - self.opened)
+
+    def _interrupted(self, exc: BaseException) -> None:
+        """End the transfer after a control-stream call failed: a broken stream may have left the
+        pair out of step (close it); anything else (a cancellation) gives the transfer up."""
+        if isinstance(exc, KVTransferError):
+            self._fail("the control stream broke")
+        else:
+            self.abandon("cancelled")
 
     def abandon(self, reason: str) -> None:
         """Give the transfer up: the receiver frees it now, not at its deadline."""
