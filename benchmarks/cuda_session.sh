@@ -5,6 +5,7 @@
 #   bash benchmarks/cuda_session.sh            # all steps
 #   STEPS="parity graphs" bash benchmarks/cuda_session.sh
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
+# (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 set -uo pipefail
 export PYTHONPATH="$PWD:$PWD/protos" PYTHONUNBUFFERED=1 BATON_PRESET_TOKENIZER="$PWD/.carry/tokenizer"
 if [ -d .carry/whl ]; then    # the stubs need the grpcio/protobuf they were generated with
@@ -42,7 +43,8 @@ for step in $STEPS; do
     b3)     for b in ${B3_BACKENDS:-direct grpc}; do     # qwen3-8b KV: 147 KiB a token
               if [ $b = direct ]; then sizes=512,2048,8192,32768 iters=10; else sizes=512,2048,8192 iters=5; fi
               timeout 150 python3 -m engine.cli bench kv --backends $b --device cuda:0 --peer-device cuda:1 \
-                --model qwen3-8b --tokens $sizes --iters $iters --output "$OUT/b3-$b.json" 2>&1 | tee "$OUT/b3-$b.log" \
+                --model qwen3-8b --tokens $sizes --iters $iters --output "$OUT/b3-$b${B3_TAG:-}.json" 2>&1 \
+                | tee "$OUT/b3-$b${B3_TAG:-}.log" \
                 | grep "^\[bench\] "
             done ;;
     b2)     for ds in ${B2_DATASETS:-prefill-heavy decode-heavy}; do     # 1P1D vs 2 colocated replicas, qwen3-8b
@@ -50,8 +52,8 @@ for step in $STEPS; do
               else load="--output-len 128:384 --request-rates ${B2_DH_RATES:-8,32} --num-prompts ${B2_DH_PROMPTS:-64}"; fi
               timeout ${B2_TIMEOUT:-280} python3 -m engine.cli bench serve --topologies ${B2_TOPOLOGIES:-1p1d,2colocated} \
                 --model qwen3-8b --prefill-devices cuda:0 --decode-devices cuda:1 --worker-args "--kv-backend direct" \
-                --dataset $ds $load --slo-ttft-ms 1000 --slo-tpot-ms 50 --output "$OUT/b2-$ds.json" 2>&1 \
-                | tee "$OUT/b2-$ds.log" | grep "^\[bench\]" | tail -24
+                --dataset $ds $load --slo-ttft-ms 1000 --slo-tpot-ms 50 --output "$OUT/b2-$ds${B2_TAG:-}.json" 2>&1 \
+                | tee "$OUT/b2-$ds${B2_TAG:-}.log" | grep "^\[bench\]" | tail -24
             done ;;
   esac
 done

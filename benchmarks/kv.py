@@ -134,6 +134,7 @@ class DirectDevices:
                    "samples": r["seconds"]}
         bw = nbytes / latency["p50"]
         ov, st, pipe, ready = r.get("overlap"), r.get("streamed"), r["pipelined"], r["from_ready"]["seconds"]
+        steady = r["sustained"]
         ref_bw = ref["bytes_per_s"]
         return {"latency_s": latency, "bandwidth_bytes_per_s": bw,
                 "reference": {"name": self.reference, "bandwidth_bytes_per_s": ref_bw,
@@ -143,9 +144,12 @@ class DirectDevices:
                 "from_ready": {"latency_s": {"p50": percentile(ready, 50), "p99": percentile(ready, 99),
                                              "samples": ready},
                                "fraction_of_reference": nbytes / percentile(ready, 50) / ref_bw},
-                # several transfers in flight on the pair (as under load): control overlaps bytes
+                # a burst of transfers at once on the pair: control overlaps bytes
                 "pipelined": {**pipe, "fraction_of_reference": pipe["bytes_per_s"] / ref_bw},
-                "backend_config": {"collective": r["collective"], "src": self.src, "dst": self.dst,
+                # the pair's bandwidth under steady load: many transfers through a window
+                "sustained": {**steady, "fraction_of_reference": steady["bytes_per_s"] / ref_bw},
+                "backend_config": {"collective": r["collective"], "communicator": r["communicator"],
+                                   "src": self.src, "dst": self.dst,
                                    "processes": r["processes"]},
                 "overlap_with_prefill": {"streams_during_prefill": True,
                                          "per": f"prefill chunk of {self.chunk_tokens} tokens",
@@ -191,8 +195,13 @@ def _print_row(r: dict) -> None:
               f"{ready['fraction_of_reference']:.2f} of the reference", file=sys.stderr, flush=True)
     pipe = r.get("pipelined")
     if pipe:
-        print(f"[bench]   {pipe['transfers_in_flight']} in flight: {pipe['bytes_per_s'] / 1e9:.3f} GB/s = "
+        print(f"[bench]   {pipe['transfers_in_flight']} at once: {pipe['bytes_per_s'] / 1e9:.3f} GB/s = "
               f"{pipe['fraction_of_reference']:.2f} of the reference", file=sys.stderr, flush=True)
+    steady = r.get("sustained")
+    if steady:
+        print(f"[bench]   sustained, {steady['transfers']} through a window of {steady['window']}: "
+              f"{steady['bytes_per_s'] / 1e9:.3f} GB/s = {steady['fraction_of_reference']:.2f} of the reference",
+              file=sys.stderr, flush=True)
     st = (r.get("overlap_with_prefill") or {}).get("streamed")
     if st:
         print(f"[bench]   streamed over {st['chunks']} prefill chunk(s) of {st['prefill_alone_s'] * 1e3:.1f} ms in "

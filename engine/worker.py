@@ -6,6 +6,7 @@ engine runs on its own thread (AsyncEngine); everything here runs on the event l
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 
@@ -18,6 +19,11 @@ from engine.llm_engine import LLMEngine
 from engine.metrics import Metrics
 from engine.worker_config import WorkerConfig
 from kvtransfer.layout import KVLayout
+
+# The engine thread and the event loop share the GIL; a thread that wants it back waits out
+# the holder's switch interval (Python's default is 5 ms, about one decode step of an 8B model),
+# so under load a step's launch and a request's handover can each wait that long. Milliseconds.
+GIL_SWITCH_ENV = "BATON_GIL_SWITCH_MS"
 
 
 class EngineWorker:
@@ -36,6 +42,8 @@ class EngineWorker:
 
     async def start(self) -> Server:
         t0 = time.perf_counter()
+        if os.environ.get(GIL_SWITCH_ENV):
+            sys.setswitchinterval(float(os.environ[GIL_SWITCH_ENV]) / 1e3)
         print(f"[baton] {self.cfg.role}: loading {self.cfg.engine.model} on {self.cfg.engine.device}",
               file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()

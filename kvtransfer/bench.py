@@ -192,6 +192,7 @@ def measure_grpc_loopback(total_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYT
 # -- the direct backend -----------------------------------------------------------------------------
 PIPELINE_BYTES = 8 << 30        # staging the pipelined measure may take on the receiving device
 ROUNDS = 3                      # pipelined and streamed measures: best / median of this many
+SUSTAINED_FACTOR = 4            # the sustained measure: this many windows' worth of transfers
 
 
 def measure_direct(total_bytes: int, src_device: str, dst_device: str, repeats: int = 3,
@@ -203,8 +204,12 @@ def measure_direct(total_bytes: int, src_device: str, dst_device: str, repeats: 
       - `seconds`: a lone transfer, open -> landed (its open round trip included);
       - `from_ready`: a lone transfer opened ahead, as the prefill worker opens one when the
         prefill starts: the KV is ready -> landed (what is left after the prefill);
-      - `pipelined`: several transfers in flight on the pair, as under load: first open -> last
+      - `pipelined`: a burst of several transfers at once on the pair: first open -> last
         landed, bytes per second;
+      - `sustained`: the pair's bandwidth under steady load, SUSTAINED_FACTOR bursts' worth of
+        transfers through a window of that many in flight (each opens when a slot frees, as
+        prefills finishing one after another would): first open -> last landed, bytes per
+        second -- the burst's start-up (an OPEN round trip, a PIECE's travel) paid once;
       - on an accelerator with `overlap`, `overlap`: a transfer beside unrelated compute, and,
         given `prefill_flops` (the prefill that makes this KV), `streamed`: that prefill as
         `chunks` chunks of bf16 matmuls, each chunk's piece announced once its compute is
@@ -226,11 +231,15 @@ def measure_direct(total_bytes: int, src_device: str, dst_device: str, repeats: 
     seconds = [landed[f"cold-{i}"] - sent["opened"][f"cold-{i}"] for i in range(repeats)]
     from_ready = [landed[f"ahead-{i}"] - sent["ready"][f"ahead-{i}"] for i in range(repeats)]
     took = min(max(landed[f"pipe-{r}-{i}"] for i in range(depth)) - sent["pipe_start"][r] for r in range(ROUNDS))
+    n = depth * SUSTAINED_FACTOR
+    steady = min(max(landed[f"sus-{r}-{i}"] for i in range(n)) - sent["sustained_start"][r] for r in range(ROUNDS))
     result = {"seconds": seconds, "median_s": statistics.median(seconds), "best_s": min(seconds),
               "from_ready": {"seconds": from_ready, "median_s": statistics.median(from_ready)},
               "done_seconds": sent["done_seconds"],
               "pipelined": {"transfers_in_flight": depth, "seconds": took, "bytes_per_s": depth * total_bytes / took},
-              "collective": sent["collective"], "src": src_device, "dst": dst_device, "processes": 2}
+              "sustained": {"transfers": n, "window": depth, "seconds": steady, "bytes_per_s": n * total_bytes / steady},
+              "collective": sent["collective"], "communicator": sent["communicator"], "src": src_device,
+              "dst": dst_device, "processes": 2}
     if "overlap" in sent:
         result["overlap"] = sent["overlap"]
     st = sent.get("streamed")
@@ -247,7 +256,8 @@ def _direct_tids(plan: dict) -> list[str]:
     """Every transfer the measurement makes, in order (the receiver expects them all)."""
     tids = ["warm-up"] + [f"cold-{i}" for i in range(plan["repeats"])] + \
         [f"ahead-{i}" for i in range(plan["repeats"])] + \
-        [f"pipe-{r}-{i}" for r in range(ROUNDS) for i in range(plan["depth"])]
+        [f"pipe-{r}-{i}" for r in range(ROUNDS) for i in range(plan["depth"])] + \
+        [f"sus-{r}-{i}" for r in range(ROUNDS) for i in range(plan["depth"] * SUSTAINED_FACTOR)]
     if plan["overlap"]:
         tids.append("overlap")
     if plan["prefill_flops"] > 0:
@@ -372,7 +382,7 @@ async def _direct_send(port: int, device: str, total_bytes: int, plan: dict) -> 
 
     src = torch.device(device)
     payload = _pattern(total_bytes, src)
-    opened, ready, done_seconds, pipe_start = {}, {}, [], []
+    opened, ready, done_seconds, pipe_start, sustained_start = {}, {}, [], [], []
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     sender = DirectKVSender(channel, f"127.0.0.1:{port}", src)
 
@@ -401,8 +411,17 @@ async def _direct_send(port: int, device: str, total_bytes: int, plan: dict) -> 
             pipe_start.append(time.monotonic())
             await asyncio.gather(*(sender.send(descriptor(f"pipe-{r}-{i}"), payload, 1, timeout=120)
                                    for i in range(plan["depth"])))
+        async def windowed(tid: str, window: asyncio.Semaphore) -> None:
+            async with window:
+                await sender.send(descriptor(tid), payload, 1, timeout=120)
+        for r in range(ROUNDS):
+            window = asyncio.Semaphore(plan["depth"])
+            sustained_start.append(time.monotonic())
+            await asyncio.gather(*(windowed(f"sus-{r}-{i}", window)
+                                   for i in range(plan["depth"] * SUSTAINED_FACTOR)))
         result = {"opened": opened, "ready": ready, "done_seconds": done_seconds, "pipe_start": pipe_start,
-                  "collective": sender.collective}
+                  "sustained_start": sustained_start,
+                  "collective": sender.collective, "communicator": sender.pair.comm.name}
         if plan["overlap"]:
             result["overlap"] = await _overlap(one, src, statistics.median(done_seconds))
         if plan["prefill_flops"] > 0:

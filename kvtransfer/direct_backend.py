@@ -20,7 +20,10 @@ The bytes of each PIECE go on the communicator in the order of the PIECE message
 sender posts its sends, and the receiver its receives, in that order, on the pair's own
 device stream (so they overlap the engines' compute); a watcher thread per pair tells the
 event loop when each has completed. Any number of transfers may be open on a pair; their
-pieces interleave.
+pieces interleave. Messages (and acks) queued while the stream's previous write is under way
+go out together in one write (`Outbox`), so under load control costs one round per batch,
+not one per message. On GPUs the pair calls NCCL directly (kvtransfer.nccl): posting an
+operation costs microseconds instead of the 110-160 us of ProcessGroupNCCL.
 
 Faults: a transfer that does not land by its deadline (a stalled link, a sender that died)
 fails on the receiver -- its blocks are freed through the registry's on_fail -- and, when a
@@ -45,7 +48,6 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -76,11 +78,14 @@ PAIR_IDLE_S = 600.0            # a pair unused this long is closed (its sender r
 # Fault injection for tests and drills: a sender holds each piece this many seconds between
 # announcing it and sending its bytes, as a stalled device link would.
 STALL_ENV = "BATON_KV_FAULT_STALL_S"
+# "torch" posts NCCL operations through ProcessGroupNCCL instead of calling NCCL directly
+# (a comparison, or a way around an NCCL library that ctypes cannot use)
+NCCL_ENV = "BATON_KV_NCCL"
 
 
 class PairGroup:
-    """One two-rank communicator with its own device stream, a thread that builds it (the
-    rendezvous blocks) and a thread that watches its operations complete."""
+    """One two-rank communicator with its own device stream, and a thread that watches its
+    operations complete."""
 
     def __init__(self, pair_id: str, collective: str, device: torch.device):
         if collective not in COLLECTIVES:
@@ -88,30 +93,18 @@ class PairGroup:
         self.pair_id = pair_id
         self.collective = collective
         self.device = device
-        self.pg = None
+        self.comm = None                         # _NcclComm or TorchGroup, once joined
         self.store = None
         self.broken: str | None = None          # why the pair can no longer be used
         self.control: asyncio.Task | None = None   # the receiver's control stream handler
         self.in_flight = 0                       # transfers open on the pair (receiver side)
         self.last_used = time.monotonic()
-        # the pair's operations go on a stream of their own: collectives wait for the posting
-        # thread's current stream, and on the default one they would queue behind whatever
-        # compute the engine has launched; high priority, so its kernels go first when SMs free up
+        # the pair's operations go on a stream of their own: on the default one they would queue
+        # behind whatever compute the engine has launched; high priority, so its kernels go
+        # first when SMs free up
         self.stream = None if device.type == "cpu" else getattr(torch, device.type).Stream(device, priority=-1)
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{collective}-{pair_id[:8]}",
-                                          initializer=self._bind_device)
         self._watching: queue.SimpleQueue[Posted | None] = queue.SimpleQueue()   # posted, not yet seen done
         self._watcher: threading.Thread | None = None
-
-    def _bind_device(self) -> None:
-        """The set-up thread works on the pair's device, on the pair's stream."""
-        if self.stream is not None:
-            accel = getattr(torch, self.device.type)
-            accel.set_device(self.device)
-            accel.set_stream(self.stream)
-
-    async def _on_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     # -- set-up -----------------------------------------------------------------------------
     def host_store(self, host: str) -> int:
@@ -121,46 +114,53 @@ class PairGroup:
         return self.store.port
 
     async def join(self, rank: int, host: str = "", port: int = 0, timeout: float = JOIN_TIMEOUT_S) -> None:
-        """Build the process group (rank 1 on the store this end hosts, rank 0 as its client)."""
+        """Build the communicator (rank 1 on the store this end hosts, rank 0 as its client)."""
         def build():
+            if self.stream is not None:
+                getattr(torch, self.device.type).set_device(self.device)
             if self.store is None:
                 self.store = dist.TCPStore(host, port, 2, False, timeout=timedelta(seconds=timeout))
-            self.pg = make_group(self.collective, dist.PrefixStore(self.pair_id, self.store), rank, timeout)
+            comm = make_comm(self.collective, dist.PrefixStore(self.pair_id, self.store), rank, timeout)
             # one tiny exchange: communicators that connect lazily (NCCL, HCCL) connect now, so a
             # transfer's receive is posted without blocking, and the link is known to work
             probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
-            work = self.pg.send([probe], 1, 0) if rank == 0 else self.pg.recv([probe], 0, 0)
-            work.wait()
-            if self.device.type != "cpu":
-                getattr(torch, self.device.type).synchronize(self.device)
+            work = comm.send(probe, self.stream) if rank == 0 else comm.recv(probe, self.stream)
+            if work is not None:
+                work.wait()
+            if self.stream is not None:
+                self.stream.synchronize()
+            return comm
         try:
-            await asyncio.wait_for(self._on_thread(build), timeout)
+            # on a daemon thread: a peer that never joins must not keep this process from exiting
+            self.comm = await asyncio.wait_for(_on_daemon_thread(build, f"kv-join-{self.pair_id[:8]}"), timeout)
         except Exception as exc:
             self.close(f"could not build the {self.collective} communicator of pair {self.pair_id}: {exc}")
             raise
 
     # -- transfers ----------------------------------------------------------------------------
     # Operations are posted from the event loop's thread: posting only enqueues work on the
-    # pair's stream (a few tens of microseconds), where a hop to another thread and back costs
-    # a few hundred on a lone transfer's critical path, at each end.
+    # pair's stream (a few microseconds with NCCL called directly), where a hop to another
+    # thread and back costs a few hundred on a lone transfer's critical path, at each end.
     def post_send(self, tensor: torch.Tensor, after=None) -> Posted:
         """Post the send of a packed uint8 tensor (once `after`, a device event, has passed)."""
-        return self._post(lambda: self.pg.send([tensor], 1, 0), tensor, after)
+        return self._post(True, tensor, after)
 
     def post_recv(self, tensor: torch.Tensor) -> Posted:
-        return self._post(lambda: self.pg.recv([tensor], 0, 0), tensor)
+        return self._post(False, tensor)
 
-    def _post(self, op, tensor: torch.Tensor, after=None) -> Posted:
-        if self.pg is None:
+    def _post(self, send: bool, tensor: torch.Tensor, after=None) -> Posted:
+        comm = self.comm
+        if comm is None:
             raise RuntimeError(f"KV pair {self.pair_id} is closed: {self.broken}")
         if self.stream is None:
-            return self._track(op(), None, tensor)
+            return self._track(comm.send(tensor, None) if send else comm.recv(tensor, None), None, tensor)
         accel = getattr(torch, self.device.type)
         with accel.stream(self.stream):
             if after is not None:            # the engine packed it on its own stream
                 self.stream.wait_event(after)
-            work = op()
-            work.wait()                      # the pair's stream waits for it (the host does not)
+            work = comm.send(tensor, self.stream) if send else comm.recv(tensor, self.stream)
+            if work is not None:
+                work.wait()                  # the pair's stream waits for it (the host does not)
             event = accel.Event(blocking=True)   # passes when the operation has
             event.record(self.stream)
         return self._track(work, event, tensor)
@@ -168,7 +168,8 @@ class PairGroup:
     def _track(self, work, event, tensor: torch.Tensor) -> Posted:
         """Hand the operation to the pair's watcher thread, which keeps it and its tensor alive
         until it completes (a pending gloo work that is dropped is cancelled, which would put
-        every later operation of the pair out of step) and then settles its `done`."""
+        every later operation of the pair out of step; a device buffer freed early would be
+        reused under the transfer) and then settles its `done`."""
         self.last_used = time.monotonic()
         loop = asyncio.get_running_loop()
         posted = Posted(work, tensor, event, loop)
@@ -181,11 +182,14 @@ class PairGroup:
 
     def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
         """Watcher thread: operations complete in the order they were posted (one communicator,
-        one stream), so waiting for them one after the other loses nothing."""
+        one stream), so waiting for them one after the other loses nothing. An operation that
+        ends because the communicator was aborted has failed, not completed."""
         if self.device.type != "cpu":
             getattr(torch, self.device.type).set_device(self.device)
         while (posted := self._watching.get()) is not None:
             error = posted.wait_blocking()
+            if error is None and self.broken is not None:
+                error = f"the pair was closed: {self.broken}"
             try:
                 loop.call_soon_threadsafe(posted.settle, error)
             except RuntimeError:             # the loop has closed: nobody is waiting any more
@@ -203,18 +207,16 @@ class PairGroup:
         self.last_used = time.monotonic()
 
     def close(self, reason: str, wait: float = 0.0) -> None:
-        """Abort the communicator (pending operations fail) and free its threads; `wait`: seconds
-        to let the abort finish (at shutdown; the event loop must not block on it otherwise)."""
+        """Abort the communicator (pending operations fail) and stop the watcher; `wait`:
+        seconds to let the abort finish (at shutdown; the event loop must not block on it
+        otherwise)."""
         if self.broken is None:
             self.broken = reason
-        pg, self.pg = self.pg, None
-        if pg is not None:
-            abort = getattr(pg, "abort", None) or getattr(pg, "shutdown", None)
-            if abort is not None:          # NCCL/HCCL: may block until in-flight kernels stop
-                t = threading.Thread(target=_quietly, args=(abort,), daemon=True)
-                t.start()
-                t.join(wait)
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        comm, self.comm = self.comm, None
+        if comm is not None:                 # NCCL/HCCL: may block until in-flight kernels stop
+            t = threading.Thread(target=_quietly, args=(comm.abort,), daemon=True)
+            t.start()
+            t.join(wait)
         self._watching.put(None)             # the watcher ends once what is posted has settled
         self.store = None
 
@@ -228,7 +230,7 @@ class Posted:
     __slots__ = ("work", "tensor", "event", "done", "_error")
 
     def __init__(self, work, tensor: torch.Tensor, event, loop: asyncio.AbstractEventLoop):
-        self.work = work
+        self.work = work                     # a torch.distributed work, or None (NCCL called directly)
         self.tensor = tensor
         self.event = event                   # device collectives: passes when the operation has
         self.done = loop.create_future()     # gloo (event None): known by waiting on the work
@@ -257,12 +259,97 @@ class Posted:
     def result(self) -> None:
         if self._error is not None:
             raise RuntimeError(self._error)
-        if self.event is not None:
+        if self.event is not None and self.work is not None:
             self.work.wait()                 # raises if the collective failed (aborted, peer gone)
 
 
+def _on_daemon_thread(fn, name: str) -> asyncio.Future:
+    """Run fn() on a fresh daemon thread; a future of its result on the running loop."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error):
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run():
+        try:
+            result, error = fn(), None
+        except BaseException as exc:
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:                 # the loop has closed
+            pass
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+class TorchGroup:
+    """A two-rank torch.distributed process group as a pair's communicator: gloo on the CPU,
+    HCCL on Ascend, and NCCL where its library cannot be called directly (`_NcclComm`)."""
+
+    def __init__(self, pg):
+        self.pg = pg
+        self.name = type(pg).__name__
+
+    def send(self, tensor: torch.Tensor, stream):
+        return self.pg.send([tensor], 1, 0)
+
+    def recv(self, tensor: torch.Tensor, stream):
+        return self.pg.recv([tensor], 0, 0)
+
+    def abort(self) -> None:
+        abort = getattr(self.pg, "abort", None) or getattr(self.pg, "shutdown", None)
+        if abort is not None:
+            abort()
+
+
+class _NcclComm:
+    """An NCCL communicator called directly (kvtransfer.nccl), with the pair's interface: send
+    and recv are stream-ordered and return no work."""
+
+    def __init__(self, comm, peer: int):
+        self.comm = comm
+        self.peer = peer
+        from kvtransfer import nccl
+        self.name = f"NCCL {nccl.version()}, called directly"
+
+    def send(self, tensor: torch.Tensor, stream):
+        self.comm.send(tensor, self.peer, stream)
+
+    def recv(self, tensor: torch.Tensor, stream):
+        self.comm.recv(tensor, self.peer, stream)
+
+    def abort(self) -> None:
+        self.comm.abort()
+
+
+_warned_nccl = False
+
+
+def make_comm(collective: str, store, rank: int, timeout: float):
+    """A two-rank communicator of `collective` on `store`, without touching the default group.
+    NCCL is called directly (kvtransfer.nccl: a few microseconds a call, where ProcessGroupNCCL
+    takes over a hundred); its id travels over the store."""
+    global _warned_nccl
+    if collective == "nccl" and os.environ.get(NCCL_ENV, "direct") != "torch":
+        from kvtransfer import nccl
+        try:
+            nccl.library()
+        except nccl.NcclUnavailable as exc:
+            if not _warned_nccl:
+                log.warning("calling NCCL through ProcessGroupNCCL (more host time per transfer): %s", exc)
+                _warned_nccl = True
+        else:
+            if rank == 0:
+                store.set("nccl-id", nccl.unique_id())
+            return _NcclComm(nccl.Communicator(bytes(store.get("nccl-id")), rank, 2), peer=1 - rank)
+    return TorchGroup(make_group(collective, store, rank, timeout))
+
+
 def make_group(collective: str, store, rank: int, timeout: float):
-    """A two-rank process group of `collective` on `store`, without touching the default group."""
+    """A two-rank process group of `collective` on `store`."""
     td = timedelta(seconds=timeout)
     if collective == "gloo":
         return dist.ProcessGroupGloo(store, rank, 2, td)
@@ -310,6 +397,56 @@ def _code(number: int) -> grpc.StatusCode:
     return next((c for c in grpc.StatusCode if c.value[0] == number), Code.UNKNOWN)
 
 
+class Outbox:
+    """The writes of one control stream. A gRPC stream takes one write at a time, and waiting
+    for each in turn made a message pay for every one queued before it (under load, dozens of
+    OPENs and PIECEs); here what is put while a write is under way goes out together in the
+    next one, in order (`batch` wraps several), and an idle stream writes at once. A message
+    may come with `then`, run once its write has gone out, in the order of the messages (the
+    sender posts a PIECE's bytes there: the PIECE is on its way first, and sends are posted in
+    the order of their PIECEs)."""
+
+    def __init__(self, write, batch, on_error):
+        self._write = write
+        self._batch = batch
+        self._on_error = on_error
+        self._queued: list = []              # (message, then)
+        self._task: asyncio.Task | None = None
+        self.closed = False
+        self.messages = self.writes = 0      # how well it coalesces
+
+    def put(self, msg, then=None) -> None:
+        if self.closed:
+            return
+        self._queued.append((msg, then))
+        if self._task is None:              # (not an eager task: grpc.aio's write fails in one)
+            self._task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            while self._queued:
+                queued, self._queued = self._queued, []
+                msgs = [m for m, _ in queued]
+                self.messages += len(msgs)
+                self.writes += 1
+                await self._write(msgs[0] if len(msgs) == 1 else self._batch(msgs))
+                for _, then in queued:
+                    if then is not None:
+                        then()
+        except Exception as exc:             # the stream (or the pair, in a `then`) broke: nothing more goes
+            self.closed = True
+            self._queued.clear()
+            self._on_error(exc)
+        finally:
+            self._task = None
+
+    def close(self) -> None:
+        self.closed = True
+        self._queued.clear()
+        if self._task is not None:
+            self._task.cancel()
+
+
 # -- decode side ---------------------------------------------------------------------------------
 @dataclass(eq=False)
 class _Incoming:
@@ -335,34 +472,40 @@ class _Control:
         self.open: dict[str, _Incoming] = {}
         # transfers that ended here -> (block count, their buffer while pieces may still come)
         self.ended: OrderedDict[str, tuple[int, torch.Tensor | None]] = OrderedDict()
-        self._write_lock = asyncio.Lock()
+        self.outbox = Outbox(self.context.write, lambda acks: Ack(batch=acks), self._write_failed)
 
-    async def write(self, ack: Ack) -> None:
-        async with self._write_lock:
-            await self.context.write(ack)
+    def say(self, ack: Ack) -> None:
+        self.outbox.put(ack)
+
+    def _write_failed(self, exc: BaseException) -> None:
+        # the stream went away: the sender will know, and this stream's handler ends with it
+        log.debug("KV pair %s: could not write an ack: %s", self.pair.pair_id, exc)
 
     def _spawn(self, inc: _Incoming, coro) -> None:
         task = asyncio.ensure_future(coro)
         inc.tasks.append(task)
         task.add_done_callback(inc.tasks.remove)
 
-    async def handle(self, msg) -> None:
+    def handle(self, msg, batched: bool = False) -> None:
         kind = msg.WhichOneof("kind")
         if kind == "open":
-            await self.on_open(msg.open)
+            self.on_open(msg.open)
         elif kind == "piece":
-            await self.on_piece(msg.piece)
+            self.on_piece(msg.piece)
         elif kind == "finish":
-            await self.on_finish(msg.finish)
+            self.on_finish(msg.finish)
+        elif kind == "batch" and not batched:
+            for m in msg.batch.messages:
+                self.handle(m, batched=True)
         elif kind == "abandon":
             tid = msg.abandon.transfer_id
             self.end(tid, f"the prefill worker gave it up: {msg.abandon.reason}", Code.ABORTED)
             if tid in self.ended:            # nothing more comes for it: let its buffer go
                 self._remember(tid, self.ended[tid][0], None)
         else:
-            raise ProtocolError(f"unexpected control message {kind!r}")
+            raise ProtocolError(f"unexpected control message {kind!r}{' in a batch' if batched else ''}")
 
-    async def on_open(self, op) -> None:
+    def on_open(self, op) -> None:
         tid, bb = op.transfer_id, self.r.block_bytes
         if tid in self.open or tid in self.ended:
             raise ProtocolError(f"transfer {tid!r} was opened twice on pair {self.pair.pair_id}")
@@ -375,7 +518,7 @@ class _Control:
             self.r.pending.claim(t, op.total_bytes)
         except TransferRejected as exc:
             self._remember(tid, 0, None)
-            await self.write(_refused(tid, exc.code, str(exc)))
+            self.say(_refused(tid, exc.code, str(exc)))
             return
         inc = _Incoming(t, op.total_bytes // bb)
         self.open[tid] = inc
@@ -391,9 +534,9 @@ class _Control:
             self.end(tid, str(exc), exc.code)
             return
         inc.ready = True
-        await self.write(Ack(kind=Ack.KIND_READY, transfer_id=tid))
+        self.say(Ack(kind=Ack.KIND_READY, transfer_id=tid))
 
-    async def on_piece(self, piece) -> None:
+    def on_piece(self, piece) -> None:
         tid, bb = piece.transfer_id, self.r.block_bytes
         inc = self.open.get(tid)
         if inc is None:                      # ended here (cancelled, abandoned): keep the pair in step
@@ -421,7 +564,7 @@ class _Control:
         if last:                             # lands as soon as these bytes have
             self._spawn(inc, self._land(tid, inc, piece.first_token, dict(piece.extra)))
 
-    async def on_finish(self, fin) -> None:
+    def on_finish(self, fin) -> None:
         tid = fin.transfer_id
         inc = self.open.get(tid)
         if inc is None:
@@ -451,9 +594,9 @@ class _Control:
         try:
             self.r.pending.complete(inc.t, first_token, extra, payload)
         except TransferRejected as exc:      # ended meanwhile (deadline, cancel), or the engine refused it
-            await self._tell(_refused(tid, exc.code, str(exc)))
+            self.say(_refused(tid, exc.code, str(exc)))
             return
-        await self._tell(Ack(kind=Ack.KIND_DONE, transfer_id=tid))
+        self.say(Ack(kind=Ack.KIND_DONE, transfer_id=tid))
 
     def overdue(self, tid: str) -> None:
         """At a transfer's deadline: the registry has failed it; unmatched receives close the pair."""
@@ -474,13 +617,7 @@ class _Control:
             if task is not asyncio.current_task():
                 task.cancel()
         if self.pair.control is not None and not self.pair.broken:
-            asyncio.ensure_future(self._tell(_refused(tid, code, reason)))
-
-    async def _tell(self, ack: Ack) -> None:
-        try:
-            await self.write(ack)
-        except Exception as exc:             # the stream went away meanwhile; the sender will know
-            log.debug("could not write %s: %s", ack.transfer_id, exc)
+            self.say(_refused(tid, code, reason))
 
     def _forget(self, tid: str) -> _Incoming | None:
         inc = self.open.pop(tid, None)
@@ -501,6 +638,7 @@ class _Control:
         """The control stream is over: every transfer still open on it fails."""
         for tid in list(self.open):
             self.end(tid, reason, Code.CANCELLED)
+        self.outbox.close()
 
 
 class ProtocolError(Exception):
@@ -603,9 +741,9 @@ class DirectKVReceiver(kvtransfer_pb2_grpc.KVDirectServicer):
         reason = "the prefill worker closed the pair's control stream"
         closed_here = None
         try:
-            await control.write(Ack(kind=Ack.KIND_READY))
+            control.say(Ack(kind=Ack.KIND_READY))
             async for msg in messages:
-                await control.handle(msg)
+                control.handle(msg)
         except ProtocolError as exc:
             log.warning("KV pair %s closed: %s", pair.pair_id, exc)
             reason = closed_here = str(exc)
@@ -649,8 +787,9 @@ class _SenderControl:
         self.acks: dict[str, asyncio.Queue] = {}
         self.lost: KVTransferError | None = None
         self.lost_event = asyncio.Event()
-        self.order = asyncio.Lock()          # PIECE message then its send, one piece at a time
-        self._write_lock = asyncio.Lock()
+        self.stalling = asyncio.Lock()       # fault injection: stalled pieces go one at a time, in order
+        self.outbox = Outbox(call.write, lambda msgs: Msg(batch=kvtransfer_pb2.DirectBatch(messages=msgs)),
+                              self._write_failed)
         self._reader = asyncio.ensure_future(self._read())
 
     @property
@@ -663,9 +802,10 @@ class _SenderControl:
                 ack = await self.call.read()
                 if ack is grpc.aio.EOF:
                     break
-                queue = self.acks.get(ack.transfer_id)
-                if queue is not None:
-                    queue.put_nowait(ack)
+                for a in ack.batch or (ack,):
+                    queue = self.acks.get(a.transfer_id)
+                    if queue is not None:
+                        queue.put_nowait(a)
             why = f"{(await self.call.code()).name}: {await self.call.details()}"
         except grpc.aio.AioRpcError as exc:
             why = f"{exc.code().name}: {exc.details()}"
@@ -681,15 +821,17 @@ class _SenderControl:
             for queue in self.acks.values():
                 queue.put_nowait(why)
 
-    async def write(self, msg) -> None:
+    def send(self, msg, then=None) -> None:
+        """Queue a control message (it goes out with the others queued meanwhile; `then` runs
+        once it has); raises if the stream is gone. A write that fails later fails every
+        transfer open on the pair."""
         if self.lost is not None:
             raise self.lost
-        try:
-            async with self._write_lock:
-                await self.call.write(msg)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
-            self.fail_all(KVTransferError(f"the KV control stream broke: {exc}", Code.UNAVAILABLE))
-            raise self.lost from None
+        self.outbox.put(msg, then)
+
+    def _write_failed(self, exc: BaseException) -> None:
+        """A write, or posting a written PIECE's send, failed: the pair is out of step."""
+        self.fail_all(KVTransferError(f"the KV control stream or pair broke: {exc}", Code.UNAVAILABLE))
 
     async def next_ack(self, tid: str, timeout: float):
         item = await asyncio.wait_for(self.acks[tid].get(), max(timeout, 0.0))
@@ -699,6 +841,7 @@ class _SenderControl:
 
     def close(self) -> None:
         self._reader.cancel()
+        self.outbox.close()
         if not self.call.done():
             self.call.cancel()
 
@@ -737,7 +880,9 @@ class OutgoingTransfer:
         """Send the next `num_blocks` blocks, packed in `data` (a uint8 tensor on this device,
         final once the device event `after` has passed). With `first_token` this is the last
         piece and the token travels with it: the decode side lands the transfer as soon as these
-        bytes have, and `done` waits for its word (no `finish`)."""
+        bytes have, and `done` waits for its word (no `finish`). Returns once the PIECE is
+        queued; its send is posted when the PIECE has gone out (a failure then fails the pair's
+        transfers, `done` included)."""
         if self.ended:
             raise KVTransferError(f"transfer {self.transfer.transfer_id} has ended", Code.FAILED_PRECONDITION)
         self._refused()
@@ -758,18 +903,23 @@ class OutgoingTransfer:
             msg.first_token = first_token
             msg.extra.update(_strings(extra))
         ctl = self.control
-        announced = False
+        queued = False
         try:
-            async with asyncio.timeout(self._left()), ctl.order:
-                await ctl.write(Msg(piece=msg))
-                announced = True
-                if self.sender.stall_s:
+            if self._left() <= 0:
+                raise TimeoutError()
+            if not self.sender.stall_s:
+                # the bytes are posted once the PIECE has gone out, in the order of the PIECEs
+                ctl.send(Msg(piece=msg), then=lambda: ctl.pair.post_send(data, after))
+            else:
+                async with asyncio.timeout(self._left()), ctl.stalling:   # one stalled piece at a time
+                    ctl.send(Msg(piece=msg))
+                    queued = True
                     await self._stall()
-                ctl.pair.post_send(data, after)
-                announced = False
+                    ctl.pair.post_send(data, after)
+                    queued = False
         except BaseException as exc:
             why = f"piece {self.pieces} of transfer {self.transfer.transfer_id} failed: {exc!r}"
-            if announced:                    # the receiver posted a receive that nothing will match
+            if queued:                       # the receiver will post a receive that nothing matches
                 self._fail(why)
             else:
                 self.abandon(why)
@@ -803,7 +953,7 @@ class OutgoingTransfer:
             raise KVTransferError(f"transfer {tid} finished with {self.next_block} of {self.num_blocks} blocks "
                                   "sent", Code.INVALID_ARGUMENT)
         try:
-            await self.control.write(Msg(finish=kvtransfer_pb2.DirectFinish(
+            self.control.send(Msg(finish=kvtransfer_pb2.DirectFinish(
                 transfer_id=tid, first_token=first_token, extra=_strings(extra))))
         except BaseException as exc:
             self._interrupted(exc)
@@ -846,8 +996,7 @@ class OutgoingTransfer:
         if self.ended:
             return
         self._end()
-        if self.control.alive:
-            asyncio.ensure_future(_say_abandon(self.control, self.transfer.transfer_id, reason))
+        _say_abandon(self.control, self.transfer.transfer_id, reason)
 
     def _fail(self, reason: str) -> None:
         """The pair may be out of step: close it (the receiver fails its open transfers)."""
@@ -860,11 +1009,9 @@ class OutgoingTransfer:
             self.control.acks.pop(self.transfer.transfer_id, None)
 
 
-async def _say_abandon(control: _SenderControl, tid: str, reason: str) -> None:
-    try:
-        await control.write(Msg(abandon=kvtransfer_pb2.DirectAbandon(transfer_id=tid, reason=reason)))
-    except KVTransferError:
-        pass                                 # the stream is gone: the receiver fails it anyway
+def _say_abandon(control: _SenderControl, tid: str, reason: str) -> None:
+    if control.alive:                        # (if the stream is gone, the receiver fails it anyway)
+        control.send(Msg(abandon=kvtransfer_pb2.DirectAbandon(transfer_id=tid, reason=reason)))
 
 
 class DirectKVSender(KVSender):
@@ -970,7 +1117,7 @@ class DirectKVSender(KVSender):
             # nothing of it was sent: the pair is fine, the receiver is told to let the transfer go
             if ctl is not None and ctl.alive:
                 ctl.acks.pop(tid, None)
-                asyncio.ensure_future(_say_abandon(ctl, tid, "the sender gave up waiting for READY"))
+                _say_abandon(ctl, tid, "the sender gave up waiting for READY")
             raise KVTransferError(f"KV transfer {tid} to {self.address} could not open within {timeout:g}s",
                                   Code.DEADLINE_EXCEEDED) from None
         except RuntimeError as exc:          # building the communicator failed (that pair is closed)
@@ -984,7 +1131,7 @@ class DirectKVSender(KVSender):
             raise KVTransferError(f"transfer {tid} is already open to {self.address}", Code.ALREADY_EXISTS)
         ctl.acks[tid] = asyncio.Queue()
         try:
-            await ctl.write(Msg(open=kvtransfer_pb2.DirectOpen(transfer_id=tid, total_bytes=transfer.nbytes,
+            ctl.send(Msg(open=kvtransfer_pb2.DirectOpen(transfer_id=tid, total_bytes=transfer.nbytes,
                                                                num_tokens=transfer.num_tokens)))
             ack = await ctl.next_ack(tid, deadline - asyncio.get_running_loop().time())
         except KVTransferError as exc:

@@ -290,6 +290,9 @@ def test_kv_smoke_measures_grpc_and_direct_against_their_references(tmp_path):
     assert 0 < direct["from_ready"]["latency_s"]["p50"] and direct["pipelined"]["transfers_in_flight"] >= 2
     assert direct["pipelined"]["fraction_of_reference"] == pytest.approx(
         direct["pipelined"]["bytes_per_s"] / direct["reference"]["bandwidth_bytes_per_s"])
+    steady = direct["sustained"]
+    assert steady["transfers"] > steady["window"] >= 2 and steady["fraction_of_reference"] == pytest.approx(
+        steady["bytes_per_s"] / direct["reference"]["bandwidth_bytes_per_s"])
 
 
 def test_serve_smoke_launches_1p1d_and_reports_every_request(tmp_path):

@@ -298,6 +298,49 @@ def test_pieces_streamed_while_another_transfer_goes_through_land_bit_exact():
     assert stats.active == 0 and stats.staged_bytes == 0
 
 
+def test_transfers_in_flight_share_control_writes_and_all_land_bit_exact():
+    """Under load the control stream coalesces: OPENs, PIECEs and acks queued while a write is
+    under way go out together, in order, and every transfer still lands on its own bytes."""
+    src = kv(32, seed=11)
+    n = LAYOUT.payload_nbytes(2)
+
+    async def main():
+        async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:
+            for i in range(16):
+                pending.expect(f"t{i}", n, 30, landed.on_complete, landed.on_fail)
+            await asyncio.gather(*(sender.send(TransferDescriptor(f"t{i}", nbytes=n),
+                                               pack_blocks_on_device(src, [2 * i, 2 * i + 1]), first_token=i)
+                                   for i in range(16)))
+            assert len(receiver.pairs) == 1
+            return landed, sender.control.outbox, pending.stats()
+    landed, outbox, stats = run(main())
+    assert sorted(landed.completed) == sorted(f"t{i}" for i in range(16)) and not landed.failed
+    for i in (0, 7, 15):
+        payload, first, _ = landed.completed[f"t{i}"]
+        dst = torch.zeros_like(src)
+        unpack_blocks(dst, [0, 1], payload)
+        assert first == i and torch.equal(dst[:, :, :2], src[:, :, 2 * i:2 * i + 2])
+    assert outbox.messages == 32 and outbox.writes < outbox.messages      # 16 OPENs + 16 PIECEs
+    assert stats.active == 0 and stats.staged_bytes == 0
+
+
+def test_a_hello_inside_a_batch_closes_the_pair():
+    async def main():
+        async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:
+            pending.expect("victim", LAYOUT.payload_nbytes(1), 20, landed.on_complete, landed.on_fail)
+            await sender.open(TransferDescriptor("victim", nbytes=LAYOUT.payload_nbytes(1)))
+            hello = kvtransfer_pb2.DirectMessage(hello=kvtransfer_pb2.DirectHello(pair_id="x"))
+            sender.control.send(kvtransfer_pb2.DirectMessage(batch=kvtransfer_pb2.DirectBatch(messages=[hello])))
+            for _ in range(200):
+                if "victim" in landed.failed and sender.control.lost is not None:
+                    break
+                await asyncio.sleep(0.01)
+            return landed, sender.control.lost, pending.stats()
+    landed, lost, stats = run(main())
+    assert "victim" in landed.failed and lost is not None and "in a batch" in str(lost)
+    assert stats.active == 0 and stats.staged_bytes == 0
+
+
 def test_a_first_token_before_the_last_piece_is_refused_and_the_transfer_freed():
     src = kv(3, seed=8)
     n = LAYOUT.payload_nbytes(3)
@@ -366,7 +409,7 @@ def test_a_malformed_piece_closes_the_pair_and_fails_its_transfers(piece, says):
             pending.expect("victim", n, 20, landed.on_complete, landed.on_fail)
             pending.expect("next", n, 20, landed.on_complete, landed.on_fail)
             await sender.open(TransferDescriptor("victim", nbytes=n))
-            await sender.control.write(kvtransfer_pb2.DirectMessage(piece=kvtransfer_pb2.DirectPiece(
+            sender.control.send(kvtransfer_pb2.DirectMessage(piece=kvtransfer_pb2.DirectPiece(
                 transfer_id="victim", **piece)))
             for _ in range(200):                                 # both ends hear of it asynchronously
                 if "victim" in landed.failed and sender.control.lost is not None:

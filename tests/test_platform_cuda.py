@@ -385,6 +385,26 @@ def test_streamed_pieces_pack_and_unpack_on_the_gpu_bit_exact():
     assert torch.equal(dst[:, :, into], kv[:, :, src])
 
 
+@pytest.mark.device
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU visible to torch")
+def test_the_nccl_binding_moves_bytes_and_aborts():
+    """kvtransfer.nccl, the direct KV backend's NCCL calls, on one GPU: a one-rank communicator
+    sends 72 MiB to itself (one group), then is aborted and refuses more work."""
+    from kvtransfer import nccl
+    comm = nccl.Communicator(nccl.unique_id(), 0, 1)
+    stream = torch.cuda.Stream(priority=-1)
+    src = (torch.arange(72 << 20, device="cuda") % 251).to(torch.uint8)
+    dst = torch.zeros_like(src)
+    torch.cuda.synchronize()
+    with comm.group():
+        comm.send(src, 0, stream)
+        comm.recv(dst, 0, stream)
+    stream.synchronize()
+    assert torch.equal(src, dst)
+    comm.abort()
+    with pytest.raises(RuntimeError, match="aborted"):
+        comm.send(src, 0, stream)
+
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (device-direct KV)")
 
@@ -395,6 +415,7 @@ def test_direct_kv_over_nccl_is_bit_exact_between_two_gpus():
     from kvtransfer.bench import measure_direct
     r = measure_direct(64 << 20, "cuda:0", "cuda:1", repeats=3, overlap=False)   # checks the bytes itself
     assert r["collective"] == "nccl" and len(r["seconds"]) == 3
+    assert "called directly" in r["communicator"]      # not through ProcessGroupNCCL
 
 
 @pytest.mark.device

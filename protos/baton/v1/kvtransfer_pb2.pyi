@@ -149,18 +149,26 @@ class ConnectResponse(_message.Message):
     def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., collective: _Optional[str] = ...) -> None: ...
 
 class DirectMessage(_message.Message):
-    __slots__ = ("hello", "open", "piece", "finish", "abandon")
+    __slots__ = ("hello", "open", "piece", "finish", "abandon", "batch")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
     ABANDON_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     hello: DirectHello
     open: DirectOpen
     piece: DirectPiece
     finish: DirectFinish
     abandon: DirectAbandon
-    def __init__(self, hello: _Optional[_Union[DirectHello, _Mapping]] = ..., open: _Optional[_Union[DirectOpen, _Mapping]] = ..., piece: _Optional[_Union[DirectPiece, _Mapping]] = ..., finish: _Optional[_Union[DirectFinish, _Mapping]] = ..., abandon: _Optional[_Union[DirectAbandon, _Mapping]] = ...) -> None: ...
+    batch: DirectBatch
+    def __init__(self, hello: _Optional[_Union[DirectHello, _Mapping]] = ..., open: _Optional[_Union[DirectOpen, _Mapping]] = ..., piece: _Optional[_Union[DirectPiece, _Mapping]] = ..., finish: _Optional[_Union[DirectFinish, _Mapping]] = ..., abandon: _Optional[_Union[DirectAbandon, _Mapping]] = ..., batch: _Optional[_Union[DirectBatch, _Mapping]] = ...) -> None: ...
+
+class DirectBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[DirectMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[DirectMessage, _Mapping]]] = ...) -> None: ...
 
 class DirectHello(_message.Message):
     __slots__ = ("pair_id",)
@@ -225,7 +233,7 @@ class DirectAbandon(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DirectAck(_message.Message):
-    __slots__ = ("kind", "transfer_id", "reason", "code")
+    __slots__ = ("kind", "transfer_id", "reason", "code", "batch")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[DirectAck.Kind]
@@ -240,8 +248,10 @@ class DirectAck(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     kind: DirectAck.Kind
     transfer_id: str
     reason: str
     code: int
-    def __init__(self, kind: _Optional[_Union[DirectAck.Kind, str]] = ..., transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., code: _Optional[int] = ...) -> None: ...
+    batch: _containers.RepeatedCompositeFieldContainer[DirectAck]
+    def __init__(self, kind: _Optional[_Union[DirectAck.Kind, str]] = ..., transfer_id: _Optional[str] = ..., reason: _Optional[str] = ..., code: _Optional[int] = ..., batch: _Optional[_Iterable[_Union[DirectAck, _Mapping]]] = ...) -> None: ...
