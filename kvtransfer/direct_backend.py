@@ -132,10 +132,14 @@ class PairGroup:
             return comm
         try:
             # on a daemon thread: a peer that never joins must not keep this process from exiting
-            self.comm = await asyncio.wait_for(_on_daemon_thread(build, f"kv-join-{self.pair_id[:8]}"), timeout)
+            comm = await asyncio.wait_for(_on_daemon_thread(build, f"kv-join-{self.pair_id[:8]}"), timeout)
         except Exception as exc:
             self.close(f"could not build the {self.collective} communicator of pair {self.pair_id}: {exc}")
             raise
+        if self.broken is not None:          # closed while it was being built
+            _abort_later(comm)
+            raise RuntimeError(f"KV pair {self.pair_id} was closed while it was built: {self.broken}")
+        self.comm = comm
 
     # -- transfers ----------------------------------------------------------------------------
     # Operations are posted from the event loop's thread: posting only enqueues work on the
@@ -213,10 +217,8 @@ class PairGroup:
         if self.broken is None:
             self.broken = reason
         comm, self.comm = self.comm, None
-        if comm is not None:                 # NCCL/HCCL: may block until in-flight kernels stop
-            t = threading.Thread(target=_quietly, args=(comm.abort,), daemon=True)
-            t.start()
-            t.join(wait)
+        if comm is not None:
+            _abort_later(comm).join(wait)
         self._watching.put(None)             # the watcher ends once what is posted has settled
         self.store = None
 
@@ -263,14 +265,25 @@ class Posted:
             self.work.wait()                 # raises if the collective failed (aborted, peer gone)
 
 
+def _abort_later(comm) -> threading.Thread:
+    """Abort a communicator on a thread of its own (NCCL/HCCL: it may block until in-flight
+    kernels stop, which the event loop must not)."""
+    t = threading.Thread(target=_quietly, args=(comm.abort,), daemon=True)
+    t.start()
+    return t
+
+
 def _on_daemon_thread(fn, name: str) -> asyncio.Future:
-    """Run fn() on a fresh daemon thread; a future of its result on the running loop."""
+    """Run fn() (which builds a communicator) on a fresh daemon thread; a future of its result
+    on the running loop. One built after its waiter gave up is aborted."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
     def settle(result, error):
         if not future.done():
             future.set_exception(error) if error is not None else future.set_result(result)
+        elif result is not None:
+            _abort_later(result)
 
     def run():
         try:
@@ -1132,7 +1145,7 @@ class DirectKVSender(KVSender):
         ctl.acks[tid] = asyncio.Queue()
         try:
             ctl.send(Msg(open=kvtransfer_pb2.DirectOpen(transfer_id=tid, total_bytes=transfer.nbytes,
-                                                               num_tokens=transfer.num_tokens)))
+                                                        num_tokens=transfer.num_tokens)))
             ack = await ctl.next_ack(tid, deadline - asyncio.get_running_loop().time())
         except KVTransferError as exc:
             ctl.acks.pop(tid, None)

@@ -4,7 +4,7 @@ the direct KV backend's GPU pairs.
 Why not `ProcessGroupNCCL`: posting one send or receive through it costs 110-160 us of host
 time (its work object, events, stream bookkeeping and watchdog entries), measured on two
 H200s; `ncclSend` / `ncclRecv` cost a few microseconds. A 72 MiB transfer moves in 0.2 ms over
-NVLink, so that cost, paid at both ends, was a third of a lone transfer's time. The pair
+NVLink, so that cost, paid at both ends, was a large share of a lone transfer's time. The pair
 needs nothing else from a process group: one communicator of two ranks, sends and receives
 on the pair's own stream, and an abort.
 
