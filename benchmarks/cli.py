@@ -11,13 +11,13 @@ import importlib
 import sys
 from pathlib import Path
 
-from benchmarks import record
+from baton.benchmarks import record
 
 # modules import lazily: `offline` must run where the serving stack's gRPC pieces don't
 BENCHMARKS = {
-    "offline": ("benchmarks.offline", "B1: offline throughput on the nano-vllm workload, with a roofline"),
-    "serve": ("benchmarks.serve", "B2: online serving sweep against a baton.v1.Router deployment"),
-    "kv": ("benchmarks.kv", "B3: KV-transfer latency and bandwidth per backend and request size"),
+    "offline": ("baton.benchmarks.offline", "B1: offline throughput on the nano-vllm workload, with a roofline"),
+    "serve": ("baton.benchmarks.serve", "B2: online serving sweep against a baton.v1.Router deployment"),
+    "kv": ("baton.benchmarks.kv", "B3: KV-transfer latency and bandwidth per backend and request size"),
 }
 
 

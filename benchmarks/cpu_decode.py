@@ -1,7 +1,7 @@
 """Single-stream and 16-stream generation speed on the CPU: Baton vs transformers.generate,
 same weights, same machine, one run (the foundation's CPU speed check).
 
-    python -m benchmarks.cpu_decode [--model smollm2-135m-instruct] [--new-tokens 64] [--threads 2]
+    python -m baton.benchmarks.cpu_decode [--model smollm2-135m-instruct] [--new-tokens 64] [--threads 2]
 
 Prompts: random token ids of --prompt-len tokens (equal lengths, so transformers needs no
 padding); greedy; ignore EOS. Reported: new tokens / wall time, median of --repeats runs.
@@ -14,8 +14,7 @@ import statistics
 import time
 
 import torch
-
-from engine import LLM, SamplingParams
+from baton.engine import LLM, SamplingParams
 
 
 def baton_rate(llm: LLM, prompts: list[list[int]], n: int) -> float:

@@ -24,17 +24,17 @@ for step in $STEPS; do
               | tail -30 | tee "$OUT/kernels.txt" ;;
     parity) BATON_TEST_DEVICE=cuda:0 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py \
               -k tiny_architectures 2>&1 | tail -4 | tee "$OUT/parity.txt" ;;
-    graphs) timeout 240 python3 -m benchmarks.decode_graphs --model qwen3-0.6b --batches 1,64,256 --breakdown \
+    graphs) timeout 240 python3 -m baton.benchmarks.decode_graphs --model qwen3-0.6b --batches 1,64,256 --breakdown \
               2>"$OUT/graphs.log" | tee "$OUT/graphs.jsonl" ;;
-    profile) timeout 150 python3 -m benchmarks.profile_steps --model qwen3-0.6b --batch 256 --context 512 \
+    profile) timeout 150 python3 -m baton.benchmarks.profile_steps --model qwen3-0.6b --batch 256 --context 512 \
               2>"$OUT/profile.log" | tee "$OUT/profile.jsonl" ;;
-    b1)     timeout 200 python3 -m engine.cli bench offline --model qwen3-0.6b --device cuda:0 \
+    b1)     timeout 200 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 \
               --output "$OUT/b1-qwen3-0.6b-baton.json" 2>&1 | tail -15 ;;
-    b1s)    timeout 120 python3 -m engine.cli bench offline --model qwen3-0.6b --device cuda:0 --num-seqs 64 \
+    b1s)    timeout 120 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 --num-seqs 64 \
               --output "$OUT/b1-qwen3-0.6b-baton-64.json" 2>&1 | tail -15 ;;
-    b1hf)   timeout 240 python3 -m engine.cli bench offline --engine transformers --model qwen3-0.6b \
+    b1hf)   timeout 240 python3 -m baton bench offline --engine transformers --model qwen3-0.6b \
               --device cuda:0 --num-seqs 64 --output "$OUT/b1-qwen3-0.6b-transformers-64.json" 2>&1 | tail -15 ;;
-    b1big)  timeout 240 python3 -m engine.cli bench offline --model qwen3-8b --device cuda:0 \
+    b1big)  timeout 240 python3 -m baton bench offline --model qwen3-8b --device cuda:0 \
               --output "$OUT/b1-qwen3-8b-baton.json" 2>&1 | tail -15 ;;
     tp)     timeout 200 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=100 \
               tests/test_platform_cuda.py -k "${TP_TESTS:-tp2}" 2>&1 | tail -60 | tee "$OUT/tp.txt" ;;
@@ -42,7 +42,7 @@ for step in $STEPS; do
               -k "${DIRECT_TESTS:-nccl or pieces}" 2>&1 | tail -30 | tee "$OUT/direct.txt" ;;
     b3)     for b in ${B3_BACKENDS:-direct grpc}; do     # qwen3-8b KV: 147 KiB a token
               if [ $b = direct ]; then sizes=512,2048,8192,32768 iters=10; else sizes=512,2048,8192 iters=5; fi
-              timeout 150 python3 -m engine.cli bench kv --backends $b --device cuda:0 --peer-device cuda:1 \
+              timeout 150 python3 -m baton bench kv --backends $b --device cuda:0 --peer-device cuda:1 \
                 --model qwen3-8b --tokens $sizes --iters $iters --output "$OUT/b3-$b${B3_TAG:-}.json" 2>&1 \
                 | tee "$OUT/b3-$b${B3_TAG:-}.log" \
                 | grep "^\[bench\] "
@@ -50,7 +50,7 @@ for step in $STEPS; do
     b2)     for ds in ${B2_DATASETS:-prefill-heavy decode-heavy}; do     # 1P1D vs 2 colocated replicas, qwen3-8b
               if [ $ds = prefill-heavy ]; then load="--request-rates ${B2_RATES:-4,12,24} --num-prompts ${B2_PROMPTS:-48}"
               else load="--output-len 128:384 --request-rates ${B2_DH_RATES:-8,32} --num-prompts ${B2_DH_PROMPTS:-64}"; fi
-              timeout ${B2_TIMEOUT:-280} python3 -m engine.cli bench serve --topologies ${B2_TOPOLOGIES:-1p1d,2colocated} \
+              timeout ${B2_TIMEOUT:-280} python3 -m baton bench serve --topologies ${B2_TOPOLOGIES:-1p1d,2colocated} \
                 --model qwen3-8b --prefill-devices cuda:0 --decode-devices cuda:1 --worker-args "--kv-backend direct" \
                 --dataset $ds $load --slo-ttft-ms 1000 --slo-tpot-ms 50 --output "$OUT/b2-$ds${B2_TAG:-}.json" 2>&1 \
                 | tee "$OUT/b2-$ds${B2_TAG:-}.log" | grep "^\[bench\]" | tail -24

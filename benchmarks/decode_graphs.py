@@ -1,6 +1,6 @@
 """Decode step time with CUDA graphs vs eager, at fixed batch sizes and context length.
 
-    python -m benchmarks.decode_graphs --model qwen3-0.6b --device cuda:0 --batches 1,64,256
+    python -m baton.benchmarks.decode_graphs --model qwen3-0.6b --device cuda:0 --batches 1,64,256
 
 Each batch: requests with a random prompt of --context tokens are prefilled, then the median
 of --steps pure decode steps (engine.last_step_seconds: schedule + inputs + forward + sample)
@@ -15,9 +15,8 @@ import sys
 import time
 
 import torch
-
-from engine import LLMEngine, SamplingParams
-from engine.config import EngineConfig
+from baton.engine import LLMEngine, SamplingParams
+from baton.engine.config import EngineConfig
 
 
 def step_times(engine: LLMEngine, batch: int, context: int, steps: int, seed: int = 0) -> list[float]:

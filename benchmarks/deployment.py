@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.launcher import START_TIMEOUT_S, Child, free_port, stop_all, wait_serving, worker_command
+from baton.serving.processes import START_TIMEOUT_S, Child, free_port, stop_all, wait_serving, worker_command
 
 TOPOLOGIES = ("1p1d", "2colocated", "1colocated")
 
@@ -87,7 +87,7 @@ def launch(topology: str, model: str, prefill_devices: list[str], decode_devices
     try:
         for i, (role, device) in enumerate(roles):
             port, mport = free_port(host), free_port(host)
-            module = "prefill_service" if role == "prefill" else "decode_service"
+            module = "baton.prefill_service" if role == "prefill" else "baton.decode_service"
             extra = ["--metrics-port", str(mport), *worker_args, *(["--colocated"] if role == "colocated" else [])]
             name = f"{role}-{i}"
             start(name, worker_command(module, host, port, model, device, extra), f"{host}:{port}")
@@ -104,7 +104,7 @@ def launch(topology: str, model: str, prefill_devices: list[str], decode_devices
             if addrs:
                 flags += [f"--{role}", ",".join(addrs)]
         dep.router_address = f"{host}:{port}"
-        cmd = [sys.executable, "-m", "router", "--host", host, "--port", str(port), "--model", model,
+        cmd = [sys.executable, "-m", "baton.router", "--host", host, "--port", str(port), "--model", model,
                *flags, *router_args]
         _wait(start("router", cmd, dep.router_address), log_dir)
     except BaseException:

@@ -5,7 +5,7 @@ then times paged decode (KV bytes read over time, as a fraction of the copy band
 prefill (causal TFLOP/s vs the matmul rate, torch's flash SDPA beside it) and the fused layer
 ops (vs plain torch), each with a small sweep of kernel configs. Needs a CUDA GPU and triton:
 
-    PYTHONUNBUFFERED=1 python3 -m benchmarks.kernels_cuda --out "$OUT"
+    PYTHONUNBUFFERED=1 python3 -m baton.benchmarks.kernels_cuda --out "$OUT"
 
 Prints a table last and writes kernels_cuda.json (and pytest.log) under --out.
 """
@@ -80,7 +80,7 @@ def event_seconds(fn, reps: int = 10) -> float:
 
 # -- decode -----------------------------------------------------------------------------------
 def decode_configs():
-    from engine.platforms.triton_kernels.decode_attention import DecodeConfig
+    from baton.engine.platforms.triton_kernels.decode_attention import DecodeConfig
     base = DecodeConfig()
     return {
         "default": base,
@@ -116,7 +116,7 @@ def decode_shape(model: str, hq: int, hkv: int, dim: int, batch: int, ctx: int, 
                  copy_bw: float, width_tokens: int | None = None) -> dict:
     """Every decode config on one shape (only the default one with `width_tokens`, block tables
     that wide); inputs rotate over `sets` copies to defeat the L2."""
-    from engine.platforms.triton_kernels.decode_attention import num_splits, paged_decode
+    from baton.engine.platforms.triton_kernels.decode_attention import num_splits, paged_decode
     kv_bytes = batch * ctx * hkv * dim * 2 * 2                 # K and V, bf16
     sets = max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes)))
     blocks_per_seq = ctx // BLOCK_SIZE
@@ -151,7 +151,7 @@ def decode_shape(model: str, hq: int, hkv: int, dim: int, batch: int, ctx: int, 
 
 # -- prefill ----------------------------------------------------------------------------------
 def prefill_configs():
-    from engine.platforms.triton_kernels.prefill_attention import PrefillConfig
+    from baton.engine.platforms.triton_kernels.prefill_attention import PrefillConfig
     return {"default": None, "m128n128w8": PrefillConfig(128, 128, 8, 3), "m64n64w4": PrefillConfig(64, 64, 4, 3),
             "m128n64w8": PrefillConfig(128, 64, 8, 3), "m128n128w8s2": PrefillConfig(128, 128, 8, 2),
             "m64n128w4": PrefillConfig(64, 128, 4, 3), "m64n64w4s4": PrefillConfig(64, 64, 4, 4),
@@ -170,9 +170,8 @@ def bench_prefill(matmul_rate: float) -> list[dict]:
 def prefill_shape(model: str, hq: int, hkv: int, dim: int, nseq: int, length: int, matmul_rate: float) -> dict:
     """Every prefill config on one shape, keys from k/v ("fresh") and from the paged cache."""
     import torch.nn.functional as F
-
-    from engine.platforms.triton_kernels.kv_store import store_kv
-    from engine.platforms.triton_kernels.prefill_attention import varlen_prefill
+    from baton.engine.platforms.triton_kernels.kv_store import store_kv
+    from baton.engine.platforms.triton_kernels.prefill_attention import varlen_prefill
     t = nseq * length
     q = torch.randn(t, hq, dim, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(t, hkv, dim, device="cuda", dtype=torch.bfloat16)
@@ -217,8 +216,8 @@ def bench_layer_ops(copy_bw: float) -> list[dict]:
 
 
 def layer_ops_shape(tokens: int, hidden: int, inter: int, copy_bw: float) -> list[dict]:
-    from engine.platforms.base import LayerOps
-    from engine.platforms.cuda import TritonLayerOps
+    from baton.engine.platforms.base import LayerOps
+    from baton.engine.platforms.cuda import TritonLayerOps
     fused, plain = TritonLayerOps(), LayerOps()
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     res = torch.randn_like(x)
@@ -308,13 +307,13 @@ def main() -> None:
     parser.add_argument("--skip-tests", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
-        raise SystemExit("benchmarks.kernels_cuda needs a CUDA GPU and triton")
+        raise SystemExit("baton.benchmarks.kernels_cuda needs a CUDA GPU and triton")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict = {"command": "PYTHONUNBUFFERED=1 python3 -m benchmarks.kernels_cuda --out $OUT",
+    results: dict = {"command": "PYTHONUNBUFFERED=1 python3 -m baton.benchmarks.kernels_cuda --out $OUT",
                      "env": environment()}
     results["tests"] = {"summary": "skipped"} if args.skip_tests else run_tests(out_dir)
-    from benchmarks.ceilings import copy_bandwidth, matmul_rate
+    from baton.benchmarks.ceilings import copy_bandwidth, matmul_rate
     log("measuring ceilings")
     results["ceilings"] = {"copy": copy_bandwidth("cuda", 1 << 30), "matmul": matmul_rate("cuda", 8192, torch.bfloat16)}
     copy_bw = results["ceilings"]["copy"]["bytes_per_s"]

@@ -12,10 +12,10 @@ import argparse
 import math
 import sys
 
-from benchmarks import ceilings, record
-from benchmarks.model_shape import DTYPE_BYTES, ModelShape, shape_of
-from benchmarks.stats import percentile
-from engine.config import DEFAULT_MODEL
+from baton.benchmarks import ceilings, record
+from baton.benchmarks.model_shape import DTYPE_BYTES, ModelShape, shape_of
+from baton.benchmarks.stats import percentile
+from baton.engine.config import DEFAULT_MODEL
 
 FULL = dict(model="qwen3-0.6b", tokens="512,2048,8192,32768", iters=10)
 SMOKE = dict(model=DEFAULT_MODEL, tokens="16,128", iters=3)
@@ -74,7 +74,7 @@ class GrpcLoopback:
     reference = "plain TCP socket copy on 127.0.0.1 between two processes (same bytes, same run)"
 
     def __init__(self, args: argparse.Namespace):
-        from kvtransfer import grpc_options
+        from baton.kvtransfer import grpc_options
         self.chunk = args.chunk_bytes or grpc_options.DEFAULT_CHUNK_BYTES
         self.window = args.window_bytes or grpc_options.DEFAULT_WINDOW_BYTES
 
@@ -101,7 +101,7 @@ class GrpcLoopback:
 
     def _grpc(self, nbytes: int, iters: int) -> tuple[list[float] | None, dict]:
         """(every send's seconds, kvtransfer.bench's summary with the TCP baseline)."""
-        from kvtransfer.bench import measure_grpc_loopback
+        from baton.benchmarks.kv_loopback import measure_grpc_loopback
         r = measure_grpc_loopback(nbytes, self.chunk, self.window, repeats=iters, baseline=True)
         return r.get("seconds"), r       # without per-send seconds only the median and best are known
 
@@ -123,7 +123,7 @@ class DirectDevices:
                           "same bytes, same run)")
 
     def measure(self, nbytes: int, iters: int) -> dict:
-        from kvtransfer.bench import measure_direct
+        from baton.benchmarks.kv_loopback import measure_direct
         tokens = nbytes // self.token_bytes
         # the prefill making this KV: 2 FLOPs per weight per token (attention's share left out)
         r = measure_direct(nbytes, self.src, self.dst, repeats=iters, overlap=self.stand_in_prefill,

@@ -10,10 +10,9 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from baton.benchmarks.datasets import ServeRequest
+from baton.benchmarks.stats import tpot
 from baton.v1 import router_pb2, router_pb2_grpc
-
-from benchmarks.datasets import ServeRequest
-from benchmarks.stats import tpot
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 STREAMS_PER_CHANNEL = 64

@@ -82,6 +82,6 @@ class ModelShape:
 
 def shape_of(model: str) -> ModelShape:
     """The shape of a model name as the engine resolves it (preset, HF dir, .gguf, embedded)."""
-    import models
-    source = models.resolve_model(model)
+    from baton.models import source as model_source
+    source = model_source.resolve_model(model)
     return ModelShape.from_hf_config(source.name, source.hf_config)

@@ -8,13 +8,12 @@ import sys
 import time
 
 import torch
-
-from benchmarks import ceilings, record
-from benchmarks.model_shape import DTYPE_BYTES, shape_of
-from benchmarks.roofline import Ceilings, CostModel, StepShape, roofline_report
-from benchmarks.stats import summarize
-from benchmarks.workload import OfflineWorkload, nano_vllm_workload, warmup_workload
-from engine.config import DEFAULT_MODEL, EngineConfig
+from baton.benchmarks import ceilings, record
+from baton.benchmarks.model_shape import DTYPE_BYTES, shape_of
+from baton.benchmarks.roofline import Ceilings, CostModel, StepShape, roofline_report
+from baton.benchmarks.stats import summarize
+from baton.benchmarks.workload import OfflineWorkload, nano_vllm_workload, warmup_workload
+from baton.engine.config import DEFAULT_MODEL, EngineConfig
 
 FULL = dict(model="qwen3-0.6b", num_seqs=256, min_input_len=100, max_input_len=1024, min_output_len=100,
             max_output_len=1024, device=None)
@@ -84,7 +83,7 @@ def run(args: argparse.Namespace, rec: dict) -> None:
                                   args.max_output_len, args.seed, shape.vocab, args.temperature)
     rec["model"] = shape.to_json()
     rec["dtype"] = args.dtype
-    from engine.tensor_parallel import rank_devices
+    from baton.engine.tensor_parallel import rank_devices
     rec["device"] = record.device_info(rank_devices(args.device, args.tp_size, args.tp_devices)
                                        if args.engine == "baton" else [args.device])
     rec["ceilings"] = ceilings.measure(args.device, getattr(torch, args.dtype), quick=args.smoke)
@@ -98,8 +97,8 @@ def run(args: argparse.Namespace, rec: dict) -> None:
         results["roofline"] = {"schedule": "measured (every executed step)",
                                **roofline_report(cost, ceil, steps, results["wall_seconds"], step_seconds)}
     else:
-        from benchmarks.offline_transformers import run_transformers
-        from benchmarks.schedule_sim import simulate_steps
+        from baton.benchmarks.offline_transformers import run_transformers
+        from baton.benchmarks.schedule_sim import simulate_steps
         results = run_transformers(args, workload, shape.kv_bytes_per_token(DTYPE_BYTES[args.dtype]))
         steps = simulate_steps(workload.prompts, workload.output_lens, args.block_size, args.max_num_seqs,
                                args.max_num_batched_tokens)
@@ -134,7 +133,7 @@ def engine_config(args: argparse.Namespace) -> dict:
 
 
 def run_baton(args: argparse.Namespace, workload: OfflineWorkload) -> tuple[dict, list[StepShape], list[float]]:
-    from engine import LLM
+    from baton.engine import LLM
     t0 = time.perf_counter()
     llm = LLM(args.model, **engine_config(args))
     engine = llm.engine
@@ -170,7 +169,7 @@ def _slowest(steps: list[StepShape], seconds: list[float], n: int = 5) -> list[d
 
 def _drive(engine, workload: OfflineWorkload, recorder: StepRecorder, progress: bool):
     """Add every request, step until all finish; (wall, output tokens, step shapes, step seconds)."""
-    from engine import SamplingParams
+    from baton.engine import SamplingParams
     steps: list[StepShape] = []
     step_seconds: list[float] = []
     out_tokens = finished = idle = 0

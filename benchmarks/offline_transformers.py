@@ -14,27 +14,26 @@ import sys
 import time
 
 import torch
-
-from benchmarks.workload import OfflineWorkload, warmup_workload
+from baton.benchmarks.workload import OfflineWorkload, warmup_workload
 
 RESULT_TIMEOUT_S = 600.0
 
 
 def load_hf_model(model: str, device: str, dtype: str):
     """The transformers model holding exactly the weights Baton's engine would load."""
+    from baton.models import loader
+    from baton.models import source as model_source
     from transformers import AutoModelForCausalLM
-
-    import models
-    source = models.resolve_model(model)
+    source = model_source.resolve_model(model)
     torch_dtype = getattr(torch, dtype)
     if source.weights_path is not None:
         hf = AutoModelForCausalLM.from_pretrained(source.weights_path, dtype=torch_dtype).to(device)
     else:                       # a preset: the same deterministic random weights, same recipe and seed
         with torch.device(device):
             hf = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch_dtype)
-        # models.init_random_weights skips a tied head by asking the model whether it is tied
+        # loader.init_random_weights skips a tied head by asking the model whether it is tied
         hf.tie_word_embeddings = bool(getattr(source.hf_config, "tie_word_embeddings", False))
-        models.init_random_weights(hf, source.random_seed)
+        loader.init_random_weights(hf, source.random_seed)
     return hf.eval()
 
 
@@ -83,7 +82,7 @@ def _cb_config(args: argparse.Namespace, workload: OfflineWorkload, kv_bytes_per
     elif args.kv_cache_memory:
         tokens = args.kv_cache_memory // kv_bytes_per_token
     elif args.device == "cpu":
-        from engine.model_runner import CPU_KV_CACHE_DEFAULT
+        from baton.engine.model_runner import CPU_KV_CACHE_DEFAULT
         tokens = CPU_KV_CACHE_DEFAULT // kv_bytes_per_token
     if tokens is not None:
         # no more than the whole workload needs at once: on the CPU transformers' masks grow with the cache

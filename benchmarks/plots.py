@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from benchmarks.stats import GOODPUT_ATTAINMENT
+from baton.benchmarks.stats import GOODPUT_ATTAINMENT
 
 
 def _x_positions(rates: list[float]) -> tuple[dict[float, float], list[float], list[str]]:

@@ -1,6 +1,6 @@
 """Where a step's device time goes: torch.profiler over eager prefill and decode steps.
 
-    python -m benchmarks.profile_steps --model qwen3-0.6b --device cuda:0 --batch 256 --context 512
+    python -m baton.benchmarks.profile_steps --model qwen3-0.6b --device cuda:0 --batch 256 --context 512
 
 Runs the engine eagerly (so every kernel is a separate, attributable launch), profiles one
 prefill step of --prefill-tokens tokens and --steps decode steps at --batch sequences of
@@ -15,11 +15,10 @@ import json
 import time
 
 import torch
+from baton.benchmarks.decode_graphs import PhaseTimer
+from baton.engine import LLMEngine, SamplingParams
+from baton.engine.config import EngineConfig
 from torch.profiler import ProfilerActivity, profile
-
-from benchmarks.decode_graphs import PhaseTimer
-from engine import LLMEngine, SamplingParams
-from engine.config import EngineConfig
 
 
 def _kernels(prof, steps: int, top: int) -> tuple[float, list[dict]]:

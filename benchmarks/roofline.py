@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from benchmarks.model_shape import ModelShape
+from baton.benchmarks.model_shape import ModelShape
 
 
 @dataclass(slots=True)

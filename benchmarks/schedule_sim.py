@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 
-from benchmarks.roofline import StepShape
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence
+from baton.benchmarks.roofline import StepShape
+from baton.engine.block_manager import BlockManager
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler import Scheduler, SchedulerConfig
+from baton.engine.sequence import Sequence
 
 
 def simulate_steps(prompts: list[list[int]], output_lens: list[int], block_size: int = 16,

@@ -17,10 +17,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from benchmarks import ceilings, datasets, deployment, loadgen, prometheus, record
-from benchmarks.model_shape import shape_of
-from benchmarks.stats import GOODPUT_ATTAINMENT, attainment, goodput_rate, meets_slo, summarize
-from engine.config import DEFAULT_MODEL
+from baton.benchmarks import ceilings, datasets, deployment, loadgen, prometheus, record
+from baton.benchmarks.model_shape import shape_of
+from baton.benchmarks.stats import GOODPUT_ATTAINMENT, attainment, goodput_rate, meets_slo, summarize
+from baton.engine.config import DEFAULT_MODEL
 
 FULL = dict(request_rates="1,2,4,8,inf", num_prompts=200, worker_args="", prefix_len=datasets.DEFAULT_PREFIX_LEN)
 SMOKE = dict(request_rates="4,inf", num_prompts=3, worker_args="--num-kv-blocks 128 --max-num-seqs 16",
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace, rec: dict) -> None:
                               "goodput_attainment": GOODPUT_ATTAINMENT},
                       "topologies": topologies, "plots": []}
     if not args.no_plots:
-        from benchmarks.plots import plot_sweep
+        from baton.benchmarks.plots import plot_sweep
         paths = plot_sweep({n: t["rates"] for n, t in topologies.items()}, _s(args.slo_ttft_ms),
                            _s(args.slo_tpot_ms), out.with_suffix(""))
         rec["results"]["plots"] = [str(p) for p in paths]

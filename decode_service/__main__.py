@@ -1,3 +1,4 @@
-from decode_service.main import main
+"""`python -m baton.decode_service`."""
+from baton.decode_service.main import main
 
 main()

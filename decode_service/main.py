@@ -5,8 +5,8 @@ import argparse
 import asyncio
 import logging
 
-from decode_service.server import DecodeWorker
-from engine.worker_config import add_worker_args, worker_config_from_args
+from baton.decode_service.server import DecodeWorker
+from baton.serving.worker_config import add_worker_args, worker_config_from_args
 
 DEFAULT_PORT = 50061
 

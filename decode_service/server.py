@@ -13,21 +13,20 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+from baton.engine.async_engine import EngineDead
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.output_processor import RequestOutput
+from baton.engine.sampling_params import SamplingParams
+from baton.kvtransfer.blocks import unpack_blocks
+from baton.kvtransfer.direct_backend import DirectKVReceiver
+from baton.kvtransfer.grpc_backend import KVTransferServicer
+from baton.kvtransfer.layout import KVLayout
+from baton.kvtransfer.peer_auth import KVPeerAuth
+from baton.kvtransfer.receiver import PendingTransfers
+from baton.serving.grpc_server import ServiceError
+from baton.serving.wire import chunk_from_output, sampling_from_proto
+from baton.serving.worker import EngineWorker
 from baton.v1 import decode_pb2, decode_pb2_grpc, worker_pb2
-
-from engine.async_engine import EngineDead
-from engine.grpc_server import ServiceError
-from engine.llm_engine import LLMEngine
-from engine.output_processor import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.wire import chunk_from_output, sampling_from_proto
-from engine.worker import EngineWorker
-from kvtransfer.blocks import unpack_blocks
-from kvtransfer.direct_backend import DirectKVReceiver
-from kvtransfer.grpc_backend import KVTransferServicer
-from kvtransfer.layout import KVLayout
-from kvtransfer.peer_auth import KVPeerAuth
-from kvtransfer.receiver import PendingTransfers
 
 DEFAULT_ADMIT_TIMEOUT_S = 60.0
 STREAM_IDLE_LIMIT_S = 600.0

@@ -1,16 +1,16 @@
 """What prefill and decode share: config, scheduling, KV blocks, model runner, sampler,
 platforms, and the offline `LLM` API."""
-from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.sampling_params import SamplingParams
+from baton.engine.config import DEFAULT_MODEL, EngineConfig
+from baton.engine.sampling_params import SamplingParams
 
 
 def __getattr__(name):
     # torch-heavy pieces load on first use, so `import engine` stays cheap for the router
     if name == "LLM":
-        from engine.llm import LLM
+        from baton.engine.llm import LLM
         return LLM
     if name == "LLMEngine":
-        from engine.llm_engine import LLMEngine
+        from baton.engine.llm_engine import LLMEngine
         return LLMEngine
     raise AttributeError(name)
 

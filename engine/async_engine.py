@@ -13,8 +13,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from engine.llm_engine import LLMEngine
-from engine.output_processor import RequestOutput
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.output_processor import RequestOutput
 
 IDLE_WAIT_S = 0.05
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from engine.sequence import Sequence
+from baton.engine.sequence import Sequence
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 

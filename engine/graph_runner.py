@@ -11,9 +11,8 @@ import sys
 import time
 
 import torch
-
-from engine.attention_metadata import AttnMetadata
-from engine.forward_context import ForwardContext
+from baton.models.attention_metadata import AttnMetadata
+from baton.models.forward_context import ForwardContext
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:

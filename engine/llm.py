@@ -5,11 +5,11 @@ import sys
 import time
 from collections.abc import Sequence as Seq
 
-from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.output_processor import CompletionOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import render_chat
+from baton.engine.config import DEFAULT_MODEL, EngineConfig
+from baton.engine.llm_engine import LLMEngine
+from baton.engine.output_processor import CompletionOutput
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.tokenizer import render_chat
 
 Prompt = str | list[int]
 

@@ -10,14 +10,14 @@ import itertools
 import logging
 import time
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.output_processor import RequestOutput, RequestState
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import FinishReason, Sequence
-from engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
+from baton.engine.block_manager import BlockManager
+from baton.engine.config import EngineConfig
+from baton.engine.model_runner import ModelRunner
+from baton.engine.output_processor import RequestOutput, RequestState
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler import Scheduler, SchedulerConfig
+from baton.engine.sequence import FinishReason, Sequence
+from baton.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 
 log = logging.getLogger("baton.engine")
 

@@ -11,34 +11,34 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-import models
-from engine.attention_metadata import AttnMetadata
-from engine.config import EngineConfig
-from engine.forward_context import ForwardContext
-from engine.platforms import Platform, get_platform
-from engine.sampler import Sampler, SamplingBatch
-from engine.scheduler import SchedulerOutput
-from engine.tensor_parallel import TensorParallel
+from baton.engine.config import EngineConfig
+from baton.engine.platforms import Platform, get_platform
+from baton.engine.sampler import Sampler, SamplingBatch
+from baton.engine.scheduler import SchedulerOutput
+from baton.engine.tensor_parallel import TensorParallel
+from baton.models.attention_metadata import AttnMetadata
+from baton.models.forward_context import ForwardContext
+from baton.models.loader import build_model, init_random_weights, load_weights
+from baton.models.source import ModelSource, resolve_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_DEFAULT = 1 << 30          # 1 GiB: plenty for tests and a laptop
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: models.ModelSource | None = None,
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None,
                  tp_rank: int = 0, tp_group=None, device: str | None = None):
         self.config = config
         self.tp_rank = tp_rank
         self.tp: TensorParallel | None = None
         if config.tp_size > 1 and tp_group is None:          # rank 0: start the other ranks first
-            self.tp = TensorParallel(config)
+            self.tp = TensorParallel(config, type(self))
             tp_group, device = self.tp.group, self.tp.devices[0]
         self.tp_group = tp_group
         self.platform: Platform = get_platform(device or config.device)
         self.device = self.platform.device
         self.platform.bind_thread()          # the engine thread binds itself too (AsyncEngine)
-        self.source = source or models.resolve_model(config.model)
+        self.source = source or resolve_model(config.model)
         hf = self.source.hf_config
         self.dtype = _DTYPES[config.dtype] if config.dtype else self.platform.default_dtype()
         self.vocab_size = hf.vocab_size
@@ -58,7 +58,7 @@ class ModelRunner:
         if self.device.type != "cpu":
             self._warm_up()
         if self.platform.supports_graphs and not config.enforce_eager:
-            from engine.graph_runner import DecodeGraphs
+            from baton.engine.graph_runner import DecodeGraphs
             self.graphs = DecodeGraphs(self)
         if self.tp is not None:
             self.tp.wait_ready()
@@ -75,12 +75,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         torch.manual_seed(self.config.seed)
         with torch.device(self.device):
-            model = models.build_model(self.source.hf_config, self.dtype, self.device, self.platform.ops,
+            model = build_model(self.source.hf_config, self.dtype, self.device, self.platform.ops,
                                        tp_rank=tp_rank, tp_size=self.config.tp_size, tp_group=tp_group)
         if self.source.weights_path is None:
-            models.init_random_weights(model, self.source.random_seed)
+            init_random_weights(model, self.source.random_seed)
         else:
-            models.load_weights(model, self.source.weights_path)
+            load_weights(model, self.source.weights_path)
         model.eval()
         if time.perf_counter() - t0 > 5:
             print(f"[baton] model {self.source.name} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sequence import FinishReason, Sequence
+from baton.engine.detokenizer import IncrementalDetokenizer
+from baton.engine.sequence import FinishReason, Sequence
 
 
 @dataclass(slots=True)

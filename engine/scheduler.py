@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from baton.engine.block_manager import BlockManager
+from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

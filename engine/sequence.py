@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from enum import Enum, auto
 
-from engine.sampling_params import SamplingParams
+from baton.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):

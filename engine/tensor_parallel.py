@@ -68,9 +68,11 @@ def init_group(rank: int, world: int, port: int, device: str) -> None:
 
 
 class TensorParallel:
-    """Rank 0's handle on the other ranks: started before rank 0 builds its own runner."""
+    """Rank 0's handle on the other ranks: started before rank 0 builds its own runner.
+    `runner_cls` is what every other rank builds (ModelRunner; passed in, so this module
+    needs nothing of the runner's)."""
 
-    def __init__(self, config):
+    def __init__(self, config, runner_cls):
         self.size = config.tp_size
         self.devices = rank_devices(config.device, config.tp_size, config.tp_devices)
         port = config.tp_port or free_port()
@@ -78,7 +80,7 @@ class TensorParallel:
         self.pipes, self.procs = [], []
         for rank in range(1, self.size):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(config, rank, port, self.devices[rank], theirs),
+            p = ctx.Process(target=_rank_main, args=(runner_cls, config, rank, port, self.devices[rank], theirs),
                             name=f"baton-tp-rank{rank}", daemon=True)
             p.start()
             self.pipes.append(mine)
@@ -130,13 +132,12 @@ def destroy_group(timeout: float = 30.0) -> None:
               "leaving it to process exit", file=sys.stderr)
 
 
-def _rank_main(config, rank: int, port: int, device: str, pipe) -> None:
+def _rank_main(runner_cls, config, rank: int, port: int, device: str, pipe) -> None:
     """A rank other than 0: build the same runner on its device, then run what rank 0 sends."""
-    from engine.model_runner import ModelRunner
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         init_group(rank, config.tp_size, port, device)
-        runner = ModelRunner(config, tp_rank=rank, tp_group=dist.group.WORLD, device=device)
+        runner = runner_cls(config, tp_rank=rank, tp_group=dist.group.WORLD, device=device)
     except BaseException:
         pipe.send(traceback.format_exc())
         raise

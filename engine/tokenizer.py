@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import os
 
-from models import ModelSource
-
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def load_tokenizer(source: ModelSource):
+def load_tokenizer(source):
+    """`source`: a baton.models.source.ModelSource (its tokenizer_path)."""
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(source.tokenizer_path)
 
 
-def eos_token_ids(source: ModelSource, tokenizer) -> list[int]:
+def eos_token_ids(source, tokenizer) -> list[int]:
     """EOS ids from the model config, then generation config, then the tokenizer."""
     ids: list[int] = []
     for value in (getattr(source.hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):

@@ -18,8 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
-
-from kvtransfer.layout import KVLayout
+from baton.kvtransfer.layout import KVLayout
 
 # What a sender is given to send: the payload itself, or a zero-argument function (sync or
 # async) that produces it, called only once the receiver has accepted the transfer (when the

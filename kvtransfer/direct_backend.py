@@ -54,14 +54,13 @@ from datetime import timedelta
 import grpc
 import torch
 import torch.distributed as dist
+from baton.kvtransfer.backend import KVSender, KVTransferError, SendStats, TransferDescriptor, resolve_payload
+from baton.kvtransfer.blocks import Pieces
+from baton.kvtransfer.grpc_backend import GrpcKVSender
+from baton.kvtransfer.layout import KVLayout
+from baton.kvtransfer.peer_auth import KVPeerAuth, session_of
+from baton.kvtransfer.receiver import REMEMBERED_ENDED, PendingTransfers, Transfer, TransferRejected
 from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
-
-from kvtransfer.backend import KVSender, KVTransferError, SendStats, TransferDescriptor, resolve_payload
-from kvtransfer.blocks import Pieces
-from kvtransfer.grpc_backend import GrpcKVSender
-from kvtransfer.layout import KVLayout
-from kvtransfer.peer_auth import KVPeerAuth, session_of
-from kvtransfer.receiver import REMEMBERED_ENDED, PendingTransfers, Transfer, TransferRejected
 
 log = logging.getLogger("baton.kvtransfer")
 Code = grpc.StatusCode
@@ -325,7 +324,7 @@ class _NcclComm:
     def __init__(self, comm, peer: int):
         self.comm = comm
         self.peer = peer
-        from kvtransfer import nccl
+        from baton.kvtransfer import nccl
         self.name = f"NCCL {nccl.version()}, called directly"
 
     def send(self, tensor: torch.Tensor, stream):
@@ -347,7 +346,7 @@ def make_comm(collective: str, store, rank: int, timeout: float):
     takes over a hundred); its id travels over the store."""
     global _warned_nccl
     if collective == "nccl" and os.environ.get(NCCL_ENV, "direct") != "torch":
-        from kvtransfer import nccl
+        from baton.kvtransfer import nccl
         try:
             nccl.library()
         except nccl.NcclUnavailable as exc:

@@ -17,9 +17,7 @@ from collections import deque
 
 import grpc
 import numpy as np
-from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
-
-from kvtransfer.backend import (
+from baton.kvtransfer.backend import (
     KVReceiver,
     KVSender,
     KVTransferError,
@@ -28,16 +26,17 @@ from kvtransfer.backend import (
     TransferDescriptor,
     resolve_payload,
 )
-from kvtransfer.chunk_codec import decode_chunk, encode_chunk, transfer_id_field
-from kvtransfer.grpc_options import (
+from baton.kvtransfer.chunk_codec import decode_chunk, encode_chunk, transfer_id_field
+from baton.kvtransfer.grpc_options import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_WINDOW_BYTES,
     MAX_CHUNK_BYTES,
     channel_options,
 )
-from kvtransfer.layout import KVLayout, KVLayoutMismatch, check_compatible
-from kvtransfer.peer_auth import SESSION_KEY, KVPeerAuth, PeerAuthError, session_of
-from kvtransfer.receiver import PendingTransfers, Transfer, TransferRejected
+from baton.kvtransfer.layout import KVLayout, KVLayoutMismatch, check_compatible
+from baton.kvtransfer.peer_auth import SESSION_KEY, KVPeerAuth, PeerAuthError, session_of
+from baton.kvtransfer.receiver import PendingTransfers, Transfer, TransferRejected
+from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 Ack = kvtransfer_pb2.KVAck
 Code = grpc.StatusCode

@@ -7,13 +7,17 @@ nothing of the KV cache or the platform.
 from __future__ import annotations
 
 import torch
+from baton.models.forward_context import ForwardContext
+from baton.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from baton.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TPInfo,
+)
+from baton.models.layers.norm import RMSNorm
+from baton.models.layers.rotary import RotaryEmbedding, rope_parameters
 from torch import nn
-
-from engine.forward_context import ForwardContext
-from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TPInfo
-from models.layers.norm import RMSNorm
-from models.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 class Attention(nn.Module):

@@ -1,5 +1,5 @@
 """Llama (Llama 2/3.x, SmolLM2): the plain decoder."""
-from models.decoder import DecoderForCausalLM
+from baton.models.decoder import DecoderForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

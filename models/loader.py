@@ -1,4 +1,4 @@
-"""Weights into a built model: HF safetensors through each parameter's weight_loader, or
+"""Building a model and putting weights into it: HF safetensors through each parameter's weight_loader, or
 deterministic random weights for presets."""
 from __future__ import annotations
 
@@ -6,10 +6,20 @@ import sys
 from pathlib import Path
 
 import torch
+from baton.models.layers.linear import TPInfo
+from baton.models.registry import model_class
 from safetensors import safe_open
 from torch import nn
 
 IGNORED = ("rotary_emb.inv_freq",)
+
+
+def build_model(hf_config, dtype: torch.dtype, device, ops, tp_rank: int = 0, tp_size: int = 1,
+                tp_group=None) -> nn.Module:
+    """An empty (uninitialised) model for this config on `device`; load or init weights next."""
+    cls = model_class((getattr(hf_config, "architectures", None) or ["?"])[0])
+    with torch.device(device):
+        return cls(hf_config, ops, dtype=dtype, tp=TPInfo(tp_rank, tp_size, tp_group))
 
 
 def load_weights(model: nn.Module, path: str | Path) -> None:

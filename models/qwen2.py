@@ -1,5 +1,5 @@
 """Qwen2 / Qwen2.5: the decoder with biases on q, k and v."""
-from models.decoder import DecoderForCausalLM
+from baton.models.decoder import DecoderForCausalLM
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):

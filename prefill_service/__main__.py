@@ -1,3 +1,4 @@
-from prefill_service.main import main
+"""`python -m baton.prefill_service`."""
+from baton.prefill_service.main import main
 
 main()

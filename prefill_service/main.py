@@ -5,8 +5,8 @@ import argparse
 import asyncio
 import logging
 
-from engine.worker_config import add_worker_args, worker_config_from_args
-from prefill_service.server import PrefillWorker
+from baton.prefill_service.server import PrefillWorker
+from baton.serving.worker_config import add_worker_args, worker_config_from_args
 
 DEFAULT_PORT = 50071
 

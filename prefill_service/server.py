@@ -21,20 +21,19 @@ import time
 from dataclasses import replace
 
 import grpc
+from baton.engine.async_engine import EngineDead
+from baton.engine.llm_engine import LLMEngine
+from baton.kvtransfer.backend import KVSender, TransferDescriptor
+from baton.kvtransfer.blocks import pack_blocks, pack_blocks_on_device
+from baton.kvtransfer.direct_backend import DirectKVSender, OutgoingTransfer, record_ready
+from baton.kvtransfer.grpc_backend import GrpcKVSender, KVTransferError
+from baton.kvtransfer.grpc_options import channel_options
+from baton.kvtransfer.layout import KVLayout
+from baton.kvtransfer.peer_auth import KVPeerAuth
+from baton.serving.grpc_server import ServiceError, open_channel
+from baton.serving.wire import sampling_from_proto
+from baton.serving.worker import EngineWorker
 from baton.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
-
-from engine.async_engine import EngineDead
-from engine.grpc_server import ServiceError, open_channel
-from engine.llm_engine import LLMEngine
-from engine.wire import sampling_from_proto
-from engine.worker import EngineWorker
-from kvtransfer.backend import KVSender, TransferDescriptor
-from kvtransfer.blocks import pack_blocks, pack_blocks_on_device
-from kvtransfer.direct_backend import DirectKVSender, OutgoingTransfer, record_ready
-from kvtransfer.grpc_backend import GrpcKVSender, KVTransferError
-from kvtransfer.grpc_options import channel_options
-from kvtransfer.layout import KVLayout
-from kvtransfer.peer_auth import KVPeerAuth
 
 DEFAULT_TIMEOUT_S = 120.0
 

@@ -1,3 +1,4 @@
-from router.main import main
+"""`python -m baton.router`."""
+from baton.router.main import main
 
 main()

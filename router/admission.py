@@ -15,8 +15,7 @@ import contextlib
 import time
 
 import grpc
-
-from engine.grpc_server import ServiceError
+from baton.serving.grpc_server import ServiceError
 
 
 class Admission:

@@ -5,9 +5,9 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from engine.security import TLSConfig, load_tokens, tls_from_args
-from engine.worker_config import add_common_args
-from router.policies import POLICIES
+from baton.router.policies import POLICIES
+from baton.serving.security import TLSConfig, load_tokens, tls_from_args
+from baton.serving.worker_config import add_common_args
 
 DEFAULT_PORT = 50051
 

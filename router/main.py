@@ -6,19 +6,18 @@ import asyncio
 import logging
 import sys
 
+from baton.engine.tokenizer import eos_token_ids, load_tokenizer
+from baton.models.source import resolve_model
+from baton.router.config import RouterConfig, add_router_args, router_config_from_args
+from baton.router.registry import Registry
+from baton.router.server import RouterService, RouterServicer
+from baton.serving.grpc_server import Server
+from baton.serving.metrics import Metrics
 from baton.v1 import router_pb2, router_pb2_grpc
-
-import models
-from engine.grpc_server import Server
-from engine.metrics import Metrics
-from engine.tokenizer import eos_token_ids, load_tokenizer
-from router.config import RouterConfig, add_router_args, router_config_from_args
-from router.registry import Registry
-from router.server import RouterService, RouterServicer
 
 
 async def serve(cfg: RouterConfig) -> None:
-    source = models.resolve_model(cfg.model)
+    source = resolve_model(cfg.model)
     tokenizer = load_tokenizer(source)
     hf = source.hf_config
     info = router_pb2.ModelInfo(name=source.name, architecture=source.architecture,

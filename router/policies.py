@@ -11,7 +11,7 @@ import hashlib
 import itertools
 from collections.abc import Sequence as Seq
 
-from router.registry import Worker
+from baton.router.registry import Worker
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 PREFIX_TOKENS = 64          # how much of the prompt identifies a shared prefix

@@ -15,16 +15,15 @@ import uuid
 from dataclasses import dataclass, field
 
 import grpc
+from baton.router import validation
+from baton.router.admission import Admission
+from baton.router.config import RouterConfig
+from baton.router.policies import make_policy
+from baton.router.registry import Registry, Worker
+from baton.serving.grpc_server import ServiceError
+from baton.serving.security import TokenAuth
+from baton.serving.wire import sampling_to_proto
 from baton.v1 import decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc, worker_pb2
-
-from engine.grpc_server import ServiceError
-from engine.security import TokenAuth
-from engine.wire import sampling_to_proto
-from router import validation
-from router.admission import Admission
-from router.config import RouterConfig
-from router.policies import make_policy
-from router.registry import Registry, Worker
 
 log = logging.getLogger("baton.router")
 MAX_ATTEMPTS = 3

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import re
 
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.tokenizer import encode_text, render_chat
+from baton.serving.wire import sampling_from_proto
 from baton.v1 import router_pb2
-
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import encode_text, render_chat
-from engine.wire import sampling_from_proto
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 MAX_TEXT_CHARS = 1_000_000

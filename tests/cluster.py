@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from baton.serving.processes import free_port, wait_serving
 from baton.v1 import router_pb2, router_pb2_grpc
-
-from engine.launcher import free_port, wait_serving
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180.0
@@ -62,9 +61,8 @@ class Proc:
 
     def status(self, timeout: float = 5.0, tls=None):
         """The worker's own GetStatus (works while the router is down)."""
+        from baton.serving.grpc_server import open_sync_channel
         from baton.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
-
-        from engine.grpc_server import open_sync_channel
         with open_sync_channel(self.address, tls) as ch:
             stub_cls = prefill_pb2_grpc.PrefillStub if self.name.startswith("prefill") else decode_pb2_grpc.DecodeStub
             return stub_cls(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=timeout)
@@ -94,9 +92,9 @@ class Cluster:
         def make(role, i, module, args):
             name = f"{role}-{i}"
             return c._worker(role, i, module, [*args, *extra.get(name, [])], ports.get(name))
-        workers = ([make("prefill", i, "prefill_service", worker_args) for i in range(prefill)]
-                   + [make("decode", i, "decode_service", worker_args) for i in range(decode)]
-                   + [make("colocated", i, "decode_service", [*worker_args, "--colocated"])
+        workers = ([make("prefill", i, "baton.prefill_service", worker_args) for i in range(prefill)]
+                   + [make("decode", i, "baton.decode_service", worker_args) for i in range(decode)]
+                   + [make("colocated", i, "baton.decode_service", [*worker_args, "--colocated"])
                       for i in range(colocated)])
         for p in workers:
             p.env = dict((worker_env or {}).get(p.name, {}))
@@ -109,7 +107,7 @@ class Cluster:
             if addrs:
                 flags += [f"--{role}", ",".join(addrs)]
         port = free_port()
-        c.router = Proc("router", [sys.executable, "-m", "router", "--port", str(port), *flags, *router_args],
+        c.router = Proc("router", [sys.executable, "-m", "baton.router", "--port", str(port), *flags, *router_args],
                         f"127.0.0.1:{port}")
         c.router.start(c.env, log_dir)
         c.procs.append(c.router)

@@ -13,13 +13,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def embedded_source():
-    import models
-    return models.resolve_model("smollm2-135m-instruct")
+    from baton.models import source as model_source
+    return model_source.resolve_model("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
 def embedded_llm():
-    from engine import LLM
+    from baton.engine import LLM
     return LLM()
 
 

@@ -10,15 +10,13 @@ import subprocess
 import sys
 
 import pytest
-from cluster import REPO
-
-from benchmarks import datasets, loadgen, prometheus, record
-from benchmarks.kv import payload_bytes
-from benchmarks.model_shape import ModelShape
-from benchmarks.roofline import Ceilings, CostModel, StepShape, roofline_report
-from benchmarks.schedule_sim import simulate_steps
-from benchmarks.serve import parse_rates, summarize_rate
-from benchmarks.stats import (
+from baton.benchmarks import datasets, loadgen, prometheus, record
+from baton.benchmarks.kv import payload_bytes
+from baton.benchmarks.model_shape import ModelShape
+from baton.benchmarks.roofline import Ceilings, CostModel, StepShape, roofline_report
+from baton.benchmarks.schedule_sim import simulate_steps
+from baton.benchmarks.serve import parse_rates, summarize_rate
+from baton.benchmarks.stats import (
     attainment,
     goodput_rate,
     histogram_quantile,
@@ -27,9 +25,10 @@ from benchmarks.stats import (
     summarize,
     tpot,
 )
-from benchmarks.workload import nano_vllm_workload
+from baton.benchmarks.workload import nano_vllm_workload
+from cluster import REPO
 
-BENCH = [sys.executable, "-m", "engine.cli", "bench"]
+BENCH = [sys.executable, "-m", "baton", "bench"]
 
 
 # -- statistics ------------------------------------------------------------------------------------
@@ -128,9 +127,9 @@ def test_model_shape_counts_parameters_and_kv_bytes():
 
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b", "llama-3.2-1b", "qwen2-0.5b"])
 def test_model_shape_parameter_count_matches_the_checkpoint(preset):
-    import models
-    from models.loader import checkpoint_shapes
-    cfg = models.resolve_model(preset).hf_config
+    from baton.models import source as model_source
+    from baton.models.loader import checkpoint_shapes
+    cfg = model_source.resolve_model(preset).hf_config
     assert ModelShape.from_hf_config(preset, cfg).params == sum(math.prod(s) for _, s in checkpoint_shapes(cfg))
 
 
@@ -222,8 +221,8 @@ def test_rate_summary_counts_errors_throughput_and_slo_attainment():
 
 
 def test_kv_payload_is_layers_times_k_and_v_times_heads_times_head_dim_in_whole_blocks():
-    import models
-    qwen = ModelShape.from_hf_config("qwen3-0.6b", models.resolve_model("qwen3-0.6b").hf_config)
+    from baton.models import source as model_source
+    qwen = ModelShape.from_hf_config("qwen3-0.6b", model_source.resolve_model("qwen3-0.6b").hf_config)
     assert payload_bytes(qwen, 512, "bfloat16", 16) == (512 * 28 * 2 * 8 * 128 * 2, 512)
     assert payload_bytes(qwen, 500, "float32", 16) == (512 * 28 * 2 * 8 * 128 * 4, 512)
 

@@ -1,9 +1,8 @@
 """BlockManager: paged allocation, ref counts, prefix cache hits, LRU reuse, collisions."""
 import pytest
-
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from baton.engine.block_manager import BlockManager
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.sequence import Sequence
 
 
 def seq(tokens, max_len=1000):

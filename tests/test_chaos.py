@@ -21,15 +21,14 @@ import time
 import grpc
 import psutil
 import pytest
+from baton.engine import SamplingParams
+from baton.serving.grpc_server import retry_after_ms
+from baton.serving.processes import free_port
 from baton.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from cluster import Cluster, Proc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from netfault import FaultyLink
 from reliability import Load, Outcomes
-
-from engine import SamplingParams
-from engine.grpc_server import retry_after_ms
-from engine.launcher import free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -387,7 +386,7 @@ def test_sigterm_drains_the_router(cluster, known, reliability):
 def _extra_router(cluster, name: str, flags: list[str]) -> Proc:
     workers = [p for p in cluster.procs if p is not cluster.router]
     port = free_port()
-    cmd = [sys.executable, "-m", "router", "--port", str(port),
+    cmd = [sys.executable, "-m", "baton.router", "--port", str(port),
            "--prefill", ",".join(p.address for p in workers if p.name.startswith("prefill")),
            "--decode", ",".join(p.address for p in workers if p.name.startswith("decode")), *flags]
     p = Proc(name, cmd, f"127.0.0.1:{port}")

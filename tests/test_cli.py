@@ -9,12 +9,11 @@ import sys
 import time
 
 import pytest
+from baton.serving.processes import free_port
 from cluster import REPO
 
-from engine.launcher import free_port
-
 pytestmark = pytest.mark.timeout(600)
-BATON = [sys.executable, "-m", "engine.cli"]
+BATON = [sys.executable, "-m", "baton"]
 
 
 def test_baton_serve_then_generate_answers_paris(tmp_path):

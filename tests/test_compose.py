@@ -7,16 +7,15 @@ import sys
 
 import pytest
 import yaml
+from baton.serving.processes import free_port
 from baton.v1 import router_pb2
 from cluster import REPO, Cluster, Proc
 from test_services import collect
 
-from engine.launcher import free_port
-
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-MODULES = {"prefill_service": "prefill_service.main", "decode_service": "decode_service.main",
-           "router": "router.main"}
+MODULES = {"baton.prefill_service": "baton.prefill_service.main", "baton.decode_service": "baton.decode_service.main",
+           "baton.router": "baton.router.main"}
 
 
 def _parser_accepts(command: list[str]) -> None:
@@ -62,7 +61,7 @@ def test_profiles_give_each_service_its_own_accelerator():
 
 def test_default_services_have_healthchecks_and_the_router_waits_for_them():
     for name in ("prefill", "decode", "router"):
-        assert "engine.healthcheck" in SERVICES[name]["healthcheck"]["test"]
+        assert "baton.serving.healthcheck" in SERVICES[name]["healthcheck"]["test"]
     assert set(SERVICES["router"]["depends_on"]) == {"prefill", "decode"}
 
 

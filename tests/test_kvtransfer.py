@@ -18,18 +18,17 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import torch
+from baton.kvtransfer import chunk_codec, grpc_backend, peer_auth
+from baton.kvtransfer.backend import KVTransferError, TransferDescriptor
+from baton.kvtransfer.blocks import pack_blocks, unpack_blocks
+from baton.kvtransfer.grpc_backend import GrpcKVSender, KVTransferServicer
+from baton.kvtransfer.grpc_options import channel_options, server_options
+from baton.kvtransfer.layout import KVLayout, KVLayoutMismatch, check_compatible
+from baton.kvtransfer.peer_auth import KVPeerAuth, load_secret
+from baton.kvtransfer.receiver import PendingTransfers
 from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
-from kvtransfer import chunk_codec, grpc_backend, peer_auth
-from kvtransfer.backend import KVTransferError, TransferDescriptor
-from kvtransfer.blocks import pack_blocks, unpack_blocks
-from kvtransfer.grpc_backend import GrpcKVSender, KVTransferServicer
-from kvtransfer.grpc_options import channel_options, server_options
-from kvtransfer.layout import KVLayout, KVLayoutMismatch, check_compatible
-from kvtransfer.peer_auth import KVPeerAuth, load_secret
-from kvtransfer.receiver import PendingTransfers
 
 Ack = kvtransfer_pb2.KVAck
 Code = grpc.StatusCode

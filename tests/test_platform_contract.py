@@ -15,12 +15,11 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-
-from engine import LLM, SamplingParams
-from engine.attention_metadata import AttnMetadata
-from engine.platforms import get_platform
-from engine.platforms.base import LayerOps
-from engine.platforms.cpu import CpuPlatform
+from baton.engine import LLM, SamplingParams
+from baton.engine.platforms import get_platform
+from baton.engine.platforms.base import LayerOps
+from baton.engine.platforms.cpu import CpuPlatform
+from baton.models.attention_metadata import AttnMetadata
 
 
 def _torch_npu_error() -> str | None:
@@ -292,9 +291,8 @@ def test_graph_decode_gives_the_eager_tokens(kind, engines):
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A 2-layer random Qwen3 (head_dim 24) with the embedded tokenizer: quick to load."""
+    from baton.models.source import resolve_model
     from helpers import save_tiny_checkpoint
-
-    from models.source import resolve_model
     tokenizer_dir = os.environ.get("BATON_PRESET_TOKENIZER") or resolve_model(None).tokenizer_path
     return save_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("tiny") / "qwen3-d24", tokenizer_dir, head_dim=24)
 
@@ -321,7 +319,7 @@ def test_npu_refuses_unknown_graph_mode_and_missing_torchair(kind):
 
 def test_emulation_refuses_documented_misuse():
     """The emulation holds npu.py to the docs: these calls would fail (or be undefined) on a device."""
-    from engine.platforms.npu_emulation import NpuEmulationError, emulated_torch_npu
+    from baton.engine.platforms.npu_emulation import NpuEmulationError, emulated_torch_npu
     npu = emulated_torch_npu()
     fia = npu.npu_fused_infer_attention_score_v2
     q = torch.randn(2, 4, 9, 64, dtype=torch.bfloat16)

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from engine.attention_metadata import AttnMetadata
-from engine.platforms.base import LayerOps
-from engine.platforms.cpu import CpuPlatform
-from engine.platforms.cuda import CudaPlatform
+from baton.engine.platforms.base import LayerOps
+from baton.engine.platforms.cpu import CpuPlatform
+from baton.engine.platforms.cuda import CudaPlatform
+from baton.models.attention_metadata import AttnMetadata
 
 HAS_GPU = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -176,7 +175,7 @@ DECODE_CONTEXTS = [1, 2, 17, 600, 4100, 2049, 33, 1000]
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("splits", ["auto", "one"])
 def test_decode_matches_reference(case, splits):
-    from engine.platforms.triton_kernels import decode_attention as dk
+    from baton.engine.platforms.triton_kernels import decode_attention as dk
     dtype, group, dim, bs = case
     ctx = [n - 1 for n in DECODE_CONTEXTS]
     batch = make_batch(ctx, [1] * len(ctx), group, dim, bs, dtype, pad_rows=2, seed=CASES.index(case))
@@ -197,7 +196,9 @@ def test_decode_matches_reference(case, splits):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_decode_split_count_depends_on_shapes_only():
-    from engine.platforms.triton_kernels import decode_attention as dk  # host-side arithmetic: no GPU needed
+    from baton.engine.platforms.triton_kernels import (
+        decode_attention as dk,  # host-side arithmetic: no GPU needed
+    )
     cfg = dk.DecodeConfig(min_split_tokens=256, programs_per_sm=4, max_splits=64)
     assert dk.num_splits(1, 8, 4096, 132, cfg) == 16          # 4096 tokens / 256 per split
     assert dk.num_splits(1, 8, 40960, 132, cfg) == 64         # capped
@@ -230,7 +231,7 @@ def test_prefill_without_context_matches_reference(case, with_cache, longest):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("longest", [700, 2100])     # below / above the long-prompt tile config
 def test_chunked_and_prefix_cached_prefill_reads_context_from_cache(case, longest):
-    from engine.platforms.triton_kernels import prefill_attention as pk
+    from baton.engine.platforms.triton_kernels import prefill_attention as pk
     dtype, group, dim, bs = case
     # a fresh prompt, a one-token chunk, a prefix hit, a long chunk over a long context, a short tail
     batch = make_batch([0, 16, 1000, 3000, 5], [7, 1, 256, longest, 64], group, dim, bs, dtype, seed=11)
@@ -327,7 +328,7 @@ def test_fused_layer_ops_match_plain_torch(dtype, shape):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fused_qk_norm_rotary_matches_plain_torch(dtype, qk_norm, head_dim):
     """Read straight out of a fused qkv row (strided views), as the model calls it."""
-    from models.layers.rotary import RotaryEmbedding
+    from baton.models.layers.rotary import RotaryEmbedding
     fused, plain = cuda_platform().ops, LayerOps()
     g = torch.Generator().manual_seed(5)
     tokens, hq, hk = 37, 8, 2
@@ -350,7 +351,7 @@ def test_fused_qk_norm_rotary_matches_plain_torch(dtype, qk_norm, head_dim):
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_tp2_gives_the_tp1_greedy_tokens_on_the_qwen3_0_6b_preset(eager):
     """Real checkpoint shapes (random weights), fp32 so reduction order cannot flip a token."""
-    from engine import LLM, SamplingParams
+    from baton.engine import LLM, SamplingParams
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 151_000, (n,), generator=g).tolist() for n in (9, 200, 700)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -373,7 +374,7 @@ def test_tp2_gives_the_tp1_greedy_tokens_on_the_qwen3_0_6b_preset(eager):
 def test_streamed_pieces_pack_and_unpack_on_the_gpu_bit_exact():
     """What a streamed transfer does to the bytes: pieces packed on the device (block indices
     uploaded without a device wait) and unpacked piece by piece into other blocks."""
-    from kvtransfer.blocks import Pieces, pack_blocks_on_device, unpack_blocks
+    from baton.kvtransfer.blocks import Pieces, pack_blocks_on_device, unpack_blocks
     kv = torch.randn(3, 2, 40, 16, 4, 64, device="cuda").to(torch.bfloat16)
     src, into = [37, 2, 19, 5, 8, 30, 11], [0, 1, 2, 3, 4, 5, 6]
     parts, first = [], 0
@@ -390,7 +391,7 @@ def test_streamed_pieces_pack_and_unpack_on_the_gpu_bit_exact():
 def test_the_nccl_binding_moves_bytes_and_aborts():
     """kvtransfer.nccl, the direct KV backend's NCCL calls, on one GPU: a one-rank communicator
     sends 72 MiB to itself (one group), then is aborted and refuses more work."""
-    from kvtransfer import nccl
+    from baton.kvtransfer import nccl
     comm = nccl.Communicator(nccl.unique_id(), 0, 1)
     stream = torch.cuda.Stream(priority=-1)
     src = (torch.arange(72 << 20, device="cuda") % 251).to(torch.uint8)
@@ -412,7 +413,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 @pytest.mark.device
 @two_gpus
 def test_direct_kv_over_nccl_is_bit_exact_between_two_gpus():
-    from kvtransfer.bench import measure_direct
+    from baton.benchmarks.kv_loopback import measure_direct
     r = measure_direct(64 << 20, "cuda:0", "cuda:1", repeats=3, overlap=False)   # checks the bytes itself
     assert r["collective"] == "nccl" and len(r["seconds"]) == 3
     assert "called directly" in r["communicator"]      # not through ProcessGroupNCCL
@@ -423,8 +424,8 @@ def test_direct_kv_over_nccl_is_bit_exact_between_two_gpus():
 def test_a_stalled_nccl_transfer_fails_frees_staging_aborts_the_pair_and_the_next_one_works():
     import asyncio
 
-    from kvtransfer.backend import KVTransferError, TransferDescriptor
-    from kvtransfer.bench import direct_loopback
+    from baton.benchmarks.kv_loopback import direct_loopback
+    from baton.kvtransfer.backend import KVTransferError, TransferDescriptor
 
     n = 8 << 20
     payload = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda:0")
@@ -456,10 +457,9 @@ def test_1p1d_over_nccl_gives_the_colocated_engines_greedy_tokens(tmp_path):
     32-token prefill budget splits the long prompt); fp32 so batching cannot flip a token."""
     import concurrent.futures as cf
 
+    from baton.engine import LLM, SamplingParams
     from baton.v1 import router_pb2
     from cluster import Cluster
-
-    from engine import LLM, SamplingParams
     prompts = ["The quick brown fox", "def quicksort(arr):", "Once upon a time there was a dragon who loved tea",
                "Summarize: " + "the river rose over the old stone bridge while the village slept, " * 6]
     common = ["--model", "qwen3-0.6b", "--dtype", "float32", "--kv-backend", "direct", "--num-kv-blocks", "512"]

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import torch
-
-from engine import SamplingParams
-from engine.sampler import hashed_uniform
+from baton.engine import SamplingParams
+from baton.engine.sampler import hashed_uniform
 
 
 def test_same_seed_same_tokens_whatever_the_batch(embedded_llm):
@@ -57,7 +56,7 @@ def test_streamed_text_is_whole_utf8_and_sums_to_full_text(embedded_llm):
     tok = embedded_llm.tokenizer
     ids = tok("Emoji and 日本語: 🎉🚀", add_special_tokens=False)["input_ids"]
     # feed the prompt's own tokens as "generated" ones to force characters split across tokens
-    from engine.detokenizer import IncrementalDetokenizer
+    from baton.engine.detokenizer import IncrementalDetokenizer
     d = IncrementalDetokenizer(tok, [])
     deltas = [d.add(t) for t in ids] + [d.flush()]
     assert all("\ufffd" not in x for x in deltas)

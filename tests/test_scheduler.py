@@ -1,10 +1,9 @@
 """Scheduler: continuous batching, chunked prefill, preemption, abort in every state."""
 import pytest
-
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from baton.engine.block_manager import BlockManager
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler import Scheduler, SchedulerConfig
+from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 EOS = 0
 

@@ -13,20 +13,19 @@ import time
 
 import grpc
 import pytest
+from baton.engine import SamplingParams
+from baton.kvtransfer.backend import KVTransferError
+from baton.kvtransfer.grpc_backend import GrpcKVSender
+from baton.kvtransfer.grpc_options import channel_options
+from baton.kvtransfer.layout import KVLayout
+from baton.kvtransfer.peer_auth import KVPeerAuth
+from baton.serving.grpc_server import open_channel, retry_after_ms
+from baton.serving.security import TLSConfig
 from baton.v1 import router_pb2, router_pb2_grpc
 from certs import CA
 from cluster import REPO, Cluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reliability import Outcomes, stream_ids
-
-from engine import SamplingParams
-from engine.grpc_server import open_channel, retry_after_ms
-from engine.security import TLSConfig
-from kvtransfer.backend import KVTransferError
-from kvtransfer.grpc_backend import GrpcKVSender
-from kvtransfer.grpc_options import channel_options
-from kvtransfer.layout import KVLayout
-from kvtransfer.peer_auth import KVPeerAuth
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -202,12 +201,12 @@ def test_configured_limits_are_invalid_argument(cluster, pki, fields, fragment, 
 
 def test_the_cli_client_speaks_tls_with_a_token(cluster, pki):
     t0 = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--addr", cluster.router.address,
+    run = subprocess.run([sys.executable, "-m", "baton", "generate", "--addr", cluster.router.address,
                           "--tls-ca", pki["ca"], "--token", BOB, "--max-tokens", "4", "--raw", "Hello"],
                          cwd=REPO, capture_output=True, text=True, timeout=120, env=cluster.env)
     assert run.returncode == 0, run.stderr
     assert "completion 4" in run.stderr, (run.stderr, time.monotonic() - t0)
-    denied = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--addr", cluster.router.address,
+    denied = subprocess.run([sys.executable, "-m", "baton", "generate", "--addr", cluster.router.address,
                              "--tls-ca", pki["ca"], "--raw", "Hello"],
                             cwd=REPO, capture_output=True, text=True, timeout=120, env=cluster.env)
     assert denied.returncode == 1 and "BATON_AUTH_TOKEN" in denied.stderr

@@ -8,10 +8,9 @@ import time
 
 import grpc
 import pytest
+from baton.engine import SamplingParams
 from baton.v1 import router_pb2
 from cluster import Cluster
-
-from engine import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -173,14 +172,14 @@ def test_duplicate_request_id_is_refused_while_running(cluster):
 
 
 def test_router_without_workers_is_unavailable(tmp_path):
-    from engine.launcher import free_port
+    from baton.serving.processes import free_port
     c = Cluster(tmp_path, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     port = free_port()
     dead = f"127.0.0.1:{free_port()}"
     import sys
 
     from cluster import Proc
-    c.router = Proc("router", [sys.executable, "-m", "router", "--port", str(port), "--colocated", dead],
+    c.router = Proc("router", [sys.executable, "-m", "baton.router", "--port", str(port), "--colocated", dead],
                     f"127.0.0.1:{port}")
     c.procs.append(c.router)
     c.router.start(c.env, tmp_path)

@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import torch
-
-from engine.platforms.base import LayerOps, Platform
+from baton.engine.platforms.base import LayerOps, Platform
 
 
 def get_platform(device: str = "cpu") -> Platform:
@@ -11,15 +10,15 @@ def get_platform(device: str = "cpu") -> Platform:
     if index and not index.isdigit():
         raise ValueError(f"bad device {device!r}: use cpu, cuda:N or npu:N")
     if kind == "cpu":
-        from engine.platforms.cpu import CpuPlatform
+        from baton.engine.platforms.cpu import CpuPlatform
         return CpuPlatform(torch.device("cpu"))
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU; use --device cpu")
-        from engine.platforms.cuda import CudaPlatform
+        from baton.engine.platforms.cuda import CudaPlatform
         return CudaPlatform(torch.device("cuda", int(index or 0)))
     if kind == "npu":
-        from engine.platforms.npu import NpuPlatform
+        from baton.engine.platforms.npu import NpuPlatform
         return NpuPlatform.create(int(index or 0))
     raise ValueError(f"unknown device {device!r}: use cpu, cuda:N or npu:N")
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engine.attention_metadata import AttnMetadata
+    from baton.models.attention_metadata import AttnMetadata
 
 
 class LayerOps:

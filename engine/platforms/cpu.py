@@ -9,9 +9,8 @@ import os
 
 import torch
 import torch.nn.functional as F
-
-from engine.attention_metadata import AttnMetadata
-from engine.platforms.base import Platform
+from baton.engine.platforms.base import Platform
+from baton.models.attention_metadata import AttnMetadata
 
 
 class CpuPlatform(Platform):

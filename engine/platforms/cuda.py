@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 
 import torch
-
-from engine.attention_metadata import AttnMetadata
-from engine.platforms.base import LayerOps, Platform
+from baton.engine.platforms.base import LayerOps, Platform
+from baton.models.attention_metadata import AttnMetadata
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -22,19 +21,19 @@ class TritonLayerOps(LayerOps):
     """Fused RMSNorm, add-RMSNorm, SiLU-and-mul, and q/k norm + rotary in one kernel."""
 
     def rms_norm(self, x, weight, eps):
-        from engine.platforms.triton_kernels import layer_ops
+        from baton.engine.platforms.triton_kernels import layer_ops
         return layer_ops.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
-        from engine.platforms.triton_kernels import layer_ops
+        from baton.engine.platforms.triton_kernels import layer_ops
         return layer_ops.add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x):
-        from engine.platforms.triton_kernels import layer_ops
+        from baton.engine.platforms.triton_kernels import layer_ops
         return layer_ops.silu_and_mul(x)
 
     def qk_norm_rotary(self, q, k, q_weight, k_weight, eps, cos, sin, positions):
-        from engine.platforms.triton_kernels import layer_ops
+        from baton.engine.platforms.triton_kernels import layer_ops
         return layer_ops.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, positions)
 
 
@@ -88,11 +87,11 @@ class CudaPlatform(Platform):
 
     # -- KV cache and attention -------------------------------------------------------------
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        from engine.platforms.triton_kernels import kv_store
+        from baton.engine.platforms.triton_kernels import kv_store
         kv_store.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def prefill_attention(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float):
-        from engine.platforms.triton_kernels import prefill_attention
+        from baton.engine.platforms.triton_kernels import prefill_attention
         if meta.has_context and k_cache is not None:
             return prefill_attention.varlen_prefill(
                 q, k, v, meta.query_start_loc, meta.max_query_len, scale, seq_lens=meta.seq_lens,
@@ -102,6 +101,6 @@ class CudaPlatform(Platform):
     def decode_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float):
         """Splits derive from block_tables' width, fixed for a captured graph (the graph runner
         sizes it for max_model_len); each program reads its sequence length on the device."""
-        from engine.platforms.triton_kernels import decode_attention
+        from baton.engine.platforms.triton_kernels import decode_attention
         return decode_attention.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                              self.num_sms)

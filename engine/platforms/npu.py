@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from engine.attention_metadata import AttnMetadata
-from engine.platforms.base import LayerOps, Platform
+from baton.engine.platforms.base import LayerOps, Platform
+from baton.models.attention_metadata import AttnMetadata
 
 MASK_SIZE = 2048            # fused attention's compressed causal mask (sparse_mode 2/3/4) is 2048x2048
 PAGED_PREFILL_BLOCK = 128   # FIA paged KV with Q_S > 1 needs block_size in [128, 512], a multiple of 128
@@ -32,7 +31,7 @@ def load_torch_npu(index: int):
     """(torch_npu, the torch.device of npu:index): the real torch_npu when it imports, the
     emulation (whose npu:N is the host CPU) only when BATON_NPU_EMULATION=1 asks for it."""
     if os.environ.get("BATON_NPU_EMULATION") == "1":
-        from engine.platforms import npu_emulation
+        from baton.engine.platforms import npu_emulation
         npu = npu_emulation.emulated_torch_npu()
         return npu, npu.device(index)
     try:

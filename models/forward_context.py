@@ -7,21 +7,30 @@ platform's prefill or decode attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from baton.models.attention_metadata import AttnMetadata
 
-from engine.attention_metadata import AttnMetadata
 
-if TYPE_CHECKING:
-    from engine.platforms.base import Platform
+class AttentionBackend(Protocol):
+    """The part of a platform (baton.engine.platforms) a forward pass calls."""
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None: ...
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
+                          v_cache: torch.Tensor | None, meta: AttnMetadata, scale: float) -> torch.Tensor: ...
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
+                         scale: float) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
 class ForwardContext:
     meta: AttnMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None   # per layer (k_cache, v_cache); None = no cache
-    platform: Platform
+    platform: AttentionBackend
     scale: float
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -23,17 +23,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0 if argv else 2)
     cmd, rest = argv[0], argv[1:]
     if cmd == "router":
-        from router.main import main as run
+        from baton.router.main import main as run
     elif cmd == "prefill":
-        from prefill_service.main import main as run
+        from baton.prefill_service.main import main as run
     elif cmd == "decode":
-        from decode_service.main import main as run
+        from baton.decode_service.main import main as run
     elif cmd == "serve":
         run = serve_main
     elif cmd == "generate":
-        from engine.client import main as run
+        from baton.client import main as run
     elif cmd == "bench":
-        from benchmarks.cli import main as run
+        from baton.benchmarks.cli import main as run
     else:
         print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         sys.exit(2)
@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve_main(argv: list[str]) -> None:
-    from engine.config import DEFAULT_MODEL
-    from engine.launcher import serve
+    from baton.engine.config import DEFAULT_MODEL
+    from baton.launcher import serve
     p = argparse.ArgumentParser(prog="baton serve",
                                 description="router + prefill + decode as separate local processes")
     p.add_argument("--host", default="127.0.0.1")

@@ -1,10 +1,9 @@
 """Engine types <-> baton.v1 messages, in one place so every service converts alike."""
 from __future__ import annotations
 
+from baton.engine.output_processor import RequestOutput
+from baton.engine.sampling_params import SamplingParams
 from baton.v1 import decode_pb2, router_pb2
-
-from engine.output_processor import RequestOutput
-from engine.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
 

@@ -8,73 +8,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
-import grpc
-
-START_TIMEOUT_S = 600.0
-
-
-@dataclass
-class Child:
-    name: str
-    address: str
-    proc: subprocess.Popen
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _devices(spec: str | None, default: str, n: int) -> list[str]:
-    items = [d.strip() for d in (spec or "").split(",") if d.strip()] or [default]
-    return [items[i % len(items)] for i in range(n)]
-
-
-def worker_command(module: str, host: str, port: int, model: str, device: str, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", module, "--host", host, "--port", str(port), "--model", model,
-            "--device", device, *extra]
-
-
-def wait_serving(address: str, proc: subprocess.Popen, name: str, timeout: float, tls=None) -> None:
-    """Until the process at `address` reports SERVING (TLS per `tls`, else per BATON_TLS_*)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc  # lazily: benchmarks import this module too
-
-    from engine.grpc_server import open_sync_channel
-    from engine.security import tls_from_env
-    deadline = time.monotonic() + timeout
-    with open_sync_channel(address, tls if tls is not None else tls_from_env()) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up; see its log above")
-            try:
-                r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.25)
-    raise TimeoutError(f"{name} at {address} not serving after {timeout:.0f}s")
-
-
-def stop_all(children: list[Child], grace: float = 10.0) -> None:
-    for c in reversed(children):
-        if c.proc.poll() is None:
-            c.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for c in children:
-        try:
-            c.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            c.proc.kill()
-            c.proc.wait()
+from baton.serving.processes import (
+    START_TIMEOUT_S,
+    Child,
+    devices_for,
+    free_port,
+    stop_all,
+    wait_serving,
+    worker_command,
+)
 
 
 def serve(args) -> int:
@@ -102,20 +48,20 @@ def serve(args) -> int:
     try:
         router_flags: list[str] = []
         if args.colocated:
-            addrs = [start(f"colocated-{i}", "decode_service", d, ["--colocated"])
-                     for i, d in enumerate(_devices(args.decode_devices or args.device, args.device, args.instances))]
+            addrs = [start(f"colocated-{i}", "baton.decode_service", d, ["--colocated"])
+                     for i, d in enumerate(devices_for(args.decode_devices or args.device, args.device, args.instances))]
             router_flags += ["--colocated", ",".join(addrs)]
         else:
-            pre = [start(f"prefill-{i}", "prefill_service", d, [])
-                   for i, d in enumerate(_devices(args.prefill_devices, args.device, args.prefill_instances))]
-            dec = [start(f"decode-{i}", "decode_service", d, [])
-                   for i, d in enumerate(_devices(args.decode_devices, args.device, args.decode_instances))]
+            pre = [start(f"prefill-{i}", "baton.prefill_service", d, [])
+                   for i, d in enumerate(devices_for(args.prefill_devices, args.device, args.prefill_instances))]
+            dec = [start(f"decode-{i}", "baton.decode_service", d, [])
+                   for i, d in enumerate(devices_for(args.decode_devices, args.device, args.decode_instances))]
             router_flags += ["--prefill", ",".join(pre), "--decode", ",".join(dec)]
         print(f"[baton] starting {len(children)} worker(s) on {args.model} ...", file=sys.stderr, flush=True)
         for c in children:
             wait_serving(c.address, c.proc, c.name, START_TIMEOUT_S)
         router_addr = f"{host}:{args.port}"
-        cmd = [sys.executable, "-m", "router", "--host", host, "--port", str(args.port), "--model", args.model,
+        cmd = [sys.executable, "-m", "baton.router", "--host", host, "--port", str(args.port), "--model", args.model,
                "--policy", args.policy, *router_flags]
         if args.metrics_port:
             cmd += ["--metrics-port", str(args.metrics_port)]

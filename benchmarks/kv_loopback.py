@@ -20,7 +20,7 @@ import sys
 import time
 import zlib
 
-from kvtransfer.grpc_options import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW_BYTES
+from baton.kvtransfer.grpc_options import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW_BYTES
 
 MIB = 1 << 20
 READY_TIMEOUT_S = 60.0
@@ -35,11 +35,10 @@ def _grpc_receiver(conn, total_bytes: int, repeats: int) -> None:
 
 async def _grpc_receive(conn, total_bytes: int, repeats: int) -> None:
     import grpc
-
-    from kvtransfer.grpc_backend import KVTransferServicer
-    from kvtransfer.grpc_options import server_options
-    from kvtransfer.layout import KVLayout
-    from kvtransfer.receiver import PendingTransfers
+    from baton.kvtransfer.grpc_backend import KVTransferServicer
+    from baton.kvtransfer.grpc_options import server_options
+    from baton.kvtransfer.layout import KVLayout
+    from baton.kvtransfer.receiver import PendingTransfers
 
     pending = PendingTransfers(max_staged_bytes=max(total_bytes, 1))
     done = asyncio.Event()
@@ -73,8 +72,8 @@ def _grpc_sender(conn, port: int, total_bytes: int, chunk_bytes: int, window_byt
 
 
 async def _grpc_send(port: int, total_bytes: int, chunk_bytes: int, window_bytes: int, repeats: int) -> dict:
-    from kvtransfer.grpc_backend import GrpcKVSender
-    from kvtransfer.layout import KVLayout
+    from baton.kvtransfer.grpc_backend import GrpcKVSender
+    from baton.kvtransfer.layout import KVLayout
 
     payload = os.urandom(total_bytes)
     sender = GrpcKVSender(f"127.0.0.1:{port}", chunk_bytes=chunk_bytes, window_bytes=window_bytes)
@@ -280,10 +279,9 @@ async def _decode_side(dst_device: str, max_staged_bytes: int):
     (pending, port, receiver)."""
     import grpc
     import torch
-
-    from kvtransfer.direct_backend import DirectKVReceiver
-    from kvtransfer.grpc_backend import KVTransferServicer
-    from kvtransfer.receiver import PendingTransfers
+    from baton.kvtransfer.direct_backend import DirectKVReceiver
+    from baton.kvtransfer.grpc_backend import KVTransferServicer
+    from baton.kvtransfer.receiver import PendingTransfers
 
     layout = _direct_layout()
     pending = PendingTransfers(max_staged_bytes=max_staged_bytes)
@@ -301,7 +299,7 @@ async def _decode_side(dst_device: str, max_staged_bytes: int):
 
 
 def _direct_layout():
-    from kvtransfer.layout import KVLayout
+    from baton.kvtransfer.layout import KVLayout
     return KVLayout(**BENCH_LAYOUT, backends=["direct", "grpc"])
 
 
@@ -311,8 +309,7 @@ async def direct_loopback(src_device: str, dst_device: str, max_staged_bytes: in
     process (tests); yields (pending, sender, receiver)."""
     import grpc
     import torch
-
-    from kvtransfer.direct_backend import DirectKVSender
+    from baton.kvtransfer.direct_backend import DirectKVSender
 
     async with _decode_side(dst_device, max_staged_bytes) as (pending, port, receiver):
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -376,9 +373,8 @@ def _bind(device: str) -> None:
 async def _direct_send(port: int, device: str, total_bytes: int, plan: dict) -> dict:
     import grpc
     import torch
-
-    from kvtransfer.backend import TransferDescriptor
-    from kvtransfer.direct_backend import DirectKVSender
+    from baton.kvtransfer.backend import TransferDescriptor
+    from baton.kvtransfer.direct_backend import DirectKVSender
 
     src = torch.device(device)
     payload = _pattern(total_bytes, src)
@@ -477,9 +473,8 @@ async def _streamed(sender, payload, device, prefill_flops: float, chunks: int) 
     goes to the sending task while the next chunk computes; the first token with the last.
     Returns when each round's last compute ended (`computed_at`); the caller adds when it landed."""
     import torch
-
-    from kvtransfer.backend import TransferDescriptor
-    from kvtransfer.direct_backend import record_ready
+    from baton.kvtransfer.backend import TransferDescriptor
+    from baton.kvtransfer.direct_backend import record_ready
     accel = getattr(torch, device.type) if device.type != "cpu" else None
     a, compute = _matmul_timer(device)
     per_mm = compute(10) / 10

@@ -13,10 +13,9 @@ import sys
 from collections.abc import Callable, Iterable
 
 import grpc
+from baton.serving.security import TLSConfig
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-from engine.security import TLSConfig
 
 log = logging.getLogger("baton")
 

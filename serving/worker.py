@@ -11,14 +11,13 @@ import sys
 import time
 
 import grpc
+from baton.engine.async_engine import AsyncEngine
+from baton.engine.llm_engine import LLMEngine
+from baton.kvtransfer.layout import KVLayout
+from baton.serving.grpc_server import Server, ServiceError
+from baton.serving.metrics import Metrics
+from baton.serving.worker_config import WorkerConfig
 from baton.v1 import worker_pb2
-
-from engine.async_engine import AsyncEngine
-from engine.grpc_server import Server, ServiceError
-from engine.llm_engine import LLMEngine
-from engine.metrics import Metrics
-from engine.worker_config import WorkerConfig
-from kvtransfer.layout import KVLayout
 
 # The engine thread and the event loop share the GIL; a thread that wants it back waits out
 # the holder's switch interval (Python's default is 5 ms, about one decode step of an 8B model),

@@ -9,9 +9,9 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.security import TLSConfig, add_tls_args, tls_from_args
-from kvtransfer.peer_auth import load_secret
+from baton.engine.config import DEFAULT_MODEL, EngineConfig
+from baton.kvtransfer.peer_auth import load_secret
+from baton.serving.security import TLSConfig, add_tls_args, tls_from_args
 
 ROLES = ("prefill", "decode", "colocated")
 

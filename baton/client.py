@@ -6,10 +6,10 @@ import os
 import sys
 
 import grpc
-from baton.v1 import router_pb2, router_pb2_grpc
 
-from engine.grpc_server import open_sync_channel, retry_after_ms
-from engine.security import add_tls_args, tls_from_args
+from baton.serving.grpc_server import open_sync_channel, retry_after_ms
+from baton.serving.security import add_tls_args, tls_from_args
+from baton.v1 import router_pb2, router_pb2_grpc
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,4 @@
+"""`python -m baton ...` is the `baton` command."""
+from baton.cli import main
+
+main()

@@ -1,0 +1,72 @@
+"""Starting Baton processes and waiting for them: what the launcher (`baton serve`), the
+benchmark harness and the tests share. Torch-free.
+"""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+from baton.serving.grpc_server import open_sync_channel
+from baton.serving.security import tls_from_env
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+START_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    proc: subprocess.Popen
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def devices_for(spec: str | None, default: str, n: int) -> list[str]:
+    items = [d.strip() for d in (spec or "").split(",") if d.strip()] or [default]
+    return [items[i % len(items)] for i in range(n)]
+
+
+def worker_command(module: str, host: str, port: int, model: str, device: str, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", module, "--host", host, "--port", str(port), "--model", model,
+            "--device", device, *extra]
+
+
+def wait_serving(address: str, proc: subprocess.Popen, name: str, timeout: float, tls=None) -> None:
+    """Until the process at `address` reports SERVING (TLS per `tls`, else per BATON_TLS_*)."""
+    deadline = time.monotonic() + timeout
+    with open_sync_channel(address, tls if tls is not None else tls_from_env()) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up; see its log above")
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.25)
+    raise TimeoutError(f"{name} at {address} not serving after {timeout:.0f}s")
+
+
+def stop_all(children: list[Child], grace: float = 10.0) -> None:
+    for c in reversed(children):
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for c in children:
+        try:
+            c.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()

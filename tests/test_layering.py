@@ -1,0 +1,80 @@
+"""The structure the folders promise, checked on what users install: the built wheel puts
+one name, `baton`, in site-packages, and its imports keep the layering (import-linter's
+contracts in pyproject.toml: imports point down, no cycles, torch-free plumbing)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PRODUCT_DIRS = ("baton", "serving", "router", "prefill_service", "decode_service", "kvtransfer", "models",
+                "engine", "benchmarks", "protos")
+MAX_PRODUCT_FILE_LINES = 700
+
+
+@pytest.fixture(scope="module")
+def installed_tree(tmp_path_factory) -> Path:
+    """The wheel, built from a clean copy of the tracked sources, unpacked as pip would install it."""
+    src, out, tree = (tmp_path_factory.mktemp(n) for n in ("src", "wheel", "site"))
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in files:
+        if (REPO / name).is_file() and name.split("/")[0] not in ("tests", "docs"):
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+                    str(src)], check=True, capture_output=True)
+    (wheel,) = out.glob("baton-*.whl")
+    zipfile.ZipFile(wheel).extractall(tree)
+    return tree
+
+
+def test_the_wheel_installs_only_the_baton_namespace(installed_tree):
+    top = sorted(p.name for p in installed_tree.iterdir() if not p.name.endswith(".dist-info"))
+    assert top == ["baton"]
+    for sub in ("v1", "router", "prefill_service", "decode_service", "kvtransfer", "models", "engine", "serving",
+                "benchmarks"):
+        assert (installed_tree / "baton" / sub / "__init__.py").exists(), sub
+    entry = (next(installed_tree.glob("*.dist-info")) / "entry_points.txt").read_text()
+    assert "baton = baton.cli:main" in entry
+
+
+def test_imports_keep_the_layering_contracts(installed_tree, tmp_path):
+    # run from an empty directory: lint-imports puts the working directory first on sys.path
+    env = dict(os.environ, PYTHONPATH=str(installed_tree))
+    lint = Path(sys.executable).with_name("lint-imports")
+    run = subprocess.run([str(lint), "--config", str(REPO / "pyproject.toml"), "--no-cache", "--no-logo"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "3 kept, 0 broken" in run.stdout
+
+
+def test_an_upward_import_breaks_the_contract(installed_tree, tmp_path):
+    """The check is live: an engine module importing the router fails it."""
+    tree = tmp_path / "site"
+    shutil.copytree(installed_tree, tree)
+    (tree / "baton" / "engine" / "upward.py").write_text("from baton.router import server\n")
+    lint = Path(sys.executable).with_name("lint-imports")
+    run = subprocess.run([str(lint), "--config", str(REPO / "pyproject.toml"), "--no-cache", "--no-logo"],
+                         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0
+    assert "baton.engine.upward -> baton.router" in run.stdout
+
+
+def test_no_product_file_is_over_700_lines():
+    long = {}
+    for d in PRODUCT_DIRS:
+        for f in (REPO / d).rglob("*.py"):
+            if "_pb2" in f.name:
+                continue
+            n = len(f.read_text().splitlines())
+            if n > MAX_PRODUCT_FILE_LINES:
+                long[str(f.relative_to(REPO))] = n
+    assert not long, f"split these by idea: {long}"
