@@ -14,6 +14,7 @@ import statistics
 import time
 
 import torch
+
 from baton.engine import LLM, SamplingParams
 
 

@@ -15,6 +15,7 @@ import sys
 import time
 
 import torch
+
 from baton.engine import LLMEngine, SamplingParams
 from baton.engine.config import EngineConfig
 

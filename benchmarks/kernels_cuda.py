@@ -170,6 +170,7 @@ def bench_prefill(matmul_rate: float) -> list[dict]:
 def prefill_shape(model: str, hq: int, hkv: int, dim: int, nseq: int, length: int, matmul_rate: float) -> dict:
     """Every prefill config on one shape, keys from k/v ("fresh") and from the paged cache."""
     import torch.nn.functional as F
+
     from baton.engine.platforms.triton_kernels.kv_store import store_kv
     from baton.engine.platforms.triton_kernels.prefill_attention import varlen_prefill
     t = nseq * length

@@ -35,6 +35,7 @@ def _grpc_receiver(conn, total_bytes: int, repeats: int) -> None:
 
 async def _grpc_receive(conn, total_bytes: int, repeats: int) -> None:
     import grpc
+
     from baton.kvtransfer.grpc_backend import KVTransferServicer
     from baton.kvtransfer.grpc_options import server_options
     from baton.kvtransfer.layout import KVLayout
@@ -279,6 +280,7 @@ async def _decode_side(dst_device: str, max_staged_bytes: int):
     (pending, port, receiver)."""
     import grpc
     import torch
+
     from baton.kvtransfer.direct_backend import DirectKVReceiver
     from baton.kvtransfer.grpc_backend import KVTransferServicer
     from baton.kvtransfer.receiver import PendingTransfers
@@ -309,6 +311,7 @@ async def direct_loopback(src_device: str, dst_device: str, max_staged_bytes: in
     process (tests); yields (pending, sender, receiver)."""
     import grpc
     import torch
+
     from baton.kvtransfer.direct_backend import DirectKVSender
 
     async with _decode_side(dst_device, max_staged_bytes) as (pending, port, receiver):
@@ -373,6 +376,7 @@ def _bind(device: str) -> None:
 async def _direct_send(port: int, device: str, total_bytes: int, plan: dict) -> dict:
     import grpc
     import torch
+
     from baton.kvtransfer.backend import TransferDescriptor
     from baton.kvtransfer.direct_backend import DirectKVSender
 
@@ -473,6 +477,7 @@ async def _streamed(sender, payload, device, prefill_flops: float, chunks: int) 
     goes to the sending task while the next chunk computes; the first token with the last.
     Returns when each round's last compute ended (`computed_at`); the caller adds when it landed."""
     import torch
+
     from baton.kvtransfer.backend import TransferDescriptor
     from baton.kvtransfer.direct_backend import record_ready
     accel = getattr(torch, device.type) if device.type != "cpu" else None

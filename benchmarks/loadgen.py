@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+
 from baton.benchmarks.datasets import ServeRequest
 from baton.benchmarks.stats import tpot
 from baton.v1 import router_pb2, router_pb2_grpc

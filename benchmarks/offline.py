@@ -8,6 +8,7 @@ import sys
 import time
 
 import torch
+
 from baton.benchmarks import ceilings, record
 from baton.benchmarks.model_shape import DTYPE_BYTES, shape_of
 from baton.benchmarks.roofline import Ceilings, CostModel, StepShape, roofline_report

@@ -14,6 +14,7 @@ import sys
 import time
 
 import torch
+
 from baton.benchmarks.workload import OfflineWorkload, warmup_workload
 
 RESULT_TIMEOUT_S = 600.0
@@ -21,9 +22,10 @@ RESULT_TIMEOUT_S = 600.0
 
 def load_hf_model(model: str, device: str, dtype: str):
     """The transformers model holding exactly the weights Baton's engine would load."""
+    from transformers import AutoModelForCausalLM
+
     from baton.models import loader
     from baton.models import source as model_source
-    from transformers import AutoModelForCausalLM
     source = model_source.resolve_model(model)
     torch_dtype = getattr(torch, dtype)
     if source.weights_path is not None:

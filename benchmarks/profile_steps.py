@@ -15,10 +15,11 @@ import json
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
 from baton.benchmarks.decode_graphs import PhaseTimer
 from baton.engine import LLMEngine, SamplingParams
 from baton.engine.config import EngineConfig
-from torch.profiler import ProfilerActivity, profile
 
 
 def _kernels(prof, steps: int, top: int) -> tuple[float, list[dict]]:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 import urllib.request
 
-from baton.benchmarks.stats import histogram_quantile
 from prometheus_client.parser import text_string_to_metric_families
+
+from baton.benchmarks.stats import histogram_quantile
 
 HANDOVER = "baton_handover_seconds"
 KV_LANDED = "baton_kv_landed_seconds"

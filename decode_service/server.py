@@ -13,11 +13,12 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+
 from baton.engine.async_engine import EngineDead
+from baton.engine.kv_blocks import unpack_blocks
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.output_processor import RequestOutput
 from baton.engine.sampling_params import SamplingParams
-from baton.kvtransfer.blocks import unpack_blocks
 from baton.kvtransfer.direct_backend import DirectKVReceiver
 from baton.kvtransfer.grpc_backend import KVTransferServicer
 from baton.kvtransfer.layout import KVLayout

@@ -17,6 +17,11 @@ from baton.engine.sequence import Sequence
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 
 
+class KVCacheFull(Exception):
+    """Not enough free KV blocks for what was asked: a capacity condition the caller may retry
+    later or elsewhere (RESOURCE_EXHAUSTED), never a host out-of-memory."""
+
+
 def default_block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
@@ -115,14 +120,14 @@ class BlockManager:
         """Grow the block table to hold num_computed_tokens + num_new_tokens tokens."""
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if need > len(self.free):
-            raise MemoryError(f"need {need} KV blocks, {len(self.free)} free")
+            raise KVCacheFull(f"need {need} KV blocks, {len(self.free)} free")
         for _ in range(need):
             seq.block_table.append(self._take_free())
 
     def allocate_blocks(self, n: int) -> list[int]:
         """Raw blocks for KV that arrives from elsewhere (decode-side admission)."""
         if n > len(self.free):
-            raise MemoryError(f"need {n} KV blocks, {len(self.free)} free")
+            raise KVCacheFull(f"need {n} KV blocks, {len(self.free)} free")
         return [self._take_free() for _ in range(n)]
 
     def free_blocks(self, block_ids: Seq[int]) -> None:

@@ -11,6 +11,7 @@ import sys
 import time
 
 import torch
+
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.forward_context import ForwardContext
 

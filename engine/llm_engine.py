@@ -105,7 +105,7 @@ class LLMEngine:
         return True
 
     def reserve_blocks(self, num_tokens: int) -> list[int]:
-        """Blocks for KV that another worker computes; MemoryError if they are not free."""
+        """Blocks for KV that another worker computes; KVCacheFull if they are not free."""
         return self.block_manager.allocate_blocks(self.block_manager.blocks_needed(num_tokens))
 
     def free_blocks(self, block_ids: list[int]) -> None:

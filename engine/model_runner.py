@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from baton.engine.config import EngineConfig
 from baton.engine.platforms import Platform, get_platform
 from baton.engine.sampler import Sampler, SamplingBatch

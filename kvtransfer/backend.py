@@ -1,14 +1,22 @@
-"""The backend interface: how one request's KV goes from a prefill worker to a decode worker.
+"""The KV-transfer interface every backend implements: how one request's KV goes from a
+prefill worker to a decode worker.
 
-Sending: a `KVSender` per decode worker handshakes once, then `send`s each request's payload
-under the transfer id the decode worker handed out at admission, with the first sampled
-token. Receiving: a `KVReceiver` feeds arriving payloads into the decode worker's
-`PendingTransfers`, which calls the engine back exactly once per transfer.
+Sending (prefill side): a `KVSender` per decode worker handshakes once (layout, secret),
+then `open`s each transfer under the id the decode worker handed out at admission, before
+the KV exists (when the prefill starts). The returned `OutgoingTransfer` takes the prompt's
+KV as `KVPiece`s, in block order, as the engine makes them final; the last piece carries the
+first sampled token; `done` waits for the decode worker's word; `abandon` gives it up (the
+decode worker frees its blocks at once). `send` is the one-piece case: open, one piece, done.
 
-The portable `grpc` backend streams the bytes over gRPC. A device-direct backend (NCCL on
-GPUs, HCCL on Ascend) implements the same two classes, but gRPC carries only descriptors:
-its receiver publishes `backend_params` (e.g. a communicator id) in the admission reply, its
-sender's payload provider yields a device tensor, and the bytes go device to device.
+Receiving (decode side): a `KVReceiver` serves its backend's wire and reports into the
+decode worker's `PendingTransfers` (receiver.py), which calls the decode worker back exactly
+once per transfer: complete (with the payload) or failed.
+
+Backends, one folder each, picked by `factory.py`:
+  grpc_backend/    portable: host-staged bytes in CRC-checked chunks with credit flow control
+  direct_backend/  device to device over a two-rank NCCL / HCCL / gloo communicator per
+                   worker pair; gRPC carries descriptors only
+  memory_backend/  both ends in one process (tests, single-process tools): pieces handed over
 """
 from __future__ import annotations
 
@@ -18,14 +26,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
+
+from baton.engine.kv_handoff import KVPiece
 from baton.kvtransfer.layout import KVLayout
 
-# What a sender is given to send: the payload itself, or a zero-argument function (sync or
-# async) that produces it, called only once the receiver has accepted the transfer (when the
-# descriptor states nbytes), so a rejected transfer costs no packing. A sync function runs on
-# the event loop: make heavy packing async (e.g. run pack_blocks on the engine thread). The
-# grpc backend wants host bytes (bytes, bytearray, memoryview or a CPU uint8 tensor); a
-# device-direct backend wants a device tensor.
+# What `send` is given: the payload itself, or a zero-argument function (sync or async) that
+# produces it, called only once the receiver has accepted the transfer, so a refused transfer
+# costs no packing. The grpc backend wants host bytes (bytes, bytearray, memoryview or a CPU
+# uint8 tensor), device-direct backends a uint8 tensor on their device.
 PayloadProvider = object | Callable[[], object] | Callable[[], Awaitable[object]]
 
 
@@ -45,7 +53,6 @@ class TransferDescriptor:
     nbytes: int = -1                     # payload size, when known before the payload exists
     num_tokens: int = 0                  # tokens whose KV the payload holds (0: not stated)
     backend: str = "grpc"
-    backend_params: bytes = b""          # opaque, from the receiver's KVReceiver.backend_params
 
     @classmethod
     def of(cls, transfer: TransferDescriptor | str) -> TransferDescriptor:
@@ -54,14 +61,36 @@ class TransferDescriptor:
 
 @dataclass(slots=True)
 class SendStats:
-    """What one `send` did, for metrics and benchmarks."""
+    """What one transfer did, for metrics and benchmarks."""
 
     nbytes: int = 0
-    chunks: int = 0
+    chunks: int = 0                      # wire messages that carried bytes (grpc chunks, direct pieces)
     resent_chunks: int = 0
     max_in_flight_bytes: int = 0         # never more than the window the receiver granted
     window_bytes: int = 0
     seconds: float = 0.0
+
+
+class OutgoingTransfer(ABC):
+    """One open transfer, prefill side. Any failure ends it; after that every call raises."""
+
+    num_blocks: int                      # blocks the descriptor promised (0 when it stated no size)
+    next_block: int                      # pieces so far covered [0, next_block)
+    token_sent: bool                     # the first token went (with the last piece)
+
+    @abstractmethod
+    async def piece(self, piece: KVPiece) -> None:
+        """Send the next blocks (piece.first_block must be next_block). Returns once the piece
+        is on its way (its bytes may still be moving); a failure raises KVTransferError."""
+
+    @abstractmethod
+    async def done(self) -> SendStats:
+        """After the last piece: wait until every byte landed and the decode worker took it."""
+
+    @abstractmethod
+    def abandon(self, reason: str) -> None:
+        """Give the transfer up (no-op once ended): the decode worker frees it now, not at its
+        deadline."""
 
 
 class KVSender(ABC):
@@ -75,14 +104,26 @@ class KVSender(ABC):
         (FAILED_PRECONDITION naming every differing field) on a mismatch."""
 
     @abstractmethod
+    async def open(self, transfer: TransferDescriptor | str, timeout: float = 30.0) -> OutgoingTransfer:
+        """Open a transfer; `timeout` bounds the whole of it, up to `done`."""
+
     async def send(self, transfer: TransferDescriptor | str, payload_provider: PayloadProvider,
                    first_token: int, extra: dict[str, str] | None = None, timeout: float = 30.0) -> SendStats:
-        """Deliver the payload and the first token; returns once the peer has handed them to its
-        engine. Raises KVTransferError (with its status code) on any failure, and within
-        `timeout` seconds whatever the peer does."""
+        """The whole payload in one piece, with the first token: open, send, wait for the
+        peer's word. Raises KVTransferError within `timeout` whatever the peer does."""
+        transfer = TransferDescriptor.of(transfer)
+        out = await self.open(transfer, timeout)
+        try:
+            payload = await resolve_payload(payload_provider)
+            await out.piece(KVPiece("", 0, out.num_blocks, payload, None, first_token,
+                                    {k: str(v) for k, v in (extra or {}).items()}))
+            return await out.done()
+        except BaseException as exc:
+            out.abandon(f"the send failed: {exc!r}")
+            raise
 
     async def close(self) -> None:
-        """Release connections; pending sends fail."""
+        """Release connections; open transfers fail."""
         return None
 
 
@@ -94,10 +135,6 @@ class KVReceiver(ABC):
     @abstractmethod
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the gRPC services this backend needs (data or descriptors)."""
-
-    def backend_params(self, transfer_id: str) -> bytes:
-        """Opaque parameters the sender needs for this transfer (e.g. a communicator id)."""
-        return b""
 
     async def close(self) -> None:
         """Stop receiving; transfers in progress are failed by their registry."""

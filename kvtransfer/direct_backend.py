@@ -54,8 +54,9 @@ from datetime import timedelta
 import grpc
 import torch
 import torch.distributed as dist
+
+from baton.engine.kv_blocks import Pieces
 from baton.kvtransfer.backend import KVSender, KVTransferError, SendStats, TransferDescriptor, resolve_payload
-from baton.kvtransfer.blocks import Pieces
 from baton.kvtransfer.grpc_backend import GrpcKVSender
 from baton.kvtransfer.layout import KVLayout
 from baton.kvtransfer.peer_auth import KVPeerAuth, session_of

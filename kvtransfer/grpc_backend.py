@@ -17,6 +17,7 @@ from collections import deque
 
 import grpc
 import numpy as np
+
 from baton.kvtransfer.backend import (
     KVReceiver,
     KVSender,

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from baton.engine.block_manager import KVCacheFull
+
 log = logging.getLogger("baton.kvtransfer")
 
 DEFAULT_MAX_STAGED_BYTES = 4 << 30
@@ -96,7 +98,7 @@ class PendingTransfers:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         if nbytes > self.max_staged_bytes:
-            raise MemoryError(f"a KV payload of {nbytes} bytes can never be staged here (limit "
+            raise KVCacheFull(f"a KV payload of {nbytes} bytes can never be staged here (limit "
                               f"{self.max_staged_bytes} bytes); raise the limit or use a shorter prompt")
         if deadline_s <= 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s}")

@@ -7,6 +7,8 @@ nothing of the KV cache or the platform.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from baton.models.forward_context import ForwardContext
 from baton.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from baton.models.layers.linear import (
@@ -17,7 +19,6 @@ from baton.models.layers.linear import (
 )
 from baton.models.layers.norm import RMSNorm
 from baton.models.layers.rotary import RotaryEmbedding, rope_parameters
-from torch import nn
 
 
 class Attention(nn.Module):

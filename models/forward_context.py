@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from baton.models.attention_metadata import AttnMetadata
 
 

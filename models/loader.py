@@ -6,10 +6,11 @@ import sys
 from pathlib import Path
 
 import torch
-from baton.models.layers.linear import TPInfo
-from baton.models.registry import model_class
 from safetensors import safe_open
 from torch import nn
+
+from baton.models.layers.linear import TPInfo
+from baton.models.registry import model_class
 
 IGNORED = ("rotary_emb.inv_freq",)
 

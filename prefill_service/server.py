@@ -21,10 +21,11 @@ import time
 from dataclasses import replace
 
 import grpc
+
 from baton.engine.async_engine import EngineDead
+from baton.engine.kv_blocks import pack_blocks, pack_blocks_on_device
 from baton.engine.llm_engine import LLMEngine
 from baton.kvtransfer.backend import KVSender, TransferDescriptor
-from baton.kvtransfer.blocks import pack_blocks, pack_blocks_on_device
 from baton.kvtransfer.direct_backend import DirectKVSender, OutgoingTransfer, record_ready
 from baton.kvtransfer.grpc_backend import GrpcKVSender, KVTransferError
 from baton.kvtransfer.grpc_options import channel_options

@@ -15,6 +15,7 @@ import contextlib
 import time
 
 import grpc
+
 from baton.serving.grpc_server import ServiceError
 
 

@@ -11,10 +11,11 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from baton.serving.grpc_server import open_channel
 from baton.serving.security import TLSConfig
 from baton.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger("baton.router")
 CHECK_INTERVAL_S = 1.0

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import grpc
+
 from baton.router import validation
 from baton.router.admission import Admission
 from baton.router.config import RouterConfig

@@ -1,7 +1,7 @@
 """gRPC plumbing every Baton server shares: options, health, reflection, error mapping, drain.
 
 Torch-free (the router uses it too). Servicers raise plain exceptions; `ErrorMapper` turns
-them into gRPC statuses in one place: ValueError -> INVALID_ARGUMENT, MemoryError ->
+them into gRPC statuses in one place: ValueError -> INVALID_ARGUMENT, KVCacheFull ->
 RESOURCE_EXHAUSTED, TimeoutError -> DEADLINE_EXCEEDED, ServiceError -> its own code.
 """
 from __future__ import annotations
@@ -13,9 +13,11 @@ import sys
 from collections.abc import Callable, Iterable
 
 import grpc
-from baton.serving.security import TLSConfig
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from baton.engine.block_manager import KVCacheFull
+from baton.serving.security import TLSConfig
 
 log = logging.getLogger("baton")
 
@@ -75,7 +77,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, MemoryError):
+    if isinstance(exc, KVCacheFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of KV cache memory: {exc}; retry later or elsewhere"
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"

@@ -8,9 +8,10 @@ from __future__ import annotations
 import sys
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from baton.serving.grpc_server import open_sync_channel
 from baton.serving.security import tls_from_env
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def check(address: str, timeout: float = 3.0) -> bool:

@@ -11,9 +11,10 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from baton.serving.grpc_server import open_sync_channel
 from baton.serving.security import tls_from_env
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 START_TIMEOUT_S = 600.0
 

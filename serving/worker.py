@@ -11,6 +11,7 @@ import sys
 import time
 
 import grpc
+
 from baton.engine.async_engine import AsyncEngine
 from baton.engine.llm_engine import LLMEngine
 from baton.kvtransfer.layout import KVLayout

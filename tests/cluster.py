@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+
 from baton.serving.processes import free_port, wait_serving
 from baton.v1 import router_pb2, router_pb2_grpc
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+from cluster import REPO
+
 from baton.benchmarks import datasets, loadgen, prometheus, record
 from baton.benchmarks.kv import payload_bytes
 from baton.benchmarks.model_shape import ModelShape
@@ -26,7 +28,6 @@ from baton.benchmarks.stats import (
     tpot,
 )
 from baton.benchmarks.workload import nano_vllm_workload
-from cluster import REPO
 
 BENCH = [sys.executable, "-m", "baton", "bench"]
 

@@ -1,6 +1,7 @@
 """BlockManager: paged allocation, ref counts, prefix cache hits, LRU reuse, collisions."""
 import pytest
-from baton.engine.block_manager import BlockManager
+
+from baton.engine.block_manager import BlockManager, KVCacheFull
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.sequence import Sequence
 
@@ -83,7 +84,7 @@ def test_double_free_is_an_error():
 
 def test_allocating_more_than_free_raises_and_changes_nothing():
     bm = BlockManager(2, 4)
-    with pytest.raises(MemoryError):
+    with pytest.raises(KVCacheFull):
         bm.allocate_blocks(3)
     assert bm.num_free_blocks == 2
 

@@ -21,14 +21,15 @@ import time
 import grpc
 import psutil
 import pytest
-from baton.engine import SamplingParams
-from baton.serving.grpc_server import retry_after_ms
-from baton.serving.processes import free_port
-from baton.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from cluster import Cluster, Proc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from netfault import FaultyLink
 from reliability import Load, Outcomes
+
+from baton.engine import SamplingParams
+from baton.serving.grpc_server import retry_after_ms
+from baton.serving.processes import free_port
+from baton.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.timeout(900)
 

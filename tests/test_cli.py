@@ -9,8 +9,9 @@ import sys
 import time
 
 import pytest
-from baton.serving.processes import free_port
 from cluster import REPO
+
+from baton.serving.processes import free_port
 
 pytestmark = pytest.mark.timeout(600)
 BATON = [sys.executable, "-m", "baton"]

@@ -7,10 +7,11 @@ import sys
 
 import pytest
 import yaml
-from baton.serving.processes import free_port
-from baton.v1 import router_pb2
 from cluster import REPO, Cluster, Proc
 from test_services import collect
+
+from baton.serving.processes import free_port
+from baton.v1 import router_pb2
 
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]

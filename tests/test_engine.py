@@ -7,8 +7,9 @@ import os
 
 import pytest
 import torch
-from baton.engine import LLM, SamplingParams
 from helpers import hf_greedy, save_tiny_checkpoint
+
+from baton.engine import LLM, SamplingParams
 
 GREEDY32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
@@ -91,8 +92,9 @@ def test_capital_of_france_is_paris(embedded_llm):
 ])
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_tiny_architectures_match_transformers(tmp_path, arch, overrides, block_size):
-    from baton.models.source import resolve_model
     from transformers import AutoModelForCausalLM
+
+    from baton.models.source import resolve_model
     tokenizer_dir = os.environ.get("BATON_PRESET_TOKENIZER") or resolve_model(None).tokenizer_path
     path = save_tiny_checkpoint(arch, tmp_path / arch, tokenizer_dir, **overrides)
     device = os.environ.get("BATON_TEST_DEVICE", "cpu")      # cuda:0 on a GPU machine: same test, fp32
@@ -108,8 +110,9 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, overrides, block_
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_tensor_parallel_ranks_give_the_single_device_tokens(tmp_path, arch):
     """TP=2 (two processes: gloo on the CPU, NCCL across two GPUs) against transformers' greedy."""
-    from baton.models.source import resolve_model
     from transformers import AutoModelForCausalLM
+
+    from baton.models.source import resolve_model
     device = os.environ.get("BATON_TEST_DEVICE", "cpu")
     if device.startswith("cuda") and torch.cuda.device_count() < 2:
         pytest.skip(f"tensor parallelism on {device} needs two GPUs; torch sees {torch.cuda.device_count()}")
@@ -160,7 +163,7 @@ def test_streamed_kv_passes_each_prompt_block_once_in_order_as_its_chunk_ends(em
     """on_kv (the device-direct handoff's source) gets every prompt block exactly once, in
     order, chunk by chunk, with its final KV already written, and the first token with the
     last: the pieces, packed when they were passed, equal the blocks the finished request holds."""
-    from baton.kvtransfer.blocks import pack_blocks
+    from baton.engine.kv_blocks import pack_blocks
     llm = LLM(embedded_source.name, max_num_batched_tokens=24, num_kv_blocks=64, block_size=8)
     e = llm.engine
     prompt = max(prompt_ids, key=len)

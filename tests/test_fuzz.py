@@ -7,11 +7,12 @@ import collections
 
 import grpc
 import pytest
-from baton.engine import SamplingParams
-from baton.v1 import router_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reliability import Outcomes, stream_ids
+
+from baton.engine import SamplingParams
+from baton.v1 import router_pb2
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -18,18 +18,19 @@ import types
 import grpc
 import pytest
 import torch
+from cluster import Cluster
+from reliability import Outcomes
+
 from baton.engine import SamplingParams
+from baton.engine.kv_blocks import Pieces, pack_blocks_on_device, unpack_blocks
 from baton.kvtransfer import direct_backend
 from baton.kvtransfer.backend import KVTransferError, TransferDescriptor
-from baton.kvtransfer.blocks import Pieces, pack_blocks_on_device, unpack_blocks
 from baton.kvtransfer.direct_backend import DirectKVReceiver, DirectKVSender
 from baton.kvtransfer.grpc_backend import KVTransferServicer
 from baton.kvtransfer.grpc_options import server_options
 from baton.kvtransfer.layout import KVLayout
 from baton.kvtransfer.receiver import PendingTransfers
 from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc, router_pb2
-from cluster import Cluster
-from reliability import Outcomes
 
 Code = grpc.StatusCode
 CPU = torch.device("cpu")

@@ -18,17 +18,19 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from baton.engine.block_manager import KVCacheFull
+from baton.engine.kv_blocks import pack_blocks, unpack_blocks
 from baton.kvtransfer import chunk_codec, grpc_backend, peer_auth
 from baton.kvtransfer.backend import KVTransferError, TransferDescriptor
-from baton.kvtransfer.blocks import pack_blocks, unpack_blocks
 from baton.kvtransfer.grpc_backend import GrpcKVSender, KVTransferServicer
 from baton.kvtransfer.grpc_options import channel_options, server_options
 from baton.kvtransfer.layout import KVLayout, KVLayoutMismatch, check_compatible
 from baton.kvtransfer.peer_auth import KVPeerAuth, load_secret
 from baton.kvtransfer.receiver import PendingTransfers
 from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
 
 Ack = kvtransfer_pb2.KVAck
 Code = grpc.StatusCode
@@ -725,7 +727,7 @@ def test_expect_refuses_reused_ids_and_payloads_larger_than_staging():
         out.expect(pending, "a", 10)
         with pytest.raises(ValueError, match="already used"):
             out.expect(pending, "a", 10)
-        with pytest.raises(MemoryError, match="can never be staged"):
+        with pytest.raises(KVCacheFull, match="can never be staged"):
             out.expect(pending, "b", 1001)
         pending.cancel("a")
 

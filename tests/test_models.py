@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+
 from baton.engine.platforms.cpu import CpuPlatform
 from baton.models import loader, registry
 from baton.models import source as model_source
@@ -28,8 +29,9 @@ def test_embedded_gguf_import_matches_transformers_own_gguf_loader(embedded_sour
     transformers computes when it loads the same GGUF file itself."""
     from pathlib import Path
 
-    from baton.models.source import _embedded_gguf
     from transformers import AutoModelForCausalLM
+
+    from baton.models.source import _embedded_gguf
     gguf = _embedded_gguf()
     ref = AutoModelForCausalLM.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name,
                                                dtype=torch.float32).eval()

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+
 from baton.engine import LLM, SamplingParams
 from baton.engine.platforms import get_platform
 from baton.engine.platforms.base import LayerOps
@@ -291,8 +292,9 @@ def test_graph_decode_gives_the_eager_tokens(kind, engines):
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A 2-layer random Qwen3 (head_dim 24) with the embedded tokenizer: quick to load."""
-    from baton.models.source import resolve_model
     from helpers import save_tiny_checkpoint
+
+    from baton.models.source import resolve_model
     tokenizer_dir = os.environ.get("BATON_PRESET_TOKENIZER") or resolve_model(None).tokenizer_path
     return save_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("tiny") / "qwen3-d24", tokenizer_dir, head_dim=24)
 

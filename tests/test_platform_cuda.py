@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from baton.engine.platforms.base import LayerOps
 from baton.engine.platforms.cpu import CpuPlatform
 from baton.engine.platforms.cuda import CudaPlatform
@@ -374,7 +375,7 @@ def test_tp2_gives_the_tp1_greedy_tokens_on_the_qwen3_0_6b_preset(eager):
 def test_streamed_pieces_pack_and_unpack_on_the_gpu_bit_exact():
     """What a streamed transfer does to the bytes: pieces packed on the device (block indices
     uploaded without a device wait) and unpacked piece by piece into other blocks."""
-    from baton.kvtransfer.blocks import Pieces, pack_blocks_on_device, unpack_blocks
+    from baton.engine.kv_blocks import Pieces, pack_blocks_on_device, unpack_blocks
     kv = torch.randn(3, 2, 40, 16, 4, 64, device="cuda").to(torch.bfloat16)
     src, into = [37, 2, 19, 5, 8, 30, 11], [0, 1, 2, 3, 4, 5, 6]
     parts, first = [], 0
@@ -457,9 +458,10 @@ def test_1p1d_over_nccl_gives_the_colocated_engines_greedy_tokens(tmp_path):
     32-token prefill budget splits the long prompt); fp32 so batching cannot flip a token."""
     import concurrent.futures as cf
 
+    from cluster import Cluster
+
     from baton.engine import LLM, SamplingParams
     from baton.v1 import router_pb2
-    from cluster import Cluster
     prompts = ["The quick brown fox", "def quicksort(arr):", "Once upon a time there was a dragon who loved tea",
                "Summarize: " + "the river rose over the old stone bridge while the village slept, " * 6]
     common = ["--model", "qwen3-0.6b", "--dtype", "float32", "--kv-backend", "direct", "--num-kv-blocks", "512"]

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from baton.v1 import kvtransfer_pb2, router_pb2
 from google.protobuf import descriptor_pb2
 
+from baton.v1 import kvtransfer_pb2, router_pb2
 from protos import generate
 
 REPO = Path(__file__).resolve().parents[1]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+
 from baton.engine import SamplingParams
 from baton.engine.sampler import hashed_uniform
 

@@ -1,5 +1,6 @@
 """Scheduler: continuous batching, chunked prefill, preemption, abort in every state."""
 import pytest
+
 from baton.engine.block_manager import BlockManager
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler, SchedulerConfig

@@ -13,6 +13,11 @@ import time
 
 import grpc
 import pytest
+from certs import CA
+from cluster import REPO, Cluster
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from reliability import Outcomes, stream_ids
+
 from baton.engine import SamplingParams
 from baton.kvtransfer.backend import KVTransferError
 from baton.kvtransfer.grpc_backend import GrpcKVSender
@@ -22,10 +27,6 @@ from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.serving.grpc_server import open_channel, retry_after_ms
 from baton.serving.security import TLSConfig
 from baton.v1 import router_pb2, router_pb2_grpc
-from certs import CA
-from cluster import REPO, Cluster
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from reliability import Outcomes, stream_ids
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -8,9 +8,10 @@ import time
 
 import grpc
 import pytest
+from cluster import Cluster
+
 from baton.engine import SamplingParams
 from baton.v1 import router_pb2
-from cluster import Cluster
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+
 from baton.engine.platforms.base import LayerOps, Platform
 
 

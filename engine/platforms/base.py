@@ -7,6 +7,7 @@ tested against; models and the scheduler never import a platform directly.
 """
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -69,12 +70,15 @@ class Platform(ABC):
     """One accelerator family. Instances are bound to one device (`cpu`, `cuda:N`, `npu:N`)."""
 
     name: str = "base"
-    dist_backend: str = "gloo"           # torch.distributed backend for collectives
+    dist_backend: str = "gloo"           # the collective library: tensor parallelism and device-direct KV
     supports_graphs: bool = False        # can capture decode steps (CUDA graphs, torchair)
 
     def __init__(self, device: torch.device):
         self.device = device
         self.ops = LayerOps()
+        # the device runtime (torch.cuda, torch_npu.npu) for streams and events; None where work
+        # is done when the call returns (the CPU, and the NPU emulation, whose npu:N is the host)
+        self.runtime = None
 
     # -- device -----------------------------------------------------------------------------
     @abstractmethod
@@ -91,6 +95,34 @@ class Platform(ABC):
         """Make this platform's device the calling thread's current one (accelerators keep a
         current device per thread: kernels launch there)."""
         return None
+
+    # -- streams and events (device-direct KV overlaps the engine's compute on its own stream) --
+    def new_stream(self, high_priority: bool = False):
+        """A stream of its own on this device (None without a runtime); high priority: its
+        kernels go first when SMs free up."""
+        if self.runtime is None:
+            return None
+        return self.runtime.Stream(self.device, priority=-1 if high_priority else 0)
+
+    def on_stream(self, stream):
+        """Context: work launched inside goes on `stream` (nothing to do without a runtime)."""
+        if self.runtime is None or stream is None:
+            return contextlib.nullcontext()
+        return self.runtime.stream(stream)
+
+    def record_event(self, stream=None, blocking: bool = False):
+        """An event recorded now on `stream` (default: the calling thread's current stream);
+        it passes when the work queued before it has. None without a runtime (work is done
+        when it returns). `blocking`: waiting for it sleeps instead of spinning."""
+        if self.runtime is None:
+            return None
+        event = self.runtime.Event(blocking=blocking)
+        event.record(stream if stream is not None else self.runtime.current_stream(self.device))
+        return event
+
+    def can_pin_memory(self) -> bool:
+        """Page-locked host buffers make device <-> host copies asynchronous and faster."""
+        return self.runtime is not None
 
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:  # noqa: B027
         """Raise ValueError naming the constraint if the KV layout is unsupported here."""

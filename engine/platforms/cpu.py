@@ -9,6 +9,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+
 from baton.engine.platforms.base import Platform
 from baton.models.attention_metadata import AttnMetadata
 

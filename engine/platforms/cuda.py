@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from baton.engine.platforms.base import LayerOps, Platform
 from baton.models.attention_metadata import AttnMetadata
 
@@ -44,6 +45,7 @@ class CudaPlatform(Platform):
 
     def __init__(self, device: torch.device):
         super().__init__(device)
+        self.runtime = torch.cuda
         if os.environ.get("BATON_CUDA_FUSED_OPS", "1") != "0":
             self.ops = TritonLayerOps()
         self._num_sms: int | None = None

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from baton.engine.platforms.base import LayerOps, Platform
 from baton.models.attention_metadata import AttnMetadata
 
@@ -122,6 +123,10 @@ class NpuPlatform(Platform):
         """`torchair` (the module) selects torchair graph mode; None selects aclgraph."""
         super().__init__(device)
         self.npu = npu
+        if not getattr(npu, "EMULATED", False):
+            self.runtime = npu.npu               # streams and events: torch_npu.npu
+        else:                                    # the emulated npu:N is the host: gloo moves its KV
+            self.dist_backend = "gloo"
         if os.environ.get("BATON_NPU_FUSED_OPS", "1") != "0":
             self.ops = NpuLayerOps(npu)
         self.torchair = torchair

@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from baton.models.layers.linear import TPInfo
 from torch import nn
+
+from baton.models.layers.linear import TPInfo
 
 
 class VocabParallelEmbedding(nn.Module):
