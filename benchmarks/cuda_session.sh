@@ -7,13 +7,16 @@
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 set -uo pipefail
-export PYTHONPATH="$PWD:$PWD/protos" PYTHONUNBUFFERED=1 BATON_PRESET_TOKENIZER="$PWD/.carry/tokenizer"
+export PYTHONUNBUFFERED=1 BATON_TOKENIZER="$PWD/.carry/tokenizer"
 if [ -d .carry/whl ]; then    # the stubs need the grpcio/protobuf they were generated with
   python3 -m pip install -q --no-deps --no-index --find-links .carry/whl --target /tmp/site grpcio \
     grpcio-health-checking grpcio-reflection protobuf 2>&1 | tail -3
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  export PYTHONPATH="/tmp/site"
   python3 -c "import grpc, google.protobuf as p; print('grpcio', grpc.__version__, 'protobuf', p.__version__)"
 fi
+# the `baton` namespace maps the repo's folders (pyproject's package-dir): an editable install
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
+python3 -c "import baton.engine, baton.v1.router_pb2; print('baton', baton.__version__, 'from', baton.__path__[0])"
 OUT=${OUT:-bench-results/cuda}; mkdir -p "$OUT"
 STEPS=${STEPS:-"kernels parity graphs profile b1 b1s b1hf b1big"}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"

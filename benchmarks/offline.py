@@ -15,13 +15,14 @@ from baton.benchmarks.roofline import Ceilings, CostModel, StepShape, roofline_r
 from baton.benchmarks.stats import summarize
 from baton.benchmarks.workload import OfflineWorkload, nano_vllm_workload, warmup_workload
 from baton.engine.config import DEFAULT_MODEL, EngineConfig
+from baton.serving.options import flag
 
 FULL = dict(model="qwen3-0.6b", num_seqs=256, min_input_len=100, max_input_len=1024, min_output_len=100,
             max_output_len=1024, device=None)
 SMOKE = dict(model=DEFAULT_MODEL, num_seqs=8, min_input_len=16, max_input_len=64, min_output_len=4,
              max_output_len=8, device="cpu")
 ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
-                "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "tp_size", "tp_devices")
+                "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "tp_size", "tp_devices", "tokenizer")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     e = p.add_argument_group("baton engine knobs (EngineConfig)")
     d = EngineConfig()
+    flag(e, "--tokenizer", help="tokenizer directory (unset: the model's; presets: the embedded model's)")
     e.add_argument("--block-size", type=int, default=d.block_size, help="KV block size in tokens")
     e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
     e.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="tokens per step")

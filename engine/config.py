@@ -3,7 +3,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from baton.models.cache import cache_root
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
+NPU_GRAPH_MODES = ("aclgraph", "torchair")
+
+
+@dataclass(frozen=True, slots=True)
+class PlatformOptions:
+    """The engine knobs a platform reads (engine/platforms)."""
+    fused_ops: bool = True
+    npu_graph_mode: str = "aclgraph"
+    graph_cache_dir: str | None = None
+    npu_emulation: bool = False
 
 
 @dataclass(slots=True)
@@ -24,6 +36,11 @@ class EngineConfig:
     tp_size: int = 1                    # tensor-parallel ranks (processes), one device each
     tp_devices: str | None = None       # "cuda:0,cuda:1"; default: counted up from `device`
     tp_port: int = 0                    # rendezvous port on 127.0.0.1; 0 = a free one
+    tokenizer: str | None = None        # tokenizer directory; None = the model's (presets: the embedded one's)
+    cache_dir: str | None = None        # converted models, compiled graphs; None = ~/.cache/baton
+    fused_ops: bool = True              # fused layer kernels (Triton on CUDA, torch_npu on Ascend)
+    npu_graph_mode: str = "aclgraph"    # aclgraph | torchair
+    npu_emulation: bool = False         # TEST ONLY: npu:N is the host CPU running the documented op semantics
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -44,3 +61,10 @@ class EngineConfig:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0 <= self.tp_port < 65536:
             raise ValueError(f"tp_port must be in [0, 65535], got {self.tp_port}")
+        if self.npu_graph_mode not in NPU_GRAPH_MODES:
+            raise ValueError(f"npu_graph_mode must be one of {', '.join(NPU_GRAPH_MODES)}, got {self.npu_graph_mode!r}")
+
+    def platform_options(self) -> PlatformOptions:
+        return PlatformOptions(fused_ops=self.fused_ops, npu_graph_mode=self.npu_graph_mode,
+                               graph_cache_dir=str(cache_root(self.cache_dir) / "torchair"),
+                               npu_emulation=self.npu_emulation)

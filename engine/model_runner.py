@@ -36,10 +36,10 @@ class ModelRunner:
             self.tp = TensorParallel(config, type(self))
             tp_group, device = self.tp.group, self.tp.devices[0]
         self.tp_group = tp_group
-        self.platform: Platform = get_platform(device or config.device)
+        self.platform: Platform = get_platform(device or config.device, config.platform_options())
         self.device = self.platform.device
         self.platform.bind_thread()          # the engine thread binds itself too (AsyncEngine)
-        self.source = source or resolve_model(config.model)
+        self.source = source or resolve_model(config.model, config.cache_dir, config.tokenizer)
         hf = self.source.hf_config
         self.dtype = _DTYPES[config.dtype] if config.dtype else self.platform.default_dtype()
         self.vocab_size = hf.vocab_size

@@ -25,8 +25,10 @@ import sys
 import threading
 import traceback
 
-import torch
 import torch.distributed as dist
+
+from baton.engine.config import PlatformOptions
+from baton.engine.platforms import get_platform
 
 STARTUP_TIMEOUT_S = 600          # loading, warm-up and graph capture on every rank
 STEP_TIMEOUT_S = 300             # a collective that waits longer than this means a rank died
@@ -52,19 +54,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def backend_for(device: str) -> str:
-    return {"cuda": "nccl", "npu": "hccl"}.get(device.partition(":")[0], "gloo")
-
-
-def init_group(rank: int, world: int, port: int, device: str) -> None:
-    kind = device.partition(":")[0]
-    if kind == "cuda":
-        torch.cuda.set_device(torch.device(device))
-    elif kind == "npu" and os.environ.get("BATON_NPU_EMULATION") != "1":
-        import torch_npu  # noqa: F401  (registers torch.npu and the hccl backend)
-        torch.npu.set_device(torch.device(device))
-    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+def init_group(rank: int, world: int, port: int, device: str, options: PlatformOptions) -> str:
+    """Join the ranks' process group on the collective library of `device`'s platform (which
+    also loads the device runtime, e.g. torch_npu's HCCL backend); returns its name."""
+    platform = get_platform(device, options)
+    platform.bind_thread()
+    dist.init_process_group(platform.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S))
+    return platform.dist_backend
 
 
 class TensorParallel:
@@ -86,8 +83,8 @@ class TensorParallel:
             self.pipes.append(mine)
             self.procs.append(p)
         print(f"[baton] tensor parallel: {self.size} ranks on {', '.join(self.devices)} "
-              f"({backend_for(self.devices[0])}, rendezvous 127.0.0.1:{port})", file=sys.stderr)
-        init_group(0, self.size, port, self.devices[0])
+              f"(rendezvous 127.0.0.1:{port})", file=sys.stderr)
+        init_group(0, self.size, port, self.devices[0], config.platform_options())
         self.group = dist.group.WORLD
 
     def wait_ready(self) -> None:
@@ -136,7 +133,7 @@ def _rank_main(runner_cls, config, rank: int, port: int, device: str, pipe) -> N
     """A rank other than 0: build the same runner on its device, then run what rank 0 sends."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        init_group(rank, config.tp_size, port, device)
+        init_group(rank, config.tp_size, port, device, config.platform_options())
         runner = runner_cls(config, tp_rank=rank, tp_group=dist.group.WORLD, device=device)
     except BaseException:
         pipe.send(traceback.format_exc())

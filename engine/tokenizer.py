@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def load_tokenizer(source):
     """`source`: a baton.models.source.ModelSource (its tokenizer_path)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(source.tokenizer_path)
+    return AutoTokenizer.from_pretrained(source.tokenizer_dir())
 
 
 def eos_token_ids(source, tokenizer) -> list[int]:

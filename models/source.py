@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from baton.models.cache import cache_root
 from baton.models.registry import SUPPORTED_ARCHITECTURES
 
 EMBEDDED = "smollm2-135m-instruct"
@@ -58,24 +59,37 @@ class ModelSource:
     name: str
     hf_config: object              # transformers.PretrainedConfig
     weights_path: str | None       # HF directory; None = random weights (preset)
-    tokenizer_path: str
+    tokenizer_path: str            # "" (presets): the embedded model's, found by tokenizer_dir() on first use
     architecture: str
     random_seed: int = 0
+    cache_dir: str | None = None
+
+    def tokenizer_dir(self) -> str:
+        if not self.tokenizer_path:
+            self.tokenizer_path = resolve_model(EMBEDDED, self.cache_dir).tokenizer_path
+        return self.tokenizer_path
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton")) / "models"
-
-
-def resolve_model(name_or_path: str | None = None) -> ModelSource:
+def resolve_model(name_or_path: str | None = None, cache_dir: str | None = None,
+                  tokenizer: str | None = None) -> ModelSource:
+    """`tokenizer`: a tokenizer directory to use instead of the model's own (presets default to
+    the embedded model's)."""
     name = name_or_path or EMBEDDED
+    source = _resolve(name, cache_dir)
+    source.cache_dir = cache_dir
+    if tokenizer:
+        source.tokenizer_path = str(Path(tokenizer).expanduser())
+    return source
+
+
+def _resolve(name: str, cache_dir: str | None) -> ModelSource:
     if name == EMBEDDED:
-        return _from_hf_dir(_converted(_embedded_gguf()), EMBEDDED)
+        return _from_hf_dir(_converted(_embedded_gguf(), cache_dir), EMBEDDED)
     if name in PRESETS:
         return _preset(name)
     path = Path(name).expanduser()
     if path.suffix == ".gguf" and path.is_file():
-        return _from_hf_dir(_converted(path), path.stem)
+        return _from_hf_dir(_converted(path, cache_dir), path.stem)
     if path.is_dir() and (path / "config.json").exists():
         return _from_hf_dir(path, path.name)
     raise ValueError(f"unknown model {name!r}: give {EMBEDDED!r} (the default), a preset "
@@ -92,13 +106,13 @@ def _embedded_gguf() -> Path:
     return path
 
 
-def _converted(gguf_path: Path) -> Path:
+def _converted(gguf_path: Path, cache_dir: str | None) -> Path:
     """The cached HF conversion of a GGUF file, made once (atomically: temp dir + rename)."""
     from baton.models import gguf_import  # torch: only when a GGUF must be converted
     st = gguf_path.stat()
     key = hashlib.sha1(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}:"
                        f"{gguf_import.CONVERTER_VERSION}".encode()).hexdigest()[:12]
-    target = cache_root() / f"{gguf_path.stem}-{key}"
+    target = cache_root(cache_dir) / "models" / f"{gguf_path.stem}-{key}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -129,9 +143,9 @@ def _from_hf_dir(path: Path, name: str) -> ModelSource:
 
 
 def _preset(name: str) -> ModelSource:
+    """Random weights in a real checkpoint's shape; no tokenizer of its own (resolve_model gives
+    it the one asked for, else the embedded model's)."""
     from transformers import AutoConfig
     fields = dict(PRESETS[name])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    # text I/O for presets uses SmolLM2's tokenizer (or any HF tokenizer dir named by the env)
-    tokenizer = os.environ.get("BATON_PRESET_TOKENIZER") or resolve_model(EMBEDDED).tokenizer_path
-    return ModelSource(name, config, None, tokenizer, config.architectures[0])
+    return ModelSource(name, config, None, "", config.architectures[0])

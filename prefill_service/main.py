@@ -1,23 +1,14 @@
-"""Starting a prefill worker process."""
+"""Starting a prefill worker process: parse (torch-free, so --help is instant), then serve."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 
-from baton.prefill_service.server import PrefillWorker
-from baton.serving.worker_config import add_worker_args, worker_config_from_args
-
-DEFAULT_PORT = 50071
+from baton.serving.worker_config import parse_worker_args
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="baton prefill", description="Baton prefill worker")
-    add_worker_args(p, DEFAULT_PORT)
-    args = p.parse_args(argv)
+    cfg = parse_worker_args("prefill", argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        cfg = worker_config_from_args(args, "prefill")
-    except ValueError as exc:
-        p.error(str(exc))
+    from baton.prefill_service.server import PrefillWorker
     asyncio.run(PrefillWorker(cfg).serve_forever())

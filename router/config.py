@@ -1,11 +1,11 @@
-"""The router's one config object, from flags (BATON_* environment variables as defaults)."""
+"""The router's one config object, from flags (each with its BATON_* twin, serving/options.py)."""
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
 from baton.router.policies import POLICIES
+from baton.serving.options import flag, parser
 from baton.serving.security import TLSConfig, load_tokens, tls_from_args
 from baton.serving.worker_config import add_common_args
 
@@ -17,6 +17,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     model: str = "smollm2-135m-instruct"
+    tokenizer: str | None = None
+    cache_dir: str | None = None
     metrics_port: int | None = None
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
@@ -54,38 +56,38 @@ def _addresses(value: str | None) -> list[str]:
     return [a.strip() for a in (value or "").split(",") if a.strip()]
 
 
-def add_router_args(p: argparse.ArgumentParser) -> None:
-    env = os.environ.get
+def build_parser() -> argparse.ArgumentParser:
+    p = parser("baton router", "Baton's public gRPC router")
     add_common_args(p, DEFAULT_PORT)
-    p.add_argument("--prefill", default=os.environ.get("BATON_PREFILL", ""), help="ADDR[,ADDR...]")
-    p.add_argument("--decode", default=os.environ.get("BATON_DECODE", ""), help="ADDR[,ADDR...]")
-    p.add_argument("--colocated", default=os.environ.get("BATON_COLOCATED", ""), help="ADDR[,ADDR...]")
-    p.add_argument("--policy", default=os.environ.get("BATON_POLICY", "least_loaded"), choices=POLICIES)
-    p.add_argument("--grace", type=float, default=float(env("BATON_GRACE", 30.0)),
-                   help="seconds in-flight requests get to finish after SIGTERM")
+    flag(p, "--prefill", default="", help="prefill workers, ADDR[,ADDR...]")
+    flag(p, "--decode", default="", help="decode workers, ADDR[,ADDR...]")
+    flag(p, "--colocated", default="", help="colocated workers, ADDR[,ADDR...]")
+    flag(p, "--policy", default="least_loaded", choices=POLICIES, help="how a worker is picked for a request")
+    flag(p, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
+    add_auth_and_limits(p)
+    return p
+
+
+def add_auth_and_limits(p: argparse.ArgumentParser) -> None:
+    """The public port's bearer tokens and limits (also `baton serve`'s, passed on to its router)."""
     a = p.add_argument_group("auth and limits")
-    a.add_argument("--auth-token", default=env("BATON_AUTH_TOKEN"),
-                   help="require 'authorization: Bearer <token>' on every Router RPC")
-    a.add_argument("--auth-token-file", default=env("BATON_AUTH_TOKEN_FILE"),
-                   help="one 'client:token' per line; limits are counted per client")
-    a.add_argument("--max-prompt-tokens", type=int, default=int(env("BATON_MAX_PROMPT_TOKENS", 0)),
-                   help="longest prompt accepted (0: the model's context)")
-    a.add_argument("--max-new-tokens", type=int, default=int(env("BATON_MAX_NEW_TOKENS", 0)),
-                   help="largest max_tokens accepted (0: the model's context)")
-    a.add_argument("--max-inflight", type=int, default=int(env("BATON_MAX_INFLIGHT", 512)),
-                   help="requests routed to workers at once")
-    a.add_argument("--max-queued", type=int, default=int(env("BATON_MAX_QUEUED", 2048)),
-                   help="requests waiting for a slot; more are refused with RESOURCE_EXHAUSTED")
-    a.add_argument("--queue-timeout", type=float, default=float(env("BATON_QUEUE_TIMEOUT", 30.0)),
-                   help="longest wait for a slot, in seconds")
-    a.add_argument("--max-per-client", type=int, default=int(env("BATON_MAX_PER_CLIENT", 0)),
-                   help="requests one client (token, else address) may hold; 0: no limit")
-    a.add_argument("--first-token-timeout", type=float, default=float(env("BATON_FIRST_TOKEN_TIMEOUT", 120.0)),
-                   help="seconds an attempt may take to produce its first token before it is retried elsewhere")
+    flag(a, "--auth-token", "--api-key", help="require 'authorization: Bearer <token>' on every Router RPC")
+    flag(a, "--auth-token-file", help="one 'client:token' per line; limits are counted per client")
+    flag(a, "--max-prompt-tokens", type=int, default=0, help="longest prompt accepted (0: the model's context)")
+    flag(a, "--max-new-tokens", type=int, default=0, help="largest max_tokens accepted (0: the model's context)")
+    flag(a, "--max-inflight", type=int, default=512, help="requests routed to workers at once")
+    flag(a, "--max-queued", type=int, default=2048,
+         help="requests waiting for a slot; more are refused with RESOURCE_EXHAUSTED")
+    flag(a, "--queue-timeout", type=float, default=30.0, help="longest wait for a slot, in seconds")
+    flag(a, "--max-per-client", type=int, default=0,
+         help="requests one client (token, else address) may hold; 0: no limit")
+    flag(a, "--first-token-timeout", type=float, default=120.0,
+         help="seconds an attempt may take to produce its first token before it is retried elsewhere")
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
-    cfg = RouterConfig(host=args.host, port=args.port, model=args.model, metrics_port=args.metrics_port,
+    cfg = RouterConfig(host=args.host, port=args.port, model=args.model, tokenizer=args.tokenizer,
+                       cache_dir=args.cache_dir, metrics_port=args.metrics_port,
                        prefill=_addresses(args.prefill), decode=_addresses(args.decode),
                        colocated=_addresses(args.colocated), policy=args.policy, grace_seconds=args.grace,
                        tls=tls_from_args(args), auth_tokens=load_tokens(args.auth_token, args.auth_token_file),
@@ -94,3 +96,12 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
                        max_per_client=args.max_per_client, first_token_timeout=args.first_token_timeout)
     cfg.validate()
     return cfg
+
+
+def parse_router_args(argv: list[str] | None = None) -> RouterConfig:
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        return router_config_from_args(args)
+    except ValueError as exc:
+        p.error(str(exc))

@@ -1,14 +1,13 @@
 """Starting the router process: model info and tokenizer, worker registry, gRPC server."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
 
 from baton.engine.tokenizer import eos_token_ids, load_tokenizer
 from baton.models.source import resolve_model
-from baton.router.config import RouterConfig, add_router_args, router_config_from_args
+from baton.router.config import RouterConfig, parse_router_args
 from baton.router.registry import Registry
 from baton.router.server import RouterService, RouterServicer
 from baton.serving.grpc_server import Server
@@ -17,7 +16,7 @@ from baton.v1 import router_pb2, router_pb2_grpc
 
 
 async def serve(cfg: RouterConfig) -> None:
-    source = resolve_model(cfg.model)
+    source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer)
     tokenizer = load_tokenizer(source)
     hf = source.hf_config
     info = router_pb2.ModelInfo(name=source.name, architecture=source.architecture,
@@ -46,12 +45,6 @@ async def serve(cfg: RouterConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="baton router", description="Baton's public gRPC router")
-    add_router_args(p)
-    args = p.parse_args(argv)
+    cfg = parse_router_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        cfg = router_config_from_args(args)
-    except ValueError as exc:
-        p.error(str(exc))
     asyncio.run(serve(cfg))

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from baton.serving.options import flag
 
 AUTH_HEADER = "authorization"
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")   # never behind the token
@@ -43,9 +44,9 @@ class TLSConfig:
         if self.require_client_cert and not (self.ca and self.cert):
             raise ValueError("--tls-require-client-cert needs --tls-cert/--tls-key for this server "
                              "and --tls-ca to check client certificates against")
-        for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca)):
+        for name, path in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca)):
             if path and not Path(path).is_file():
-                raise ValueError(f"{flag} {path}: no such file")
+                raise ValueError(f"{name} {path}: no such file")
 
     def server_credentials(self) -> grpc.ServerCredentials:
         if not (self.cert and self.key):
@@ -70,25 +71,21 @@ def _read(path: str) -> bytes:
 
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:
-    env = os.environ.get
     g = p.add_argument_group("TLS (every gRPC channel this process serves or opens)")
-    g.add_argument("--tls-cert", default=env("BATON_TLS_CERT"), help="PEM certificate of this process")
-    g.add_argument("--tls-key", default=env("BATON_TLS_KEY"), help="PEM private key of --tls-cert")
-    g.add_argument("--tls-ca", default=env("BATON_TLS_CA"),
-                   help="PEM CA bundle peers must chain to (enables TLS on outgoing channels)")
-    g.add_argument("--tls-require-client-cert", action="store_true",
-                   default=env("BATON_TLS_REQUIRE_CLIENT_CERT", "") in ("1", "true", "yes"),
-                   help="mutual TLS: refuse peers without a certificate from --tls-ca")
-    g.add_argument("--tls-server-name", default=env("BATON_TLS_SERVER_NAME"),
-                   help="name peers' certificates must carry, when it is not the address's host")
+    flag(g, "--tls-cert", help="PEM certificate of this process")
+    flag(g, "--tls-key", help="PEM private key of --tls-cert")
+    flag(g, "--tls-ca", help="PEM CA bundle peers must chain to (enables TLS on outgoing channels)")
+    flag(g, "--tls-require-client-cert", type=bool, default=False,
+         help="mutual TLS: refuse peers without a certificate from --tls-ca")
+    flag(g, "--tls-server-name", help="name peers' certificates must carry, when it is not the address's host")
 
 
 def tls_from_env() -> TLSConfig:
-    """The TLS config the BATON_TLS_* variables describe (what compose sets per container)."""
-    env = os.environ.get
-    return TLSConfig(cert=env("BATON_TLS_CERT"), key=env("BATON_TLS_KEY"), ca=env("BATON_TLS_CA"),
-                     require_client_cert=env("BATON_TLS_REQUIRE_CLIENT_CERT", "") in ("1", "true", "yes"),
-                     server_name=env("BATON_TLS_SERVER_NAME"))
+    """The TLS config of a process given no flags: what the BATON_TLS_* variables say (what
+    compose sets per container; the health check in the same container uses it)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_tls_args(p)
+    return tls_from_args(p.parse_args([]))
 
 
 def tls_from_args(args: argparse.Namespace) -> TLSConfig:

@@ -6,7 +6,6 @@ engine runs on its own thread (AsyncEngine); everything here runs on the event l
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
 
@@ -19,11 +18,6 @@ from baton.serving.grpc_server import Server, ServiceError
 from baton.serving.metrics import Metrics
 from baton.serving.worker_config import WorkerConfig
 from baton.v1 import worker_pb2
-
-# The engine thread and the event loop share the GIL; a thread that wants it back waits out
-# the holder's switch interval (Python's default is 5 ms, about one decode step of an 8B model),
-# so under load a step's launch and a request's handover can each wait that long. Milliseconds.
-GIL_SWITCH_ENV = "BATON_GIL_SWITCH_MS"
 
 
 class EngineWorker:
@@ -42,8 +36,10 @@ class EngineWorker:
 
     async def start(self) -> Server:
         t0 = time.perf_counter()
-        if os.environ.get(GIL_SWITCH_ENV):
-            sys.setswitchinterval(float(os.environ[GIL_SWITCH_ENV]) / 1e3)
+        # the engine thread and the event loop share the GIL; a thread that wants it back waits out
+        # the holder's switch interval (Python's 5 ms is about one decode step of an 8B model)
+        if self.cfg.gil_switch_ms:
+            sys.setswitchinterval(self.cfg.gil_switch_ms / 1e3)
         print(f"[baton] {self.cfg.role}: loading {self.cfg.engine.model} on {self.cfg.engine.device}",
               file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()

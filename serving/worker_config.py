@@ -1,7 +1,7 @@
 """One config object for a worker process (prefill, decode or colocated): server + engine.
 
-Built from CLI flags, with BATON_* environment variables as defaults (what docker-compose
-sets), validated once.
+Built once from flags (each with its BATON_* twin, serving/options.py), validated once.
+Torch-free, so `baton prefill --help` answers at once.
 """
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from baton.engine.config import DEFAULT_MODEL, EngineConfig
+from baton.engine.config import DEFAULT_MODEL, NPU_GRAPH_MODES, EngineConfig
 from baton.kvtransfer.peer_auth import load_secret
+from baton.serving.options import flag, parser
 from baton.serving.security import TLSConfig, add_tls_args, tls_from_args
 
 ROLES = ("prefill", "decode", "colocated")
+KV_BACKENDS = ("grpc", "direct", "memory")
+DEFAULT_PORTS = {"prefill": 50071, "decode": 50061, "colocated": 50061}
 
 
 @dataclass(slots=True)
@@ -28,6 +31,9 @@ class WorkerConfig:
     kv_advertise: str | None = None     # KV address prefill workers are told to push to (default: ours)
     tls: TLSConfig = field(default_factory=TLSConfig)
     kv_secret: bytes | None = None      # KV peers must prove it in the handshake (kvtransfer/peer_auth.py)
+    kv_nccl: str = "direct"             # direct: call NCCL through ctypes; torch: through ProcessGroupNCCL
+    kv_fault_stall_s: float = 0.0       # fault injection: hold every device-direct piece this long
+    gil_switch_ms: float | None = None  # sys.setswitchinterval for the engine thread and event loop
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def validate(self) -> None:
@@ -37,6 +43,12 @@ class WorkerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.kv_backend not in KV_BACKENDS:
+            raise ValueError(f"--kv-backend must be one of {', '.join(KV_BACKENDS)}, got {self.kv_backend!r}")
+        if self.kv_nccl not in ("direct", "torch"):
+            raise ValueError(f"--kv-nccl must be direct or torch, got {self.kv_nccl!r}")
+        if self.kv_fault_stall_s < 0 or (self.gil_switch_ms is not None and self.gil_switch_ms <= 0):
+            raise ValueError("--kv-fault-stall-s must be >= 0 and --gil-switch-ms > 0")
         if self.engine.tp_size > 1 and self.role != "colocated":
             raise ValueError(f"--tp-size {self.engine.tp_size} on a {self.role} worker: KV transfer moves one "
                              "rank's cache, so disaggregated roles run with tp_size 1 for now (use --role colocated, "
@@ -45,73 +57,105 @@ class WorkerConfig:
         self.engine.validate()
 
 
-def _env(name: str, default):
-    value = os.environ.get(f"BATON_{name.upper()}")
-    if value is None:
-        return default
-    return type(default)(value) if default is not None and not isinstance(default, bool) else value
-
-
 def add_common_args(p: argparse.ArgumentParser, default_port: int) -> None:
-    p.add_argument("--host", default=_env("host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=_env("port", default_port))
-    p.add_argument("--model", default=_env("model", DEFAULT_MODEL),
-                   help="preset name, HF directory or .gguf file (default: the embedded SmolLM2)")
-    p.add_argument("--device", default=_env("device", "cpu"), help="cpu, cuda:N or npu:N")
-    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", None),
-                   help="serve Prometheus metrics over HTTP on this port")
+    """What every Baton server takes: where to listen, which model, which device, metrics, TLS."""
+    flag(p, "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    flag(p, "--port", type=int, default=default_port, help="gRPC port")
+    flag(p, "--model", default=DEFAULT_MODEL, help="preset name, HF directory or .gguf file")
+    flag(p, "--tokenizer", help="tokenizer directory to use instead of the model's own (presets: the embedded one's)")
+    flag(p, "--cache-dir", help="where converted models and compiled graphs are kept (unset: ~/.cache/baton)")
+    flag(p, "--device", default="cpu", help="cpu, cuda:N or npu:N")
+    flag(p, "--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port")
     add_tls_args(p)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    e = EngineConfig()
+    g = p.add_argument_group("engine")
+    flag(g, "--dtype", choices=("float32", "bfloat16", "float16"), help="weights and KV dtype (unset: the platform's)")
+    flag(g, "--block-size", type=int, default=e.block_size, help="tokens per KV block")
+    flag(g, "--max-num-seqs", type=int, default=e.max_num_seqs, help="sequences in one batch")
+    flag(g, "--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens, help="tokens in one step")
+    flag(g, "--max-model-len", type=int, help="context length (unset: the model's, capped by the KV cache)")
+    flag(g, "--num-kv-blocks", type=int, help="exact KV cache size in blocks (unset: from the memory budget)")
+    flag(g, "--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization,
+         help="share of accelerator memory for weights, activations and the KV cache")
+    flag(g, "--prefix-caching", type=bool, default=True, help="reuse the KV of prompt prefixes seen before")
+    flag(g, "--enforce-eager", type=bool, default=False, help="no decode graph capture")
+    flag(g, "--fused-ops", type=bool, default=True, help="fused layer kernels (Triton on CUDA, torch_npu on Ascend)")
+    flag(g, "--npu-graph-mode", default=e.npu_graph_mode, choices=NPU_GRAPH_MODES, help="Ascend decode graphs")
+    flag(g, "--npu-emulation", type=bool, default=False,
+         help="TEST ONLY: npu:N is the host CPU running the documented torch_npu op semantics")
+    flag(g, "--tp-size", "--tensor-parallel-size", "-tp", type=int, default=1,
+         help="tensor-parallel ranks, one device each (colocated role only, for now)")
+    flag(g, "--tp-devices", help="devices of the ranks, e.g. cuda:0,cuda:1 (unset: counted up from --device)")
+    flag(g, "--tp-port", type=int, default=0, help="rendezvous port of the ranks on 127.0.0.1 (0: a free one)")
+    flag(g, "--seed", type=int, default=0, help="random weights of presets, and unseeded sampling")
 
 
 def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     add_common_args(p, default_port)
-    e = EngineConfig()
-    p.add_argument("--dtype", default=_env("dtype", None), choices=[None, "float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=_env("block_size", e.block_size))
-    p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", e.max_num_seqs))
-    p.add_argument("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", e.max_num_batched_tokens))
-    p.add_argument("--max-model-len", type=int, default=_env("max_model_len", None))
-    p.add_argument("--num-kv-blocks", type=int, default=_env("num_kv_blocks", None),
-                   help="exact KV cache size in blocks (default: from the memory budget)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--enforce-eager", action="store_true", help="no decode graph capture")
-    p.add_argument("--tp-size", type=int, default=_env("tp_size", 1),
-                   help="tensor-parallel ranks, one device each (colocated role only, for now)")
-    p.add_argument("--tp-devices", default=_env("tp_devices", None),
-                   help="devices of the ranks, e.g. cuda:0,cuda:1 (default: counted up from --device)")
-    p.add_argument("--tp-port", type=int, default=_env("tp_port", 0),
-                   help="rendezvous port of the ranks on 127.0.0.1 (default: a free one)")
-    p.add_argument("--kv-backend", default=_env("kv_backend", "grpc"), choices=("grpc", "direct"),
-                   help="KV transport: grpc (portable, through host memory) or direct (device to device over "
-                        "NCCL between GPUs, HCCL between NPUs, gloo on the CPU; prefill and decode both say "
-                        "direct, and a direct decode worker still takes grpc pushes)")
-    p.add_argument("--grace", type=float, default=_env("grace", 30.0),
-                   help="seconds in-flight requests get to finish after SIGTERM")
-    p.add_argument("--max-waiting", type=int, default=_env("max_waiting", 1024),
-                   help="requests queued beyond this are refused with RESOURCE_EXHAUSTED")
-    p.add_argument("--kv-advertise", default=_env("kv_advertise", None),
-                   help="decode: the HOST:PORT prefill workers push KV to, when not this server's own "
-                        "address (NAT, a separate KV network, a proxy)")
-    p.add_argument("--kv-secret-file", default=_env("kv_secret_file", None),
-                   help="file whose first line is the shared KV secret (>= 16 bytes): prefill and decode "
-                        "workers then accept each other only after a mutual HMAC handshake. "
-                        "BATON_KV_SECRET passes the secret itself")
-    p.add_argument("--seed", type=int, default=0)
+    add_engine_args(p)
+    g = p.add_argument_group("serving and KV transfer")
+    flag(g, "--kv-backend", default="grpc", choices=KV_BACKENDS,
+         help="KV transport: grpc (portable, through host memory), direct (device to device over NCCL "
+              "between GPUs, HCCL between NPUs, gloo on the CPU; a direct decode worker also takes grpc "
+              "pushes), memory (prefill and decode in one process)")
+    flag(g, "--kv-advertise", help="decode: the HOST:PORT prefill workers push KV to, when not this server's "
+                                   "own address (NAT, a separate KV network, a proxy)")
+    flag(g, "--kv-secret-file", help="file whose first line is the shared KV secret (>= 16 bytes): prefill and "
+                                     "decode workers then accept each other only after a mutual HMAC handshake "
+                                     "(BATON_KV_SECRET passes the secret itself)")
+    flag(g, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
+    flag(g, "--max-waiting", type=int, default=1024, help="requests queued beyond this are refused "
+                                                          "with RESOURCE_EXHAUSTED")
+    flag(g, "--kv-nccl", default="direct", choices=("direct", "torch"),
+         help="device-direct KV on GPUs: call NCCL directly, or through torch's ProcessGroupNCCL")
+    flag(g, "--gil-switch-ms", type=float, help="Python's thread switch interval (unset: Python's 5 ms)")
+    flag(g, "--kv-fault-stall-s", type=float, default=0.0,
+         help="TEST ONLY: hold each device-direct KV piece this long, as a stalled link would")
 
 
-def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
-    engine = EngineConfig(
+def build_parser(role: str) -> argparse.ArgumentParser:
+    what = {"prefill": "prefill worker", "decode": "decode worker (--colocated: prefill and decode in one)",
+            "colocated": "colocated worker"}[role]
+    p = parser(f"baton {role}", f"Baton {what}")
+    add_worker_args(p, DEFAULT_PORTS[role])
+    if role != "prefill":
+        flag(p, "--colocated", type=bool, default=False, help="also run prefill here (role colocated)")
+    return p
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager, seed=args.seed,
-        tp_size=args.tp_size, tp_devices=args.tp_devices, tp_port=args.tp_port,
-    )
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.prefix_caching,
+        enforce_eager=args.enforce_eager, seed=args.seed, tp_size=args.tp_size, tp_devices=args.tp_devices,
+        tp_port=args.tp_port, tokenizer=args.tokenizer, cache_dir=args.cache_dir, fused_ops=args.fused_ops,
+        npu_graph_mode=args.npu_graph_mode, npu_emulation=args.npu_emulation)
+
+
+def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
     cfg = WorkerConfig(role=role, host=args.host, port=args.port, metrics_port=args.metrics_port,
                        grace_seconds=args.grace, kv_backend=args.kv_backend, max_waiting=args.max_waiting,
                        kv_advertise=args.kv_advertise, tls=tls_from_args(args),
-                       kv_secret=load_secret(os.environ.get("BATON_KV_SECRET"), args.kv_secret_file), engine=engine)
+                       kv_secret=load_secret(os.environ.get("BATON_KV_SECRET"), args.kv_secret_file),
+                       kv_nccl=args.kv_nccl, kv_fault_stall_s=args.kv_fault_stall_s, gil_switch_ms=args.gil_switch_ms,
+                       engine=engine_config_from_args(args))
     cfg.validate()
     return cfg
+
+
+def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerConfig:
+    """The config of `baton <role> ...` (the decode parser's --colocated makes it a colocated worker);
+    a bad value ends the program with the parser's usage and the reason."""
+    p = build_parser(role)
+    args = p.parse_args(argv)
+    if getattr(args, "colocated", False):
+        role = "colocated"
+    try:
+        return worker_config_from_args(args, role)
+    except ValueError as exc:
+        p.error(str(exc))

@@ -95,7 +95,7 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, overrides, block_
     from transformers import AutoModelForCausalLM
 
     from baton.models.source import resolve_model
-    tokenizer_dir = os.environ.get("BATON_PRESET_TOKENIZER") or resolve_model(None).tokenizer_path
+    tokenizer_dir = os.environ.get("BATON_TOKENIZER") or resolve_model(None).tokenizer_path
     path = save_tiny_checkpoint(arch, tmp_path / arch, tokenizer_dir, **overrides)
     device = os.environ.get("BATON_TEST_DEVICE", "cpu")      # cuda:0 on a GPU machine: same test, fp32
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).to(device).eval()
@@ -116,7 +116,7 @@ def test_tensor_parallel_ranks_give_the_single_device_tokens(tmp_path, arch):
     device = os.environ.get("BATON_TEST_DEVICE", "cpu")
     if device.startswith("cuda") and torch.cuda.device_count() < 2:
         pytest.skip(f"tensor parallelism on {device} needs two GPUs; torch sees {torch.cuda.device_count()}")
-    tokenizer_dir = os.environ.get("BATON_PRESET_TOKENIZER") or resolve_model(None).tokenizer_path
+    tokenizer_dir = os.environ.get("BATON_TOKENIZER") or resolve_model(None).tokenizer_path
     path = save_tiny_checkpoint(arch, tmp_path / arch, tokenizer_dir)
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(2)

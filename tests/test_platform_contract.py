@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from contextlib import contextmanager
 
 import pytest
 import torch
 
 from baton.engine import LLM, SamplingParams
-from baton.engine.platforms import get_platform
+from baton.engine.platforms import PlatformOptions, get_platform
 from baton.engine.platforms.base import LayerOps
 from baton.engine.platforms.cpu import CpuPlatform
 from baton.models.attention_metadata import AttnMetadata
@@ -56,17 +55,13 @@ BLOCK = 128                        # the one block size every platform takes (np
 BF16_TOLERANCE = 1e-2              # relative (norm) error of a bf16 kernel against a float32 reference
 
 
-@contextmanager
-def platform_env(kind: str, **env: str):
-    """BATON_NPU_EMULATION as the kind needs, plus extra variables, for building a platform."""
-    with pytest.MonkeyPatch.context() as mp:
-        if kind == "npu-emulation":
-            mp.setenv("BATON_NPU_EMULATION", "1")
-        else:
-            mp.delenv("BATON_NPU_EMULATION", raising=False)
-        for k, v in env.items():
-            mp.setenv(k, v)
-        yield
+def options(kind: str, **kw) -> dict:
+    """The engine options a kind needs (the emulation for npu-emulation), plus `kw`."""
+    return {"npu_emulation": kind == "npu-emulation", **kw}
+
+
+def platform_for(kind: str, **kw):
+    return get_platform(DEVICE[kind], PlatformOptions(**options(kind, **kw)))
 
 
 @pytest.fixture(params=PLATFORMS)
@@ -76,8 +71,7 @@ def kind(request) -> str:
 
 @pytest.fixture
 def platform(kind):
-    with platform_env(kind):
-        return get_platform(DEVICE[kind])
+    return platform_for(kind)
 
 
 # -- kernel cases -------------------------------------------------------------------------------
@@ -224,9 +218,8 @@ def engines():
     def get(kind: str, dtype: str, enforce_eager: bool = False, fused_ops: bool = True) -> LLM:
         key = (kind, dtype, enforce_eager, fused_ops)
         if key not in built:
-            env = {} if fused_ops else {"BATON_NPU_FUSED_OPS": "0", "BATON_CUDA_FUSED_OPS": "0"}
-            with platform_env(kind, **env):
-                built[key] = LLM(device=DEVICE[kind], dtype=dtype, enforce_eager=enforce_eager, **ENGINE)
+            built[key] = LLM(device=DEVICE[kind], dtype=dtype, enforce_eager=enforce_eager,
+                             **options(kind, fused_ops=fused_ops), **ENGINE)
         return built[key]
     return get
 
@@ -270,8 +263,7 @@ def test_greedy_tokens_match_the_cpu_platform(kind, engines):
 
 @pytest.mark.parametrize("kind", ACCELERATORS)       # the cpu platform captures no graphs
 def test_graph_decode_gives_the_eager_tokens(kind, engines):
-    with platform_env(kind):
-        assert get_platform(DEVICE[kind]).supports_graphs
+    assert platform_for(kind).supports_graphs
     dtype = PARITY_DTYPE[kind]
     eager = engines(kind, dtype, enforce_eager=True)
     graphed = engines(kind, dtype)
@@ -295,7 +287,7 @@ def tiny_checkpoint(tmp_path_factory):
     from helpers import save_tiny_checkpoint
 
     from baton.models.source import resolve_model
-    tokenizer_dir = os.environ.get("BATON_PRESET_TOKENIZER") or resolve_model(None).tokenizer_path
+    tokenizer_dir = os.environ.get("BATON_TOKENIZER") or resolve_model(None).tokenizer_path
     return save_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("tiny") / "qwen3-d24", tokenizer_dir, head_dim=24)
 
 
@@ -306,17 +298,17 @@ def tiny_checkpoint(tmp_path_factory):
 ], ids=["block-16", "float32", "head-dim-24"])
 @pytest.mark.parametrize("kind", NPU_PLATFORMS)     # these layout limits are the npu platform's
 def test_npu_refuses_unsupported_layouts_at_start(kind, tiny_checkpoint, overrides, constraint):
-    with platform_env(kind), pytest.raises(ValueError, match=constraint):
-        LLM(str(tiny_checkpoint), device=DEVICE[kind], num_kv_blocks=8, **overrides)
+    with pytest.raises(ValueError, match=constraint):
+        LLM(str(tiny_checkpoint), device=DEVICE[kind], num_kv_blocks=8, **options(kind), **overrides)
 
 
 @pytest.mark.parametrize("kind", NPU_PLATFORMS)
 def test_npu_refuses_unknown_graph_mode_and_missing_torchair(kind):
-    with platform_env(kind, BATON_NPU_GRAPH_MODE="cudagraph"), pytest.raises(ValueError, match="aclgraph, torchair"):
-        get_platform(DEVICE[kind])
+    with pytest.raises(ValueError, match="aclgraph, torchair"):
+        platform_for(kind, npu_graph_mode="cudagraph")
     if importlib.util.find_spec("torchair") is None:
-        with platform_env(kind, BATON_NPU_GRAPH_MODE="torchair"), pytest.raises(ValueError, match="needs torchair"):
-            get_platform(DEVICE[kind])
+        with pytest.raises(ValueError, match="needs torchair"):
+            platform_for(kind, npu_graph_mode="torchair")
 
 
 def test_emulation_refuses_documented_misuse():

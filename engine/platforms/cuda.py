@@ -3,11 +3,9 @@
 Kernels live in `triton_kernels/` and are imported on first use, so this module (and its
 layout checks) import on machines without triton or a GPU. Decode attention is capturable:
 its launch shape depends only on tensor shapes, never on seq_lens values (see
-triton_kernels/decode_attention.py). BATON_CUDA_FUSED_OPS=0 selects plain-torch layer ops.
+triton_kernels/decode_attention.py). fused_ops off (--no-fused-ops) selects plain-torch layer ops.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -43,10 +41,10 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     supports_graphs = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, fused_ops: bool = True):
         super().__init__(device)
         self.runtime = torch.cuda
-        if os.environ.get("BATON_CUDA_FUSED_OPS", "1") != "0":
+        if fused_ops:
             self.ops = TritonLayerOps()
         self._num_sms: int | None = None
 

@@ -4,20 +4,20 @@ ops, decode graphs through aclgraph (torch.npu.NPUGraph) or torchair, HCCL colle
 Written against torch_npu 2.10.0.post4 / CANN 9.1.0 (what Dockerfile.ascend installs; the
 calls used exist from torch_npu 2.8.0 / op-plugin 7.2.0 on) and torchair as documented; see
 docs/npu.md for each call's source. It has never run on an Ascend device: CI exercises these
-call sites through `npu_emulation` (BATON_NPU_EMULATION=1), a plain-torch stand-in for the
+call sites through `npu_emulation` (--npu-emulation), a plain-torch stand-in for the
 documented op semantics, which tests our use of the API and says nothing about the hardware.
 
-Environment: BATON_NPU_GRAPH_MODE=aclgraph (default) | torchair; BATON_NPU_GRAPH_CACHE_DIR
-(torchair's compile cache); BATON_NPU_FUSED_OPS=0 selects plain-torch layer ops.
+Options (EngineConfig, flags of the same names): npu_graph_mode aclgraph (default) | torchair;
+the cache dir (torchair's compile cache under it); fused_ops off selects plain-torch layer ops.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from baton.engine.config import PlatformOptions
 from baton.engine.platforms.base import LayerOps, Platform
 from baton.models.attention_metadata import AttnMetadata
 
@@ -28,10 +28,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 GRAPH_MODES = ("aclgraph", "torchair")
 
 
-def load_torch_npu(index: int):
+def load_torch_npu(index: int, emulation: bool = False):
     """(torch_npu, the torch.device of npu:index): the real torch_npu when it imports, the
-    emulation (whose npu:N is the host CPU) only when BATON_NPU_EMULATION=1 asks for it."""
-    if os.environ.get("BATON_NPU_EMULATION") == "1":
+    emulation (whose npu:N is the host CPU) only when `emulation` (--npu-emulation) asks for it."""
+    if emulation:
         from baton.engine.platforms import npu_emulation
         npu = npu_emulation.emulated_torch_npu()
         return npu, npu.device(index)
@@ -50,13 +50,13 @@ def load_torchair():
     try:
         import torchair
     except ImportError as exc:
-        raise ValueError(f"BATON_NPU_GRAPH_MODE=torchair needs torchair, which does not import here ({exc}); "
-                         "use BATON_NPU_GRAPH_MODE=aclgraph") from exc
+        raise ValueError(f"--npu-graph-mode torchair needs torchair, which does not import here ({exc}); "
+                         "use --npu-graph-mode aclgraph") from exc
     return torchair
 
 
 class NpuLayerOps(LayerOps):
-    """Fused RMSNorm, add-RMSNorm, rotary and SwiGLU; BATON_NPU_FUSED_OPS=0 selects plain torch.
+    """Fused RMSNorm, add-RMSNorm, rotary and SwiGLU; --no-fused-ops selects plain torch.
     While torchair compiles, only npu_add_rms_norm (documented for TorchAir graphs on A2/A3) is
     kept; npu_rms_norm and npu_rotary_mul document graph mode for Ascend 950 only, npu_swiglu
     not at all, so those fall back to plain torch, which torchair lowers itself."""
@@ -119,7 +119,8 @@ class NpuPlatform(Platform):
     dist_backend = "hccl"
     supports_graphs = True
 
-    def __init__(self, device: torch.device, npu, torchair=None, graph_cache_dir: str | None = None):
+    def __init__(self, device: torch.device, npu, torchair=None, graph_cache_dir: str | None = None,
+                 fused_ops: bool = True):
         """`torchair` (the module) selects torchair graph mode; None selects aclgraph."""
         super().__init__(device)
         self.npu = npu
@@ -127,7 +128,7 @@ class NpuPlatform(Platform):
             self.runtime = npu.npu               # streams and events: torch_npu.npu
         else:                                    # the emulated npu:N is the host: gloo moves its KV
             self.dist_backend = "gloo"
-        if os.environ.get("BATON_NPU_FUSED_OPS", "1") != "0":
+        if fused_ops:
             self.ops = NpuLayerOps(npu)
         self.torchair = torchair
         self.graph_cache_dir = graph_cache_dir
@@ -136,15 +137,12 @@ class NpuPlatform(Platform):
         self._compiled_steps = 0
 
     @classmethod
-    def create(cls, index: int) -> NpuPlatform:
-        mode = os.environ.get("BATON_NPU_GRAPH_MODE", "aclgraph")
-        if mode not in GRAPH_MODES:
-            raise ValueError(f"BATON_NPU_GRAPH_MODE must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
-        npu, device = load_torch_npu(index)
-        torchair = load_torchair() if mode == "torchair" else None
-        cache_dir = os.environ.get("BATON_NPU_GRAPH_CACHE_DIR") or str(
-            Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton")) / "torchair")
-        return cls(device, npu, torchair, cache_dir)
+    def create(cls, index: int, options: PlatformOptions) -> NpuPlatform:
+        if options.npu_graph_mode not in GRAPH_MODES:
+            raise ValueError(f"--npu-graph-mode must be one of {', '.join(GRAPH_MODES)}, got {options.npu_graph_mode!r}")
+        npu, device = load_torch_npu(index, options.npu_emulation)
+        torchair = load_torchair() if options.npu_graph_mode == "torchair" else None
+        return cls(device, npu, torchair, options.graph_cache_dir, options.fused_ops)
 
     # -- device -----------------------------------------------------------------------------
     def default_dtype(self) -> torch.dtype:

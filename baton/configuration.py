@@ -1,0 +1,34 @@
+"""The one table of every service option (docs/configuration.md), made from the parsers:
+
+    python -m baton.configuration > docs/configuration.md
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from baton.client import build_parser as generate_parser
+from baton.launcher import build_parser as serve_parser
+from baton.router.config import build_parser as router_parser
+from baton.serving.options import markdown
+from baton.serving.worker_config import build_parser as worker_parser
+
+
+def all_parsers() -> dict[str, argparse.ArgumentParser]:
+    return {"baton serve": serve_parser(), "baton router": router_parser(), "baton prefill": worker_parser("prefill"),
+            "baton decode": worker_parser("decode"), "baton generate": generate_parser()}
+
+
+def table() -> str:
+    """The table with every default as shipped: the BATON_* variables of this shell are ignored."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("BATON_")}
+    for k in saved:
+        del os.environ[k]
+    try:
+        return markdown(all_parsers())
+    finally:
+        os.environ.update(saved)
+
+
+if __name__ == "__main__":
+    print(table(), end="")
