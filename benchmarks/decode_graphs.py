@@ -18,6 +18,7 @@ import torch
 
 from baton.engine import LLMEngine, SamplingParams
 from baton.engine.config import EngineConfig
+from baton.serving.options import flag
 
 
 def step_times(engine: LLMEngine, batch: int, context: int, steps: int, seed: int = 0) -> list[float]:
@@ -71,6 +72,7 @@ class PhaseTimer:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
+    flag(p, "--tokenizer", help="tokenizer directory (unset: the model's; presets: the embedded model's)")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--context", type=int, default=512)
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     for eager in (True, False):
-        cfg = EngineConfig(model=args.model, device=args.device, enforce_eager=eager, max_num_seqs=max(batches),
+        cfg = EngineConfig(model=args.model, tokenizer=args.tokenizer, device=args.device, enforce_eager=eager, max_num_seqs=max(batches),
                            max_model_len=args.context + args.steps + 64, max_num_batched_tokens=16384)
         engine = LLMEngine(cfg)
         for b in batches:

@@ -20,6 +20,8 @@ import sys
 import time
 import zlib
 
+from baton.engine.kv_handoff import KVPiece
+from baton.engine.platforms import get_platform
 from baton.kvtransfer.grpc_options import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW_BYTES
 
 MIB = 1 << 20
@@ -279,7 +281,6 @@ async def _decode_side(dst_device: str, max_staged_bytes: int):
     """KVTransfer (the handshake) and KVDirect on `dst_device`, on 127.0.0.1; yields
     (pending, port, receiver)."""
     import grpc
-    import torch
 
     from baton.kvtransfer.direct_backend import DirectKVReceiver
     from baton.kvtransfer.grpc_backend import KVTransferServicer
@@ -289,7 +290,7 @@ async def _decode_side(dst_device: str, max_staged_bytes: int):
     pending = PendingTransfers(max_staged_bytes=max_staged_bytes)
     server = grpc.aio.server()
     KVTransferServicer(pending, layout).add_to_server(server)
-    receiver = DirectKVReceiver(pending, torch.device(dst_device), layout.payload_nbytes(1))
+    receiver = DirectKVReceiver(pending, get_platform(dst_device), layout.payload_nbytes(1))
     receiver.add_to_server(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -310,13 +311,12 @@ async def direct_loopback(src_device: str, dst_device: str, max_staged_bytes: in
     """A decode side on `dst_device` and a handshaken sender from `src_device`, both in this
     process (tests); yields (pending, sender, receiver)."""
     import grpc
-    import torch
 
     from baton.kvtransfer.direct_backend import DirectKVSender
 
     async with _decode_side(dst_device, max_staged_bytes) as (pending, port, receiver):
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        sender = DirectKVSender(channel, f"127.0.0.1:{port}", torch.device(src_device))
+        sender = DirectKVSender(channel, f"127.0.0.1:{port}", get_platform(src_device))
         try:
             await sender.handshake(_direct_layout())
             yield pending, sender, receiver
@@ -367,10 +367,7 @@ def _direct_sender(conn, port: int, device: str, total_bytes: int, plan: dict) -
 
 def _bind(device: str) -> None:
     """Work on `device` only (no context on the other device of the pair)."""
-    import torch
-    dev = torch.device(device)
-    if dev.type != "cpu":
-        getattr(torch, dev.type).set_device(dev)
+    get_platform(device).bind_thread()
 
 
 async def _direct_send(port: int, device: str, total_bytes: int, plan: dict) -> dict:
@@ -384,7 +381,7 @@ async def _direct_send(port: int, device: str, total_bytes: int, plan: dict) -> 
     payload = _pattern(total_bytes, src)
     opened, ready, done_seconds, pipe_start, sustained_start = {}, {}, [], [], []
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    sender = DirectKVSender(channel, f"127.0.0.1:{port}", src)
+    sender = DirectKVSender(channel, f"127.0.0.1:{port}", get_platform(device))
 
     def descriptor(tid: str) -> TransferDescriptor:
         return TransferDescriptor(tid, nbytes=total_bytes)
@@ -398,7 +395,7 @@ async def _direct_send(port: int, device: str, total_bytes: int, plan: dict) -> 
     async def ahead(tid: str) -> None:
         out = await sender.open(descriptor(tid), timeout=120)
         ready[tid] = time.monotonic()
-        await out.piece(payload, out.num_blocks, None, first_token=1)
+        await out.piece(KVPiece("", 0, out.num_blocks, payload, None, 1))
         await out.done()
 
     try:
@@ -436,16 +433,16 @@ def _matmul_timer(device):
     """(a, compute) where compute(n) launches n bf16 matmuls a @ a on `device` and times them
     to completion; a is 8192^2 on accelerators, 256^2 on the CPU."""
     import torch
-    accel = getattr(torch, device.type)
+    platform = get_platform(str(device))
     size = 256 if device.type == "cpu" else 8192
     a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
 
     def compute(n: int) -> float:
-        accel.synchronize(device)
+        platform.synchronize()
         t0 = time.perf_counter()
         for _ in range(n):
             torch.mm(a, a)
-        accel.synchronize(device)
+        platform.synchronize()
         return time.perf_counter() - t0
     compute(2)
     return a, compute
@@ -479,8 +476,8 @@ async def _streamed(sender, payload, device, prefill_flops: float, chunks: int) 
     import torch
 
     from baton.kvtransfer.backend import TransferDescriptor
-    from baton.kvtransfer.direct_backend import record_ready
-    accel = getattr(torch, device.type) if device.type != "cpu" else None
+    platform = sender.platform
+    accel = platform.runtime
     a, compute = _matmul_timer(device)
     per_mm = compute(10) / 10
     per_chunk = max(1, round(prefill_flops / chunks / (2 * a.shape[0] ** 3)))
@@ -499,7 +496,7 @@ async def _streamed(sender, payload, device, prefill_flops: float, chunks: int) 
         for i in range(chunks):
             for _ in range(per_chunk):
                 torch.mm(a, a)
-            at = await loop.run_in_executor(None, _wait_event, record_ready(device))
+            at = await loop.run_in_executor(None, _wait_event, platform.record_event())
             pieces.put_nowait((payload[bounds[i] * bb:bounds[i + 1] * bb], bounds[i + 1] - bounds[i],
                                1 if i == chunks - 1 else None))
         out = await streaming
@@ -516,7 +513,7 @@ async def _send_pieces(opening, pieces: asyncio.Queue):
     out = await opening
     while out.next_block < out.num_blocks:
         data, num_blocks, first_token = await pieces.get()
-        await out.piece(data, num_blocks, None, first_token)
+        await out.piece(KVPiece("", out.next_block, num_blocks, data, None, first_token))
     return out
 
 

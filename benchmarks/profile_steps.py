@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from baton.benchmarks.decode_graphs import PhaseTimer
 from baton.engine import LLMEngine, SamplingParams
 from baton.engine.config import EngineConfig
+from baton.serving.options import flag
 
 
 def _kernels(prof, steps: int, top: int) -> tuple[float, list[dict]]:
@@ -48,6 +49,7 @@ def _profiled(engine: LLMEngine, steps: int):
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
+    flag(p, "--tokenizer", help="tokenizer directory (unset: the model's; presets: the embedded model's)")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=512)
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
-    cfg = EngineConfig(model=args.model, device=args.device, enforce_eager=True, max_num_seqs=args.batch,
+    cfg = EngineConfig(model=args.model, tokenizer=args.tokenizer, device=args.device, enforce_eager=True, max_num_seqs=args.batch,
                        max_model_len=max(args.context, args.prefill_tokens) + 4 * args.steps + 64,
                        max_num_batched_tokens=max(args.prefill_tokens, args.context))
     engine = LLMEngine(cfg)

@@ -1,13 +1,18 @@
 """The decode worker: admits requests whose KV a prefill worker will push, joins them into
 its continuously batched decode loop, and streams their tokens.
 
-Per request: ADMITTED (blocks reserved, KV expected by a deadline) -> JOINED (running) ->
-finished; any failure, abort, cancel or deadline frees its blocks. With role "colocated"
-the same server also runs whole requests itself (`Generate`), with no transfer.
+Per request, its `KVTicket` (engine/kv_handoff.py) says who owns its blocks: RESERVED at
+Admit (the engine allocated them) -> RECEIVING (a sender claimed the transfer) -> LANDED
+(every byte staged; `DecodeHandoff` hands it to the engine) -> JOINED (the engine copied it
+into the blocks; the request decodes) -> FINISHED. Any failure, abort, cancel or deadline
+before that ends it FREED: the engine frees the blocks, and the transfer registry drops the
+staging buffer. With role "colocated" the same server also runs whole requests itself
+(`Generate`), with no transfer.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,13 +20,8 @@ from dataclasses import dataclass
 import grpc
 
 from baton.engine.async_engine import EngineDead
-from baton.engine.kv_blocks import unpack_blocks
-from baton.engine.llm_engine import LLMEngine
-from baton.engine.output_processor import RequestOutput
-from baton.engine.sampling_params import SamplingParams
-from baton.kvtransfer.direct_backend import DirectKVReceiver
-from baton.kvtransfer.grpc_backend import KVTransferServicer
-from baton.kvtransfer.layout import KVLayout
+from baton.engine.kv_handoff import KVHandoff, KVState, KVTicket
+from baton.kvtransfer.factory import accepted, make_receivers
 from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.kvtransfer.receiver import PendingTransfers
 from baton.serving.grpc_server import ServiceError
@@ -33,24 +33,38 @@ DEFAULT_ADMIT_TIMEOUT_S = 60.0
 STREAM_IDLE_LIMIT_S = 600.0
 
 
+class DecodeHandoff(KVHandoff):
+    """The decode worker's half of the engine's seam: tickets whose KV landed, for the engine
+    to join at its next step (appended on the event loop, taken on the engine thread)."""
+
+    def __init__(self):
+        self._landed: collections.deque[KVTicket] = collections.deque()
+
+    def land(self, ticket: KVTicket, payload, first_token: int, meta: dict[str, str]) -> bool:
+        """False when the request ended meanwhile (nothing is written into its blocks)."""
+        if not ticket.land(payload, first_token, meta):
+            return False
+        self._landed.append(ticket)
+        return True
+
+    def take_landed(self) -> list[KVTicket]:
+        taken = []
+        while self._landed:
+            taken.append(self._landed.popleft())
+        return taken
+
+    def has_landed(self) -> bool:
+        return bool(self._landed)
+
+
 @dataclass(slots=True)
 class DecodeRequest:
     request_id: str
     transfer_id: str
-    prompt: list[int]
-    params: SamplingParams
-    deadline: float                      # loop clock; the KV must arrive before it
+    ticket: KVTicket | None                   # None: a colocated request (no transfer)
     queue: asyncio.Queue
     attached: bool = False
     prefill_done_unix: float | None = None    # the prefill worker's clock at its last forward
-    handover_seconds: float = 0.0             # -> joined into the running batch here
-
-
-class KVFailed(Exception):
-    """The request's KV never arrived intact; carried through its stream queue."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
 
 
 class DecodeWorker(EngineWorker):
@@ -62,58 +76,34 @@ class DecodeWorker(EngineWorker):
             self.service_names = (*self.service_names, "baton.v1.KVDirect")
         self.requests: dict[str, DecodeRequest] = {}
         self.by_transfer: dict[str, str] = {}
-        self.reserved: dict[str, list[int]] = {}     # engine thread only: request -> blocks awaiting KV
         self.pending = PendingTransfers()
-        self.layout: KVLayout | None = None
-        self.direct: DirectKVReceiver | None = None
+        self.handoff = DecodeHandoff()
+        self.receivers = []
+        self.layout = None
 
     def add_services(self, server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)
-        self.layout = self.kv_layout()
         auth = KVPeerAuth(self.cfg.kv_secret) if self.cfg.kv_secret else None
-        KVTransferServicer(self.pending, self.layout, auth=auth).add_to_server(server)
-        if self.cfg.kv_backend == "direct":     # descriptors here, bytes device to device
-            store_host = (self.cfg.kv_advertise or "").rpartition(":")[0] or self.cfg.host
-            self.direct = DirectKVReceiver(self.pending, self.llm.runner.device, self.layout.payload_nbytes(1),
-                                           store_host, auth=auth)
-            self.direct.add_to_server(server)
+        store_host = (self.cfg.kv_advertise or "").rpartition(":")[0] or self.cfg.host   # direct pairs' rendezvous
+        self.layout = self.kv_layout()
+        self.receivers = make_receivers(self.cfg.kv_backend, self.pending, self.layout, self.llm.platform,
+                                        self.kv_address, store_host, auth=auth, nccl=self.cfg.kv_nccl)
+        for receiver in self.receivers:
+            receiver.add_to_server(server)
+
+    @property
+    def kv_address(self) -> str:
+        return self.cfg.kv_advertise or self.server.address
 
     def num_pending(self) -> int:
         return len(self.by_transfer)
 
-    def release_transports(self) -> None:
-        if self.direct is not None:
-            self.direct.close_pairs()
-
     def num_active(self) -> int:
         return len(self.requests)
 
-    # -- engine-thread commands (they touch engine state) -----------------------------------
-    def _reserve(self, llm: LLMEngine, request_id: str, num_tokens: int) -> list[int]:
-        blocks = llm.reserve_blocks(num_tokens)
-        self.reserved[request_id] = blocks
-        return blocks
-
-    def _join(self, llm: LLMEngine, r: DecodeRequest, payload, first_token: int) -> RequestOutput:
-        blocks = self.reserved.pop(r.request_id, None)
-        if blocks is None:
-            raise KVFailed("request was aborted before its KV arrived")
-        try:
-            unpack_blocks(llm.runner.kv_cache, blocks, payload)
-        except Exception:
-            llm.free_blocks(blocks)
-            raise
-        out = llm.join(r.request_id, r.prompt, first_token, r.params, blocks)
-        if r.prefill_done_unix:              # the engine's next step is the request's first decode step
-            r.handover_seconds = max(0.0, time.time() - r.prefill_done_unix)
-            self.metrics.handover.observe(r.handover_seconds)
-        return out
-
-    def _abort(self, llm: LLMEngine, request_id: str) -> bool:
-        blocks = self.reserved.pop(request_id, None)
-        if blocks is not None:
-            llm.free_blocks(blocks)
-        return llm.abort(request_id) is not None or blocks is not None
+    async def release_transports(self) -> None:
+        for receiver in self.receivers:
+            await receiver.close()
 
     # -- admission and handover ---------------------------------------------------------------
     async def admit(self, req: decode_pb2.AdmitRequest) -> decode_pb2.AdmitResponse:
@@ -123,60 +113,56 @@ class DecodeWorker(EngineWorker):
             raise ValueError("request_id is required")
         if rid in self.requests:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already admitted here")
-        if req.backend and req.backend not in self.layout.backends:
-            raise ValueError(f"KV backend {req.backend!r} not supported here; this worker accepts "
-                             f"{self.layout.backends}")
-        prompt = list(req.prompt_token_ids)
-        params = sampling_from_proto(req.sampling)
+        backend = req.backend or self.cfg.kv_backend
+        if backend not in accepted(self.cfg.kv_backend):
+            raise ValueError(f"KV backend {backend!r} not supported here; this worker accepts "
+                             f"{accepted(self.cfg.kv_backend)}")
+        prompt, params = list(req.prompt_token_ids), sampling_from_proto(req.sampling)
         self.llm.validate(prompt, params)
         timeout = req.timeout_ms / 1000 if req.timeout_ms else DEFAULT_ADMIT_TIMEOUT_S
-        loop = asyncio.get_running_loop()
-        r = DecodeRequest(rid, uuid.uuid4().hex, prompt, params, loop.time() + timeout,
-                          self.engine.open_stream(rid))
+        ticket, queue = await self.engine.reserve(rid, prompt, params)
+        r = DecodeRequest(rid, uuid.uuid4().hex, ticket, queue)
         self.requests[rid] = r
-        try:
-            blocks = await self.engine.call(lambda e: self._reserve(e, rid, len(prompt)))
-        except BaseException:
-            self._forget(r)
-            self.engine.submit(lambda e: self._abort(e, rid))   # in case it ran after a timeout
-            raise
         self.by_transfer[r.transfer_id] = rid
-        self.pending.expect(r.transfer_id, self.layout.payload_nbytes(len(blocks)), timeout,
-                            self._on_kv_complete, self._on_kv_fail)
-        loop.call_later(timeout, self._expire_unattached, rid, r.transfer_id)
-        return decode_pb2.AdmitResponse(transfer_id=r.transfer_id, num_blocks=len(blocks),
-                                        kv_address=self.cfg.kv_advertise or self.server.address)
+        num_blocks = -(-len(prompt) // self.llm.config.block_size)
+        try:
+            self.pending.expect(r.transfer_id, self.layout.payload_nbytes(num_blocks), timeout,
+                                self._on_kv_complete, self._on_kv_fail, self._on_kv_claimed)
+        except BaseException:
+            self.abort_request(rid, "the transfer could not be expected")
+            raise
+        asyncio.get_running_loop().call_later(timeout, self._expire_unattached, rid, r.transfer_id)
+        return decode_pb2.AdmitResponse(transfer_id=r.transfer_id, num_blocks=num_blocks, kv_address=self.kv_address,
+                                        backend=backend)
+
+    def _request_of(self, transfer_id: str, done: bool) -> DecodeRequest | None:
+        rid = self.by_transfer.pop(transfer_id, None) if done else self.by_transfer.get(transfer_id)
+        return self.requests.get(rid) if rid else None
+
+    def _on_kv_claimed(self, transfer_id: str) -> None:
+        r = self._request_of(transfer_id, done=False)
+        if r is not None:
+            r.ticket.try_advance(KVState.RECEIVING)
 
     def _on_kv_complete(self, transfer_id: str, payload, first_token: int, extra: dict) -> None:
-        rid = self.by_transfer.pop(transfer_id, None)
-        r = self.requests.get(rid) if rid else None
+        r = self._request_of(transfer_id, done=True)
         if r is None:
             return
         r.prefill_done_unix = _float(extra.get("prefill_done_unix"))
         if r.prefill_done_unix:
             self.metrics.kv_landed.observe(max(0.0, time.time() - r.prefill_done_unix))
-        nbytes = len(payload)
-        self.metrics.kv_transfer_bytes.labels("in").inc(nbytes)
-
-        def join(llm: LLMEngine):
-            try:
-                out = self._join(llm, r, payload, first_token)
-            except Exception as exc:
-                self.engine.loop.call_soon_threadsafe(
-                    r.queue.put_nowait, KVFailed(f"could not join the transferred KV: {exc}"))
-                return
-            self.engine.deliver(out)
-        self.engine.submit(join)         # queued now, not a loop turn later: the engine joins it between steps
+        self.metrics.kv_transfer_bytes.labels("in").inc(len(payload))
+        if not self.handoff.land(r.ticket, payload, first_token, extra):
+            raise RuntimeError(f"request {r.request_id} ended before its KV landed ({r.ticket.state.value})")
+        self.engine.wake()                   # joined between steps, not after an idle wait
 
     def _on_kv_fail(self, transfer_id: str, reason: str) -> None:
-        rid = self.by_transfer.pop(transfer_id, None)
-        if rid is None:
+        r = self._request_of(transfer_id, done=True)
+        if r is None:
             return
         self.metrics.kv_transfer_failures.labels("receive").inc()
-        self.engine.submit(lambda e: self._abort(e, rid))
-        r = self.requests.get(rid)
-        if r is not None:
-            r.queue.put_nowait(KVFailed(reason))
+        self.engine.abort(r.request_id)
+        r.queue.put_nowait(KVFailed(reason))
 
     def _expire_unattached(self, rid: str, transfer_id: str) -> None:
         """Nobody opened the stream in time (router gone): reclaim everything."""
@@ -186,15 +172,19 @@ class DecodeWorker(EngineWorker):
 
     def abort_request(self, rid: str, reason: str = "aborted") -> bool:
         r = self.requests.get(rid)
-        if r is not None and r.transfer_id in self.by_transfer:
-            self.by_transfer.pop(r.transfer_id, None)
+        self.engine.abort(rid)
+        if r is None:
+            return False
+        self._end_transfer(r)
+        r.queue.put_nowait(_Aborted(reason))
+        if not r.attached:
+            self._forget(r)
+        return True
+
+    def _end_transfer(self, r: DecodeRequest) -> None:
+        """The transfer is no longer wanted: the registry drops its staging, late bytes are refused."""
+        if self.by_transfer.pop(r.transfer_id, None) is not None:
             self.pending.cancel(r.transfer_id)
-        self.engine.submit(lambda e: self._abort(e, rid))
-        if r is not None:
-            r.queue.put_nowait(_Aborted(reason))
-            if not r.attached:
-                self._forget(r)
-        return r is not None
 
     def _forget(self, r: DecodeRequest) -> None:
         if self.requests.get(r.request_id) is r:
@@ -203,7 +193,7 @@ class DecodeWorker(EngineWorker):
         self.engine.close_stream(r.request_id)
 
     # -- streaming ----------------------------------------------------------------------------
-    async def stream(self, rid: str, timeout_ms: int, context):
+    async def stream(self, rid: str, timeout_ms: int):
         r = self.requests.get(rid)
         if r is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"request {rid!r} is not admitted here")
@@ -224,14 +214,9 @@ class DecodeWorker(EngineWorker):
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running here")
         prompt, params = list(req.prompt_token_ids), sampling_from_proto(req.sampling)
         self.llm.validate(prompt, params)
-        loop = asyncio.get_running_loop()
-        r = DecodeRequest(rid, "", prompt, params, loop.time(), self.engine.open_stream(rid), attached=True)
+        queue, _ = await self.engine.add(rid, prompt, params)
+        r = DecodeRequest(rid, "", None, queue, attached=True)
         self.requests[rid] = r
-        try:
-            await self.engine.call(lambda e: e.add_request(prompt, params, request_id=rid))
-        except BaseException:
-            self._forget(r)
-            raise
         async for chunk in self._relay(r, req.timeout_ms):
             yield chunk
 
@@ -242,32 +227,47 @@ class DecodeWorker(EngineWorker):
         first = True
         try:
             while not finished:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise TimeoutError(f"request {r.request_id} passed its deadline while decoding")
-                try:
-                    item = await asyncio.wait_for(r.queue.get(), remaining)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"request {r.request_id} passed its deadline while decoding") from None
-                if isinstance(item, KVFailed):
-                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV handover failed: {item}")
-                if isinstance(item, _Aborted):
-                    raise ServiceError(grpc.StatusCode.ABORTED, f"request {r.request_id} aborted: {item}")
-                if isinstance(item, EngineDead):
-                    raise ServiceError(grpc.StatusCode.INTERNAL, f"decode engine failed: {item}")
+                item = await self._next_output(r, deadline - loop.time())
                 finished = item.finished
                 if finished:
                     self.metrics.requests.labels(item.finish_reason or "stop").inc()
-                yield chunk_from_output(item, r.handover_seconds if first else 0.0)
+                yield chunk_from_output(item, self._handover(r) if first else 0.0)
                 first = False
         finally:
             self.requests_served += 1
             if not finished:        # cancelled, deadline, failure: free everything, once
-                self.engine.submit(lambda e: self._abort(e, r.request_id))
-                if r.transfer_id in self.by_transfer:
-                    self.by_transfer.pop(r.transfer_id, None)
-                    self.pending.cancel(r.transfer_id)
+                self.engine.abort(r.request_id)
+                self._end_transfer(r)
             self._forget(r)
+
+    async def _next_output(self, r: DecodeRequest, remaining: float):
+        try:
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            item = await asyncio.wait_for(r.queue.get(), remaining)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"request {r.request_id} passed its deadline while decoding") from None
+        if isinstance(item, KVFailed):
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV handover failed: {item}")
+        if isinstance(item, _Aborted):
+            raise ServiceError(grpc.StatusCode.ABORTED, f"request {r.request_id} aborted: {item}")
+        if isinstance(item, EngineDead):
+            raise ServiceError(grpc.StatusCode.INTERNAL, f"decode engine failed: {item}")
+        if item.error:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV handover failed: {item.error}")
+        return item
+
+    def _handover(self, r: DecodeRequest) -> float:
+        """The prefill's last forward -> this request's first decode step (its join)."""
+        if r.ticket is None or r.ticket.joined_at is None or not r.prefill_done_unix:
+            return 0.0
+        seconds = max(0.0, r.ticket.joined_at - r.prefill_done_unix)
+        self.metrics.handover.observe(seconds)
+        return seconds
+
+
+class KVFailed(Exception):
+    """The request's KV never arrived intact; carried through its stream queue."""
 
 
 class _Aborted(Exception):
@@ -291,7 +291,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return await self.w.admit(request)
 
     async def Stream(self, request, context):
-        async for chunk in self.w.stream(request.request_id, request.timeout_ms, context):
+        async for chunk in self.w.stream(request.request_id, request.timeout_ms):
             yield chunk
 
     async def Generate(self, request, context):
@@ -303,3 +303,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def GetStatus(self, request, context):
         return self.w.status()
+
+
+__all__ = ["DecodeHandoff", "DecodeWorker"]

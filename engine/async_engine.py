@@ -1,8 +1,9 @@
 """Runs an LLMEngine on its own thread for an asyncio server.
 
-The model never runs on the event loop. Callers talk to the engine thread through
-commands (functions run between steps, so engine state is only touched by one thread)
-and receive each request's outputs on an asyncio.Queue.
+The model never runs on the event loop. The services call the engine through the named
+methods here (`add`, `reserve`, `abort`, `stats`); each runs as a command between steps, so
+engine state is only ever touched by the engine thread. A request's outputs arrive on its
+asyncio.Queue.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from baton.engine.llm_engine import LLMEngine
+from baton.engine.kv_handoff import KVTicket
+from baton.engine.llm_engine import EngineStats, LLMEngine
 from baton.engine.output_processor import RequestOutput
+from baton.engine.sampling_params import SamplingParams
 
 IDLE_WAIT_S = 0.05
 
@@ -35,7 +38,47 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self._thread.start()
 
-    # -- called from the event loop ---------------------------------------------------------
+    # -- the services' calls (event loop) ------------------------------------------------------
+    async def add(self, request_id: str, prompt: list[int], params: SamplingParams,
+                  hand_off_kv: bool = False) -> tuple[asyncio.Queue, KVTicket | None]:
+        """Queue a request; its outputs arrive on the returned queue (close_stream when done).
+        With `hand_off_kv`, also its KV ticket (its prompt's KV goes to the engine's handoff)."""
+        queue = self.open_stream(request_id)
+
+        def add(engine: LLMEngine) -> KVTicket | None:
+            engine.add_request(prompt, params, request_id=request_id, hand_off_kv=hand_off_kv)
+            return engine.kv_ticket(request_id)
+        try:
+            ticket = await self.call(add)
+        except BaseException:
+            self.close_stream(request_id)
+            raise
+        return queue, ticket
+
+    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[KVTicket, asyncio.Queue]:
+        """Decode side: reserve the request's blocks (KVCacheFull if they are not free); its
+        outputs, from the join on, arrive on the queue."""
+        queue = self.open_stream(request_id)
+        try:
+            ticket = await self.call(lambda e: e.reserve(request_id, prompt, params))
+        except BaseException:
+            self.close_stream(request_id)
+            self.abort(request_id)           # in case the reservation ran after this call gave up
+            raise
+        return ticket, queue
+
+    def abort(self, request_id: str) -> None:
+        """End the request wherever it is; its blocks are freed once (a no-op if it is over)."""
+        self.submit(lambda e: e.abort(request_id))
+
+    def wake(self) -> None:
+        """Something arrived for the engine (landed KV): step now, not after the idle wait."""
+        self._commands.put((_noop, None))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # -- commands ---------------------------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], Any], timeout: float = 30.0) -> Any:
         """Run fn(engine) on the engine thread between steps and return its result."""
         if self.error is not None:
@@ -72,8 +115,8 @@ class AsyncEngine:
         try:
             self.engine.runner.platform.bind_thread()      # cuda:1 etc.: launch on the right device
             while not self._stop.is_set():
-                self._drain(block=not self.engine.scheduler.has_work)
-                if self.engine.scheduler.has_work:
+                self._drain(block=not self.engine.has_work)
+                if self.engine.has_work:
                     outputs = self.engine.step()
                     for out in outputs:
                         self.deliver(out)
@@ -108,6 +151,10 @@ class AsyncEngine:
             return
         if fut is not None:
             self.loop.call_soon_threadsafe(_set_result, fut, result)
+
+
+def _noop(engine: LLMEngine) -> None:
+    return None
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

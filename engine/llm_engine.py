@@ -2,28 +2,53 @@
 
 One instance per process; the services drive it from a dedicated thread, the offline `LLM`
 drives it in a loop. All user input is validated here, before anything is queued, so a bad
-request never changes engine state.
+request never changes engine state. Disaggregated serving goes through one seam,
+`KVHandoff` (engine/kv_handoff.py): a prefill engine hands each handed-off request's prompt
+KV to it as pieces; a decode engine reserves blocks for a request whose KV comes from
+elsewhere and joins it once the hook says it landed.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 from baton.engine.block_manager import BlockManager
 from baton.engine.config import EngineConfig
+from baton.engine.kv_handoff import KVHandoff, KVPiece, KVState, KVTicket
 from baton.engine.model_runner import ModelRunner
 from baton.engine.output_processor import RequestOutput, RequestState
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler, SchedulerConfig
-from baton.engine.sequence import FinishReason, Sequence
+from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
 from baton.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 
 log = logging.getLogger("baton.engine")
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for status replies and metrics (plain ints: readable from any thread)."""
+    running: int
+    waiting: int
+    awaiting_kv: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None):
+    def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None,
+                 handoff: KVHandoff | None = None):
         self.config = config or EngineConfig()
         self.config.validate()
         self.runner = runner or ModelRunner(self.config)
@@ -41,7 +66,7 @@ class LLMEngine:
         # streaming text costs two tokenizer calls per token per request (5 ms a step at batch
         # 256 on an H100 host); the offline API turns it off and decodes each output once
         self.stream_text = True
-        self.held: dict[str, Sequence] = {}      # finished hold_kv requests awaiting release
+        self.handoff = handoff or KVHandoff()     # the services' hook; the base class hands nothing off
         self._ids = itertools.count()
         self.last_step_seconds = 0.0
 
@@ -66,74 +91,53 @@ class LLMEngine:
         params.validate(self.vocab_size)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, hold_kv: bool = False, on_kv=None) -> str:
-        """Queue a request. With hold_kv its KV blocks outlive it until `release` (handoff).
-        `on_kv(first_block, block_ids, first_token)` is called on the engine thread, right after
-        the step whose forward was the last to write them (its device work queued, maybe not
-        finished), with the prompt blocks that became final, in order, each once (streamed
-        handoff); `first_token` is the token that step sampled once the prompt is done, else None."""
+                    request_id: str | None = None, hand_off_kv: bool = False) -> str:
+        """Queue a request. With `hand_off_kv` (prefill side) its prompt's KV goes to the
+        handoff hook as pieces, each right after the step that made its blocks final; the last
+        piece carries the token that step sampled. Its ticket: `kv_ticket(request_id)`."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
         request_id = request_id or self.new_request_id()
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if request_id in self.held:
-            raise ValueError(f"request id {request_id!r} is still handing off its KV")
         seq = Sequence(request_id, token_ids, params, self.max_model_len, arrival=time.monotonic())
-        seq.hold_kv = hold_kv
-        seq.on_kv = on_kv
+        if hand_off_kv:
+            seq.kv_ticket = KVTicket(request_id, "prefill")
         self.scheduler.add(seq)
         self.states[request_id] = RequestState(seq, self._detokenizer_for(params))
         return request_id
 
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> KVTicket:
+        """Decode side: blocks for a request whose prompt KV another worker computes (KVCacheFull
+        if they are not free). It joins the running batch once the hook reports its KV landed;
+        `abort` frees the blocks in any state before that."""
+        self.validate(prompt_token_ids, params)
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, prompt_token_ids, params, self.max_model_len, arrival=time.monotonic())
+        self.block_manager.allocate(seq, seq.num_prompt_tokens)
+        seq.status = SequenceStatus.AWAITING_KV
+        seq.kv_ticket = KVTicket(request_id, "decode")
+        self.states[request_id] = RequestState(seq, self._detokenizer_for(params))
+        return seq.kv_ticket
+
+    def kv_ticket(self, request_id: str) -> KVTicket | None:
+        state = self.states.get(request_id)
+        return state.seq.kv_ticket if state is not None else None
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        self.release(request_id)
+        """End a request in whatever state it is; its blocks are freed (once). None: unknown here."""
         state = self.states.pop(request_id, None)
         if state is None:
             return None
-        self.scheduler.abort(state.seq)
+        seq = state.seq
+        if seq.status is SequenceStatus.AWAITING_KV:
+            seq.status = SequenceStatus.WAITING      # nowhere in the scheduler's queues: finish frees it
+        self.scheduler.abort(seq)
+        if seq.kv_ticket is not None and not seq.kv_ticket.try_advance(KVState.FREED):
+            seq.kv_ticket.try_advance(KVState.FINISHED)
         return state.update()
-
-    # -- handoff (disaggregated serving) ----------------------------------------------------
-    def release(self, request_id: str) -> bool:
-        """Free the KV a finished hold_kv request kept for its handoff (stays prefix-cached)."""
-        seq = self.held.pop(request_id, None)
-        if seq is None:
-            return False
-        self.block_manager.free_sequence(seq)
-        return True
-
-    def reserve_blocks(self, num_tokens: int) -> list[int]:
-        """Blocks for KV that another worker computes; KVCacheFull if they are not free."""
-        return self.block_manager.allocate_blocks(self.block_manager.blocks_needed(num_tokens))
-
-    def free_blocks(self, block_ids: list[int]) -> None:
-        self.block_manager.free_blocks(block_ids)
-
-    def join(self, request_id: str, prompt_token_ids: list[int], first_token: int,
-             params: SamplingParams, block_ids: list[int]) -> RequestOutput:
-        """Adopt a request whose prompt KV already sits in block_ids, with its first token.
-
-        The first token is emitted at once (no decode step needed); the request then runs
-        in the continuous batch like any other. The blocks now belong to the request.
-        """
-        if request_id in self.states:
-            self.free_blocks(block_ids)
-            raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt_token_ids, params, self.max_model_len, arrival=time.monotonic())
-        seq.block_table = list(block_ids)
-        seq.num_computed_tokens = len(prompt_token_ids)
-        seq.append_token(first_token)
-        self.block_manager.register_full_blocks(seq)
-        self.states[request_id] = RequestState(seq, self._detokenizer_for(params))
-        reason = self.scheduler.stop_reason(seq, first_token)
-        if reason is None:
-            self.scheduler.add_running(seq)
-        else:
-            self.scheduler.add_running(seq)
-            self.scheduler.finish(seq, reason)
-        return self._emit(request_id)
 
     def _detokenizer_for(self, params: SamplingParams):
         """The tokenizer when the request's text is needed while it runs, else None."""
@@ -143,43 +147,119 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.states)
 
+    @property
+    def has_work(self) -> bool:
+        """Something to step for: scheduled work, or landed KV to join."""
+        return self.scheduler.has_work or self.handoff.has_landed()
+
+    @property
+    def platform(self):
+        """The device platform (streams, events) the KV transports share with the engine."""
+        return self.runner.platform
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        """The paged cache's shape, what a KV transfer's two ends must agree on."""
+        m = self.runner.model
+        return KVSpec(str(self.runner.dtype).removeprefix("torch."), self.config.block_size, m.num_layers,
+                      m.num_kv_heads, m.head_dim)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        awaiting = sum(s.seq.status is SequenceStatus.AWAITING_KV for s in list(self.states.values()))
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), awaiting, bm.num_blocks,
+                           bm.num_free_blocks)
+
     # -- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduled model step; outputs for every request that advanced or finished."""
+        """Join what landed, then one scheduled model step; outputs for every request that
+        joined, advanced or finished."""
+        outputs = self._join_landed()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            return outputs
         sampled = self.runner.execute(out)
-        self._emit_kv(out, sampled)         # before postprocess frees a finished prefill's blocks
+        failed = self._hand_off_kv(out, sampled)     # before postprocess frees a finished prefill's blocks
         self.scheduler.postprocess(out, sampled)
         self.last_step_seconds = time.perf_counter() - t0
-        outputs = []
         for item, token in zip(out.scheduled, sampled, strict=True):
-            if token is None:
-                continue
-            outputs.append(self._emit(item.seq.request_id))
+            if token is not None and item.seq.request_id not in failed:
+                outputs.append(self._emit(item.seq.request_id))
+        outputs += [self._fail(rid, why) for rid, why in failed.items()]
         return outputs
 
-    def _emit_kv(self, out, sampled: list[int | None]) -> None:
-        """Pass each streamed request the prompt blocks this step made final: the full ones
-        its prefill has covered, and the last, partial one once the prompt is done, with the
-        token sampled after it."""
+    def _hand_off_kv(self, out, sampled: list[int | None]) -> dict[str, str]:
+        """Pack the prompt blocks this step made final, for every handed-off request: the full
+        ones its prefill has covered, and the last, partial one once the prompt is done, with
+        the token sampled after it. Returns the requests whose hook failed (and why)."""
         bs = self.block_manager.block_size
+        failed: dict[str, str] = {}
         for item, token in zip(out.scheduled, sampled, strict=True):
             seq = item.seq
-            if seq.on_kv is None:
+            ticket = seq.kv_ticket
+            if ticket is None or ticket.side != "prefill" or ticket.done:
                 continue
             done = min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens)
-            final = -(-done // bs) if done == seq.num_prompt_tokens else done // bs
-            if final <= seq.kv_emitted:
+            last = done == seq.num_prompt_tokens
+            final = -(-done // bs) if last else done // bs
+            if final <= seq.num_blocks_handed_off:
                 continue
-            first, seq.kv_emitted = seq.kv_emitted, final
+            first, seq.num_blocks_handed_off = seq.num_blocks_handed_off, final
             try:
-                seq.on_kv(first, list(seq.block_table[first:final]), token if done == seq.num_prompt_tokens else None)
-            except Exception:
-                log.exception("the KV listener of request %s failed; it gets no more blocks", seq.request_id)
-                seq.on_kv = None
+                self._hand_off_piece(seq, ticket, first, final, token if last else None)
+            except Exception as exc:
+                log.exception("the KV hand-off of request %s failed", seq.request_id)
+                failed[seq.request_id] = f"its KV could not be handed off: {exc!r}"
+        return failed
+
+    def _hand_off_piece(self, seq: Sequence, ticket: KVTicket, first: int, final: int, token: int | None) -> None:
+        data, ready = self.runner.pack_kv(seq.block_table[first:final])
+        meta = {}
+        if token is not None:
+            meta = {"prefill_done_unix": repr(time.time()), "cached_tokens": str(seq.num_cached_tokens)}
+        self.handoff.on_prompt_kv(KVPiece(seq.request_id, first, final - first, data, ready, token, meta))
+        state = KVState.PREFILLED if token is not None else KVState.PREFILLING
+        if ticket.state is not state:           # (pieces after the first leave it PREFILLING)
+            ticket.advance(state)
+
+    def _join_landed(self) -> list[RequestOutput]:
+        """Decode side: copy every landed payload into its request's reserved blocks and run the
+        request from the next step on; its first token is emitted now."""
+        outputs = []
+        for ticket in self.handoff.take_landed():
+            state = self.states.get(ticket.request_id)
+            if state is None or state.seq.kv_ticket is not ticket or ticket.state is not KVState.LANDED:
+                continue                              # aborted meanwhile: its blocks are free already
+            try:
+                self.runner.write_kv(state.seq.block_table, ticket.payload)
+            except Exception as exc:
+                log.warning("request %s: the landed KV could not be joined: %s", ticket.request_id, exc)
+                outputs.append(self._fail(ticket.request_id, f"could not join the transferred KV: {exc}"))
+                continue
+            outputs.append(self._join(state.seq, ticket))
+        return outputs
+
+    def _join(self, seq: Sequence, ticket: KVTicket) -> RequestOutput:
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_cached_tokens = int(ticket.meta.get("cached_tokens") or 0)   # the prefill's prefix-cache hit
+        seq.append_token(ticket.first_token)
+        self.block_manager.register_full_blocks(seq)
+        ticket.joined_at = time.time()
+        ticket.advance(KVState.JOINED)
+        self.scheduler.add_running(seq)
+        reason = self.scheduler.stop_reason(seq, ticket.first_token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return self._emit(seq.request_id)
+
+    def _fail(self, request_id: str, why: str) -> RequestOutput:
+        """End a request whose KV hand-off failed: freed like an abort, its output carries `why`."""
+        out = self.abort(request_id)
+        if out is None:
+            out = RequestOutput(request_id, [], "", finished=True, finish_reason="abort")
+        out.error = why
+        return out
 
     def _emit(self, request_id: str) -> RequestOutput:
         state = self.states[request_id]
@@ -188,6 +268,7 @@ class LLMEngine:
             self.scheduler.finish(state.seq, FinishReason.STOP)
         if result.finished:
             del self.states[request_id]
-            if state.seq.hold_kv and state.seq.block_table:
-                self.held[request_id] = state.seq
+            ticket = state.seq.kv_ticket
+            if ticket is not None and ticket.state is KVState.JOINED:
+                ticket.advance(KVState.FINISHED)
         return result

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from baton.engine.config import EngineConfig
+from baton.engine.kv_blocks import pack_blocks_on_device, unpack_blocks
 from baton.engine.platforms import Platform, get_platform
 from baton.engine.sampler import Sampler, SamplingBatch
 from baton.engine.scheduler import SchedulerOutput
@@ -115,6 +116,16 @@ class ModelRunner:
                             query_start_loc_cpu=[0, new], seq_lens_cpu=[seq_len])
         hidden = self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.platform, self.scale))
         self.model.compute_logits(hidden[-1:])
+
+    def pack_kv(self, block_ids: list[int]):
+        """(a contiguous uint8 copy of these blocks on the device, the event after which it is
+        final; None on the CPU). Queued on the engine's stream, so later steps cannot overwrite
+        the blocks before the copy has read them."""
+        return pack_blocks_on_device(self.kv_cache, block_ids), self.platform.record_event()
+
+    def write_kv(self, block_ids: list[int], payload) -> None:
+        """Copy a transferred payload (bytes, a uint8 tensor, or Pieces) into these blocks."""
+        unpack_blocks(self.kv_cache, block_ids, payload)
 
     def block_bytes(self) -> int:
         m = self.model

@@ -21,6 +21,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    error: str | None = None              # set when the request ended by a failure, not by itself
 
 
 @dataclass(slots=True)

@@ -186,5 +186,4 @@ class Scheduler:
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if not (seq.hold_kv and reason is not FinishReason.ABORT):
-            self.block_manager.free_sequence(seq)
+        self.block_manager.free_sequence(seq)

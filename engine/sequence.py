@@ -14,6 +14,7 @@ from baton.engine.sampling_params import SamplingParams
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
+    AWAITING_KV = auto()        # decode side: blocks reserved, its prompt's KV coming from a prefill worker
     FINISHED = auto()
 
 
@@ -30,8 +31,8 @@ class Sequence:
     __slots__ = (
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "block_table", "status", "params", "finish_reason", "max_model_len",
-        "arrival", "num_preemptions", "sampling_seed", "hold_kv", "num_hashed_blocks",
-        "on_kv", "kv_emitted",
+        "arrival", "num_preemptions", "sampling_seed", "num_hashed_blocks", "kv_ticket",
+        "num_blocks_handed_off",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -51,9 +52,8 @@ class Sequence:
         self.arrival = arrival
         self.num_preemptions = 0
         self.sampling_seed = params.seed
-        self.hold_kv = False                # keep blocks after finishing (prefill awaiting handoff)
-        self.on_kv = None                   # on_kv(first_block, block_ids, first_token): prompt blocks made final
-        self.kv_emitted = 0                 # prompt blocks already passed to on_kv
+        self.kv_ticket = None               # KVTicket of a handed-off request (engine/kv_handoff.py)
+        self.num_blocks_handed_off = 0      # prefill side: prompt blocks already packed into pieces
 
     def __len__(self) -> int:
         return len(self.token_ids)

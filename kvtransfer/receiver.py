@@ -51,6 +51,7 @@ class Transfer:
     deadline: float                      # event-loop time
     on_complete: OnComplete
     on_fail: OnFail
+    on_claim: Callable[[str], None] | None = None
     timer: asyncio.TimerHandle | None = None
     buffer: object | None = None         # staging (memoryview, or a device tensor), from `stage`
     claimed: bool = False                # a sender is pushing it
@@ -89,8 +90,9 @@ class PendingTransfers:
 
     # -- the decode engine's side -------------------------------------------------------------
     def expect(self, transfer_id: str, nbytes: int, deadline_s: float, on_complete: OnComplete,
-               on_fail: OnFail) -> None:
-        """Register a transfer of `nbytes`; unless it completes within `deadline_s`, on_fail runs."""
+               on_fail: OnFail, on_claim: Callable[[str], None] | None = None) -> None:
+        """Register a transfer of `nbytes`; unless it completes within `deadline_s`, on_fail runs.
+        `on_claim(transfer_id)`: a sender started pushing it (the bytes are on their way)."""
         if not transfer_id:
             raise ValueError("transfer_id must not be empty")
         if transfer_id in self._active or transfer_id in self._ended:
@@ -103,7 +105,7 @@ class PendingTransfers:
         if deadline_s <= 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s}")
         loop = asyncio.get_running_loop()
-        t = Transfer(transfer_id, nbytes, loop.time() + deadline_s, on_complete, on_fail)
+        t = Transfer(transfer_id, nbytes, loop.time() + deadline_s, on_complete, on_fail, on_claim)
         t.timer = loop.call_later(deadline_s, self._reap, transfer_id, deadline_s)
         self._active[transfer_id] = t
 
@@ -162,6 +164,8 @@ class PendingTransfers:
             self.fail(t.transfer_id, msg)
             raise TransferRejected(grpc.StatusCode.INVALID_ARGUMENT, msg)
         t.claimed = True
+        if t.on_claim is not None:
+            t.on_claim(t.transfer_id)
 
     async def stage(self, t: Transfer, allocate: Callable[[int], object] | None = None) -> None:
         """Allocate t.buffer (host memory by default; `allocate(nbytes)` for e.g. a device tensor),

@@ -171,21 +171,21 @@ class RouterService:
         loop = asyncio.get_running_loop()
         rid = active.worker_id
         d = self._pick("decode", self.decode_policy, ids, tried)
+        p = self._pick("prefill", self.prefill_policy, ids, tried)
         self._use(active, d)
         try:
             admit = await d.stub.Admit(decode_pb2.AdmitRequest(
-                request_id=rid, prompt_token_ids=ids, sampling=sampling, backend="grpc",
+                request_id=rid, prompt_token_ids=ids, sampling=sampling, backend=kv_backend(p, d),
                 timeout_ms=_ms(deadline - loop.time())), timeout=deadline - loop.time())
         except grpc.aio.AioRpcError as exc:
             raise _failed(exc, d, "admit") from exc
         stream = d.stub.Stream(decode_pb2.StreamRequest(request_id=rid, timeout_ms=_ms(deadline - loop.time())),
                                timeout=deadline - loop.time())
-        p = self._pick("prefill", self.prefill_policy, ids, tried)
         self._use(active, p)
         prefill = asyncio.ensure_future(p.stub.Prefill(prefill_pb2.PrefillRequest(
             request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(deadline - loop.time()),
             handoff=prefill_pb2.Handoff(decode_address=admit.kv_address or d.address,
-                                        transfer_id=admit.transfer_id, backend="grpc")),
+                                        transfer_id=admit.transfer_id, backend=admit.backend)),
             timeout=deadline - loop.time()))
         prefill.add_done_callback(_retrieve)
         first_by = loop.time() + min(self.cfg.first_token_timeout, deadline - loop.time())
@@ -274,6 +274,15 @@ class RouterService:
                                   waiting=w.status.waiting, kv_blocks_total=w.status.kv_blocks_total,
                                   kv_blocks_free=w.status.kv_blocks_free)
             for w in self.registry.workers])
+
+
+KV_BACKEND_PREFERENCE = ("direct", "memory", "grpc")     # device to device first; grpc goes anywhere
+
+
+def kv_backend(prefill: Worker, decode: Worker) -> str:
+    """The best KV transport both workers speak ("": let the decode worker choose)."""
+    common = set(prefill.status.kv_backends) & set(decode.status.kv_backends)
+    return next((b for b in KV_BACKEND_PREFERENCE if b in common), "")
 
 
 async def _next(stream):

@@ -207,7 +207,9 @@ class Server:
         print(f"[baton] draining {self.address} (grace {grace:.0f}s)", file=sys.stderr, flush=True)
         await self.drain_and_stop(grace, busy)
         if on_stop is not None:
-            on_stop()
+            result = on_stop()
+            if asyncio.iscoroutine(result):
+                await result
         print(f"[baton] {self.address} stopped", file=sys.stderr, flush=True)
 
 

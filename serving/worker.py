@@ -12,7 +12,9 @@ import time
 import grpc
 
 from baton.engine.async_engine import AsyncEngine
+from baton.engine.kv_handoff import KVHandoff
 from baton.engine.llm_engine import LLMEngine
+from baton.kvtransfer.factory import accepted
 from baton.kvtransfer.layout import KVLayout
 from baton.serving.grpc_server import Server, ServiceError
 from baton.serving.metrics import Metrics
@@ -29,6 +31,7 @@ class EngineWorker:
         self.engine: AsyncEngine | None = None
         self.server: Server | None = None
         self.requests_served = 0
+        self.handoff: KVHandoff | None = None    # the services' side of the engine's KV seam
 
     @property
     def llm(self) -> LLMEngine:
@@ -43,16 +46,17 @@ class EngineWorker:
         print(f"[baton] {self.cfg.role}: loading {self.cfg.engine.model} on {self.cfg.engine.device}",
               file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
-        llm = await loop.run_in_executor(None, LLMEngine, self.cfg.engine)
+        llm = await loop.run_in_executor(None, lambda: LLMEngine(self.cfg.engine, handoff=self.handoff))
         self.engine = AsyncEngine(llm, loop)
         self.engine.on_step = self._after_step
         self.server = Server(self.cfg.host, self.cfg.port, self.service_names, tls=self.cfg.tls)
         self.add_services(self.server.server)
         await self.server.start()
         self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
-        self._observe(llm)
+        self._observe()
+        stats = self.engine.stats()
         print(f"[baton] {self.cfg.role} ready on {self.server.address} "
-              f"({llm.runner.num_blocks} KV blocks of {llm.config.block_size}, "
+              f"({stats.kv_blocks_total} KV blocks of {llm.config.block_size}, "
               f"max_model_len {llm.max_model_len}) in {time.perf_counter() - t0:.1f}s; "
               f"{'mutual TLS' if self.cfg.tls.require_client_cert else 'TLS' if self.cfg.tls.cert else 'plaintext'}"
               f"{', KV peers proven by shared secret' if self.cfg.kv_secret else ''}",
@@ -66,36 +70,35 @@ class EngineWorker:
         server = await self.start()
         await server.wait_for_signal(self.cfg.grace_seconds, on_stop=self.stop, busy=self.num_active)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         """After the drain: release the KV transports (device communicators), stop the engine."""
-        self.release_transports()
+        await self.release_transports()
         self.engine.shutdown()
 
-    def release_transports(self) -> None:  # noqa: B027  (workers with device-direct KV override it)
+    async def release_transports(self) -> None:
         return None
 
     # -- shared RPC bodies ------------------------------------------------------------------
     def status(self) -> worker_pb2.WorkerStatus:
-        llm = self.llm
-        bm = llm.block_manager
+        s = self.engine.stats()
         return worker_pb2.WorkerStatus(
-            role=self.cfg.role, model=llm.source.name, running=len(llm.scheduler.running),
-            waiting=len(llm.scheduler.waiting) + self.num_pending(), kv_blocks_total=bm.num_blocks,
-            kv_blocks_free=bm.num_free_blocks, block_size=bm.block_size, max_model_len=llm.max_model_len,
-            kv_backends=self.kv_backends(), device=self.cfg.engine.device,
+            role=self.cfg.role, model=self.llm.source.name, running=s.running,
+            waiting=s.waiting + self.num_pending(), kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_free=s.kv_blocks_free, block_size=self.llm.config.block_size,
+            max_model_len=self.llm.max_model_len, kv_backends=self.kv_backends(), device=self.cfg.engine.device,
             draining=bool(self.server and self.server.draining), requests_served=self.requests_served)
 
     def kv_layout(self) -> KVLayout:
         """This worker's KV layout, for the transfer handshake (both ends must agree)."""
-        llm, m = self.llm, self.llm.runner.model
-        return KVLayout(model=llm.source.name, architecture=llm.source.architecture,
-                        dtype=str(llm.runner.dtype).removeprefix("torch."), block_size=llm.config.block_size,
-                        num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                        tp_size=1, tp_rank=0, backends=self.kv_backends())
+        spec = self.llm.kv_spec
+        return KVLayout(model=self.llm.source.name, architecture=self.llm.source.architecture, dtype=spec.dtype,
+                        block_size=spec.block_size, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                        head_dim=spec.head_dim, tp_size=1, tp_rank=0, backends=self.kv_backends())
 
     def kv_backends(self) -> list[str]:
-        """KV transports this worker speaks; a device-direct one also takes grpc pushes."""
-        return ["direct", "grpc"] if self.cfg.kv_backend == "direct" else ["grpc"]
+        """KV transports this worker speaks (a decode worker also takes grpc pushes whatever
+        its own backend)."""
+        return accepted(self.cfg.kv_backend)
 
     def num_pending(self) -> int:
         return 0
@@ -108,7 +111,7 @@ class EngineWorker:
         """Admission control for a new request: draining or a full queue refuses it."""
         if self.server is not None and self.server.draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "worker is draining; send the request elsewhere")
-        waiting = len(self.llm.scheduler.waiting) + self.num_pending()
+        waiting = self.engine.stats().waiting + self.num_pending()
         if waiting >= self.cfg.max_waiting:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.cfg.role} worker has {waiting} requests queued (limit {self.cfg.max_waiting}); "
@@ -116,9 +119,8 @@ class EngineWorker:
 
     def _after_step(self, llm: LLMEngine, outputs) -> None:
         self.metrics.step_seconds.labels("step").observe(llm.last_step_seconds)
-        self._observe(llm)
+        self._observe()
 
-    def _observe(self, llm: LLMEngine) -> None:
-        bm = llm.block_manager
-        self.metrics.observe_engine(len(llm.scheduler.running), len(llm.scheduler.waiting),
-                                    bm.num_blocks, bm.num_free_blocks)
+    def _observe(self) -> None:
+        s = self.engine.stats()
+        self.metrics.observe_engine(s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_free)

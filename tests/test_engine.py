@@ -160,27 +160,43 @@ def test_unknown_model_or_option_is_a_clear_error():
 
 
 def test_streamed_kv_passes_each_prompt_block_once_in_order_as_its_chunk_ends(embedded_source, prompt_ids):
-    """on_kv (the device-direct handoff's source) gets every prompt block exactly once, in
+    """The handoff hook (the KV transfer's source) gets every prompt block exactly once, in
     order, chunk by chunk, with its final KV already written, and the first token with the
-    last: the pieces, packed when they were passed, equal the blocks the finished request holds."""
+    last: the pieces, packed when they were passed, equal the blocks the request held; the
+    request's ticket ends PREFILLED with every block free again."""
     from baton.engine.kv_blocks import pack_blocks
+    from baton.engine.kv_handoff import KVHandoff, KVState
+
+    class Collect(KVHandoff):
+        def __init__(self):
+            self.pieces = []
+
+        def on_prompt_kv(self, piece):
+            self.pieces.append(piece)
+            if piece.last:                  # the request's blocks, as it holds them at the end
+                self.table = list(e.states[piece.request_id].seq.block_table)
+
+    hook = Collect()
     llm = LLM(embedded_source.name, max_num_batched_tokens=24, num_kv_blocks=64, block_size=8)
     e = llm.engine
+    e.handoff = hook
     prompt = max(prompt_ids, key=len)
-    pieces, tokens = [], []
-
-    def on_kv(first, ids, token):
-        pieces.append((first, ids, pack_blocks(e.runner.kv_cache, ids)))
-        tokens.append(token)
-    e.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id="s", hold_kv=True, on_kv=on_kv)
+    e.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id="s", hand_off_kv=True)
+    ticket, packed = e.kv_ticket("s"), []
+    pack = e.runner.pack_kv
+    e.runner.pack_kv = lambda block_ids: packed.append(list(block_ids)) or pack(block_ids)
     outs = []
     while e.has_unfinished:
         outs += e.step()
-    held = e.held["s"].block_table
+    held = [b for ids in packed for b in ids]
+    pieces = hook.pieces
+    tokens = [p.first_token for p in pieces]
     assert tokens[:-1] == [None] * (len(tokens) - 1) and [tokens[-1]] == outs[-1].new_token_ids   # with the last
     assert len(pieces) == -(-len(prompt) // 24) > 1                 # one piece per chunk
-    assert [first for first, _, _ in pieces] == [0, *itertools.accumulate(len(ids) for _, ids, _ in pieces[:-1])]
-    assert [b for _, ids, _ in pieces for b in ids] == held          # each block once, in order
-    assert torch.equal(torch.cat([data for _, _, data in pieces]).view(-1),
-                       torch.cat([pack_blocks(e.runner.kv_cache, ids) for _, ids, _ in pieces]).view(-1))
-    e.release("s")
+    assert [p.first_block for p in pieces] == [0, *itertools.accumulate(p.num_blocks for p in pieces[:-1])]
+    assert held == hook.table and len(set(held)) == len(held)      # each block once, in order
+    ids = [held[p.first_block:p.first_block + p.num_blocks] for p in pieces]
+    assert torch.equal(torch.cat([p.data for p in pieces]).view(-1),
+                       torch.cat([pack_blocks(e.runner.kv_cache, b) for b in ids]).view(-1))
+    assert ticket.history == [KVState.QUEUED, KVState.PREFILLING, KVState.PREFILLED]
+    assert e.block_manager.num_free_blocks == e.block_manager.num_blocks   # nothing held past the prefill

@@ -13,7 +13,6 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import time
-import types
 
 import grpc
 import pytest
@@ -23,9 +22,13 @@ from reliability import Outcomes
 
 from baton.engine import SamplingParams
 from baton.engine.kv_blocks import Pieces, pack_blocks_on_device, unpack_blocks
-from baton.kvtransfer import direct_backend
+from baton.engine.kv_handoff import KVPiece
+from baton.engine.platforms import get_platform
+from baton.engine.platforms.cpu import CpuPlatform
+from baton.engine.platforms.cuda import CudaPlatform
+from baton.engine.platforms.npu import NpuPlatform
 from baton.kvtransfer.backend import KVTransferError, TransferDescriptor
-from baton.kvtransfer.direct_backend import DirectKVReceiver, DirectKVSender
+from baton.kvtransfer.direct_backend import DirectKVReceiver, DirectKVSender, PairGroup
 from baton.kvtransfer.grpc_backend import KVTransferServicer
 from baton.kvtransfer.grpc_options import server_options
 from baton.kvtransfer.layout import KVLayout
@@ -33,7 +36,7 @@ from baton.kvtransfer.receiver import PendingTransfers
 from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc, router_pb2
 
 Code = grpc.StatusCode
-CPU = torch.device("cpu")
+CPU = get_platform("cpu")
 LAYOUT = KVLayout(model="tiny", architecture="LlamaForCausalLM", dtype="bfloat16", block_size=16,
                   num_layers=2, num_kv_heads=2, head_dim=32, backends=["direct", "grpc"])
 
@@ -86,6 +89,11 @@ async def sender_to(address: str):
     finally:
         await sender.close()
         await sender.channel.close()
+
+
+async def put(out, data: torch.Tensor, num_blocks: int, first_token: int | None = None, extra=None) -> None:
+    """The next piece of an open transfer, as the prefill engine hands it over."""
+    await out.piece(KVPiece("", out.next_block, num_blocks, data, None, first_token, extra or {}))
 
 
 def kv(num_blocks: int, seed: int) -> torch.Tensor:
@@ -214,9 +222,9 @@ def test_a_grpc_only_decode_worker_is_named_in_the_handshake_error():
 
 
 def test_collective_follows_the_device():
-    assert direct_backend.collective_for(torch.device("cuda", 1)) == "nccl"
-    assert direct_backend.collective_for(types.SimpleNamespace(type="npu")) == "hccl"   # no torch_npu here
-    assert direct_backend.collective_for(CPU) == "gloo"
+    """One device -> collective mapping, the platform's (no torch_npu or GPU needed to read it)."""
+    assert (CudaPlatform.dist_backend, NpuPlatform.dist_backend, CpuPlatform.dist_backend) == ("nccl", "hccl", "gloo")
+    assert PairGroup("p", CPU).collective == "gloo"
 
 
 # -- between real worker processes ------------------------------------------------------------
@@ -249,7 +257,7 @@ def test_direct_transfers_between_workers_give_the_colocated_engines_tokens(tmp_
 def test_a_stalled_device_transfer_ends_the_request_and_frees_blocks_on_both_sides(tmp_path, reliability):
     c = Cluster.launch(tmp_path, prefill=1, decode=1, worker_args=DIRECT,
                        router_args=["--first-token-timeout", "4"],
-                       worker_env={"prefill-0": {direct_backend.STALL_ENV: "600"}})
+                       extra={"prefill-0": ["--kv-fault-stall-s", "600"]})
     try:
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
@@ -280,11 +288,11 @@ def test_pieces_streamed_while_another_transfer_goes_through_land_bit_exact():
             pending.expect("b", nb, 20, landed.on_complete, landed.on_fail)
             a = await sender.open(TransferDescriptor("a", nbytes=na), timeout=20)   # before its KV exists
             b = await sender.open(TransferDescriptor("b", nbytes=nb), timeout=20)
-            await a.piece(pack_blocks_on_device(src, a_blocks[:2]), 2)            # chunk 1 of a's prefill
-            await b.piece(pack_blocks_on_device(src, b_blocks), 2)                # b, all at once
+            await put(a, pack_blocks_on_device(src, a_blocks[:2]), 2)            # chunk 1 of a's prefill
+            await put(b, pack_blocks_on_device(src, b_blocks), 2)                # b, all at once
             b_stats = await b.finish(7)
-            await a.piece(pack_blocks_on_device(src, a_blocks[2:5]), 3)
-            await a.piece(pack_blocks_on_device(src, a_blocks[5:]), 1, first_token=8, extra={"request_id": "a"})
+            await put(a, pack_blocks_on_device(src, a_blocks[2:5]), 3)
+            await put(a, pack_blocks_on_device(src, a_blocks[5:]), 1, first_token=8, extra={"request_id": "a"})
             a_stats = await a.done()                           # no FINISH: the token came with the bytes
             return landed, a_stats, b_stats, list(receiver.pairs), pending.stats()
     landed, a_stats, b_stats, pairs, stats = run(main())
@@ -333,7 +341,7 @@ def test_a_first_token_before_the_last_piece_is_refused_and_the_transfer_freed()
             pending.expect("early", n, 20, landed.on_complete, landed.on_fail)
             out = await sender.open(TransferDescriptor("early", nbytes=n))
             with pytest.raises(KVTransferError) as early:
-                await out.piece(pack_blocks_on_device(src, [0, 1]), 2, first_token=4)
+                await put(out, pack_blocks_on_device(src, [0, 1]), 2, first_token=4)
             for _ in range(200):                                 # the abandon reaches the receiver
                 if "early" in landed.failed:
                     break
@@ -353,17 +361,17 @@ def test_abandoned_cancelled_and_short_transfers_free_at_once_and_the_pair_stays
             for tid in ("abandoned", "cancelled", "short", "after"):
                 pending.expect(tid, n, 20, landed.on_complete, landed.on_fail)
             gone = await sender.open(TransferDescriptor("abandoned", nbytes=n))
-            await gone.piece(pack_blocks_on_device(src, [0]), 1)
+            await put(gone, pack_blocks_on_device(src, [0]), 1)
             gone.abandon("the prefill was aborted")            # the receiver frees it now, not at 20 s
             cancelled = await sender.open(TransferDescriptor("cancelled", nbytes=n))
-            await cancelled.piece(pack_blocks_on_device(src, [0]), 1)
+            await put(cancelled, pack_blocks_on_device(src, [0]), 1)
             pending.cancel("cancelled")                         # the decode side gave up (client gone)
-            await cancelled.piece(pack_blocks_on_device(src, [1, 2]), 2)   # received into scratch
+            await put(cancelled, pack_blocks_on_device(src, [1, 2]), 2)   # received into scratch
             with pytest.raises(KVTransferError) as refused:
                 await cancelled.finish(1)
             short = await sender.open(TransferDescriptor("short", nbytes=n))
             with pytest.raises(KVTransferError) as broken_promise:       # 2 blocks' bytes, 3 announced
-                await short.piece(pack_blocks_on_device(src, [1, 3]), 3)
+                await put(short, pack_blocks_on_device(src, [1, 3]), 3)
             for _ in range(200):                                 # the receiver hears of them asynchronously
                 if {"abandoned", "short"} <= set(landed.failed):
                     break
@@ -440,7 +448,7 @@ def test_dead_peers_mid_stream_end_with_a_status_and_the_survivors_serve(tmp_pat
         PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)), strict=True)}
     c = Cluster.launch(tmp_path, prefill=2, decode=2, worker_args=DIRECT,
                        router_args=["--policy", "round_robin", "--first-token-timeout", "6"],
-                       worker_env={"prefill-0": {direct_backend.STALL_ENV: "600"}})
+                       extra={"prefill-0": ["--kv-fault-stall-s", "600"]})
     try:
         stub = c.stub()
         wedged = Load(stub, workers=8)

@@ -23,9 +23,11 @@ from hypothesis import strategies as st
 
 from baton.engine.block_manager import KVCacheFull
 from baton.engine.kv_blocks import pack_blocks, unpack_blocks
-from baton.kvtransfer import chunk_codec, grpc_backend, peer_auth
+from baton.kvtransfer import peer_auth
 from baton.kvtransfer.backend import KVTransferError, TransferDescriptor
-from baton.kvtransfer.grpc_backend import GrpcKVSender, KVTransferServicer
+from baton.kvtransfer.grpc_backend import GrpcKVSender, KVTransferServicer, chunk_codec
+from baton.kvtransfer.grpc_backend import sender as grpc_sender
+from baton.kvtransfer.grpc_backend import servicer as grpc_servicer
 from baton.kvtransfer.grpc_options import channel_options, server_options
 from baton.kvtransfer.layout import KVLayout, KVLayoutMismatch, check_compatible
 from baton.kvtransfer.peer_auth import KVPeerAuth, load_secret
@@ -538,8 +540,8 @@ def test_a_chunk_that_does_not_fit_the_payload_is_rejected(mutate, code, words):
 
 @pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
 def test_a_corrupted_chunk_is_nacked_and_resent(monkeypatch, threaded):
-    monkeypatch.setattr(grpc_backend, "THREADED_COPY_BYTES", 0 if threaded else 1 << 30)
-    encode, spoiled = grpc_backend.encode_chunk, []
+    monkeypatch.setattr(grpc_servicer, "THREADED_COPY_BYTES", 0 if threaded else 1 << 30)
+    encode, spoiled = grpc_sender.encode_chunk, []
 
     def corrupt_once(tid_field, index, offset, data):
         raw = encode(tid_field, index, offset, data)
@@ -547,7 +549,7 @@ def test_a_corrupted_chunk_is_nacked_and_resent(monkeypatch, threaded):
             spoiled.append(index)
             raw = raw[:-10] + bytes([raw[-10] ^ 0xFF]) + raw[-9:]   # a flipped bit inside the data
         return raw
-    monkeypatch.setattr(grpc_backend, "encode_chunk", corrupt_once)
+    monkeypatch.setattr(grpc_sender, "encode_chunk", corrupt_once)
     payload = random.Random(2).randbytes(100 * KiB)
 
     async def main():
@@ -560,7 +562,7 @@ def test_a_corrupted_chunk_is_nacked_and_resent(monkeypatch, threaded):
 
 
 def test_a_chunk_corrupted_on_every_try_ends_in_data_loss(monkeypatch):
-    encode, tries = grpc_backend.encode_chunk, []
+    encode, tries = grpc_sender.encode_chunk, []
 
     def always_corrupt(tid_field, index, offset, data):
         raw = encode(tid_field, index, offset, data)
@@ -568,7 +570,7 @@ def test_a_chunk_corrupted_on_every_try_ends_in_data_loss(monkeypatch):
             tries.append(index)
             raw = raw[:-10] + bytes([raw[-10] ^ 0x01]) + raw[-9:]
         return raw
-    monkeypatch.setattr(grpc_backend, "encode_chunk", always_corrupt)
+    monkeypatch.setattr(grpc_sender, "encode_chunk", always_corrupt)
 
     async def main():
         async with serving() as (pending, out, address), sender_to(address, chunk_bytes=16 * KiB) as sender:
@@ -578,7 +580,7 @@ def test_a_chunk_corrupted_on_every_try_ends_in_data_loss(monkeypatch):
             return err.value.code, out
 
     code, out = run(main())
-    assert code is Code.DATA_LOSS and len(tries) == 1 + grpc_backend.MAX_CRC_RETRIES and out.ends("rot") == 1
+    assert code is Code.DATA_LOSS and len(tries) == 1 + grpc_servicer.MAX_CRC_RETRIES and out.ends("rot") == 1
 
 
 def test_a_duplicated_chunk_is_acknowledged_without_rewriting():
@@ -887,7 +889,7 @@ def fuzz_tally(reliability):
 @given(scenario=scenarios(), threaded=st.booleans())
 def test_garbled_streams_never_crash_the_server_or_deliver_wrong_bytes(shared_server, monkeypatch, fuzz_tally,
                                                                        scenario, threaded):
-    monkeypatch.setattr(grpc_backend, "THREADED_COPY_BYTES", 0 if threaded else 1 << 30)
+    monkeypatch.setattr(grpc_servicer, "THREADED_COPY_BYTES", 0 if threaded else 1 << 30)
     loop, pending, address = shared_server
     payloads, streams = scenario
     prefix = f"e{next(_example)}-"                             # transfer ids are never reused

@@ -8,6 +8,7 @@ there is no CUDA GPU or no triton; the layout checks run everywhere.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -19,6 +20,7 @@ from baton.engine.platforms.cuda import CudaPlatform
 from baton.models.attention_metadata import AttnMetadata
 
 HAS_GPU = torch.cuda.is_available()
+TOKENIZER = os.environ.get("BATON_TOKENIZER")    # the GPU machine carries the embedded tokenizer
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 _why_skip = "no CUDA GPU visible to torch" if not HAS_GPU else "triton is not installed"
 
@@ -358,7 +360,7 @@ def test_tp2_gives_the_tp1_greedy_tokens_on_the_qwen3_0_6b_preset(eager):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for tp in (1, 2):
-        llm = LLM("qwen3-0.6b", device="cuda:0", dtype="float32", tp_size=tp, max_num_seqs=8,
+        llm = LLM("qwen3-0.6b", device="cuda:0", dtype="float32", tp_size=tp, max_num_seqs=8, tokenizer=TOKENIZER,
                   max_model_len=1024, kv_cache_memory=2 << 30, enforce_eager=eager)
         try:
             outs[tp] = [o.token_ids for o in llm.generate(prompts, params)]
@@ -392,7 +394,7 @@ def test_streamed_pieces_pack_and_unpack_on_the_gpu_bit_exact():
 def test_the_nccl_binding_moves_bytes_and_aborts():
     """kvtransfer.nccl, the direct KV backend's NCCL calls, on one GPU: a one-rank communicator
     sends 72 MiB to itself (one group), then is aborted and refuses more work."""
-    from baton.kvtransfer import nccl
+    from baton.kvtransfer.direct_backend import nccl
     comm = nccl.Communicator(nccl.unique_id(), 0, 1)
     stream = torch.cuda.Stream(priority=-1)
     src = (torch.arange(72 << 20, device="cuda") % 251).to(torch.uint8)
@@ -465,7 +467,8 @@ def test_1p1d_over_nccl_gives_the_colocated_engines_greedy_tokens(tmp_path):
     prompts = ["The quick brown fox", "def quicksort(arr):", "Once upon a time there was a dragon who loved tea",
                "Summarize: " + "the river rose over the old stone bridge while the village slept, " * 6]
     common = ["--model", "qwen3-0.6b", "--dtype", "float32", "--kv-backend", "direct", "--num-kv-blocks", "512"]
-    llm = LLM("qwen3-0.6b", device="cuda:0", dtype="float32", max_num_seqs=8, kv_cache_memory=1 << 30)
+    llm = LLM("qwen3-0.6b", device="cuda:0", dtype="float32", max_num_seqs=8, kv_cache_memory=1 << 30,
+              tokenizer=TOKENIZER)
     want = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
     del llm
     torch.cuda.empty_cache()

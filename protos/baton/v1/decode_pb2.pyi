@@ -23,16 +23,16 @@ class AdmitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
-    __slots__ = ("transfer_id", "num_blocks", "kv_address", "backend_params")
+    __slots__ = ("transfer_id", "num_blocks", "kv_address", "backend")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    BACKEND_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     num_blocks: int
     kv_address: str
-    backend_params: bytes
-    def __init__(self, transfer_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., kv_address: _Optional[str] = ..., backend_params: _Optional[bytes] = ...) -> None: ...
+    backend: str
+    def __init__(self, transfer_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., kv_address: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("request_id", "timeout_ms")

@@ -9,16 +9,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Handoff(_message.Message):
-    __slots__ = ("decode_address", "transfer_id", "backend", "backend_params")
+    __slots__ = ("decode_address", "transfer_id", "backend")
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
-    BACKEND_PARAMS_FIELD_NUMBER: _ClassVar[int]
     decode_address: str
     transfer_id: str
     backend: str
-    backend_params: bytes
-    def __init__(self, decode_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., backend: _Optional[str] = ..., backend_params: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, decode_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "handoff", "timeout_ms")
