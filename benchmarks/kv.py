@@ -4,7 +4,7 @@ fraction of a reference measured in the same run: a plain loopback socket copy f
 grpc backend, the raw peer copy between the two devices for device-direct backends.
 
 Backends are pluggable (BACKENDS); `grpc` pushes between two processes on 127.0.0.1
-through kvtransfer.bench, on one warm connection, exactly as a prefill worker does.
+through baton.benchmarks.kv_loopback, on one warm connection, exactly as a prefill worker does.
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ class GrpcLoopback:
                 "overlap_with_prefill": {"streams_during_prefill": False, "hidden_fraction": 0.0}}
 
     def _grpc(self, nbytes: int, iters: int) -> tuple[list[float] | None, dict]:
-        """(every send's seconds, kvtransfer.bench's summary with the TCP baseline)."""
+        """(every send's seconds, baton.benchmarks.kv_loopback's summary with the TCP baseline)."""
         from baton.benchmarks.kv_loopback import measure_grpc_loopback
         r = measure_grpc_loopback(nbytes, self.chunk, self.window, repeats=iters, baseline=True)
         return r.get("seconds"), r       # without per-send seconds only the median and best are known

@@ -3,8 +3,8 @@
 Sender and receiver run in separate processes (multiprocessing, spawn); each send is timed
 from the open to the DONE ack, i.e. until the receiver's on_complete holds every byte.
 
-    python -m kvtransfer.bench                       # 8, 64 and 256 MiB
-    python -m kvtransfer.bench --sizes-mib 64 --chunk-mib 4 --window-mib 16 --json
+    python -m baton.benchmarks.kv_loopback                       # 8, 64 and 256 MiB
+    python -m baton.benchmarks.kv_loopback --sizes-mib 64 --chunk-mib 4 --window-mib 16 --json
 """
 from __future__ import annotations
 
@@ -525,7 +525,7 @@ def _wait_event(event) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtransfer.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m baton.benchmarks.kv_loopback", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_BYTES / MIB)

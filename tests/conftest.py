@@ -47,7 +47,9 @@ def pd_cluster(tmp_path_factory):
     """One router + prefill + decode on loopback, shared by the modules that only send traffic
     (services, fuzzing); modules that kill processes launch their own."""
     from cluster import Cluster
+    # a 16-token prefill budget: every longer prompt's KV goes over in several pieces
     c = Cluster.launch(tmp_path_factory.mktemp("pd-logs"), prefill=1, decode=1,
-                       worker_args=["--num-kv-blocks", "256", "--max-num-seqs", "32"])
+                       worker_args=["--num-kv-blocks", "256", "--max-num-seqs", "32"],
+                       extra={"prefill-0": ["--max-num-batched-tokens", "16"]})
     yield c
     c.stop()

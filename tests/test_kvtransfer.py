@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from baton.engine.block_manager import KVCacheFull
 from baton.engine.kv_blocks import pack_blocks, unpack_blocks
+from baton.engine.kv_handoff import KVPiece
 from baton.kvtransfer import peer_auth
 from baton.kvtransfer.backend import KVTransferError, TransferDescriptor
 from baton.kvtransfer.grpc_backend import GrpcKVSender, KVTransferServicer, chunk_codec
@@ -260,6 +261,48 @@ def test_multi_mib_kv_arrives_byte_exact_through_many_chunks():
     unpack_blocks(decode_kv, dst_blocks, payload)
     assert torch.equal(decode_kv[:, :, dst_blocks], prefill_kv[:, :, src_blocks])
     assert len(pending) == 0 and pending.stats().staged_bytes == 0 and not out.failed
+
+
+def test_pieces_handed_over_as_a_prefill_runs_arrive_as_one_payload_after_an_early_open():
+    """The streamed form every backend implements: opened before the KV exists (the receiver
+    grants credit and stages at once), then the pieces in block order, the token on the last."""
+    prefill_kv, decode_kv = kv_cache(12, seed=5), kv_cache(12)
+    src, dst = [3, 7, 1, 9, 0], [0, 1, 2, 3, 4]
+
+    async def main():
+        async with serving() as (pending, out, address), sender_to(address, chunk_bytes=64 * KiB) as sender:
+            out.expect(pending, "s", LAYOUT.payload_nbytes(len(dst)))
+            outgoing = await sender.open(TransferDescriptor("s", nbytes=LAYOUT.payload_nbytes(len(dst))))
+            staged_at_open = pending.stats().staged_bytes
+            await outgoing.piece(KVPiece("s", 0, 2, pack_blocks(prefill_kv, src[:2])))
+            await outgoing.piece(KVPiece("s", 2, 3, pack_blocks(prefill_kv, src[2:]), None, 9, {"k": "v"}))
+            stats = await outgoing.done()
+            return pending, out, stats, staged_at_open
+    pending, out, stats, staged_at_open = run(main())
+    assert staged_at_open == LAYOUT.payload_nbytes(5) and stats.nbytes == staged_at_open
+    [(payload, first_token, extra)] = out.completed["s"]
+    assert first_token == 9 and extra["k"] == "v"
+    unpack_blocks(decode_kv, dst, payload)
+    assert torch.equal(decode_kv[:, :, dst], prefill_kv[:, :, src]) and len(pending) == 0
+
+
+def test_an_open_refused_by_the_receiver_fails_at_once_and_an_abandoned_one_frees_the_decode_side():
+    async def main():
+        async with serving() as (pending, out, address), sender_to(address) as sender:
+            with pytest.raises(KVTransferError) as refused:
+                await sender.open(TransferDescriptor("unknown", nbytes=LAYOUT.payload_nbytes(1)))
+            out.expect(pending, "a", LAYOUT.payload_nbytes(2))
+            outgoing = await sender.open(TransferDescriptor("a", nbytes=LAYOUT.payload_nbytes(2)))
+            await outgoing.piece(KVPiece("a", 0, 1, pack_blocks(kv_cache(2, seed=1), [0])))
+            outgoing.abandon("the prefill was aborted")
+            for _ in range(100):
+                if out.failed:
+                    break
+                await asyncio.sleep(0.02)
+            return refused.value, out, pending.stats()
+    refused, out, stats = run(main())
+    assert refused.code is Code.NOT_FOUND
+    assert "a" in out.failed and not out.completed and stats.active == 0 and stats.staged_bytes == 0
 
 
 # -- peer authentication (shared secret) ---------------------------------------------------

@@ -262,7 +262,8 @@ class GrpcOutgoing(OutgoingTransfer):
         if piece.last:
             self._token = (piece.first_token, dict(piece.meta))
             self.token_sent = True
-            self._payload.set_result(self._parts[0] if len(self._parts) == 1 else _joined(self._parts))
+            rows = 2 * self.sender.peer_layout.num_layers if self.sender.peer_layout is not None else 1
+            self._payload.set_result(self._parts[0] if len(self._parts) == 1 else _joined(self._parts, rows))
 
     async def done(self) -> SendStats:
         if not self.token_sent:
@@ -293,8 +294,12 @@ def _copy_to_host(data: torch.Tensor, ready) -> torch.Tensor:
     return host
 
 
-def _joined(parts: list[memoryview]) -> memoryview:
-    return memoryview(np.concatenate([np.frombuffer(p, np.uint8) for p in parts])).cast("B")
+def _joined(parts: list[memoryview], rows: int) -> memoryview:
+    """Pieces of consecutive blocks -> the payload of all of them. A payload is kv[:, :, blocks]
+    ([layers, 2, blocks, ...]): each (layer, K/V) row holds every block's bytes in turn, so the
+    pieces are joined row by row, not end to end."""
+    joined = np.concatenate([np.frombuffer(p, np.uint8).reshape(rows, -1) for p in parts], axis=1)
+    return memoryview(joined.reshape(-1)).cast("B")
 
 
 def _retrieve(task: asyncio.Task) -> None:
