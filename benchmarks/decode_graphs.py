@@ -47,7 +47,7 @@ class PhaseTimer:
         self.totals: dict[str, float] = {}
         r = engine.runner
         self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine.scheduler, "postprocess", "postprocess+detok")
+        self._wrap(engine.scheduler, "resolve", "resolve tokens")
         self._wrap(r, "step_inputs", "host inputs")
         self._wrap(r, "_device_inputs", "upload")
         if r.graphs is not None:

@@ -22,7 +22,8 @@ FULL = dict(model="qwen3-0.6b", num_seqs=256, min_input_len=100, max_input_len=1
 SMOKE = dict(model=DEFAULT_MODEL, num_seqs=8, min_input_len=16, max_input_len=64, min_output_len=4,
              max_output_len=8, device="cpu")
 ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
-                "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "tp_size", "tp_devices", "tokenizer")
+                "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "tp_size", "tp_devices", "tokenizer",
+                "async_scheduling")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="share of device memory the engine may use")
     e.add_argument("--enforce-eager", action="store_true", help="no decode graph capture")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs (default: on accelerators)")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one device each")
     e.add_argument("--tp-devices", default=None, help="devices of the ranks, e.g. cuda:0,cuda:1 "
@@ -122,10 +125,11 @@ class StepRecorder:
         scheduler.schedule = self._record
         self.last: StepShape | None = None
 
-    def _record(self):
-        out = self._schedule()
-        self.last = StepShape([(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled],
-                              sum(s.samples for s in out.scheduled)) if out.scheduled else None
+    def _record(self, *args, **kw):
+        out = self._schedule(*args, **kw)
+        if out is not None:             # (None: scheduling ahead would have preempted; scheduled again)
+            self.last = StepShape([(s.seq.num_computed_tokens, s.num_new_tokens) for s in out.scheduled],
+                                  sum(s.samples for s in out.scheduled)) if out.scheduled else None
         return out
 
 
@@ -183,8 +187,10 @@ def _drive(engine, workload: OfflineWorkload, recorder: StepRecorder, progress: 
         ts = time.perf_counter()
         outs = engine.step()
         te = time.perf_counter()
+        out_tokens += sum(len(o.new_token_ids) for o in outs)     # (a step ahead: the last call only resolves)
+        finished += sum(o.finished for o in outs)
         if recorder.last is None:
-            idle += 1
+            idle = idle + 1 if not outs else 0
             if idle > 1000:
                 raise RuntimeError("the engine scheduled nothing for 1000 steps with requests unfinished")
             continue
@@ -192,8 +198,6 @@ def _drive(engine, workload: OfflineWorkload, recorder: StepRecorder, progress: 
         steps.append(recorder.last)
         step_seconds.append(te - ts)
         recorder.last = None
-        out_tokens += sum(len(o.new_token_ids) for o in outs)
-        finished += sum(o.finished for o in outs)
         if progress and te - last > 5:
             last = te
             print(f"[bench] {finished}/{len(workload.prompts)} done, {out_tokens} tokens, "

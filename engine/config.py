@@ -41,6 +41,7 @@ class EngineConfig:
     fused_ops: bool = True              # fused layer kernels (Triton on CUDA, torch_npu on Ascend)
     npu_graph_mode: str = "aclgraph"    # aclgraph | torchair
     npu_emulation: bool = False         # TEST ONLY: npu:N is the host CPU running the documented op semantics
+    async_scheduling: bool | None = None   # schedule step N+1 while step N runs; None: on accelerators
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

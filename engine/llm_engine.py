@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from baton.engine.block_manager import BlockManager
 from baton.engine.config import EngineConfig
 from baton.engine.kv_handoff import KVHandoff, KVPiece, KVState, KVTicket
-from baton.engine.model_runner import ModelRunner
+from baton.engine.model_runner import LaunchedStep, ModelRunner
 from baton.engine.output_processor import RequestOutput, RequestState
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler, SchedulerConfig
@@ -67,6 +67,11 @@ class LLMEngine:
         # 256 on an H100 host); the offline API turns it off and decodes each output once
         self.stream_text = True
         self.handoff = handoff or KVHandoff()     # the services' hook; the base class hands nothing off
+        # asynchronous scheduling: on accelerators by default (the CPU gains nothing: its kernels
+        # run on the host); one rank only, since other tensor-parallel ranks don't sample
+        auto = self.runner.device.type != "cpu" and self.config.tp_size == 1
+        self.look_ahead = auto if self.config.async_scheduling is None else self.config.async_scheduling
+        self.in_flight: LaunchedStep | None = None
         self._ids = itertools.count()
         self.last_step_seconds = 0.0
 
@@ -149,8 +154,8 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        """Something to step for: scheduled work, or landed KV to join."""
-        return self.scheduler.has_work or self.handoff.has_landed()
+        """Something to step for: scheduled work, a step in flight, or landed KV to join."""
+        return self.scheduler.has_work or self.in_flight is not None or self.handoff.has_landed()
 
     @property
     def platform(self):
@@ -172,22 +177,55 @@ class LLMEngine:
 
     # -- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Join what landed, then one scheduled model step; outputs for every request that
-        joined, advanced or finished."""
+        """Join what landed, launch the next model step, and return the outputs of every
+        request that joined, advanced or finished.
+
+        With asynchronous scheduling the step launched here runs on the device while the host
+        handles the step before it (whose tokens are then back): scheduling, input building and
+        the upload of step N+1 overlap step N's compute, and step N+1 takes the tokens step N
+        sampled straight from the device. A request that finishes at step N has one row of
+        step N+1 wasted (dropped); nothing else differs, token for token."""
         outputs = self._join_landed()
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
+        prev, out = self.in_flight, None
+        if prev is not None and self._may_schedule_ahead(prev):
+            out = self.scheduler.schedule(preempt=False)       # None: it would preempt; wait first
+        if out is None:
+            if prev is not None:
+                outputs += self._resolve(prev)
+                prev = self.in_flight = None
+            out = self.scheduler.schedule()
         if out.is_empty:
+            if prev is not None:
+                outputs += self._resolve(prev)
+                self.in_flight = None
             return outputs
-        sampled = self.runner.execute(out)
-        failed = self._hand_off_kv(out, sampled)     # before postprocess frees a finished prefill's blocks
-        self.scheduler.postprocess(out, sampled)
+        launched = self.runner.launch(out, prev)
+        launched.slots = self.scheduler.advance(out)
+        if prev is not None:
+            outputs += self._resolve(prev)
+        self.in_flight = launched
+        if not self.look_ahead:
+            outputs += self._resolve(launched)
+            self.in_flight = None
         self.last_step_seconds = time.perf_counter() - t0
-        for item, token in zip(out.scheduled, sampled, strict=True):
-            if token is not None and item.seq.request_id not in failed:
-                outputs.append(self._emit(item.seq.request_id))
-        outputs += [self._fail(rid, why) for rid, why in failed.items()]
         return outputs
+
+    def _may_schedule_ahead(self, prev: LaunchedStep) -> bool:
+        """Not past a step whose prompt KV is handed off (the pieces need its sampled token)."""
+        return self.look_ahead and not any(item.seq.kv_ticket is not None and item.seq.kv_ticket.side == "prefill"
+                                           for item in prev.out.scheduled)
+
+    def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """The step's tokens are back: hand off the prompt KV it finished, fill in its tokens,
+        finish what ended, and emit."""
+        sampled = launched.tokens()
+        failed = self._hand_off_kv(launched.out, sampled)   # before resolve frees a finished prefill's blocks
+        self.scheduler.resolve(launched.out, launched.slots, sampled)
+        outputs = [self._emit(item.seq.request_id) for item, token in zip(launched.out.scheduled, sampled, strict=True)
+                   if token is not None and item.seq.request_id not in failed and item.seq.request_id in self.states
+                   and self.states[item.seq.request_id].seq is item.seq]
+        return outputs + [self._fail(rid, why) for rid, why in failed.items()]
 
     def _hand_off_kv(self, out, sampled: list[int | None]) -> dict[str, str]:
         """Pack the prompt blocks this step made final, for every handed-off request: the full
@@ -200,7 +238,7 @@ class LLMEngine:
             ticket = seq.kv_ticket
             if ticket is None or ticket.side != "prefill" or ticket.done:
                 continue
-            done = min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens)
+            done = min(seq.num_computed_tokens, seq.num_prompt_tokens)      # (the step is counted in)
             last = done == seq.num_prompt_tokens
             final = -(-done // bs) if last else done // bs
             if final <= seq.num_blocks_handed_off:

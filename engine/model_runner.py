@@ -17,6 +17,7 @@ from baton.engine.kv_blocks import pack_blocks_on_device, unpack_blocks
 from baton.engine.platforms import Platform, get_platform
 from baton.engine.sampler import Sampler, SamplingBatch
 from baton.engine.scheduler import SchedulerOutput
+from baton.engine.sequence import PENDING
 from baton.engine.tensor_parallel import TensorParallel
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.forward_context import ForwardContext
@@ -55,6 +56,8 @@ class ModelRunner:
         self.scale = self.model.head_dim ** -0.5
         self.sampler = Sampler()
         self.upload = HostUpload(self.device)
+        self._token_buffers: list[torch.Tensor | None] = [None, None]   # pinned copies of sampled tokens
+        self._turn = 0
         self.max_model_len = self._max_model_len()
         self.graphs = None
         if self.device.type != "cpu":
@@ -166,37 +169,59 @@ class ModelRunner:
         return min(limit, self.num_blocks * self.block_size)
 
     # -- one step ---------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int | None]:
         """Run the model on the scheduled tokens; the sampled token per sequence, or None."""
-        inputs = self.step_inputs(out)
-        if self.tp is not None:
-            self.tp.send(inputs)                       # the other ranks run the same step
-        tokens = self.run(inputs)
-        result: list[int | None] = [None] * len(out.scheduled)
-        for row, token in zip(inputs.rows.tolist(), tokens, strict=True):
-            result[row] = token
-        return result
+        return self.launch(out).tokens()
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> list[int]:
-        """Forward (and, on rank 0, sampling) for host inputs; every rank runs this."""
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step on the device and return at once; its sampled tokens come back to
+        the host asynchronously (`LaunchedStep.tokens`). Input tokens still pending (sampled by
+        `prev`, not yet back) are taken from `prev`'s tokens on the device."""
+        inputs = self.step_inputs(out, prev)
+        if self.tp is not None:
+            self.tp.send(inputs)                       # the other ranks run the same step
+        sampled = self.run(inputs, prev.device_tokens if prev is not None else None)
+        host, event = self._copy_back(sampled)
+        return LaunchedStep(out, inputs.rows.tolist(), [item.seq.seq_id for item in out.scheduled], sampled, host,
+                            event)
+
+    def _copy_back(self, sampled: torch.Tensor | None):
+        """A host copy of the sampled tokens, under way (pinned buffers alternate: a step's copy is
+        read only after the next step has been queued)."""
+        if sampled is None or sampled.device.type == "cpu":
+            return sampled, None
+        self._turn ^= 1
+        buf = self._token_buffers[self._turn]
+        if buf is None or buf.numel() < sampled.numel():
+            buf = self._token_buffers[self._turn] = torch.empty(max(sampled.numel(), self.config.max_num_seqs),
+                                                                dtype=torch.int64, pin_memory=True)
+        host = buf[:sampled.numel()]
+        host.copy_(sampled, non_blocking=True)
+        return host, self.platform.record_event()
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward (and, on rank 0, sampling) for host inputs; every rank runs this. Returns the
+        sampled tokens on the device (None on the other ranks)."""
         meta, input_ids, positions, sampling = self._device_inputs(inputs)
+        if len(inputs.pending_dst):                    # tokens sampled by the step still in flight
+            input_ids.index_copy_(0, inputs.pending_dst_dev, prev_tokens.index_select(0, inputs.pending_src_dev))
         if self.graphs is not None and meta.is_decode and self.graphs.can_run(meta.num_seqs):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             ctx = ForwardContext(meta, self.kv_caches, self.platform, self.scale)
             hidden = self.model(input_ids, positions, ctx)
         if not len(inputs.rows):
-            return []
+            return None
         last = meta.query_start_loc[1:].long() - 1
         rows = inputs.rows.tolist()
         logits = self.model.compute_logits(hidden[last[rows]] if len(rows) < len(last) else hidden[last])
         if self.tp_rank != 0:                          # the LM head's gather was the last collective
-            return []
-        return self.sampler(logits, sampling).tolist()
+            return None
+        return self.sampler(logits, sampling)
 
-    def step_inputs(self, out: SchedulerOutput) -> StepInputs:
+    def step_inputs(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         """The step's inputs as small numpy arrays: what the device needs, and what rank 0
         sends to the other tensor-parallel ranks."""
         bs = self.block_size
@@ -219,11 +244,14 @@ class ModelRunner:
             positions = np.concatenate([np.arange(b, e) for b, e in zip(begins, ends, strict=True)])
         token_rows = np.repeat(np.arange(len(scheduled)), counts)
         slots = tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        ids = np.asarray(input_ids, np.int64)
+        pending_dst = np.flatnonzero(ids == PENDING)
+        pending_src = _rows_in(prev, [scheduled[r].seq.seq_id for r in token_rows[pending_dst]])
         rows = np.array([i for i, item in enumerate(scheduled) if item.samples], np.int64)
         seqs = [scheduled[r].seq for r in rows.tolist()]
         params = [q.params for q in seqs]
         return StepInputs(
-            is_decode=out.is_decode, input_ids=np.asarray(input_ids, np.int64), positions=positions, slots=slots,
+            is_decode=out.is_decode, input_ids=ids, positions=positions, slots=slots,
             query_starts=starts, seq_lens=ends.astype(np.int32), block_tables=tables,
             max_query_len=int(counts.max()), has_context=bool((begins > 0).any()), rows=rows,
             temperatures=np.array([p.temperature for p in params], np.float32),
@@ -232,13 +260,15 @@ class ModelRunner:
             seeds=np.array([_signed64(q.sampling_seed or 0) for q in seqs], np.int64),
             has_seed=np.array([q.sampling_seed is not None for q in seqs], np.bool_),
             sample_positions=np.array([q.num_tokens for q in seqs], np.int64),
+            pending_dst=pending_dst.astype(np.int64), pending_src=pending_src,
         )
 
     def _device_inputs(self, h: StepInputs) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor, SamplingBatch]:
         """Everything to the device in one copy (HostUpload)."""
-        (ids, pos, slots, starts, lens, tables, temperatures, top_ks, top_ps, seeds, has_seed,
-         sample_pos) = self.upload(h.input_ids, h.positions, h.slots, h.query_starts, h.seq_lens, h.block_tables,
-                                   h.temperatures, h.top_ks, h.top_ps, h.seeds, h.has_seed, h.sample_positions)
+        (ids, pos, slots, starts, lens, tables, temperatures, top_ks, top_ps, seeds, has_seed, sample_pos,
+         h.pending_dst_dev, h.pending_src_dev) = self.upload(
+            h.input_ids, h.positions, h.slots, h.query_starts, h.seq_lens, h.block_tables, h.temperatures, h.top_ks,
+            h.top_ps, h.seeds, h.has_seed, h.sample_positions, h.pending_dst, h.pending_src)
         seq_lens = h.seq_lens.tolist()
         meta = AttnMetadata(
             is_decode=h.is_decode, slot_mapping=slots, query_start_loc=starts, seq_lens=lens, block_tables=tables,
@@ -273,6 +303,39 @@ class StepInputs:
     seeds: np.ndarray                # [N] int64
     has_seed: np.ndarray             # [N] bool
     sample_positions: np.ndarray     # [N] int64: index of the token being sampled
+    pending_dst: np.ndarray          # [P] int64: input positions whose token is still on the device...
+    pending_src: np.ndarray          # [P] int64: ...as row pending_src of the previous step's samples
+    pending_dst_dev: torch.Tensor | None = None      # (their device copies, set on upload)
+    pending_src_dev: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step queued on the device: its scheduler output, which scheduled items sample, and
+    the sampled tokens, on the device and (coming) on the host. `slots`: where each item's
+    token goes in its sequence (set when the scheduler advances)."""
+    out: SchedulerOutput
+    rows: list[int]                  # scheduled item of each sampled token
+    seq_ids: list[int]               # seq_id of each scheduled item
+    device_tokens: torch.Tensor | None
+    host_tokens: torch.Tensor | None
+    event: object
+    slots: list[int | None] | None = None
+
+    def row_of(self) -> dict[int, int]:
+        """seq_id -> its row among the sampled tokens."""
+        return {self.seq_ids[item]: k for k, item in enumerate(self.rows)}
+
+    def tokens(self) -> list[int | None]:
+        """The sampled token of each scheduled item (None: it did not sample); waits for this
+        step only."""
+        if self.event is not None:
+            self.event.synchronize()
+        values = self.host_tokens.tolist() if self.host_tokens is not None else []
+        result: list[int | None] = [None] * len(self.out.scheduled)
+        for item, token in zip(self.rows, values, strict=True):
+            result[item] = token
+        return result
 
 
 class HostUpload:
@@ -321,6 +384,16 @@ class HostUpload:
 
 ALIGN = 64
 _TORCH_OF = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32, np.bool_: torch.bool}
+
+
+def _rows_in(prev: LaunchedStep | None, seq_ids: list[int]) -> np.ndarray:
+    """The rows of `prev`'s sampled tokens that hold these sequences' pending tokens."""
+    if not seq_ids:
+        return np.zeros(0, np.int64)
+    if prev is None:
+        raise RuntimeError("a scheduled token is still pending but no step in flight sampled it")
+    where = prev.row_of()
+    return np.array([where[s] for s in seq_ids], np.int64)
 
 
 def _signed64(x: int) -> int:

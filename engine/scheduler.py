@@ -85,19 +85,30 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- scheduling -------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, preempt: bool = True) -> SchedulerOutput | None:
+        """The next step. With `preempt` False (scheduling ahead, while the previous step's
+        tokens are still on the device) it never preempts: None means it would have to, and
+        the caller should first wait for those tokens. A sequence surely finished by length
+        once its pending tokens are filled in gets no more steps."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget = self._schedule_running(out, budget, preempt)
+        if budget is None:
+            return None
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, preempt: bool = True) -> int | None:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending_tokens and seq.surely_done:
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
+            if not preempt and not self.block_manager.can_allocate(seq, n):
+                return None
             while not self.block_manager.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -148,16 +159,32 @@ class Scheduler:
         out.preempted.append(seq)
 
     # -- after the model step ---------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
-        """Advance computed counts, append sampled tokens, finish sequences. Returns finished."""
+    def advance(self, out: SchedulerOutput) -> list[int | None]:
+        """Once a step is launched: its tokens are computed, and each sampling sequence gets a
+        placeholder for the token being sampled. Returns each item's placeholder index (or None),
+        for `resolve`."""
+        slots: list[int | None] = []
+        for item in out.scheduled:
+            samples = item.samples                   # (judged before the count moves)
+            item.seq.num_computed_tokens += item.num_new_tokens
+            slots.append(item.seq.append_pending() if samples else None)
+        return slots
+
+    def resolve(self, out: SchedulerOutput, slots: list[int | None], sampled: list[int | None]) -> list[Sequence]:
+        """Once the step's tokens are back: fill in the placeholders, register the blocks they
+        completed, finish sequences. A sequence that ended meanwhile drops its placeholders.
+        Returns the sequences that finished."""
         finished = []
-        for item, token in zip(out.scheduled, sampled, strict=True):
+        for item, slot, token in zip(out.scheduled, slots, sampled, strict=True):
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_full_blocks(seq)
-            if token is None:
+            if seq.is_finished:
+                seq.drop_pending()
                 continue
-            seq.append_token(token)
+            if slot is not None:
+                seq.fill_pending(slot, token)
+            self.block_manager.register_full_blocks(seq)
+            if slot is None:
+                continue
             reason = self.stop_reason(seq, token)
             if reason is not None:
                 self.running.remove(seq)
@@ -165,11 +192,15 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """advance + resolve, for a step whose tokens are already known."""
+        return self.resolve(out, self.advance(out), sampled)
+
     def stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             return FinishReason.STOP
-        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= seq.max_model_len:
+        if seq.num_completion_tokens >= p.max_tokens or seq.num_known_tokens >= seq.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -1,7 +1,10 @@
 """A request's token sequence and its place in the engine: status, KV blocks, progress.
 
 Torch-free. `num_computed_tokens` counts tokens whose KV is in the cache; the scheduler
-feeds the rest to the model, in chunks if the budget requires.
+feeds the rest to the model, in chunks if the budget requires. With asynchronous scheduling a
+step's sampled token is appended as a placeholder (`PENDING`) when the step is launched and
+filled in when its value is back, so the next step can be scheduled meanwhile;
+`num_pending_tokens` counts those not yet filled in (the last ones).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ class FinishReason(str, Enum):
 
 
 _ids = itertools.count()
+PENDING = -1        # a sampled token whose value is still on the device
 
 
 class Sequence:
@@ -32,7 +36,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "block_table", "status", "params", "finish_reason", "max_model_len",
         "arrival", "num_preemptions", "sampling_seed", "num_hashed_blocks", "kv_ticket",
-        "num_blocks_handed_off",
+        "num_blocks_handed_off", "num_pending_tokens",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -54,6 +58,7 @@ class Sequence:
         self.sampling_seed = params.seed
         self.kv_ticket = None               # KVTicket of a handed-off request (engine/kv_handoff.py)
         self.num_blocks_handed_off = 0      # prefill side: prompt blocks already packed into pieces
+        self.num_pending_tokens = 0         # trailing PENDING tokens (asynchronous scheduling)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -63,12 +68,23 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose value is known (all but the pending ones)."""
+        return len(self.token_ids) - self.num_pending_tokens
+
+    @property
     def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_known_tokens - self.num_prompt_tokens
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
+
+    @property
+    def surely_done(self) -> bool:
+        """Finished by length once its pending tokens are filled in, whatever their values."""
+        limit = min(self.params.max_tokens + self.num_prompt_tokens, self.max_model_len)
+        return len(self.token_ids) >= limit
 
     @property
     def is_finished(self) -> bool:
@@ -80,6 +96,23 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_pending(self) -> int:
+        """A placeholder for a token being sampled on the device; returns its index."""
+        self.token_ids.append(PENDING)
+        self.num_pending_tokens += 1
+        return len(self.token_ids) - 1
+
+    def fill_pending(self, index: int, token_id: int) -> None:
+        """The sampled value of the placeholder at `index` (the oldest pending one)."""
+        self.token_ids[index] = token_id
+        self.num_pending_tokens -= 1
+
+    def drop_pending(self) -> None:
+        """Forget the placeholders (the request ended before they were filled in)."""
+        if self.num_pending_tokens:
+            del self.token_ids[-self.num_pending_tokens:]
+            self.num_pending_tokens = 0
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "

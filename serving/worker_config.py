@@ -82,6 +82,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="share of accelerator memory for weights, activations and the KV cache")
     flag(g, "--prefix-caching", type=bool, default=True, help="reuse the KV of prompt prefixes seen before")
     flag(g, "--enforce-eager", type=bool, default=False, help="no decode graph capture")
+    flag(g, "--async-scheduling", type=bool,
+         help="schedule and upload step N+1 while step N runs (unset: on accelerators, off on the CPU)")
     flag(g, "--fused-ops", type=bool, default=True, help="fused layer kernels (Triton on CUDA, torch_npu on Ascend)")
     flag(g, "--npu-graph-mode", default=e.npu_graph_mode, choices=NPU_GRAPH_MODES, help="Ascend decode graphs")
     flag(g, "--npu-emulation", type=bool, default=False,
@@ -134,7 +136,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.prefix_caching,
         enforce_eager=args.enforce_eager, seed=args.seed, tp_size=args.tp_size, tp_devices=args.tp_devices,
         tp_port=args.tp_port, tokenizer=args.tokenizer, cache_dir=args.cache_dir, fused_ops=args.fused_ops,
-        npu_graph_mode=args.npu_graph_mode, npu_emulation=args.npu_emulation)
+        npu_graph_mode=args.npu_graph_mode, npu_emulation=args.npu_emulation,
+        async_scheduling=args.async_scheduling)
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
