@@ -31,14 +31,14 @@ for step in $STEPS; do
               2>"$OUT/graphs.log" | tee "$OUT/graphs.jsonl" ;;
     profile) timeout 150 python3 -m baton.benchmarks.profile_steps --model qwen3-0.6b --batch 256 --context 512 \
               2>"$OUT/profile.log" | tee "$OUT/profile.jsonl" ;;
-    b1)     timeout 200 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 \
-              --output "$OUT/b1-qwen3-0.6b-baton.json" 2>&1 | tail -15 ;;
+    b1)     timeout 200 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 ${B1_ARGS:-} \
+              --output "$OUT/b1-qwen3-0.6b-baton${B1_TAG:-}.json" 2>&1 | tail -15 ;;
     b1s)    timeout 120 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 --num-seqs 64 \
               --output "$OUT/b1-qwen3-0.6b-baton-64.json" 2>&1 | tail -15 ;;
     b1hf)   timeout 240 python3 -m baton bench offline --engine transformers --model qwen3-0.6b \
               --device cuda:0 --num-seqs 64 --output "$OUT/b1-qwen3-0.6b-transformers-64.json" 2>&1 | tail -15 ;;
-    b1big)  timeout 240 python3 -m baton bench offline --model qwen3-8b --device cuda:0 \
-              --output "$OUT/b1-qwen3-8b-baton.json" 2>&1 | tail -15 ;;
+    b1big)  timeout 240 python3 -m baton bench offline --model qwen3-8b --device cuda:0 ${B1_ARGS:-} \
+              --output "$OUT/b1-qwen3-8b-baton${B1_TAG:-}.json" 2>&1 | tail -15 ;;
     tp)     timeout 200 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=100 \
               tests/test_platform_cuda.py -k "${TP_TESTS:-tp2}" 2>&1 | tail -60 | tee "$OUT/tp.txt" ;;
     direct) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \

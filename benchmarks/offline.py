@@ -4,6 +4,7 @@ roofline of every executed step against the device ceilings measured in the same
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 
@@ -116,14 +117,59 @@ def run(args: argparse.Namespace, rec: dict) -> None:
 
 
 # -- Baton -------------------------------------------------------------------------------------
+class GcPauses:
+    """Python's garbage collections during the timed run: how many, how long (a full collection
+    of a large heap stalls the engine thread, and the step it lands in, for that long)."""
+
+    def __enter__(self):
+        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._t0 = 0.0
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses[info["generation"]].append(time.perf_counter() - self._t0)
+
+    def report(self) -> dict:
+        return {f"gen{g}": {"count": len(p), "total_s": sum(p), "max_s": max(p, default=0.0)}
+                for g, p in self.pauses.items()}
+
+
 class StepRecorder:
     """Wraps the engine's scheduler to note each step's shape as it is scheduled (before
-    the step advances the sequences). Benchmark-only; the engine is not modified."""
+    the step advances the sequences), and its runner to time each launched step on the device
+    (events around it on the engine's stream: with asynchronous scheduling the wall time of a
+    step call is not its device time). Benchmark-only; the engine is not modified."""
 
-    def __init__(self, scheduler):
+    def __init__(self, scheduler, runner=None):
         self._schedule = scheduler.schedule
         scheduler.schedule = self._record
         self.last: StepShape | None = None
+        self.device_events: list[tuple[bool, object, object]] = []     # (is_decode, start, end)
+        self._platform = runner.platform if runner is not None else None
+        if self._platform is not None and self._platform.runtime is not None:
+            self._launch = runner.launch
+            runner.launch = self._timed_launch
+
+    def _timed_launch(self, out, prev=None):
+        start = self._platform.record_event(timing=True)
+        launched = self._launch(out, prev)
+        self.device_events.append((out.is_decode, start, self._platform.record_event(timing=True)))
+        return launched
+
+    def device_seconds(self) -> dict:
+        """Device time of every launched step, by kind (timing events must be complete)."""
+        self._platform.synchronize()
+        by_kind: dict[str, list[float]] = {"decode": [], "prefill": []}
+        for is_decode, start, end in self.device_events:
+            by_kind["decode" if is_decode else "prefill"].append(start.elapsed_time(end) / 1e3)
+        return {k: summarize(v) | {"total": sum(v)} for k, v in by_kind.items()}
 
     def _record(self, *args, **kw):
         out = self._schedule(*args, **kw)
@@ -145,9 +191,11 @@ def run_baton(args: argparse.Namespace, workload: OfflineWorkload) -> tuple[dict
     llm = LLM(args.model, **engine_config(args))
     engine = llm.engine
     load_seconds = time.perf_counter() - t0
-    recorder = StepRecorder(engine.scheduler)
+    recorder = StepRecorder(engine.scheduler, engine.runner)
     _drive(engine, warmup_workload(workload, args.seed), recorder, progress=False)
-    wall, out_tokens, steps, step_seconds = _drive(engine, workload, recorder, progress=True)
+    recorder.device_events.clear()
+    with GcPauses() as gc_pauses:
+        wall, out_tokens, steps, step_seconds = _drive(engine, workload, recorder, progress=True)
     decode_s = [t for s, t in zip(steps, step_seconds, strict=True) if s.is_decode]
     prefill_s = [t for s, t in zip(steps, step_seconds, strict=True) if not s.is_decode]
     results = {
@@ -158,7 +206,9 @@ def run_baton(args: argparse.Namespace, workload: OfflineWorkload) -> tuple[dict
                   "sampled_rows": sum(s.sampled for s in steps), "decode_seconds": summarize(decode_s),
                   "prefill_seconds": summarize(prefill_s),
                   "decode_batch_size": summarize([len(s.contexts) for s in steps if s.is_decode]),
-                  "slowest": _slowest(steps, step_seconds)},
+                  "slowest": _slowest(steps, step_seconds),
+                  "device_seconds": recorder.device_seconds() if recorder.device_events else None,
+                  "gc_pauses": gc_pauses.report()},
         "engine_config": dict(engine_config(args), num_kv_blocks=engine.runner.num_blocks,
                               max_model_len=engine.max_model_len),
     }

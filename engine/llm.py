@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence as Seq
 
 from baton.engine.config import DEFAULT_MODEL, EngineConfig
-from baton.engine.llm_engine import LLMEngine
+from baton.engine.llm_engine import LLMEngine, freeze_startup_objects
 from baton.engine.output_processor import CompletionOutput
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import render_chat
@@ -21,6 +21,7 @@ class LLM:
             raise ValueError(f"unknown engine options {sorted(unknown)}; "
                              f"known: {sorted(EngineConfig.__dataclass_fields__)}")
         self.engine = LLMEngine(EngineConfig(model=model, **config))
+        freeze_startup_objects()
         self.engine.stream_text = False        # outputs are decoded once, when they finish
         self.tokenizer = self.engine.tokenizer
 

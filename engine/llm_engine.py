@@ -9,6 +9,7 @@ elsewhere and joins it once the hook says it landed.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -25,6 +26,15 @@ from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
 from baton.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 
 log = logging.getLogger("baton.engine")
+
+
+def freeze_startup_objects() -> None:
+    """Move everything alive after start-up (modules, weights' Python objects, the tokenizer)
+    out of the garbage collector's reach: a full collection otherwise walks them all, and it
+    stalls the engine thread for 0.2 s on an H200 run of qwen3-8b (B1), a decode step's worth
+    twenty times over. Objects made later are collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,7 @@ class ModelRunner:
             self.model.head_dim, self.dtype)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.model.num_layers)]
         self.scale = self.model.head_dim ** -0.5
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.platform.fused_sample)
         self.upload = HostUpload(self.device)
         self._token_buffers: list[torch.Tensor | None] = [None, None]   # pinned copies of sampled tokens
         self._turn = 0

@@ -6,6 +6,7 @@ Unseeded rows use the device's ordinary generator.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -54,11 +55,21 @@ class SamplingBatch:
 
 
 class Sampler:
+    """`fused(logits, temperatures, seeds, has_seed, positions, step_seed)`: a platform's one-pass
+    kernel for batches without top-k/top-p (the same draws; see triton_kernels/sampling.py)."""
+
+    def __init__(self, fused=None):
+        self.fused = fused
+        self._steps = random.Random(0x5EED)
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)
+        if self.fused is not None and not (batch.any_top_k or batch.any_top_p):
+            return self.fused(logits, batch.temperatures, batch.seeds, batch.has_seed, batch.positions,
+                              self._steps.getrandbits(31))
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            return greedy
         temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
         logits = logits / temps[:, None]
         if batch.any_top_k or batch.any_top_p:

@@ -13,7 +13,7 @@ import grpc
 
 from baton.engine.async_engine import AsyncEngine
 from baton.engine.kv_handoff import KVHandoff
-from baton.engine.llm_engine import LLMEngine
+from baton.engine.llm_engine import LLMEngine, freeze_startup_objects
 from baton.kvtransfer.factory import accepted
 from baton.kvtransfer.layout import KVLayout
 from baton.serving.grpc_server import Server, ServiceError
@@ -47,6 +47,7 @@ class EngineWorker:
               file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
         llm = await loop.run_in_executor(None, lambda: LLMEngine(self.cfg.engine, handoff=self.handoff))
+        freeze_startup_objects()
         self.engine = AsyncEngine(llm, loop)
         self.engine.on_step = self._after_step
         self.server = Server(self.cfg.host, self.cfg.port, self.service_names, tls=self.cfg.tls)

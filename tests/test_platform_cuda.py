@@ -485,3 +485,38 @@ def test_1p1d_over_nccl_gives_the_colocated_engines_greedy_tokens(tmp_path):
         assert c.wait_workers_idle() == 0
     finally:
         c.stop()
+
+
+@pytest.mark.device
+@pytest.mark.skipif(not (HAS_GPU and HAS_TRITON), reason="needs a CUDA GPU and triton")
+def test_the_one_pass_sampler_draws_what_the_torch_sampler_draws():
+    """Seeded rows: the fused Gumbel-max kernel and the torch exponential race make the same
+    draw from the same hashed noise (all but float near-ties); greedy rows take the argmax;
+    unseeded rows follow softmax(logits / T); a seeded row's draw ignores its batch neighbours."""
+    from baton.engine.platforms.triton_kernels.sampling import sample
+    from baton.engine.sampler import Sampler, SamplingBatch
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, vocab = 512, 151936
+    logits = (torch.randn(n, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    temps = torch.where(torch.arange(n, device="cuda") % 8 == 0, 0.0, 0.7).float()
+    seeds = torch.arange(n, device="cuda", dtype=torch.int64) * 7919 + 3
+    has_seed = torch.ones(n, dtype=torch.bool, device="cuda")
+    positions = torch.arange(n, device="cuda", dtype=torch.int64) + 100
+    batch = SamplingBatch(temps, torch.zeros(n, dtype=torch.int64, device="cuda"), torch.ones(n, device="cuda"),
+                          seeds, has_seed, positions, False, False, False, True)
+    want = Sampler()(logits, batch)
+    got = sample(logits, temps, seeds, has_seed, positions, step_seed=1)
+    agree = (want == got).float().mean().item()
+    assert agree >= 0.99, agree
+    greedy = temps == 0
+    assert torch.equal(got[greedy], logits[greedy].argmax(-1))
+    alone = sample(logits[5:6], temps[5:6], seeds[5:6], has_seed[5:6], positions[5:6], step_seed=9)
+    assert alone.item() == got[5].item()
+    # unseeded: frequencies over a small vocabulary follow the distribution
+    small = torch.tensor([[2.0, 1.0, 0.0, -1.0]], device="cuda").repeat(20000, 1)
+    t = torch.full((20000,), 1.0, device="cuda")
+    draws = sample(small, t, torch.zeros(20000, dtype=torch.int64, device="cuda"),
+                   torch.zeros(20000, dtype=torch.bool, device="cuda"), torch.zeros(20000, dtype=torch.int64,
+                                                                                   device="cuda"), step_seed=5)
+    freq = torch.bincount(draws, minlength=4).float() / 20000
+    assert torch.allclose(freq, torch.softmax(small[0], -1), atol=0.015), freq

@@ -110,15 +110,20 @@ class Platform(ABC):
             return contextlib.nullcontext()
         return self.runtime.stream(stream)
 
-    def record_event(self, stream=None, blocking: bool = False):
+    def record_event(self, stream=None, blocking: bool = False, timing: bool = False):
         """An event recorded now on `stream` (default: the calling thread's current stream);
         it passes when the work queued before it has. None without a runtime (work is done
-        when it returns). `blocking`: waiting for it sleeps instead of spinning."""
+        when it returns). `blocking`: waiting for it sleeps instead of spinning; `timing`: it
+        can measure elapsed time to another such event."""
         if self.runtime is None:
             return None
-        event = self.runtime.Event(blocking=blocking)
+        event = self.runtime.Event(blocking=blocking, enable_timing=timing)
         event.record(stream if stream is not None else self.runtime.current_stream(self.device))
         return event
+
+    # (a platform may offer `fused_sample(logits, temperatures, seeds, has_seed, positions,
+    # step_seed)`: one-pass temperature sampling; engine/sampler.py falls back to plain torch)
+    fused_sample = None
 
     def can_pin_memory(self) -> bool:
         """Page-locked host buffers make device <-> host copies asynchronous and faster."""

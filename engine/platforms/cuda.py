@@ -36,6 +36,11 @@ class TritonLayerOps(LayerOps):
         return layer_ops.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, positions)
 
 
+def _fused_sample(*args):
+    from baton.engine.platforms.triton_kernels import sampling
+    return sampling.sample(*args)
+
+
 class CudaPlatform(Platform):
     name = "cuda"
     dist_backend = "nccl"
@@ -46,6 +51,7 @@ class CudaPlatform(Platform):
         self.runtime = torch.cuda
         if fused_ops:
             self.ops = TritonLayerOps()
+            self.fused_sample = _fused_sample
         self._num_sms: int | None = None
 
     # -- device -----------------------------------------------------------------------------
