@@ -183,8 +183,8 @@ class ModelRunner:
             self.tp.send(inputs)                       # the other ranks run the same step
         sampled = self.run(inputs, prev.device_tokens if prev is not None else None)
         host, event = self._copy_back(sampled)
-        return LaunchedStep(out, inputs.rows.tolist(), [item.seq.seq_id for item in out.scheduled], sampled, host,
-                            event)
+        return LaunchedStep(out, inputs.sample_items.tolist(), [item.seq.seq_id for item in out.scheduled], sampled,
+                            host, event)
 
     def _copy_back(self, sampled: torch.Tensor | None):
         """A host copy of the sampled tokens, under way (pinned buffers alternate: a step's copy is
@@ -223,18 +223,21 @@ class ModelRunner:
 
     def step_inputs(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         """The step's inputs as small numpy arrays: what the device needs, and what rank 0
-        sends to the other tensor-parallel ranks."""
+        sends to the other tensor-parallel ranks. Rows of one token (decodes) come first, so a
+        mixed step's attention can run them through the decode kernel."""
         bs = self.block_size
-        scheduled = out.scheduled
-        counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, len(scheduled))
-        begins = np.fromiter((item.seq.num_computed_tokens for item in scheduled), np.int64, len(scheduled))
+        order = list(range(len(out.scheduled))) if out.is_decode else \
+            sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_new_tokens != 1)
+        items = [out.scheduled[i] for i in order]
+        counts = np.fromiter((item.num_new_tokens for item in items), np.int64, len(items))
+        begins = np.fromiter((item.seq.num_computed_tokens for item in items), np.int64, len(items))
         ends = begins + counts
-        starts = np.zeros(len(scheduled) + 1, np.int32)
+        starts = np.zeros(len(items) + 1, np.int32)
         np.cumsum(counts, out=starts[1:])
-        width = max(len(item.seq.block_table) for item in scheduled)
-        tables = np.full((len(scheduled), width), -1, np.int32)
+        width = max(len(item.seq.block_table) for item in items)
+        tables = np.full((len(items), width), -1, np.int32)
         input_ids: list[int] = []
-        for i, item in enumerate(scheduled):
+        for i, item in enumerate(items):
             seq = item.seq
             tables[i, :len(seq.block_table)] = seq.block_table
             input_ids += seq.token_ids[begins[i]:ends[i]]
@@ -242,18 +245,20 @@ class ModelRunner:
             positions = begins
         else:
             positions = np.concatenate([np.arange(b, e) for b, e in zip(begins, ends, strict=True)])
-        token_rows = np.repeat(np.arange(len(scheduled)), counts)
+        token_rows = np.repeat(np.arange(len(items)), counts)
         slots = tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         ids = np.asarray(input_ids, np.int64)
         pending_dst = np.flatnonzero(ids == PENDING)
-        pending_src = _rows_in(prev, [scheduled[r].seq.seq_id for r in token_rows[pending_dst]])
-        rows = np.array([i for i, item in enumerate(scheduled) if item.samples], np.int64)
-        seqs = [scheduled[r].seq for r in rows.tolist()]
+        pending_src = _rows_in(prev, [items[r].seq.seq_id for r in token_rows[pending_dst]])
+        rows = np.array([i for i, item in enumerate(items) if item.samples], np.int64)
+        seqs = [items[r].seq for r in rows.tolist()]
         params = [q.params for q in seqs]
         return StepInputs(
             is_decode=out.is_decode, input_ids=ids, positions=positions, slots=slots,
             query_starts=starts, seq_lens=ends.astype(np.int32), block_tables=tables,
             max_query_len=int(counts.max()), has_context=bool((begins > 0).any()), rows=rows,
+            sample_items=np.array([order[r] for r in rows.tolist()], np.int64),
+            num_decode_rows=len(items) if out.is_decode else int(np.argmax(counts != 1)),
             temperatures=np.array([p.temperature for p in params], np.float32),
             top_ks=np.array([p.top_k for p in params], np.int64),
             top_ps=np.array([p.top_p for p in params], np.float32),
@@ -273,7 +278,7 @@ class ModelRunner:
         meta = AttnMetadata(
             is_decode=h.is_decode, slot_mapping=slots, query_start_loc=starts, seq_lens=lens, block_tables=tables,
             max_query_len=h.max_query_len, max_seq_len=max(seq_lens), has_context=h.has_context,
-            query_start_loc_cpu=h.query_starts.tolist(), seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=h.query_starts.tolist(), seq_lens_cpu=seq_lens, num_decode_rows=h.num_decode_rows,
         )
         sampling = SamplingBatch(
             temperatures=temperatures, top_ks=top_ks, top_ps=top_ps, seeds=seeds, has_seed=has_seed,
@@ -296,7 +301,9 @@ class StepInputs:
     block_tables: np.ndarray         # [B, W] int32, -1 padded
     max_query_len: int
     has_context: bool
-    rows: np.ndarray                 # [N] int64: scheduled sequences that sample a token
+    rows: np.ndarray                 # [N] int64: input rows (sequences) that sample a token
+    sample_items: np.ndarray         # [N] int64: ...and their index in the scheduler's output
+    num_decode_rows: int             # leading rows of one token each
     temperatures: np.ndarray         # [N] float32
     top_ks: np.ndarray               # [N] int64
     top_ps: np.ndarray               # [N] float32

@@ -25,7 +25,25 @@ class AttnMetadata:
     # host copies, so reference back ends and NPU ops (which take Python lists) need no sync
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    num_decode_rows: int = 0         # leading sequences with one new token each (a mixed step's decodes)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def split_decodes(self) -> tuple[AttnMetadata, AttnMetadata]:
+        """(the leading one-token rows as a decode step, the rest as a prefill step); the second's
+        query offsets restart at 0. For back ends whose decode kernel is faster on those rows."""
+        nd = self.num_decode_rows
+        decode = AttnMetadata(
+            is_decode=True, slot_mapping=self.slot_mapping[:nd], query_start_loc=self.query_start_loc[:nd + 1],
+            seq_lens=self.seq_lens[:nd], block_tables=self.block_tables[:nd], max_query_len=1,
+            max_seq_len=max(self.seq_lens_cpu[:nd]), has_context=True,
+            query_start_loc_cpu=self.query_start_loc_cpu[:nd + 1], seq_lens_cpu=self.seq_lens_cpu[:nd],
+            num_decode_rows=nd)
+        prefill = AttnMetadata(
+            is_decode=False, slot_mapping=self.slot_mapping[nd:], query_start_loc=self.query_start_loc[nd:] - nd,
+            seq_lens=self.seq_lens[nd:], block_tables=self.block_tables[nd:], max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len, has_context=self.has_context,
+            query_start_loc_cpu=[s - nd for s in self.query_start_loc_cpu[nd:]], seq_lens_cpu=self.seq_lens_cpu[nd:])
+        return decode, prefill

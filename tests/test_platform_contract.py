@@ -228,17 +228,17 @@ def run_two_batches(llm: LLM) -> tuple[list[list[int]], list]:
     """FIRST (long prompt chunked over several steps), then SECOND (its long prompt hits the
     prefix cache); returns all tokens and the second batch's outputs."""
     chunked = []
-    execute = llm.engine.runner.execute
+    launch = llm.engine.runner.launch
 
-    def watching(out):
+    def watching(out, prev=None):
         chunked.extend(item for item in out.scheduled if not item.samples)
-        return execute(out)
-    llm.engine.runner.execute = watching
+        return launch(out, prev)
+    llm.engine.runner.launch = watching
     try:
         first = llm.generate(FIRST, GREEDY)
         second = llm.generate(SECOND, GREEDY)
     finally:
-        llm.engine.runner.execute = execute
+        llm.engine.runner.launch = launch
     assert chunked, "no prefill was chunked: the test's max_num_batched_tokens no longer forces it"
     return [o.token_ids for o in first + second], second
 

@@ -97,6 +97,19 @@ class CudaPlatform(Platform):
         kv_store.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def prefill_attention(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float):
+        nd = meta.num_decode_rows
+        if nd and k_cache is not None and nd < meta.num_seqs:
+            # a mixed step: its decode rows through the decode kernel, which reads each KV head once
+            # for its group of query heads (the prefill kernel reads it once per query head, in
+            # tiles of mostly padding for a one-token query)
+            decode, prefill = meta.split_decodes()
+            out = torch.empty_like(q)
+            out[:nd] = self.decode_attention(q[:nd], k_cache, v_cache, decode, scale)
+            out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, prefill, scale)
+            return out
+        return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float):
         from baton.engine.platforms.triton_kernels import prefill_attention
         if meta.has_context and k_cache is not None:
             return prefill_attention.varlen_prefill(
