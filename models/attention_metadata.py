@@ -26,6 +26,7 @@ class AttnMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     num_decode_rows: int = 0         # leading sequences with one new token each (a mixed step's decodes)
+    _split: tuple | None = None      # split_decodes(), made once per step (every layer asks)
 
     @property
     def num_seqs(self) -> int:
@@ -33,7 +34,14 @@ class AttnMetadata:
 
     def split_decodes(self) -> tuple[AttnMetadata, AttnMetadata]:
         """(the leading one-token rows as a decode step, the rest as a prefill step); the second's
-        query offsets restart at 0. For back ends whose decode kernel is faster on those rows."""
+        query offsets restart at 0. For back ends whose decode kernel is faster on those rows. The
+        second's tensors are fresh copies, not offset views: kernels are specialised on pointer
+        alignment, and an odd offset would compile another variant mid-run."""
+        if self._split is None:
+            self._split = self._split_decodes()
+        return self._split
+
+    def _split_decodes(self) -> tuple[AttnMetadata, AttnMetadata]:
         nd = self.num_decode_rows
         decode = AttnMetadata(
             is_decode=True, slot_mapping=self.slot_mapping[:nd], query_start_loc=self.query_start_loc[:nd + 1],
@@ -42,8 +50,9 @@ class AttnMetadata:
             query_start_loc_cpu=self.query_start_loc_cpu[:nd + 1], seq_lens_cpu=self.seq_lens_cpu[:nd],
             num_decode_rows=nd)
         prefill = AttnMetadata(
-            is_decode=False, slot_mapping=self.slot_mapping[nd:], query_start_loc=self.query_start_loc[nd:] - nd,
-            seq_lens=self.seq_lens[nd:], block_tables=self.block_tables[nd:], max_query_len=self.max_query_len,
+            is_decode=False, slot_mapping=self.slot_mapping[nd:].clone(), query_start_loc=self.query_start_loc[nd:] - nd,
+            seq_lens=self.seq_lens[nd:].clone(), block_tables=self.block_tables[nd:].clone(),
+            max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len, has_context=self.has_context,
             query_start_loc_cpu=[s - nd for s in self.query_start_loc_cpu[nd:]], seq_lens_cpu=self.seq_lens_cpu[nd:])
         return decode, prefill
