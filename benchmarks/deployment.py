@@ -1,8 +1,10 @@
-"""Local deployments for B2, one per topology, at equal device count:
+"""Local deployments for B2, one per topology:
 
-1p1d        one prefill worker + one decode worker (2 devices)
-2colocated  two colocated workers behind the same router (2 devices)
-1colocated  one colocated worker (1 device)
+XpYd        X prefill workers + Y decode workers, one device each (1p1d, 1p3d, 3p1d, 2p2d, ...)
+Ncolocated  N colocated workers behind the same router (1colocated, 2colocated, 4colocated)
+
+Devices come from one pool, handed out in order (prefill workers first, then decode); a pool
+shorter than the topology is reused round robin (the CPU: "cpu" for every worker).
 
 Every worker gets a free port and a Prometheus port (the handover histogram is read from
 it); each process logs to its own file. CPU workers get an even share of the cores
@@ -11,6 +13,7 @@ it); each process logs to its own file. CPU workers get an even share of the cor
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -18,7 +21,8 @@ from pathlib import Path
 
 from baton.serving.processes import START_TIMEOUT_S, Child, free_port, stop_all, wait_serving, worker_command
 
-TOPOLOGIES = ("1p1d", "2colocated", "1colocated")
+TOPOLOGIES = ("1p1d", "2colocated", "1colocated")     # the usual ones; any XpYd / Ncolocated is accepted
+_PATTERN = re.compile(r"^(?:(\d+)p(\d+)d|(\d+)colocated)$")
 
 
 class LaunchError(RuntimeError):
@@ -49,15 +53,25 @@ class Deployment:
         stop_all(self.children)
 
 
-def plan(topology: str, prefill_devices: list[str], decode_devices: list[str]) -> list[tuple[str, str]]:
-    """(role, device) of every worker of a topology."""
-    if topology == "1p1d":
-        return [("prefill", prefill_devices[0]), ("decode", decode_devices[0])]
-    if topology == "2colocated":
-        return [("colocated", prefill_devices[0]), ("colocated", decode_devices[0])]
-    if topology == "1colocated":
-        return [("colocated", prefill_devices[0])]
-    raise ValueError(f"unknown topology {topology!r}: use {', '.join(TOPOLOGIES)}")
+def roles(topology: str) -> list[str]:
+    """The workers of a topology, by role: '2p1d' -> prefill, prefill, decode."""
+    m = _PATTERN.match(topology.strip())
+    if m is None or not any(int(g) for g in m.groups() if g):
+        raise ValueError(f"unknown topology {topology!r}: use XpYd (e.g. 1p1d, 1p3d, 3p1d) or Ncolocated "
+                         "(e.g. 2colocated), X, Y, N >= 1")
+    if m.group(3):
+        return ["colocated"] * int(m.group(3))
+    prefill, decode = int(m.group(1)), int(m.group(2))
+    if not prefill or not decode:
+        raise ValueError(f"topology {topology!r} needs at least one prefill and one decode worker")
+    return ["prefill"] * prefill + ["decode"] * decode
+
+
+def plan(topology: str, devices: list[str]) -> list[tuple[str, str]]:
+    """(role, device) of every worker of a topology, devices handed out from the pool in order."""
+    if not devices:
+        raise ValueError("no devices to place the workers on")
+    return [(role, devices[i % len(devices)]) for i, role in enumerate(roles(topology))]
 
 
 def _env(workers: list[tuple[str, str]]) -> dict:
@@ -68,12 +82,12 @@ def _env(workers: list[tuple[str, str]]) -> dict:
     return env
 
 
-def launch(topology: str, model: str, prefill_devices: list[str], decode_devices: list[str],
-           worker_args: list[str], log_dir: Path, router_args: list[str] = (), host: str = "127.0.0.1") -> Deployment:
+def launch(topology: str, model: str, devices: list[str], worker_args: list[str], log_dir: Path,
+           router_args: list[str] = (), host: str = "127.0.0.1") -> Deployment:
     """Start the workers, then the router; return once every process reports SERVING."""
-    roles = plan(topology, prefill_devices, decode_devices)
+    workers = plan(topology, devices)
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = _env(roles)
+    env = _env(workers)
     dep = Deployment(topology, "", [], log_dir=log_dir)
 
     def start(name: str, cmd: list[str], address: str) -> Child:
@@ -85,7 +99,7 @@ def launch(topology: str, model: str, prefill_devices: list[str], decode_devices
         return child
 
     try:
-        for i, (role, device) in enumerate(roles):
+        for i, (role, device) in enumerate(workers):
             port, mport = free_port(host), free_port(host)
             module = "baton.prefill_service" if role == "prefill" else "baton.decode_service"
             extra = ["--metrics-port", str(mport), *worker_args, *(["--colocated"] if role == "colocated" else [])]
@@ -93,7 +107,7 @@ def launch(topology: str, model: str, prefill_devices: list[str], decode_devices
             start(name, worker_command(module, host, port, model, device, extra), f"{host}:{port}")
             dep.workers.append({"role": role, "address": f"{host}:{port}", "device": device,
                                 "metrics_url": f"http://{host}:{mport}/metrics", "log": str(log_dir / f"{name}.log")})
-        print(f"[bench] {topology}: starting {len(roles)} worker(s) on {model} (logs in {log_dir}) ...",
+        print(f"[bench] {topology}: starting {len(workers)} worker(s) on {model} (logs in {log_dir}) ...",
               file=sys.stderr, flush=True)
         for c in dep.children:
             _wait(c, log_dir)

@@ -5,7 +5,9 @@ latency (from the decode workers' metrics). Per topology: goodput (DistServe's: 
 highest rate at which >= 90 % of requests meet both SLOs). Plots next to the JSON.
 
 Point it at a running deployment (--addr) or let it launch local ones (--launch 1p1d, or
---topologies 1p1d,2colocated,1colocated to compare them in one JSON).
+--topologies 1p3d,2p2d,3p1d,4colocated to compare any splits of a host's devices in one JSON).
+With several TPOT SLOs (--slo-tpot-ms 10,15,25,50) goodput is computed for each from the same
+requests, and the best topology per SLO pair is stated as a table (`recommendation`).
 """
 from __future__ import annotations
 
@@ -34,11 +36,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--label", default="external", help="topology name of the --addr deployment in the JSON")
     t.add_argument("--metrics-urls", default="",
                    help="comma list of the decode workers' metrics endpoints (host:port or URL), for handover")
-    t.add_argument("--launch", default=None, choices=deployment.TOPOLOGIES, help="launch this topology locally")
-    t.add_argument("--topologies", default=None, help="comma list of topologies to launch one after another")
+    t.add_argument("--launch", default=None, help="launch this topology locally: XpYd or Ncolocated")
+    t.add_argument("--topologies", default=None, help="comma list of topologies to launch one after another, "
+                   "e.g. 1p3d,2p2d,3p1d,4colocated")
     t.add_argument("--model", default=DEFAULT_MODEL, help="model of launched deployments")
+    t.add_argument("--devices", default=None, help="the device pool, e.g. cuda:0,cuda:1,cuda:2,cuda:3: prefill "
+                   "workers take them in order, then decode workers (default: --prefill-devices then --decode-devices)")
     t.add_argument("--prefill-devices", default="cpu", help="comma list; 1p1d's prefill, the first colocated")
     t.add_argument("--decode-devices", default="cpu", help="comma list; 1p1d's decode, the second colocated")
+    t.add_argument("--kv-backend", default=None, choices=("grpc", "direct"),
+                   help="KV transport of launched disaggregated topologies (default: the workers' own, grpc)")
     t.add_argument("--worker-args", default=None, help="extra flags for every launched worker, e.g. "
                    "'--num-kv-blocks 4096 --max-num-seqs 128' (smoke: '--num-kv-blocks 128 --max-num-seqs 16')")
     t.add_argument("--router-args", default="", help="extra flags for a launched router, e.g. '--policy least_loaded'")
@@ -63,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     s = p.add_argument_group("SLOs")
     s.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="time-to-first-token SLO")
-    s.add_argument("--slo-tpot-ms", type=float, default=100.0, help="time-per-output-token SLO")
+    s.add_argument("--slo-tpot-ms", default="100", help="time-per-output-token SLO; a comma list computes goodput "
+                   "for each (the first is the one per-rate attainment reports)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
 
@@ -79,22 +87,35 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.topologies:
         names = [t.strip() for t in args.topologies.split(",") if t.strip()]
         for name in names:
-            deployment.plan(name, ["cpu"], ["cpu"])          # raises on an unknown topology
+            deployment.roles(name)                           # raises on an unknown topology
         args.topologies = names
     elif args.launch:
+        deployment.roles(args.launch)
         args.topologies = [args.launch]
     else:
         args.addr = args.addr or DEFAULT_ADDR
         args.topologies = []
     args.rates = parse_rates(args.request_rates)
+    args.slo_tpots_ms = parse_slos(args.slo_tpot_ms)
+    args.device_pool = _split(args.devices) if args.devices else _split(args.prefill_devices) + _split(args.decode_devices)
     in_range, out_range = datasets.LENGTHS.get(args.dataset, datasets.LENGTHS["random"])
     if args.smoke:
         in_range, out_range = datasets.SMOKE_LENGTHS
     args.input_len = list(datasets.parse_range(args.input_len) if args.input_len else in_range)
     args.output_len = list(datasets.parse_range(args.output_len) if args.output_len else out_range)
     if args.device is None:
-        args.device = _split(args.prefill_devices)[0] if args.topologies else "cpu"
+        args.device = args.device_pool[0] if args.topologies else "cpu"
     return args
+
+
+def parse_slos(spec: str) -> list[float]:
+    try:
+        slos = [float(s) for s in str(spec).split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"bad --slo-tpot-ms {spec!r}: use milliseconds, e.g. 25 or 10,15,25,50") from None
+    if not slos or any(s <= 0 for s in slos):
+        raise ValueError(f"bad --slo-tpot-ms {spec!r}: every SLO must be > 0 ms")
+    return slos
 
 
 def parse_rates(spec: str) -> list[float]:
@@ -147,7 +168,10 @@ async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str])
                                                args.request_timeout)
         after, errors = await asyncio.to_thread(prometheus.scrape, metrics_urls)
         landed_after, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls, prometheus.KV_LANDED)
-        point = summarize_rate(rate, results, wall, _s(args.slo_ttft_ms), _s(args.slo_tpot_ms))
+        point = summarize_rate(rate, results, wall, _s(args.slo_ttft_ms), _s(args.slo_tpots_ms[0]))
+        point["slo_attainment_by_tpot_ms"] = {
+            f"{slo:g}": attainment([meets_slo(r.ok, r.ttft, r.tpot, _s(args.slo_ttft_ms), _s(slo)) for r in results])
+            for slo in args.slo_tpots_ms}
         point["handover_s"] = prometheus.quantiles_between(before, after) if metrics_urls else None
         point["kv_landed_s"] = prometheus.quantiles_between(landed_before, landed_after) if metrics_urls else None
         if errors:
@@ -161,7 +185,9 @@ async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str])
             "server_info": [{"address": w.address, "role": w.role, "kv_blocks_total": w.kv_blocks_total}
                             for w in server.workers],
             "rates": points,
-            "goodput_rate": goodput_rate((p["request_rate"], p["slo_attainment"]) for p in points)}
+            "goodput_rate": goodput_rate((p["request_rate"], p["slo_attainment"]) for p in points),
+            "goodput_by_tpot_ms": {f"{slo:g}": goodput_rate((p["request_rate"], p["slo_attainment_by_tpot_ms"][f"{slo:g}"])
+                                                            for p in points) for slo in args.slo_tpots_ms}}
 
 
 def _s(ms: float | None) -> float | None:
@@ -189,8 +215,8 @@ def _handover(p: dict) -> str:
 # -- the run ---------------------------------------------------------------------------------------
 def run(args: argparse.Namespace, rec: dict) -> None:
     out = Path(args.output)
-    prefill, decode = _split(args.prefill_devices), _split(args.decode_devices)
-    used = [d for t in args.topologies for _, d in deployment.plan(t, prefill, decode)] or [args.device]
+    pool = args.device_pool
+    used = [d for t in args.topologies for _, d in deployment.plan(t, pool)] or [args.device]
     peer = next((d for d in used if d != args.device), None)
     if args.topologies:
         rec["model"] = shape_of(args.model).to_json()           # an unknown model fails here, not later
@@ -200,11 +226,15 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     if args.topologies:
         log_root = Path(args.log_dir) if args.log_dir else out.with_suffix("").with_name(out.stem + "-logs")
         for name in args.topologies:
-            dep = deployment.launch(name, args.model, prefill, decode, shlex.split(args.worker_args),
-                                    log_root / name, shlex.split(args.router_args))
+            worker_args = shlex.split(args.worker_args)
+            if args.kv_backend and "colocated" not in name:
+                worker_args += ["--kv-backend", args.kv_backend]
+            dep = deployment.launch(name, args.model, pool, worker_args, log_root / name,
+                                    shlex.split(args.router_args))
             try:
                 topologies[name] = asyncio.run(sweep(args, dep.router_address, dep.metrics_urls))
-                topologies[name]["deployment"] = dep.describe()
+                topologies[name]["deployment"] = dep.describe() | {"kv_backend": args.kv_backend or "grpc",
+                                                                   "devices": dep.devices}
             finally:
                 dep.stop()
     else:
@@ -213,17 +243,35 @@ def run(args: argparse.Namespace, rec: dict) -> None:
         topologies[args.label]["deployment"] = {"router": args.addr, "metrics_urls": urls}
         rec["model"] = _shape_or_name(topologies[args.label]["model_info"]["name"])
     rec["dtype"] = _worker_dtype(args) if args.topologies else None      # a running deployment's is not known
-    rec["results"] = {"slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms,
-                              "goodput_attainment": GOODPUT_ATTAINMENT},
-                      "topologies": topologies, "plots": []}
+    rec["results"] = {"slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpots_ms[0],
+                              "tpot_ms_all": args.slo_tpots_ms, "goodput_attainment": GOODPUT_ATTAINMENT},
+                      "topologies": topologies, "recommendation": recommend(topologies, args.slo_tpots_ms),
+                      "plots": []}
     if not args.no_plots:
         from baton.benchmarks.plots import plot_sweep
         paths = plot_sweep({n: t["rates"] for n, t in topologies.items()}, _s(args.slo_ttft_ms),
-                           _s(args.slo_tpot_ms), out.with_suffix(""))
+                           _s(args.slo_tpots_ms[0]), out.with_suffix(""))
         rec["results"]["plots"] = [str(p) for p in paths]
     for name, t in topologies.items():
         g = t["goodput_rate"]
         print(f"[bench] {name}: goodput {'none' if g is None else f'{g:g} req/s'}", file=sys.stderr, flush=True)
+    for row in rec["results"]["recommendation"]:
+        print(f"[bench] TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {row['tpot_ms']:g} ms: best {row['best'] or 'none'} "
+              f"({row['goodput'] or 0:g} req/s); " + ", ".join(f"{k} {v or 0:g}" for k, v in row["by_topology"].items()),
+              file=sys.stderr, flush=True)
+
+
+def recommend(topologies: dict[str, dict], slo_tpots_ms: list[float]) -> list[dict]:
+    """Per TPOT SLO: every topology's goodput and the one that maximizes it (ties: fewer devices,
+    then the first listed); `best` is None when none reaches the attainment target."""
+    rows = []
+    for slo in slo_tpots_ms:
+        by = {name: t.get("goodput_by_tpot_ms", {}).get(f"{slo:g}") for name, t in topologies.items()}
+        size = {name: len(t.get("deployment", {}).get("workers", [])) for name, t in topologies.items()}
+        ranked = sorted((name for name in by if by[name] is not None), key=lambda n: (-by[n], size[n]))
+        rows.append({"tpot_ms": slo, "by_topology": by, "best": ranked[0] if ranked else None,
+                     "goodput": by[ranked[0]] if ranked else None})
+    return rows
 
 
 def _shape_or_name(name: str) -> dict:
