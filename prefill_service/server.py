@@ -61,7 +61,8 @@ class PrefillWorker(EngineWorker):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.tasks: dict[str, asyncio.Task] = {}
-        self.senders: dict[tuple[str, str], KVSender] = {}
+        self.senders: dict[tuple[str, str], KVSender] = {}     # (decode address, backend) -> sender
+        self.channels: dict[tuple[str, str], object] = {}     # ...and the channel this worker opened for it
         self.kv_auth = KVPeerAuth(cfg.kv_secret) if cfg.kv_secret else None
         self.layout = None
 
@@ -77,8 +78,8 @@ class PrefillWorker(EngineWorker):
         return len(self.tasks)
 
     async def release_transports(self) -> None:
-        for sender in list(self.senders.values()):
-            await sender.close()
+        for key in list(self.senders):
+            await self._drop_sender(key)
 
     async def sender_for(self, address: str, backend: str, timeout: float) -> KVSender:
         sender = self.senders.get((address, backend))
@@ -86,9 +87,12 @@ class PrefillWorker(EngineWorker):
             channel = open_channel(address, self.cfg.tls, options=channel_options())
             sender = make_sender(backend, address, channel, self.llm.platform, auth=self.kv_auth,
                                  nccl=self.cfg.kv_nccl, stall_s=self.cfg.kv_fault_stall_s)
-            sender.channel = channel
-            await asyncio.wait_for(sender.handshake(self.layout), timeout)   # mismatch: a clear error
-            self.senders[(address, backend)] = sender
+            self.senders[(address, backend)], self.channels[(address, backend)] = sender, channel
+            try:
+                await asyncio.wait_for(sender.handshake(self.layout), timeout)   # mismatch: a clear error
+            except BaseException:
+                await self._drop_sender((address, backend))
+                raise
         return sender
 
     async def prefill(self, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
@@ -183,10 +187,8 @@ class PrefillWorker(EngineWorker):
         self.metrics.kv_transfer_failures.labels("send").inc()
         # a grpc sender is dropped (the next request handshakes afresh); a direct one carries other
         # transfers on its pair, and closes and reconnects the pair by itself when it breaks
-        if backend != "direct":
-            stale = self.senders.pop((address, backend), None)
-            if stale is not None:
-                asyncio.ensure_future(_close_sender(stale))
+        if backend != "direct" and (address, backend) in self.senders:
+            asyncio.ensure_future(self._drop_sender((address, backend)))
         return ServiceError(getattr(exc, "code", None) or grpc.StatusCode.UNAVAILABLE,
                             f"KV push to {address} failed: {exc}")
 
@@ -199,6 +201,11 @@ class PrefillWorker(EngineWorker):
                                            prefill_seconds=t1 - t0, transfer_seconds=t2 - t1,
                                            transfer_bytes=stats.nbytes)
 
+    def _drop_sender(self, key: tuple[str, str]):
+        """Forget a sender now (the next request handshakes afresh); returns the coroutine that
+        closes it and the channel this worker opened for it."""
+        return _close(self.senders.pop(key, None), self.channels.pop(key, None))
+
     def abort_request(self, rid: str) -> bool:
         task = self.tasks.get(rid)
         self.engine.abort(rid)
@@ -207,10 +214,9 @@ class PrefillWorker(EngineWorker):
         return task is not None
 
 
-async def _close_sender(sender: KVSender) -> None:
-    """Release a sender and its channel (the worker opened the channel, so it closes it)."""
-    await sender.close()
-    channel = getattr(sender, "channel", None)
+async def _close(sender: KVSender | None, channel) -> None:
+    if sender is not None:
+        await sender.close()
     if channel is not None:
         await channel.close()
 
