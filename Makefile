@@ -24,10 +24,11 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m protos.generate --check
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x -rs --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests/test_layering.py
 
 protos: $(STAMP)
 	$(BIN)/python -m protos.generate
