@@ -49,7 +49,7 @@ def run_transformers(args: argparse.Namespace, workload: OfflineWorkload, kv_byt
     attn = getattr(hf.config, "_attn_implementation", None)
     extra: dict = {}
     if mode == "continuous":
-        cb = _cb_config(args, workload, kv_bytes_per_token)
+        cb = _cb_config(args, workload, kv_bytes_per_token, hf)
         extra["continuous_batching_config"] = {k: getattr(cb, k, None) for k in ("num_blocks", "page_size",
                                                "max_batch_tokens", "max_requests_per_batch")}
         wall, out_tokens, generated, attn = _continuous(hf, workload, args.seed, cb)
@@ -72,7 +72,7 @@ def _generation_config(temperature: float, max_new_tokens: int):
                             max_new_tokens=max_new_tokens, eos_token_id=-1, pad_token_id=0)
 
 
-def _cb_config(args: argparse.Namespace, workload: OfflineWorkload, kv_bytes_per_token: int):
+def _cb_config(args: argparse.Namespace, workload: OfflineWorkload, kv_bytes_per_token: int, hf):
     """The same limits as Baton's engine: batch tokens, sequences per batch, and on the CPU
     the same KV memory (transformers would otherwise size its cache from most of the RAM)."""
     from transformers import ContinuousBatchingConfig
@@ -84,8 +84,10 @@ def _cb_config(args: argparse.Namespace, workload: OfflineWorkload, kv_bytes_per
     elif args.kv_cache_memory:
         tokens = args.kv_cache_memory // kv_bytes_per_token
     elif args.device == "cpu":
-        from baton.engine.model_runner import CPU_KV_CACHE_DEFAULT
-        tokens = CPU_KV_CACHE_DEFAULT // kv_bytes_per_token
+        from baton.engine.model_runner import cpu_kv_cache_default
+        weights = sum(p.numel() * p.element_size() for p in hf.parameters())
+        context = getattr(hf.config, "max_position_embeddings", 4096)
+        tokens = cpu_kv_cache_default(weights, context * kv_bytes_per_token) // kv_bytes_per_token
     if tokens is not None:
         # no more than the whole workload needs at once: on the CPU transformers' masks grow with the cache
         lens = [len(p) + n for p, n in zip(workload.prompts, workload.output_lens, strict=True)]

@@ -2,9 +2,9 @@
 then serve."""
 from __future__ import annotations
 
-import asyncio
 import logging
 
+from baton.serving.grpc_server import run_server
 from baton.serving.worker_config import parse_worker_args
 
 
@@ -12,4 +12,4 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_worker_args("decode", argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from baton.decode_service.server import DecodeWorker
-    asyncio.run(DecodeWorker(cfg).serve_forever())
+    run_server(DecodeWorker(cfg).serve_forever(), cfg.role)

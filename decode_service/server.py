@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from baton.serving.worker import EngineWorker
 from baton.v1 import decode_pb2, decode_pb2_grpc, worker_pb2
 
 DEFAULT_ADMIT_TIMEOUT_S = 60.0
+# a stream with no deadline of its own ends only if its engine goes this long without a token for
+# it (a wedged engine, never a long answer)
 STREAM_IDLE_LIMIT_S = 600.0
 
 
@@ -222,7 +225,7 @@ class DecodeWorker(EngineWorker):
 
     async def _relay(self, r: DecodeRequest, timeout_ms: int):
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (timeout_ms / 1000 if timeout_ms else STREAM_IDLE_LIMIT_S)
+        deadline = loop.time() + timeout_ms / 1000 if timeout_ms else math.inf
         finished = False
         first = True
         try:
@@ -241,12 +244,16 @@ class DecodeWorker(EngineWorker):
             self._forget(r)
 
     async def _next_output(self, r: DecodeRequest, remaining: float):
+        wait = min(remaining, STREAM_IDLE_LIMIT_S)
         try:
-            if remaining <= 0:
+            if wait <= 0:
                 raise asyncio.TimeoutError
-            item = await asyncio.wait_for(r.queue.get(), remaining)
+            item = await asyncio.wait_for(r.queue.get(), wait)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"request {r.request_id} passed its deadline while decoding") from None
+            if wait < remaining:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"request {r.request_id}: the decode engine produced "
+                                   f"no token for {STREAM_IDLE_LIMIT_S:.0f}s") from None
+            raise TimeoutError(f"request {r.request_id} passed its client's deadline while decoding") from None
         if isinstance(item, KVFailed):
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV handover failed: {item}")
         if isinstance(item, _Aborted):

@@ -42,6 +42,7 @@ class EngineConfig:
     npu_graph_mode: str = "aclgraph"    # aclgraph | torchair
     npu_emulation: bool = False         # TEST ONLY: npu:N is the host CPU running the documented op semantics
     async_scheduling: bool | None = None   # schedule step N+1 while step N runs; None: on accelerators
+    generation_config: str = "auto"     # sampling defaults: auto (the model's generation_config.json) | none | DIR
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

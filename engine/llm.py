@@ -25,10 +25,17 @@ class LLM:
         self.engine.stream_text = False        # outputs are decoded once, when they finish
         self.tokenizer = self.engine.tokenizer
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate(prompts)` samples with: the model's generation-config defaults
+        (EngineConfig.generation_config), else SamplingParams()'s."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  progress: bool = False) -> list[CompletionOutput]:
         prompts = _as_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
         params = self._params_per_prompt(sampling_params, len(prompts))
         # validate everything first so a bad prompt leaves the engine untouched
         token_lists = [self.engine.tokenize(p) for p in prompts]
@@ -82,8 +89,6 @@ class LLM:
 
     @staticmethod
     def _params_per_prompt(sp, n: int) -> list[SamplingParams]:
-        if sp is None:
-            return [SamplingParams() for _ in range(n)]
         if isinstance(sp, SamplingParams):
             return [sp] * n
         sp = list(sp)

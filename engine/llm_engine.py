@@ -20,7 +20,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.kv_handoff import KVHandoff, KVPiece, KVState, KVTicket
 from baton.engine.model_runner import LaunchedStep, ModelRunner
 from baton.engine.output_processor import RequestOutput, RequestState
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.sampling_params import SamplingParams, sampling_defaults
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
 from baton.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
@@ -67,6 +67,7 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_token_ids(self.source, self.tokenizer)
+        self.sampling_defaults = sampling_defaults(self.source.generation_config(self.config.generation_config))
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(

@@ -25,7 +25,13 @@ from baton.models.loader import build_model, init_random_weights, load_weights
 from baton.models.source import ModelSource, resolve_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_KV_CACHE_DEFAULT = 1 << 30          # 1 GiB: plenty for tests and a laptop
+CPU_KV_CACHE_MAX = 1 << 30              # the CPU's default KV cache: sized to the model, at most this
+
+
+def cpu_kv_cache_default(weight_bytes: int, one_sequence_bytes: int) -> int:
+    """The CPU's KV cache when none is asked for: as many bytes as the weights (a small model
+    gets a small cache), room for at least one sequence of the full context, at most CPU_KV_CACHE_MAX."""
+    return min(CPU_KV_CACHE_MAX, max(weight_bytes, one_sequence_bytes))
 
 
 class ModelRunner:
@@ -141,7 +147,7 @@ class ModelRunner:
         if budget is None:
             free, total = self.platform.memory_info()
             if self.device.type == "cpu":
-                budget = min(CPU_KV_CACHE_DEFAULT, free // 4)
+                budget = min(self._cpu_kv_default(), free // 4)
             else:
                 used = total - free
                 budget = int(total * self.config.gpu_memory_utilization) - used - self._activation_reserve()
@@ -156,6 +162,11 @@ class ModelRunner:
                              f"{self.block_bytes()} per block); lower the model size or raise "
                              "--gpu-memory-utilization")
         return int(num)
+
+    def _cpu_kv_default(self) -> int:
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        context = self.config.max_model_len or getattr(self.source.hf_config, "max_position_embeddings", 4096)
+        return cpu_kv_cache_default(weights, -(-context // self.block_size) * self.block_bytes())
 
     def _activation_reserve(self) -> int:
         hf = self.source.hf_config

@@ -47,5 +47,25 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")
 
 
+# generation_config.json field -> SamplingParams field: what `--generation-config auto` applies
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                            "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """The sampling defaults a model's generation_config.json sets, as SamplingParams fields;
+    a request's own values win over them. As in vLLM, the fields it names are applied; an
+    explicit `"do_sample": false` means greedy, as it does to transformers' generate()."""
+    out = {}
+    for key, name in GENERATION_CONFIG_FIELDS.items():
+        value = generation_config.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
+    if generation_config.get("do_sample") is False:
+        out = {"temperature": 0.0, **({"max_tokens": out["max_tokens"]} if "max_tokens" in out else {})}
+    SamplingParams(**out).validate()       # a broken config fails at start, not per request
+    return out
+
+
 def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and x == x and abs(x) != float("inf")

@@ -13,9 +13,11 @@ def load_tokenizer(source):
 
 
 def eos_token_ids(source, tokenizer) -> list[int]:
-    """EOS ids from the model config, then generation config, then the tokenizer."""
+    """Every end-of-sequence id the model's config, its generation config (where chat models
+    list their end-of-turn ids, such as Llama-3's <|eom_id|> and <|eot_id|>) and the tokenizer name."""
     ids: list[int] = []
-    for value in (getattr(source.hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+    for value in (getattr(source.hf_config, "eos_token_id", None), source.generation_config().get("eos_token_id"),
+                  getattr(tokenizer, "eos_token_id", None)):
         if value is None:
             continue
         ids += value if isinstance(value, list) else [value]

@@ -1,105 +1,59 @@
-"""GGUF (llama architecture) -> an HF-layout directory: config.json, model.safetensors,
-tokenizer files. Our own mapping on top of the `gguf` package's reader and dequantizer.
-
-llama.cpp's converter permutes the rows of q and k so its rotary kernel can rotate adjacent
-pairs; HF rotates halves, so those rows are permuted back here.
+"""GGUF -> an HF-layout directory (config.json, model.safetensors, generation_config.json,
+tokenizer files), through transformers' own GGUF loader: it dequantizes and maps every
+architecture it knows (Llama, Qwen2, Qwen3, Qwen3-MoE, ...) the way the HF reference does, so
+the weights Baton serves are the ones the reference would load from the same file.
 """
 from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
-CONVERTER_VERSION = "1"
-
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+CONVERTER_VERSION = "3"            # bump when the output changes: cached conversions are redone
+PROGRESS_EVERY_S = 10.0
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    value = f.contents()
-    return value
-
-
-def hf_config_dict(reader, has_output: bool) -> dict:
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported for import (supported: llama)")
-    p = "llama."
-    heads = int(_field(reader, p + "attention.head_count"))
-    cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": int(_field(reader, p + "embedding_length")),
-        "intermediate_size": int(_field(reader, p + "feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, p + "block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", heads)),
-        "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, p + "context_length", 2048)),
-        "vocab_size": len(_field(reader, "tokenizer.ggml.tokens")),
-        "tie_word_embeddings": not has_output,
-        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
-        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
-        "hidden_act": "silu", "attention_bias": False, "torch_dtype": "float32",
-    }
-    return cfg
-
-
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (pairs -> halves within each head)."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _hf_name(gguf_name: str) -> str:
-    base, _, suffix = gguf_name.rpartition(".")
-    if base.startswith("blk."):
-        _, n, part = base.split(".", 2)
-        return f"model.layers.{n}.{_LAYER_NAMES[part]}.{suffix}"
-    return f"{_GLOBAL_NAMES[base]}.{suffix}"
-
-
-def convert(gguf_path: Path, out_dir: Path) -> None:
-    """Write an HF directory for gguf_path into out_dir (which must not exist yet)."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+def convert(gguf_path: Path, out_dir: Path, final_dir: Path | None = None, sampling: dict | None = None) -> None:
+    """Write an HF directory for `gguf_path` into `out_dir` (which must not exist yet).
+    `final_dir`: where it will live (for the messages); `sampling`: generation-config sampling
+    defaults to record (a GGUF carries none)."""
+    import torch
     from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    where = final_dir or out_dir
     t0 = time.perf_counter()
-    print(f"[baton] converting {gguf_path.name} to an HF checkpoint (once; cached) ...", file=sys.stderr)
-    reader = GGUFReader(str(gguf_path))
-    names = {t.name for t in reader.tensors}
-    cfg = hf_config_dict(reader, "output.weight" in names)
-    tensors = {}
-    for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(x) for x in reversed(t.shape)])
-        if t.name.endswith("attn_q.weight"):
-            w = _unpermute(w, cfg["num_attention_heads"])
-        elif t.name.endswith("attn_k.weight"):
-            w = _unpermute(w, cfg["num_key_value_heads"])
-        tensors[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
+    print(f"[baton] converting {gguf_path.name} to an HF checkpoint in {where} "
+          f"(once per machine; about 20 s for the default model) ...", file=sys.stderr, flush=True)
+    done = threading.Event()
+    ticker = threading.Thread(target=_tick, args=(done, t0), daemon=True)
+    ticker.start()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    finally:
+        done.set()
     out_dir.mkdir(parents=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out_dir / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, indent=2))
-    _save_tokenizer(gguf_path, out_dir)
-    print(f"[baton] converted in {time.perf_counter() - t0:.1f}s -> {out_dir}", file=sys.stderr)
+    # transformers won't save a model it loaded from GGUF: write its (float32) weights ourselves
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)     # the saved weights are plain float32
+    config["architectures"] = [type(model).__name__]
+    config["torch_dtype"] = "float32"
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(str(out_dir))
+    gen = {k: v for k, v in model.generation_config.to_dict().items()
+           if k in ("bos_token_id", "eos_token_id", "pad_token_id") and v is not None}
+    gen.update(sampling or {})
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    print(f"[baton] converted in {time.perf_counter() - t0:.1f}s -> {where}", file=sys.stderr, flush=True)
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tok.save_pretrained(str(out_dir))
+def _tick(done: threading.Event, t0: float) -> None:
+    while not done.wait(PROGRESS_EVERY_S):
+        print(f"[baton] still converting ({time.perf_counter() - t0:.0f}s) ...", file=sys.stderr, flush=True)

@@ -35,6 +35,8 @@ class RouterConfig:
     queue_timeout: float = 30.0         # longest wait for a slot
     max_per_client: int = 0             # requests one client may hold (queued or running)
     first_token_timeout: float = 120.0  # no first token by then: the attempt is retried elsewhere
+    request_timeout: float = 0.0        # a deadline for requests whose client set none (0: none)
+    generation_config: str = "auto"     # where unset sampling fields come from (engine/sampling_params.py)
 
     def validate(self) -> None:
         for name in ("max_prompt_tokens", "max_new_tokens", "max_per_client"):
@@ -42,6 +44,8 @@ class RouterConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0 = no limit)")
         if self.max_inflight < 1 or self.max_queued < 0:
             raise ValueError("--max-inflight must be >= 1 and --max-queued >= 0")
+        if self.request_timeout < 0:
+            raise ValueError("--request-timeout must be >= 0 seconds (0 = no limit)")
         if self.queue_timeout <= 0 or self.first_token_timeout <= 0:
             raise ValueError("--queue-timeout and --first-token-timeout must be > 0 seconds")
         if self.policy not in POLICIES:
@@ -64,8 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     flag(p, "--colocated", default="", help="colocated workers, ADDR[,ADDR...]")
     flag(p, "--policy", default="least_loaded", choices=POLICIES, help="how a worker is picked for a request")
     flag(p, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
+    add_generation_config(p)
     add_auth_and_limits(p)
     return p
+
+
+def add_generation_config(p: argparse.ArgumentParser) -> None:
+    flag(p, "--generation-config", default="auto",
+         help="sampling defaults for fields a request leaves unset: auto (the model's generation_config.json: "
+              "temperature, top_p, top_k, max_new_tokens), none (1.0 / 1.0 / off / 256), or a directory holding "
+              "a generation_config.json")
 
 
 def add_auth_and_limits(p: argparse.ArgumentParser) -> None:
@@ -83,6 +95,9 @@ def add_auth_and_limits(p: argparse.ArgumentParser) -> None:
          help="requests one client (token, else address) may hold; 0: no limit")
     flag(a, "--first-token-timeout", type=float, default=120.0,
          help="seconds an attempt may take to produce its first token before it is retried elsewhere")
+    flag(a, "--request-timeout", type=float, default=0.0,
+         help="seconds a request may take in all when its client set no deadline (0: no limit; a stream that "
+              "makes progress is never cut)")
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -93,7 +108,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
                        tls=tls_from_args(args), auth_tokens=load_tokens(args.auth_token, args.auth_token_file),
                        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                        max_inflight=args.max_inflight, max_queued=args.max_queued, queue_timeout=args.queue_timeout,
-                       max_per_client=args.max_per_client, first_token_timeout=args.first_token_timeout)
+                       max_per_client=args.max_per_client, first_token_timeout=args.first_token_timeout,
+                       request_timeout=args.request_timeout, generation_config=args.generation_config)
     cfg.validate()
     return cfg
 

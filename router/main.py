@@ -1,21 +1,29 @@
 """Starting the router process: model info and tokenizer, worker registry, gRPC server."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 
+from baton.engine.sampling_params import sampling_defaults
 from baton.engine.tokenizer import eos_token_ids, load_tokenizer
 from baton.models.source import resolve_model
 from baton.router.config import RouterConfig, parse_router_args
 from baton.router.registry import Registry
 from baton.router.server import RouterService, RouterServicer
-from baton.serving.grpc_server import Server
+from baton.serving.grpc_server import Server, run_server
 from baton.serving.metrics import Metrics
+from baton.serving.security import TokenAuth
 from baton.v1 import router_pb2, router_pb2_grpc
 
 
 async def serve(cfg: RouterConfig) -> None:
+    # ports first: a clash is reported in a second, not after the tokenizer has loaded
+    auth = TokenAuth(cfg.auth_tokens) if cfg.auth_tokens else None
+    # a hard bound under admission control: gRPC itself refuses RPCs beyond it
+    server = Server(cfg.host, cfg.port, ["baton.v1.Router"], tls=cfg.tls, interceptors=[auth] if auth else [],
+                    max_concurrent_rpcs=cfg.max_inflight + cfg.max_queued + 256)
+    metrics = Metrics("router")
+    metrics.serve(cfg.metrics_port, cfg.host)
     source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer)
     tokenizer = load_tokenizer(source)
     hf = source.hf_config
@@ -24,16 +32,11 @@ async def serve(cfg: RouterConfig) -> None:
                                 eos_token_ids=eos_token_ids(source, tokenizer))
     registry = Registry(cfg.prefill, cfg.decode, cfg.colocated, source.name, tls=cfg.tls)
     await registry.start()
-    svc = RouterService(registry, tokenizer, info, cfg)
-    svc.metrics = Metrics("router")
-    # a hard bound under admission control: gRPC itself refuses RPCs beyond it
-    server = Server(cfg.host, cfg.port, ["baton.v1.Router"], tls=cfg.tls,
-                    interceptors=[svc.auth] if svc.auth else [],
-                    max_concurrent_rpcs=cfg.max_inflight + cfg.max_queued + 256)
-    svc.server = server
+    svc = RouterService(registry, tokenizer, info, cfg,
+                        sampling_defaults(source.generation_config(cfg.generation_config)))
+    svc.auth, svc.metrics, svc.server = auth, metrics, server
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(svc), server.server)
     await server.start()
-    svc.metrics.serve(cfg.metrics_port, cfg.host)
     healthy = sum(w.healthy for w in registry.workers)
     security = ("TLS" + (", mutual" if cfg.tls.require_client_cert else "")) if cfg.tls.cert else "plaintext"
     if svc.auth:
@@ -47,4 +50,4 @@ async def serve(cfg: RouterConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_router_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve(cfg))
+    run_server(serve(cfg), "router")

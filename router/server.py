@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,7 +29,6 @@ from baton.v1 import decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc, worke
 
 log = logging.getLogger("baton.router")
 MAX_ATTEMPTS = 3
-DEFAULT_DEADLINE_S = 600.0
 ABORT_TIMEOUT_S = 2.0
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.FAILED_PRECONDITION}
@@ -38,6 +38,7 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, gr
 class Active:
     request_id: str
     task: asyncio.Task
+    client: str = ""                    # whom it belongs to: with tokens on, only they may Abort it
     calls: list[tuple[Worker, str]] = field(default_factory=list)   # (worker, id used there)
     aborted: bool = False
     finished: bool = False
@@ -63,9 +64,10 @@ class AttemptFailed(Exception):
 
 class RouterService:
     def __init__(self, registry: Registry, tokenizer, model_info: router_pb2.ModelInfo,
-                 cfg: RouterConfig | None = None):
+                 cfg: RouterConfig | None = None, sampling_defaults: dict | None = None):
         cfg = cfg or RouterConfig()
         self.cfg = cfg
+        self.sampling_defaults = sampling_defaults or {}     # the model's generation config
         self.registry = registry
         self.tokenizer = tokenizer
         self.model_info = model_info
@@ -98,22 +100,32 @@ class RouterService:
         ids = validation.prompt_ids(req, self.tokenizer, self.model_info.vocab_size)
         validation.check_limits(req, len(ids), self.cfg.max_prompt_tokens, self.cfg.max_new_tokens)
         params = validation.sampling(req, len(ids), self.max_model_len, self.model_info.vocab_size,
-                                     self.cfg.max_new_tokens)
+                                     self.cfg.max_new_tokens, self.sampling_defaults)
         rid = req.request_id or uuid.uuid4().hex
         if rid in self.active:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
         remaining = context.time_remaining()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (remaining if remaining is not None else DEFAULT_DEADLINE_S)
-        active = Active(rid, asyncio.current_task())
+        # the client's deadline, else --request-timeout (0: none): never one nobody asked for
+        limit = remaining if remaining is not None else (self.cfg.request_timeout or math.inf)
+        deadline = loop.time() + limit
+        active = Active(rid, asyncio.current_task(), self.client_of(context))
         self.active[rid] = active
         t0 = time.perf_counter()
         try:
-            async with self.admission.slot(self.client_of(context), deadline):
+            async with self.admission.slot(active.client, deadline):
                 async for resp in self._route(active, ids, sampling_to_proto(params), deadline):
                     yield resp
             if self.metrics:
                 self.metrics.e2e.observe(time.perf_counter() - t0)
+        except (ServiceError, TimeoutError) as exc:
+            timed_out = isinstance(exc, TimeoutError) or exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            if not timed_out or loop.time() < deadline:
+                raise
+            # whichever hop noticed first, the cause is the request's own deadline: say whose
+            whose = ("its client's deadline" if remaining is not None else
+                     f"the router's --request-timeout of {self.cfg.request_timeout:g}s (its client set no deadline)")
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} reached {whose}") from None
         except asyncio.CancelledError:
             if active.aborted:        # Abort RPC: end the stream with a status, not a silent cancel
                 raise ServiceError(grpc.StatusCode.CANCELLED, f"request {rid} aborted") from None
@@ -173,20 +185,22 @@ class RouterService:
         d = self._pick("decode", self.decode_policy, ids, tried)
         p = self._pick("prefill", self.prefill_policy, ids, tried)
         self._use(active, d)
+        # the KV must land, and the prefill end, before the first token is due: bounded whatever the deadline
+        handover = min(self.cfg.first_token_timeout, deadline - loop.time())
         try:
             admit = await d.stub.Admit(decode_pb2.AdmitRequest(
                 request_id=rid, prompt_token_ids=ids, sampling=sampling, backend=kv_backend(p, d),
-                timeout_ms=_ms(deadline - loop.time())), timeout=deadline - loop.time())
+                timeout_ms=_ms(handover)), timeout=handover)
         except grpc.aio.AioRpcError as exc:
             raise _failed(exc, d, "admit") from exc
         stream = d.stub.Stream(decode_pb2.StreamRequest(request_id=rid, timeout_ms=_ms(deadline - loop.time())),
-                               timeout=deadline - loop.time())
+                               timeout=_seconds(deadline - loop.time()))
         self._use(active, p)
         prefill = asyncio.ensure_future(p.stub.Prefill(prefill_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(deadline - loop.time()),
+            request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(handover),
             handoff=prefill_pb2.Handoff(decode_address=admit.kv_address or d.address,
                                         transfer_id=admit.transfer_id, backend=admit.backend)),
-            timeout=deadline - loop.time()))
+            timeout=handover))
         prefill.add_done_callback(_retrieve)
         first_by = loop.time() + min(self.cfg.first_token_timeout, deadline - loop.time())
         try:
@@ -224,7 +238,7 @@ class RouterService:
         self._use(active, w)
         stream = w.stub.Generate(decode_pb2.WorkerGenerateRequest(
             request_id=active.worker_id, prompt_token_ids=ids, sampling=sampling,
-            timeout_ms=_ms(deadline - loop.time())), timeout=deadline - loop.time())
+            timeout_ms=_ms(deadline - loop.time())), timeout=_seconds(deadline - loop.time()))
         try:
             chunk = await _next(stream)
         except grpc.aio.AioRpcError as exc:
@@ -260,9 +274,11 @@ class RouterService:
         await asyncio.shield(asyncio.gather(*(one(w, wid) for w, wid in calls)))
 
     # -- the other RPCs -----------------------------------------------------------------------
-    def abort(self, rid: str) -> bool:
+    def abort(self, rid: str, client: str | None = None) -> bool:
+        """Ends request `rid`. With bearer tokens on, only the client that started it may: to
+        anyone else it is not found (which also hides that it exists)."""
         active = self.active.get(rid)
-        if active is None:
+        if active is None or (self.auth is not None and client != active.client):
             return False
         active.aborted = True
         active.task.cancel()
@@ -302,7 +318,13 @@ def _failed(exc: BaseException, worker: Worker, what: str) -> AttemptFailed:
 
 
 def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))
+    """A downstream call's timeout_ms: 0 (none) when the request has no deadline."""
+    return 0 if math.isinf(seconds) else max(1, int(seconds * 1000))
+
+
+def _seconds(seconds: float) -> float | None:
+    """A gRPC call's timeout: None (none) when the request has no deadline."""
+    return None if math.isinf(seconds) else seconds
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -316,7 +338,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             yield resp
 
     async def Abort(self, request, context):
-        return router_pb2.AbortResponse(found=self.svc.abort(request.request_id))
+        return router_pb2.AbortResponse(found=self.svc.abort(request.request_id, self.svc.client_of(context)))
 
     async def GetModelInfo(self, request, context):
         info = router_pb2.ModelInfo()

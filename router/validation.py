@@ -52,10 +52,10 @@ def check_limits(req: router_pb2.GenerateRequest, prompt_len: int, max_prompt_to
 
 
 def sampling(req: router_pb2.GenerateRequest, prompt_len: int, max_model_len: int,
-             vocab_size: int, max_new_tokens: int = 0) -> SamplingParams:
+             vocab_size: int, max_new_tokens: int = 0, defaults: dict | None = None) -> SamplingParams:
     if req.sampling.HasField("max_tokens") and req.sampling.max_tokens == 0:
         raise ValueError("max_tokens must be >= 1 (leave it unset for the default of 256)")
-    params = sampling_from_proto(req.sampling)
+    params = sampling_from_proto(req.sampling, defaults)
     params.validate(vocab_size)
     if max_new_tokens:
         params.max_tokens = min(params.max_tokens, max_new_tokens)

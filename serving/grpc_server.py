@@ -7,8 +7,10 @@ RESOURCE_EXHAUSTED, TimeoutError -> DEADLINE_EXCEEDED, ServiceError -> its own c
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterable
 
@@ -46,6 +48,10 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),    # retries are the router's decision, never implicit
     *KEEPALIVE_OPTIONS,
 ]
+
+
+class PortInUse(OSError):
+    """A port this process must listen on is taken: found before anything is loaded."""
 
 
 class ServiceError(Exception):
@@ -87,21 +93,53 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 class ErrorMapper(grpc.aio.ServerInterceptor):
+    """Every exception of a unary or server-streaming handler becomes its status (status_for);
+    a request body that does not decode is INVALID_ARGUMENT, not an UNKNOWN with a traceback."""
+
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:
             return None
+        decode = _tolerant(handler.request_deserializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+                _wrap_unary(handler.unary_unary), decode, handler.response_serializer)
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+            stream = handler.unary_stream
+            wrap = _wrap_stream if inspect.isasyncgenfunction(stream) else _wrap_unary   # (a writer: context.write)
+            return grpc.unary_stream_rpc_method_handler(wrap(stream), decode, handler.response_serializer)
         return handler
+
+
+class _Undecodable:
+    """A request body its message type could not parse (carried to the handler, which refuses it)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(deserializer):
+    if deserializer is None:
+        return None
+
+    def decode(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception as exc:              # DecodeError and the like: the client's bytes are bad
+            return _Undecodable(exc)
+    return decode
+
+
+async def _refuse_undecodable(request, context) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request body is not a valid message for this method ({request.error}); "
+                            "check that the client uses Baton's baton.v1 protos")
 
 
 def _wrap_unary(fn):
     async def wrapped(request, context):
+        await _refuse_undecodable(request, context)
         try:
             return await fn(request, context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
@@ -113,6 +151,7 @@ def _wrap_unary(fn):
 
 def _wrap_stream(fn):
     async def wrapped(request, context):
+        await _refuse_undecodable(request, context)
         try:
             async for item in fn(request, context):
                 yield item
@@ -137,6 +176,15 @@ def _log_unexpected(code: grpc.StatusCode, exc: Exception) -> None:
         log.exception("unexpected error", exc_info=exc)
 
 
+class HealthService(health.aio.HealthServicer):
+    """The whole standard `grpc.health.v1.Health`: Check, Watch (streams every change) and List
+    (every service this server reports on)."""
+
+    async def List(self, request, context) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()})
+
+
 class Server:
     """A grpc.aio server with health + reflection, bound to one address, drained on SIGTERM.
 
@@ -148,19 +196,26 @@ class Server:
                  interceptors: Iterable[grpc.aio.ServerInterceptor] = (), max_concurrent_rpcs: int | None = None):
         self.server = grpc.aio.server(interceptors=[*interceptors, ErrorMapper()], options=SERVER_OPTIONS,
                                       maximum_concurrent_rpcs=max_concurrent_rpcs)
-        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.health = HealthService()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
         reflection.enable_server_reflection(
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
         self.address = f"{host}:{port}"
-        if tls is not None and tls.cert:
-            self.port = self.server.add_secure_port(self.address, tls.server_credentials())
-        else:
-            self.port = self.server.add_insecure_port(self.address)
+        if port and not port_is_free(host, port):
+            raise PortInUse(f"cannot listen on {self.address}: the port is in use (another Baton process?); stop "
+                            "the other process or pick another with --port")
+        try:
+            if tls is not None and tls.cert:
+                self.port = self.server.add_secure_port(self.address, tls.server_credentials())
+            else:
+                self.port = self.server.add_insecure_port(self.address)
+        except RuntimeError:              # grpcio >= 1.6x raises "Failed to bind" where older ones returned 0
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {self.address}: address in use or not available")
+            raise PortInUse(f"cannot listen on {self.address}: the port is in use (another Baton process?) or the "
+                            "address is not this host's; stop the other process or pick another with --port")
         self.address = f"{host}:{self.port}"
         self.draining = False
 
@@ -171,9 +226,7 @@ class Server:
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.service_names]:
-            result = self.health.set(name, status)
-            if asyncio.iscoroutine(result):
-                await result
+            await self.health.set(name, status)
 
     async def drain_and_stop(self, grace: float, busy: Callable[[], int] | None = None) -> None:
         """Health to NOT_SERVING and refuse new work (servicers check `draining`), let the
@@ -231,3 +284,26 @@ def open_sync_channel(address: str, tls: TLSConfig | None = None) -> grpc.Channe
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
     return open_channel(address)
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Can this process listen on (host, port)? Checked with a plain socket before gRPC tries,
+    so a clash gets one clear line instead of gRPC core's log."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # as gRPC binds: a dead server's connections lingering in TIME_WAIT don't count, a listener does
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError:
+            return False
+    return True
+
+
+def run_server(main, name: str) -> None:
+    """asyncio.run(main) for a server process; a port clash ends it with one line and exit 1."""
+    try:
+        asyncio.run(main)
+    except PortInUse as exc:
+        print(f"baton {name}: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from baton.serving.grpc_server import PortInUse
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # the handover is compared with one decode step (a few ms): finer where it lives
 HANDOVER_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02,
@@ -39,8 +41,13 @@ class Metrics:
                                       buckets=LATENCY_BUCKETS, registry=r)
 
     def serve(self, port: int | None, host: str = "127.0.0.1") -> None:
-        if port is not None:
+        if port is None:
+            return
+        try:
             start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise PortInUse(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; stop the other process "
+                            "or pick another with --metrics-port") from None
 
     def observe_engine(self, running: int, waiting: int, total: int, free: int) -> None:
         self.running.set(running)

@@ -15,13 +15,15 @@ FINISH_TO_PROTO = {
 }
 
 
-def sampling_from_proto(p: router_pb2.SamplingParams) -> SamplingParams:
-    """Apply the contract's defaults for unset fields; range checks are SamplingParams.validate's."""
+def sampling_from_proto(p: router_pb2.SamplingParams, defaults: dict | None = None) -> SamplingParams:
+    """Unset fields take `defaults` (the model's generation config, engine/sampling_params.py),
+    else the contract's; range checks are SamplingParams.validate's."""
+    d = defaults or {}
     return SamplingParams(
-        temperature=p.temperature if p.HasField("temperature") else 1.0,
-        top_p=p.top_p if p.HasField("top_p") else 1.0,
-        top_k=p.top_k if p.HasField("top_k") else 0,
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        temperature=p.temperature if p.HasField("temperature") else d.get("temperature", 1.0),
+        top_p=p.top_p if p.HasField("top_p") else d.get("top_p", 1.0),
+        top_k=p.top_k if p.HasField("top_k") else d.get("top_k", 0),
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else d.get("max_tokens", DEFAULT_MAX_TOKENS),
         stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,

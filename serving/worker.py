@@ -43,6 +43,9 @@ class EngineWorker:
         # the holder's switch interval (Python's 5 ms is about one decode step of an 8B model)
         if self.cfg.gil_switch_ms:
             sys.setswitchinterval(self.cfg.gil_switch_ms / 1e3)
+        # ports first: a clash is reported in a second, not after the model has loaded
+        self.server = Server(self.cfg.host, self.cfg.port, self.service_names, tls=self.cfg.tls)
+        self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
         print(f"[baton] {self.cfg.role}: loading {self.cfg.engine.model} on {self.cfg.engine.device}",
               file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
@@ -50,10 +53,8 @@ class EngineWorker:
         freeze_startup_objects()
         self.engine = AsyncEngine(llm, loop)
         self.engine.on_step = self._after_step
-        self.server = Server(self.cfg.host, self.cfg.port, self.service_names, tls=self.cfg.tls)
         self.add_services(self.server.server)
         await self.server.start()
-        self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
         self._observe()
         stats = self.engine.stats()
         print(f"[baton] {self.cfg.role} ready on {self.server.address} "

@@ -211,3 +211,21 @@ def test_the_cli_client_speaks_tls_with_a_token(cluster, pki):
                              "--tls-ca", pki["ca"], "--raw", "Hello"],
                             cwd=REPO, capture_output=True, text=True, timeout=120, env=cluster.env)
     assert denied.returncode == 1 and "BATON_AUTH_TOKEN" in denied.stderr
+
+
+def test_only_the_owner_may_abort_a_request(cluster, pki):
+    """With tokens on, another client's Abort finds nothing (and learns nothing); the owner's works."""
+    with public_channel(cluster, pki) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        it = stub.Generate(router_pb2.GenerateRequest(request_id="alices-story", text="Story:", sampling=greedy(48)),
+                           timeout=60, metadata=auth(ALICE))
+        next(it)
+        refused = stub.Abort(router_pb2.AbortRequest(request_id="alices-story"), timeout=10, metadata=auth(BOB))
+        assert not refused.found
+        next(it)                                       # still streaming to alice
+        assert stub.Abort(router_pb2.AbortRequest(request_id="alices-story"), timeout=10, metadata=auth(ALICE)).found
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in it:
+                pass
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert cluster.wait_workers_idle() == 0
