@@ -24,24 +24,48 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(model(torch.tensor(ids), torch.arange(n), ctx))
 
 
-def test_embedded_gguf_import_matches_transformers_own_gguf_loader(embedded_source):
-    """Our GGUF conversion (incl. undoing llama.cpp's q/k row permutation) gives the logits
-    transformers computes when it loads the same GGUF file itself."""
-    from pathlib import Path
-
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_gguf_of_each_architecture_serves_what_transformers_loads(arch, tmp_path):
+    """A GGUF of Qwen3, Qwen2 or Llama (converted through transformers' own loader) gives the
+    greedy tokens transformers generates from the same file."""
+    from helpers import hf_greedy
+    from tiny_gguf import write_tiny_gguf
     from transformers import AutoModelForCausalLM
 
-    from baton.models.source import _embedded_gguf
-    gguf = _embedded_gguf()
-    ref = AutoModelForCausalLM.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name,
-                                               dtype=torch.float32).eval()
-    ours = loader.build_model(embedded_source.hf_config, torch.float32, "cpu", CpuPlatform(torch.device("cpu")).ops)
-    loader.load_weights(ours, embedded_source.weights_path)
-    ids = [1, 9690, 198, 2683, 314, 253, 3575, 282, 4649, 47, 2, 198]
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0]
-    got = _logits(ours, ids)
-    assert torch.allclose(got, want, atol=2e-3, rtol=1e-3), (got - want).abs().max()
+    from baton.engine import LLM, SamplingParams
+    gguf = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
+    llm = LLM(str(gguf), cache_dir=str(tmp_path / "cache"), max_model_len=256, num_kv_blocks=64)
+    assert llm.engine.source.architecture.lower().startswith(arch)
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf.name, dtype=torch.float32).eval()
+    prompts = [[5, 70, 80, 90, 100], [3, 4, 200, 201, 202, 203, 50, 9, 9]]
+    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+    assert got == hf_greedy(ref, prompts, 12)
+
+
+def test_a_gguf_is_converted_once_per_machine_by_one_process(tmp_path):
+    """Two processes starting on a new GGUF at once: one converts (with progress), the other
+    waits for it; a copy of the same file elsewhere (another clone, another venv) reuses it."""
+    import subprocess
+    import sys
+
+    from tiny_gguf import write_tiny_gguf
+    gguf = write_tiny_gguf(tmp_path / "tiny-qwen3.gguf", "qwen3")
+    code = ("import sys; from baton.models.source import resolve_model; "
+            f"print(resolve_model(sys.argv[1], cache_dir={str(tmp_path / 'cache')!r}).weights_path)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(gguf)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    logs = "".join(err for _, err in outs)
+    assert logs.count("[baton] converting tiny-qwen3.gguf") == 1, logs
+    assert outs[0][0] == outs[1][0]
+    if "waiting for it" not in logs:        # the second came after the first finished: it must have reused it
+        assert logs.count("converted in") == 1
+    copy = tmp_path / "elsewhere" / "tiny-qwen3.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(gguf.read_bytes())
+    again = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout == outs[0][0] and "converting" not in again.stderr
 
 
 def test_embedded_tokenizer_keeps_the_chat_template(embedded_source):
