@@ -35,6 +35,7 @@ class RouterConfig:
     queue_timeout: float = 30.0         # longest wait for a slot
     max_per_client: int = 0             # requests one client may hold (queued or running)
     first_token_timeout: float = 120.0  # no first token by then: the attempt is retried elsewhere
+    max_migrations: int = 3             # times one stream may move to a survivor when its worker dies
     request_timeout: float = 0.0        # a deadline for requests whose client set none (0: none)
     generation_config: str = "auto"     # where unset sampling fields come from (engine/sampling_params.py)
 
@@ -44,6 +45,8 @@ class RouterConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0 = no limit)")
         if self.max_inflight < 1 or self.max_queued < 0:
             raise ValueError("--max-inflight must be >= 1 and --max-queued >= 0")
+        if self.max_migrations < 0:
+            raise ValueError("--max-migrations must be >= 0 (0 = a stream ends with its worker)")
         if self.request_timeout < 0:
             raise ValueError("--request-timeout must be >= 0 seconds (0 = no limit)")
         if self.queue_timeout <= 0 or self.first_token_timeout <= 0:
@@ -95,6 +98,9 @@ def add_auth_and_limits(p: argparse.ArgumentParser) -> None:
          help="requests one client (token, else address) may hold; 0: no limit")
     flag(a, "--first-token-timeout", type=float, default=120.0,
          help="seconds an attempt may take to produce its first token before it is retried elsewhere")
+    flag(a, "--max-migrations", type=int, default=3,
+         help="times one running stream may move to another worker when its worker dies (0: never; the "
+              "stream then ends UNAVAILABLE)")
     flag(a, "--request-timeout", type=float, default=0.0,
          help="seconds a request may take in all when its client set no deadline (0: no limit; a stream that "
               "makes progress is never cut)")
@@ -109,7 +115,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
                        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                        max_inflight=args.max_inflight, max_queued=args.max_queued, queue_timeout=args.queue_timeout,
                        max_per_client=args.max_per_client, first_token_timeout=args.first_token_timeout,
-                       request_timeout=args.request_timeout, generation_config=args.generation_config)
+                       max_migrations=args.max_migrations, request_timeout=args.request_timeout, generation_config=args.generation_config)
     cfg.validate()
     return cfg
 

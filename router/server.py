@@ -3,8 +3,8 @@
 A disaggregated request: pick a decode worker D and Admit (it reserves KV blocks), open
 D's token stream, ask a prefill worker P to prefill and push the KV to D, relay D's tokens
 to the client. Anything failing before the first token reaches the client is retried on
-other workers; after that the stream ends with a status. Cancel, Abort and deadlines
-propagate to both workers, which free the request's blocks.
+other workers; a worker lost after that is survived by migrating the stream to another
+(migration.py). Cancel, Abort and deadlines propagate to both workers, which free the request's blocks.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import grpc
 from baton.router import validation
 from baton.router.admission import Admission
 from baton.router.config import RouterConfig
+from baton.router.migration import Ledger
 from baton.router.policies import make_policy
 from baton.router.registry import Registry, Worker
 from baton.serving.grpc_server import ServiceError
@@ -30,6 +31,8 @@ from baton.v1 import decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc, worke
 log = logging.getLogger("baton.router")
 MAX_ATTEMPTS = 3
 ABORT_TIMEOUT_S = 2.0
+# a worker lost under a running stream (crashed, killed, drained): the stream may migrate
+MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.FAILED_PRECONDITION}
 
@@ -42,7 +45,7 @@ class Active:
     calls: list[tuple[Worker, str]] = field(default_factory=list)   # (worker, id used there)
     aborted: bool = False
     finished: bool = False
-    attempt: int = 0
+    attempt: int = -1                   # attempts so far (retries and migrations), from 0
 
     @property
     def worker_id(self) -> str:
@@ -62,6 +65,14 @@ class AttemptFailed(Exception):
         self.code, self.worker, self.suspects = code, worker, suspects
 
 
+class StreamBroke(Exception):
+    """The worker under a running stream is gone: the stream may migrate to a survivor."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, worker: Worker):
+        super().__init__(message)
+        self.code, self.worker = code, worker
+
+
 class RouterService:
     def __init__(self, registry: Registry, tokenizer, model_info: router_pb2.ModelInfo,
                  cfg: RouterConfig | None = None, sampling_defaults: dict | None = None):
@@ -79,6 +90,7 @@ class RouterService:
         self.auth = TokenAuth(cfg.auth_tokens) if cfg.auth_tokens else None
         self.server = None                  # the grpc_server.Server, whose `draining` we honour
         self.metrics = None
+        self._background: set[asyncio.Task] = set()
 
     def client_of(self, context) -> str:
         """Whom per-client limits count against: the bearer token's client, else the peer host."""
@@ -114,7 +126,7 @@ class RouterService:
         t0 = time.perf_counter()
         try:
             async with self.admission.slot(active.client, deadline):
-                async for resp in self._route(active, ids, sampling_to_proto(params), deadline):
+                async for resp in self._route(active, ids, params, deadline):
                     yield resp
             if self.metrics:
                 self.metrics.e2e.observe(time.perf_counter() - t0)
@@ -137,12 +149,61 @@ class RouterService:
             if not active.finished:
                 await self._abort_on_workers(active.calls)
 
-    async def _route(self, active: Active, ids: list[int], sampling, deadline: float):
-        loop = asyncio.get_running_loop()
+    async def _route(self, active: Active, ids: list[int], params, deadline: float):
+        """Stream the request to the client; if its worker dies mid-stream, migrate it and go on."""
+        ledger = Ledger(ids, params, self.tokenizer, self.cfg.max_migrations)
         tried: set[str] = set()
+        while True:
+            prompt, sampling = ledger.request()
+            try:
+                async for chunk in self._attempts(active, prompt, sampling_to_proto(sampling), deadline, tried):
+                    resp = ledger.relay(active.request_id, chunk)
+                    yield resp
+                    if resp.finish_reason != router_pb2.FINISH_REASON_UNSPECIFIED:
+                        # ended by the worker, or here (a stop string across a migration's seam)
+                        active.finished = chunk.finish_reason != router_pb2.FINISH_REASON_UNSPECIFIED
+                        return
+            except StreamBroke as exc:
+                why = ledger.why_not()
+                if why is None and not self.registry.healthy(exc.worker.role, tried | {exc.worker.address}):
+                    why = f"no other {exc.worker.role} worker is healthy"
+                if why is not None:
+                    self._count_migration("refused")
+                    raise ServiceError(exc.code, f"request {active.request_id}: {exc} after {len(ledger.tokens)} "
+                                                 f"token(s) and cannot migrate: {why}") from None
+                tried.add(exc.worker.address)
+                self._forget(active, active.worker_id)
+                ledger.migrate()
+                self._count_migration("migrated")
+                log.warning("request %s: %s after %d token(s); migrating (%d of at most %d)", active.request_id,
+                            exc, len(ledger.tokens), ledger.migrations, ledger.limit)
+                last = ledger.out_of_budget(active.request_id)
+                if last is not None:
+                    yield last
+                    active.finished = True
+                    return
+
+    def _count_migration(self, outcome: str) -> None:
+        if self.metrics:
+            self.metrics.migrations.labels(outcome).inc()
+
+    def _forget(self, active: Active, worker_id: str) -> None:
+        """Drop an attempt's calls; tell their workers to free the request (in the background:
+        a dead worker must not hold up the migration)."""
+        old = [c for c in active.calls if c[1] == worker_id]
+        active.calls = [c for c in active.calls if c[1] != worker_id]
+        for w, _ in old:
+            w.inflight -= 1
+        task = asyncio.ensure_future(self._abort_on_workers(old))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _attempts(self, active: Active, ids: list[int], sampling, deadline: float, tried: set[str]):
+        """Worker chunks for one prompt; failures before the first chunk are retried elsewhere."""
+        loop = asyncio.get_running_loop()
         last: AttemptFailed | None = None
-        for attempt in range(MAX_ATTEMPTS):
-            active.attempt = attempt
+        for _ in range(MAX_ATTEMPTS):
+            active.attempt += 1
             if loop.time() >= deadline:
                 raise TimeoutError(f"request {active.request_id} passed its deadline before starting")
             try:
@@ -150,9 +211,8 @@ class RouterService:
                     attempt = self._colocated(active, ids, sampling, deadline, tried)
                 else:
                     attempt = self._disaggregated(active, ids, sampling, deadline, tried)
-                async for resp in attempt:
-                    yield resp
-                active.finished = True
+                async for chunk in attempt:
+                    yield chunk
                 return
             except AttemptFailed as exc:
                 last = exc
@@ -226,8 +286,8 @@ class RouterService:
                 chunk = await first
             except grpc.aio.AioRpcError as exc:
                 raise _failed(exc, d, "decode stream") from exc
-            async for resp in self._relay(active.request_id, chunk, stream, d):
-                yield resp
+            async for rest in self._relay(chunk, stream, d):
+                yield rest
         finally:
             if not prefill.done():
                 prefill.cancel()
@@ -243,15 +303,13 @@ class RouterService:
             chunk = await _next(stream)
         except grpc.aio.AioRpcError as exc:
             raise _failed(exc, w, "generate") from exc
-        async for resp in self._relay(active.request_id, chunk, stream, w):
-            yield resp
+        async for rest in self._relay(chunk, stream, w):
+            yield rest
 
-    async def _relay(self, rid: str, chunk, stream, worker: Worker):
-        """Forward chunks; after the first one reaches the client there is no retry."""
+    async def _relay(self, chunk, stream, worker: Worker):
+        """The worker's chunks after the first; a worker lost mid-stream raises StreamBroke."""
         while chunk is not None:
-            yield router_pb2.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text,
-                                              finish_reason=chunk.finish_reason,
-                                              usage=chunk.usage if chunk.HasField("usage") else None)
+            yield chunk
             if chunk.finish_reason != router_pb2.FINISH_REASON_UNSPECIFIED:
                 return
             try:
@@ -259,10 +317,12 @@ class RouterService:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     worker.mark_down(exc.details() or "stream broke")
-                raise ServiceError(exc.code(), f"{worker.role} worker {worker.address} failed mid-stream: "
-                                               f"{exc.details()}") from exc
-        raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                           f"{worker.role} worker {worker.address} ended the stream without finishing")
+                what = f"{worker.role} worker {worker.address} failed mid-stream: {exc.code().name}: {exc.details()}"
+                if exc.code() in MIGRATABLE:
+                    raise StreamBroke(exc.code(), what, worker) from exc
+                raise ServiceError(exc.code(), what) from exc
+        raise StreamBroke(grpc.StatusCode.UNAVAILABLE,
+                          f"{worker.role} worker {worker.address} ended the stream without finishing", worker)
 
     async def _abort_on_workers(self, calls: list[tuple[Worker, str]]) -> None:
         """Best effort, bounded: the workers free the request's blocks (a no-op if finished)."""

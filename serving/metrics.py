@@ -37,6 +37,9 @@ class Metrics:
                                   buckets=HANDOVER_BUCKETS, registry=r)
         self.kv_landed = Histogram("baton_kv_landed_seconds", "prefill's last forward -> its KV landed on the "
                                    "decode worker (the handover's transfer part)", buckets=HANDOVER_BUCKETS, registry=r)
+        self.migrations = Counter("baton_migrations", "running streams whose worker died: moved to a survivor "
+                                  "(migrated) or ended (refused: no survivor or --max-migrations reached)",
+                                  ["outcome"], registry=r)
         self.step_seconds = Histogram("baton_step_seconds", "engine step time", ["kind"],
                                       buckets=LATENCY_BUCKETS, registry=r)
 

@@ -31,6 +31,7 @@ class Outcomes:
     statuses: collections.Counter = field(default_factory=collections.Counter)
     slowest_s: float = 0.0
     over_deadline: int = 0              # ended later than the deadline the client gave
+    details: dict = field(default_factory=dict)     # status -> the first message seen with it
 
     def add(self, result, expected: list[int] | None, seconds: float, deadline: float) -> None:
         self.sent += 1
@@ -41,6 +42,7 @@ class Outcomes:
             self.lost += 1
         elif isinstance(result, grpc.RpcError):
             self.statuses[result.code().name] += 1
+            self.details.setdefault(result.code().name, result.details())
         else:
             self.completed += 1
             if expected is not None and result != expected:
@@ -52,6 +54,7 @@ class Outcomes:
         self.wrong += other.wrong
         self.lost += other.lost
         self.statuses.update(other.statuses)
+        self.details = {**other.details, **self.details}
         self.slowest_s = max(self.slowest_s, other.slowest_s)
         self.over_deadline += other.over_deadline
 
@@ -65,10 +68,18 @@ class Outcomes:
         assert self.lost == 0 and self.wrong == 0 and self.over_deadline == 0, self.summary()
 
 
-def stream_ids(stub, req, timeout: float, metadata=None) -> list[int]:
+def stream_ids(stub, req, timeout: float, metadata=None, progress: list | None = None) -> list[int]:
+    """The stream's token ids; `progress` ([tokens so far, longest gap between chunks in s])
+    is kept current for whoever watches."""
     ids: list[int] = []
+    last = time.monotonic()
     for resp in stub.Generate(req, timeout=timeout, metadata=metadata):
         ids += resp.token_ids
+        if progress is not None:
+            now = time.monotonic()
+            if ids[len(resp.token_ids):]:          # gaps between chunks, not the wait for the first
+                progress[1] = max(progress[1], now - last)
+            progress[0], last = len(ids), now
     return ids
 
 
@@ -79,16 +90,34 @@ class Load:
         self.stub = stub
         self.pool = cf.ThreadPoolExecutor(workers)
         self.items: list[tuple[cf.Future, list[int] | None, float]] = []
+        self.progress: list[list] = []          # per request: [tokens received, longest gap (s)]
 
     def submit(self, req, expected: list[int] | None, deadline: float) -> None:
+        progress = [0, 0.0]
+        self.progress.append(progress)
+
         def run():
             t0 = time.monotonic()
             try:
-                result = stream_ids(self.stub, req, deadline)
+                result = stream_ids(self.stub, req, deadline, progress=progress)
             except grpc.RpcError as exc:
                 result = exc
             return result, time.monotonic() - t0
         self.items.append((self.pool.submit(run), expected, deadline))
+
+    def wait_streaming(self, min_tokens: int, timeout: float = 60.0) -> None:
+        """Until every request has streamed at least `min_tokens` tokens (or ended)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(p[0] >= min_tokens or f.done() for p, (f, _, _) in zip(self.progress, self.items, strict=True)):
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"streams did not get going: {[p[0] for p in self.progress]}")
+
+    @property
+    def longest_gap_s(self) -> float:
+        """The longest a stream waited between two chunks: a migration's stall, as the client sees it."""
+        return max((p[1] for p in self.progress), default=0.0)
 
     def wait(self) -> Outcomes:
         out = Outcomes()

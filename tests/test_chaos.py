@@ -38,6 +38,8 @@ PROMPTS = ["The quick brown fox", "def quicksort(arr):", "1, 2, 3,", "Once upon 
 LONG_PROMPTS = [f"Chapter {i}. " + "The river ran past the old mill and the miller counted sacks. " * 14
                 for i in range(2)]
 N_TOKENS = 6
+STORIES = [f"Story {i}: once upon a time" for i in range(12)]
+STORY_TOKENS = 80
 FIRST_TOKEN_TIMEOUT_S = 8
 
 
@@ -96,26 +98,68 @@ def test_round_robin_spreads_requests_over_every_worker(cluster, known):
     assert settle(cluster) == 0
 
 
-def test_sigkill_of_a_decode_worker_mid_stream(cluster, known, reliability):
+@pytest.fixture(scope="module")
+def known_long(embedded_llm):
+    """The fault-free greedy tokens of the long streams a migration must reproduce exactly."""
+    outs = embedded_llm.generate(STORIES, SamplingParams(temperature=0, max_tokens=STORY_TOKENS, ignore_eos=True))
+    return {p: o.token_ids for p, o in zip(STORIES, outs, strict=True)}
+
+
+def story_load(cluster, known_long, n: int = 24, ids: dict[int, str] | None = None) -> Load:
+    load = Load(cluster.stub(), workers=n)
+    for i in range(n):
+        p = STORIES[i % len(STORIES)]
+        load.submit(router_pb2.GenerateRequest(text=p, sampling=greedy(STORY_TOKENS), request_id=(ids or {}).get(i, "")),
+                    known_long[p], 120)
+    return load
+
+
+def test_sigkill_of_a_decode_worker_mid_stream_migrates_every_stream(cluster, known_long, reliability):
+    """24 greedy streams on both decode workers; one is killed mid-stream: the router moves
+    its streams to the survivor and every client gets exactly the fault-free tokens."""
     victim = cluster.worker("decode-1")
-    stub = cluster.stub()
-    streams = Load(stub, workers=8)
-    for i in range(8):
-        streams.submit(router_pb2.GenerateRequest(text=f"Story {i}: once upon a time", sampling=greedy(150)),
-                       None, 120)
-    time.sleep(2.5)                        # streams are under way on both decode workers
+    load = story_load(cluster, known_long)
+    load.wait_streaming(5)
+    on_victim = victim.status().running
+    t0 = time.monotonic()
     victim.kill()
-    during = known_load(cluster, known, 8)
-    out = streams.wait()
-    ka = during.wait()
+    out = load.wait()
     out.assert_clean()
-    ka.assert_clean()
-    assert set(out.statuses) <= {"UNAVAILABLE"} and out.completed > 0, out.summary()
-    assert ka.completed == ka.sent, ka.summary()          # the survivor answers correctly meanwhile
-    cluster.wait_health(victim.address, healthy=False)
+    assert out.completed == out.sent == 24, out
+    assert on_victim > 0
     leaked = settle(cluster)
-    out.merge(ka)
-    reliability.record("SIGKILL decode mid-stream", out, leaked_blocks=leaked)
+    reliability.record("SIGKILL decode mid-stream (24 streams)", out, leaked_blocks=leaked, migrated=on_victim,
+                       lost=0, client_stall_s=round(load.longest_gap_s, 2),
+                       all_done_after_kill_s=round(time.monotonic() - t0, 1))
+    assert leaked == 0
+
+
+def test_the_same_decode_worker_killed_again_and_aborts_during_the_migration(cluster, known_long, reliability):
+    """decode-1 back, then killed again under 24 streams, and 8 of them aborted by their
+    clients right as they migrate: the aborted end CANCELLED (or finish, if they were done), the
+    others finish exactly, and no block stays held anywhere."""
+    victim = cluster.worker("decode-1")
+    victim.start(cluster.env, cluster.log_dir)
+    victim.wait_ready()
+    cluster.wait_health(victim.address, healthy=True)
+    ids = {i: f"migrating-abort-{i}" for i in range(0, 24, 3)}
+    load = story_load(cluster, known_long, ids=ids)
+    load.wait_streaming(5)
+    assert victim.status().running > 0
+    stub = cluster.stub()
+    victim.kill()
+    found = [stub.Abort(router_pb2.AbortRequest(request_id=rid), timeout=5).found for rid in ids.values()]
+    out = load.wait()
+    out.assert_clean()
+    assert set(out.statuses) <= {"CANCELLED"}, out
+    assert out.completed + out.statuses["CANCELLED"] == 24 and out.completed >= 16, out
+    assert out.statuses["CANCELLED"] == sum(found), (out, found)
+    leaked = settle(cluster)
+    reliability.record("SIGKILL the same decode again, 8 clients abort as it migrates", out, leaked_blocks=leaked,
+                       client_stall_s=round(load.longest_gap_s, 2))
+    victim.start(cluster.env, cluster.log_dir)
+    victim.wait_ready()
+    cluster.wait_health(victim.address, healthy=True)
     assert leaked == 0
 
 
