@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from baton.router.config import add_auth_and_limits, add_generation_config
+from baton.router.config import add_auth_and_limits, add_generation_config, add_http_api
 from baton.router.config import build_parser as router_parser
 from baton.serving.grpc_server import port_is_free
 from baton.serving.options import flag, parser
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag(t, "--prefill-devices", help="comma list, one per prefill instance (unset: --device)")
     flag(t, "--decode-devices", help="comma list, one per decode instance (unset: --device)")
     add_generation_config(p)
+    add_http_api(p)
     add_auth_and_limits(p)
     flag(p, "--policy", default="least_loaded", choices=("round_robin", "least_loaded", "prefix_aware"),
          help="how the router picks a worker for a request")
@@ -67,7 +68,7 @@ def serve(args: argparse.Namespace) -> int:
     taken = [f"{host}:{port} ({what})" for port, what in _ports(args) if not port_is_free(host, port)]
     if taken:          # before anything starts: a second `baton serve` must not report the first one's stack
         print(f"baton serve: {', '.join(taken)} in use (another Baton stack?): stop it, or pick other ports "
-              "with --port / --metrics-port", file=sys.stderr)
+              "with --port / --http-port / --metrics-port", file=sys.stderr)
         return 1
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if "cpu" in (args.device, args.prefill_devices, args.decode_devices):
@@ -87,6 +88,10 @@ def serve(args: argparse.Namespace) -> int:
         sup.start(router)
         sup.wait_ready(router, START_TIMEOUT_S)
         print(f"baton is serving on {router.address}  (try: {_try_command(args, router.address)})", flush=True)
+        if args.http_port:
+            scheme = "https" if args.tls_cert else "http"
+            print(f"OpenAI-compatible API on {scheme}://{args.host}:{args.http_port}/v1  (try: curl "
+                  f"{scheme}://{args.host}:{args.http_port}/v1/models)", flush=True)
         while not stopping.is_set():
             if not sup.tick():
                 sup.stop_all()
@@ -102,6 +107,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def _ports(args) -> list[tuple[int, str]]:
     ports = [(args.port, "the router's --port")]
+    if args.http_port:
+        ports.append((args.http_port, "the OpenAI API's --http-port (0: off)"))
     if args.metrics_port:
         n = args.instances if args.colocated else args.prefill_instances + args.decode_instances
         ports += [(args.metrics_port + i, "--metrics-port and the ports after it") for i in range(n + 1)]

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Every CUDA measurement of the engine in one device lease (the device tool runs it from the
 # repo root; results land in $OUT). Needs only what the GPU image has, plus the tokenizer
-# files carried in .carry/tokenizer (presets use SmolLM2's tokenizer for text).
+# files carried in .carry/tokenizer (presets use SmolLM2's tokenizer for text) and the wheels the
+# image lacks, in .carry/whl (both gitignored; rebuild them each session):
+#   pip download -d .carry/whl --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_28_x86_64 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
+#     grpcio-reflection==1.85.1 protobuf==7.36.2 'aiohttp>=3.9,<4'
 #   bash benchmarks/cuda_session.sh            # all steps
 #   STEPS="parity graphs" bash benchmarks/cuda_session.sh
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
@@ -10,7 +14,8 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 BATON_TOKENIZER="$PWD/.carry/tokenizer"
 if [ -d .carry/whl ]; then    # the stubs need the grpcio/protobuf they were generated with
   python3 -m pip install -q --no-deps --no-index --find-links .carry/whl --target /tmp/site grpcio \
-    grpcio-health-checking grpcio-reflection protobuf 2>&1 | tail -3
+    grpcio-health-checking grpcio-reflection protobuf aiohttp multidict yarl frozenlist aiosignal propcache \
+    aiohappyeyeballs 2>&1 | tail -3
   export PYTHONPATH="/tmp/site"
   python3 -c "import grpc, google.protobuf as p; print('grpcio', grpc.__version__, 'protobuf', p.__version__)"
 fi
@@ -31,6 +36,10 @@ for step in $STEPS; do
               2>"$OUT/graphs.log" | tee "$OUT/graphs.jsonl" ;;
     profile) timeout 150 python3 -m baton.benchmarks.profile_steps --model qwen3-0.6b --batch 256 --context 512 \
               2>"$OUT/profile.log" | tee "$OUT/profile.jsonl" ;;
+    migration) timeout 500 python3 -m baton.benchmarks.migration --model qwen3-0.6b --devices cuda:0,cuda:1 \
+              --kv-backend direct --streams 24 --max-tokens 256 --worker-args "--num-kv-blocks 2048" \
+              --output "$OUT/migration-qwen3-0.6b-h200x2.json" --log-dir "$OUT/migration-logs" \
+              2>"$OUT/migration.log" | tail -40 ;;
     b1)     timeout 200 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 ${B1_ARGS:-} \
               --output "$OUT/b1-qwen3-0.6b-baton${B1_TAG:-}.json" 2>&1 | tail -15 ;;
     b1s)    timeout 120 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 --num-seqs 64 \

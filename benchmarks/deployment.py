@@ -36,6 +36,7 @@ class Deployment:
     workers: list[dict]                         # role, address, device, metrics_url, log
     children: list[Child] = field(default_factory=list)
     log_dir: Path | None = None
+    http_url: str = ""                          # the router's OpenAI API
 
     @property
     def metrics_urls(self) -> list[str]:
@@ -46,7 +47,8 @@ class Deployment:
         return [w["device"] for w in self.workers]
 
     def describe(self) -> dict:
-        return {"topology": self.topology, "router": self.router_address, "workers": self.workers,
+        return {"topology": self.topology, "router": self.router_address, "http": self.http_url,
+                "workers": self.workers,
                 "log_dir": str(self.log_dir) if self.log_dir else None}
 
     def stop(self) -> None:
@@ -118,8 +120,10 @@ def launch(topology: str, model: str, devices: list[str], worker_args: list[str]
             if addrs:
                 flags += [f"--{role}", ",".join(addrs)]
         dep.router_address = f"{host}:{port}"
+        http_port = free_port(host)
+        dep.http_url = f"http://{host}:{http_port}/v1"          # the OpenAI API, for OpenAI-API load tools
         cmd = [sys.executable, "-m", "baton.router", "--host", host, "--port", str(port), "--model", model,
-               *flags, *router_args]
+               "--http-port", str(http_port), *flags, *router_args]
         _wait(start("router", cmd, dep.router_address), log_dir)
     except BaseException:
         dep.stop()

@@ -262,7 +262,7 @@ def run_tests(out_dir: Path) -> dict:
 def environment() -> dict:
     import triton
     props = torch.cuda.get_device_properties(0)
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    env = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
            "triton": triton.__version__, "cuda": torch.version.cuda}
     try:

@@ -18,7 +18,7 @@ DEFAULT_DIR = Path("bench-results")
 
 
 def now_iso() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
 def default_output(benchmark: str, smoke: bool) -> Path:

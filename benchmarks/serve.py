@@ -247,11 +247,16 @@ def run(args: argparse.Namespace, rec: dict) -> None:
                               "tpot_ms_all": args.slo_tpots_ms, "goodput_attainment": GOODPUT_ATTAINMENT},
                       "topologies": topologies, "recommendation": recommend(topologies, args.slo_tpots_ms),
                       "plots": []}
+    record.write(rec, out)                  # the figures are safe before any plot is tried
     if not args.no_plots:
-        from baton.benchmarks.plots import plot_sweep
-        paths = plot_sweep({n: t["rates"] for n, t in topologies.items()}, _s(args.slo_ttft_ms),
-                           _s(args.slo_tpots_ms[0]), out.with_suffix(""))
-        rec["results"]["plots"] = [str(p) for p in paths]
+        try:
+            from baton.benchmarks.plots import plot_sweep
+            paths = plot_sweep({n: t["rates"] for n, t in topologies.items()}, _s(args.slo_ttft_ms),
+                               _s(args.slo_tpots_ms[0]), out.with_suffix(""))
+            rec["results"]["plots"] = [str(p) for p in paths]
+        except ImportError:
+            print(f"[bench] no plots: matplotlib is not installed (pip install 'baton[bench]'); the results are "
+                  f"in {out}", file=sys.stderr, flush=True)
     for name, t in topologies.items():
         g = t["goodput_rate"]
         print(f"[bench] {name}: goodput {'none' if g is None else f'{g:g} req/s'}", file=sys.stderr, flush=True)

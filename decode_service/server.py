@@ -233,7 +233,7 @@ class DecodeWorker(EngineWorker):
                 item = await self._next_output(r, deadline - loop.time())
                 finished = item.finished
                 if finished:
-                    self.metrics.requests.labels(item.finish_reason or "stop").inc()
+                    self.metrics.requests.labels(self.metrics.model, item.finish_reason or "stop").inc()
                 yield chunk_from_output(item, self._handover(r) if first else 0.0)
                 first = False
         finally:
@@ -247,9 +247,9 @@ class DecodeWorker(EngineWorker):
         wait = min(remaining, STREAM_IDLE_LIMIT_S)
         try:
             if wait <= 0:
-                raise asyncio.TimeoutError
+                raise TimeoutError
             item = await asyncio.wait_for(r.queue.get(), wait)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if wait < remaining:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"request {r.request_id}: the decode engine produced "
                                    f"no token for {STREAM_IDLE_LIMIT_S:.0f}s") from None

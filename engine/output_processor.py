@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from baton.engine.detokenizer import IncrementalDetokenizer
+from baton.engine.detokenizer import make_detokenizer
 from baton.engine.sequence import FinishReason, Sequence
 
 
@@ -42,7 +42,7 @@ class RequestState:
         self.seq = seq
         self.stops = list(seq.params.stop)
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
-        self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids[:seq.num_prompt_tokens]) \
+        self.detok = make_detokenizer(tokenizer, seq.token_ids[:seq.num_prompt_tokens]) \
             if tokenizer is not None else None
         self.emitted_tokens = 0
         self.emitted_chars = 0

@@ -21,7 +21,7 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-class FinishReason(str, Enum):
+class FinishReason(str, Enum):  # noqa: UP042  (str() of a member stays "FinishReason.STOP")
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"

@@ -63,6 +63,7 @@ class PrefillWorker(EngineWorker):
         self.tasks: dict[str, asyncio.Task] = {}
         self.senders: dict[tuple[str, str], KVSender] = {}     # (decode address, backend) -> sender
         self.channels: dict[tuple[str, str], object] = {}     # ...and the channel this worker opened for it
+        self.handshakes: dict[tuple[str, str], asyncio.Future] = {}   # ...and its handshake, awaited by all
         self.kv_auth = KVPeerAuth(cfg.kv_secret) if cfg.kv_secret else None
         self.layout = None
 
@@ -82,17 +83,22 @@ class PrefillWorker(EngineWorker):
             await self._drop_sender(key)
 
     async def sender_for(self, address: str, backend: str, timeout: float) -> KVSender:
-        sender = self.senders.get((address, backend))
+        """The handshaken sender to a decode worker; concurrent first requests share one handshake."""
+        key = (address, backend)
+        sender = self.senders.get(key)
         if sender is None:       # over TLS (mutual, with our certificate) when this worker runs TLS
             channel = open_channel(address, self.cfg.tls, options=channel_options())
             sender = make_sender(backend, address, channel, self.llm.platform, auth=self.kv_auth,
                                  nccl=self.cfg.kv_nccl, stall_s=self.cfg.kv_fault_stall_s)
-            self.senders[(address, backend)], self.channels[(address, backend)] = sender, channel
-            try:
-                await asyncio.wait_for(sender.handshake(self.layout), timeout)   # mismatch: a clear error
-            except BaseException:
-                await self._drop_sender((address, backend))
-                raise
+            self.senders[key], self.channels[key] = sender, channel
+            self.handshakes[key] = asyncio.ensure_future(sender.handshake(self.layout))
+            self.handshakes[key].add_done_callback(_retrieve)
+        try:
+            await asyncio.wait_for(asyncio.shield(self.handshakes[key]), timeout)   # mismatch: a clear error
+        except BaseException:
+            if self.senders.get(key) is sender:
+                await self._drop_sender(key)
+            raise
         return sender
 
     async def prefill(self, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
@@ -115,7 +121,7 @@ class PrefillWorker(EngineWorker):
         self.tasks[rid] = asyncio.current_task()
         try:
             return await asyncio.wait_for(self._run(rid, prompt, params, req.handoff, backend, timeout), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(f"prefill of {rid} did not finish within {timeout:.1f}s") from None
         finally:
             self.requests_served += 1
@@ -204,6 +210,9 @@ class PrefillWorker(EngineWorker):
     def _drop_sender(self, key: tuple[str, str]):
         """Forget a sender now (the next request handshakes afresh); returns the coroutine that
         closes it and the channel this worker opened for it."""
+        handshake = self.handshakes.pop(key, None)
+        if handshake is not None and not handshake.done():
+            handshake.cancel()
         return _close(self.senders.pop(key, None), self.channels.pop(key, None))
 
     def abort_request(self, rid: str) -> bool:
@@ -212,6 +221,11 @@ class PrefillWorker(EngineWorker):
         if task is not None:
             task.cancel()
         return task is not None
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _close(sender: KVSender | None, channel) -> None:

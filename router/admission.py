@@ -76,7 +76,7 @@ class Admission:
         wait = min(self.queue_timeout, deadline - loop.time())
         try:
             await asyncio.wait_for(asyncio.shield(waiter), max(0.0, wait))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._drop(waiter)
             self.refused += 1
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,

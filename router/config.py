@@ -35,6 +35,8 @@ class RouterConfig:
     queue_timeout: float = 30.0         # longest wait for a slot
     max_per_client: int = 0             # requests one client may hold (queued or running)
     first_token_timeout: float = 120.0  # no first token by then: the attempt is retried elsewhere
+    http_port: int = 8000               # the OpenAI-compatible API (0: off)
+    served_model_name: list[str] = field(default_factory=list)   # names the HTTP API answers to
     max_migrations: int = 3             # times one stream may move to a survivor when its worker dies
     request_timeout: float = 0.0        # a deadline for requests whose client set none (0: none)
     generation_config: str = "auto"     # where unset sampling fields come from (engine/sampling_params.py)
@@ -45,6 +47,8 @@ class RouterConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0 = no limit)")
         if self.max_inflight < 1 or self.max_queued < 0:
             raise ValueError("--max-inflight must be >= 1 and --max-queued >= 0")
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"--http-port must be a port number (0: no HTTP API), got {self.http_port}")
         if self.max_migrations < 0:
             raise ValueError("--max-migrations must be >= 0 (0 = a stream ends with its worker)")
         if self.request_timeout < 0:
@@ -72,8 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     flag(p, "--policy", default="least_loaded", choices=POLICIES, help="how a worker is picked for a request")
     flag(p, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
     add_generation_config(p)
+    add_http_api(p)
     add_auth_and_limits(p)
     return p
+
+
+def add_http_api(p: argparse.ArgumentParser) -> None:
+    """The OpenAI-compatible API's flags (also `baton serve`'s, passed on to its router)."""
+    h = p.add_argument_group("OpenAI-compatible HTTP API")
+    flag(h, "--http-port", type=int, default=8000,
+         help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health); "
+              "0: off")
+    flag(h, "--served-model-name", default="",
+         help="model name(s) the HTTP API answers to, comma-separated (unset: the model's own name)")
 
 
 def add_generation_config(p: argparse.ArgumentParser) -> None:
@@ -115,7 +130,9 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
                        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                        max_inflight=args.max_inflight, max_queued=args.max_queued, queue_timeout=args.queue_timeout,
                        max_per_client=args.max_per_client, first_token_timeout=args.first_token_timeout,
-                       max_migrations=args.max_migrations, request_timeout=args.request_timeout, generation_config=args.generation_config)
+                       max_migrations=args.max_migrations, http_port=args.http_port,
+                       served_model_name=_addresses(args.served_model_name), request_timeout=args.request_timeout,
+                       generation_config=args.generation_config)
     cfg.validate()
     return cfg
 

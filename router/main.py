@@ -8,6 +8,7 @@ from baton.engine.sampling_params import sampling_defaults
 from baton.engine.tokenizer import eos_token_ids, load_tokenizer
 from baton.models.source import resolve_model
 from baton.router.config import RouterConfig, parse_router_args
+from baton.router.openai_api import OpenAIServer
 from baton.router.registry import Registry
 from baton.router.server import RouterService, RouterServicer
 from baton.serving.grpc_server import Server, run_server
@@ -24,12 +25,17 @@ async def serve(cfg: RouterConfig) -> None:
                     max_concurrent_rpcs=cfg.max_inflight + cfg.max_queued + 256)
     metrics = Metrics("router")
     metrics.serve(cfg.metrics_port, cfg.host)
+    http = None
+    if cfg.http_port:
+        http = OpenAIServer(None, cfg, "")
+        await http.start()
     source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer)
     tokenizer = load_tokenizer(source)
     hf = source.hf_config
     info = router_pb2.ModelInfo(name=source.name, architecture=source.architecture,
                                 max_model_len=getattr(hf, "max_position_embeddings", 0), vocab_size=hf.vocab_size,
                                 eos_token_ids=eos_token_ids(source, tokenizer))
+    metrics.serving_model(source.name)
     registry = Registry(cfg.prefill, cfg.decode, cfg.colocated, source.name, tls=cfg.tls)
     await registry.start()
     svc = RouterService(registry, tokenizer, info, cfg,
@@ -37,13 +43,18 @@ async def serve(cfg: RouterConfig) -> None:
     svc.auth, svc.metrics, svc.server = auth, metrics, server
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(svc), server.server)
     await server.start()
+    if http is not None:
+        http.attach(svc, source.name)
     healthy = sum(w.healthy for w in registry.workers)
     security = ("TLS" + (", mutual" if cfg.tls.require_client_cert else "")) if cfg.tls.cert else "plaintext"
     if svc.auth:
         security += f", bearer tokens for {len(set(cfg.auth_tokens.values()))} client(s)"
-    print(f"[baton] router ready on {server.address} ({healthy}/{len(registry.workers)} workers healthy, "
+    api = f", OpenAI API on {http.address}" if http is not None else ""
+    print(f"[baton] router ready on {server.address}{api} ({healthy}/{len(registry.workers)} workers healthy, "
           f"policy {cfg.policy}, {security})", file=sys.stderr, flush=True)
     await server.wait_for_signal(cfg.grace_seconds, busy=lambda: len(svc.active))
+    if http is not None:
+        await http.stop()
     await registry.stop()
 
 

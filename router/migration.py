@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from baton.engine.detokenizer import IncrementalDetokenizer
+from baton.engine.detokenizer import make_detokenizer
 from baton.engine.sampling_params import SamplingParams
 from baton.v1 import router_pb2
 
@@ -34,7 +34,7 @@ class Ledger:
         self.migrations = 0
         self.tokens: list[int] = []     # sent to the client
         self.sent_chars = 0             # length of the text sent to the client
-        self.detok: IncrementalDetokenizer | None = None   # the router's own text, once migrated
+        self.detok = None                # the router's own text, once migrated
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
 
     @property
@@ -64,7 +64,7 @@ class Ledger:
         """Before the next attempt: take over the text from here on."""
         self.migrations += 1
         if self.detok is None and self.tokenizer is not None:
-            self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt)
+            self.detok = make_detokenizer(self.tokenizer, self.prompt)
             for t in self.tokens:
                 self.detok.add(t)
 

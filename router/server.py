@@ -65,6 +65,55 @@ class AttemptFailed(Exception):
         self.code, self.worker, self.suspects = code, worker, suspects
 
 
+class RequestClock:
+    """One request's figures for the router's metrics: queue time, TTFT, ITL, E2E, tokens, status."""
+
+    def __init__(self, metrics, prompt_tokens: int):
+        self.m, self.model = metrics, metrics.model
+        self.prompt_tokens = prompt_tokens
+        self.t0 = self.last = time.perf_counter()
+        self.tokens = 0
+        self.status = "unavailable"             # until it ends otherwise
+        self.running = False
+        self.m.router_waiting.labels(self.model).inc()
+
+    def admitted(self) -> None:
+        now = time.perf_counter()
+        self.m.queue_seconds.labels(self.model).observe(now - self.t0)
+        self.m.router_waiting.labels(self.model).dec()
+        self.m.router_running.labels(self.model).inc()
+        self.running = True
+
+    def sent(self, resp) -> None:
+        now = time.perf_counter()
+        n = len(resp.token_ids)
+        if n:
+            if self.tokens == 0:
+                self.m.ttft.labels(self.model).observe(now - self.t0)
+                gaps = n - 1                    # tokens arriving together: zero-length intervals
+                gap = 0.0
+            else:
+                gaps, gap = n, (now - self.last) / n
+            for _ in range(gaps):
+                self.m.itl.labels(self.model).observe(gap)
+            self.tokens += n
+            self.last = now
+        if resp.finish_reason:
+            self.status = {1: "stop", 2: "length", 3: "abort"}.get(resp.finish_reason, "stop")
+
+    def done(self) -> None:
+        m, model = self.m, self.model
+        if self.running:
+            m.router_running.labels(model).dec()
+        else:
+            m.router_waiting.labels(model).dec()
+        m.requests.labels(model, self.status).inc()
+        m.prompt_tokens.labels(model).inc(self.prompt_tokens)
+        m.generation_tokens.labels(model).inc(self.tokens)
+        if self.status in ("stop", "length"):
+            m.e2e.labels(model).observe(time.perf_counter() - self.t0)
+
+
 class StreamBroke(Exception):
     """The worker under a running stream is gone: the stream may migrate to a survivor."""
 
@@ -123,26 +172,34 @@ class RouterService:
         deadline = loop.time() + limit
         active = Active(rid, asyncio.current_task(), self.client_of(context))
         self.active[rid] = active
-        t0 = time.perf_counter()
+        clock = RequestClock(self.metrics, len(ids)) if self.metrics else None
         try:
             async with self.admission.slot(active.client, deadline):
+                if clock:
+                    clock.admitted()
                 async for resp in self._route(active, ids, params, deadline):
+                    if clock:
+                        clock.sent(resp)
                     yield resp
-            if self.metrics:
-                self.metrics.e2e.observe(time.perf_counter() - t0)
         except (ServiceError, TimeoutError) as exc:
             timed_out = isinstance(exc, TimeoutError) or exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            if clock:
+                clock.status = "deadline_exceeded" if timed_out else exc.code.name.lower()
             if not timed_out or loop.time() < deadline:
                 raise
             # whichever hop noticed first, the cause is the request's own deadline: say whose
             whose = ("its client's deadline" if remaining is not None else
                      f"the router's --request-timeout of {self.cfg.request_timeout:g}s (its client set no deadline)")
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} reached {whose}") from None
-        except asyncio.CancelledError:
-            if active.aborted:        # Abort RPC: end the stream with a status, not a silent cancel
+        except (asyncio.CancelledError, GeneratorExit) as exc:
+            if clock:
+                clock.status = "cancelled"
+            if active.aborted and isinstance(exc, asyncio.CancelledError):    # Abort RPC: end the stream with a status, not a silent cancel
                 raise ServiceError(grpc.StatusCode.CANCELLED, f"request {rid} aborted") from None
             raise
         finally:
+            if clock:
+                clock.done()
             self.active.pop(rid, None)
             for w, _ in active.calls:
                 w.inflight -= 1
@@ -356,9 +413,18 @@ KV_BACKEND_PREFERENCE = ("direct", "memory", "grpc")     # device to device firs
 
 
 def kv_backend(prefill: Worker, decode: Worker) -> str:
-    """The best KV transport both workers speak ("": let the decode worker choose)."""
+    """The best KV transport both workers speak ("": let the decode worker choose). Two workers
+    on one accelerator can't be the two ranks of a NCCL / HCCL pair: they use grpc."""
     common = set(prefill.status.kv_backends) & set(decode.status.kv_backends)
+    if _same_accelerator(prefill, decode):
+        common.discard("direct")
     return next((b for b in KV_BACKEND_PREFERENCE if b in common), "")
+
+
+def _same_accelerator(a: Worker, b: Worker) -> bool:
+    device = a.status.device
+    return (bool(device) and device != "cpu" and device == b.status.device
+            and a.address.rsplit(":", 1)[0] == b.address.rsplit(":", 1)[0])
 
 
 async def _next(stream):

@@ -20,14 +20,31 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.role = role
-        self.requests = Counter("baton_requests", "requests finished, by status", ["status"], registry=r)
-        self.ttft = Histogram("baton_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("baton_itl_seconds", "inter-token latency", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("baton_e2e_seconds", "request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.model = ""                 # set by `serving_model` once the model is known
+        self.info = Gauge("baton_model_info", "1, labelled with the model this process serves and its role",
+                          ["model", "role"], registry=r)
+        # the router's view of each request, per model (what vLLM users chart)
+        m = ["model"]
+        self.requests = Counter("baton_requests", "requests finished, by how: stop / length / abort, or the "
+                                "error status (unavailable, cancelled, ...)", [*m, "status"], registry=r)
+        self.ttft = Histogram("baton_ttft_seconds", "request arrival -> its first token sent to the client",
+                              m, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("baton_itl_seconds", "time between two tokens sent to the client (a chunk of n "
+                             "tokens counts n intervals)", m, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("baton_e2e_seconds", "request arrival -> its last token", m, buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.queue_seconds = Histogram("baton_queue_seconds", "time waiting for the router's admission slot",
+                                       m, buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("baton_prompt_tokens", "prompt tokens of finished requests", m, registry=r)
+        self.generation_tokens = Counter("baton_generation_tokens", "tokens sent to clients", m, registry=r)
+        self.router_running = Gauge("baton_router_running", "requests routed to workers now", m, registry=r)
+        self.router_waiting = Gauge("baton_router_waiting", "requests queued for an admission slot now", m,
+                                    registry=r)
         self.running = Gauge("baton_running", "sequences running", registry=r)
         self.waiting = Gauge("baton_waiting", "sequences waiting (incl. KV not yet arrived)", registry=r)
         self.kv_blocks_total = Gauge("baton_kv_blocks_total", "KV cache blocks", registry=r)
         self.kv_blocks_free = Gauge("baton_kv_blocks_free", "KV cache blocks free", registry=r)
+        self.kv_usage = Gauge("baton_kv_cache_usage_ratio", "share of KV cache blocks in use (0..1)", registry=r)
         self.kv_transfer_bytes = Counter("baton_kv_transfer_bytes", "KV bytes moved", ["direction"], registry=r)
         self.kv_transfer_seconds = Histogram("baton_kv_transfer_seconds", "KV transfer latency",
                                              buckets=LATENCY_BUCKETS, registry=r)
@@ -43,6 +60,10 @@ class Metrics:
         self.step_seconds = Histogram("baton_step_seconds", "engine step time", ["kind"],
                                       buckets=LATENCY_BUCKETS, registry=r)
 
+    def serving_model(self, name: str) -> None:
+        self.model = name
+        self.info.labels(name, self.role).set(1)
+
     def serve(self, port: int | None, host: str = "127.0.0.1") -> None:
         if port is None:
             return
@@ -57,3 +78,45 @@ class Metrics:
         self.waiting.set(waiting)
         self.kv_blocks_total.set(total)
         self.kv_blocks_free.set(free)
+        self.kv_usage.set((total - free) / total if total else 0.0)
+
+
+RECORDED_BY = {
+    "baton_model_info": "every process", "baton_requests": "router; decode, colocated (their own requests)",
+    "baton_ttft_seconds": "router", "baton_itl_seconds": "router", "baton_e2e_seconds": "router",
+    "baton_queue_seconds": "router", "baton_prompt_tokens": "router", "baton_generation_tokens": "router",
+    "baton_router_running": "router", "baton_router_waiting": "router", "baton_migrations": "router",
+    "baton_running": "workers", "baton_waiting": "workers", "baton_kv_blocks_total": "workers",
+    "baton_kv_blocks_free": "workers", "baton_kv_cache_usage_ratio": "workers",
+    "baton_kv_transfer_bytes": "prefill (out), decode (in)", "baton_kv_transfer_seconds": "prefill",
+    "baton_kv_transfer_failures": "prefill (send), decode (receive)", "baton_handover_seconds": "decode",
+    "baton_kv_landed_seconds": "decode", "baton_step_seconds": "workers",
+}
+
+
+def table() -> str:
+    """docs/metrics.md: every metric a Baton process exports, from the definitions above."""
+    lines = ["# Metrics", "",
+             "Every Baton process serves Prometheus metrics on `--metrics-port` (`/metrics`). The router's",
+             "request metrics are labelled by `model`; `baton_model_info{model, role}` names what each process",
+             "serves. Counters are exported with the `_total` suffix, histograms as `_bucket` / `_sum` / `_count`.",
+             "Generated by `python -m baton.serving.metrics > docs/metrics.md` (a test keeps it in step).", "",
+             "| name | type | labels | recorded by | meaning |", "| --- | --- | --- | --- | --- |"]
+    for fam in sorted(Metrics("any").registry.collect(), key=lambda f: f.name):
+        kind = {"counter": "counter", "gauge": "gauge", "histogram": "histogram"}[fam.type]
+        name = fam.name + ("_total" if kind == "counter" else "")
+        labels = ", ".join(_labels(fam.name)) or "-"
+        lines.append(f"| `{name}` | {kind} | {labels} | {RECORDED_BY[fam.name]} | {fam.documentation} |")
+    return "\n".join(lines) + "\n"
+
+
+def _labels(name: str) -> tuple[str, ...]:
+    m = Metrics("any")
+    for value in vars(m).values():
+        if getattr(value, "_name", None) == name:
+            return tuple(value._labelnames)
+    return ()
+
+
+if __name__ == "__main__":
+    print(table(), end="")

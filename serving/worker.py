@@ -51,6 +51,7 @@ class EngineWorker:
         loop = asyncio.get_running_loop()
         llm = await loop.run_in_executor(None, lambda: LLMEngine(self.cfg.engine, handoff=self.handoff))
         freeze_startup_objects()
+        self.metrics.serving_model(llm.source.name)
         self.engine = AsyncEngine(llm, loop)
         self.engine.on_step = self._after_step
         self.add_services(self.server.server)

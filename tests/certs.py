@@ -31,7 +31,7 @@ class CA:
     def __init__(self, directory: Path, name: str):
         self.dir = directory
         self.key = _key()
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self.cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
                      .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
                      .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -44,7 +44,7 @@ class CA:
     def issue(self, name: str) -> tuple[str, str]:
         """(cert, key) paths of a certificate for 127.0.0.1 / localhost, good as server and client."""
         key = _key()
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(self.cert.subject)
                 .public_key(key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(now - datetime.timedelta(minutes=5))

@@ -76,15 +76,17 @@ class Cluster:
     router: Proc | None = None
     env: dict = field(default_factory=dict)
     tls: object = None                    # engine.security.TLSConfig the test talks to the cluster with
+    http_url: str = ""                    # the OpenAI API's base URL (launch(http=True))
 
     @classmethod
     def launch(cls, log_dir: Path, prefill: int = 1, decode: int = 1, colocated: int = 0,
                worker_args: list[str] = (), router_args: list[str] = (), env: dict | None = None,
                ports: dict[str, int] | None = None, extra: dict[str, list[str]] | None = None,
-               tls=None, worker_env: dict[str, dict] | None = None) -> Cluster:
+               tls=None, worker_env: dict[str, dict] | None = None, http: bool = False) -> Cluster:
         """`ports`/`extra`/`worker_env`: a fixed port / more flags / environment variables for the
         worker of that name ("decode-0");
-        `tls`: how this test process reaches the cluster (its health checks) when it runs TLS."""
+        `tls`: how this test process reaches the cluster (its health checks) when it runs TLS;
+        `http`: the router also serves the OpenAI API, at `c.http_url`."""
         # one torch thread per worker: several processes share CI's two cores
         c = cls(log_dir, env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})), tls=tls)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -108,6 +110,10 @@ class Cluster:
             if addrs:
                 flags += [f"--{role}", ",".join(addrs)]
         port = free_port()
+        if http:
+            http_port = free_port()
+            flags += ["--http-port", str(http_port)]
+            c.http_url = f"http://127.0.0.1:{http_port}/v1"
         c.router = Proc("router", [sys.executable, "-m", "baton.router", "--port", str(port), *flags, *router_args],
                         f"127.0.0.1:{port}")
         c.router.start(c.env, log_dir)

@@ -9,6 +9,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# stacks started by tests keep off port 8000 unless a test asks for the HTTP API (--http-port N)
+os.environ.setdefault("BATON_HTTP_PORT", "0")
 
 
 @pytest.fixture(scope="session")
@@ -45,11 +47,17 @@ def reliability():
 @pytest.fixture(scope="session")
 def pd_cluster(tmp_path_factory):
     """One router + prefill + decode on loopback, shared by the modules that only send traffic
-    (services, fuzzing); modules that kill processes launch their own."""
+    (services, fuzzing, the OpenAI API, metrics); modules that kill processes launch their own."""
     from cluster import Cluster
+
+    from baton.serving.processes import free_port
+    ports = {name: free_port() for name in ("router", "prefill-0", "decode-0")}
     # a 16-token prefill budget: every longer prompt's KV goes over in several pieces
-    c = Cluster.launch(tmp_path_factory.mktemp("pd-logs"), prefill=1, decode=1,
+    c = Cluster.launch(tmp_path_factory.mktemp("pd-logs"), prefill=1, decode=1, http=True,
                        worker_args=["--num-kv-blocks", "256", "--max-num-seqs", "32"],
-                       extra={"prefill-0": ["--max-num-batched-tokens", "16"]})
+                       router_args=["--metrics-port", str(ports["router"])],
+                       extra={"prefill-0": ["--max-num-batched-tokens", "16", "--metrics-port", str(ports["prefill-0"])],
+                              "decode-0": ["--metrics-port", str(ports["decode-0"])]})
+    c.metrics_urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
     yield c
     c.stop()

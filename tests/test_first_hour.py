@@ -33,6 +33,7 @@ REQUEST_TIMEOUT_S = 8
 class Stack:
     def __init__(self, tmp: Path):
         self.port = free_port()
+        self.http_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.tokens = tmp / "tokens"
         self.tokens.write_text(f"me:{TOKEN}\nthem:{OTHER}\n")
@@ -42,9 +43,10 @@ class Stack:
                         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         self.popen = subprocess.Popen(
             [*BATON, "serve", "--port", str(self.port), "--auth-token-file", str(self.tokens),
-             "--request-timeout", str(REQUEST_TIMEOUT_S)],
+             "--request-timeout", str(REQUEST_TIMEOUT_S), "--http-port", str(self.http_port)],
             cwd=REPO, stdout=subprocess.PIPE, stderr=open(self.log_path, "wb"), env=self.env)
         self.ready_line = self._wait_for_ready()
+        self.http_line = self.popen.stdout.readline().decode()
 
     def _wait_for_ready(self) -> str:
         deadline = time.monotonic() + 300
@@ -118,6 +120,21 @@ def test_the_printed_command_works_as_printed_and_answers_right_every_time(stack
         assert run.returncode == 0, (command, run.stderr)
         outs.append(run.stdout)
     assert "Paris" in outs[0] and outs[0] == outs[1]
+
+
+def test_the_openai_api_is_announced_and_wants_the_same_token(stack):
+    import openai
+    url = f"http://127.0.0.1:{stack.http_port}/v1"
+    assert url in stack.http_line, stack.http_line
+    for key in ("", "not-a-token"):
+        with pytest.raises(openai.AuthenticationError) as err:
+            openai.OpenAI(base_url=url, api_key=key or "x", max_retries=0,
+                          default_headers={} if key else {"Authorization": ""}).models.list()
+        assert err.value.status_code == 401
+    client = openai.OpenAI(base_url=url, api_key=TOKEN, max_retries=0)
+    r = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=24,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
 
 
 def test_the_whole_health_service(stack):

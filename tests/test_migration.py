@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from baton.engine.detokenizer import IncrementalDetokenizer
+from baton.engine.detokenizer import make_detokenizer
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import encode_text, load_tokenizer
 from baton.router.migration import Ledger
@@ -29,7 +29,7 @@ def chunk(ids, text="", finish=router_pb2.FINISH_REASON_UNSPECIFIED, usage=None)
 
 def first_worker_chunks(tokenizer, prompt, ids, stop):
     """What a live worker streams for `ids`: its text held back as the engine holds it."""
-    detok = IncrementalDetokenizer(tokenizer, prompt)
+    detok = make_detokenizer(tokenizer, prompt)
     holdback = max((len(s) for s in stop), default=1) - 1
     sent = 0
     for t in ids:

@@ -57,8 +57,8 @@ def test_streamed_text_is_whole_utf8_and_sums_to_full_text(embedded_llm):
     tok = embedded_llm.tokenizer
     ids = tok("Emoji and 日本語: 🎉🚀", add_special_tokens=False)["input_ids"]
     # feed the prompt's own tokens as "generated" ones to force characters split across tokens
-    from baton.engine.detokenizer import IncrementalDetokenizer
-    d = IncrementalDetokenizer(tok, [])
+    from baton.engine.detokenizer import make_detokenizer
+    d = make_detokenizer(tok, [])
     deltas = [d.add(t) for t in ids] + [d.flush()]
     assert all("\ufffd" not in x for x in deltas)
     assert "".join(deltas) == tok.decode(ids)

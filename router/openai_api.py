@@ -1,0 +1,414 @@
+"""The OpenAI-compatible HTTP API, beside the gRPC one, in the router's own event loop.
+
+`/v1/models`, `/v1/completions`, `/v1/chat/completions` (whole or streamed as server-sent
+events ending `data: [DONE]`) and `/health`. Each request becomes a `baton.v1` GenerateRequest
+and goes through `RouterService.generate`, the very path a gRPC call takes: the same
+validation, admission, routing, migration and metrics, so HTTP and gRPC answers are the same.
+A client that disconnects cancels its handler (aiohttp's handler cancellation), which aborts
+the request on its workers and frees its blocks.
+
+aiohttp: its C HTTP parser and native streaming responses keep the cost per streamed chunk a
+JSON encode and one write, and it shares the loop with grpc.aio (docs/benchmarks.md has the
+HTTP layer's measured cost against plain gRPC).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import ssl
+import time
+import uuid
+
+import grpc
+from aiohttp import web
+
+from baton.router.config import RouterConfig
+from baton.serving.grpc_server import PortInUse, ServiceError
+from baton.v1 import router_pb2
+
+log = logging.getLogger("baton.router.http")
+
+FINISH = {router_pb2.FINISH_REASON_STOP: "stop", router_pb2.FINISH_REASON_LENGTH: "length",
+          router_pb2.FINISH_REASON_ABORT: "abort"}
+# gRPC status -> (HTTP status, OpenAI error type)
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+# fields we take; fields we refuse when set to anything but their no-op value
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+               "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "suffix": (None, ""),
+               "functions": (None, []), "audio": (None,), "prediction": (None,)}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code, self.retry_after = status, kind, param, code, retry_after
+
+    def response(self) -> web.Response:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": self.code or self.status}}
+
+
+def from_service_error(exc: ServiceError) -> HTTPError:
+    status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
+    return HTTPError(status, str(exc), kind, retry_after=exc.retry_after)
+
+
+class HttpContext:
+    """What RouterService.generate asks of a gRPC context, for an HTTP request."""
+
+    def __init__(self, request: web.Request):
+        self._auth = request.headers.get("Authorization", "")
+        self._peer = request.remote or "unknown"
+
+    def time_remaining(self):
+        return None                         # HTTP clients set no deadline: --request-timeout applies
+
+    def invocation_metadata(self):
+        return (("authorization", self._auth),) if self._auth else ()
+
+    def peer(self) -> str:
+        return f"ipv4:{self._peer}:0"
+
+
+class OpenAIServer:
+    def __init__(self, svc, cfg: RouterConfig, model_name: str):
+        self.svc = svc                      # None until attach(): /health says 503 meanwhile
+        self.cfg = cfg
+        self.names = list(cfg.served_model_name or [model_name])
+        self.created = int(time.time())
+        self.runner: web.AppRunner | None = None
+        self.address = ""
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=8 << 20, middlewares=[self._errors])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def start(self) -> None:
+        """Bind the port now (a clash is reported before the model loads)."""
+        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        tls = None
+        if self.cfg.tls.cert:
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(self.cfg.tls.cert, self.cfg.tls.key)
+        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.http_port, ssl_context=tls, backlog=1024)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.runner.cleanup()
+            raise PortInUse(f"cannot serve the OpenAI API on {self.cfg.host}:{self.cfg.http_port}: "
+                            f"{exc.strerror or exc}; stop the other process, pick another port with "
+                            "--http-port, or turn the HTTP API off with --http-port 0") from None
+        scheme = "https" if tls else "http"
+        self.address = f"{scheme}://{self.cfg.host}:{self.cfg.http_port}/v1"
+
+    def attach(self, svc, model_name: str) -> None:
+        """The router service, once the model is known (the port was bound before it loaded)."""
+        self.svc = svc
+        self.names = list(self.cfg.served_model_name or [model_name])
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    # -- middleware: auth and errors in OpenAI's shape ----------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            if self.svc is None:
+                raise HTTPError(503, "the router is still starting", "service_unavailable", retry_after=1)
+            if request.path != "/health" and self.svc.auth is not None:
+                self._authenticate(request)
+            return await handler(request)
+        except HTTPError as exc:
+            return exc.response()
+        except ServiceError as exc:
+            return from_service_error(exc).response()
+        except ValueError as exc:           # the router's validation, exactly as for gRPC
+            return HTTPError(400, str(exc)).response()
+        except web.HTTPException as exc:    # aiohttp's own (404 path, 405 method, 413 size)
+            return HTTPError(exc.status, exc.reason or "error", "invalid_request_error").response()
+
+    def _authenticate(self, request: web.Request) -> None:
+        header = request.headers.get("Authorization")
+        if not header:
+            raise HTTPError(401, "missing bearer token: send 'Authorization: Bearer <token>' (the router's "
+                                 "--api-key / --auth-token)", "authentication_error", code="invalid_api_key")
+        if self.svc.auth.client_of((("authorization", header),)) is None:
+            raise HTTPError(401, "unknown bearer token", "authentication_error", code="invalid_api_key")
+
+    # -- endpoints ------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        reg = self.svc.registry
+        ok = bool(reg.healthy("colocated") or (reg.healthy("prefill") and reg.healthy("decode")))
+        draining = self.svc.server is not None and self.svc.server.draining
+        if ok and not draining:
+            return web.json_response({"status": "ok"})
+        why = "draining" if draining else "no healthy worker (GetServerInfo lists them)"
+        return web.json_response({"status": "unavailable", "reason": why}, status=503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "baton", "root": name,
+             "max_model_len": self.svc.max_model_len} for name in self.names]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json(request)
+        prompts = body.get("prompt")
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise HTTPError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
+        reqs = []
+        for p in prompts:
+            req = router_pb2.GenerateRequest()
+            if isinstance(p, str):
+                req.text = p
+            elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+                req.tokens.ids.extend(p)
+            else:
+                raise HTTPError(400, "each prompt must be a string or a list of non-negative token ids",
+                                param="prompt")
+            reqs.append(req)
+        return await self._serve(request, body, reqs, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await _json(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise HTTPError(400, "messages must be a non-empty list of {role, content}", param="messages")
+        req = router_pb2.GenerateRequest()
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise HTTPError(400, f"messages[{i}] must be an object with a string role", param="messages")
+            req.chat.messages.add(role=m["role"], content=_content(m.get("content"), i))
+        return await self._serve(request, body, [req], chat=True)
+
+    # -- the shared path ----------------------------------------------------------------------
+    async def _serve(self, request, body: dict, reqs: list, chat: bool) -> web.StreamResponse:
+        model = self._model(body)
+        sampling = _sampling(body, chat)
+        for req in reqs:
+            req.sampling.CopyFrom(sampling)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise HTTPError(400, "stream must be true or false", param="stream")
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if stream:
+            if len(reqs) != 1:
+                raise HTTPError(400, "streaming takes one prompt per request", param="prompt")
+            options = body.get("stream_options") or {}
+            if not isinstance(options, dict):
+                raise HTTPError(400, "stream_options must be an object", param="stream_options")
+            return await self._stream(request, reqs[0], rid, model, chat, bool(options.get("include_usage")))
+        results = await asyncio.gather(*(self._whole(request, r, f"{rid}-{i}" if len(reqs) > 1 else rid)
+                                         for i, r in enumerate(reqs)))
+        created = int(time.time())
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        cached = 0
+        for i, (text, reason, u) in enumerate(results):
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "finish_reason": reason, "logprobs": None})
+            else:
+                choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
+            usage["prompt_tokens"] += u.prompt_tokens
+            usage["completion_tokens"] += u.completion_tokens
+            cached += u.cached_prompt_tokens
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                  "created": created, "model": model, "choices": choices, "usage": usage})
+
+    async def _whole(self, request, req, rid: str):
+        req.request_id = rid
+        text, reason, usage = [], None, router_pb2.Usage()
+        async for resp in self.svc.generate(req, HttpContext(request)):
+            text.append(resp.text)
+            if resp.finish_reason:
+                reason = FINISH.get(resp.finish_reason, "stop")
+                usage = resp.usage
+        return "".join(text), reason, usage
+
+    async def _stream(self, request, req, rid: str, model: str, chat: bool, include_usage: bool):
+        req.request_id = rid
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        gen = self.svc.generate(req, HttpContext(request))
+        try:
+            first = await gen.__anext__()     # errors before the first token are plain HTTP errors
+        except StopAsyncIteration:
+            first = None
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+
+        async def send(obj) -> None:
+            await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+        def chunk(text: str | None, reason: str | None, role: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
+
+        usage = None
+        try:
+            if chat:
+                await send(chunk(None, None, role=True))
+            item = first
+            while item is not None:
+                reason = FINISH.get(item.finish_reason) if item.finish_reason else None
+                if item.text or reason:
+                    await send(chunk(item.text, reason))
+                if reason:
+                    usage = item.usage
+                    break
+                item = await gen.__anext__()
+        except StopAsyncIteration:
+            pass
+        except ServiceError as exc:           # after the headers: the error goes in the stream
+            await send(from_service_error(exc).body())
+        finally:
+            await gen.aclose()
+        if include_usage and usage is not None:
+            await send({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+                        "usage": _usage(usage)})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _model(self, body: dict) -> str:
+        model = body.get("model")
+        if model is None:
+            return self.names[0]
+        if model not in self.names:
+            raise HTTPError(404, f"model {model!r} does not exist here; GET /v1/models lists {self.names}",
+                            "invalid_request_error", param="model", code="model_not_found")
+        return model
+
+
+def _usage(u) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+
+async def _json(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise HTTPError(400, "the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the body must be a JSON object")
+    for name, noop in UNSUPPORTED.items():
+        if name in body and body[name] not in noop:
+            raise HTTPError(400, f"{name} is not supported by Baton yet; leave it unset", param=name)
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise HTTPError(400, "only n=1 is supported; send several requests for several choices", param="n")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise HTTPError(400, "only the text response_format is supported", param="response_format")
+    return body
+
+
+def _content(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise HTTPError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+
+
+def _number(body: dict, name: str, kind: type, lo=None) -> float | int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
+    if not ok or isinstance(value, bool):
+        raise HTTPError(400, f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}",
+                        param=name)
+    if lo is not None and value < lo:
+        raise HTTPError(400, f"{name} must be >= {lo}, got {value}", param=name)
+    return value
+
+
+def _sampling(body: dict, chat: bool) -> router_pb2.SamplingParams:
+    """OpenAI's fields -> baton.v1.SamplingParams (ranges are checked by the router's validation)."""
+    s = router_pb2.SamplingParams()
+    for name in ("temperature", "top_p"):
+        v = _number(body, name, float)
+        if v is not None:
+            setattr(s, name, v)
+    top_k = _number(body, "top_k", int)
+    if top_k is not None and top_k != -1:            # vLLM's -1 means off, as Baton's 0
+        if top_k < 0:
+            raise HTTPError(400, f"top_k must be >= 0 (or -1: off), got {top_k}", param="top_k")
+        s.top_k = top_k
+    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    for name in names:
+        v = _number(body, name, int)
+        if v is not None:
+            if v < 1:
+                raise HTTPError(400, f"{name} must be >= 1, got {v}", param=name)
+            s.max_tokens = min(v, 2**32 - 1)
+            break
+    else:
+        if not chat:
+            s.max_tokens = 16                       # OpenAI's default for /v1/completions
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            raise HTTPError(400, "stop must be a string or a list of strings", param="stop")
+        s.stop.extend(stop)
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+        raise HTTPError(400, "stop_token_ids must be a list of token ids", param="stop_token_ids")
+    s.stop_token_ids.extend(ids)
+    seed = _number(body, "seed", int)
+    if seed is not None:
+        s.seed = seed % 2**64                       # OpenAI allows negative seeds
+    ignore = body.get("ignore_eos", False)
+    if not isinstance(ignore, bool):
+        raise HTTPError(400, "ignore_eos must be true or false", param="ignore_eos")
+    s.ignore_eos = ignore
+    return s

@@ -1,0 +1,211 @@
+"""The OpenAI-compatible API, driven by the real `openai` client against the shared stack
+(router + prefill + decode processes), and the metrics every process records, checked by
+value after known requests."""
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import httpx
+import openai
+import pytest
+from cluster import REPO
+from prometheus_client.parser import text_string_to_metric_families
+
+from baton.v1 import router_pb2, router_pb2_grpc
+
+MODEL = "smollm2-135m-instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(pd_cluster):
+    return openai.OpenAI(base_url=pd_cluster.http_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def stub(pd_cluster):
+    return router_pb2_grpc.RouterStub(grpc.insecure_channel(pd_cluster.router.address))
+
+
+def grpc_text(stub, req) -> tuple[str, list[int]]:
+    text, ids = "", []
+    for r in stub.Generate(req, timeout=60):
+        text += r.text
+        ids += r.token_ids
+    return text, ids
+
+
+def test_models_lists_the_served_model(client, pd_cluster):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    with urllib.request.urlopen(pd_cluster.http_url.removesuffix("/v1") + "/health", timeout=10) as r:
+        assert r.status == 200
+
+
+def test_chat_answers_and_equals_the_grpc_answer(client, stub):
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+    assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    req = router_pb2.GenerateRequest(chat=router_pb2.Chat(messages=[router_pb2.ChatMessage(**QUESTION[0])]),
+                                     sampling=router_pb2.SamplingParams(temperature=0, max_tokens=24))
+    text, ids = grpc_text(stub, req)
+    assert r.choices[0].message.content == text and r.usage.completion_tokens == len(ids)
+
+
+def test_completions_equal_grpc_greedy_token_for_token(client, stub):
+    for prompt in ("The quick brown fox", "def fibonacci(n):"):
+        r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=20,
+                                      extra_body={"ignore_eos": True})
+        text, ids = grpc_text(stub, router_pb2.GenerateRequest(
+            text=prompt, sampling=router_pb2.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)))
+        assert r.choices[0].text == text and r.usage.completion_tokens == len(ids) == 20
+        assert r.choices[0].finish_reason == "length"
+    r = client.completions.create(model=MODEL, prompt="Hello")          # OpenAI's default: 16 tokens
+    assert r.usage.completion_tokens <= 16
+
+
+def test_streaming_chat_with_usage_equals_the_whole_answer(client, pd_cluster):
+    whole = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # on the wire: server-sent events ending with [DONE]
+    with httpx.stream("POST", pd_cluster.http_url + "/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 4, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+
+
+def test_stop_strings_cut_the_text(client):
+    full = client.completions.create(model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=12).choices[0]
+    assert " 5," in full.text
+    cut = client.completions.create(model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=12,
+                                    stop=[" 5,"]).choices[0]
+    assert cut.text == full.text[:full.text.index(" 5,")] and cut.finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt="1, 2, 3,", temperature=0, max_tokens=12,
+                                         stop=" 5,", stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.text
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", temperature=0.9, max_tokens=12, seed=1234)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": -1}, None), ({"top_p": 1.5}, None), ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 2}, "n"), ({"logprobs": 3}, "logprobs"), ({"temperature": "hot"}, "temperature"),
+    ({"stop": [1, 2]}, "stop"), ({"top_k": -5}, "top_k"), ({"prompt": ""}, None),
+    ({"prompt": "word " * 5000}, None),                   # longer than the model's context
+])
+def test_invalid_parameters_are_400_in_openais_shape(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="Hi", extra_body=fields)
+    assert err.value.status_code == 400 and err.value.body["message"]
+    assert err.value.body["type"] == "invalid_request_error"
+    if param:
+        assert err.value.body["param"] == param
+
+
+def test_bad_chat_bodies_are_400(client, pd_cluster):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    r = httpx.post(pd_cluster.http_url + "/chat/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert err.value.body["code"] == "model_not_found" and MODEL in err.value.body["message"]
+
+
+def _idle(pd_cluster) -> int:
+    return pd_cluster.wait_workers_idle(15)
+
+
+def test_a_client_that_disconnects_frees_its_blocks(client, pd_cluster):
+    start = pd_cluster.worker("decode-0").status()
+    stream = client.completions.create(model=MODEL, prompt="Tell me a very long story.", max_tokens=3000,
+                                       extra_body={"ignore_eos": True}, stream=True)
+    got = 0
+    for _ in stream:
+        got += 1
+        if got == 5:
+            break
+    assert pd_cluster.worker("decode-0").status().running == 1
+    stream.close()                                # the connection goes; the request must too
+    assert _idle(pd_cluster) == 0
+    # a non-streaming request whose client gives up (a client timeout closes the connection)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(pd_cluster.http_url + "/completions", timeout=1.5,
+                   json={"model": MODEL, "prompt": "Another long story", "max_tokens": 3000, "ignore_eos": True})
+    assert _idle(pd_cluster) == 0
+    assert pd_cluster.worker("decode-0").status().kv_blocks_free == start.kv_blocks_free
+
+
+# -- metrics --------------------------------------------------------------------------------------
+def scrape(url: str) -> dict[tuple, float]:
+    """{(sample name, sorted labels): value} of a /metrics page."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def delta(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_record_the_requests_sent(client, stub, pd_cluster):
+    urls = pd_cluster.metrics_urls
+    _idle(pd_cluster)
+    before = {name: scrape(url) for name, url in urls.items()}
+    prompts = ["Count: 1, 2, 3,", "The alphabet: a, b, c,", "Colours: red, green,"]
+    prompt_tokens = 0
+    for p in prompts:
+        r = client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=5,
+                                      extra_body={"ignore_eos": True})
+        prompt_tokens += r.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError):                 # refused before routing: not a request
+        client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert _idle(pd_cluster) == 0
+    time.sleep(1.5)                                             # the workers' gauges follow their steps
+    after = {name: scrape(url) for name, url in urls.items()}
+    r0, r1 = before["router"], after["router"]
+    m = {"model": MODEL}
+    assert delta(r0, r1, "baton_requests_total", status="length", **m) == 3
+    assert delta(r0, r1, "baton_prompt_tokens_total", **m) == prompt_tokens
+    assert delta(r0, r1, "baton_generation_tokens_total", **m) == 15
+    for hist, count in (("baton_ttft_seconds", 3), ("baton_e2e_seconds", 3), ("baton_queue_seconds", 3),
+                        ("baton_itl_seconds", 12)):
+        assert delta(r0, r1, hist + "_count", **m) == count, hist
+        assert delta(r0, r1, hist + "_sum", **m) > 0 or hist == "baton_queue_seconds"
+    # TTFT <= E2E, request by request, so in sum too
+    assert delta(r0, r1, "baton_ttft_seconds_sum", **m) <= delta(r0, r1, "baton_e2e_seconds_sum", **m)
+    assert r1[("baton_router_running", tuple(m.items()))] == 0
+    assert r1[("baton_model_info", (("model", MODEL), ("role", "router")))] == 1
+    d0, d1 = before["decode-0"], after["decode-0"]
+    p0, p1 = before["prefill-0"], after["prefill-0"]
+    moved = delta(p0, p1, "baton_kv_transfer_bytes_total", direction="out")
+    assert moved > 0 and moved == delta(d0, d1, "baton_kv_transfer_bytes_total", direction="in")
+    assert delta(d0, d1, "baton_handover_seconds_count") == 3
+    assert delta(d0, d1, "baton_requests_total", status="length", **m) == 3
+    assert d1[("baton_kv_cache_usage_ratio", ())] == 0 and d1[("baton_kv_blocks_total", ())] == 256
+    assert d1[("baton_running", ())] == 0 and d1[("baton_waiting", ())] == 0
+
+
+def test_the_metrics_table_is_what_the_processes_export():
+    from baton.serving.metrics import table
+    assert (REPO / "docs" / "metrics.md").read_text() == table(), \
+        "regenerate it: python -m baton.serving.metrics > docs/metrics.md"
