@@ -26,6 +26,7 @@ from baton.kvtransfer.factory import accepted, make_receivers
 from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.kvtransfer.receiver import PendingTransfers
 from baton.serving.grpc_server import ServiceError
+from baton.serving.processes import reachable_host
 from baton.serving.wire import chunk_from_output, sampling_from_proto
 from baton.serving.worker import EngineWorker
 from baton.v1 import decode_pb2, decode_pb2_grpc, worker_pb2
@@ -94,9 +95,15 @@ class DecodeWorker(EngineWorker):
         for receiver in self.receivers:
             receiver.add_to_server(server)
 
+    def ready_note(self) -> str:
+        return f"; prefill workers push KV to {self.kv_address} (--advertise-host / --kv-advertise to change)"
+
     @property
     def kv_address(self) -> str:
-        return self.cfg.kv_advertise or self.server.address
+        """Where prefill workers push KV: never a wildcard (serving/processes.reachable_host)."""
+        if self.cfg.kv_advertise:
+            return self.cfg.kv_advertise
+        return f"{reachable_host(self.cfg.host, self.cfg.advertise_host)}:{self.server.port}"
 
     def num_pending(self) -> int:
         return len(self.by_transfer)

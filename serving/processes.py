@@ -17,6 +17,34 @@ from baton.serving.grpc_server import open_sync_channel
 from baton.serving.security import tls_from_env
 
 START_TIMEOUT_S = 600.0
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+def reachable_host(bind_host: str, advertise: str | None = None) -> str:
+    """The host peers should dial to reach a server bound to `bind_host`: `advertise` when
+    given; the bind host unless it is a wildcard (0.0.0.0 means nothing to another machine or
+    container); else this machine's own address: what its host name resolves to (a
+    container's or pod's IP: Docker and Kubernetes map the host name to it), or the address of
+    the interface that routes outwards."""
+    if advertise:
+        return advertise
+    if bind_host not in WILDCARD_HOSTS:
+        return bind_host
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+        if not ip.startswith("127."):
+            return ip
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.254.254.254", 9))        # UDP: picks a route, sends nothing
+            ip = s.getsockname()[0]
+            if not ip.startswith(("0.", "127.")):
+                return ip
+    except OSError:
+        pass
+    return socket.gethostname()
 
 
 @dataclass

@@ -62,9 +62,13 @@ class EngineWorker:
               f"({stats.kv_blocks_total} KV blocks of {llm.config.block_size}, "
               f"max_model_len {llm.max_model_len}) in {time.perf_counter() - t0:.1f}s; "
               f"{'mutual TLS' if self.cfg.tls.require_client_cert else 'TLS' if self.cfg.tls.cert else 'plaintext'}"
-              f"{', KV peers proven by shared secret' if self.cfg.kv_secret else ''}",
+              f"{', KV peers proven by shared secret' if self.cfg.kv_secret else ''}{self.ready_note()}",
               file=sys.stderr, flush=True)
         return self.server
+
+    def ready_note(self) -> str:
+        """More for the ready line (the decode worker: where peers push KV)."""
+        return ""
 
     def add_services(self, server) -> None:
         raise NotImplementedError

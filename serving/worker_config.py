@@ -29,6 +29,7 @@ class WorkerConfig:
     kv_backend: str = "grpc"
     max_waiting: int = 1024             # queued requests beyond this are refused: RESOURCE_EXHAUSTED
     kv_advertise: str | None = None     # KV address prefill workers are told to push to (default: ours)
+    advertise_host: str | None = None   # the host peers reach us at (default: serving/processes.reachable_host)
     tls: TLSConfig = field(default_factory=TLSConfig)
     kv_secret: bytes | None = None      # KV peers must prove it in the handshake (kvtransfer/peer_auth.py)
     kv_nccl: str = "direct"             # direct: call NCCL through ctypes; torch: through ProcessGroupNCCL
@@ -103,6 +104,9 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
          help="KV transport: grpc (portable, through host memory), direct (device to device over NCCL "
               "between GPUs, HCCL between NPUs, gloo on the CPU; a direct decode worker also takes grpc "
               "pushes), memory (prefill and decode in one process)")
+    flag(g, "--advertise-host", help="the host name or IP other machines and containers reach this worker at "
+                                     "(unset: --host, or for a wildcard --host this machine's own address, the "
+                                     "container's or pod's IP)")
     flag(g, "--kv-advertise", help="decode: the HOST:PORT prefill workers push KV to, when not this server's "
                                    "own address (NAT, a separate KV network, a proxy)")
     flag(g, "--kv-secret-file", help="file whose first line is the shared KV secret (>= 16 bytes): prefill and "
@@ -143,7 +147,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
     cfg = WorkerConfig(role=role, host=args.host, port=args.port, metrics_port=args.metrics_port,
                        grace_seconds=args.grace, kv_backend=args.kv_backend, max_waiting=args.max_waiting,
-                       kv_advertise=args.kv_advertise, tls=tls_from_args(args),
+                       kv_advertise=args.kv_advertise, advertise_host=args.advertise_host, tls=tls_from_args(args),
                        kv_secret=load_secret(os.environ.get("BATON_KV_SECRET"), args.kv_secret_file),
                        kv_nccl=args.kv_nccl, kv_fault_stall_s=args.kv_fault_stall_s, gil_switch_ms=args.gil_switch_ms,
                        engine=engine_config_from_args(args))

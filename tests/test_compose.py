@@ -28,11 +28,11 @@ def _parser_accepts(command: list[str]) -> None:
     class Stop(Exception):
         pass
 
-    def fake_run(coro):        # stop right after argument parsing and config validation
+    def fake_run(coro, name):  # stop right after argument parsing and config validation
         coro.close()
         raise Stop
-    orig = main.asyncio.run
-    main.asyncio.run = fake_run
+    orig = main.run_server
+    main.run_server = fake_run
     try:
         main.main(command[3:])
     except Stop:
@@ -40,7 +40,7 @@ def _parser_accepts(command: list[str]) -> None:
     except SystemExit as exc:  # argparse error
         raise AssertionError(f"{command} rejected by the CLI: exit {exc.code}") from exc
     finally:
-        main.asyncio.run = orig
+        main.run_server = orig
     assert seen.get("ok"), f"{command} did not reach start-up"
 
 
@@ -69,8 +69,7 @@ def test_default_services_have_healthchecks_and_the_router_waits_for_them():
 def _localize(command: list[str], ports: dict[str, int]) -> list[str]:
     """Compose hostnames and ports -> loopback ports of this test."""
     out = []
-    for arg in command:
-        arg = arg.replace("0.0.0.0", "127.0.0.1")
+    for arg in command:                  # --host 0.0.0.0 stays, as in the containers
         for svc, port in ports.items():
             arg = arg.replace(f"{svc}:{_compose_port(svc)}", f"127.0.0.1:{port}")
         out.append(arg)
@@ -106,5 +105,36 @@ def test_the_compose_stack_answers(tmp_path):
         req.chat.messages.add(role="user", content="What is the capital of France?")
         _, text, last = collect(c.stub(), req)
         assert "Paris" in text
+        # bound to 0.0.0.0, the decode worker must still tell its peers an address they can dial
+        ready = next(line for line in (tmp_path / "decode.log").read_text().splitlines() if "push KV to" in line)
+        pushed_to = ready.split("push KV to ")[1].split()[0]
+        assert pushed_to.rsplit(":", 1)[0] not in ("0.0.0.0", "", "::", "[::]"), ready
     finally:
         c.stop()
+
+
+def test_a_wildcard_bind_address_is_never_what_peers_are_told():
+    from baton.serving.processes import WILDCARD_HOSTS, reachable_host
+    for host in WILDCARD_HOSTS:
+        assert reachable_host(host) not in WILDCARD_HOSTS
+    assert reachable_host("0.0.0.0", "decode-1.decode.default.svc") == "decode-1.decode.default.svc"
+    assert reachable_host("10.1.2.3") == "10.1.2.3"
+
+
+def test_each_profile_builds_its_own_image_and_the_cpu_stack_starts_alone():
+    images = {}
+    for svc in SERVICES.values():
+        (profile,) = svc["profiles"]              # every service is in exactly one profile
+        images.setdefault(svc["image"], set()).add((profile, repr(svc["build"])))
+    assert all(len(builds) == 1 for builds in images.values()), images   # one build per image tag
+    env = dict(line.split("=", 1) for line in (REPO / ".env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    assert env["COMPOSE_PROFILES"] == "cpu"
+    cuda = SERVICES["prefill-gpu"]["build"]["args"]
+    assert "cu1" in cuda["TORCH_INDEX"] and cuda["WITH_COMPILER"] == "1"
+    assert SERVICES["prefill-npu"]["build"]["dockerfile"] == "Dockerfile.ascend"
+    for dockerfile in ("Dockerfile", "Dockerfile.ascend"):      # every package folder goes in the image
+        text = (REPO / dockerfile).read_text()
+        for folder in ("baton", "serving", "router", "prefill_service", "decode_service", "kvtransfer", "engine",
+                       "models", "protos", "benchmarks"):
+            assert f"COPY {folder} {folder}" in text, (dockerfile, folder)
