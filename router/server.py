@@ -194,7 +194,8 @@ class RouterService:
         except (asyncio.CancelledError, GeneratorExit) as exc:
             if clock:
                 clock.status = "cancelled"
-            if active.aborted and isinstance(exc, asyncio.CancelledError):    # Abort RPC: end the stream with a status, not a silent cancel
+            # the Abort RPC: end the stream with a status, not a silent cancel
+            if active.aborted and isinstance(exc, asyncio.CancelledError):
                 raise ServiceError(grpc.StatusCode.CANCELLED, f"request {rid} aborted") from None
             raise
         finally:
