@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.serving.grpc_server import open_sync_channel
+from baton.serving.processes import stop_all
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,13 +119,4 @@ class Supervisor:
         self.say(f"{p.name} exited with code {code}; restarting it in {wait:.0f}s")
 
     def stop_all(self, grace: float = 10.0) -> None:
-        live = [p for p in reversed(self.processes) if p.alive]
-        for p in live:
-            p.proc.terminate()
-        deadline = time.monotonic() + grace
-        for p in live:
-            try:
-                p.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.proc.kill()
-                p.proc.wait()
+        stop_all([p for p in self.processes if p.alive], grace)

@@ -99,7 +99,7 @@ class RequestClock:
             self.tokens += n
             self.last = now
         if resp.finish_reason:
-            self.status = {1: "stop", 2: "length", 3: "abort"}.get(resp.finish_reason, "stop")
+            self.status = router_pb2.FinishReason.Name(resp.finish_reason).removeprefix("FINISH_REASON_").lower()
 
     def done(self) -> None:
         m, model = self.m, self.model

@@ -88,7 +88,9 @@ def wait_serving(address: str, proc: subprocess.Popen, name: str, timeout: float
     raise TimeoutError(f"{name} at {address} not serving after {timeout:.0f}s")
 
 
-def stop_all(children: list[Child], grace: float = 10.0) -> None:
+def stop_all(children: list, grace: float = 10.0) -> None:
+    """SIGTERM each (last started first), then SIGKILL what is still up after `grace` seconds;
+    `children`: anything with a `.proc` (a Popen)."""
     for c in reversed(children):
         if c.proc.poll() is None:
             c.proc.send_signal(signal.SIGTERM)

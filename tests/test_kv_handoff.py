@@ -288,17 +288,22 @@ def test_a_memory_handoff_runs_every_state_and_gives_back_every_block():
                               KVState.FINISHED]
 
 
+async def admitted_with_sender(decode, rid: str):
+    """Admit `rid` on the decode worker and handshake a memory sender to it, as a prefill would."""
+    from baton.kvtransfer.memory_backend import MemoryKVSender
+    admitted = await admit(decode, rid)
+    sender = MemoryKVSender(admitted.kv_address)
+    await sender.handshake(decode.layout)
+    return admitted, decode.requests[rid].ticket, sender
+
+
 @pytest.mark.parametrize("state", ["reserved", "receiving"])
 def test_a_decode_abort_before_the_kv_landed_frees_it_and_refuses_the_late_sender(state):
     from baton.kvtransfer.backend import KVTransferError, TransferDescriptor
-    from baton.kvtransfer.memory_backend import MemoryKVSender
 
     async def main():
         async with workers() as (prefill, decode):
-            admitted = await admit(decode, "r")
-            ticket = decode.requests["r"].ticket
-            sender = MemoryKVSender(admitted.kv_address)
-            await sender.handshake(decode.layout)
+            admitted, ticket, sender = await admitted_with_sender(decode, "r")
             nbytes = decode.layout.payload_nbytes(admitted.num_blocks)
             out = await sender.open(TransferDescriptor(admitted.transfer_id, nbytes)) if state == "receiving" else None
             decode.abort_request("r", "the client went away")
@@ -317,15 +322,11 @@ def test_a_prefill_peer_that_dies_mid_transfer_frees_the_decode_blocks_and_fails
     """The prefill side opens the transfer, sends part of the KV, and dies (its stream is cut:
     the transfer is abandoned): the decode side frees everything and the stream ends UNAVAILABLE."""
     from baton.kvtransfer.backend import TransferDescriptor
-    from baton.kvtransfer.memory_backend import MemoryKVSender
     from baton.serving.grpc_server import ServiceError
 
     async def main():
         async with workers() as (prefill, decode):
-            admitted = await admit(decode, "r")
-            ticket = decode.requests["r"].ticket
-            sender = MemoryKVSender(admitted.kv_address)
-            await sender.handshake(decode.layout)
+            admitted, ticket, sender = await admitted_with_sender(decode, "r")
             out = await sender.open(TransferDescriptor(admitted.transfer_id,
                                                        decode.layout.payload_nbytes(admitted.num_blocks)))
             await out.piece(KVPiece("r", 0, 1, payload_for(decode.llm, 1), None))
