@@ -21,19 +21,23 @@ from baton.models.layers.norm import RMSNorm
 from baton.models.layers.rotary import RotaryEmbedding, rope_parameters
 
 
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int, ops, tp: TPInfo, dtype, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config, layer_idx: int, ops, tp: TPInfo, dtype, qkv_bias: bool, qk_norm: bool,
+                 rotary: RotaryEmbedding):
         super().__init__()
         self.layer_idx = layer_idx
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=qkv_bias, tp=tp, dtype=dtype)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=False, tp=tp, dtype=dtype)
-        theta, scaling = rope_parameters(config)
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary = rotary                 # one table for every layer (30 copies were 120 MB on SmolLM2)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype) if qk_norm else None
         self.ops, self.eps = ops, config.rms_norm_eps
@@ -69,9 +73,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx, ops, tp, dtype, qkv_bias, qk_norm):
+    def __init__(self, config, layer_idx, ops, tp, dtype, qkv_bias, qk_norm, rotary):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, ops, tp, dtype, qkv_bias, qk_norm)
+        self.self_attn = Attention(config, layer_idx, ops, tp, dtype, qkv_bias, qk_norm, rotary)
         self.mlp = MLP(config, ops, tp, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
@@ -90,7 +94,9 @@ class DecoderModel(nn.Module):
     def __init__(self, config, ops, tp, dtype, qkv_bias, qk_norm):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, tp, dtype, qkv_bias, qk_norm)
+        theta, scaling = rope_parameters(config)
+        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, tp, dtype, qkv_bias, qk_norm, rotary)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
 
