@@ -4,7 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint protos setup
+COMPOSE_VENV := .venv-compose
+COMPOSE_STAMP := $(COMPOSE_VENV)/.installed
+
+.PHONY: serve test lint protos setup deploy-check
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,10 +21,23 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# docker-compose 1.29 (the Python implementation) validates docker-compose.yml with no Docker
+# engine. Its own venv: it needs PyYAML 5, whose sdist builds only with Cython < 3.
+$(COMPOSE_STAMP):
+	$(PY) -m venv $(COMPOSE_VENV)
+	$(COMPOSE_VENV)/bin/pip install -q 'cython<3' wheel
+	$(COMPOSE_VENV)/bin/pip install -q --no-build-isolation 'pyyaml==5.4.1'
+	$(COMPOSE_VENV)/bin/pip install -q 'docker-compose==1.29.2'
+	touch $(COMPOSE_STAMP)
+
+# the compose file (every profile) and the Kubernetes manifests, against real validators
+deploy-check: $(STAMP) $(COMPOSE_STAMP)
+	$(BIN)/python -m pytest -q tests/test_deploy_files.py
+
 serve: $(STAMP)
 	$(BIN)/baton serve
 
-test: $(STAMP)
+test: $(STAMP) $(COMPOSE_STAMP)
 	$(BIN)/python -m protos.generate --check
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -x -rs --durations=15

@@ -5,6 +5,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from baton.router.policies import POLICIES
+from baton.router.registry import split_target
 from baton.serving.options import flag, parser
 from baton.serving.security import TLSConfig, load_tokens, tls_from_args
 from baton.serving.worker_config import add_common_args
@@ -24,6 +25,7 @@ class RouterConfig:
     decode: list[str] = field(default_factory=list)
     colocated: list[str] = field(default_factory=list)
     policy: str = "least_loaded"
+    resolve_interval: float = 5.0       # seconds between DNS lookups of worker names (0: once, at start)
     grace_seconds: float = 30.0
     tls: TLSConfig = field(default_factory=TLSConfig)
     auth_tokens: dict[str, str] = field(default_factory=dict)   # token -> client name; empty = no auth
@@ -40,6 +42,8 @@ class RouterConfig:
     max_migrations: int = 3             # times one stream may move to a survivor when its worker dies
     request_timeout: float = 0.0        # a deadline for requests whose client set none (0: none)
     generation_config: str = "auto"     # where unset sampling fields come from (engine/sampling_params.py)
+    log_level: str = "info"
+    log_format: str = "text"
 
     def validate(self) -> None:
         for name in ("max_prompt_tokens", "max_new_tokens", "max_per_client"):
@@ -55,6 +59,10 @@ class RouterConfig:
             raise ValueError("--request-timeout must be >= 0 seconds (0 = no limit)")
         if self.queue_timeout <= 0 or self.first_token_timeout <= 0:
             raise ValueError("--queue-timeout and --first-token-timeout must be > 0 seconds")
+        if self.resolve_interval < 0:
+            raise ValueError("--resolve-interval must be >= 0 seconds (0 = resolve worker names once)")
+        for address in self.prefill + self.decode + self.colocated:
+            split_target(address)
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
         if not (self.prefill or self.decode or self.colocated):
@@ -70,9 +78,13 @@ def _addresses(value: str | None) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = parser("baton router", "Baton's public gRPC router")
     add_common_args(p, DEFAULT_PORT)
-    flag(p, "--prefill", default="", help="prefill workers, ADDR[,ADDR...]")
-    flag(p, "--decode", default="", help="decode workers, ADDR[,ADDR...]")
-    flag(p, "--colocated", default="", help="colocated workers, ADDR[,ADDR...]")
+    flag(p, "--prefill", default="", help="prefill workers, HOST:PORT[,HOST:PORT...]; a host name stands for every "
+                                          "address it resolves to (a compose service, a headless Service)")
+    flag(p, "--decode", default="", help="decode workers, HOST:PORT[,HOST:PORT...] (names as for --prefill)")
+    flag(p, "--colocated", default="", help="colocated workers, HOST:PORT[,HOST:PORT...] (names as for --prefill)")
+    flag(p, "--resolve-interval", type=float, default=5.0,
+         help="seconds between DNS lookups of worker host names: workers that appear join once healthy, "
+              "workers that disappear finish their streams and leave (0: look up once, at start)")
     flag(p, "--policy", default="least_loaded", choices=POLICIES, help="how a worker is picked for a request")
     flag(p, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
     add_generation_config(p)
@@ -125,14 +137,16 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     cfg = RouterConfig(host=args.host, port=args.port, model=args.model, tokenizer=args.tokenizer,
                        cache_dir=args.cache_dir, metrics_port=args.metrics_port,
                        prefill=_addresses(args.prefill), decode=_addresses(args.decode),
-                       colocated=_addresses(args.colocated), policy=args.policy, grace_seconds=args.grace,
+                       colocated=_addresses(args.colocated), policy=args.policy, resolve_interval=args.resolve_interval,
+                       grace_seconds=args.grace,
                        tls=tls_from_args(args), auth_tokens=load_tokens(args.auth_token, args.auth_token_file),
                        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                        max_inflight=args.max_inflight, max_queued=args.max_queued, queue_timeout=args.queue_timeout,
                        max_per_client=args.max_per_client, first_token_timeout=args.first_token_timeout,
                        max_migrations=args.max_migrations, http_port=args.http_port,
                        served_model_name=_addresses(args.served_model_name), request_timeout=args.request_timeout,
-                       generation_config=args.generation_config)
+                       generation_config=args.generation_config, log_level=args.log_level,
+                       log_format=args.log_format)
     cfg.validate()
     return cfg
 

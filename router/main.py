@@ -1,7 +1,6 @@
 """Starting the router process: model info and tokenizer, worker registry, gRPC server."""
 from __future__ import annotations
 
-import logging
 import sys
 
 from baton.engine.sampling_params import sampling_defaults
@@ -12,6 +11,7 @@ from baton.router.openai_api import OpenAIServer
 from baton.router.registry import Registry
 from baton.router.server import RouterService, RouterServicer
 from baton.serving.grpc_server import Server, run_server
+from baton.serving.logs import setup_logging
 from baton.serving.metrics import Metrics
 from baton.serving.security import TokenAuth
 from baton.v1 import router_pb2, router_pb2_grpc
@@ -36,7 +36,8 @@ async def serve(cfg: RouterConfig) -> None:
                                 max_model_len=getattr(hf, "max_position_embeddings", 0), vocab_size=hf.vocab_size,
                                 eos_token_ids=eos_token_ids(source, tokenizer))
     metrics.serving_model(source.name)
-    registry = Registry(cfg.prefill, cfg.decode, cfg.colocated, source.name, tls=cfg.tls)
+    registry = Registry(cfg.prefill, cfg.decode, cfg.colocated, source.name, tls=cfg.tls,
+                        resolve_interval=cfg.resolve_interval)
     await registry.start()
     svc = RouterService(registry, tokenizer, info, cfg,
                         sampling_defaults(source.generation_config(cfg.generation_config)))
@@ -60,5 +61,5 @@ async def serve(cfg: RouterConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_router_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(cfg.log_level, cfg.log_format)
     run_server(serve(cfg), "router")

@@ -1,4 +1,10 @@
-"""The router's view of its workers: addresses from flags/env, kept fresh by health checks.
+"""The router's view of its workers: targets from flags/env, kept fresh by DNS and health checks.
+
+A target is HOST:PORT. An IP address is one worker. A name is a set of workers, one per
+address it resolves to, and it is resolved again every --resolve-interval seconds: a compose
+service scaled up or down, or a Kubernetes headless Service, changes the set without a
+restart. A new address joins once its health check passes; an address gone from DNS is
+retired: it takes no new request, and its channel closes when its last stream has ended.
 
 A worker that fails a health check, a status call or a real request is marked unhealthy at
 once and leaves rotation; the checker keeps probing it and a recovered worker returns.
@@ -6,26 +12,58 @@ once and leaves rotation; the checker keeps probing it and a recovered worker re
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.serving.grpc_server import open_channel
+from baton.serving.grpc_server import CHANNEL_OPTIONS, open_channel
 from baton.serving.security import TLSConfig
 from baton.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 
 log = logging.getLogger("baton.router")
 CHECK_INTERVAL_S = 1.0
 CHECK_TIMEOUT_S = 2.0
+RESOLVE_INTERVAL_S = 5.0
+
+
+def split_target(target: str) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' -> (host, port); a clear error for anything else."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"worker address {target!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+async def resolve_target(target: str) -> list[str]:
+    """The worker addresses behind a target: itself for an IP, else every address its name
+    resolves to now (IPv4 when there is any: 'localhost' is one worker, not two)."""
+    host, port = split_target(target)
+    if is_ip(host):
+        return [target]
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    v4 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET})
+    v6 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET6})
+    return [f"{ip}:{port}" for ip in v4] or [f"[{ip}]:{port}" for ip in v6]
 
 
 @dataclass(slots=True)
 class Worker:
     address: str
     role: str                                     # prefill | decode | colocated
+    target: str = ""                              # the configured HOST:PORT it was found through
     channel: grpc.aio.Channel | None = None
     stub: object = None
     health: object = None
@@ -34,9 +72,15 @@ class Worker:
     inflight: int = 0                             # requests this router has sent and not finished
     last_error: str = ""
     last_seen: float = 0.0
+    retired: bool = False                         # gone from DNS: no new requests, closed once idle
 
     def connect(self, tls: TLSConfig | None = None) -> None:
-        self.channel = open_channel(self.address, tls)
+        host = split_target(self.target)[0] if self.target else ""
+        options = None
+        if tls is not None and tls.enabled and not tls.server_name and host and not is_ip(host):
+            # dialled by IP, verified as the name it was configured by (the name the cert carries)
+            options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", host)]
+        self.channel = open_channel(self.address, tls, options)
         stub_cls = prefill_pb2_grpc.PrefillStub if self.role == "prefill" else decode_pb2_grpc.DecodeStub
         self.stub = stub_cls(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -57,24 +101,28 @@ class Worker:
 
 class Registry:
     def __init__(self, prefill: list[str], decode: list[str], colocated: list[str], model: str,
-                 tls: TLSConfig | None = None):
+                 tls: TLSConfig | None = None, resolve_interval: float = RESOLVE_INTERVAL_S):
         self.model = model
         self.tls = tls
-        self.workers = ([Worker(a, "prefill") for a in prefill] + [Worker(a, "decode") for a in decode]
-                        + [Worker(a, "colocated") for a in colocated])
-        if not self.workers:
+        self.resolve_interval = resolve_interval
+        self.targets = [(a, "prefill") for a in prefill] + [(a, "decode") for a in decode] + [
+            (a, "colocated") for a in colocated]
+        if not self.targets:
             raise ValueError("no workers configured: give --prefill and --decode, or --colocated")
         if bool(prefill) != bool(decode):
             raise ValueError("disaggregated serving needs both --prefill and --decode workers")
+        for target, _ in self.targets:
+            split_target(target)
+        self.workers: list[Worker] = []
+        self._unresolved: dict[str, str] = {}         # target -> the error last logged for it
         self._task: asyncio.Task | None = None
 
     def healthy(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:
-        return [w for w in self.workers if w.role == role and w.healthy and not w.status.draining
-                and w.address not in exclude]
+        return [w for w in self.workers if w.role == role and w.healthy and not w.retired
+                and not w.status.draining and w.address not in exclude]
 
     async def start(self) -> None:
-        for w in self.workers:
-            w.connect(self.tls)
+        await self.resolve()
         await self.check_all()
         self._task = asyncio.create_task(self._loop())
 
@@ -85,13 +133,56 @@ class Registry:
             await w.channel.close()
 
     async def _loop(self) -> None:
+        last_resolve = time.monotonic()
         while True:
             await asyncio.sleep(CHECK_INTERVAL_S)
+            if self.resolve_interval > 0 and time.monotonic() - last_resolve >= self.resolve_interval:
+                last_resolve = time.monotonic()
+                await self.resolve()
             await self.check_all()
+            await self._close_idle_retired()
+
+    async def resolve(self) -> None:
+        """Bring the worker list in line with what every target resolves to now. A name that
+        fails to resolve keeps the workers it had (a DNS hiccup drains nothing); they stay in
+        rotation only while their health checks pass."""
+        found = await asyncio.gather(*(resolve_target(t) for t, _ in self.targets), return_exceptions=True)
+        for (target, role), addresses in zip(self.targets, found, strict=True):
+            if isinstance(addresses, BaseException):
+                why = f"{type(addresses).__name__}: {addresses}"
+                if self._unresolved.get(target) != why:
+                    log.warning("%s workers at %s: cannot resolve (%s); keeping the %d known", role, target,
+                                why, sum(w.target == target and not w.retired for w in self.workers))
+                self._unresolved[target] = why
+                continue
+            self._unresolved.pop(target, None)
+            mine = {w.address: w for w in self.workers if w.target == target and w.role == role}
+            taken = {w.address for w in self.workers if w.role == role and w.target != target}
+            for address in addresses:
+                w = mine.get(address)
+                if w is None and address not in taken:
+                    w = Worker(address, role, target)
+                    w.connect(self.tls)
+                    self.workers.append(w)
+                    if target != address:
+                        log.info("%s worker %s found through %s", role, address, target)
+                elif w is not None and w.retired:
+                    w.retired = False
+                    log.info("%s worker %s is back in %s", role, address, target)
+            for address, w in mine.items():
+                if address not in addresses and not w.retired:
+                    w.retired = True
+                    log.info("%s worker %s left %s: retired, %d stream(s) to finish", role, address, target,
+                             w.inflight)
+
+    async def _close_idle_retired(self) -> None:
+        for w in [w for w in self.workers if w.retired and w.inflight == 0]:
+            self.workers.remove(w)
+            await w.channel.close()
+            log.info("%s worker %s closed", w.role, w.address)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(w) for w in self.workers))
-
+        await asyncio.gather(*(self.check(w) for w in self.workers if not w.retired))
     async def check(self, w: Worker) -> None:
         try:
             reply = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=CHECK_TIMEOUT_S)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from baton.engine.config import DEFAULT_MODEL, NPU_GRAPH_MODES, EngineConfig
 from baton.kvtransfer.peer_auth import load_secret
+from baton.serving.logs import add_log_args
 from baton.serving.options import flag, parser
 from baton.serving.security import TLSConfig, add_tls_args, tls_from_args
 
@@ -36,6 +37,8 @@ class WorkerConfig:
     kv_fault_stall_s: float = 0.0       # fault injection: hold every device-direct piece this long
     gil_switch_ms: float | None = None  # sys.setswitchinterval for the engine thread and event loop
     engine: EngineConfig = field(default_factory=EngineConfig)
+    log_level: str = "info"
+    log_format: str = "text"
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -54,6 +57,12 @@ class WorkerConfig:
             raise ValueError(f"--tp-size {self.engine.tp_size} on a {self.role} worker: KV transfer moves one "
                              "rank's cache, so disaggregated roles run with tp_size 1 for now (use --role colocated, "
                              "or one worker per device)")
+        if self.advertise_host is not None and self.advertise_host.strip("[]") in ("", "0.0.0.0", "::"):
+            raise ValueError(f"--advertise-host {self.advertise_host!r} is a wildcard, which no peer can dial; give "
+                             "this worker's name or IP as its peers see it (or leave it unset: the container's IP)")
+        if self.kv_advertise is not None and self.kv_advertise.rpartition(":")[0].strip("[]") in ("", "0.0.0.0", "::"):
+            raise ValueError(f"--kv-advertise {self.kv_advertise!r} must be HOST:PORT with a host prefill workers "
+                             "can dial, not a wildcard")
         self.tls.validate()
         self.engine.validate()
 
@@ -67,6 +76,7 @@ def add_common_args(p: argparse.ArgumentParser, default_port: int) -> None:
     flag(p, "--cache-dir", help="where converted models and compiled graphs are kept (unset: ~/.cache/baton)")
     flag(p, "--device", default="cpu", help="cpu, cuda:N or npu:N")
     flag(p, "--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port")
+    add_log_args(p)
     add_tls_args(p)
 
 
@@ -150,7 +160,7 @@ def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig
                        kv_advertise=args.kv_advertise, advertise_host=args.advertise_host, tls=tls_from_args(args),
                        kv_secret=load_secret(os.environ.get("BATON_KV_SECRET"), args.kv_secret_file),
                        kv_nccl=args.kv_nccl, kv_fault_stall_s=args.kv_fault_stall_s, gil_switch_ms=args.gil_switch_ms,
-                       engine=engine_config_from_args(args))
+                       engine=engine_config_from_args(args), log_level=args.log_level, log_format=args.log_format)
     cfg.validate()
     return cfg
 

@@ -1,17 +1,22 @@
 """docker-compose.yml can't drift from reality: every service's command parses with the real
-CLI, profiles reserve the right accelerators, and the default stack, started from the file's
-own commands as local processes, answers a request."""
+CLI, profiles reserve the right accelerators, and the default stack runs as compose runs it,
+each service on a host of its own (tests/netns.py), answering requests and scaling."""
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import yaml
-from cluster import REPO, Cluster, Proc
-from test_services import collect
-
-from baton.serving.processes import free_port
-from baton.v1 import router_pb2
+from cluster import REPO
+from netns import Network
 
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
@@ -66,51 +71,139 @@ def test_default_services_have_healthchecks_and_the_router_waits_for_them():
     assert set(SERVICES["router"]["depends_on"]) == {"prefill", "decode"}
 
 
-def _localize(command: list[str], ports: dict[str, int]) -> list[str]:
-    """Compose hostnames and ports -> loopback ports of this test."""
-    out = []
-    for arg in command:                  # --host 0.0.0.0 stays, as in the containers
-        for svc, port in ports.items():
-            arg = arg.replace(f"{svc}:{_compose_port(svc)}", f"127.0.0.1:{port}")
-        out.append(arg)
-    i = out.index("--port")
-    svc = next(s for s in ports if SERVICES[s]["command"] == command)
-    out[i + 1] = str(ports[svc])
-    if "--metrics-port" in out:
-        j = out.index("--metrics-port")
-        out[j + 1] = str(free_port())
-    return [sys.executable, *out[1:]]
+def _default_profile_services() -> list[str]:
+    """The services `docker compose up` starts (COMPOSE_PROFILES from .env), in dependency order."""
+    env = dict(line.split("=", 1) for line in (REPO / ".env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    profiles = set(env["COMPOSE_PROFILES"].split(","))
+    names = [n for n, s in SERVICES.items() if profiles & set(s.get("profiles", []))]
+    order: list[str] = []
+    while len(order) < len(names):
+        ready = [n for n in names if n not in order and set(SERVICES[n].get("depends_on", {})) <= set(order)]
+        assert ready, f"depends_on has a cycle among {names}"
+        order += ready
+    return order
 
 
-def _compose_port(svc: str) -> str:
-    cmd = SERVICES[svc]["command"]
-    return cmd[cmd.index("--port") + 1]
+def _interpolate(value: str) -> str:
+    """Compose's ${VAR:-default}, with this environment."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: os.environ.get(m[1]) or m[2], str(value))
 
 
-def test_the_compose_stack_answers(tmp_path):
-    names = ["prefill", "decode", "router"]          # dependency order, as depends_on says
-    ports = {n: free_port() for n in names}
-    env = dict(__import__("os").environ, PYTHONUNBUFFERED="1")
-    for k, v in SERVICES["prefill"].get("environment", {}).items():
-        env[k] = str(v).replace("${BATON_MODEL:-smollm2-135m-instruct}", "smollm2-135m-instruct")
-    c = Cluster(tmp_path, env=env)
+def _as_run_here(argv: list[str]) -> list[str]:
+    """The image's `python` is this venv's."""
+    return [sys.executable if a == "python" else a for a in argv]
+
+
+def _healthy(net: Network, host, name: str, deadline: float) -> None:
+    """Wait as `depends_on: condition: service_healthy` waits: the service's own healthcheck
+    command, run inside its container, until it passes."""
+    test = SERVICES[name]["healthcheck"]["test"]
+    assert test[0] == "CMD", test
+    while time.monotonic() < deadline:
+        assert host.procs[0].poll() is None, f"{name} exited {host.procs[0].returncode}"
+        if net.run(host, _as_run_here(test[1:]), timeout=30, capture_output=True).returncode == 0:
+            return
+        time.sleep(1)
+    raise AssertionError(f"{name} never became healthy")
+
+
+class ComposeStack:
+    """The default profile's services, each in a namespace of its own, run exactly as the file
+    writes them: command, environment, dependency order, service names that resolve."""
+
+    def __init__(self, net: Network, logs: Path):
+        self.net, self.logs, self.hosts = net, logs, {}
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
+        self.env["PYTHONUNBUFFERED"] = "1"
+        for name in _default_profile_services():
+            self.start(name, name)
+            pending = [d for d, cond in SERVICES[name].get("depends_on", {}).items()
+                       if cond.get("condition") == "service_healthy"]
+            if not SERVICES[name].get("depends_on"):
+                continue
+            for dep in pending:
+                _healthy(net, self.hosts[dep], dep, time.monotonic() + 300)
+        self.client = net.add("client")
+        _healthy(net, self.hosts["router"], "router", time.monotonic() + 300)
+
+    def start(self, name: str, service: str):
+        """One container of `service` (a second one is what `--scale service=2` adds)."""
+        svc = SERVICES[service]
+        env = dict(self.env, **{k: _interpolate(v) for k, v in svc.get("environment", {}).items()})
+        host = self.net.add(name, service=service)
+        log = open(self.logs / f"{name}.log", "wb")
+        self.net.popen(host, _as_run_here(svc["command"]), cwd=REPO, env=env, stdout=log,
+                       stderr=subprocess.STDOUT)
+        self.hosts[name] = host
+        return host
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def client_run(self, *args: str, timeout: float = 300) -> dict:
+        run = self.net.run(self.client, [sys.executable, str(REPO / "tests" / "compose_client.py"), *args],
+                           timeout=timeout, capture_output=True, text=True, cwd=REPO)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    def metric(self, name: str, port: int, metric: str) -> float:
+        code = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics').read().decode())"
+        run = self.net.run(self.hosts[name], [sys.executable, "-c", code], timeout=30, capture_output=True, text=True)
+        return sum(float(line.rsplit(" ", 1)[1]) for line in run.stdout.splitlines() if line.startswith(metric))
+
+
+@pytest.fixture(scope="module")
+def compose(tmp_path_factory):
+    with Network("bt") as net:
+        yield ComposeStack(net, tmp_path_factory.mktemp("compose"))
+
+
+def test_the_compose_stack_answers_across_hosts(compose):
+    """Every container has its own address: a decode worker telling its peers 0.0.0.0 (or
+    127.0.0.1) sends the prefill worker to itself, and the request fails."""
+    got = compose.client_run("ask", "router")
+    assert "Paris" in got["grpc"] and got["grpc_finish"] == "FINISH_REASON_STOP", got
+    assert "Paris" in got["openai"] and got["model"] == "smollm2-135m-instruct", got
+    decode = compose.hosts["decode"]
+    ready = next(line for line in compose.log("decode").splitlines() if "push KV to" in line)
+    assert f"push KV to {decode.ip}:50061" in ready, ready
+    assert compose.metric("decode", 9061, "baton_kv_transfer_bytes_total") > 0     # KV crossed hosts
+
+
+def test_decode_scales_from_one_to_two_and_back_under_load(compose, tmp_path):
+    """`docker compose up --scale decode=2`, then back to 1, while 4 streams run: the router
+    finds the new container through the service name, sends it traffic once healthy, and
+    drains the one that leaves (SIGTERM, as `docker stop` sends). No request fails."""
+    stop = tmp_path / "stop"
+    load = threading.Thread(target=lambda: results.append(compose.client_run("load", "router", "4", str(stop))))
+    results: list[dict] = []
+    load.start()
     try:
-        for n in names:
-            p = Proc(n, _localize(SERVICES[n]["command"], ports), f"127.0.0.1:{ports[n]}")
-            c.procs.append(p)
-            p.start(env, tmp_path)
-            p.wait_ready()
-        c.router = c.procs[-1]
-        req = router_pb2.GenerateRequest(sampling=router_pb2.SamplingParams(temperature=0, max_tokens=24))
-        req.chat.messages.add(role="user", content="What is the capital of France?")
-        _, text, last = collect(c.stub(), req)
-        assert "Paris" in text
-        # bound to 0.0.0.0, the decode worker must still tell its peers an address they can dial
-        ready = next(line for line in (tmp_path / "decode.log").read_text().splitlines() if "push KV to" in line)
-        pushed_to = ready.split("push KV to ")[1].split()[0]
-        assert pushed_to.rsplit(":", 1)[0] not in ("0.0.0.0", "", "::", "[::]"), ready
+        time.sleep(2)
+        second = compose.start("decode-2", "decode")                 # up: the name now has two addresses
+        _healthy(compose.net, second, "decode", time.monotonic() + 300)
+        deadline = time.monotonic() + 30
+        while compose.metric("decode-2", 9061, "baton_kv_transfer_bytes_total") == 0:
+            assert time.monotonic() < deadline, "the router never sent the new decode worker a request"
+            time.sleep(1)
+        first = compose.hosts["decode"]                              # down: the first one leaves
+        compose.net.write_hosts({h.ns: {"decode": [second.ip]} for h in compose.net.hosts})
+        first.procs[0].send_signal(signal.SIGTERM)
+        assert first.procs[0].wait(timeout=60) == 0, compose.log("decode")[-2000:]
+        left = time.time()
+        time.sleep(4)                                                # traffic on the survivor alone
     finally:
-        c.stop()
+        stop.touch()
+        load.join(timeout=180)
+    requests = results[0]["requests"]
+    failed = [r for r in requests if not r["ok"]]
+    assert not failed, failed[:5]
+    assert sum(r["start"] > left for r in requests) >= 4, "no request ran after the scale-down"
+    assert len(requests) >= 20, len(requests)
+    router = compose.log("router")
+    assert f"worker {second.ip}:50061 found through decode:50061" in router, router[-3000:]
+    assert f"worker {first.ip}:50061 left decode:50061" in router, router[-3000:]
 
 
 def test_a_wildcard_bind_address_is_never_what_peers_are_told():
@@ -119,6 +212,10 @@ def test_a_wildcard_bind_address_is_never_what_peers_are_told():
         assert reachable_host(host) not in WILDCARD_HOSTS
     assert reachable_host("0.0.0.0", "decode-1.decode.default.svc") == "decode-1.decode.default.svc"
     assert reachable_host("10.1.2.3") == "10.1.2.3"
+    from baton.serving.worker_config import parse_worker_args
+    for flags in (["--advertise-host", "0.0.0.0"], ["--advertise-host", "[::]"], ["--kv-advertise", "0.0.0.0:50061"]):
+        with pytest.raises(SystemExit):            # said, not advertised
+            parse_worker_args("decode", flags)
 
 
 def test_each_profile_builds_its_own_image_and_the_cpu_stack_starts_alone():
