@@ -1,8 +1,10 @@
 """The load generator: streams requests to a baton.v1.Router at Poisson arrival times and
-times every token as the client sees it (grpc.aio, one event loop)."""
+times every token as the client sees it, through the gRPC API (grpc.aio) or the same router's
+OpenAI API (streamed /v1/completions over aiohttp), in one event loop."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import sys
@@ -100,24 +102,92 @@ async def send_one(stub: router_pb2_grpc.RouterStub, index: int, req: ServeReque
     return res
 
 
+class OpenAIClient:
+    """Streamed /v1/completions against the router's OpenAI API: the same request as the gRPC
+    one (token ids or text, max_tokens, temperature, ignore_eos), timed the same way."""
+
+    def __init__(self, base_url: str):
+        import aiohttp
+        self.url = base_url.rstrip("/")
+        # no pool limit: a few hundred streams at once are the point
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.model: str | None = None
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def send_one(self, index: int, req: ServeRequest, sampling: dict, timeout: float,
+                       t_zero: float) -> RequestResult:
+        import aiohttp
+        if self.model is None:
+            async with self.session.get(f"{self.url}/models") as r:
+                self.model = (await r.json())["data"][0]["id"]
+        body = {"model": self.model, "prompt": req.prompt_ids if req.prompt_ids is not None else req.text,
+                "max_tokens": req.max_tokens, "stream": True, "stream_options": {"include_usage": True}, **sampling}
+        start = time.perf_counter()
+        res = RequestResult(index, start - t_zero)
+        last = None
+        try:
+            async with self.session.post(f"{self.url}/completions", json=body,
+                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                if r.status != 200:
+                    res.status = f"HTTP_{r.status}"
+                    res.error = (await r.text())[:500]
+                else:
+                    async for line in r.content:
+                        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        now = time.perf_counter()
+                        choice = (chunk.get("choices") or [{}])[0]
+                        if choice.get("text"):
+                            if res.ttft is None:
+                                res.ttft = now - start
+                            else:
+                                res.itls.append(now - last)
+                            last = now
+                        if choice.get("finish_reason"):
+                            res.finish_reason = choice["finish_reason"]
+                        if chunk.get("usage"):
+                            u = chunk["usage"]
+                            res.prompt_tokens, res.output_tokens = u["prompt_tokens"], u["completion_tokens"]
+                            res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            res.status, res.error = type(exc).__name__, str(exc)
+        res.e2e = time.perf_counter() - start
+        return res
+
+
 async def run_rate(address: str, requests: list[ServeRequest], rate: float, seed: int,
-                   max_concurrency: int | None, sampling: dict, timeout: float) -> tuple[list[RequestResult], float]:
-    """Send every request at its arrival time; (results in request order, wall seconds)."""
+                   max_concurrency: int | None, sampling: dict, timeout: float,
+                   http_url: str | None = None) -> tuple[list[RequestResult], float]:
+    """Send every request at its arrival time, through gRPC at `address`, or the OpenAI API at
+    `http_url` when given; (results in request order, wall seconds)."""
     n_channels = max(1, min(8, math.ceil(min(len(requests), max_concurrency or len(requests)) / STREAMS_PER_CHANNEL)))
-    channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(n_channels)]
-    stubs = [router_pb2_grpc.RouterStub(ch) for ch in channels]
+    if http_url:
+        http, channels = OpenAIClient(http_url), []
+        stubs = [None]
+        n_channels = 1
+    else:
+        http, channels = None, [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(n_channels)]
+        stubs = [router_pb2_grpc.RouterStub(ch) for ch in channels]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     arrivals = arrival_times(len(requests), rate, seed)
     t_zero = time.perf_counter()
+
+    def send(i: int):
+        if http is not None:
+            return http.send_one(i, requests[i], sampling, timeout, t_zero)
+        return send_one(stubs[i % n_channels], i, requests[i], sampling, timeout, t_zero)
 
     async def one(i: int) -> RequestResult:
         delay = t_zero + arrivals[i] - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         if limit is None:
-            return await send_one(stubs[i % n_channels], i, requests[i], sampling, timeout, t_zero)
+            return await send(i)
         async with limit:
-            return await send_one(stubs[i % n_channels], i, requests[i], sampling, timeout, t_zero)
+            return await send(i)
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(len(requests))]
     reporter = asyncio.ensure_future(_report_progress(tasks, rate))
@@ -129,6 +199,8 @@ async def run_rate(address: str, requests: list[ServeRequest], rate: float, seed
             t.cancel()
         for ch in channels:
             await ch.close()
+        if http is not None:
+            await http.close()
     return list(results), time.perf_counter() - t_zero
 
 

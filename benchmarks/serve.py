@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("deployment")
     t.add_argument("--addr", default=None, help=f"router of a running deployment (default {DEFAULT_ADDR})")
     t.add_argument("--label", default="external", help="topology name of the --addr deployment in the JSON")
+    t.add_argument("--api", default="grpc", help="grpc | openai | grpc,openai: the router API the load goes "
+                   "through; both: the same load through each, one after the other (the HTTP layer's cost)")
+    t.add_argument("--http-url", default=None, help="the --addr deployment's OpenAI API (default: "
+                   "http://<--addr host>:8000/v1)")
     t.add_argument("--metrics-urls", default="",
                    help="comma list of the decode workers' metrics endpoints (host:port or URL), for handover")
     t.add_argument("--launch", default=None, help="launch this topology locally: XpYd or Ncolocated")
@@ -96,6 +100,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.addr = args.addr or DEFAULT_ADDR
         args.topologies = []
     args.rates = parse_rates(args.request_rates)
+    args.apis = _split(args.api)
+    if not args.apis or set(args.apis) - {"grpc", "openai"} or len(set(args.apis)) != len(args.apis):
+        raise ValueError(f"--api must be grpc, openai or grpc,openai; got {args.api!r}")
     args.slo_tpots_ms = parse_slos(args.slo_tpot_ms)
     args.device_pool = _split(args.devices) if args.devices else _split(args.prefill_devices) + _split(args.decode_devices)
     in_range, out_range = datasets.LENGTHS.get(args.dataset, datasets.LENGTHS["random"])
@@ -152,20 +159,20 @@ def summarize_rate(rate: float, results: list[loadgen.RequestResult], wall: floa
     }
 
 
-async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str]) -> dict:
+async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str], http_url: str | None = None) -> dict:
     info, server = await loadgen.model_info(address)
     sampling = {"temperature": args.temperature, "ignore_eos": not args.respect_eos}
     common = dict(max_model_len=info.max_model_len, vocab_size=info.vocab_size, prefix_len=args.prefix_len,
                   group_size=args.group_size, input_len=tuple(args.input_len), output_len=tuple(args.output_len))
     warm = datasets.build_requests(args.dataset, 1, args.seed + 10_007, **common)
-    await loadgen.run_rate(address, warm, math.inf, args.seed, None, sampling, args.request_timeout)
+    await loadgen.run_rate(address, warm, math.inf, args.seed, None, sampling, args.request_timeout, http_url)
     points = []
     for i, rate in enumerate(args.rates):
         reqs = datasets.build_requests(args.dataset, args.num_prompts, args.seed + i, **common)
         before, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls)
         landed_before, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls, prometheus.KV_LANDED)
         results, wall = await loadgen.run_rate(address, reqs, rate, args.seed, args.max_concurrency, sampling,
-                                               args.request_timeout)
+                                               args.request_timeout, http_url)
         after, errors = await asyncio.to_thread(prometheus.scrape, metrics_urls)
         landed_after, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls, prometheus.KV_LANDED)
         point = summarize_rate(rate, results, wall, _s(args.slo_ttft_ms), _s(args.slo_tpots_ms[0]))
@@ -188,6 +195,11 @@ async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str])
             "goodput_rate": goodput_rate((p["request_rate"], p["slo_attainment"]) for p in points),
             "goodput_by_tpot_ms": {f"{slo:g}": goodput_rate((p["request_rate"], p["slo_attainment_by_tpot_ms"][f"{slo:g}"])
                                                             for p in points) for slo in args.slo_tpots_ms}}
+
+
+def _key(topology: str, api: str, apis: list[str]) -> str:
+    """A result's name: the topology, and the API when the run measures more than one."""
+    return topology if apis == ["grpc"] else f"{topology}@{api}"
 
 
 def _s(ms: float | None) -> float | None:
@@ -232,16 +244,23 @@ def run(args: argparse.Namespace, rec: dict) -> None:
             dep = deployment.launch(name, args.model, pool, worker_args, log_root / name,
                                     shlex.split(args.router_args))
             try:
-                topologies[name] = asyncio.run(sweep(args, dep.router_address, dep.metrics_urls))
-                topologies[name]["deployment"] = dep.describe() | {"kv_backend": args.kv_backend or "grpc",
-                                                                   "devices": dep.devices}
+                for api in args.apis:
+                    key = _key(name, api, args.apis)
+                    topologies[key] = asyncio.run(sweep(args, dep.router_address, dep.metrics_urls,
+                                                        dep.http_url if api == "openai" else None))
+                    topologies[key]["deployment"] = dep.describe() | {"kv_backend": args.kv_backend or "grpc",
+                                                                      "devices": dep.devices, "api": api}
             finally:
                 dep.stop()
     else:
         urls = [prometheus.metrics_url(u) for u in _split(args.metrics_urls)]
-        topologies[args.label] = asyncio.run(sweep(args, args.addr, urls))
-        topologies[args.label]["deployment"] = {"router": args.addr, "metrics_urls": urls}
-        rec["model"] = _shape_or_name(topologies[args.label]["model_info"]["name"])
+        http_url = args.http_url or f"http://{args.addr.rsplit(':', 1)[0]}:8000/v1"
+        for api in args.apis:
+            key = _key(args.label, api, args.apis)
+            topologies[key] = asyncio.run(sweep(args, args.addr, urls, http_url if api == "openai" else None))
+            topologies[key]["deployment"] = {"router": args.addr, "metrics_urls": urls, "api": api,
+                                             "http_url": http_url if api == "openai" else None}
+        rec["model"] = _shape_or_name(next(iter(topologies.values()))["model_info"]["name"])
     rec["dtype"] = _worker_dtype(args) if args.topologies else None      # a running deployment's is not known
     rec["results"] = {"slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpots_ms[0],
                               "tpot_ms_all": args.slo_tpots_ms, "goodput_attainment": GOODPUT_ATTAINMENT},

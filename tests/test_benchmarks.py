@@ -296,10 +296,17 @@ def test_kv_smoke_measures_grpc_and_direct_against_their_references(tmp_path):
 
 
 def test_serve_smoke_launches_1p1d_and_reports_every_request(tmp_path):
-    data = _bench(tmp_path, "serve", "--smoke", timeout=400)
-    topo = data["results"]["topologies"]["1p1d"]
+    """The same load through the gRPC API and through the router's OpenAI API."""
+    data = _bench(tmp_path, "serve", "--smoke", "--api", "grpc,openai", timeout=400)
+    topos = data["results"]["topologies"]
+    assert set(topos) == {"1p1d@grpc", "1p1d@openai"}
+    lengths = {api: [r["output_tokens"] for p in topos[f"1p1d@{api}"]["rates"] for r in p["requests"]]
+               for api in ("grpc", "openai")}
+    assert lengths["grpc"] == lengths["openai"], lengths              # the same requests, token for token
+    assert topos["1p1d@openai"]["deployment"]["api"] == "openai"
+    topo = topos["1p1d@grpc"]
     assert [p["request_rate"] for p in topo["rates"]] == [4.0, "inf"]
-    for p in topo["rates"]:
+    for p in [*topo["rates"], *topos["1p1d@openai"]["rates"]]:
         assert p["completed"] == p["num_requests"] == 3 and p["errors"] == {}
         for req in p["requests"]:
             assert req["status"] == "OK" and req["finish_reason"] == "length"
