@@ -68,7 +68,7 @@ class ModelRunner:
         self.graphs = None
         if self.device.type != "cpu":
             self._warm_up()
-        if self.platform.supports_graphs and not config.enforce_eager:
+        if self.platform.supports_graphs and not config.enforce_eager and getattr(self.model, "graph_safe", True):
             from baton.engine.graph_runner import DecodeGraphs
             self.graphs = DecodeGraphs(self)
         if self.tp is not None:

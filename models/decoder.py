@@ -1,7 +1,8 @@
 """The decoder-only transformer that Llama, Qwen2 and Qwen3 share, composed from layers.
 
 The architectures differ only in switches: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3),
-tied embeddings, explicit head_dim. Attention goes through `ctx.attend`, so the model knows
+tied embeddings, explicit head_dim, and the feed-forward block of each layer (dense, or routed
+experts in Qwen3-MoE: `make_mlp`). Attention goes through `ctx.attend`, so the model knows
 nothing of the KV cache or the platform.
 """
 from __future__ import annotations
@@ -73,10 +74,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx, ops, tp, dtype, qkv_bias, qk_norm, rotary):
+    def __init__(self, config, layer_idx, ops, tp, dtype, qkv_bias, qk_norm, rotary, mlp: nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, ops, tp, dtype, qkv_bias, qk_norm, rotary)
-        self.mlp = MLP(config, ops, tp, dtype)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
 
@@ -91,12 +92,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, ops, tp, dtype, qkv_bias, qk_norm):
+    def __init__(self, config, ops, tp, dtype, qkv_bias, qk_norm, make_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         theta, scaling = rope_parameters(config)
         rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, tp, dtype, qkv_bias, qk_norm, rotary)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ops, tp, dtype, qkv_bias, qk_norm, rotary,
+                                                 make_mlp(config, i, ops, tp, dtype))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
 
@@ -121,7 +123,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         tp = tp or TPInfo()
         self.config = config
-        self.model = DecoderModel(config, ops, tp, dtype, self.qkv_bias, self.qk_norm)
+        self.model = DecoderModel(config, ops, tp, dtype, self.qkv_bias, self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         if self.tie_word_embeddings:
@@ -130,6 +132,15 @@ class DecoderForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
+
+    def make_mlp(self, config, layer_idx: int, ops, tp: TPInfo, dtype) -> nn.Module:
+        """Layer `layer_idx`'s feed-forward block (a MoE model picks per layer)."""
+        return MLP(config, ops, tp, dtype)
+
+    def remap_weight(self, name: str) -> tuple[str, object] | None:
+        """(parameter, shard) for a checkpoint tensor that needs more than the packed mapping
+        (a MoE model's per-expert tensors); None: the usual routing."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)

@@ -10,9 +10,11 @@ from safetensors import safe_open
 from torch import nn
 
 from baton.models.layers.linear import TPInfo
+from baton.models.layers.moe import is_moe_layer
 from baton.models.registry import model_class
 
 IGNORED = ("rotary_emb.inv_freq",)
+
 
 
 def build_model(hf_config, dtype: torch.dtype, device, ops, tp_rank: int = 0, tp_size: int = 1,
@@ -43,6 +45,12 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
 
 
 def _load_one(model, params: dict, name: str, tensor: torch.Tensor) -> str:
+    remap = getattr(model, "remap_weight", None)
+    hit = remap(name) if remap is not None else None
+    if hit is not None:
+        pname, shard = hit
+        params[pname].weight_loader(params[pname], tensor, shard)
+        return pname
     for part, (target, shard) in getattr(model, "packed_modules_mapping", {}).items():
         if f".{part}." in name:
             pname = name.replace(f".{part}.", f".{target}.")
@@ -82,13 +90,20 @@ def checkpoint_shapes(config) -> list[tuple[str, tuple[int, ...]]]:
         p = f"model.layers.{n}."
         out += [(p + "self_attn.q_proj.weight", (hq, h)), (p + "self_attn.k_proj.weight", (hkv, h)),
                 (p + "self_attn.v_proj.weight", (hkv, h)), (p + "self_attn.o_proj.weight", (h, hq)),
-                (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
-                (p + "mlp.down_proj.weight", (h, i)),
                 (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+        if is_moe_layer(config, n):
+            e, m = config.num_experts, config.moe_intermediate_size
+            out.append((p + "mlp.gate.weight", (e, h)))
+            for x in range(e):
+                q = f"{p}mlp.experts.{x}."
+                out += [(q + "gate_proj.weight", (m, h)), (q + "up_proj.weight", (m, h)), (q + "down_proj.weight", (h, m))]
+        else:
+            out += [(p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                    (p + "mlp.down_proj.weight", (h, i))]
         if bias:
             out += [(p + "self_attn.q_proj.bias", (hq,)), (p + "self_attn.k_proj.bias", (hkv,)),
                     (p + "self_attn.v_proj.bias", (hkv,))]
-        if arch == "Qwen3ForCausalLM":
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             out += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
     return out
 

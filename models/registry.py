@@ -11,6 +11,7 @@ MODELS = {
     "LlamaForCausalLM": "baton.models.llama",
     "Qwen2ForCausalLM": "baton.models.qwen2",
     "Qwen3ForCausalLM": "baton.models.qwen3",
+    "Qwen3MoeForCausalLM": "baton.models.qwen3_moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
 

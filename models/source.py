@@ -47,6 +47,12 @@ PRESETS: dict[str, dict] = {
                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                          bos_token_id=128000, eos_token_id=128001),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          tie_word_embeddings=False, rope_theta=1_000_000.0, max_position_embeddings=40960,
+                          rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645),
     "qwen2-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
                        intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
@@ -61,6 +67,12 @@ PRESETS: dict[str, dict] = {
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=32, vocab_size=49152, tie_word_embeddings=False, rope_theta=1_000_000.0,
                        max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2),
+    "tiny-qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=64,
+                           intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=49152,
+                           tie_word_embeddings=False, rope_theta=1_000_000.0, max_position_embeddings=2048,
+                           rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2),
 }
 
 

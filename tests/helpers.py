@@ -15,11 +15,14 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 
 def tiny_hf_config(arch: str, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[arch]
     kw = dict(TINY)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kw["head_dim"] = 32
+    if arch == "qwen3_moe":            # 8 experts, top 2; layer 1 dense, as mlp_only_layers allows
+        kw.update(num_hidden_layers=3, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                  norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1)
     kw.update(overrides)
     return cls(**kw)
 

@@ -89,6 +89,8 @@ def test_capital_of_france_is_paris(embedded_llm):
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     ("qwen2", {"tie_word_embeddings": True}),                         # qkv bias
     ("qwen3", {"tie_word_embeddings": False}),                        # q/k norm
+    ("qwen3_moe", {}),                                                # routed experts, a dense layer between
+    ("qwen3_moe", {"norm_topk_prob": False, "num_experts_per_tok": 3, "decoder_sparse_step": 2}),
 ])
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_tiny_architectures_match_transformers(tmp_path, arch, overrides, block_size):
@@ -107,7 +109,7 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, overrides, block_
     assert [o.token_ids for o in got] == want
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
 def test_tensor_parallel_ranks_give_the_single_device_tokens(tmp_path, arch):
     """TP=2 (two processes: gloo on the CPU, NCCL across two GPUs) against transformers' greedy."""
     from transformers import AutoModelForCausalLM

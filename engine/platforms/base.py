@@ -60,6 +60,29 @@ class LayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), experts SwiGLU with stacked weights
+        w13 [E, 2I, H], w2 [E, H, I]. Tokens are grouped by expert and each expert hit runs
+        once, added in expert order (as transformers adds them, so fp32 sums match). The
+        per-expert counts are read on the host: eager only (models/layers/moe.py)."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if not n:
+                continue
+            slots = order[start:start + n]
+            start += n
+            tokens = slots // k
+            h = self.silu_and_mul(F.linear(x[tokens], w13[expert]))
+            h = F.linear(h, w2[expert]) * weights.reshape(-1)[slots, None]
+            out.index_add_(0, tokens, h)
+        return out
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)

@@ -1,0 +1,74 @@
+"""A routed mixture of experts: the gate picks top-k experts per token, each expert is a SwiGLU
+MLP, and their outputs are summed with the gate's weights (Qwen3-MoE's gating: softmax over
+all experts in float32, top-k, renormalised when `norm_topk_prob`).
+
+Every expert's weights live in two stacked parameters, w13 [E, 2*I, H] (gate rows, then up
+rows) and w2 [E, H, I], so a platform can run all experts in one grouped kernel
+(`LayerOps.moe_experts`). Tensor parallelism splits every expert's intermediate dimension, as
+for a dense MLP (column-parallel w13, row-parallel w2, one all-reduce): all ranks hold every
+expert, no token moves between ranks, and the gate runs replicated.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baton.models.layers.linear import ReplicatedLinear, TPInfo, _divide
+
+
+def is_moe_layer(config, layer: int) -> bool:
+    """Qwen3-MoE's rule: routed experts unless the layer is in mlp_only_layers, every
+    decoder_sparse_step-th layer."""
+    if getattr(config, "num_experts", 0) <= 0:
+        return False
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return layer not in (getattr(config, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPInfo, dtype):
+        super().__init__()
+        self.tp = tp
+        self.num_experts = num_experts
+        self.intermediate = _divide(intermediate, tp.size, "moe_intermediate_size")
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.intermediate, dtype=dtype), requires_grad=False)
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str]) -> None:
+        """One expert's checkpoint tensor (gate_proj / up_proj [I, H], down_proj [H, I]) into
+        this rank's slice of the stacked parameter."""
+        expert, which = shard
+        n, r = self.intermediate, self.tp.rank
+        if which == "down_proj":
+            param.data[expert].copy_(loaded[:, r * n:(r + 1) * n])
+        else:
+            row = 0 if which == "gate_proj" else n
+            param.data[expert, row:row + n].copy_(loaded[r * n:(r + 1) * n])
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config, ops, tp: TPInfo, dtype):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: silu)")
+        self.ops, self.tp = ops, tp
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", False))
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False, dtype=dtype)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp, dtype)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k expert ids [T, k], their weights [T, k] in x's dtype)."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = self.ops.moe_experts(x, self.experts.w13, self.experts.w2, ids, weights)
+        return self.tp.all_reduce(out)

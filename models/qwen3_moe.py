@@ -1,0 +1,28 @@
+"""Qwen3-MoE: Qwen3's attention with routed experts in place of the dense MLP on its sparse
+layers (models/layers/moe.py). Checkpoints hold one tensor per expert
+(`mlp.experts.E.gate_proj.weight`, ...), loaded into the stacked expert parameters."""
+from __future__ import annotations
+
+import re
+
+from baton.models.decoder import MLP
+from baton.models.layers.moe import SparseMoeBlock, is_moe_layer
+from baton.models.qwen3 import Qwen3ForCausalLM
+
+_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    graph_safe = False       # the experts' grouping reads counts on the host: decode runs eager for now
+
+    def make_mlp(self, config, layer_idx, ops, tp, dtype):
+        if is_moe_layer(config, layer_idx):
+            return SparseMoeBlock(config, ops, tp, dtype)
+        return MLP(config, ops, tp, dtype)
+
+    def remap_weight(self, name: str):
+        m = _EXPERT.match(name)
+        if m is None:
+            return None
+        stacked = "w2" if m[3] == "down_proj" else "w13"
+        return f"{m[1]}.experts.{stacked}", (int(m[2]), m[3])
