@@ -117,13 +117,10 @@ class ComposeStack:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
         self.env["PYTHONUNBUFFERED"] = "1"
         for name in _default_profile_services():
+            for dep, cond in SERVICES[name].get("depends_on", {}).items():     # compose waits first
+                if cond.get("condition") == "service_healthy":
+                    _healthy(net, self.hosts[dep], dep, time.monotonic() + 300)
             self.start(name, name)
-            pending = [d for d, cond in SERVICES[name].get("depends_on", {}).items()
-                       if cond.get("condition") == "service_healthy"]
-            if not SERVICES[name].get("depends_on"):
-                continue
-            for dep in pending:
-                _healthy(net, self.hosts[dep], dep, time.monotonic() + 300)
         self.client = net.add("client")
         _healthy(net, self.hosts["router"], "router", time.monotonic() + 300)
 
