@@ -136,11 +136,14 @@ class Registry:
         last_resolve = time.monotonic()
         while True:
             await asyncio.sleep(CHECK_INTERVAL_S)
-            if self.resolve_interval > 0 and time.monotonic() - last_resolve >= self.resolve_interval:
-                last_resolve = time.monotonic()
-                await self.resolve()
-            await self.check_all()
-            await self._close_idle_retired()
+            try:
+                if self.resolve_interval > 0 and time.monotonic() - last_resolve >= self.resolve_interval:
+                    last_resolve = time.monotonic()
+                    await self.resolve()
+                await self.check_all()
+                await self._close_idle_retired()
+            except Exception:                   # never let one bad round end the checks for good
+                log.exception("worker registry: this round of resolving and health checks failed")
 
     async def resolve(self) -> None:
         """Bring the worker list in line with what every target resolves to now. A name that
