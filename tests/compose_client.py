@@ -3,6 +3,7 @@ router by its service name, prints what it got as one JSON line.
 
     python tests/compose_client.py ask ROUTER            # one gRPC and one OpenAI request
     python tests/compose_client.py load ROUTER N STOP    # N streams in a loop until the file STOP exists
+                                                         # (each finished request also appended to STOP.jsonl)
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ def load(router: str, streams: int, stop: Path) -> dict:
                     outcome = {"ok": False, "error": f"{exc.code().name}: {exc.details()}"}
                 with lock:
                     results.append({"stream": i, "start": t0, "end": time.time(), **outcome})
+                    with open(f"{stop}.jsonl", "a") as log:
+                        log.write(json.dumps(results[-1]) + "\n")
                 n += 1
 
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(streams)]
