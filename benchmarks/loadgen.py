@@ -164,13 +164,9 @@ async def run_rate(address: str, requests: list[ServeRequest], rate: float, seed
     """Send every request at its arrival time, through gRPC at `address`, or the OpenAI API at
     `http_url` when given; (results in request order, wall seconds)."""
     n_channels = max(1, min(8, math.ceil(min(len(requests), max_concurrency or len(requests)) / STREAMS_PER_CHANNEL)))
-    if http_url:
-        http, channels = OpenAIClient(http_url), []
-        stubs = [None]
-        n_channels = 1
-    else:
-        http, channels = None, [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(n_channels)]
-        stubs = [router_pb2_grpc.RouterStub(ch) for ch in channels]
+    http = OpenAIClient(http_url) if http_url else None
+    channels = [] if http else [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(n_channels)]
+    stubs = [router_pb2_grpc.RouterStub(ch) for ch in channels]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     arrivals = arrival_times(len(requests), rate, seed)
     t_zero = time.perf_counter()
@@ -178,7 +174,7 @@ async def run_rate(address: str, requests: list[ServeRequest], rate: float, seed
     def send(i: int):
         if http is not None:
             return http.send_one(i, requests[i], sampling, timeout, t_zero)
-        return send_one(stubs[i % n_channels], i, requests[i], sampling, timeout, t_zero)
+        return send_one(stubs[i % len(stubs)], i, requests[i], sampling, timeout, t_zero)
 
     async def one(i: int) -> RequestResult:
         delay = t_zero + arrivals[i] - time.perf_counter()

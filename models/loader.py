@@ -16,7 +16,6 @@ from baton.models.registry import model_class
 IGNORED = ("rotary_emb.inv_freq",)
 
 
-
 def build_model(hf_config, dtype: torch.dtype, device, ops, tp_rank: int = 0, tp_size: int = 1,
                 tp_group=None) -> nn.Module:
     """An empty (uninitialised) model for this config on `device`; load or init weights next."""
@@ -103,7 +102,7 @@ def checkpoint_shapes(config) -> list[tuple[str, tuple[int, ...]]]:
         if bias:
             out += [(p + "self_attn.q_proj.bias", (hq,)), (p + "self_attn.k_proj.bias", (hkv,)),
                     (p + "self_attn.v_proj.bias", (hkv,))]
-        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        if model_class(arch).qk_norm:
             out += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
     return out
 

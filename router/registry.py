@@ -111,8 +111,6 @@ class Registry:
             raise ValueError("no workers configured: give --prefill and --decode, or --colocated")
         if bool(prefill) != bool(decode):
             raise ValueError("disaggregated serving needs both --prefill and --decode workers")
-        for target, _ in self.targets:
-            split_target(target)
         self.workers: list[Worker] = []
         self._unresolved: dict[str, str] = {}         # target -> the error last logged for it
         self._task: asyncio.Task | None = None

@@ -13,6 +13,8 @@ import logging
 import sys
 import time
 
+from baton.serving.options import flag
+
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -57,7 +59,6 @@ class JSONLines:
 
 
 def add_log_args(p) -> None:
-    from baton.serving.options import flag
     g = p.add_argument_group("logs")
     flag(g, "--log-level", default="info", choices=LEVELS, help="the least severe log records written")
     flag(g, "--log-format", default="text", choices=FORMATS,

@@ -13,6 +13,7 @@ from baton.engine.config import DEFAULT_MODEL, NPU_GRAPH_MODES, EngineConfig
 from baton.kvtransfer.peer_auth import load_secret
 from baton.serving.logs import add_log_args
 from baton.serving.options import flag, parser
+from baton.serving.processes import WILDCARD_HOSTS
 from baton.serving.security import TLSConfig, add_tls_args, tls_from_args
 
 ROLES = ("prefill", "decode", "colocated")
@@ -57,10 +58,10 @@ class WorkerConfig:
             raise ValueError(f"--tp-size {self.engine.tp_size} on a {self.role} worker: KV transfer moves one "
                              "rank's cache, so disaggregated roles run with tp_size 1 for now (use --role colocated, "
                              "or one worker per device)")
-        if self.advertise_host is not None and self.advertise_host.strip("[]") in ("", "0.0.0.0", "::"):
+        if self.advertise_host is not None and self.advertise_host in WILDCARD_HOSTS:
             raise ValueError(f"--advertise-host {self.advertise_host!r} is a wildcard, which no peer can dial; give "
                              "this worker's name or IP as its peers see it (or leave it unset: the container's IP)")
-        if self.kv_advertise is not None and self.kv_advertise.rpartition(":")[0].strip("[]") in ("", "0.0.0.0", "::"):
+        if self.kv_advertise is not None and self.kv_advertise.rpartition(":")[0] in WILDCARD_HOSTS:
             raise ValueError(f"--kv-advertise {self.kv_advertise!r} must be HOST:PORT with a host prefill workers "
                              "can dial, not a wildcard")
         self.tls.validate()

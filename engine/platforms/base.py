@@ -70,6 +70,7 @@ class LayerOps:
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+        flat_weights = weights.reshape(-1)
         out = torch.zeros_like(x)
         start = 0
         for expert, n in enumerate(counts):
@@ -79,7 +80,7 @@ class LayerOps:
             start += n
             tokens = slots // k
             h = self.silu_and_mul(F.linear(x[tokens], w13[expert]))
-            h = F.linear(h, w2[expert]) * weights.reshape(-1)[slots, None]
+            h = F.linear(h, w2[expert]) * flat_weights[slots, None]
             out.index_add_(0, tokens, h)
         return out
 
