@@ -144,6 +144,18 @@ class ComposeStack:
         assert run.returncode == 0, run.stderr[-3000:]
         return json.loads(run.stdout.strip().splitlines()[-1])
 
+    def blocks(self, name: str, port: int, role: str) -> tuple[int, int, int]:
+        """(KV blocks free, total, sequences running or waiting) of a worker, asked over gRPC
+        from inside its own host."""
+        stub = f"{role}_pb2_grpc.{role.capitalize()}Stub(grpc.insecure_channel('127.0.0.1:{port}'))"
+        code = (f"import grpc; from baton.v1 import worker_pb2, {role}_pb2_grpc; "
+                f"s = {stub}.GetStatus(worker_pb2.GetStatusRequest(), timeout=10); "
+                "print(s.kv_blocks_free, s.kv_blocks_total, s.running + s.waiting)")
+        run = self.net.run(self.hosts[name], [sys.executable, "-c", code], timeout=60, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        free, total, busy = map(int, run.stdout.split())
+        return free, total, busy
+
     def metric(self, name: str, port: int, metric: str) -> float:
         code = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics').read().decode())"
         run = self.net.run(self.hosts[name], [sys.executable, "-c", code], timeout=30, capture_output=True, text=True)
@@ -201,6 +213,11 @@ def test_decode_scales_from_one_to_two_and_back_under_load(compose, tmp_path):
     failed = [r for r in requests if not r["ok"]]
     assert not failed, failed[:5]
     assert sum(r["start"] > left for r in requests) >= 4, "no request ran after the scale-down"
+    for name, port, role in (("prefill", 50071, "prefill"), ("decode-2", 50061, "decode")):   # nothing held
+        deadline = time.monotonic() + 30
+        while (got := compose.blocks(name, port, role))[0] != got[1] or got[2]:
+            assert time.monotonic() < deadline, (name, got)
+            time.sleep(1)
     router = compose.log("router")
     assert f"worker {second.ip}:50061 found through decode:50061" in router, router[-3000:]
     assert f"worker {first.ip}:50061 left decode:50061" in router, router[-3000:]
