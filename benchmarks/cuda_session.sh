@@ -8,6 +8,9 @@
 #     grpcio-reflection==1.85.1 protobuf==7.36.2 'aiohttp>=3.9,<4'
 #   bash benchmarks/cuda_session.sh            # all steps
 #   STEPS="parity graphs" bash benchmarks/cuda_session.sh
+# Models wave 2 on one GPU: models (Qwen3-VL and MiniCPM4 on cuda:0: parity, decode graphs == eager)
+# MoE (one H200: the 30.5B preset is 61 GB of bf16 weights): moe (kernel tests + timings), b1moe,
+# and the transformers peer on a 16-sequence cut, b1moehf, beside Baton on the same cut, b1moes
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 set -uo pipefail
@@ -32,6 +35,8 @@ for step in $STEPS; do
               | tail -30 | tee "$OUT/kernels.txt" ;;
     parity) BATON_TEST_DEVICE=cuda:0 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py \
               -k tiny_architectures 2>&1 | tail -4 | tee "$OUT/parity.txt" ;;
+    models) BATON_TEST_DEVICE=cuda:0 timeout 300 python3 -m pytest -q -p no:cacheprovider -rs \
+              tests/test_qwen3_vl.py tests/test_minicpm.py 2>&1 | tee "$OUT/models.txt" | grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" ;;   # parity, graphs == eager
     graphs) timeout 240 python3 -m baton.benchmarks.decode_graphs --model qwen3-0.6b --batches 1,64,256 --breakdown \
               2>"$OUT/graphs.log" | tee "$OUT/graphs.jsonl" ;;
     profile) timeout 150 python3 -m baton.benchmarks.profile_steps --model qwen3-0.6b --batch 256 --context 512 \
@@ -48,6 +53,16 @@ for step in $STEPS; do
               --device cuda:0 --num-seqs 64 --output "$OUT/b1-qwen3-0.6b-transformers-64.json" 2>&1 | tail -15 ;;
     b1big)  timeout 240 python3 -m baton bench offline --model qwen3-8b --device cuda:0 ${B1_ARGS:-} \
               --output "$OUT/b1-qwen3-8b-baton${B1_TAG:-}.json" 2>&1 | tail -15 ;;
+    moe)    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py -k "moe" 2>&1 \
+              | tail -30 | tee "$OUT/moe.txt"      # the fused experts vs the base ops, graphs vs eager
+            timeout 240 python3 -m baton.benchmarks.moe_kernel --out "$OUT" 2>"$OUT/moe_kernel.log" \
+              | tee "$OUT/moe_kernel.txt" ;;     # Qwen3-30B-A3B's expert step vs its floor, per tile config
+    b1moe)  timeout 580 python3 -m baton bench offline --model qwen3-30b-a3b --device cuda:0 ${B1_ARGS:-} \
+              --output "$OUT/b1-qwen3-30b-a3b-baton${B1_TAG:-}.json" 2>&1 | tail -15 ;;
+    b1moes) timeout 300 python3 -m baton bench offline --model qwen3-30b-a3b --device cuda:0 --num-seqs 16 \
+              --output "$OUT/b1-qwen3-30b-a3b-baton-16.json" 2>&1 | tail -15 ;;    # the cut b1moehf runs
+    b1moehf) timeout 580 python3 -m baton bench offline --engine transformers --model qwen3-30b-a3b \
+              --device cuda:0 --num-seqs 16 --output "$OUT/b1-qwen3-30b-a3b-transformers-16.json" 2>&1 | tail -15 ;;
     tp)     timeout 200 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=100 \
               tests/test_platform_cuda.py -k "${TP_TESTS:-tp2}" 2>&1 | tail -60 | tee "$OUT/tp.txt" ;;
     direct) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import time
 
@@ -18,6 +19,7 @@ import torch
 from baton.benchmarks.workload import OfflineWorkload, warmup_workload
 
 RESULT_TIMEOUT_S = 600.0
+NO_TRANSFORMERS_CLASS = ("MiniCPMForCausalLM",)
 
 
 def load_hf_model(model: str, device: str, dtype: str):
@@ -27,6 +29,9 @@ def load_hf_model(model: str, device: str, dtype: str):
     from baton.models import loader
     from baton.models import source as model_source
     source = model_source.resolve_model(model)
+    if source.architecture in NO_TRANSFORMERS_CLASS:
+        raise ValueError(f"--engine transformers: transformers has no class for {source.architecture} (its "
+                         "checkpoints ship remote code, which Baton does not run); bench it with Baton only")
     torch_dtype = getattr(torch, dtype)
     if source.weights_path is not None:
         hf = AutoModelForCausalLM.from_pretrained(source.weights_path, dtype=torch_dtype).to(device)
@@ -35,8 +40,40 @@ def load_hf_model(model: str, device: str, dtype: str):
             hf = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch_dtype)
         # loader.init_random_weights skips a tied head by asking the model whether it is tied
         hf.tie_word_embeddings = bool(getattr(source.hf_config, "tie_word_embeddings", False))
+        _route_experts_to_stacked(hf)
         loader.init_random_weights(hf, source.random_seed)
     return hf.eval()
+
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _route_experts_to_stacked(hf) -> None:
+    """transformers 5 holds a MoE layer's experts stacked (experts.gate_up_proj [E, 2I, H], gate
+    rows first; experts.down_proj [E, H, I]) where a checkpoint, like the synthesised one, names
+    each expert's tensors: route those through the loader's own hooks (remap_weight and the
+    parameter's weight_loader), as Baton's Qwen3-MoE does. Nothing to do for other models."""
+    stacked = {n: p for n, p in hf.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    if not stacked:
+        return
+
+    def remap(name: str):
+        m = _EXPERT.match(name)
+        if m is None:
+            return None
+        return f"{m[1]}.{'down_proj' if m[3] == 'down_proj' else 'gate_up_proj'}", (int(m[2]), m[3])
+
+    def load(param, tensor, shard) -> None:
+        expert, which = shard
+        if which == "down_proj":
+            param.data[expert].copy_(tensor)
+        else:
+            row = 0 if which == "gate_proj" else tensor.shape[0]
+            param.data[expert, row:row + tensor.shape[0]].copy_(tensor)
+
+    for param in stacked.values():
+        param.weight_loader = load
+    hf.remap_weight = remap
 
 
 def run_transformers(args: argparse.Namespace, workload: OfflineWorkload, kv_bytes_per_token: int) -> dict:

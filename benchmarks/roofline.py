@@ -9,6 +9,13 @@ bytes = weights read once (the LM head only when some row samples) + the embeddi
 FLOPs = 2 x layer weights x tokens + 2 x LM head x sampled rows
         + attention: 4 x layers x q_heads x head_dim per (query, key) pair, causal
 
+Mixture of experts: "layer weights" in the FLOPs are the active ones (shared weights + top_k
+experts per MoE layer); the weights read are the shared ones + per MoE layer the distinct experts
+the step's tokens hit. Which experts a step hit is not observed (the engine would have to sync
+to report it): the count is the expectation under uniform routing, E * (1 - (1 - k/E)^tokens)
+(ModelShape.expected_experts_hit); random-weight presets route near-uniformly, trained routers
+are skewed and hit fewer, so there the floor is a little high.
+
 Activations are left out: they are what a perfect kernel keeps on chip.
 `roofline_fraction` = sum of least times / measured wall time.
 """
@@ -50,18 +57,18 @@ class CostModel:
 
     def step_bytes(self, step: StepShape) -> int:
         s = self.shape
-        weights = s.body_matmul_params + s.small_params + (s.head_params if step.sampled else 0)
+        weights = s.streamed_matmul_params(step.tokens) + s.small_params + (s.head_params if step.sampled else 0)
         embedding_rows = step.tokens * s.hidden
         kv_read = sum(c for c, _ in step.contexts) * self.kv_per_token
         kv_written = step.tokens * self.kv_per_token
-        return (weights + embedding_rows) * self.dtype_bytes + kv_read + kv_written
+        return round((weights + embedding_rows) * self.dtype_bytes) + kv_read + kv_written
 
     def step_flops(self, step: StepShape) -> int:
         s = self.shape
         # new token i (0-based) of a sequence with c cached tokens attends to c + i + 1 keys
         pairs = sum(n * c + n * (n + 1) // 2 for c, n in step.contexts)
         attention = 4 * s.layers * s.heads * s.head_dim * pairs
-        return 2 * s.body_matmul_params * step.tokens + 2 * s.head_params * step.sampled + attention
+        return 2 * s.active_matmul_params * step.tokens + 2 * s.head_params * step.sampled + attention
 
     def least_seconds(self, step: StepShape, ceilings: Ceilings) -> tuple[float, str]:
         """(least time, "memory" or "compute": which ceiling binds)."""
@@ -89,9 +96,24 @@ def roofline_report(cost: CostModel, ceilings: Ceilings, steps: Sequence[StepSha
         "ceilings": {"copy_bytes_per_s": ceilings.copy_bytes_per_s,
                      "matmul_flops_per_s": ceilings.matmul_flops_per_s},
     }
+    if cost.shape.moe_layers:
+        report["moe"] = moe_accounting(cost.shape)
     if step_seconds is not None:
         report["by_kind"] = _by_kind(steps, least, step_seconds)
     return report
+
+
+def moe_accounting(shape: ModelShape) -> dict:
+    """How a mixture-of-experts model's steps are counted, for the JSON."""
+    return {
+        "flops": "2 x active params (shared + top_k experts per MoE layer) per token",
+        "expert_bytes": "per MoE layer, the expected distinct experts the step's n tokens hit under uniform "
+                        "routing, E * (1 - (1 - k/E)^n): an estimate, the engine does not report the experts hit",
+        "experts": shape.num_experts, "experts_per_token": shape.experts_per_token, "moe_layers": shape.moe_layers,
+        "expert_params": shape.expert_params, "shared_matmul_params": shape.shared_matmul_params,
+        "active_matmul_params": shape.active_matmul_params,
+        "experts_hit_at": {n: round(shape.expected_experts_hit(n), 2) for n in (1, 16, 64, 256)},
+    }
 
 
 def _by_kind(steps: Sequence[StepShape], least: Sequence[float], measured: Sequence[float]) -> dict:

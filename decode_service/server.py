@@ -27,7 +27,7 @@ from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.kvtransfer.receiver import PendingTransfers
 from baton.serving.grpc_server import ServiceError
 from baton.serving.processes import reachable_host
-from baton.serving.wire import chunk_from_output, sampling_from_proto
+from baton.serving.wire import chunk_from_output, images_from_proto, sampling_from_proto
 from baton.serving.worker import EngineWorker
 from baton.v1 import decode_pb2, decode_pb2_grpc, worker_pb2
 
@@ -224,7 +224,7 @@ class DecodeWorker(EngineWorker):
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running here")
         prompt, params = list(req.prompt_token_ids), sampling_from_proto(req.sampling)
         self.llm.validate(prompt, params)
-        queue, _ = await self.engine.add(rid, prompt, params)
+        queue, _ = await self.engine.add(rid, prompt, params, images=images_from_proto(req.images))
         r = DecodeRequest(rid, "", None, queue, attached=True)
         self.requests[rid] = r
         async for chunk in self._relay(r, req.timeout_ms):

@@ -11,13 +11,14 @@ import asyncio
 import queue
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from baton.engine.kv_handoff import KVTicket
 from baton.engine.llm_engine import EngineStats, LLMEngine
 from baton.engine.output_processor import RequestOutput
 from baton.engine.sampling_params import SamplingParams
+from baton.models.multimodal import ImageInput
 
 IDLE_WAIT_S = 0.05
 
@@ -40,13 +41,14 @@ class AsyncEngine:
 
     # -- the services' calls (event loop) ------------------------------------------------------
     async def add(self, request_id: str, prompt: list[int], params: SamplingParams,
-                  hand_off_kv: bool = False) -> tuple[asyncio.Queue, KVTicket | None]:
+                  hand_off_kv: bool = False, images: Sequence[ImageInput] = ()) -> tuple[asyncio.Queue, KVTicket | None]:
         """Queue a request; its outputs arrive on the returned queue (close_stream when done).
-        With `hand_off_kv`, also its KV ticket (its prompt's KV goes to the engine's handoff)."""
+        With `hand_off_kv`, also its KV ticket (its prompt's KV goes to the engine's handoff).
+        `images`: a vision-language prompt's images, its placeholders already expanded."""
         queue = self.open_stream(request_id)
 
         def add(engine: LLMEngine) -> KVTicket | None:
-            engine.add_request(prompt, params, request_id=request_id, hand_off_kv=hand_off_kv)
+            engine.add_request(prompt, params, request_id=request_id, hand_off_kv=hand_off_kv, images=images)
             return engine.kv_ticket(request_id)
         try:
             ticket = await self.call(add)

@@ -77,7 +77,9 @@ class BlockManager:
         parent: int | None = None
         usable = (seq.num_tokens - 1) // self.block_size
         for i in range(usable):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = seq.block_key(i, self.block_size)
+            if tokens is None:
+                break
             h = self.hash_fn(parent, tokens)
             block_id = self.cached.get(h)
             if block_id is None or not self._verified(block_id, h, parent, tokens):
@@ -103,7 +105,10 @@ class BlockManager:
         parent = self.blocks[seq.block_table[start - 1]].hash if start else None
         for i in range(start, n_full):
             b = self.blocks[seq.block_table[i]]
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = seq.block_key(i, self.block_size)
+            if tokens is None:                  # image tokens of images not here: never shared
+                n_full = i
+                break
             if b.hash is None:
                 h = self.hash_fn(parent, tokens)
                 b.hash, b.parent_hash, b.token_ids = h, parent, tokens

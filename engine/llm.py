@@ -10,6 +10,7 @@ from baton.engine.llm_engine import LLMEngine, freeze_startup_objects
 from baton.engine.output_processor import CompletionOutput
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import render_chat
+from baton.models.multimodal import ImageInput, split_content_parts
 
 Prompt = str | list[int]
 
@@ -34,19 +35,24 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  progress: bool = False) -> list[CompletionOutput]:
         prompts = _as_list(prompts)
+        token_lists = [self.engine.tokenize(p) for p in prompts]
+        return self._generate(token_lists, [()] * len(token_lists), sampling_params, progress)
+
+    def _generate(self, token_lists: list[list[int]], images: list[Seq[ImageInput]], sampling_params,
+                  progress: bool) -> list[CompletionOutput]:
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
-        params = self._params_per_prompt(sampling_params, len(prompts))
+        params = self._params_per_prompt(sampling_params, len(token_lists))
         # validate everything first so a bad prompt leaves the engine untouched
-        token_lists = [self.engine.tokenize(p) for p in prompts]
-        for ids, p in zip(token_lists, params, strict=True):
+        for ids, p, imgs in zip(token_lists, params, images, strict=True):
             self.engine.validate(ids, p)
+            self.engine.check_images(ids, list(imgs))
         results: dict[str, CompletionOutput] = {}
         order = []
         try:
             streamed = set()
-            for ids, p in zip(token_lists, params, strict=True):
-                rid = self.engine.add_request(ids, p)
+            for ids, p, imgs in zip(token_lists, params, images, strict=True):
+                rid = self.engine.add_request(ids, p, images=imgs)
                 results[rid] = CompletionOutput(rid, ids)
                 order.append(rid)
                 if p.stop:                  # stop strings need the text as it grows
@@ -58,13 +64,30 @@ class LLM:
         return [results[r] for r in order]
 
     def chat(self, conversations, sampling_params=None, progress: bool = False) -> list[CompletionOutput]:
-        """One conversation ([{"role", "content"}, ...]) or a list of them."""
+        """One conversation ([{"role", "content"}, ...]) or a list of them. `content`: a string,
+        or OpenAI-style parts: {"type": "text", "text"}, {"type": "image_url", "image_url":
+        {"url": "data:image/png;base64,..."}} or {"type": "image", "image": <encoded bytes>}
+        (images: vision-language models only)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, sampling_params, progress)
+        token_lists, images = [], []
+        for c in conversations:
+            messages, imgs = split_content_parts(c)
+            ids = render_chat(self.tokenizer, messages)
+            if imgs or (self.engine.placeholders is not None
+                        and self.engine.placeholders.image_token_id in ids):
+                ids = self._placeholders().expand(ids, imgs)        # one pad per image -> the image's count
+            token_lists.append(ids)
+            images.append(imgs)
+        return self._generate(token_lists, images, sampling_params, progress)
+
+    def _placeholders(self):
+        if self.engine.placeholders is None:
+            raise ValueError(f"model {self.engine.source.name} takes no images; send text only")
+        return self.engine.placeholders
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """The chat's token ids (text content; image parts need `chat`, which expands them)."""
         return render_chat(self.tokenizer, messages)
 
     def _run(self, results: dict[str, CompletionOutput], streamed: set[str], progress: bool) -> None:

@@ -13,17 +13,20 @@ import gc
 import itertools
 import logging
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from baton.engine.block_manager import BlockManager
 from baton.engine.config import EngineConfig
 from baton.engine.kv_handoff import KVHandoff, KVPiece, KVState, KVTicket
 from baton.engine.model_runner import LaunchedStep, ModelRunner
+from baton.engine.multimodal import POSITION_OFFSET_META, MultimodalPrompt
 from baton.engine.output_processor import RequestOutput, RequestState
 from baton.engine.sampling_params import SamplingParams, sampling_defaults
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
 from baton.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
+from baton.models.multimodal import ImageInput, ImagePlaceholders
 
 log = logging.getLogger("baton.engine")
 
@@ -78,6 +81,7 @@ class LLMEngine:
         # 256 on an H100 host); the offline API turns it off and decodes each output once
         self.stream_text = True
         self.handoff = handoff or KVHandoff()     # the services' hook; the base class hands nothing off
+        self.placeholders = ImagePlaceholders.from_config(self.source.hf_config)   # None: a text-only model
         # asynchronous scheduling: on accelerators by default (the CPU gains nothing: its kernels
         # run on the host); one rank only, since other tensor-parallel ranks don't sample
         auto = self.runner.device.type != "cpu" and self.config.tp_size == 1
@@ -107,22 +111,43 @@ class LLMEngine:
         params.validate(self.vocab_size)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, hand_off_kv: bool = False) -> str:
+                    request_id: str | None = None, hand_off_kv: bool = False,
+                    images: Seq[ImageInput] = ()) -> str:
         """Queue a request. With `hand_off_kv` (prefill side) its prompt's KV goes to the
         handoff hook as pieces, each right after the step that made its blocks final; the last
-        piece carries the token that step sampled. Its ticket: `kv_ticket(request_id)`."""
+        piece carries the token that step sampled. Its ticket: `kv_ticket(request_id)`.
+        `images`: a vision-language model's images, in order; the prompt holds each one's
+        placeholders already expanded (ImagePlaceholders.expand)."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
+        mm = self._multimodal(token_ids, list(images))
         request_id = request_id or self.new_request_id()
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, token_ids, params, self.max_model_len, arrival=time.monotonic())
+        seq.mm = mm
         if hand_off_kv:
             seq.kv_ticket = KVTicket(request_id, "prefill")
         self.scheduler.add(seq)
         self.states[request_id] = RequestState(seq, self._detokenizer_for(params))
         return request_id
+
+    def check_images(self, token_ids: list[int], images: list[ImageInput]) -> None:
+        """ValueError unless the prompt's expanded placeholders match `images` (add_request checks too)."""
+        self._multimodal(token_ids, images)
+
+    def _multimodal(self, token_ids: list[int], images: list[ImageInput]) -> MultimodalPrompt | None:
+        """The prompt's images and MRoPE positions (None: a text prompt); ValueError when the
+        placeholders and the images disagree or the model takes no images."""
+        ph = self.placeholders
+        if ph is None:
+            if images:
+                raise ValueError(f"model {self.source.name} takes no images; send text only")
+            return None
+        if not images and ph.image_token_id not in token_ids:
+            return None
+        return MultimodalPrompt.for_prompt(token_ids, images, ph)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> KVTicket:
         """Decode side: blocks for a request whose prompt KV another worker computes (KVCacheFull
@@ -206,6 +231,7 @@ class LLMEngine:
                 outputs += self._resolve(prev)
                 prev = self.in_flight = None
             out = self.scheduler.schedule()
+            outputs += self._fail_unrecomputable(out.preempted)
         if out.is_empty:
             if prev is not None:
                 outputs += self._resolve(prev)
@@ -221,6 +247,13 @@ class LLMEngine:
             self.in_flight = None
         self.last_step_seconds = time.perf_counter() - t0
         return outputs
+
+    def _fail_unrecomputable(self, preempted: list[Sequence]) -> list[RequestOutput]:
+        """A preempted sequence is recomputed from its tokens later; one whose images stayed on
+        the prefill worker cannot be, so it ends now, with an error, rather than run without them."""
+        return [self._fail(seq.request_id, "preempted for KV space, and its images are not on this worker "
+                                           "to recompute its prompt; retry the request")
+                for seq in preempted if seq.mm is not None and not seq.mm.images_available]
 
     def _may_schedule_ahead(self, prev: LaunchedStep) -> bool:
         """Not past a step whose prompt KV is handed off (the pieces need its sampled token)."""
@@ -267,6 +300,8 @@ class LLMEngine:
         meta = {}
         if token is not None:
             meta = {"prefill_done_unix": repr(time.time()), "cached_tokens": str(seq.num_cached_tokens)}
+            if seq.mm is not None and seq.mm.position_offset:      # generated tokens' rotary shift
+                meta[POSITION_OFFSET_META] = str(seq.mm.position_offset)
         self.handoff.on_prompt_kv(KVPiece(seq.request_id, first, final - first, data, ready, token, meta))
         state = KVState.PREFILLED if token is not None else KVState.PREFILLING
         if ticket.state is not state:           # (pieces after the first leave it PREFILLING)
@@ -292,6 +327,9 @@ class LLMEngine:
     def _join(self, seq: Sequence, ticket: KVTicket) -> RequestOutput:
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = int(ticket.meta.get("cached_tokens") or 0)   # the prefill's prefix-cache hit
+        if self.placeholders is not None:     # images were encoded on the prefill side: only the offset comes
+            seq.mm = MultimodalPrompt.remote(seq.token_ids, self.placeholders.image_token_id,
+                                             int(ticket.meta.get(POSITION_OFFSET_META) or 0))
         seq.append_token(ticket.first_token)
         self.block_manager.register_full_blocks(seq)
         ticket.joined_at = time.time()

@@ -14,6 +14,7 @@ import torch
 
 from baton.engine.config import EngineConfig
 from baton.engine.kv_blocks import pack_blocks_on_device, unpack_blocks
+from baton.engine.multimodal import step_positions
 from baton.engine.platforms import Platform, get_platform
 from baton.engine.sampler import Sampler, SamplingBatch
 from baton.engine.scheduler import SchedulerOutput
@@ -68,7 +69,7 @@ class ModelRunner:
         self.graphs = None
         if self.device.type != "cpu":
             self._warm_up()
-        if self.platform.supports_graphs and not config.enforce_eager and getattr(self.model, "graph_safe", True):
+        if self.platform.supports_graphs and not config.enforce_eager and self._graph_safe():
             from baton.engine.graph_runner import DecodeGraphs
             self.graphs = DecodeGraphs(self)
         if self.tp is not None:
@@ -80,6 +81,13 @@ class ModelRunner:
             self.graphs = None          # captured graphs hold communicator resources: free them first
             self.tp.close()
             self.tp = None
+
+    def _graph_safe(self) -> bool:
+        """A model may opt out (`graph_safe = False`); one with routed experts captures only where
+        the platform's ops group them without a host sync (LayerOps.moe_graph_safe)."""
+        if not getattr(self.model, "graph_safe", True):
+            return False
+        return not getattr(self.model, "uses_moe", False) or self.platform.ops.moe_graph_safe
 
     # -- set-up -----------------------------------------------------------------------------
     def _load_model(self, tp_rank: int, tp_group) -> torch.nn.Module:
@@ -222,7 +230,12 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             ctx = ForwardContext(meta, self.kv_caches, self.platform, self.scale)
-            hidden = self.model(input_ids, positions, ctx)
+            extra = {}
+            if inputs.mrope_positions is not None:    # images in the step: vision embeddings and MRoPE
+                from baton.engine.vision_step import multimodal_step  # (text models never load it)
+                extra["mm"] = multimodal_step(self.model, self.source.hf_config, inputs.image_chunks,
+                                              inputs.mrope_positions, self.device)
+            hidden = self.model(input_ids, positions, ctx, **extra)
         if not len(inputs.rows):
             return None
         last = meta.query_start_loc[1:].long() - 1
@@ -258,6 +271,7 @@ class ModelRunner:
             positions = np.concatenate([np.arange(b, e) for b, e in zip(begins, ends, strict=True)])
         token_rows = np.repeat(np.arange(len(items)), counts)
         slots = tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        positions, mrope, image_chunks = step_positions(items, begins, ends, positions, starts, out.is_decode)
         ids = np.asarray(input_ids, np.int64)
         pending_dst = np.flatnonzero(ids == PENDING)
         pending_src = _rows_in(prev, [items[r].seq.seq_id for r in token_rows[pending_dst]])
@@ -277,6 +291,7 @@ class ModelRunner:
             has_seed=np.array([q.sampling_seed is not None for q in seqs], np.bool_),
             sample_positions=np.array([q.num_tokens for q in seqs], np.int64),
             pending_dst=pending_dst.astype(np.int64), pending_src=pending_src,
+            mrope_positions=mrope, image_chunks=image_chunks,
         )
 
     def _device_inputs(self, h: StepInputs) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor, SamplingBatch]:
@@ -325,6 +340,8 @@ class StepInputs:
     pending_src: np.ndarray          # [P] int64: ...as row pending_src of the previous step's samples
     pending_dst_dev: torch.Tensor | None = None      # (their device copies, set on upload)
     pending_src_dev: torch.Tensor | None = None
+    mrope_positions: np.ndarray | None = None        # [3, T] int64: a multimodal prefill step's (t, h, w)
+    image_chunks: list | None = None                 # ...and its chunks that hold image tokens
 
 
 @dataclass(slots=True)

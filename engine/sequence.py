@@ -36,7 +36,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "block_table", "status", "params", "finish_reason", "max_model_len",
         "arrival", "num_preemptions", "sampling_seed", "num_hashed_blocks", "kv_ticket",
-        "num_blocks_handed_off", "num_pending_tokens",
+        "num_blocks_handed_off", "num_pending_tokens", "mm",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -59,6 +59,7 @@ class Sequence:
         self.kv_ticket = None               # KVTicket of a handed-off request (engine/kv_handoff.py)
         self.num_blocks_handed_off = 0      # prefill side: prompt blocks already packed into pieces
         self.num_pending_tokens = 0         # trailing PENDING tokens (asynchronous scheduling)
+        self.mm = None                      # MultimodalPrompt (engine/multimodal.py) of a prompt with images
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -93,6 +94,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def block_key(self, i: int, block_size: int) -> tuple | None:
+        """What block i is cached under: its tokens (and the digests of the images it holds part
+        of); None: it must not be cached."""
+        tokens = tuple(self.token_ids[i * block_size:(i + 1) * block_size])
+        return tokens if self.mm is None else self.mm.block_key(i * block_size, (i + 1) * block_size, tokens)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

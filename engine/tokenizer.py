@@ -41,9 +41,25 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
     for i, m in enumerate(messages):
         if m.get("role") not in CHAT_ROLES:
             raise ValueError(f"chat message {i} has role {m.get('role')!r}; use one of {CHAT_ROLES}")
+        _check_content(i, m.get("content"))
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; send text or tokens instead")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def _check_content(i: int, content) -> None:
+    """A string, or template parts ({"type": "text", "text"} / {"type": "image"}: what
+    baton.models.multimodal.split_content_parts makes of OpenAI-style parts)."""
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise ValueError(f"chat message {i}: content must be a string or a list of parts")
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image" or (kind == "text" and isinstance(part.get("text"), str)):
+            continue
+        raise ValueError(f"chat message {i}: content parts must be {{'type': 'text', 'text': ...}} or "
+                         f"{{'type': 'image'}} (split OpenAI parts with split_content_parts), got {part!r:.80}")

@@ -2,8 +2,9 @@
 
 The architectures differ only in switches: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3),
 tied embeddings, explicit head_dim, and the feed-forward block of each layer (dense, or routed
-experts in Qwen3-MoE: `make_mlp`). Attention goes through `ctx.attend`, so the model knows
-nothing of the KV cache or the platform.
+experts in Qwen3-MoE: `make_mlp`); MiniCPM sets its embedding and residual-branch scales
+(`embed_scale`, `residual_scale`: None elsewhere, so other models run the same ops).
+Attention goes through `ctx.attend`, so the model knows nothing of the KV cache or the platform.
 """
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    residual_scale: float | None = None     # MiniCPM: each branch's output times this before the residual add
+
     def __init__(self, config, layer_idx, ops, tp, dtype, qkv_bias, qk_norm, rotary, mlp: nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, ops, tp, dtype, qkv_bias, qk_norm, rotary)
@@ -87,11 +90,18 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, ctx)
+        if self.residual_scale is not None:
+            x = x * self.residual_scale
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.residual_scale is not None:
+            x = x * self.residual_scale
+        return x, residual
 
 
 class DecoderModel(nn.Module):
+    embed_scale: float | None = None        # MiniCPM: token embeddings times this
+
     def __init__(self, config, ops, tp, dtype, qkv_bias, qk_norm, make_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
@@ -104,6 +114,8 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, ctx):
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 CONVERTER_VERSION = "3"            # bump when the output changes: cached conversions are redone
 PROGRESS_EVERY_S = 10.0
+NOT_CONVERTIBLE = {"minicpm": "MiniCPM"}     # GGUF architecture -> name, for the refusal
 
 
 def convert(gguf_path: Path, out_dir: Path, final_dir: Path | None = None, sampling: dict | None = None) -> None:
@@ -23,6 +24,7 @@ def convert(gguf_path: Path, out_dir: Path, final_dir: Path | None = None, sampl
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _check_architecture(gguf_path)
     where = final_dir or out_dir
     t0 = time.perf_counter()
     print(f"[baton] converting {gguf_path.name} to an HF checkpoint in {where} "
@@ -52,6 +54,18 @@ def convert(gguf_path: Path, out_dir: Path, final_dir: Path | None = None, sampl
     gen.update(sampling or {})
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
     print(f"[baton] converted in {time.perf_counter() - t0:.1f}s -> {where}", file=sys.stderr, flush=True)
+
+
+def _check_architecture(gguf_path: Path) -> None:
+    """Refuse, before any work, a GGUF of an architecture Baton serves but transformers' GGUF
+    loader cannot map (MiniCPM: llama.cpp has it, transformers has no MiniCPM class)."""
+    from gguf import GGUFReader
+    field = GGUFReader(str(gguf_path)).get_field("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch in NOT_CONVERTIBLE:
+        raise ValueError(f"{gguf_path.name}: a {NOT_CONVERTIBLE[arch]} GGUF cannot be imported (Baton converts GGUF "
+                         f"through transformers' GGUF loader, which lacks {arch!r}); give the model as an HF "
+                         f"directory (config.json + *.safetensors) instead")
 
 
 def _tick(done: threading.Event, t0: float) -> None:

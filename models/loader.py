@@ -77,6 +77,9 @@ def _check_complete(model, params: dict, loaded: set[str]) -> None:
 
 def checkpoint_shapes(config) -> list[tuple[str, tuple[int, ...]]]:
     """The tensors an HF checkpoint of this decoder config holds, with their full shapes."""
+    custom = getattr(model_class(config.architectures[0]), "checkpoint_shapes", None)
+    if custom is not None:                    # a model with more than a decoder (Qwen3-VL's vision tower)
+        return custom(config)
     h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
     d = getattr(config, "head_dim", None) or h // config.num_attention_heads
     hq, hkv = config.num_attention_heads * d, config.num_key_value_heads * d

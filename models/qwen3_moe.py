@@ -13,7 +13,9 @@ _EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    graph_safe = False       # the experts' grouping reads counts on the host: decode runs eager for now
+    # routed experts: decode graphs only where the platform's moe_experts is capturable
+    # (LayerOps.moe_graph_safe; engine/model_runner.py asks)
+    uses_moe = True
 
     def make_mlp(self, config, layer_idx, ops, tp, dtype):
         if is_moe_layer(config, layer_idx):

@@ -9,9 +9,11 @@ import importlib
 
 MODELS = {
     "LlamaForCausalLM": "baton.models.llama",
+    "MiniCPMForCausalLM": "baton.models.minicpm",
     "Qwen2ForCausalLM": "baton.models.qwen2",
     "Qwen3ForCausalLM": "baton.models.qwen3",
     "Qwen3MoeForCausalLM": "baton.models.qwen3_moe",
+    "Qwen3VLForConditionalGeneration": "baton.models.qwen3_vl",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
 

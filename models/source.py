@@ -28,6 +28,16 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_SAMPLING = {"do_sample": False}
 CONVERT_LOCK_TIMEOUT_S = 900.0         # another process converting the same file: wait at most this
 
+# MiniCPM4-0.5B's LongRoPE factors (its config.json; long == short, original == max positions)
+MINICPM4_ROPE_FACTORS = [
+    1.0004360675811768, 1.0668443441390991, 1.1631425619125366, 1.3025742769241333, 1.5040205717086792,
+    1.7941505908966064, 2.2101221084594727, 2.802666664123535, 3.6389970779418945, 4.804192543029785,
+    6.39855432510376, 8.527148246765137, 11.277542114257812, 14.684998512268066, 18.69317054748535,
+    23.13019371032715, 27.72362518310547, 32.1606559753418, 36.168827056884766, 39.57627868652344,
+    42.32667541503906, 44.45526885986328, 46.04962921142578, 47.21482849121094, 48.05115509033203,
+    48.64370346069336, 49.05967712402344, 49.34980392456055, 49.551246643066406, 49.69068145751953,
+    49.78697967529297, 49.85338592529297]
+
 # Random-weight presets in the exact shapes of real checkpoints (cost what the real ones cost).
 PRESETS: dict[str, dict] = {
     "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
@@ -58,6 +68,28 @@ PRESETS: dict[str, dict] = {
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                        rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
                        bos_token_id=151643, eos_token_id=151645),
+    "minicpm4-0.5b": dict(architectures=["MiniCPMForCausalLM"], model_type="minicpm", hidden_size=1024,
+                          intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                          num_key_value_heads=2, vocab_size=73448, tie_word_embeddings=True, rope_theta=10000.0,
+                          max_position_embeddings=32768, rms_norm_eps=1e-5, scale_emb=12, dim_model_base=256,
+                          scale_depth=1.4, rope_scaling={"rope_type": "longrope",
+                                                         "long_factor": MINICPM4_ROPE_FACTORS,
+                                                         "short_factor": MINICPM4_ROPE_FACTORS,
+                                                         "original_max_position_embeddings": 32768},
+                          bos_token_id=1, eos_token_id=[2, 73440]),
+    "qwen3-vl-2b": dict(architectures=["Qwen3VLForConditionalGeneration"], model_type="qwen3_vl",
+                        tie_word_embeddings=True, image_token_id=151655, video_token_id=151656,
+                        vision_start_token_id=151652, vision_end_token_id=151653,
+                        text_config=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                         num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                         vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                                          "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+                                         bos_token_id=151643, eos_token_id=151645),
+                        vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                                           out_hidden_size=2048, num_position_embeddings=2304, patch_size=16,
+                                           spatial_merge_size=2, temporal_patch_size=2,
+                                           deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh")),
     # tiny ones for tests: vocab covers the embedded tokenizer's ids
     "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -73,6 +105,29 @@ PRESETS: dict[str, dict] = {
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=49152,
                            tie_word_embeddings=False, rope_theta=1_000_000.0, max_position_embeddings=2048,
                            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2),
+    "tiny-minicpm4": dict(architectures=["MiniCPMForCausalLM"], model_type="minicpm", hidden_size=64,
+                          intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          vocab_size=49152, tie_word_embeddings=True, rope_theta=10000.0,
+                          max_position_embeddings=2048, rms_norm_eps=1e-5, scale_emb=12, dim_model_base=16,
+                          scale_depth=1.4, rope_scaling={"rope_type": "longrope",
+                                                         "long_factor": [1.0 + i for i in range(8)],
+                                                         "short_factor": [1.0 + i / 8 for i in range(8)],
+                                                         "original_max_position_embeddings": 2048},
+                          bos_token_id=1, eos_token_id=2),
+    # image tokens just past the embedded tokenizer's 49152 (tests/vl_helpers.py adds them to it)
+    "tiny-qwen3-vl": dict(architectures=["Qwen3VLForConditionalGeneration"], model_type="qwen3_vl",
+                          tie_word_embeddings=True, image_token_id=49154, video_token_id=49155,
+                          vision_start_token_id=49152, vision_end_token_id=49153,
+                          text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                           vocab_size=49160, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                                            "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+                                           bos_token_id=1, eos_token_id=2),
+                          vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
+                                             out_hidden_size=64, num_position_embeddings=16, patch_size=16,
+                                             spatial_merge_size=2, temporal_patch_size=2,
+                                             deepstack_visual_indexes=[0, 1], hidden_act="gelu_pytorch_tanh")),
 }
 
 
@@ -198,11 +253,15 @@ def _lock(lock, target: Path) -> None:
 
 def _from_hf_dir(path: Path, name: str) -> ModelSource:
     from transformers import AutoConfig
+
+    from baton.models import minicpm_config
+    minicpm_config.register()               # a model_type transformers lacks
     try:
         config = AutoConfig.from_pretrained(str(path))
     except Exception as exc:
         raise ValueError(f"cannot read the model config in {path}: {exc}") from exc
     arch = (getattr(config, "architectures", None) or ["?"])[0]
+    mirror_text_config(config)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} of {path} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -213,6 +272,27 @@ def _preset(name: str) -> ModelSource:
     """Random weights in a real checkpoint's shape; no tokenizer of its own (resolve_model gives
     it the one asked for, else the embedded model's)."""
     from transformers import AutoConfig
+
+    from baton.models import minicpm_config
+    minicpm_config.register()
     fields = dict(PRESETS[name])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    mirror_text_config(config)
     return ModelSource(name, config, None, "", config.architectures[0])
+
+
+TEXT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "eos_token_id",
+               "bos_token_id")
+
+
+def mirror_text_config(config) -> None:
+    """A vision-language config keeps its decoder's shape in `text_config`; copy the fields the
+    engine, router and benchmarks read (vocab_size, max_position_embeddings...) to the top, where
+    they are for text-only models."""
+    text = getattr(config, "text_config", None)
+    if text is None:
+        return
+    for name in TEXT_FIELDS:
+        if getattr(config, name, None) is None and getattr(text, name, None) is not None:
+            setattr(config, name, getattr(text, name))

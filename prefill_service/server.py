@@ -32,8 +32,9 @@ from baton.kvtransfer.backend import (
 from baton.kvtransfer.factory import make_sender
 from baton.kvtransfer.grpc_options import channel_options
 from baton.kvtransfer.peer_auth import KVPeerAuth
+from baton.models.multimodal import ImageInput
 from baton.serving.grpc_server import ServiceError, open_channel
-from baton.serving.wire import sampling_from_proto
+from baton.serving.wire import images_from_proto, sampling_from_proto
 from baton.serving.worker import EngineWorker
 from baton.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
 
@@ -117,10 +118,12 @@ class PrefillWorker(EngineWorker):
                                f"{backend}")
         prompt, params = list(req.prompt_token_ids), sampling_from_proto(req.sampling)
         self.llm.validate(prompt, params)
+        images = images_from_proto(req.images)
         timeout = req.timeout_ms / 1000 if req.timeout_ms else DEFAULT_TIMEOUT_S
         self.tasks[rid] = asyncio.current_task()
         try:
-            return await asyncio.wait_for(self._run(rid, prompt, params, req.handoff, backend, timeout), timeout)
+            return await asyncio.wait_for(self._run(rid, prompt, images, params, req.handoff, backend, timeout),
+                                          timeout)
         except TimeoutError:
             raise TimeoutError(f"prefill of {rid} did not finish within {timeout:.1f}s") from None
         finally:
@@ -128,7 +131,7 @@ class PrefillWorker(EngineWorker):
             self.tasks.pop(rid, None)
             self.engine.abort(rid)           # no-op when it completed
 
-    async def _run(self, rid: str, prompt: list[int], params, handoff, backend: str,
+    async def _run(self, rid: str, prompt: list[int], images: list[ImageInput], params, handoff, backend: str,
                    timeout: float) -> prefill_pb2.PrefillResponse:
         t0 = time.perf_counter()
         pieces: asyncio.Queue = asyncio.Queue()
@@ -137,7 +140,7 @@ class PrefillWorker(EngineWorker):
         transfer = TransferDescriptor(handoff.transfer_id, nbytes=self.layout.payload_nbytes(num_blocks),
                                       num_tokens=len(prompt), backend=backend)
         streaming = asyncio.ensure_future(self._stream(handoff.decode_address, transfer, pieces, timeout))
-        prefill = asyncio.ensure_future(self._prefill(rid, prompt, params))
+        prefill = asyncio.ensure_future(self._prefill(rid, prompt, images, params))
         try:
             await asyncio.wait({streaming, prefill}, return_when=asyncio.FIRST_COMPLETED)
             if streaming.done() and streaming.exception() is not None:
@@ -160,11 +163,13 @@ class PrefillWorker(EngineWorker):
                 streaming.result().abandon("the prefill ended first")   # no-op once finished
         return self._done(out, stats, t0, t1)
 
-    async def _prefill(self, rid: str, prompt: list[int], params) -> tuple[RequestOutput, KVTicket]:
-        """Run the prompt with its KV handed off (one token here; the decode worker continues
-        with the request's own limits); returns the output carrying the first token, and the
-        request's KV ticket."""
-        queue, ticket = await self.engine.add(rid, prompt, replace(params, max_tokens=1, stop=[]), hand_off_kv=True)
+    async def _prefill(self, rid: str, prompt: list[int], images: list[ImageInput],
+                       params) -> tuple[RequestOutput, KVTicket]:
+        """Run the prompt (and its images: the vision encoder runs here) with its KV handed off
+        (one token here; the decode worker continues with the request's own limits); returns the
+        output carrying the first token, and the request's KV ticket."""
+        queue, ticket = await self.engine.add(rid, prompt, replace(params, max_tokens=1, stop=[]), images=images,
+                                               hand_off_kv=True)
         try:
             out = await queue.get()
         finally:

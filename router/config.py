@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from baton.router.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES, check_limits
 from baton.router.policies import POLICIES
 from baton.router.registry import split_target
 from baton.serving.options import flag, parser
@@ -32,6 +33,8 @@ class RouterConfig:
     # limits (0 = the model's own limit / unlimited)
     max_prompt_tokens: int = 0
     max_new_tokens: int = 0
+    max_images: int = DEFAULT_MAX_IMAGES            # per request, for models that take images
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # per encoded image
     max_inflight: int = 512             # requests routed to workers at once
     max_queued: int = 2048              # requests waiting for a slot; beyond: RESOURCE_EXHAUSTED
     queue_timeout: float = 30.0         # longest wait for a slot
@@ -49,6 +52,7 @@ class RouterConfig:
         for name in ("max_prompt_tokens", "max_new_tokens", "max_per_client"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0 = no limit)")
+        check_limits(self.max_images, self.max_image_bytes)
         if self.max_inflight < 1 or self.max_queued < 0:
             raise ValueError("--max-inflight must be >= 1 and --max-queued >= 0")
         if not 0 <= self.http_port < 65536:
@@ -117,6 +121,10 @@ def add_auth_and_limits(p: argparse.ArgumentParser) -> None:
     flag(a, "--auth-token-file", help="one 'client:token' per line; limits are counted per client")
     flag(a, "--max-prompt-tokens", type=int, default=0, help="longest prompt accepted (0: the model's context)")
     flag(a, "--max-new-tokens", type=int, default=0, help="largest max_tokens accepted (0: the model's context)")
+    flag(a, "--max-images", type=int, default=DEFAULT_MAX_IMAGES,
+         help="images one chat request may carry (models that take images; 0: none)")
+    flag(a, "--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
+         help="largest encoded image accepted, in bytes; --max-images times this must fit in 56 MiB")
     flag(a, "--max-inflight", type=int, default=512, help="requests routed to workers at once")
     flag(a, "--max-queued", type=int, default=2048,
          help="requests waiting for a slot; more are refused with RESOURCE_EXHAUSTED")
@@ -141,6 +149,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
                        grace_seconds=args.grace,
                        tls=tls_from_args(args), auth_tokens=load_tokens(args.auth_token, args.auth_token_file),
                        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                       max_images=args.max_images, max_image_bytes=args.max_image_bytes,
                        max_inflight=args.max_inflight, max_queued=args.max_queued, queue_timeout=args.queue_timeout,
                        max_per_client=args.max_per_client, first_token_timeout=args.first_token_timeout,
                        max_migrations=args.max_migrations, http_port=args.http_port,

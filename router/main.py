@@ -5,6 +5,7 @@ import sys
 
 from baton.engine.sampling_params import sampling_defaults
 from baton.engine.tokenizer import eos_token_ids, load_tokenizer
+from baton.models.multimodal import ImagePlaceholders
 from baton.models.source import resolve_model
 from baton.router.config import RouterConfig, parse_router_args
 from baton.router.openai_api import OpenAIServer
@@ -40,7 +41,8 @@ async def serve(cfg: RouterConfig) -> None:
                         resolve_interval=cfg.resolve_interval)
     await registry.start()
     svc = RouterService(registry, tokenizer, info, cfg,
-                        sampling_defaults(source.generation_config(cfg.generation_config)))
+                        sampling_defaults(source.generation_config(cfg.generation_config)),
+                        vision=ImagePlaceholders.from_config(hf))
     svc.auth, svc.metrics, svc.server = auth, metrics, server
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(svc), server.server)
     await server.start()

@@ -24,6 +24,7 @@ import uuid
 import grpc
 from aiohttp import web
 
+from baton.models.multimodal import decode_data_url
 from baton.router.config import RouterConfig
 from baton.serving.grpc_server import PortInUse, ServiceError
 from baton.v1 import router_pb2
@@ -103,7 +104,9 @@ class OpenAIServer:
 
     # -- lifecycle --------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=8 << 20, middlewares=[self._errors])
+        # a body carries its images base64-encoded: 4/3 of their bytes
+        images = self.cfg.max_images * self.cfg.max_image_bytes * 4 // 3
+        app = web.Application(client_max_size=(8 << 20) + images, middlewares=[self._errors])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
@@ -205,10 +208,17 @@ class OpenAIServer:
         if not isinstance(messages, list) or not messages:
             raise HTTPError(400, "messages must be a non-empty list of {role, content}", param="messages")
         req = router_pb2.GenerateRequest()
+        images = 0
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise HTTPError(400, f"messages[{i}] must be an object with a string role", param="messages")
-            req.chat.messages.add(role=m["role"], content=_content(m.get("content"), i))
+            content = m.get("content")
+            if _has_images(content):
+                parts = _parts(content, i, images)
+                images += sum(p.HasField("image") for p in parts)
+                req.chat.messages.add(role=m["role"], parts=parts)
+            else:
+                req.chat.messages.add(role=m["role"], content=_content(content, i))
         return await self._serve(request, body, [req], chat=True)
 
     # -- the shared path ----------------------------------------------------------------------
@@ -351,10 +361,40 @@ def _content(content, i: int) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise HTTPError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+                raise HTTPError(400, f"messages[{i}].content: each part must be a text or image_url object",
+                                param="messages")
             parts.append(part["text"])
-        return "".join(parts)
-    raise HTTPError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        return "\n".join(parts)         # as the offline LLM.chat and gRPC parts join text-only parts
+    raise HTTPError(400, f"messages[{i}].content must be a string or a list of text / image_url parts",
+                    param="messages")
+
+
+def _has_images(content) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") != "text" for p in content)
+
+
+def _parts(content: list, i: int, images_before: int) -> list[router_pb2.ChatContentPart]:
+    """Text and image_url parts -> the gRPC chat's parts (`images_before`: the chat's images in
+    earlier messages). Images come inline as data: URLs (base64); an http(s) URL is refused,
+    since the server fetches nothing from the network."""
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append(router_pb2.ChatContentPart(text=part["text"]))
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            try:
+                image = decode_data_url(url, images_before + sum(p.HasField("image") for p in parts))
+            except ValueError as exc:
+                raise HTTPError(400, f"messages[{i}].content[{j}]: {exc}", param="messages") from None
+            parts.append(router_pb2.ChatContentPart(image=router_pb2.Image(data=image.data,
+                                                                            mime_type=image.mime_type)))
+        else:
+            raise HTTPError(400, f"messages[{i}].content[{j}] must be a text part or an image_url part "
+                                 "(a data: URL)", param="messages")
+    return parts
 
 
 def _number(body: dict, name: str, kind: type, lo=None) -> float | int | None:

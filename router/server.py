@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from baton.models.multimodal import ImagePlaceholders
 from baton.router import validation
 from baton.router.admission import Admission
 from baton.router.config import RouterConfig
+from baton.router.images import ImagePolicy
 from baton.router.migration import Ledger
 from baton.router.policies import make_policy
 from baton.router.registry import Registry, Worker
@@ -46,6 +48,7 @@ class Active:
     aborted: bool = False
     finished: bool = False
     attempt: int = -1                   # attempts so far (retries and migrations), from 0
+    images: list[router_pb2.Image] = field(default_factory=list)   # the chat's, sent with every (re-)prefill
 
     @property
     def worker_id(self) -> str:
@@ -124,9 +127,12 @@ class StreamBroke(Exception):
 
 class RouterService:
     def __init__(self, registry: Registry, tokenizer, model_info: router_pb2.ModelInfo,
-                 cfg: RouterConfig | None = None, sampling_defaults: dict | None = None):
+                 cfg: RouterConfig | None = None, sampling_defaults: dict | None = None,
+                 vision: ImagePlaceholders | None = None):
         cfg = cfg or RouterConfig()
         self.cfg = cfg
+        # `vision`: the model's image placeholders (models/multimodal.py); None: it takes no images
+        self.images = ImagePolicy(model_info.name, vision, cfg.max_images, cfg.max_image_bytes)
         self.sampling_defaults = sampling_defaults or {}     # the model's generation config
         self.registry = registry
         self.tokenizer = tokenizer
@@ -158,7 +164,10 @@ class RouterService:
         if self.server is not None and self.server.draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "router is draining (shutting down); retry on another")
         validation.check_request_id(req.request_id)
-        ids = validation.prompt_ids(req, self.tokenizer, self.model_info.vocab_size)
+        images = self.images.collect(req)
+        if images:                          # decoding takes a while: not on the event loop
+            await asyncio.to_thread(self.images.measure, images)
+        ids = validation.prompt_ids(req, self.tokenizer, self.model_info.vocab_size, images, self.images)
         validation.check_limits(req, len(ids), self.cfg.max_prompt_tokens, self.cfg.max_new_tokens)
         params = validation.sampling(req, len(ids), self.max_model_len, self.model_info.vocab_size,
                                      self.cfg.max_new_tokens, self.sampling_defaults)
@@ -170,7 +179,8 @@ class RouterService:
         # the client's deadline, else --request-timeout (0: none): never one nobody asked for
         limit = remaining if remaining is not None else (self.cfg.request_timeout or math.inf)
         deadline = loop.time() + limit
-        active = Active(rid, asyncio.current_task(), self.client_of(context))
+        active = Active(rid, asyncio.current_task(), self.client_of(context),
+                        images=[c.to_proto() for c in images])
         self.active[rid] = active
         clock = RequestClock(self.metrics, len(ids)) if self.metrics else None
         try:
@@ -315,7 +325,7 @@ class RouterService:
                                timeout=_seconds(deadline - loop.time()))
         self._use(active, p)
         prefill = asyncio.ensure_future(p.stub.Prefill(prefill_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(handover),
+            request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(handover), images=active.images,
             handoff=prefill_pb2.Handoff(decode_address=admit.kv_address or d.address,
                                         transfer_id=admit.transfer_id, backend=admit.backend)),
             timeout=handover))
@@ -355,7 +365,7 @@ class RouterService:
         w = self._pick("colocated", self.colocated_policy, ids, tried)
         self._use(active, w)
         stream = w.stub.Generate(decode_pb2.WorkerGenerateRequest(
-            request_id=active.worker_id, prompt_token_ids=ids, sampling=sampling,
+            request_id=active.worker_id, prompt_token_ids=ids, sampling=sampling, images=active.images,
             timeout_ms=_ms(deadline - loop.time())), timeout=_seconds(deadline - loop.time()))
         try:
             chunk = await _next(stream)

@@ -6,9 +6,12 @@ to fix. Nothing reaches a worker unless it passes.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import encode_text, render_chat
+from baton.models.multimodal import split_content_parts
+from baton.router.images import ChatImage, ImagePolicy
 from baton.serving.wire import sampling_from_proto
 from baton.v1 import router_pb2
 
@@ -21,7 +24,10 @@ def check_request_id(rid: str) -> None:
         raise ValueError("request_id must be 1-128 characters of letters, digits and . _ : -")
 
 
-def prompt_ids(req: router_pb2.GenerateRequest, tokenizer, vocab_size: int) -> list[int]:
+def prompt_ids(req: router_pb2.GenerateRequest, tokenizer, vocab_size: int, images: Sequence[ChatImage] = (),
+               policy: ImagePolicy | None = None) -> list[int]:
+    """The prompt's token ids; with `policy` (the router's images rules), each image placeholder of
+    the rendered chat expanded to the token count of its image in `images` (ImagePolicy.collect)."""
     kind = req.WhichOneof("input")
     if kind is None:
         raise ValueError("no input: set one of text, tokens or chat")
@@ -35,11 +41,34 @@ def prompt_ids(req: router_pb2.GenerateRequest, tokenizer, vocab_size: int) -> l
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     else:
-        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-        ids = render_chat(tokenizer, messages)
+        ids = render_chat(tokenizer, chat_messages(req.chat))
     if not ids:
         raise ValueError("prompt is empty: give at least one token")
-    return ids
+    return policy.expand(ids, list(images)) if policy is not None else ids
+
+
+def chat_messages(chat: router_pb2.Chat) -> list[dict]:
+    """The chat as its template renders it. Content parts go the way the offline `LLM.chat` takes
+    OpenAI-style parts (split_content_parts): images as {"type": "image"}, text-only parts joined."""
+    messages: list[dict] = []
+    for i, m in enumerate(chat.messages):
+        if not m.parts:
+            messages.append({"role": m.role, "content": m.content})
+            continue
+        if m.content:
+            raise ValueError(f"chat.messages[{i}] sets both content and parts: put its text in a text part")
+        messages.append({"role": m.role, "content": [_part(p, f"chat.messages[{i}].parts[{j}]")
+                                                     for j, p in enumerate(m.parts)]})
+    return split_content_parts(messages)[0]
+
+
+def _part(part: router_pb2.ChatContentPart, where: str) -> dict:
+    kind = part.WhichOneof("part")
+    if kind == "text":
+        return {"type": "text", "text": part.text}
+    if kind == "image":
+        return {"type": "image", "image": part.image.data}
+    raise ValueError(f"{where} is empty: set its text or its image")
 
 
 def check_limits(req: router_pb2.GenerateRequest, prompt_len: int, max_prompt_tokens: int,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from baton.engine.output_processor import RequestOutput
 from baton.engine.sampling_params import SamplingParams
+from baton.models.multimodal import ImageInput
 from baton.v1 import decode_pb2, router_pb2
 
 DEFAULT_MAX_TOKENS = 256
@@ -38,6 +39,13 @@ def sampling_to_proto(s: SamplingParams) -> router_pb2.SamplingParams:
     if s.seed is not None:
         p.seed = s.seed
     return p
+
+
+def images_from_proto(images) -> list[ImageInput]:
+    """A request's baton.v1.Image list -> the engine's ImageInputs (bytes as the client sent them)."""
+    if any(not image.data for image in images):
+        raise ValueError("an image of the request has no bytes")
+    return [ImageInput(image.data, image.mime_type) for image in images]
 
 
 def chunk_from_output(out: RequestOutput, handover_seconds: float = 0.0) -> decode_pb2.TokenChunk:

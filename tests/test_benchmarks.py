@@ -3,6 +3,7 @@ hand-computed cases), and each `--smoke` mode runs end to end on the CPU and wri
 Timings are never asserted: only that they exist and add up."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -126,7 +127,8 @@ def test_model_shape_counts_parameters_and_kv_bytes():
     assert TINY.kv_bytes_per_token(2) == 2 * 1 * 1 * 2 * 2     # K and V x layers x kv heads x head_dim x bf16
 
 
-@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b", "llama-3.2-1b", "qwen2-0.5b"])
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b", "llama-3.2-1b", "qwen2-0.5b", "qwen3-30b-a3b",
+                                    "tiny-qwen3-moe", "minicpm4-0.5b"])
 def test_model_shape_parameter_count_matches_the_checkpoint(preset):
     from baton.models import source as model_source
     from baton.models.loader import checkpoint_shapes
@@ -154,6 +156,23 @@ def test_roofline_of_hand_computed_steps():
     assert (r["memory_bound_steps"], r["compute_bound_steps"]) == (1, 1)
     assert r["by_kind"]["decode"]["roofline_fraction"] == pytest.approx(2.44 / 4.0)
     assert r["by_kind"]["prefill"]["roofline_fraction"] == pytest.approx(2.624 / 6.0)
+
+
+def test_moe_roofline_reads_the_experts_hit_and_multiplies_the_active_ones():
+    # TINY's attention (48) and one MoE layer of 4 experts, top 2, expert intermediate 2 (3x4x2 = 24)
+    moe = dataclasses.replace(TINY, num_experts=4, experts_per_token=2, moe_intermediate=2, moe_layers=1)
+    assert moe.shared_matmul_params == 48 + 4 * 4                 # attention + the 4x4 router
+    assert moe.body_matmul_params == 64 + 4 * 24 and moe.active_matmul_params == 64 + 2 * 24
+    assert moe.expected_experts_hit(1) == 2                       # one token: exactly its top 2
+    assert moe.expected_experts_hit(2) == pytest.approx(4 * (1 - 0.5 ** 2))
+    cost = CostModel(moe, dtype_bytes=2)
+    decode = StepShape([(3, 1), (5, 1)], sampled=2)
+    # shared 64 + 3 of 4 experts x 24 + norms 12 + head 40 + 2 embedding rows of 4; KV as for TINY
+    assert cost.step_bytes(decode) == (64 + 72 + 12 + 40 + 8) * 2 + 8 * 8 + 2 * 8
+    assert cost.step_flops(decode) == 2 * 112 * 2 + 160 + 160
+    r = roofline_report(cost, Ceilings(200.0, 500.0), [decode], wall_seconds=10.0)
+    assert r["moe"]["experts_hit_at"][1] == 2 and "uniform routing" in r["moe"]["expert_bytes"]
+    assert "moe" not in roofline_report(CostModel(TINY, 2), Ceilings(200.0, 500.0), [decode], 10.0)
 
 
 def test_simulated_schedule_feeds_every_prompt_once_and_samples_every_output_token():
@@ -269,6 +288,20 @@ def test_offline_smoke_through_transformers_generates_the_same_token_count(tmp_p
     assert r["engine"] == "transformers" and r["hf_mode"] == "continuous"
     assert r["output_tokens"] == r["workload"]["requested_output_tokens"]
     assert r["roofline"]["roofline_fraction"] > 0
+
+
+def test_the_transformers_peer_of_a_moe_preset_holds_batons_weights():
+    """transformers 5 stacks a MoE layer's experts where the synthesised checkpoint names each
+    expert: the peer routes them into its stacked parameters, so both engines hold one model."""
+    from helpers import hf_greedy
+
+    from baton.benchmarks.offline_transformers import load_hf_model
+    from baton.engine import LLM, SamplingParams
+    hf = load_hf_model("tiny-qwen3-moe", "cpu", "float32")
+    llm = LLM("tiny-qwen3-moe", dtype="float32", num_kv_blocks=32)
+    prompt = [5, 900, 31, 77, 1024, 3]
+    ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    assert ours == hf_greedy(hf, [prompt], 8)[0]
 
 
 def test_kv_smoke_measures_grpc_and_direct_against_their_references(tmp_path):

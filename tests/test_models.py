@@ -82,13 +82,14 @@ def test_second_resolve_reuses_the_converted_cache(embedded_source):
     assert time.perf_counter() - t0 < 10
 
 
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "llama-3.2-1b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "llama-3.2-1b", "qwen3-30b-a3b", "minicpm4-0.5b"])
 def test_presets_have_real_checkpoint_shapes(name):
     from baton.models.loader import checkpoint_shapes
     src = model_source.resolve_model(name)
     params = sum(torch.Size(s).numel() for _, s in checkpoint_shapes(src.hf_config))
     expected = {"qwen3-0.6b": 0.596e9, "qwen3-8b": 8.19e9, "llama-3.2-1b": 1.236e9,
-                "qwen3-30b-a3b": 30.5e9}[name]          # Qwen3-30B-A3B: 30.5B in all, 3.3B active
+                "qwen3-30b-a3b": 30.5e9,                # Qwen3-30B-A3B: 30.5B in all, 3.3B active
+                "minicpm4-0.5b": 0.434e9}[name]         # MiniCPM4-0.5B: tied 73448-token vocabulary
     assert abs(params - expected) / expected < 0.02, params
     assert src.weights_path is None and src.architecture in registry.SUPPORTED_ARCHITECTURES
 

@@ -123,6 +123,14 @@ def test_bad_chat_bodies_are_400(client, pd_cluster):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_an_image_to_a_text_only_model_is_400(client):
+    url = "data:image/png;base64,iVBORw0KGgo="                      # never decoded: refused before that
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+    assert "takes no images" in err.value.body["message"]
+
+
 def test_an_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-4o", messages=QUESTION)

@@ -520,3 +520,97 @@ def test_the_one_pass_sampler_draws_what_the_torch_sampler_draws():
                                                                                    device="cuda"), step_seed=5)
     freq = torch.bincount(draws, minlength=4).float() / 20000
     assert torch.allclose(freq, torch.softmax(small[0], -1), atol=0.015), freq
+
+
+# -- fused MoE experts (issue 21) -------------------------------------------------------------
+# (tokens, experts, top_k, hidden, intermediate): each tile bucket of pick_tiles, T=1, an
+# intermediate size that is no power of two, experts no token picks, and both alignments (one
+# Triton program up to ONE_PROGRAM_ALIGN_MAX_PAIRS pairs, torch above)
+MOE_CASES = [(1, 16, 4, 128, 64), (5, 8, 2, 64, 32), (37, 16, 4, 128, 96), (300, 8, 2, 256, 128),
+             (600, 8, 2, 128, 64), (2500, 8, 2, 128, 64)]
+
+
+def moe_inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
+    """Random x, weights and a top-k routing that never picks the first and the last expert."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEV)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype).to(DEV)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype).to(DEV)
+    logits = torch.randn(tokens, experts, generator=g)
+    logits[:, [0, experts - 1]] = -1e9
+    ids, weights = LayerOps().moe_route(logits, top_k, renormalize=True)
+    return x, w13, w2, ids.to(DEV), weights.to(dtype).to(DEV)
+
+
+def moe_reference(x, w13, w2, ids, weights) -> torch.Tensor:
+    """The base (host-grouped) moe_experts in float64 on upcast copies."""
+    d = torch.float64
+    return LayerOps().moe_experts(x.to(d), w13.to(d), w2.to(d), ids, weights.to(d))
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("case", MOE_CASES, ids=lambda c: "T{}-E{}-k{}-H{}-I{}".format(*c))
+def test_fused_moe_experts_match_the_base_ops(dtype, case):
+    x, w13, w2, ids, weights = moe_inputs(*case, dtype, seed=case[0])
+    ops = cuda_platform().ops
+    assert ops.moe_graph_safe and not LayerOps.moe_graph_safe
+    out = ops.moe_experts(x, w13, w2, ids, weights)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert_close(out, moe_reference(x, w13, w2, ids, weights), dtype)
+    assert torch.equal(ops.moe_experts(x, w13, w2, ids, weights), out)       # deterministic
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 128, 8, 16), (64, 128, 8, 16), (300, 8, 2, 64),
+                                                         (100, 128, 8, 16)])
+def test_one_program_alignment_equals_the_torch_alignment(tokens, experts, top_k, block_m):
+    from baton.engine.platforms.triton_kernels.moe import align
+    from baton.engine.platforms.triton_kernels.moe_align import align_by_expert
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices.to(DEV)
+    ids[: tokens // 2, 0] = 1                                       # one crowded expert
+    fast, plain = align(ids, experts, block_m), align_by_expert(ids, experts, block_m)
+    assert torch.equal(fast.sorted_slots, plain.sorted_slots)
+    assert torch.equal(fast.block_expert, plain.block_expert)
+
+
+@on_gpu
+def test_fused_moe_replays_from_a_graph_with_new_routing():
+    """Captured once, replayed on other tokens and another routing (other experts hit, other
+    group sizes): the same result as an eager call, and right against the reference."""
+    from baton.engine.platforms.triton_kernels.moe import fused_experts
+    shape = (48, 16, 4, 128, 64)
+    x, w13, w2, ids, weights = moe_inputs(*shape, torch.bfloat16, seed=1)
+    fused_experts(x, w13, w2, ids, weights)                         # compile outside the capture
+    torch.cuda.synchronize()
+    graph, out = cuda_platform().capture_graph(lambda: fused_experts(x, w13, w2, ids, weights))
+    x2, _, _, ids2, weights2 = moe_inputs(*shape, torch.bfloat16, seed=2)
+    ids2[:24] = 3                                                   # a crowded expert: several blocks
+    ids2[:24, 1:] = torch.tensor([4, 5, 6], device=DEV)
+    for dst, src in ((x, x2), (ids, ids2), (weights, weights2)):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_experts(x, w13, w2, ids, weights))
+    assert_close(out, moe_reference(x, w13, w2, ids, weights), torch.bfloat16)
+
+
+@on_gpu
+def test_qwen3_moe_decode_under_graphs_gives_the_eager_tokens():
+    """The tiny Qwen3-MoE preset (a dense layer between sparse ones) in fp32: decode replayed from
+    CUDA graphs (the fused experts captured) gives the greedy tokens of eager decode."""
+    from baton.engine import LLM, SamplingParams
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 9, 40, 3, 17)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM("tiny-qwen3-moe", device="cuda:0", dtype="float32", max_num_seqs=8, tokenizer=TOKENIZER,
+                  max_model_len=512, num_kv_blocks=128, enforce_eager=eager)
+        assert (llm.engine.runner.graphs is None) == eager
+        outs[eager] = [o.token_ids for o in llm.generate(prompts, params)]
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[False] == outs[True]

@@ -139,6 +139,16 @@ def test_bad_router_input_is_invalid_argument(cluster, name, fields):
     assert err.value.details()
 
 
+def test_images_to_a_text_only_model_are_refused(cluster):
+    image = router_pb2.ChatContentPart(image=router_pb2.Image(data=b"\x89PNG\r\n\x1a\n", mime_type="image/png"))
+    chat = router_pb2.Chat(messages=[router_pb2.ChatMessage(role="user", parts=[
+        router_pb2.ChatContentPart(text="What is in this picture?"), image])])
+    with pytest.raises(grpc.RpcError) as err:
+        collect(cluster.stub(), router_pb2.GenerateRequest(chat=chat, sampling=greedy(4)), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model smollm2-135m-instruct takes no images (chat.messages[0].parts[1] is one)" in err.value.details()
+
+
 def test_servers_are_healthy_and_clean_after_bad_input(cluster):
     info = cluster.wait_blocks_free()
     assert all(w.healthy for w in info.workers)

@@ -25,6 +25,10 @@ class LayerOps:
     float32 then cast), so greedy tokens can be compared token for token.
     """
 
+    # whether moe_experts can be captured into a device graph: this one reads per-expert counts
+    # on the host, so the runner keeps MoE models eager on it (engine/model_runner.py)
+    moe_graph_safe: bool = False
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
@@ -60,12 +64,23 @@ class LayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def moe_route(self, router_logits: torch.Tensor, top_k: int,
+                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3-MoE's gating: softmax over all experts in float32, the top-k, renormalised to
+        sum 1 when `renormalize`. Returns (expert ids [T, k] int64, weights [T, k] float32)."""
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
     def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), experts SwiGLU with stacked weights
         w13 [E, 2I, H], w2 [E, H, I]. Tokens are grouped by expert and each expert hit runs
         once, added in expert order (as transformers adds them, so fp32 sums match). The
-        per-expert counts are read on the host: eager only (models/layers/moe.py)."""
+        per-expert counts are read on the host, so this is not capturable (moe_graph_safe =
+        False); the CUDA platform's fused path is (triton_kernels/moe.py)."""
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)

@@ -17,7 +17,10 @@ MAX_HEAD_DIM = 256
 
 
 class TritonLayerOps(LayerOps):
-    """Fused RMSNorm, add-RMSNorm, SiLU-and-mul, and q/k norm + rotary in one kernel."""
+    """Fused RMSNorm, add-RMSNorm, SiLU-and-mul, q/k norm + rotary in one kernel, and MoE experts
+    as grouped GEMMs with the routing grouped on the device (capturable: no host sync)."""
+
+    moe_graph_safe = True
 
     def rms_norm(self, x, weight, eps):
         from baton.engine.platforms.triton_kernels import layer_ops
@@ -34,6 +37,10 @@ class TritonLayerOps(LayerOps):
     def qk_norm_rotary(self, q, k, q_weight, k_weight, eps, cos, sin, positions):
         from baton.engine.platforms.triton_kernels import layer_ops
         return layer_ops.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, positions)
+
+    def moe_experts(self, x, w13, w2, ids, weights):
+        from baton.engine.platforms.triton_kernels import moe
+        return moe.fused_experts(x, w13, w2, ids, weights)
 
 
 def _fused_sample(*args):

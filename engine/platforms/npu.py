@@ -8,7 +8,8 @@ call sites through `npu_emulation` (--npu-emulation), a plain-torch stand-in for
 documented op semantics, which tests our use of the API and says nothing about the hardware.
 
 Options (EngineConfig, flags of the same names): npu_graph_mode aclgraph (default) | torchair;
-the cache dir (torchair's compile cache under it); fused_ops off selects plain-torch layer ops.
+the cache dir (torchair's compile cache under it); fused_ops off selects plain-torch layer ops
+(MoE excepted: its plain form cannot be captured).
 """
 from __future__ import annotations
 
@@ -55,14 +56,55 @@ def load_torchair():
     return torchair
 
 
-class NpuLayerOps(LayerOps):
-    """Fused RMSNorm, add-RMSNorm, rotary and SwiGLU; --no-fused-ops selects plain torch.
-    While torchair compiles, only npu_add_rms_norm (documented for TorchAir graphs on A2/A3) is
-    kept; npu_rms_norm and npu_rotary_mul document graph mode for Ascend 950 only, npu_swiglu
-    not at all, so those fall back to plain torch, which torchair lowers itself."""
+class NpuMoeOps(LayerOps):
+    """Qwen3-MoE's gating and experts through torch_npu's MoE ops (docs/npu.md, "MoE"), kept
+    under --no-fused-ops too: the plain-torch moe_experts reads per-expert counts on the host,
+    which a captured decode graph cannot; here they stay on the device as the grouped matmul's
+    group_list, and every shape depends only on the token count."""
+
+    moe_graph_safe = True
 
     def __init__(self, npu):
         self.npu = npu
+
+    def moe_route(self, router_logits, top_k, renormalize):
+        # float32 logits: the op's softmax and its weights take x's dtype; Qwen3-MoE routes in float32
+        weights, ids, _ = self.npu.npu_moe_gating_top_k_softmax(router_logits.float(), k=top_k)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids.long(), weights
+
+    def moe_experts(self, x, w13, w2, ids, weights):
+        """Sort the (token, slot) rows by expert, run every expert's SwiGLU MLP as two grouped
+        matmuls over its rows, then gather each token's k rows back, weighted and summed."""
+        t, k = ids.shape
+        num_experts = w13.shape[0]
+        rows, gather_idx, counts, _ = self.npu.npu_moe_init_routing_v2(
+            x, ids.to(torch.int32), active_num=t * k, expert_num=num_experts, expert_tokens_num_type=1,
+            expert_tokens_num_flag=True, active_expert_range=[0, num_experts], quant_mode=-1, row_idx_type=0)
+        h = self._grouped_matmul(rows, w13, counts)
+        h = self._grouped_matmul(self.silu_and_mul(h), w2, counts)
+        return self._unpermute(h, gather_idx, weights.to(h.dtype))
+
+    def _grouped_matmul(self, rows, weight, counts):
+        # the op's 3-D weight is [E, K, N]; ours are nn.Linear's [E, N, K]: passed as a transposed
+        # view on every call (no copy; the op documents transposed weights, vllm-ascend does the same)
+        return self.npu.npu_grouped_matmul([rows], [weight.transpose(1, 2)], group_list=counts, split_item=2,
+                                           group_type=0, group_list_type=1)[0]
+
+    def _unpermute(self, h, gather_idx, weights):
+        if torch.compiler.is_compiling():      # not documented for torchair graphs: its formula in torch
+            k = weights.shape[1]
+            return (h[gather_idx.long()].view(-1, k, h.shape[1]) * weights.unsqueeze(-1)).sum(dim=1)
+        return self.npu.npu_moe_token_unpermute(h, gather_idx, probs=weights)
+
+
+class NpuLayerOps(NpuMoeOps):
+    """Fused RMSNorm, add-RMSNorm, rotary and SwiGLU (the MoE ops of NpuMoeOps too);
+    --no-fused-ops selects plain torch for all but MoE.
+    While torchair compiles, only npu_add_rms_norm (documented for TorchAir graphs on A2/A3) is
+    kept; npu_rms_norm and npu_rotary_mul document graph mode for Ascend 950 only, npu_swiglu
+    not at all, so those fall back to plain torch, which torchair lowers itself."""
 
     def rms_norm(self, x, weight, eps):
         if torch.compiler.is_compiling():
@@ -128,8 +170,7 @@ class NpuPlatform(Platform):
             self.runtime = npu.npu               # streams and events: torch_npu.npu
         else:                                    # the emulated npu:N is the host: gloo moves its KV
             self.dist_backend = "gloo"
-        if fused_ops:
-            self.ops = NpuLayerOps(npu)
+        self.ops = NpuLayerOps(npu) if fused_ops else NpuMoeOps(npu)
         self.torchair = torchair
         self.graph_cache_dir = graph_cache_dir
         self._mask: torch.Tensor | None = None

@@ -62,10 +62,7 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k expert ids [T, k], their weights [T, k] in x's dtype)."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        ids, weights = self.ops.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
         return ids, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

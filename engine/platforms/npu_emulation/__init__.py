@@ -4,9 +4,10 @@ for exactly the torch_npu calls engine/platforms/npu.py makes, so CI can run tha
 Each stand-in checks its arguments against the constraints the op-plugin / torch_npu
 documentation states (see docs/npu.md) and raises NpuEmulationError naming the constraint,
 then computes what the documentation says the op computes (layer ops in float32, cast back
-once; attention with torch SDPA in the input dtype, as the CPU platform does). It says
-nothing about performance, real kernel numerics or on-device behaviour; a call that passes
-here may still fail on an Ascend device for reasons no document states.
+once; attention with torch SDPA and the MoE ops' matmuls and sums in the input dtype, as the
+CPU platform does). It says nothing about performance, real kernel numerics or on-device
+behaviour; a call that passes here may still fail on an Ascend device for reasons no
+document states.
 
 Graph capture (`npu.NPUGraph`, `npu.graph`) is emulated by recording: while capturing,
 every aten op and every emulated kernel launch is run once and recorded with its arguments;
@@ -49,6 +50,12 @@ from baton.engine.platforms.npu_emulation.layer_ops import (
     npu_rotary_mul,
     npu_swiglu,
 )
+from baton.engine.platforms.npu_emulation.moe import (
+    npu_grouped_matmul,
+    npu_moe_gating_top_k_softmax,
+    npu_moe_init_routing_v2,
+    npu_moe_token_unpermute,
+)
 
 
 def emulated_torch_npu() -> SimpleNamespace:
@@ -74,6 +81,10 @@ def emulated_torch_npu() -> SimpleNamespace:
         npu_add_rms_norm=_kernel(npu_add_rms_norm),
         npu_rotary_mul=_kernel(npu_rotary_mul),
         npu_swiglu=_kernel(npu_swiglu),
+        npu_moe_gating_top_k_softmax=_kernel(npu_moe_gating_top_k_softmax),
+        npu_moe_init_routing_v2=_kernel(npu_moe_init_routing_v2),
+        npu_grouped_matmul=_kernel(npu_grouped_matmul),
+        npu_moe_token_unpermute=_kernel(npu_moe_token_unpermute),
         npu=runtime,
         device=_device,
     )

@@ -1,0 +1,118 @@
+"""A sequence's images, as the engine keeps them (torch-free, like the rest above the runner).
+
+- Prefill side (and colocated): the images themselves, the token span each fills, its grid,
+  the prompt's 3-D MRoPE positions and the offset generated tokens sit at. The vision encoder's
+  output is held in `encoded` from the first chunk that needs it until the prompt's last image
+  is computed; a recompute after preemption encodes again from the images.
+- Decode side: only the spans (from the placeholder runs) and `position_offset` (from the
+  landed KV's meta); the images stayed with the prefill worker, so such a sequence cannot be
+  recomputed (the engine ends it with an error if it is preempted) and its image blocks are
+  never put in the prefix cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from baton.models.multimodal import ImageInput, ImagePlaceholders, mrope_positions
+
+POSITION_OFFSET_META = "position_offset"        # the KV piece meta key (the VL contract)
+
+
+@dataclass(slots=True)
+class MultimodalPrompt:
+    spans: list[tuple[int, int]]                 # [start, end) of each image's pads in the prompt
+    position_offset: int                         # generated token i sits at rotary position i + offset
+    images: tuple[ImageInput, ...] = ()          # () where the images are not here (decode side)
+    grids: list[tuple[int, int, int]] = field(default_factory=list)
+    positions: np.ndarray | None = None          # [3, num_prompt_tokens] int64 (prefill side)
+    encoded: object = None                       # the vision encoder's output, on the device, while needed
+
+    @classmethod
+    def for_prompt(cls, token_ids: list[int], images: list[ImageInput],
+                   placeholders: ImagePlaceholders) -> MultimodalPrompt:
+        """Prefill side: validates pads vs images (ValueError) and computes the positions."""
+        spans = placeholders.spans(token_ids, images)
+        grids = [placeholders.grid_thw(im, k) for k, im in enumerate(images)]
+        positions, offset = mrope_positions(token_ids, spans, grids, placeholders.merge_size)
+        return cls(spans, offset, tuple(images), grids, positions)
+
+    @classmethod
+    def remote(cls, token_ids: list[int], image_token_id: int, position_offset: int) -> MultimodalPrompt | None:
+        """Decode side: the image spans of a prompt whose images were encoded elsewhere (None: no images)."""
+        spans = pad_runs(token_ids, image_token_id)
+        if not spans and not position_offset:
+            return None
+        return cls(spans, position_offset)
+
+    @property
+    def images_available(self) -> bool:
+        return bool(self.images) or not self.spans
+
+    @property
+    def image_end(self) -> int:
+        """The end of the last image's span: past it, the prompt needs no embeddings."""
+        return self.spans[-1][1] if self.spans else 0
+
+    def overlapping(self, begin: int, end: int) -> list[int]:
+        return [k for k, (s, e) in enumerate(self.spans) if s < end and e > begin]
+
+    def block_key(self, begin: int, end: int, tokens: tuple[int, ...]) -> tuple | None:
+        """A prefix-cache key for the block [begin, end): its tokens, plus the digest of every
+        image it holds part of (the pads alone are the same for any image of that size).
+        None: it holds image tokens of unknown images; never cache it."""
+        images = self.overlapping(begin, end)
+        if not images:
+            return tokens
+        if not self.images:
+            return None
+        return tokens + tuple(self.images[k].digest for k in images)
+
+    def rope_positions(self, begin: int, end: int) -> np.ndarray:
+        """[3, end - begin] positions of tokens begin..end-1 (prompt: MRoPE; after it: i + offset)."""
+        n = 0 if self.positions is None else self.positions.shape[1]
+        head = self.positions[:, begin:min(end, n)] if begin < n else np.zeros((3, 0), np.int64)
+        tail = np.arange(max(begin, n), end, dtype=np.int64) + self.position_offset
+        return np.concatenate([head, np.broadcast_to(tail, (3, len(tail)))], axis=1)
+
+
+def pad_runs(token_ids: list[int], pad: int) -> list[tuple[int, int]]:
+    ids = np.asarray(token_ids)
+    is_pad = np.concatenate([[False], ids == pad, [False]])
+    edges = np.flatnonzero(is_pad[1:] != is_pad[:-1])
+    return [(int(s), int(e)) for s, e in zip(edges[::2], edges[1::2], strict=True)]
+
+
+@dataclass(slots=True)
+class ImageChunk:
+    """A prefill chunk that holds image tokens: its sequence, its rows in the step's flat batch
+    (from `row`), and the prompt range [begin, end) it covers."""
+    seq: object
+    row: int
+    begin: int
+    end: int
+
+
+def step_positions(items, begins: np.ndarray, ends: np.ndarray, positions: np.ndarray, starts: np.ndarray,
+                   is_decode: bool) -> tuple[np.ndarray, np.ndarray | None, list[ImageChunk]]:
+    """(1-D rotary positions, [3, T] MRoPE positions or None, the chunks that need image
+    embeddings) for a step. Untouched when no sequence has images; a decode step stays 1-D
+    (i + offset)."""
+    mms = [item.seq.mm for item in items]
+    if all(mm is None for mm in mms):
+        return positions, None, []
+    if is_decode:
+        offsets = np.fromiter((0 if mm is None else mm.position_offset for mm in mms), np.int64, len(mms))
+        return positions + offsets, None, []
+    parts, chunks = [], []
+    for i, (item, mm) in enumerate(zip(items, mms, strict=True)):
+        b, e = int(begins[i]), int(ends[i])
+        if mm is None:
+            parts.append(np.broadcast_to(np.arange(b, e, dtype=np.int64), (3, e - b)))
+            continue
+        parts.append(mm.rope_positions(b, e))
+        if mm.overlapping(b, e):
+            chunks.append(ImageChunk(item.seq, int(starts[i]), b, e))
+    mrope = np.ascontiguousarray(np.concatenate(parts, axis=1))
+    return mrope[0].copy(), mrope, chunks

@@ -1,0 +1,232 @@
+"""Fused MoE experts: routing alignment on the device, then two grouped GEMMs, no host sync.
+
+1. Alignment: the T*k (token, choice) pairs sorted by expert into blocks of BLOCK_M rows, each
+   block owned by one expert (padding rows point past the last pair): one Triton program for
+   decode-sized steps (`align`), `moe_align.align_by_expert` (torch) for larger ones.
+2. w13 [E, 2I, H]: one program per (block, N tile) computes the gate and the up tile together
+   and writes SiLU(gate) * up, so the 2I-wide intermediate never reaches memory: [T*k, I].
+3. w2 [E, H, I]: the same grouping, each row scaled by its routing weight, into a float32
+   [T*k, H] buffer indexed by pair.
+4. The k pairs of each token are summed in a fixed order (a plain reduction: deterministic, no
+   atomics), rounded once to the activations' dtype.
+
+Launch shapes depend on (T, k, E, H, I) only, never on the routing, so the step captures into
+a CUDA graph. Each block loads its expert's weight tiles once for its BLOCK_M rows; at decode
+(a few pairs per expert) one block per hit expert means each hit expert's weights are read once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from baton.engine.platforms.triton_kernels.moe_align import ExpertBlocks, align_by_expert, max_blocks
+
+# up to this many (token, choice) pairs the alignment runs as one Triton program (one launch
+# instead of torch's ~20 small ones, which cost ~35 us at decode); its time grows with the pairs
+# (one CTA walks them twice: ~40 us at 2048 on an H200), so above this it runs in torch (moe_align.py)
+ONE_PROGRAM_ALIGN_MAX_PAIRS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class MoeTiles:
+    """Tile sizes of both GEMMs; block_m is also the alignment's padding unit."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def pick_tiles(num_slots: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> MoeTiles:
+    """Per bucket of expected rows per expert (T*k/E under even routing). Decode (a few rows per
+    expert) is a weight stream: the smallest BLOCK_M the tensor cores take, so one block per hit
+    expert, and N tiles narrow enough that the hit experts' tiles cover every SM. Prefill is a
+    GEMM: larger tiles for reuse."""
+    per_expert = num_slots / num_experts
+    if per_expert <= 4:               # buckets and tiles from benchmarks/moe_kernel.py on an H200
+        tiles = MoeTiles(16, 32, 128, 4, 5)
+    elif per_expert <= 24:
+        tiles = MoeTiles(32, 64, 128, 4, 3)
+    elif per_expert <= 96:
+        tiles = MoeTiles(64, 64, 64, 4, 3)
+    else:
+        tiles = MoeTiles(128, 128, 64, 8, 3)
+    if dtype == torch.float32:        # twice the bytes per tile: halve K (shared memory), M (registers)
+        tiles = MoeTiles(min(64, tiles.block_m), tiles.block_n, max(32, tiles.block_k // 2), tiles.num_warps, 2)
+    smallest = min(hidden, intermediate)
+    block_k = max(16, min(tiles.block_k, triton.next_power_of_2(smallest)))
+    block_n = max(16, min(tiles.block_n, triton.next_power_of_2(smallest)))
+    return MoeTiles(tiles.block_m, block_n, block_k, tiles.num_warps, tiles.num_stages)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, num_blocks,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """moe_align.align_by_expert in one program: per-expert counts, padded group offsets (a
+    cumsum), block owners, then each pair's row = its group's start + its rank among the earlier
+    pairs of its expert (a running count plus a cumsum over a one-hot chunk)."""
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_slots, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    rows = num_blocks * BLOCK_M
+    for start in range(0, rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(slots_ptr + offs, num_slots, mask=offs < rows)
+    for start in range(0, num_blocks, CHUNK):
+        b = start + tl.arange(0, CHUNK)
+        owner = tl.sum((padded_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.minimum(owner, num_experts), mask=b < num_blocks)
+    tl.debug_barrier()               # the padding fill lands before the pairs overwrite it
+    seen = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_slots, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+        hot = (e[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.sum(hot * (tl.cumsum(hot, axis=0) - 1 + seen[None, :]), axis=1)
+        first = tl.sum(hot * padded_start[None, :], axis=1)
+        tl.store(slots_ptr + first + rank, offs, mask=offs < num_slots)
+        seen += tl.sum(hot, axis=0)
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """align_by_expert's result; one Triton program for decode-sized routings."""
+    n = ids.numel()
+    if n > ONE_PROGRAM_ALIGN_MAX_PAIRS:
+        return align_by_expert(ids, num_experts, block_m)
+    blocks = max_blocks(n, num_experts, block_m)
+    slots = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    owners = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    e_pad = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](ids.contiguous(), slots, owners, n, num_experts, blocks, BLOCK_M=block_m, E_PAD=e_pad,
+                        CHUNK=max(16, 8192 // e_pad), num_warps=4)
+    return ExpertBlocks(slots, owners, block_m, n, num_experts)
+
+
+@triton.jit
+def _sum_pairs_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum_j src[t * TOP_K + j] in float32, in a fixed order, rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, K_PAD)
+    v = tl.load(src_ptr + (t * TOP_K + j)[:, None] * H + cols[None, :], mask=(j < TOP_K)[:, None] & (cols < H)[None, :],
+                other=0.0)
+    tl.store(out_ptr + t * H + cols, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+@triton.jit
+def _w13_silu_kernel(x_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, N, K, top_k,
+                     stride_x, stride_we, stride_wn, stride_o,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """out[slot, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's rows."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= num_experts:        # past the last expert's group: nothing to do
+        return
+    slots = tl.load(slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = slots < num_slots
+    tokens = slots // top_k
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + N * stride_wn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        wu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        gate = tl.dot(a, wg, gate, input_precision=PRECISION)
+        up = tl.dot(a, wu, up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + slots[:, None] * stride_o + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w2_kernel(a_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, route_ptr, num_slots, num_experts, N, K,
+               stride_a, stride_we, stride_wn, stride_o,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """out[slot, n] = route[slot] * (a[slot] . w[e, n]), in float32."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= num_experts:
+        return
+    slots = tl.load(slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = slots < num_slots
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + slots[:, None] * stride_a + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    route = tl.load(route_ptr + slots, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + slots[:, None] * stride_o + offs_n[None, :], acc * route[:, None],
+             mask=valid[:, None] & n_ok[None, :])
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"need x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    e, two_i, h = w13.shape
+    if w2.shape != (e, h, two_i // 2) or two_i % 2 or x.shape[1] != h:
+        raise ValueError(f"expert shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"ids and weights must both be [T, k] with T = {x.shape[0]}; got {tuple(ids.shape)}, "
+                         f"{tuple(weights.shape)}")
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("stacked expert weights must be contiguous")
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  tiles: MoeTiles | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for SwiGLU experts w13 [E, 2I, H], w2 [E, H, I];
+    x [T, H] -> [T, H] in x's dtype. `tiles` overrides the bucket's choice (benchmarks)."""
+    _check(x, w13, w2, ids, weights)
+    t, k = ids.shape
+    e, two_i, h = w13.shape
+    inter = two_i // 2
+    if t == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    tiles = tiles or pick_tiles(t * k, e, h, inter, x.dtype)
+    blocks = align(ids, e, tiles.block_m)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    common = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    grid = (blocks.max_blocks, triton.cdiv(inter, tiles.block_n))
+    _w13_silu_kernel[grid](x, w13, act, blocks.sorted_slots, blocks.block_expert, t * k, e, inter, h, k,
+                           x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), **common)
+    per_pair = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
+    route = weights.reshape(-1).contiguous()
+    grid = (blocks.max_blocks, triton.cdiv(h, tiles.block_n))
+    _w2_kernel[grid](act, w2, per_pair, blocks.sorted_slots, blocks.block_expert, route, t * k, e, h, inter,
+                     act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0), **common)
+    out = torch.empty_like(x)
+    _sum_pairs_kernel[(t, triton.cdiv(h, 256))](per_pair, out, h, TOP_K=k, K_PAD=triton.next_power_of_2(k),
+                                                BLOCK=256, num_warps=4)
+    return out
