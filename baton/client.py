@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import mimetypes
 import sys
+from pathlib import Path
 
 import grpc
 
@@ -27,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     r.add_argument("--chat", action="store_true", help="send the prompt as a user chat message (the default)")
     r.add_argument("--raw", action="store_true", help="send the prompt as raw text (no chat template)")
+    r.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image file sent before the prompt in the chat message (repeatable; "
+                        "vision-language models such as Qwen3-VL)")
     add_tls_args(p)
     return p
 
@@ -42,10 +47,25 @@ def request_from_args(args: argparse.Namespace) -> router_pb2.GenerateRequest:
             setattr(sampling, name, value)
     req = router_pb2.GenerateRequest(sampling=sampling)
     if args.raw and not args.chat:
+        if args.image:
+            raise ValueError("--image goes in a chat message: drop --raw")
         req.text = args.prompt
+    elif args.image:         # the images, then the question, as Qwen-VL's own examples put them
+        message = req.chat.messages.add(role="user")
+        for path in args.image:
+            message.parts.add(image=_read_image(path))
+        message.parts.add(text=args.prompt)
     else:       # an instruct model answers best through its chat template
         req.chat.messages.add(role="user", content=args.prompt)
     return req
+
+
+def _read_image(path: str) -> router_pb2.Image:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"--image {path}: {exc.strerror or exc}") from None
+    return router_pb2.Image(data=data, mime_type=mimetypes.guess_type(path)[0] or "")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,17 +38,8 @@ def candidates(tokens: int):
 
 
 def event_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    from baton.benchmarks.kernels_cuda import event_seconds
+    return event_seconds(fn, reps) * 1e3
 
 
 def ceilings() -> tuple[float, float]:

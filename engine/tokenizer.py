@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 
+import jinja2
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -44,7 +46,14 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
         _check_content(i, m.get("content"))
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; send text or tokens instead")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except (TypeError, jinja2.TemplateError) as e:        # a text-only template meeting image parts
+        if not any(isinstance(m.get("content"), list) for m in messages):
+            raise
+        raise ValueError(f"this model's chat template cannot render image parts ({e}): images need a "
+                         "vision-language model's own tokenizer files (a Qwen3-VL checkpoint directory); "
+                         "the random-weight presets use SmolLM2's tokenizer, which has no image tokens") from e
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

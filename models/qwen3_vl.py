@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from baton.models.decoder import MLP, DecoderModel
+from baton.models.decoder import MLP, DecoderForCausalLM, DecoderModel
 from baton.models.forward_context import ForwardContext
 from baton.models.layers.embedding import ParallelLMHead
 from baton.models.layers.linear import TPInfo
@@ -64,10 +64,7 @@ class Qwen3VLModel(nn.Module):
 class Qwen3VLForConditionalGeneration(nn.Module):
     qk_norm = True
     qkv_bias = False
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = DecoderForCausalLM.packed_modules_mapping
 
     def __init__(self, config, ops, dtype=None, tp: TPInfo | None = None):
         super().__init__()

@@ -12,6 +12,8 @@ import asyncio
 import base64
 import io
 import re
+import subprocess
+import sys
 
 import grpc
 import openai
@@ -401,3 +403,22 @@ def test_a_colocated_worker_runs_a_chat_with_images_as_the_offline_engine(vl):
             await worker.server.drain_and_stop(0)
             await worker.stop()
     assert asyncio.run(main()) == want["two images"].token_ids
+
+
+def test_baton_generate_sends_image_files_before_the_prompt(vl, tmp_path):
+    """`baton generate "..." --image a.png --image b.png`: the CLI's answer is the offline engine's
+    for the same chat (images first, then the prompt)."""
+    from baton import LLM
+    c, _, path = vl
+    files = []
+    for i, data in enumerate((IMAGE_A, IMAGE_B)):
+        files += ["--image", str(tmp_path / f"{i}.png")]
+        (tmp_path / f"{i}.png").write_bytes(data)
+    chat = [{"role": "user", "content": [{"type": "image", "image": IMAGE_A}, {"type": "image", "image": IMAGE_B},
+                                         {"type": "text", "text": "compare"}]}]
+    want = LLM(str(path), dtype="float32").chat(chat, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0]
+    out = subprocess.run([sys.executable, "-m", "baton", "generate", "compare", *files, "--addr", c.router.address,
+                          "--temperature", "0", "--max-tokens", str(MAX_TOKENS)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == want.text and f"prompt {len(want.prompt_token_ids)}," in out.stderr
