@@ -24,17 +24,24 @@ TOKENS = (1, 8, 64, 256, 2048, 8192)
 LAYERS = 4                               # 4 x 1.2 GB of experts: far past the L2
 
 
+# pick_tiles before the w2 split (2026-11-25, commit 79f9583): the "before" of a before/after
+PREVIOUS = ((4, (16, 32, 128, 4, 5)), (24, (32, 64, 128, 4, 3)), (96, (64, 64, 64, 4, 3)), (None, (128, 128, 64, 8, 3)))
+
+
+def previous_tiles(tokens: int):
+    from baton.engine.platforms.triton_kernels.moe import MoeTiles
+    per_expert = tokens * K / E
+    return next(MoeTiles(*t) for bound, t in PREVIOUS if bound is None or per_expert <= bound)
+
+
 def candidates(tokens: int):
     from baton.engine.platforms.triton_kernels.moe import MoeTiles, pick_tiles
     default = pick_tiles(tokens * K, E, H, INTER, torch.bfloat16)
-    extra = {1: [MoeTiles(16, 64, 128, 4, 4), MoeTiles(16, 32, 128, 4, 5), MoeTiles(16, 64, 256, 8, 3),
-                 MoeTiles(16, 16, 256, 4, 4)],
-             8: [MoeTiles(16, 64, 128, 4, 4), MoeTiles(16, 32, 128, 4, 5)],
-             64: [MoeTiles(16, 64, 128, 4, 4), MoeTiles(16, 64, 256, 8, 3), MoeTiles(16, 32, 128, 4, 5)],
-             256: [MoeTiles(16, 64, 128, 4, 4), MoeTiles(32, 64, 64, 4, 4), MoeTiles(32, 128, 64, 4, 3)],
-             2048: [MoeTiles(64, 128, 64, 8, 3), MoeTiles(128, 128, 64, 8, 3), MoeTiles(128, 128, 64, 8, 4)],
-             8192: [MoeTiles(64, 128, 64, 8, 4), MoeTiles(128, 128, 64, 8, 4), MoeTiles(128, 128, 32, 8, 5)]}
-    return [default] + [t for t in extra.get(tokens, []) if t != default]
+    extra = {1: [MoeTiles(16, 64, 128, 4, 4), MoeTiles(16, 64, 256, 8, 3)],
+             8: [MoeTiles(16, 64, 128, 4, 4)],
+             64: [MoeTiles(16, 64, 128, 4, 4)]}
+    out = [default, previous_tiles(tokens)] + extra.get(tokens, [])
+    return [t for i, t in enumerate(out) if t not in out[:i]]
 
 
 def event_ms(fn, reps: int = 20) -> float:
@@ -64,9 +71,9 @@ def graph_ms(calls, reps: int = 20) -> float:
     return event_ms(graph.replay, reps) / len(calls)
 
 
-def bench_tokens(tokens: int, layers, copy_bw: float, rate: float) -> list[dict]:
+def make_inputs(tokens: int, layers, copy_bw: float, rate: float):
+    """One routed batch per layer (x, w13, w2, ids, weights), the experts hit and the floor (s)."""
     from baton.engine.platforms.base import LayerOps
-    from baton.engine.platforms.triton_kernels.moe import fused_experts
     g = torch.Generator(device="cuda").manual_seed(tokens)
     inputs = []
     for w13, w2 in layers:
@@ -75,25 +82,140 @@ def bench_tokens(tokens: int, layers, copy_bw: float, rate: float) -> list[dict]
         inputs.append((x, w13, w2, ids, weights.to(torch.bfloat16)))
     hit = statistics.mean(len(torch.unique(ids)) for _, _, _, ids, _ in inputs)
     bytes_ = hit * 3 * H * INTER * 2 + 2 * tokens * H * 2
-    floor = max(bytes_ / copy_bw, 2 * tokens * K * 3 * H * INTER / rate)
+    return inputs, hit, max(bytes_ / copy_bw, 2 * tokens * K * 3 * H * INTER / rate)
+
+
+def time_steps(tokens: int, inputs, tiles_list, rounds: int = 2) -> list[tuple]:
+    """(tiles, [ms per round], rel_err) of the whole step per tiles, rounds interleaved."""
+    from baton.engine.platforms.base import LayerOps
+    from baton.engine.platforms.triton_kernels.moe import fused_experts
     x, w13, w2, ids, weights = inputs[0]
     ref = LayerOps().moe_experts(x.double(), w13.double(), w2.double(), ids, weights.double())
-    rows = []
-    for tiles in candidates(tokens):
+    ok = []
+    for tiles in tiles_list:
         try:
             out = fused_experts(x, w13, w2, ids, weights, tiles)
+            torch.cuda.synchronize()
         except Exception as e:      # noqa: BLE001  (a config over the shared memory: note it, go on)
-            print(f"[moe] T={tokens} tiles={tiles}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            print(f"[moe] T={tokens} tiles={tiles}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
             continue
-        err = ((out.double() - ref).norm() / ref.norm()).item()
-        ms = graph_ms([lambda a=a, t=tiles: fused_experts(*a, tiles=t) for a in inputs])
-        rows.append(dict(tokens=tokens, tiles=list(dataclasses.astuple(tiles)), ms=ms, floor_ms=floor * 1e3, of_floor=floor * 1e3 / ms, experts_hit=hit,
+        ok.append([tiles, [], ((out.double() - ref).norm() / ref.norm()).item()])
+    for _ in range(rounds):
+        for row in ok:
+            row[1].append(graph_ms([lambda a=a, t=row[0]: fused_experts(*a, tiles=t) for a in inputs]))
+    return [tuple(r) for r in ok]
+
+
+def bench_tokens(tokens: int, layers, copy_bw: float, rate: float) -> list[dict]:
+    from baton.engine.platforms.base import LayerOps
+    inputs, hit, floor = make_inputs(tokens, layers, copy_bw, rate)
+    prev = previous_tiles(tokens)
+    rows = []
+    for tiles, times, err in time_steps(tokens, inputs, candidates(tokens)):
+        ms = statistics.median(times)
+        rows.append(dict(tokens=tokens, tiles=list(dataclasses.astuple(tiles)), previous=tiles == prev, ms=ms,
+                         ms_rounds=times, floor_ms=floor * 1e3, of_floor=floor * 1e3 / ms, experts_hit=hit,
                          weight_gb_per_s=hit * 3 * H * INTER * 2 / (ms / 1e3) / 1e9, rel_err=err))
-        print(f"[moe] T={tokens:5d} tiles={rows[-1]['tiles']} {ms * 1e3:8.1f} us  floor {floor * 1e6:7.1f} us "
-              f"({rows[-1]['of_floor']:.2f})  hit {hit:.1f}  err {err:.1e}", file=sys.stderr, flush=True)
+        print(f"[moe] T={tokens:5d} tiles={rows[-1]['tiles']} {' / '.join(f'{t * 1e3:.1f}' for t in times)} us  "
+              f"floor {floor * 1e6:7.1f} us ({rows[-1]['of_floor']:.2f})  hit {hit:.1f}  err {err:.1e}",
+              file=sys.stderr, flush=True)
     if tokens <= 64:                       # the base path, eager (host-synced), for scale
+        x, w13, w2, ids, weights = inputs[0]
         ms = event_ms(lambda: LayerOps().moe_experts(x, w13, w2, ids, weights), 5)
         rows.append(dict(tokens=tokens, tiles="base-eager", ms=ms, floor_ms=floor * 1e3, of_floor=floor * 1e3 / ms))
+    return rows
+
+
+# --sweep: each GEMM alone per tile config (w13 as (block_n, block_k, warps, stages) per half, w2 likewise
+# over H), per block_m, then the best pair per block_m as a whole step against the previous tiles
+SWEEP_BM = {256: (16, 32), 2048: (64, 128), 8192: (64, 128), 16384: (128,)}
+SWEEP_W13 = {16: [(32, 128, 4, 5), (64, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 4)],
+             32: [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4), (32, 128, 4, 4),
+                  (64, 256, 4, 2)],
+             64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 64, 4, 5),
+                  (128, 128, 8, 2)],
+             128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 64, 8, 4), (64, 128, 8, 3), (128, 128, 8, 2),
+                   (128, 32, 8, 5)]}
+SWEEP_W2 = {16: [(32, 128, 4, 5), (64, 128, 4, 4), (128, 128, 4, 3), (128, 64, 4, 4), (256, 64, 4, 3)],
+            32: [(64, 128, 4, 3), (128, 128, 4, 3), (128, 64, 4, 4), (256, 64, 4, 3), (64, 256, 4, 2), (32, 128, 4, 4),
+                 (256, 128, 8, 2)],
+            64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 4, 3), (256, 64, 4, 3),
+                 (64, 128, 4, 4)],
+            128: [(128, 64, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4),
+                  (128, 64, 4, 3)]}
+
+
+def sweep_tokens(tokens: int, layers, copy_bw: float, rate: float) -> list[dict]:
+    from baton.engine.platforms.triton_kernels.moe import (
+        MoeTiles,
+        align,
+        launch_sum,
+        launch_w2,
+        launch_w13,
+        pick_tiles,
+    )
+    from baton.engine.platforms.triton_kernels.moe_align import align_by_expert
+    inputs, hit, floor = make_inputs(tokens, layers, copy_bw, rate)
+    n = len(inputs)
+    rows, best = [], {}
+
+    def log(row):
+        rows.append(dict(tokens=tokens, **row))
+        print(f"[sweep] T={tokens} " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                                for k, v in row.items()), file=sys.stderr, flush=True)
+
+    def sweep_block_m(bm: int) -> None:
+        blocks = [align(ids, E, bm) for _, _, _, ids, _ in inputs]
+        acts = [torch.empty(tokens * K, INTER, dtype=torch.bfloat16, device="cuda") for _ in range(n)]
+        pairs = [torch.empty(tokens * K, H, dtype=torch.float32, device="cuda") for _ in range(n)]
+        outs = [torch.empty(tokens, H, dtype=torch.bfloat16, device="cuda") for _ in range(n)]
+        routes = [w.reshape(-1).contiguous() for *_, w in inputs]
+        log(dict(stage="align", block_m=bm, us=graph_ms([lambda i=i: align(i[3], E, bm) for i in inputs]) * 1e3))
+        log(dict(stage="align_torch", block_m=bm,
+                 us=graph_ms([lambda i=i: align_by_expert(i[3], E, bm) for i in inputs]) * 1e3))
+        if tokens * K <= 4096:
+            from baton.engine.platforms.triton_kernels import moe as moe_mod
+            saved, moe_mod.ONE_PROGRAM_ALIGN_MAX_PAIRS = moe_mod.ONE_PROGRAM_ALIGN_MAX_PAIRS, 1 << 20
+            log(dict(stage="align_one_program", block_m=bm,
+                     us=graph_ms([lambda i=i: align(i[3], E, bm) for i in inputs]) * 1e3))
+            moe_mod.ONE_PROGRAM_ALIGN_MAX_PAIRS = saved
+        log(dict(stage="sum", block_m=bm, us=graph_ms([lambda i=i: launch_sum(pairs[i], outs[i], K)
+                                                       for i in range(n)]) * 1e3))
+        for stage, configs in (("w13", SWEEP_W13[bm]), ("w2", SWEEP_W2[bm])):
+            timed = []
+            for cfg in configs:
+                tiles = MoeTiles(bm, *cfg)
+                if stage == "w13":
+                    calls = [lambda i=i, t=tiles: launch_w13(inputs[i][0], inputs[i][1], acts[i], blocks[i], K, t)
+                             for i in range(n)]
+                else:
+                    calls = [lambda i=i, t=tiles: launch_w2(acts[i], inputs[i][2], pairs[i], blocks[i], routes[i], t)
+                             for i in range(n)]
+                try:
+                    for c in calls:
+                        c()
+                    torch.cuda.synchronize()
+                except Exception as e:      # noqa: BLE001
+                    print(f"[sweep] T={tokens} {stage} {cfg}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr,
+                          flush=True)
+                    continue
+                us = [graph_ms(calls) * 1e3, graph_ms(calls) * 1e3]
+                timed.append((min(us), cfg))
+                log(dict(stage=stage, block_m=bm, cfg=list(cfg), us=min(us), us2=max(us)))
+            if timed:
+                best[(bm, stage)] = min(timed)[1]
+    for bm in SWEEP_BM[tokens]:
+        sweep_block_m(bm)
+    tiles_list = [previous_tiles(tokens), pick_tiles(tokens * K, E, H, INTER, torch.bfloat16)]
+    for bm in SWEEP_BM[tokens]:
+        if (bm, "w13") in best and (bm, "w2") in best:
+            tiles_list.append(MoeTiles(bm, *best[(bm, "w13")], *best[(bm, "w2")]))
+    tiles_list = [t for i, t in enumerate(tiles_list) if t not in tiles_list[:i]]
+    for tiles, times, err in time_steps(tokens, inputs, tiles_list):
+        ms = statistics.median(times)
+        log(dict(stage="step", tiles=list(dataclasses.astuple(tiles)), us=ms * 1e3,
+                 rounds=" / ".join(f"{t * 1e3:.1f}" for t in times), floor_us=floor * 1e6, of_floor=floor / (ms / 1e3),
+                 err=err))
     return rows
 
 
@@ -101,6 +223,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--sweep", action="store_true", help="time each GEMM alone per tile config (SWEEP_*)")
     args = p.parse_args()
     copy_bw, rate = ceilings()
     print(f"[moe] copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", file=sys.stderr)
@@ -108,14 +231,23 @@ def main() -> None:
     layers = [((torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * 0.02).to(torch.bfloat16),
                (torch.randn(E, H, INTER, device="cuda", generator=g) * 0.02).to(torch.bfloat16)) for _ in range(LAYERS)]
     rows = []
-    for t in map(int, args.tokens.split(",")):
-        rows += bench_tokens(t, layers, copy_bw, rate)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "moe_kernel.json").write_text(json.dumps(
-        dict(copy_bytes_per_s=copy_bw, matmul_flops_per_s=rate, shape=dict(E=E, k=K, H=H, INTER=INTER), rows=rows), indent=1))
-    print(f"{'T':>5} {'tiles':<22} {'us':>9} {'floor us':>9} {'of floor':>8}")
+    for t in map(int, args.tokens.split(",")):
+        rows += (sweep_tokens if args.sweep else bench_tokens)(t, layers, copy_bw, rate)
+        (Path(args.out) / ("moe_sweep.json" if args.sweep else "moe_kernel.json")).write_text(json.dumps(
+            dict(copy_bytes_per_s=copy_bw, matmul_flops_per_s=rate, shape=dict(E=E, k=K, H=H, INTER=INTER), rows=rows),
+            indent=1))
+    if args.sweep:
+        for r in rows:
+            if r["stage"] == "step":
+                print(f"{r['tokens']:5d} {str(r['tiles']):<40} {r['us']:9.1f} ({r['rounds']}) {r['floor_us']:9.1f} "
+                      f"{r['of_floor']:8.2f}")
+        return
+    print(f"{'T':>5} {'tiles':<40} {'us':>9} {'rounds':>15} {'floor us':>9} {'of floor':>8}")
     for r in rows:
-        print(f"{r['tokens']:5d} {str(r['tiles']):<22} {r['ms'] * 1e3:9.1f} {r['floor_ms'] * 1e3:9.1f} "
+        mark = " (previous)" if r.get("previous") else ""
+        print(f"{r['tokens']:5d} {str(r['tiles']) + mark:<40} {r['ms'] * 1e3:9.1f} "
+              f"{' / '.join(f'{t * 1e3:.1f}' for t in r.get('ms_rounds', [])):>15} {r['floor_ms'] * 1e3:9.1f} "
               f"{r['of_floor']:8.2f}")
 
 

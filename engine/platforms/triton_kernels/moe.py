@@ -32,12 +32,23 @@ ONE_PROGRAM_ALIGN_MAX_PAIRS = 1024
 
 @dataclass(frozen=True, slots=True)
 class MoeTiles:
-    """Tile sizes of both GEMMs; block_m is also the alignment's padding unit."""
+    """Tile sizes of both GEMMs; block_m is also the alignment's padding unit. The w2_* fields,
+    where nonzero, override block_n / block_k / num_warps / num_stages for the w2 GEMM alone (its
+    N is H and its K is I: the other way round from w13's)."""
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    w2_block_n: int = 0
+    w2_block_k: int = 0
+    w2_num_warps: int = 0
+    w2_num_stages: int = 0
+
+    def for_w2(self) -> MoeTiles:
+        """The tiles the w2 GEMM runs with."""
+        return MoeTiles(self.block_m, self.w2_block_n or self.block_n, self.w2_block_k or self.block_k,
+                        self.w2_num_warps or self.num_warps, self.w2_num_stages or self.num_stages)
 
 
 def pick_tiles(num_slots: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> MoeTiles:
@@ -56,10 +67,12 @@ def pick_tiles(num_slots: int, num_experts: int, hidden: int, intermediate: int,
         tiles = MoeTiles(128, 128, 64, 8, 3)
     if dtype == torch.float32:        # twice the bytes per tile: halve K (shared memory), M (registers)
         tiles = MoeTiles(min(64, tiles.block_m), tiles.block_n, max(32, tiles.block_k // 2), tiles.num_warps, 2)
-    smallest = min(hidden, intermediate)
-    block_k = max(16, min(tiles.block_k, triton.next_power_of_2(smallest)))
-    block_n = max(16, min(tiles.block_n, triton.next_power_of_2(smallest)))
-    return MoeTiles(tiles.block_m, block_n, block_k, tiles.num_warps, tiles.num_stages)
+    smallest = triton.next_power_of_2(min(hidden, intermediate))   # (the w2 overrides are bf16/fp16 tunings)
+
+    def fit(n: int) -> int:
+        return n and max(16, min(n, smallest))
+    return MoeTiles(tiles.block_m, fit(tiles.block_n), fit(tiles.block_k), tiles.num_warps, tiles.num_stages,
+                    fit(tiles.w2_block_n), fit(tiles.w2_block_k), tiles.w2_num_warps, tiles.w2_num_stages)
 
 
 @triton.jit
@@ -214,19 +227,45 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     x = x.contiguous()
     tiles = tiles or pick_tiles(t * k, e, h, inter, x.dtype)
     blocks = align(ids, e, tiles.block_m)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
-    common = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision,
-                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    grid = (blocks.max_blocks, triton.cdiv(inter, tiles.block_n))
-    _w13_silu_kernel[grid](x, w13, act, blocks.sorted_slots, blocks.block_expert, t * k, e, inter, h, k,
-                           x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), **common)
+    launch_w13(x, w13, act, blocks, k, tiles)
     per_pair = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
-    route = weights.reshape(-1).contiguous()
-    grid = (blocks.max_blocks, triton.cdiv(h, tiles.block_n))
-    _w2_kernel[grid](act, w2, per_pair, blocks.sorted_slots, blocks.block_expert, route, t * k, e, h, inter,
-                     act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0), **common)
+    launch_w2(act, w2, per_pair, blocks, weights.reshape(-1).contiguous(), tiles)
     out = torch.empty_like(x)
-    _sum_pairs_kernel[(t, triton.cdiv(h, 256))](per_pair, out, h, TOP_K=k, K_PAD=triton.next_power_of_2(k),
-                                                BLOCK=256, num_warps=4)
+    launch_sum(per_pair, out, k)
     return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_w13(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, blocks: ExpertBlocks, top_k: int,
+               tiles: MoeTiles) -> None:
+    """act[pair] = SiLU(x[token] . gate) * (x[token] . up): step 2 of the module's docstring."""
+    inter = w13.shape[1] // 2
+    grid = (blocks.max_blocks, triton.cdiv(inter, tiles.block_n))
+    _w13_silu_kernel[grid](x, w13, act, blocks.sorted_slots, blocks.block_expert, blocks.num_slots,
+                           blocks.num_experts, inter, w13.shape[2], top_k,
+                           x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+                           BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                           PRECISION=_precision(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def launch_w2(act: torch.Tensor, w2: torch.Tensor, per_pair: torch.Tensor, blocks: ExpertBlocks, route: torch.Tensor,
+              tiles: MoeTiles) -> None:
+    """per_pair[pair] = route[pair] * (act[pair] . w2[e]) in float32: step 3; tiles.for_w2()."""
+    w = tiles.for_w2()
+    h = w2.shape[1]
+    grid = (blocks.max_blocks, triton.cdiv(h, w.block_n))
+    _w2_kernel[grid](act, w2, per_pair, blocks.sorted_slots, blocks.block_expert, route, blocks.num_slots,
+                     blocks.num_experts, h, w2.shape[2], act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
+                     BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k, PRECISION=_precision(act.dtype),
+                     num_warps=w.num_warps, num_stages=w.num_stages)
+
+
+def launch_sum(per_pair: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
+    """out[t] = the sum of its top_k rows of per_pair, rounded once: step 4."""
+    t, h = out.shape
+    _sum_pairs_kernel[(t, triton.cdiv(h, 256))](per_pair, out, h, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+                                                BLOCK=256, num_warps=4)
