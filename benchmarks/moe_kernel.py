@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 E, K, H, INTER = 128, 8, 2048, 768          # Qwen3-30B-A3B's experts
-TOKENS = (1, 8, 64, 256, 2048, 8192)
+TOKENS = (1, 8, 64, 256, 2048, 8192, 16384)
 LAYERS = 4                               # 4 x 1.2 GB of experts: far past the L2
 
 
-# pick_tiles before the w2 split (2026-11-25, commit 79f9583): the "before" of a before/after
+# pick_tiles before the w2 tiles (2026-11-25, commit 79f9583): the "before" of a before/after
 PREVIOUS = ((4, (16, 32, 128, 4, 5)), (24, (32, 64, 128, 4, 3)), (96, (64, 64, 64, 4, 3)), (None, (128, 128, 64, 8, 3)))
 
 
@@ -34,14 +34,29 @@ def previous_tiles(tokens: int):
     return next(MoeTiles(*t) for bound, t in PREVIOUS if bound is None or per_expert <= bound)
 
 
-def candidates(tokens: int):
+def candidates(tokens: int) -> list[tuple]:
+    """(label, tiles, alignment) per config: "now" is moe.align as it is; "previous" is the previous
+    code's alignment (one Triton program up to 1024 pairs, moe_align.align_by_expert above)."""
     from baton.engine.platforms.triton_kernels.moe import MoeTiles, pick_tiles
     default = pick_tiles(tokens * K, E, H, INTER, torch.bfloat16)
-    extra = {1: [MoeTiles(16, 64, 128, 4, 4), MoeTiles(16, 64, 256, 8, 3)],
+    prev = previous_tiles(tokens)
+    out = [("default", default, "now"), ("previous", prev, "previous"), ("prev-tiles", prev, "now")]
+    extra = {1: [MoeTiles(16, 64, 128, 4, 4)],
              8: [MoeTiles(16, 64, 128, 4, 4)],
-             64: [MoeTiles(16, 64, 128, 4, 4)]}
-    out = [default, previous_tiles(tokens)] + extra.get(tokens, [])
-    return [t for i, t in enumerate(out) if t not in out[:i]]
+             64: [MoeTiles(16, 64, 128, 4, 4)],
+             8192: [MoeTiles(128, 128, 64, 8, 3, 256, 64, 8, 4)],
+             16384: [MoeTiles(128, 128, 64, 8, 3, 256, 64, 8, 4)]}
+    out += [("alt", t, "now") for t in extra.get(tokens, [])]
+    return [c for i, c in enumerate(out) if c[1:] not in [d[1:] for d in out[:i]]]
+
+
+def previous_align(ids, num_experts: int, block_m: int):
+    """The alignment of the previous code (commit 79f9583)."""
+    from baton.engine.platforms.triton_kernels.moe import _align_one_program
+    from baton.engine.platforms.triton_kernels.moe_align import align_by_expert
+    if ids.numel() > 1024:
+        return align_by_expert(ids, num_experts, block_m)
+    return _align_one_program(ids, num_experts, block_m)
 
 
 def event_ms(fn, reps: int = 20) -> float:
@@ -85,44 +100,65 @@ def make_inputs(tokens: int, layers, copy_bw: float, rate: float):
     return inputs, hit, max(bytes_ / copy_bw, 2 * tokens * K * 3 * H * INTER / rate)
 
 
-def time_steps(tokens: int, inputs, tiles_list, rounds: int = 2) -> list[tuple]:
-    """(tiles, [ms per round], rel_err) of the whole step per tiles, rounds interleaved."""
+def _step(args, tiles, alignment: str):
+    from baton.engine.platforms.triton_kernels import moe
+    if alignment == "now":
+        return moe.fused_experts(*args, tiles=tiles)
+    now, moe.align = moe.align, previous_align
+    try:
+        return moe.fused_experts(*args, tiles=tiles)
+    finally:
+        moe.align = now
+
+
+def time_steps(tokens: int, inputs, configs, rounds: int = 2) -> list[tuple]:
+    """(label, tiles, alignment, [ms per round], rel_err) of the whole step per config, rounds
+    interleaved."""
     from baton.engine.platforms.base import LayerOps
-    from baton.engine.platforms.triton_kernels.moe import fused_experts
     x, w13, w2, ids, weights = inputs[0]
     ref = LayerOps().moe_experts(x.double(), w13.double(), w2.double(), ids, weights.double())
     ok = []
-    for tiles in tiles_list:
+    for label, tiles, alignment in configs:
         try:
-            out = fused_experts(x, w13, w2, ids, weights, tiles)
+            out = _step(inputs[0], tiles, alignment)
             torch.cuda.synchronize()
         except Exception as e:      # noqa: BLE001  (a config over the shared memory: note it, go on)
             print(f"[moe] T={tokens} tiles={tiles}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
             continue
-        ok.append([tiles, [], ((out.double() - ref).norm() / ref.norm()).item()])
+        ok.append([label, tiles, alignment, [], ((out.double() - ref).norm() / ref.norm()).item()])
     for _ in range(rounds):
         for row in ok:
-            row[1].append(graph_ms([lambda a=a, t=row[0]: fused_experts(*a, tiles=t) for a in inputs]))
+            row[3].append(graph_ms([lambda a=a, r=row: _step(a, r[1], r[2]) for a in inputs]))
     return [tuple(r) for r in ok]
 
 
 def bench_tokens(tokens: int, layers, copy_bw: float, rate: float) -> list[dict]:
     from baton.engine.platforms.base import LayerOps
+    from baton.engine.platforms.triton_kernels import moe
+    from baton.engine.platforms.triton_kernels.moe_align import align_by_expert
     inputs, hit, floor = make_inputs(tokens, layers, copy_bw, rate)
-    prev = previous_tiles(tokens)
     rows = []
-    for tiles, times, err in time_steps(tokens, inputs, candidates(tokens)):
+    for label, tiles, alignment, times, err in time_steps(tokens, inputs, candidates(tokens)):
         ms = statistics.median(times)
-        rows.append(dict(tokens=tokens, tiles=list(dataclasses.astuple(tiles)), previous=tiles == prev, ms=ms,
-                         ms_rounds=times, floor_ms=floor * 1e3, of_floor=floor * 1e3 / ms, experts_hit=hit,
+        rows.append(dict(tokens=tokens, label=label, tiles=list(dataclasses.astuple(tiles)), alignment=alignment,
+                         ms=ms, ms_rounds=times, floor_ms=floor * 1e3, of_floor=floor * 1e3 / ms, experts_hit=hit,
                          weight_gb_per_s=hit * 3 * H * INTER * 2 / (ms / 1e3) / 1e9, rel_err=err))
-        print(f"[moe] T={tokens:5d} tiles={rows[-1]['tiles']} {' / '.join(f'{t * 1e3:.1f}' for t in times)} us  "
-              f"floor {floor * 1e6:7.1f} us ({rows[-1]['of_floor']:.2f})  hit {hit:.1f}  err {err:.1e}",
-              file=sys.stderr, flush=True)
+        print(f"[moe] T={tokens:5d} {label} {alignment} tiles={rows[-1]['tiles']} "
+              f"{' / '.join(f'{t * 1e3:.1f}' for t in times)} us  floor {floor * 1e6:7.1f} us "
+              f"({rows[-1]['of_floor']:.2f})  hit {hit:.1f}  err {err:.1e}", file=sys.stderr, flush=True)
+    bm = moe.pick_tiles(tokens * K, E, H, INTER, torch.bfloat16).block_m
+    aligns = [("align", moe.align), ("one_program", moe._align_one_program), ("chunked", moe._align_chunked),
+              ("torch", align_by_expert)]
+    times = {name: graph_ms([lambda i=i, f=f: f(i[3], E, bm) for i in inputs]) * 1e3
+             for name, f in aligns if name != "one_program" or tokens * K <= 4096}
+    rows.append(dict(tokens=tokens, label="alignment alone (us)", block_m=bm, **times))
+    print(f"[moe] T={tokens:5d} alignment alone, block_m {bm}: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()),
+          file=sys.stderr, flush=True)
     if tokens <= 64:                       # the base path, eager (host-synced), for scale
         x, w13, w2, ids, weights = inputs[0]
         ms = event_ms(lambda: LayerOps().moe_experts(x, w13, w2, ids, weights), 5)
-        rows.append(dict(tokens=tokens, tiles="base-eager", ms=ms, floor_ms=floor * 1e3, of_floor=floor * 1e3 / ms))
+        rows.append(dict(tokens=tokens, label="base-eager", tiles="", ms=ms, floor_ms=floor * 1e3,
+                         of_floor=floor * 1e3 / ms))
     return rows
 
 
@@ -148,6 +184,7 @@ SWEEP_W2 = {16: [(32, 128, 4, 5), (64, 128, 4, 4), (128, 128, 4, 3), (128, 64, 4
 def sweep_tokens(tokens: int, layers, copy_bw: float, rate: float) -> list[dict]:
     from baton.engine.platforms.triton_kernels.moe import (
         MoeTiles,
+        _align_one_program,
         align,
         launch_sum,
         launch_w2,
@@ -174,11 +211,8 @@ def sweep_tokens(tokens: int, layers, copy_bw: float, rate: float) -> list[dict]
         log(dict(stage="align_torch", block_m=bm,
                  us=graph_ms([lambda i=i: align_by_expert(i[3], E, bm) for i in inputs]) * 1e3))
         if tokens * K <= 4096:
-            from baton.engine.platforms.triton_kernels import moe as moe_mod
-            saved, moe_mod.ONE_PROGRAM_ALIGN_MAX_PAIRS = moe_mod.ONE_PROGRAM_ALIGN_MAX_PAIRS, 1 << 20
             log(dict(stage="align_one_program", block_m=bm,
-                     us=graph_ms([lambda i=i: align(i[3], E, bm) for i in inputs]) * 1e3))
-            moe_mod.ONE_PROGRAM_ALIGN_MAX_PAIRS = saved
+                     us=graph_ms([lambda i=i: _align_one_program(i[3], E, bm) for i in inputs]) * 1e3))
         log(dict(stage="sum", block_m=bm, us=graph_ms([lambda i=i: launch_sum(pairs[i], outs[i], K)
                                                        for i in range(n)]) * 1e3))
         for stage, configs in (("w13", SWEEP_W13[bm]), ("w2", SWEEP_W2[bm])):
@@ -211,7 +245,7 @@ def sweep_tokens(tokens: int, layers, copy_bw: float, rate: float) -> list[dict]
         if (bm, "w13") in best and (bm, "w2") in best:
             tiles_list.append(MoeTiles(bm, *best[(bm, "w13")], *best[(bm, "w2")]))
     tiles_list = [t for i, t in enumerate(tiles_list) if t not in tiles_list[:i]]
-    for tiles, times, err in time_steps(tokens, inputs, tiles_list):
+    for _, tiles, _, times, err in time_steps(tokens, inputs, [("", t, "chunked") for t in tiles_list]):
         ms = statistics.median(times)
         log(dict(stage="step", tiles=list(dataclasses.astuple(tiles)), us=ms * 1e3,
                  rounds=" / ".join(f"{t * 1e3:.1f}" for t in times), floor_us=floor * 1e6, of_floor=floor / (ms / 1e3),
@@ -243,12 +277,18 @@ def main() -> None:
                 print(f"{r['tokens']:5d} {str(r['tiles']):<40} {r['us']:9.1f} ({r['rounds']}) {r['floor_us']:9.1f} "
                       f"{r['of_floor']:8.2f}")
         return
-    print(f"{'T':>5} {'tiles':<40} {'us':>9} {'rounds':>15} {'floor us':>9} {'of floor':>8}")
+    print(f"{'T':>5} {'config':<11} {'align':<7} {'tiles':<38} {'us':>8} {'rounds':>15} {'floor us':>8} "
+          f"{'of floor':>8} {'err':>7}")
     for r in rows:
-        mark = " (previous)" if r.get("previous") else ""
-        print(f"{r['tokens']:5d} {str(r['tiles']) + mark:<40} {r['ms'] * 1e3:9.1f} "
-              f"{' / '.join(f'{t * 1e3:.1f}' for t in r.get('ms_rounds', [])):>15} {r['floor_ms'] * 1e3:9.1f} "
-              f"{r['of_floor']:8.2f}")
+        if "ms" not in r:
+            continue
+        print(f"{r['tokens']:5d} {r['label']:<11} {r.get('alignment', ''):<7} {str(r['tiles']):<38} "
+              f"{r['ms'] * 1e3:8.1f} {' / '.join(f'{t * 1e3:.1f}' for t in r.get('ms_rounds', [])):>15} "
+              f"{r['floor_ms'] * 1e3:8.1f} {r['of_floor']:8.2f} {r.get('rel_err', 0):7.1e}")
+    for r in rows:
+        if "align" in r:
+            print(f"{r['tokens']:5d} alignment alone, block_m {r['block_m']}: " + ", ".join(
+                f"{k} {r[k]:.1f} us" for k in ("align", "one_program", "chunked", "torch") if k in r))
 
 
 if __name__ == "__main__":

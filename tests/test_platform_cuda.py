@@ -525,7 +525,7 @@ def test_the_one_pass_sampler_draws_what_the_torch_sampler_draws():
 # -- fused MoE experts (issue 21) -------------------------------------------------------------
 # (tokens, experts, top_k, hidden, intermediate): each tile bucket of pick_tiles, T=1, an
 # intermediate size that is no power of two, experts no token picks, and both alignments (one
-# Triton program up to ONE_PROGRAM_ALIGN_MAX_PAIRS pairs, torch above)
+# Triton program up to ONE_PROGRAM_ALIGN_MAX_PAIRS pairs, three launches over chunks of pairs above)
 MOE_CASES = [(1, 16, 4, 128, 64), (5, 8, 2, 64, 32), (37, 16, 4, 128, 96), (300, 8, 2, 256, 128),
              (600, 8, 2, 128, 64), (2500, 8, 2, 128, 64)]
 
@@ -564,15 +564,35 @@ def test_fused_moe_experts_match_the_base_ops(dtype, case):
 @on_gpu
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 128, 8, 16), (64, 128, 8, 16), (300, 8, 2, 64),
                                                          (100, 128, 8, 16)])
-def test_one_program_alignment_equals_the_torch_alignment(tokens, experts, top_k, block_m):
-    from baton.engine.platforms.triton_kernels.moe import align
+def test_moe_one_program_alignment_equals_the_torch_alignment(tokens, experts, top_k, block_m):
+    from baton.engine.platforms.triton_kernels.moe import _align_one_program
     from baton.engine.platforms.triton_kernels.moe_align import align_by_expert
     g = torch.Generator().manual_seed(tokens)
     ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices.to(DEV)
     ids[: tokens // 2, 0] = 1                                       # one crowded expert
-    fast, plain = align(ids, experts, block_m), align_by_expert(ids, experts, block_m)
+    fast, plain = _align_one_program(ids, experts, block_m), align_by_expert(ids, experts, block_m)
     assert torch.equal(fast.sorted_slots, plain.sorted_slots)
     assert torch.equal(fast.block_expert, plain.block_expert)
+
+
+@on_gpu
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(129, 128, 8, 32), (600, 128, 8, 128), (2500, 8, 2, 64),
+                                                         (4096, 128, 8, 16), (20, 8, 2, 16), (17, 128, 8, 16)])
+def test_moe_chunked_alignment_equals_the_torch_alignment(tokens, experts, top_k, block_m):
+    """The alignment above ONE_PROGRAM_ALIGN_MAX_PAIRS (three launches over chunks of pairs): the
+    torch alignment's rows and owners exactly, also across chunk borders and with a crowded expert."""
+    from baton.engine.platforms.triton_kernels.moe import ONE_PROGRAM_ALIGN_MAX_PAIRS, _align_chunked, align
+    from baton.engine.platforms.triton_kernels.moe_align import align_by_expert
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices.to(DEV)
+    ids[: tokens // 2, 0] = 1
+    plain = align_by_expert(ids, experts, block_m)
+    fasts = [_align_chunked(ids, experts, block_m)]
+    if tokens * top_k > ONE_PROGRAM_ALIGN_MAX_PAIRS:
+        fasts.append(align(ids, experts, block_m))
+    for fast in fasts:
+        assert torch.equal(fast.sorted_slots, plain.sorted_slots)
+        assert torch.equal(fast.block_expert, plain.block_expert)
 
 
 @on_gpu

@@ -1,8 +1,9 @@
 """Fused MoE experts: routing alignment on the device, then two grouped GEMMs, no host sync.
 
 1. Alignment: the T*k (token, choice) pairs sorted by expert into blocks of BLOCK_M rows, each
-   block owned by one expert (padding rows point past the last pair): one Triton program for
-   decode-sized steps (`align`), `moe_align.align_by_expert` (torch) for larger ones.
+   block owned by one expert (padding rows point past the last pair): one Triton program for the
+   smallest steps (`align`, up to ONE_PROGRAM_ALIGN_MAX_PAIRS pairs), three launches over chunks
+   of pairs above; both give `moe_align.align_by_expert`'s (torch) rows exactly.
 2. w13 [E, 2I, H]: one program per (block, N tile) computes the gate and the up tile together
    and writes SiLU(gate) * up, so the 2I-wide intermediate never reaches memory: [T*k, I].
 3. w2 [E, H, I]: the same grouping, each row scaled by its routing weight, into a float32
@@ -22,12 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from baton.engine.platforms.triton_kernels.moe_align import ExpertBlocks, align_by_expert, max_blocks
+from baton.engine.platforms.triton_kernels.moe_align import ExpertBlocks, max_blocks
 
-# up to this many (token, choice) pairs the alignment runs as one Triton program (one launch
-# instead of torch's ~20 small ones, which cost ~35 us at decode); its time grows with the pairs
-# (one CTA walks them twice: ~40 us at 2048 on an H200), so above this it runs in torch (moe_align.py)
-ONE_PROGRAM_ALIGN_MAX_PAIRS = 1024
+# up to this many (token, choice) pairs the alignment runs as one Triton program (one launch);
+# its time grows with the pairs (one CTA walks them twice; on an H200: 7 us at 8 pairs, 8.6 at 64,
+# 36 at 512, 124 at 2048), so above this it runs as three launches over chunks of pairs
+# (_align_chunked: 8.6-10.6 us up to 64 pairs, 13 at 512-2048, 26 at 16k, 87 at 64k; torch's
+# moe_align.align_by_expert, the reference, took 44-79 us up to 2048 pairs and 131-164 at 16k-128k)
+ONE_PROGRAM_ALIGN_MAX_PAIRS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +66,8 @@ def pick_tiles(num_slots: int, num_experts: int, hidden: int, intermediate: int,
         tiles = MoeTiles(32, 64, 128, 4, 3)
     elif per_expert <= 96:
         tiles = MoeTiles(64, 64, 64, 4, 3)
-    else:
-        tiles = MoeTiles(128, 128, 64, 8, 3)
+    else:                             # prefill; w2 (N = H, K = I) takes 128x256 tiles (-10% of w2 at T 2048-8192)
+        tiles = MoeTiles(128, 128, 64, 8, 4, 256, 64, 8, 4)
     if dtype == torch.float32:        # twice the bytes per tile: halve K (shared memory), M (registers)
         tiles = MoeTiles(min(64, tiles.block_m), tiles.block_n, max(32, tiles.block_k // 2), tiles.num_warps, 2)
     smallest = triton.next_power_of_2(min(hidden, intermediate))   # (the w2 overrides are bf16/fp16 tunings)
@@ -110,11 +113,91 @@ def _align_kernel(ids_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, 
         seen += tl.sum(hot, axis=0)
 
 
-def align(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """align_by_expert's result; one Triton program for decode-sized routings."""
+@triton.jit
+def _chunk_counts_kernel(ids_ptr, counts_ptr, slots_ptr, num_slots, rows,
+                         E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+    """counts[c, e] = the pairs of chunk c routed to e; and the padding fill of FILL rows."""
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+    tl.store(counts_ptr + c * E_PAD + experts, tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0))
+    fill = c * FILL + tl.arange(0, FILL)
+    tl.store(slots_ptr + fill, num_slots, mask=fill < rows)
+
+
+@triton.jit
+def _chunk_offsets_kernel(counts_ptr, start_ptr, block_expert_ptr, num_chunks, num_experts, num_blocks,
+                          BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CH: tl.constexpr):
+    """One program: counts[c, e] -> the pairs of e in the chunks before c (in place); each expert's
+    padded group start; the blocks' owners."""
+    experts = tl.arange(0, E_PAD)
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_chunks, CH):
+        c = start + tl.arange(0, CH)
+        ptrs = counts_ptr + c[:, None] * E_PAD + experts[None, :]
+        tile = tl.load(ptrs, mask=(c < num_chunks)[:, None], other=0)
+        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + total[None, :], mask=(c < num_chunks)[:, None])
+        total += tl.sum(tile, axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    tl.store(start_ptr + experts, padded_end - padded)
+    for start in range(0, num_blocks, CH):
+        b = start + tl.arange(0, CH)
+        owner = tl.sum((padded_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.minimum(owner, num_experts), mask=b < num_blocks)
+
+
+@triton.jit
+def _chunk_scatter_kernel(ids_ptr, offsets_ptr, start_ptr, slots_ptr, num_slots,
+                          E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Each pair's row: its expert's group start + the pairs of its expert in earlier chunks + its
+    rank among the earlier pairs of its expert in this chunk (token order: a stable grouping)."""
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+    hot = (e[:, None] == experts[None, :]).to(tl.int32)
+    base = tl.load(start_ptr + experts) + tl.load(offsets_ptr + c * E_PAD + experts)
+    row = tl.sum(hot * (tl.cumsum(hot, axis=0) - 1 + base[None, :]), axis=1)
+    tl.store(slots_ptr + row, offs, mask=offs < num_slots)
+
+
+def _align_chunked(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """align_by_expert's result (the same rows, bit for bit) in three Triton launches over chunks of
+    pairs: per-chunk counts (+ the padding fill), one program for the prefix over chunks and the
+    groups' starts and owners, then the scatter. On an H200: 13 us at 512-2048 pairs, 26 at 16k,
+    87 at 64k, 151 at 128k (the one-program prefix over chunks grows with them), where torch's ~20
+    ops took 73-79 us, 131, 141 and 162."""
     n = ids.numel()
-    if n > ONE_PROGRAM_ALIGN_MAX_PAIRS:
-        return align_by_expert(ids, num_experts, block_m)
+    e_pad = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(256, 8192 // e_pad))
+    chunks = triton.cdiv(n, chunk)
+    blocks = max_blocks(n, num_experts, block_m)
+    rows = blocks * block_m
+    slots = torch.empty(rows, dtype=torch.int32, device=ids.device)
+    owners = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=ids.device)
+    starts = torch.empty(e_pad, dtype=torch.int32, device=ids.device)
+    ids = ids.contiguous()
+    _chunk_counts_kernel[(chunks,)](ids, counts, slots, n, rows, E_PAD=e_pad, CHUNK=chunk,
+                                    FILL=triton.next_power_of_2(triton.cdiv(rows, chunks)), num_warps=4)
+    _chunk_offsets_kernel[(1,)](counts, starts, owners, chunks, num_experts, blocks, BLOCK_M=block_m, E_PAD=e_pad,
+                                CH=max(16, 8192 // e_pad), num_warps=8)
+    _chunk_scatter_kernel[(chunks,)](ids, counts, starts, slots, n, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
+    return ExpertBlocks(slots, owners, block_m, n, num_experts)
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """align_by_expert's result: one Triton program up to ONE_PROGRAM_ALIGN_MAX_PAIRS pairs, three
+    launches over chunks of pairs above."""
+    if ids.numel() > ONE_PROGRAM_ALIGN_MAX_PAIRS:
+        return _align_chunked(ids, num_experts, block_m)
+    return _align_one_program(ids, num_experts, block_m)
+
+
+def _align_one_program(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    n = ids.numel()
     blocks = max_blocks(n, num_experts, block_m)
     slots = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
     owners = torch.empty(blocks, dtype=torch.int32, device=ids.device)
