@@ -76,14 +76,8 @@ def ceilings() -> tuple[float, float]:
 
 def graph_ms(calls, reps: int = 20) -> float:
     """Median time of one call from replays of a graph of all calls in turn."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    return event_ms(graph.replay, reps) / len(calls)
+    from baton.benchmarks.kernels_cuda import graph_seconds_per_call
+    return graph_seconds_per_call(calls, reps) * 1e3
 
 
 def make_inputs(tokens: int, layers, copy_bw: float, rate: float):

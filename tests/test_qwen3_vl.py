@@ -210,6 +210,9 @@ def test_disaggregated_request_decodes_at_the_offset_and_a_preempted_one_ends_wi
                 errors[o.request_id] = o.error
     assert outs["r0"] == reference(llm, vl[1], chats[0], params.max_tokens)
     assert list(errors) == ["r1"] and "images are not on this worker" in errors["r1"]
+    # the failed request's blocks came back, once, on both sides
+    assert decode.block_manager.num_free_blocks == blocks and not decode.has_unfinished
+    assert prefill.block_manager.num_free_blocks == 64 and not prefill.has_unfinished
 
 
 def prefill_offset(engine, ids, chat) -> int:
