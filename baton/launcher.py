@@ -3,27 +3,36 @@
 Workers get free loopback ports; the router gets --port (default 50051). Every flag of
 `baton serve` that a worker or the router also takes is passed on to it, so the stack a user
 starts first has the same security, limits and engine settings as one started by hand. The
-launcher waits until every process reports SERVING, prints the router address, and on
-Ctrl-C / SIGTERM stops them all (SIGTERM, then SIGKILL after the grace period).
+launcher first checks what it can without starting anything (the flags, the model, the devices,
+the ports: baton/preflight.py) and has the model made ready once for every process; it waits
+until every process reports SERVING, prints the router address with commands that work as
+printed, and on Ctrl-C / SIGTERM stops them all (SIGTERM, then SIGKILL after the grace period).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 
+from baton import preflight
+from baton.client import baton_command
 from baton.router.config import add_auth_and_limits, add_generation_config, add_http_api
 from baton.router.config import build_parser as router_parser
 from baton.serving.grpc_server import port_is_free
+from baton.serving.logs import setup_logging
 from baton.serving.options import flag, parser
-from baton.serving.processes import START_TIMEOUT_S, devices_for, free_port
+from baton.serving.processes import START_TIMEOUT_S, WILDCARD_HOSTS, devices_for, free_port
 from baton.serving.security import tls_from_args
 from baton.serving.worker_config import add_worker_args
 from baton.serving.worker_config import build_parser as worker_parser
 from baton.supervisor import Process, Supervisor
 
+NAMED_TOKEN = "<the --api-key / --auth-token token>"
 # set per process by the launcher, never passed on from `baton serve`'s own value
 PER_PROCESS = {"host", "port", "metrics_port", "device", "colocated", "prefill", "decode", "help"}
 
@@ -64,6 +73,16 @@ def passed_on(args: argparse.Namespace, child: argparse.ArgumentParser) -> list[
 
 
 def serve(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level, args.log_format)        # this process's lines read as its children's
+    specs = _specs(args)
+    workers, worker_flags = _workers(args, specs)
+    router = _router(args, worker_flags)
+    roles = ["colocated"] if args.colocated else ["prefill", "decode"]
+    wrong = preflight.problem(args, roles, [s.device for s in specs] + _split(args.tp_devices),
+                              [*passed_on(args, router_parser()), *worker_flags])
+    if wrong:          # what a worker would refuse after loading torch, said in a blink, once
+        print(f"baton serve: {wrong}", file=sys.stderr)
+        return 2
     host = args.host
     taken = [f"{host}:{port} ({what})" for port, what in _ports(args) if not port_is_free(host, port)]
     if taken:          # before anything starts: a second `baton serve` must not report the first one's stack
@@ -73,12 +92,15 @@ def serve(args: argparse.Namespace) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if "cpu" in (args.device, args.prefill_devices, args.decode_devices):
         # CPU workers share the machine's cores: oversubscribed torch threads crawl
-        n = (args.instances if args.colocated else args.prefill_instances + args.decode_instances)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    sup = Supervisor(env, tls=tls_from_args(args))
-    workers, router_flags = _workers(args)
-    router = _router(args, router_flags)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(workers))))
     stopping = _on_signals()
+    code = preflight.prepare_model(args, env, stopping)
+    if code or stopping.is_set():
+        return code
+    return _run(Supervisor(env, tls=tls_from_args(args)), workers, router, args, stopping)
+
+
+def _run(sup: Supervisor, workers: list[Process], router: Process, args, stopping: threading.Event) -> int:
     try:
         print(f"[baton] starting {len(workers)} worker(s) on {args.model} ...", file=sys.stderr, flush=True)
         for w in workers:
@@ -87,11 +109,8 @@ def serve(args: argparse.Namespace) -> int:
             sup.wait_ready(w, START_TIMEOUT_S)
         sup.start(router)
         sup.wait_ready(router, START_TIMEOUT_S)
-        print(f"baton is serving on {router.address}  (try: {_try_command(args, router.address)})", flush=True)
-        if args.http_port:
-            scheme = "https" if args.tls_cert else "http"
-            print(f"OpenAI-compatible API on {scheme}://{args.host}:{args.http_port}/v1  (try: curl "
-                  f"{scheme}://{args.host}:{args.http_port}/v1/models)", flush=True)
+        for line in ready_lines(args):
+            print(line, flush=True)
         while not stopping.is_set():
             if not sup.tick():
                 sup.stop_all()
@@ -115,35 +134,50 @@ def _ports(args) -> list[tuple[int, str]]:
     return ports
 
 
-def _workers(args) -> tuple[list[Process], list[str]]:
+@dataclass(frozen=True, slots=True)
+class Spec:
+    kind: str            # prefill | decode | colocated: its name's stem
+    index: int
+    role: str            # the worker command's: prefill | decode
+    device: str
+    extra: tuple[str, ...] = ()
+
+
+def _specs(args) -> list[Spec]:
+    if args.colocated:
+        return [Spec("colocated", i, "decode", d, ("--colocated",)) for i, d in
+                enumerate(devices_for(args.decode_devices or args.device, args.device, args.instances))]
+    return [Spec("prefill", i, "prefill", d) for i, d in
+            enumerate(devices_for(args.prefill_devices, args.device, args.prefill_instances))] + \
+        [Spec("decode", i, "decode", d) for i, d in
+         enumerate(devices_for(args.decode_devices, args.device, args.decode_instances))]
+
+
+def _workers(args, specs: list[Spec]) -> tuple[list[Process], list[str]]:
     """The worker processes (each on a fixed free port: a restart comes back where it was) and
     the router flags that name them."""
     host = args.host
     shared = {role: passed_on(args, worker_parser(role)) for role in ("prefill", "decode")}
-    specs = []
-    if args.colocated:
-        specs += [("colocated", i, "decode", d, ["--colocated"]) for i, d in
-                  enumerate(devices_for(args.decode_devices or args.device, args.device, args.instances))]
-    else:
-        specs += [("prefill", i, "prefill", d, []) for i, d in
-                  enumerate(devices_for(args.prefill_devices, args.device, args.prefill_instances))]
-        specs += [("decode", i, "decode", d, []) for i, d in
-                  enumerate(devices_for(args.decode_devices, args.device, args.decode_instances))]
     workers = []
-    for n, (kind, i, role, device, extra) in enumerate(specs):
+    for n, s in enumerate(specs):
         port = free_port(host)
+        extra = list(s.extra)
         if args.metrics_port:           # the router gets --metrics-port; workers the ports after it
-            extra = [*extra, "--metrics-port", str(args.metrics_port + 1 + n)]
-        module = "baton.prefill_service" if role == "prefill" else "baton.decode_service"
-        cmd = [sys.executable, "-m", module, "--host", host, "--port", str(port), "--device", device,
-               *shared[role], *extra]
-        workers.append(Process(f"{kind}-{i}", cmd, f"{host}:{port}"))
+            extra += ["--metrics-port", str(args.metrics_port + 1 + n)]
+        module = "baton.prefill_service" if s.role == "prefill" else "baton.decode_service"
+        cmd = [sys.executable, "-m", module, "--host", host, "--port", str(port), "--device", s.device,
+               *shared[s.role], *extra]
+        workers.append(Process(f"{s.kind}-{s.index}", cmd, f"{host}:{port}"))
     flags = []
     for kind in ("prefill", "decode", "colocated"):
         addrs = [w.address for w in workers if w.name.startswith(kind)]
         if addrs:
             flags += [f"--{kind}", ",".join(addrs)]
     return workers, flags
+
+
+def _split(devices: str | None) -> list[str]:
+    return [d.strip() for d in (devices or "").split(",") if d.strip()]
 
 
 def _router(args, worker_flags: list[str]) -> Process:
@@ -154,14 +188,52 @@ def _router(args, worker_flags: list[str]) -> Process:
     return Process("router", cmd, f"{args.host}:{args.port}", critical=True)
 
 
-def _try_command(args, address: str) -> str:
-    """The command the ready line suggests, exactly as it must be typed for this stack."""
+# -- the ready lines: commands that work as printed, in the shell that started the stack ------------
+def ready_lines(args) -> list[str]:
+    host = "127.0.0.1" if args.host in WILDCARD_HOSTS else args.host       # what a client on this host dials
+    lines = [f"baton is serving on {host}:{args.port}  (try: {try_command(args, f'{host}:{args.port}')})"]
+    if args.http_port:
+        url = f"{'https' if args.tls_cert else 'http'}://{host}:{args.http_port}/v1"
+        lines.append(f"OpenAI-compatible API on {url}  (try: {try_curl(args, url)})")
+    return lines
+
+
+def try_command(args, address: str) -> str:
+    """`baton generate` for this stack, exactly as it must be typed."""
     flags = "" if address == "127.0.0.1:50051" else f" --addr {address}"
-    if args.auth_token or args.auth_token_file:
-        flags += " --token $BATON_AUTH_TOKEN"
-    if args.tls_ca or args.tls_cert:
-        flags += " --tls-ca <the CA bundle>"
-    return f'baton generate "What is the capital of France?"{flags}'
+    if args.auth_token_file:
+        flags += f" --auth-token-file {_path(args.auth_token_file)}"
+    elif args.auth_token:
+        var = _token_var(args)
+        flags += f' --auth-token "{var}"' if var else f" --auth-token {NAMED_TOKEN}"
+    if args.tls_cert:
+        flags += f" --tls-ca {_path(args.tls_ca) if args.tls_ca else '<the CA that signed --tls-cert>'}"
+        if args.tls_require_client_cert:
+            flags += " --tls-cert <client cert> --tls-key <its key>"
+        if args.tls_server_name:
+            flags += f" --tls-server-name {shlex.quote(args.tls_server_name)}"
+    return f'{baton_command()} generate "What is the capital of France?"{flags}'
+
+
+def try_curl(args, url: str) -> str:
+    flags = ""
+    if args.tls_cert:
+        flags += f" --cacert {_path(args.tls_ca) if args.tls_ca else '<the CA that signed --tls-cert>'}"
+    if args.auth_token_file:
+        flags += f' -H "Authorization: Bearer <a token in {_path(args.auth_token_file)}>"'
+    elif args.auth_token:
+        flags += f' -H "Authorization: Bearer {_token_var(args) or NAMED_TOKEN}"'
+    return f"curl{flags} {url}/models"
+
+
+def _token_var(args) -> str | None:
+    """The variable the --auth-token came from, if it did: the hints name the token, never print it
+    (these lines end up in logs)."""
+    return "$BATON_AUTH_TOKEN" if os.environ.get("BATON_AUTH_TOKEN") == args.auth_token else None
+
+
+def _path(path: str) -> str:
+    return shlex.quote(str(Path(path).expanduser().absolute()))
 
 
 def _on_signals() -> threading.Event:

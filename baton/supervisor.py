@@ -46,15 +46,15 @@ class Process:
 
 
 class Supervisor:
-    def __init__(self, env: dict, policy: RestartPolicy = RestartPolicy(), tls=None, out=sys.stderr):
+    def __init__(self, env: dict, policy: RestartPolicy = RestartPolicy(), tls=None, out=None):
         self.env = env
         self.policy = policy
         self.tls = tls
-        self.out = out
+        self.out = out            # None: sys.stderr when said (setup_logging may have wrapped it since import)
         self.processes: list[Process] = []
 
     def say(self, text: str) -> None:
-        print(f"[baton] {text}", file=self.out, flush=True)
+        print(f"[baton] {text}", file=self.out or sys.stderr, flush=True)
 
     def start(self, p: Process) -> None:
         if p not in self.processes:

@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from baton.benchmarks import ceilings, datasets, deployment, loadgen, prometheus, record
+from baton.benchmarks import baseline, ceilings, datasets, deployment, loadgen, prometheus, record
 from baton.benchmarks.model_shape import shape_of
 from baton.benchmarks.stats import GOODPUT_ATTAINMENT, attainment, goodput_rate, meets_slo, summarize
 from baton.engine.config import DEFAULT_MODEL
@@ -32,7 +32,8 @@ DEFAULT_ADDR = "127.0.0.1:50051"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("deployment")
-    t.add_argument("--addr", default=None, help=f"router of a running deployment (default {DEFAULT_ADDR})")
+    t.add_argument("--addr", default=None, help=f"router of a running deployment (unset: {DEFAULT_ADDR}; but "
+                   "--smoke with neither --addr nor --launch/--topologies launches its own 1p1d)")
     t.add_argument("--label", default="external", help="topology name of the --addr deployment in the JSON")
     t.add_argument("--api", default="grpc", help="grpc | openai | grpc,openai: the router API the load goes "
                    "through; both: the same load through each, one after the other (the HTTP layer's cost)")
@@ -40,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "http://<--addr host>:8000/v1)")
     t.add_argument("--metrics-urls", default="",
                    help="comma list of the decode workers' metrics endpoints (host:port or URL), for handover")
-    t.add_argument("--launch", default=None, help="launch this topology locally: XpYd or Ncolocated")
+    t.add_argument("--launch", default=None, help="launch this topology locally: XpYd or Ncolocated "
+                   "(unset: none, but 1p1d with --smoke and no --addr)")
     t.add_argument("--topologies", default=None, help="comma list of topologies to launch one after another, "
                    "e.g. 1p3d,2p2d,3p1d,4colocated")
     t.add_argument("--model", default=DEFAULT_MODEL, help="model of launched deployments")
@@ -56,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--log-dir", default=None, help="worker logs (default: next to the JSON)")
     t.add_argument("--device", default=None,
                    help="device whose ceilings are recorded (default: the launched prefill device; for --addr: cpu)")
+    t.add_argument("--offline-baseline", action="store_true",
+                   help="after the served runs, the same requests through the offline engine (B1's) on --device: "
+                        "each rate gets served / offline throughput and TPOT p50 / offline decode step p50 "
+                        "(launched deployments only)")
     w = p.add_argument_group("load")
     w.add_argument("--dataset", default="random",
                    help="random | prefill-heavy | decode-heavy | shared-prefix | path/to/file.jsonl")
@@ -72,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     w.add_argument("--respect-eos", action="store_true", help="stop at EOS (default: ignore_eos, exact lengths)")
     w.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    w.add_argument("--client-processes", type=int, default=None,
+                   help="processes generating the load (default: 1, up to 4 where the cores allow it: one Python "
+                        "process reads some 20-30k messages a second, and must not be what a run measures)")
     s = p.add_argument_group("SLOs")
     s.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="time-to-first-token SLO")
     s.add_argument("--slo-tpot-ms", default="100", help="time-per-output-token SLO; a comma list computes goodput "
@@ -100,6 +109,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.addr = args.addr or DEFAULT_ADDR
         args.topologies = []
     args.rates = parse_rates(args.request_rates)
+    if args.offline_baseline and not args.topologies:
+        raise ValueError("--offline-baseline runs the engine of a launched deployment: use --launch or --topologies")
+    if args.client_processes is not None and args.client_processes < 1:
+        raise ValueError(f"--client-processes must be >= 1, got {args.client_processes}")
     args.apis = _split(args.api)
     if not args.apis or set(args.apis) - {"grpc", "openai"} or len(set(args.apis)) != len(args.apis):
         raise ValueError(f"--api must be grpc, openai or grpc,openai; got {args.api!r}")
@@ -169,13 +182,16 @@ async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str],
     points = []
     for i, rate in enumerate(args.rates):
         reqs = datasets.build_requests(args.dataset, args.num_prompts, args.seed + i, **common)
+        args.rate_requests[i] = reqs            # (the same for every topology: the offline baseline runs them)
         before, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls)
         landed_before, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls, prometheus.KV_LANDED)
+        processes = args.client_processes or loadgen.default_processes(len(reqs))
         results, wall = await loadgen.run_rate(address, reqs, rate, args.seed, args.max_concurrency, sampling,
-                                               args.request_timeout, http_url)
+                                               args.request_timeout, http_url, processes)
         after, errors = await asyncio.to_thread(prometheus.scrape, metrics_urls)
         landed_after, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls, prometheus.KV_LANDED)
         point = summarize_rate(rate, results, wall, _s(args.slo_ttft_ms), _s(args.slo_tpots_ms[0]))
+        point["api"] = "openai" if http_url else "grpc"
         point["slo_attainment_by_tpot_ms"] = {
             f"{slo:g}": attainment([meets_slo(r.ok, r.ttft, r.tpot, _s(args.slo_ttft_ms), _s(slo)) for r in results])
             for slo in args.slo_tpots_ms}
@@ -210,7 +226,8 @@ def _print_point(p: dict) -> None:
     def ms(d: dict) -> str:
         return "-" if d["p99"] is None else f"{d['p50'] * 1e3:.0f}/{d['p99'] * 1e3:.0f}"
     att = p["slo_attainment"]
-    print(f"[bench] rate {p['request_rate']:g}: {p['completed']}/{p['num_requests']} ok, "
+    print(f"[bench] rate {p['request_rate']:g}{' ' + p['api'] if p.get('api') else ''}: "
+          f"{p['completed']}/{p['num_requests']} ok, "
           f"{p['request_throughput']:.2f} req/s, {p['output_throughput']:.1f} tok/s, TTFT p50/p99 {ms(p['ttft_s'])} ms, "
           f"TPOT {ms(p['tpot_s'])} ms, SLO {'-' if att is None else f'{100 * att:.0f}%'}"
           + (f", errors {p['errors']}" if p["errors"] else "") + _handover(p), file=sys.stderr, flush=True)
@@ -235,6 +252,7 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     rec["ceilings"] = ceilings.measure(args.device, peer_device=peer, quick=args.smoke)
     rec["device"] = record.device_info(used)
     topologies: dict[str, dict] = {}
+    args.rate_requests = {}
     if args.topologies:
         log_root = Path(args.log_dir) if args.log_dir else out.with_suffix("").with_name(out.stem + "-logs")
         for name in args.topologies:
@@ -252,6 +270,8 @@ def run(args: argparse.Namespace, rec: dict) -> None:
                                                                       "devices": dep.devices, "api": api}
             finally:
                 dep.stop()
+        if args.offline_baseline:
+            _offline_baseline(args, topologies, log_root)
     else:
         urls = [prometheus.metrics_url(u) for u in _split(args.metrics_urls)]
         http_url = args.http_url or f"http://{args.addr.rsplit(':', 1)[0]}:8000/v1"
@@ -283,6 +303,23 @@ def run(args: argparse.Namespace, rec: dict) -> None:
         print(f"[bench] TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {row['tpot_ms']:g} ms: best {row['best'] or 'none'} "
               f"({row['goodput'] or 0:g} req/s); " + ", ".join(f"{k} {v or 0:g}" for k, v in row["by_topology"].items()),
               file=sys.stderr, flush=True)
+
+
+def _offline_baseline(args: argparse.Namespace, topologies: dict[str, dict], log_root: Path) -> None:
+    """Each rate's requests through the offline engine; every topology's point of that rate gets
+    the comparison (baseline.py)."""
+    flags = baseline.engine_flags(args.worker_args, args.max_concurrency)
+    for i, reqs in args.rate_requests.items():
+        offline = baseline.run_offline(args.model, args.device, reqs, args.temperature, flags,
+                                       log_root / f"offline-baseline-{i}.log")
+        for name, t in topologies.items():
+            point = t["rates"][i]
+            point["offline_baseline"] = baseline.compare(point, offline)
+            b = point["offline_baseline"]
+            ratio = b["tpot_p50_over_decode_step_p50"]
+            print(f"[bench] {name} rate {point['request_rate']:g}: served {point['output_throughput']:.0f} tok/s / "
+                  f"offline {b['output_tokens_per_s']:.0f} tok/s = {b['served_over_offline']:.3f}; TPOT p50 / offline "
+                  f"decode step p50 = {'-' if ratio is None else f'{ratio:.2f}'}", file=sys.stderr, flush=True)
 
 
 def recommend(topologies: dict[str, dict], slo_tpots_ms: list[float]) -> list[dict]:

@@ -34,7 +34,10 @@ class PeerAuthError(Exception):
 def load_secret(secret: str | None, secret_file: str | None) -> bytes | None:
     """The secret from --kv-secret-file (first line) or a literal; None when neither is set."""
     if secret_file:
-        text = Path(secret_file).read_text().strip()
+        try:
+            text = Path(secret_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--kv-secret-file {secret_file}: {exc.strerror or exc}") from None
         if not text:
             raise ValueError(f"{secret_file}: the KV secret file is empty")
         secret = text.splitlines()[0].strip()

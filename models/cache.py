@@ -1,9 +1,12 @@
 """Where Baton keeps what it makes once per machine: converted models, compiled graphs."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
-    """`cache_dir` (--cache-dir / BATON_CACHE_DIR), else ~/.cache/baton."""
-    return Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "baton"
+    """`cache_dir` (--cache-dir), else $BATON_CACHE_DIR (which the services' --cache-dir reads too,
+    so `LLM()` and `baton serve` share one cache), else ~/.cache/baton."""
+    chosen = cache_dir or os.environ.get("BATON_CACHE_DIR")
+    return Path(chosen).expanduser() if chosen else Path.home() / ".cache" / "baton"

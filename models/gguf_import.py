@@ -20,15 +20,16 @@ def convert(gguf_path: Path, out_dir: Path, final_dir: Path | None = None, sampl
     """Write an HF directory for `gguf_path` into `out_dir` (which must not exist yet).
     `final_dir`: where it will live (for the messages); `sampling`: generation-config sampling
     defaults to record (a GGUF carries none)."""
+    _check_architecture(gguf_path)
+    where = final_dir or out_dir
+    t0 = time.perf_counter()
+    # said before the heavy imports: a process waiting on this one's lock speaks up only after it
+    print(f"[baton] converting {gguf_path.name} to an HF checkpoint in {where} "
+          f"(once per machine; about 20 s for the default model) ...", file=sys.stderr, flush=True)
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _check_architecture(gguf_path)
-    where = final_dir or out_dir
-    t0 = time.perf_counter()
-    print(f"[baton] converting {gguf_path.name} to an HF checkpoint in {where} "
-          f"(once per machine; about 20 s for the default model) ...", file=sys.stderr, flush=True)
     done = threading.Event()
     ticker = threading.Thread(target=_tick, args=(done, t0), daemon=True)
     ticker.start()

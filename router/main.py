@@ -1,6 +1,14 @@
-"""Starting the router process: model info and tokenizer, worker registry, gRPC server."""
+"""Starting the router process: model info and tokenizer, worker registry, gRPC server.
+
+The router reads a model's config and tokenizer, never its weights, so it runs without torch,
+which transformers imports whenever it is installed: 230 MB of the router's resident memory
+(docs/memory.md). Converting a GGUF does take torch: a child process converts it (once per
+machine, usually done already by `baton serve`) and the router then reads the result.
+"""
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 from baton.engine.sampling_params import sampling_defaults
@@ -19,6 +27,7 @@ from baton.v1 import router_pb2, router_pb2_grpc
 
 
 async def serve(cfg: RouterConfig) -> None:
+    without_torch()         # here, not in main(): a test that only parses flags in its own process keeps torch
     # ports first: a clash is reported in a second, not after the tokenizer has loaded
     auth = TokenAuth(cfg.auth_tokens) if cfg.auth_tokens else None
     # a hard bound under admission control: gRPC itself refuses RPCs beyond it
@@ -30,8 +39,7 @@ async def serve(cfg: RouterConfig) -> None:
     if cfg.http_port:
         http = OpenAIServer(None, cfg, "")
         await http.start()
-    source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer)
-    tokenizer = load_tokenizer(source)
+    source, tokenizer = load_model(cfg)
     hf = source.hf_config
     info = router_pb2.ModelInfo(name=source.name, architecture=source.architecture,
                                 max_model_len=getattr(hf, "max_position_embeddings", 0), vocab_size=hf.vocab_size,
@@ -59,6 +67,40 @@ async def serve(cfg: RouterConfig) -> None:
     if http is not None:
         await http.stop()
     await registry.stop()
+
+
+def load_model(cfg: RouterConfig):
+    """The model's source and tokenizer."""
+    try:
+        source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer)
+        return source, load_tokenizer(source)
+    except ImportError:                       # torch, to convert a GGUF: let a process with torch do it
+        _convert_in_child(cfg)
+        source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer)
+        return source, load_tokenizer(source)
+
+
+CONVERT = """import sys
+from baton.models.source import resolve_model
+try:
+    resolve_model(sys.argv[1], sys.argv[2] or None, sys.argv[3] or None).tokenizer_dir()
+except ValueError as exc:
+    sys.exit(f"baton router: {exc}")
+"""
+
+
+def _convert_in_child(cfg: RouterConfig) -> None:
+    done = subprocess.run([sys.executable, "-c", CONVERT, cfg.model, cfg.cache_dir or "", cfg.tokenizer or ""],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    if done.returncode:
+        sys.exit(2)                           # the child said why
+
+
+def without_torch() -> None:
+    """`import torch` fails from here on, so transformers takes it as not installed."""
+    if "torch" not in sys.modules:            # (a process that has it already keeps it)
+        sys.modules["torch"] = None
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")     # its "PyTorch was not found" line
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -71,6 +71,19 @@ class HTTPError(Exception):
                           "code": self.code or self.status}}
 
 
+def _roles(registry) -> dict[str, int]:
+    """Workers per role, in the order a request meets them."""
+    counts = {}
+    for w in sorted(registry.workers, key=lambda w: ("prefill", "decode", "colocated").index(w.role)):
+        counts[w.role] = counts.get(w.role, 0) + 1
+    return counts
+
+
+def _no_worker_reason(registry) -> str:
+    missing = [f"{role} (0 of {n} healthy)" for role, n in _roles(registry).items() if not registry.healthy(role)]
+    return f"no healthy worker: {', '.join(missing) or 'none configured'}"
+
+
 def from_service_error(exc: ServiceError) -> HTTPError:
     status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
     return HTTPError(status, str(exc), kind, retry_after=exc.retry_after)
@@ -169,13 +182,21 @@ class OpenAIServer:
 
     # -- endpoints ------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        """200 when a request could be served now, else 503 and why. It names the workers and their
+        last error (what GetServerInfo tells gRPC clients) to a caller the API would let in: an
+        open router's, or one with a known token; anyone else gets the counts."""
         reg = self.svc.registry
         ok = bool(reg.healthy("colocated") or (reg.healthy("prefill") and reg.healthy("decode")))
         draining = self.svc.server is not None and self.svc.server.draining
-        if ok and not draining:
-            return web.json_response({"status": "ok"})
-        why = "draining" if draining else "no healthy worker (GetServerInfo lists them)"
-        return web.json_response({"status": "unavailable", "reason": why}, status=503)
+        body = {"status": "ok" if ok and not draining else "unavailable"}
+        if not ok or draining:
+            body["reason"] = "draining" if draining else _no_worker_reason(reg)
+        body["roles"] = {role: {"healthy": len(reg.healthy(role)), "total": n} for role, n in _roles(reg).items()}
+        if self.svc.auth is None or self.svc.auth.client_of(HttpContext(request).invocation_metadata()):
+            body["workers"] = [{"address": w.address, "role": w.role, "healthy": w.healthy,
+                                **({"error": w.last_error} if not w.healthy and w.last_error else {})}
+                               for w in reg.workers]
+        return web.json_response(body, status=200 if body["status"] == "ok" else 503)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [

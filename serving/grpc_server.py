@@ -301,9 +301,15 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def run_server(main, name: str) -> None:
-    """asyncio.run(main) for a server process; a port clash ends it with one line and exit 1."""
+    """asyncio.run(main) for a server process. What a user can fix ends it with one line and no
+    traceback: a port clash (exit 1), a ValueError from the model, the device or a setting
+    (exit 2; `--log-level debug` adds the traceback)."""
     try:
         asyncio.run(main)
     except PortInUse as exc:
         print(f"baton {name}: {exc}", file=sys.stderr)
         sys.exit(1)
+    except ValueError as exc:
+        log.debug("%s failed to start", name, exc_info=exc)
+        print(f"baton {name}: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,8 +1,13 @@
 """One log format per process: `--log-level` and `--log-format text|json` (BATON_LOG_LEVEL,
-BATON_LOG_FORMAT), for the router and every worker.
+BATON_LOG_FORMAT), for `baton serve`, the router and every worker.
 
-text: `time LEVEL logger: message`, and the `[baton] ...` progress lines as they are.
-json: one object per line for collectors (Loki, Fluent Bit, Cloud Logging): time, level,
+text, for people: every line Baton writes reads alike, a progress line (`[baton] decode ready
+on ...`) as a log record (`[baton] router: warning: worker ... marked unhealthy`): the logger
+without its `baton.` prefix, the level unless it is info, no time (the terminal, journald,
+`docker logs -t` or `kubectl logs --timestamps` add one; json has one). Whole lines only: the
+processes of `baton serve` share one terminal, and a line written in two pieces would be cut
+by a sibling's.
+json, for collectors (Loki, Fluent Bit, Cloud Logging): one object per line: time, level,
 logger, message (and the exception, when there is one). Progress lines and anything else a
 library prints to stderr become such objects too, so a collector never sees a stray line.
 """
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 
@@ -17,7 +23,8 @@ from baton.serving.options import flag
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+TAG = "[baton] "
+FATAL = re.compile(r"baton [a-z]+( [a-z]+)?: ")       # `baton decode: cannot listen on ...`
 
 
 def record(level: str, logger: str, message: str, **extra) -> str:
@@ -27,27 +34,39 @@ def record(level: str, logger: str, message: str, **extra) -> str:
                       ensure_ascii=False)
 
 
+class TextFormatter(logging.Formatter):
+    """A log record as a progress line: `[baton] router: warning: ...`."""
+
+    def format(self, r: logging.LogRecord) -> str:
+        where = r.name.removeprefix("baton").lstrip(".")
+        level = "" if r.levelno == logging.INFO else f"{r.levelname.lower()}: "
+        text = f"{TAG}{where + ': ' if where else ''}{level}{r.getMessage()}"
+        return f"{text}\n{self.formatException(r.exc_info)}" if r.exc_info else text
+
+
 class JSONFormatter(logging.Formatter):
     def format(self, r: logging.LogRecord) -> str:
         extra = {"exception": self.formatException(r.exc_info)} if r.exc_info else {}
         return record(r.levelname, r.name, r.getMessage(), **extra)
 
 
-class JSONLines:
-    """sys.stderr in JSON mode: every line printed becomes one object (logger 'baton' for the
-    `[baton] ...` progress lines, 'stderr' for the rest)."""
+class Lines:
+    """sys.stderr, written a whole line at a time (`print` writes its text and its newline
+    apart). `to_line` makes what is written of each line (JSON mode: an object)."""
 
-    def __init__(self, out):
-        self.out, self.pending = out, ""
+    def __init__(self, out, to_line=None):
+        self.out, self.pending, self.to_line = out, "", to_line
 
     def write(self, text: str) -> int:
         self.pending += text
         *lines, self.pending = self.pending.split("\n")
-        for line in lines:
-            if line.strip():
-                baton = line.startswith("[baton] ")
-                self.out.write(record("INFO" if baton else "WARNING", "baton" if baton else "stderr",
-                                      line.removeprefix("[baton] ")) + "\n")
+        if self.to_line is not None:
+            lines = [self.to_line(line) for line in lines if line.strip()]
+        if lines:
+            self.out.write("".join(f"{line}\n" for line in lines))
+        if self.to_line is None and "\r" in self.pending:      # a progress bar redraws its line in place
+            self.out.write(self.pending)
+            self.pending = ""
         self.out.flush()
         return len(text)
 
@@ -58,6 +77,16 @@ class JSONLines:
         return getattr(self.out, name)
 
 
+def json_line(line: str) -> str:
+    """One stderr line as an object: logger 'baton' for the `[baton] ...` progress lines and the
+    `baton <command>: ...` line a process ends with (an error), 'stderr' for the rest."""
+    if line.startswith(TAG):
+        return record("INFO", "baton", line.removeprefix(TAG))
+    if FATAL.match(line):
+        return record("ERROR", "baton", line)
+    return record("WARNING", "stderr", line)
+
+
 def add_log_args(p) -> None:
     g = p.add_argument_group("logs")
     flag(g, "--log-level", default="info", choices=LEVELS, help="the least severe log records written")
@@ -66,12 +95,10 @@ def add_log_args(p) -> None:
 
 
 def setup_logging(level: str = "info", fmt: str = "text") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JSONFormatter())
-        sys.stderr = JSONLines(sys.stderr)        # the handler keeps the real stream
-    else:
-        handler.setFormatter(logging.Formatter(TEXT_FORMAT))
+    real = sys.stderr.out if isinstance(sys.stderr, Lines) else sys.stderr     # set up twice: wrap it once
+    sys.stderr = Lines(real, json_line if fmt == "json" else None)
+    handler = logging.StreamHandler(real)              # a record is written whole, in one write
+    handler.setFormatter(JSONFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -23,12 +23,14 @@ def env_name(flag: str) -> str:
     return "BATON_" + flag.lstrip("-").upper().replace("-", "_")
 
 
-def flag(p, *names: str, default=None, type=str, help: str, env: str | None = None, **kw) -> argparse.Action:
+def flag(p, *names: str, default=None, type=str, help: str, env: str | None = None, hidden: bool = False,
+         **kw) -> argparse.Action:
     """Add an option whose default comes from its environment variable when that is set.
 
     `type=bool` makes a switch (`--x` / `--no-x`); everything else takes a value. Help text
     gets the default and the variable appended. A variable that does not parse stops the
-    program with a message naming it."""
+    program with a message naming it. `hidden`: a flag for tests and fault injection, left out
+    of `--help` (a user reading it meets only what serves them) and shown by `--help-all`."""
     env = env or env_name(names[0])
     raw = os.environ.get(env)
     if type is bool:
@@ -41,7 +43,30 @@ def flag(p, *names: str, default=None, type=str, help: str, env: str | None = No
     action.plain_help = help if default is None and "unset" in help else f"{help} (default: {_shown(default)})"
     action.help = f"{action.plain_help[:-1]}; env {env})" if action.plain_help.endswith(")") and \
         action.plain_help != help else f"{help} (env {env})"
+    if hidden:
+        _hide(p, action)
     return action
+
+
+def _hide(p, action: argparse.Action) -> None:
+    action.hidden_help, action.help = action.help, argparse.SUPPRESS
+    help_all = p._option_string_actions.get("--help-all")      # a group shares its parser's table
+    if help_all is not None:
+        help_all.help = "this help with the flags for tests and fault injection too"
+
+
+class _HelpAll(argparse.Action):
+    """`--help-all`: the help with the hidden flags in it."""
+
+    def __init__(self, option_strings, dest=None, **kw):
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for action in parser._actions:
+            if getattr(action, "hidden_help", None):
+                action.help = action.hidden_help
+        parser.print_help()
+        parser.exit()
 
 
 def _parse_bool(env: str, raw: str) -> bool:
@@ -77,8 +102,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help or ""
 
 
-def parser(prog: str, description: str) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+class Parser(argparse.ArgumentParser):
+    """A bad flag is one line (what is wrong), not a usage block longer than the screen."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def parser(prog: str, description: str, usage: str | None = None) -> argparse.ArgumentParser:
+    p = Parser(prog=prog, description=description, formatter_class=HelpFormatter, usage=usage or f"{prog} [flags]")
+    p.add_argument("--help-all", action=_HelpAll)     # listed in --help once a hidden flag exists
+    return p
 
 
 def option_rows(commands: dict[str, argparse.ArgumentParser]) -> list[tuple[str, str, str, str]]:
@@ -86,9 +120,11 @@ def option_rows(commands: dict[str, argparse.ArgumentParser]) -> list[tuple[str,
     rows: dict[tuple[str, str, str], list[str]] = {}
     for command, p in commands.items():
         for action in p._actions:
-            if not action.option_strings or action.dest == "help":
+            if not action.option_strings or action.dest == "help" or isinstance(action, _HelpAll):
                 continue
             text = " ".join((getattr(action, "plain_help", None) or action.help or "").split())
+            if getattr(action, "hidden_help", None):
+                text += " [not in --help; --help-all shows it]"
             key = (", ".join(action.option_strings), getattr(action, "env", "") or "", text)
             rows.setdefault(key, []).append(command.removeprefix("baton "))
     return [(*key, ", ".join(cmds)) for key, cmds in rows.items()]
@@ -99,7 +135,7 @@ def markdown(commands: dict[str, argparse.ArgumentParser]) -> str:
              "Every service option, generated from the parsers by `python -m baton.configuration`",
              "(do not edit by hand). Each flag's environment variable sets its default (what",
              "docker-compose and Kubernetes use); the flag, when given, wins. `baton <command> --help`",
-             "shows the same.", "",
+             "shows the same, but for the flags marked TEST ONLY, which only `--help-all` lists.", "",
              "| flag | environment | what it does (default) | commands |", "| --- | --- | --- | --- |"]
     for flags, env, text, cmds in option_rows(commands):
         lines.append(f"| `{flags}` | {f'`{env}`' if env else ''} | {text.replace('|', '/')} | {cmds} |")

@@ -70,7 +70,16 @@ def _read(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
-def add_tls_args(p: argparse.ArgumentParser) -> None:
+def add_tls_args(p: argparse.ArgumentParser, server: bool = True) -> None:
+    """The TLS flags of a server (which also dials its peers), or with `server=False` of a client
+    that only dials: the same names and variables, without the flags only a server can use."""
+    if not server:
+        g = p.add_argument_group("TLS (to a router serving TLS)")
+        flag(g, "--tls-ca", help="PEM CA bundle the router's certificate must chain to (enables TLS)")
+        flag(g, "--tls-cert", help="PEM client certificate, for a router that requires one (mutual TLS)")
+        flag(g, "--tls-key", help="PEM private key of --tls-cert")
+        flag(g, "--tls-server-name", help="name the router's certificate must carry, when it is not --addr's host")
+        return
     g = p.add_argument_group("TLS (every gRPC channel this process serves or opens)")
     flag(g, "--tls-cert", help="PEM certificate of this process")
     flag(g, "--tls-key", help="PEM private key of --tls-cert")
@@ -90,7 +99,8 @@ def tls_from_env() -> TLSConfig:
 
 def tls_from_args(args: argparse.Namespace) -> TLSConfig:
     tls = TLSConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca,
-                    require_client_cert=args.tls_require_client_cert, server_name=args.tls_server_name)
+                    require_client_cert=getattr(args, "tls_require_client_cert", False),   # (a client has none)
+                    server_name=args.tls_server_name)
     tls.validate()
     return tls
 
