@@ -18,6 +18,7 @@ BENCHMARKS = {
     "offline": ("baton.benchmarks.offline", "B1: offline throughput on the nano-vllm workload, with a roofline"),
     "serve": ("baton.benchmarks.serve", "B2: online serving sweep against a baton.v1.Router deployment"),
     "kv": ("baton.benchmarks.kv", "B3: KV-transfer latency and bandwidth per backend and request size"),
+    "relay": ("baton.benchmarks.relay", "tokens per second one router process relays (synthetic workers)"),
 }
 
 

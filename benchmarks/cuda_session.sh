@@ -3,22 +3,26 @@
 # repo root; results land in $OUT). Needs only what the GPU image has, plus the tokenizer
 # files carried in .carry/tokenizer (presets use SmolLM2's tokenizer for text) and the wheels the
 # image lacks, in .carry/whl (both gitignored; rebuild them each session):
-#   pip download -d .carry/whl --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#   pip download -d .carry/whl --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_28_x86_64 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
-#     grpcio-reflection==1.85.1 protobuf==7.36.2 'aiohttp>=3.9,<4'
+#     grpcio-reflection==1.85.1 protobuf==7.36.2
+#   mkdir -p .carry/tokenizer && cp ~/.cache/baton/models/SmolLM2-*/tokenizer* .carry/tokenizer/
 #   bash benchmarks/cuda_session.sh            # all steps
 #   STEPS="parity graphs" bash benchmarks/cuda_session.sh
 # Models wave 2 on one GPU: models (Qwen3-VL and MiniCPM4 on cuda:0: parity, decode graphs == eager)
 # MoE (one H200: the 30.5B preset is 61 GB of bf16 weights): moe (kernel tests + timings), b1moe,
 # and the transformers peer on a 16-sequence cut, b1moehf, beside Baton on the same cut, b1moes
+# Served at engine speed (one GPU): served (bench serve, one colocated worker, the B1 workload, 256 at once and
+# --max-concurrency 64, gRPC and OpenAI, --offline-baseline: served / offline in the same run), relay (one
+# router process relaying synthetic streams)
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 BATON_TOKENIZER="$PWD/.carry/tokenizer"
 if [ -d .carry/whl ]; then    # the stubs need the grpcio/protobuf they were generated with
+  # (the image has aiohttp, prometheus-client, tokenizers and transformers)
   python3 -m pip install -q --no-deps --no-index --find-links .carry/whl --target /tmp/site grpcio \
-    grpcio-health-checking grpcio-reflection protobuf aiohttp multidict yarl frozenlist aiosignal propcache \
-    aiohappyeyeballs 2>&1 | tail -3
+    grpcio-health-checking grpcio-reflection protobuf 2>&1 | tail -3
   export PYTHONPATH="/tmp/site"
   python3 -c "import grpc, google.protobuf as p; print('grpcio', grpc.__version__, 'protobuf', p.__version__)"
 fi
@@ -63,6 +67,18 @@ for step in $STEPS; do
               --output "$OUT/b1-qwen3-30b-a3b-baton-16.json" 2>&1 | tail -15 ;;    # the cut b1moehf runs
     b1moehf) timeout 580 python3 -m baton bench offline --engine transformers --model qwen3-30b-a3b \
               --device cuda:0 --num-seqs 16 --output "$OUT/b1-qwen3-30b-a3b-transformers-16.json" 2>&1 | tail -15 ;;
+    served) for m in ${SERVED_MODELS:-qwen3-0.6b qwen3-8b}; do
+              for c in ${SERVED_CONCURRENCY:-256 64}; do     # 256: all at once; 64: --max-concurrency 64
+                cap=""; [ $c != 256 ] && cap="--max-concurrency $c"
+                timeout ${SERVED_TIMEOUT:-280} python3 -m baton bench serve --topologies 1colocated --model $m \
+                  --devices cuda:0 --dataset random --input-len 100:1024 --output-len 100:1024 --request-rates inf \
+                  --num-prompts 256 $cap --api grpc,openai --offline-baseline --worker-args "${SERVED_WORKER_ARGS:-}" \
+                  --no-plots --output "$OUT/served-$m-c$c.json" 2>&1 | tee "$OUT/served-$m-c$c.log" \
+                  | grep "^\[bench\]" | grep -v "requests done\|done, "
+              done
+            done ;;
+    relay)  timeout 300 python3 -m baton bench relay --model qwen3-0.6b --tokenizer .carry/tokenizer ${RELAY_ARGS:-} \
+              --output "$OUT/relay.json" 2>&1 | tee "$OUT/relay.log" | grep "^\[bench\] relay:" ;;
     tp)     timeout 200 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=100 \
               tests/test_platform_cuda.py -k "${TP_TESTS:-tp2}" 2>&1 | tail -60 | tee "$OUT/tp.txt" ;;
     direct) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \

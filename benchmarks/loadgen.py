@@ -1,11 +1,17 @@
 """The load generator: streams requests to a baton.v1.Router at Poisson arrival times and
 times every token as the client sees it, through the gRPC API (grpc.aio) or the same router's
-OpenAI API (streamed /v1/completions over aiohttp), in one event loop."""
+OpenAI API (streamed /v1/completions over aiohttp). One event loop per client process; with
+several (`processes`), the requests are dealt out among them on one shared clock, so the
+client is never what limits a fast deployment (one Python process reads some 20-30k
+messages a second)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import math
+import multiprocessing
+import os
 import random
 import sys
 import time
@@ -19,6 +25,7 @@ from baton.v1 import router_pb2, router_pb2_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 STREAMS_PER_CHANNEL = 64
+PROCESS_START_S = 3.0                # the client processes' shared clock starts this long after they are asked
 FINISH_NAMES = {router_pb2.FINISH_REASON_UNSPECIFIED: None, router_pb2.FINISH_REASON_STOP: "stop",
                 router_pb2.FINISH_REASON_LENGTH: "length", router_pb2.FINISH_REASON_ABORT: "abort"}
 
@@ -158,39 +165,73 @@ class OpenAIClient:
         return res
 
 
+def default_processes(num_requests: int) -> int:
+    """Client processes for a run: one on a small machine (the CPU suite), up to 4 where cores
+    are plenty and the load is big enough to need them."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4, num_requests // 64))
+
+
 async def run_rate(address: str, requests: list[ServeRequest], rate: float, seed: int,
                    max_concurrency: int | None, sampling: dict, timeout: float,
-                   http_url: str | None = None) -> tuple[list[RequestResult], float]:
+                   http_url: str | None = None, processes: int = 1) -> tuple[list[RequestResult], float]:
     """Send every request at its arrival time, through gRPC at `address`, or the OpenAI API at
-    `http_url` when given; (results in request order, wall seconds)."""
+    `http_url` when given; (results in request order, wall seconds). `processes` > 1: dealt out
+    among that many client processes (request i to process i % processes; the concurrency cap
+    split likewise)."""
+    arrivals = arrival_times(len(requests), rate, seed)
+    if processes <= 1:
+        return await _run_part(address, requests, list(range(len(requests))), arrivals, max_concurrency, sampling,
+                               timeout, http_url, time.perf_counter(), report=rate)
+    t_zero = time.perf_counter() + PROCESS_START_S      # CLOCK_MONOTONIC: one clock for every process here
+    parts = [list(range(p, len(requests), processes)) for p in range(processes)]
+    caps = [None if max_concurrency is None else max(1, max_concurrency // processes + (p < max_concurrency % processes))
+            for p in range(processes)]
+    loop = asyncio.get_running_loop()
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [loop.run_in_executor(pool, _part_in_process, address, [requests[i] for i in part], part,
+                                        [arrivals[i] for i in part], caps[p], sampling, timeout, http_url, t_zero)
+                   for p, part in enumerate(parts)]
+        done = await asyncio.gather(*futures)
+    results = sorted((r for rs, _ in done for r in rs), key=lambda r: r.index)
+    return results, max(wall for _, wall in done)
+
+
+def _part_in_process(address, requests, indices, arrivals, max_concurrency, sampling, timeout, http_url, t_zero):
+    return asyncio.run(_run_part(address, requests, indices, arrivals, max_concurrency, sampling, timeout, http_url,
+                                 t_zero, report=None))
+
+
+async def _run_part(address: str, requests: list[ServeRequest], indices: list[int], arrivals: list[float],
+                    max_concurrency: int | None, sampling: dict, timeout: float, http_url: str | None,
+                    t_zero: float, report: float | None) -> tuple[list[RequestResult], float]:
+    """One client process's share: request k is indices[k] of the whole run, due at t_zero + arrivals[k]."""
     n_channels = max(1, min(8, math.ceil(min(len(requests), max_concurrency or len(requests)) / STREAMS_PER_CHANNEL)))
     http = OpenAIClient(http_url) if http_url else None
     channels = [] if http else [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(n_channels)]
     stubs = [router_pb2_grpc.RouterStub(ch) for ch in channels]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    arrivals = arrival_times(len(requests), rate, seed)
-    t_zero = time.perf_counter()
 
-    def send(i: int):
+    def send(k: int):
         if http is not None:
-            return http.send_one(i, requests[i], sampling, timeout, t_zero)
-        return send_one(stubs[i % len(stubs)], i, requests[i], sampling, timeout, t_zero)
+            return http.send_one(indices[k], requests[k], sampling, timeout, t_zero)
+        return send_one(stubs[k % len(stubs)], indices[k], requests[k], sampling, timeout, t_zero)
 
-    async def one(i: int) -> RequestResult:
-        delay = t_zero + arrivals[i] - time.perf_counter()
+    async def one(k: int) -> RequestResult:
+        delay = t_zero + arrivals[k] - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         if limit is None:
-            return await send(i)
+            return await send(k)
         async with limit:
-            return await send(i)
+            return await send(k)
 
-    tasks = [asyncio.ensure_future(one(i)) for i in range(len(requests))]
-    reporter = asyncio.ensure_future(_report_progress(tasks, rate))
+    tasks = [asyncio.ensure_future(one(k)) for k in range(len(requests))]
+    reporter = asyncio.ensure_future(_report_progress(tasks, report)) if report is not None else None
     try:
         results = await asyncio.gather(*tasks)
     finally:
-        reporter.cancel()
+        if reporter is not None:
+            reporter.cancel()
         for t in tasks:
             t.cancel()
         for ch in channels:

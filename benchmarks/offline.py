@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -38,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output-len", type=int, default=None, help="default 1024 (smoke: 8)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (nano-vllm: 0)")
     p.add_argument("--temperature", type=float, default=0.6, help="nano-vllm samples at 0.6")
+    p.add_argument("--requests", default=None, help="a JSON file {prompts: [[ids]], output_lens: [n]} to run "
+                   "instead of nano-vllm's workload (what `bench serve --offline-baseline` writes: its own requests)")
     p.add_argument("--device", default=None, help="cpu, cuda:N, npu:N (default: cuda:0 if present, else cpu)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="default: the platform's (float32 on cpu, bfloat16 on accelerators)")
@@ -86,8 +90,9 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = shape_of(args.model)
-    workload = nano_vllm_workload(args.num_seqs, args.min_input_len, args.max_input_len, args.min_output_len,
-                                  args.max_output_len, args.seed, shape.vocab, args.temperature)
+    workload = requests_workload(args.requests, args.temperature) if args.requests else nano_vllm_workload(
+        args.num_seqs, args.min_input_len, args.max_input_len, args.min_output_len, args.max_output_len, args.seed,
+        shape.vocab, args.temperature)
     rec["model"] = shape.to_json()
     rec["dtype"] = args.dtype
     from baton.engine.tensor_parallel import rank_devices
@@ -114,6 +119,19 @@ def run(args: argparse.Namespace, rec: dict) -> None:
                                **roofline_report(cost, ceil, steps, results["wall_seconds"])}
     rec["results"] = {"workload": workload.describe(), **results}
     _print_summary(rec["results"])
+
+
+def requests_workload(path: str, temperature: float) -> OfflineWorkload:
+    try:
+        data = json.loads(Path(path).read_text())
+        workload = OfflineWorkload([list(map(int, p)) for p in data["prompts"]], [int(n) for n in data["output_lens"]],
+                                   temperature)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--requests {path}: not a workload file ({exc}); it holds "
+                         '{"prompts": [[token ids], ...], "output_lens": [n, ...]}') from None
+    if not workload.prompts or len(workload.prompts) != len(workload.output_lens):
+        raise ValueError(f"--requests {path}: needs as many output_lens as prompts, and at least one")
+    return workload
 
 
 # -- Baton -------------------------------------------------------------------------------------

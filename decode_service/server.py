@@ -1,33 +1,31 @@
-"""The decode worker: admits requests whose KV a prefill worker will push, joins them into
-its continuously batched decode loop, and streams their tokens.
+"""The decode worker's front: admits requests whose KV a prefill worker will push, and streams
+their tokens; with role "colocated" it also starts whole requests (Start / Generate). Its
+engine core (decode_service/core.py) reserves the blocks, takes the KV on its own port, joins
+and decodes; after every step it sends this front every request's new tokens in one message.
 
-Per request, its `KVTicket` (engine/kv_handoff.py) says who owns its blocks: RESERVED at
-Admit (the engine allocated them) -> RECEIVING (a sender claimed the transfer) -> LANDED
-(every byte staged; `DecodeHandoff` hands it to the engine) -> JOINED (the engine copied it
-into the blocks; the request decodes) -> FINISHED. Any failure, abort, cancel or deadline
-before that ends it FREED: the engine frees the blocks, and the transfer registry drops the
-staging buffer. With role "colocated" the same server also runs whole requests itself
-(`Generate`), with no transfer.
+Tokens leave on the router's token bus (Subscribe: one stream per router, every message
+carrying the new chunks of all its requests here) or, for tools, on one request's own stream
+(Stream / Generate). Either way a request's tokens wait in its `TokenStream` until its
+listener can send, then go as one chunk (serving/token_streams.py): under load, fewer and
+fuller messages, never one per token.
+
+A request admitted here ends when its engine core finishes it, when a stop string matches
+here, on Abort, at its deadline, when its listener goes away, or when its KV never arrives
+intact; the core frees its blocks exactly once whichever comes first.
 """
 from __future__ import annotations
 
 import asyncio
-import collections
-import math
 import time
-import uuid
-from dataclasses import dataclass
+from dataclasses import replace
 
 import grpc
 
-from baton.engine.async_engine import EngineDead
-from baton.engine.kv_handoff import KVHandoff, KVState, KVTicket
-from baton.kvtransfer.factory import accepted, make_receivers
-from baton.kvtransfer.peer_auth import KVPeerAuth
-from baton.kvtransfer.receiver import PendingTransfers
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.tokenizer import load_decoder
 from baton.serving.grpc_server import ServiceError
-from baton.serving.processes import reachable_host
-from baton.serving.wire import chunk_from_output, images_from_proto, sampling_from_proto
+from baton.serving.token_streams import Bus, RequestSink, TokenStream
+from baton.serving.wire import images_from_proto, sampling_from_proto
 from baton.serving.worker import EngineWorker
 from baton.v1 import decode_pb2, decode_pb2_grpc, worker_pb2
 
@@ -35,264 +33,222 @@ DEFAULT_ADMIT_TIMEOUT_S = 60.0
 # a stream with no deadline of its own ends only if its engine goes this long without a token for
 # it (a wedged engine, never a long answer)
 STREAM_IDLE_LIMIT_S = 600.0
-
-
-class DecodeHandoff(KVHandoff):
-    """The decode worker's half of the engine's seam: tickets whose KV landed, for the engine
-    to join at its next step (appended on the event loop, taken on the engine thread)."""
-
-    def __init__(self):
-        self._landed: collections.deque[KVTicket] = collections.deque()
-
-    def land(self, ticket: KVTicket, payload, first_token: int, meta: dict[str, str]) -> bool:
-        """False when the request ended meanwhile (nothing is written into its blocks)."""
-        if not ticket.land(payload, first_token, meta):
-            return False
-        self._landed.append(ticket)
-        return True
-
-    def take_landed(self) -> list[KVTicket]:
-        taken = []
-        while self._landed:
-            taken.append(self._landed.popleft())
-        return taken
-
-    def has_landed(self) -> bool:
-        return bool(self._landed)
-
-
-@dataclass(slots=True)
-class DecodeRequest:
-    request_id: str
-    transfer_id: str
-    ticket: KVTicket | None                   # None: a colocated request (no transfer)
-    queue: asyncio.Queue
-    attached: bool = False
-    prefill_done_unix: float | None = None    # the prefill worker's clock at its last forward
+SWEEP_EVERY_S = 0.1
 
 
 class DecodeWorker(EngineWorker):
-    service_names = ("baton.v1.Decode", "baton.v1.KVTransfer")
+    service_names = ("baton.v1.Decode",)
+    core_target = "baton.decode_service.core:DecodeCore"
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        if cfg.kv_backend == "direct":
-            self.service_names = (*self.service_names, "baton.v1.KVDirect")
-        self.requests: dict[str, DecodeRequest] = {}
-        self.by_transfer: dict[str, str] = {}
-        self.pending = PendingTransfers()
-        self.handoff = DecodeHandoff()
-        self.receivers = []
-        self.layout = None
+        self.streams: dict[str, TokenStream] = {}
+        self.buses: dict[str, Bus] = {}
+        self.tokenizer = None
+        self._sweeper: asyncio.Task | None = None
+
+    def prepare(self, info: dict) -> None:
+        # (a core with no tokenizer, a synthetic one: chunks carry token ids and no text)
+        self.tokenizer = load_decoder(info["tokenizer_dir"]) if info["tokenizer_dir"] else None
+        self._sweeper = asyncio.ensure_future(self._sweep())
 
     def add_services(self, server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)
-        auth = KVPeerAuth(self.cfg.kv_secret) if self.cfg.kv_secret else None
-        store_host = (self.cfg.kv_advertise or "").rpartition(":")[0] or self.cfg.host   # direct pairs' rendezvous
-        self.layout = self.kv_layout()
-        self.receivers = make_receivers(self.cfg.kv_backend, self.pending, self.layout, self.llm.platform,
-                                        self.kv_address, store_host, auth=auth, nccl=self.cfg.kv_nccl)
-        for receiver in self.receivers:
-            receiver.add_to_server(server)
 
     def ready_note(self) -> str:
+        if self.cfg.role != "decode":
+            return ""
         return f"; prefill workers push KV to {self.kv_address} (--advertise-host / --kv-advertise to change)"
 
     @property
     def kv_address(self) -> str:
-        """Where prefill workers push KV: never a wildcard (serving/processes.reachable_host)."""
-        if self.cfg.kv_advertise:
-            return self.cfg.kv_advertise
-        return f"{reachable_host(self.cfg.host, self.cfg.advertise_host)}:{self.server.port}"
-
-    def num_pending(self) -> int:
-        return len(self.by_transfer)
+        return self.info["kv_address"]
 
     def num_active(self) -> int:
-        return len(self.requests)
+        return len(self.streams)
 
-    async def release_transports(self) -> None:
-        for receiver in self.receivers:
-            await receiver.close()
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await super().stop()
 
-    # -- admission and handover ---------------------------------------------------------------
+    # -- requests ------------------------------------------------------------------------------
     async def admit(self, req: decode_pb2.AdmitRequest) -> decode_pb2.AdmitResponse:
         self.check_accepting()
-        rid = req.request_id
-        if not rid:
-            raise ValueError("request_id is required")
-        if rid in self.requests:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already admitted here")
+        rid = self._new_id(req.request_id)
         backend = req.backend or self.cfg.kv_backend
-        if backend not in accepted(self.cfg.kv_backend):
-            raise ValueError(f"KV backend {backend!r} not supported here; this worker accepts "
-                             f"{accepted(self.cfg.kv_backend)}")
+        if backend not in self.kv_backends():
+            raise ValueError(f"KV backend {backend!r} not supported here; this worker accepts {self.kv_backends()}")
+        bus = self._bus(req.subscriber) if req.subscriber else None
         prompt, params = list(req.prompt_token_ids), sampling_from_proto(req.sampling)
-        self.llm.validate(prompt, params)
+        self.limits.validate(prompt, params)
         timeout = req.timeout_ms / 1000 if req.timeout_ms else DEFAULT_ADMIT_TIMEOUT_S
-        ticket, queue = await self.engine.reserve(rid, prompt, params)
-        r = DecodeRequest(rid, uuid.uuid4().hex, ticket, queue)
-        self.requests[rid] = r
-        self.by_transfer[r.transfer_id] = rid
-        num_blocks = -(-len(prompt) // self.llm.config.block_size)
+        # on a bus: until the request's deadline; else a Stream must attach before the KV is due
+        limit = (req.stream_timeout_ms / 1000 or None) if bus else timeout
+        stream = self._open(rid, prompt, params, limit)
         try:
-            self.pending.expect(r.transfer_id, self.layout.payload_nbytes(num_blocks), timeout,
-                                self._on_kv_complete, self._on_kv_fail, self._on_kv_claimed)
+            admitted = await self.core.call("admit", rid, prompt, _for_core(params), backend, timeout)
         except BaseException:
-            self.abort_request(rid, "the transfer could not be expected")
+            self._forget(stream)
             raise
-        asyncio.get_running_loop().call_later(timeout, self._expire_unattached, rid, r.transfer_id)
-        return decode_pb2.AdmitResponse(transfer_id=r.transfer_id, num_blocks=num_blocks, kv_address=self.kv_address,
-                                        backend=backend)
+        if bus is not None:
+            stream.attach(bus)
+        return decode_pb2.AdmitResponse(**admitted)
 
-    def _request_of(self, transfer_id: str, done: bool) -> DecodeRequest | None:
-        rid = self.by_transfer.pop(transfer_id, None) if done else self.by_transfer.get(transfer_id)
-        return self.requests.get(rid) if rid else None
-
-    def _on_kv_claimed(self, transfer_id: str) -> None:
-        r = self._request_of(transfer_id, done=False)
-        if r is not None:
-            r.ticket.try_advance(KVState.RECEIVING)
-
-    def _on_kv_complete(self, transfer_id: str, payload, first_token: int, extra: dict) -> None:
-        r = self._request_of(transfer_id, done=True)
-        if r is None:
-            return
-        r.prefill_done_unix = _float(extra.get("prefill_done_unix"))
-        if r.prefill_done_unix:
-            self.metrics.kv_landed.observe(max(0.0, time.time() - r.prefill_done_unix))
-        self.metrics.kv_transfer_bytes.labels("in").inc(len(payload))
-        if not self.handoff.land(r.ticket, payload, first_token, extra):
-            raise RuntimeError(f"request {r.request_id} ended before its KV landed ({r.ticket.state.value})")
-        self.engine.wake()                   # joined between steps, not after an idle wait
-
-    def _on_kv_fail(self, transfer_id: str, reason: str) -> None:
-        r = self._request_of(transfer_id, done=True)
-        if r is None:
-            return
-        self.metrics.kv_transfer_failures.labels("receive").inc()
-        self.engine.abort(r.request_id)
-        r.queue.put_nowait(KVFailed(reason))
-
-    def _expire_unattached(self, rid: str, transfer_id: str) -> None:
-        """Nobody opened the stream in time (router gone): reclaim everything."""
-        r = self.requests.get(rid)
-        if r is not None and r.transfer_id == transfer_id and not r.attached:
-            self.abort_request(rid, "no stream attached before the admission deadline")
-
-    def abort_request(self, rid: str, reason: str = "aborted") -> bool:
-        r = self.requests.get(rid)
-        self.engine.abort(rid)
-        if r is None:
-            return False
-        self._end_transfer(r)
-        r.queue.put_nowait(_Aborted(reason))
-        if not r.attached:
-            self._forget(r)
-        return True
-
-    def _end_transfer(self, r: DecodeRequest) -> None:
-        """The transfer is no longer wanted: the registry drops its staging, late bytes are refused."""
-        if self.by_transfer.pop(r.transfer_id, None) is not None:
-            self.pending.cancel(r.transfer_id)
-
-    def _forget(self, r: DecodeRequest) -> None:
-        if self.requests.get(r.request_id) is r:
-            del self.requests[r.request_id]
-        self.by_transfer.pop(r.transfer_id, None)
-        self.engine.close_stream(r.request_id)
-
-    # -- streaming ----------------------------------------------------------------------------
-    async def stream(self, rid: str, timeout_ms: int):
-        r = self.requests.get(rid)
-        if r is None:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"request {rid!r} is not admitted here")
-        if r.attached:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} already has a stream")
-        r.attached = True
-        async for chunk in self._relay(r, timeout_ms):
-            yield chunk
-
-    async def generate(self, req: decode_pb2.WorkerGenerateRequest):
-        """Colocated: the whole request here, no transfer."""
+    async def start_request(self, req: decode_pb2.WorkerGenerateRequest) -> TokenStream:
+        """Colocated: a whole request here, no transfer."""
         self.check_accepting()
         if self.cfg.role != "colocated":
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               "Generate is served by colocated workers; this one is a decode worker")
-        rid = req.request_id or uuid.uuid4().hex
-        if rid in self.requests:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running here")
+                               "Start and Generate are served by colocated workers; this one is a decode worker")
+        rid = self._new_id(req.request_id or f"gen-{time.monotonic_ns()}")
         prompt, params = list(req.prompt_token_ids), sampling_from_proto(req.sampling)
-        self.llm.validate(prompt, params)
-        queue, _ = await self.engine.add(rid, prompt, params, images=images_from_proto(req.images))
-        r = DecodeRequest(rid, "", None, queue, attached=True)
-        self.requests[rid] = r
-        async for chunk in self._relay(r, req.timeout_ms):
+        self.limits.validate(prompt, params)
+        images = images_from_proto(req.images)
+        stream = self._open(rid, prompt, params, req.timeout_ms / 1000 or None)
+        try:
+            await self.core.call("add", rid, prompt, _for_core(params), images)
+        except BaseException:
+            self._forget(stream)
+            raise
+        return stream
+
+    async def start_on_bus(self, req: decode_pb2.WorkerGenerateRequest) -> decode_pb2.StartResponse:
+        if not req.subscriber:
+            raise ValueError("Start needs the subscriber whose token bus takes the request's chunks")
+        bus = self._bus(req.subscriber)
+        (await self.start_request(req)).attach(bus)
+        return decode_pb2.StartResponse()
+
+    def abort_request(self, rid: str, reason: str = "was aborted") -> bool:
+        stream = self.streams.get(rid)
+        self.core.cast("abort", rid)
+        if stream is None:
+            return False
+        stream.fail(ServiceError(grpc.StatusCode.ABORTED, f"request {rid} {reason}"))
+        self.requests_served += 1
+        self._forget(stream)
+        return True
+
+    def _new_id(self, rid: str) -> str:
+        if not rid:
+            raise ValueError("request_id is required")
+        if rid in self.streams:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running here")
+        return rid
+
+    def _open(self, rid: str, prompt: list[int], params: SamplingParams, limit: float | None) -> TokenStream:
+        deadline = time.monotonic() + limit if limit else None
+        stream = TokenStream(rid, prompt, params, self.tokenizer, self._ended, deadline)
+        self.streams[rid] = stream
+        return stream
+
+    def _ended(self, stream: TokenStream) -> None:
+        """Its last chunk was taken: count it, and free what the core may still run (a stop
+        string matched here, or it failed)."""
+        if self.streams.get(stream.request_id) is not stream:
+            return                            # aborted before: counted then
+        self.metrics.requests.labels(self.metrics.model, stream.finish_label).inc()
+        self.requests_served += 1
+        if stream.stopped or stream.error is not None:
+            self.core.cast("abort", stream.request_id)
+        self._forget(stream)
+
+    def _forget(self, stream: TokenStream) -> None:
+        if self.streams.get(stream.request_id) is stream:
+            del self.streams[stream.request_id]
+            stream.detach()
+
+    # -- the core's tokens -----------------------------------------------------------------------
+    def on_updates(self, updates: list[tuple]) -> None:
+        streams = self.streams
+        for update in updates:
+            stream = streams.get(update[0])
+            if stream is not None:
+                stream.push(update)
+        self._observe()
+
+    def fail_all(self, exc: ServiceError) -> None:
+        for stream in list(self.streams.values()):
+            stream.fail(exc)
+
+    async def _sweep(self) -> None:
+        """Deadlines, and streams whose engine went silent on them (a wedged core is caught
+        sooner by the core's watchdog)."""
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            now = time.monotonic()
+            for s in list(self.streams.values()):
+                if s.deadline is not None and now > s.deadline:
+                    self._expire(s, "unattached" if s.sink is None else "deadline")
+                elif now - s.heard > STREAM_IDLE_LIMIT_S:
+                    s.fail(ServiceError(grpc.StatusCode.UNAVAILABLE, f"request {s.request_id}: the decode engine "
+                                        f"produced no token for {STREAM_IDLE_LIMIT_S:.0f}s"))
+
+    def _expire(self, stream: TokenStream, why: str) -> None:
+        if why == "unattached":           # nobody opened its stream in time (router gone): reclaim it
+            self.abort_request(stream.request_id, "had no stream attached before its admission deadline")
+            return
+        stream.deadline = None
+        stream.fail(TimeoutError(f"request {stream.request_id} passed its client's deadline while decoding"))
+
+    # -- listeners -----------------------------------------------------------------------------
+    def _bus(self, name: str) -> Bus:
+        bus = self.buses.get(name)
+        if bus is None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"no token bus {name!r} is open here: Subscribe first (a router does at start)")
+        return bus
+
+    async def subscribe(self, req: decode_pb2.SubscribeRequest):
+        if not req.subscriber:
+            raise ValueError("subscriber is required: the router's name for itself")
+        old = self.buses.pop(req.subscriber, None)
+        if old is not None:
+            self._close_bus(old, "its router subscribed again")
+        bus = self.buses[req.subscriber] = Bus(req.subscriber)
+        try:
+            async for batch in bus.batches():
+                yield batch
+        finally:
+            if self.buses.get(req.subscriber) is bus:
+                del self.buses[req.subscriber]
+            self._close_bus(bus, "its router's token stream ended")
+
+    def _close_bus(self, bus: Bus, why: str) -> None:
+        """Nobody listens to its requests any more: end them (blocks freed)."""
+        bus.close()
+        for stream in [s for s in self.streams.values() if s.sink is bus]:
+            self.abort_request(stream.request_id, f"ended because {why}")
+
+    async def stream(self, rid: str, timeout_ms: int):
+        """Decode.Stream: one admitted request's chunks."""
+        stream = self.streams.get(rid)
+        if stream is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"request {rid!r} is not admitted here")
+        if stream.sink is not None:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} already has a stream")
+        stream.deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms else None
+        async for chunk in self._relay(stream):
             yield chunk
 
-    async def _relay(self, r: DecodeRequest, timeout_ms: int):
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_ms / 1000 if timeout_ms else math.inf
-        finished = False
-        first = True
+    async def generate(self, req: decode_pb2.WorkerGenerateRequest):
+        """Decode.Generate (colocated): one request, its chunks on this call."""
+        async for chunk in self._relay(await self.start_request(req)):
+            yield chunk
+
+    async def _relay(self, stream: TokenStream):
         try:
-            while not finished:
-                item = await self._next_output(r, deadline - loop.time())
-                finished = item.finished
-                if finished:
-                    self.metrics.requests.labels(self.metrics.model, item.finish_reason or "stop").inc()
-                yield chunk_from_output(item, self._handover(r) if first else 0.0)
-                first = False
+            async for chunk in RequestSink(stream).chunks():
+                yield chunk
         finally:
-            self.requests_served += 1
-            if not finished:        # cancelled, deadline, failure: free everything, once
-                self.engine.abort(r.request_id)
-                self._end_transfer(r)
-            self._forget(r)
-
-    async def _next_output(self, r: DecodeRequest, remaining: float):
-        wait = min(remaining, STREAM_IDLE_LIMIT_S)
-        try:
-            if wait <= 0:
-                raise TimeoutError
-            item = await asyncio.wait_for(r.queue.get(), wait)
-        except TimeoutError:
-            if wait < remaining:
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"request {r.request_id}: the decode engine produced "
-                                   f"no token for {STREAM_IDLE_LIMIT_S:.0f}s") from None
-            raise TimeoutError(f"request {r.request_id} passed its client's deadline while decoding") from None
-        if isinstance(item, KVFailed):
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV handover failed: {item}")
-        if isinstance(item, _Aborted):
-            raise ServiceError(grpc.StatusCode.ABORTED, f"request {r.request_id} aborted: {item}")
-        if isinstance(item, EngineDead):
-            raise ServiceError(grpc.StatusCode.INTERNAL, f"decode engine failed: {item}")
-        if item.error:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV handover failed: {item.error}")
-        return item
-
-    def _handover(self, r: DecodeRequest) -> float:
-        """The prefill's last forward -> this request's first decode step (its join)."""
-        if r.ticket is None or r.ticket.joined_at is None or not r.prefill_done_unix:
-            return 0.0
-        seconds = max(0.0, r.ticket.joined_at - r.prefill_done_unix)
-        self.metrics.handover.observe(seconds)
-        return seconds
+            if not stream.done:              # cancelled by its caller: free everything, once
+                self.abort_request(stream.request_id, "was cancelled by its caller")
 
 
-class KVFailed(Exception):
-    """The request's KV never arrived intact; carried through its stream queue."""
-
-
-class _Aborted(Exception):
-    pass
-
-
-def _float(x) -> float | None:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return None
+def _for_core(params: SamplingParams) -> SamplingParams:
+    """Stop strings are matched here, on the text; the core only needs to know the tokens'."""
+    return replace(params, stop=[]) if params.stop else params
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -312,6 +268,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         async for chunk in self.w.generate(request):
             yield chunk
 
+    async def Start(self, request, context):
+        return await self.w.start_on_bus(request)
+
+    async def Subscribe(self, request, context):
+        async for batch in self.w.subscribe(request):
+            yield batch
+
     async def Abort(self, request, context):
         return worker_pb2.WorkerAbortResponse(found=self.w.abort_request(request.request_id))
 
@@ -319,4 +282,4 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return self.w.status()
 
 
-__all__ = ["DecodeHandoff", "DecodeWorker"]
+__all__ = ["DecodeWorker"]

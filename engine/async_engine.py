@@ -2,8 +2,9 @@
 
 The model never runs on the event loop. The services call the engine through the named
 methods here (`add`, `reserve`, `abort`, `stats`); each runs as a command between steps, so
-engine state is only ever touched by the engine thread. A request's outputs arrive on its
-asyncio.Queue.
+engine state is only ever touched by the engine thread. A request opened with `open_stream`
+gets its outputs on its asyncio.Queue; every other output of a step goes, as one list, to
+`on_step` on the engine thread (a worker's engine core batches them to its front that way).
 """
 from __future__ import annotations
 
@@ -35,7 +36,10 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        # engine thread: after each step, with the outputs no stream of this loop took; and after
+        # each idle wait (nothing to step for), so a caller can tell a live engine from a hung one
         self.on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None
+        self.on_idle: Callable[[LLMEngine], None] | None = None
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self._thread.start()
 
@@ -101,11 +105,17 @@ class AsyncEngine:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def deliver(self, out: RequestOutput) -> None:
-        """Hand an output to its stream (engine thread -> event loop)."""
-        q = self._streams.get(out.request_id)
-        if q is not None:
-            self.loop.call_soon_threadsafe(q.put_nowait, out)
+    def deliver(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Hand each output to its stream (engine thread -> event loop); returns those of
+        requests with no stream here."""
+        rest = []
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                self.loop.call_soon_threadsafe(q.put_nowait, out)
+            else:
+                rest.append(out)
+        return rest
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -119,11 +129,11 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_work)
                 if self.engine.has_work:
-                    outputs = self.engine.step()
-                    for out in outputs:
-                        self.deliver(out)
+                    rest = self.deliver(self.engine.step())
                     if self.on_step is not None:
-                        self.on_step(self.engine, outputs)
+                        self.on_step(self.engine, rest)
+                elif self.on_idle is not None:
+                    self.on_idle(self.engine)
         except BaseException as exc:         # a dead engine must fail every waiter, not hang them
             self.error = exc
             traceback.print_exc()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from baton.engine.block_manager import BlockManager
 from baton.engine.config import EngineConfig
 from baton.engine.kv_handoff import KVHandoff, KVPiece, KVState, KVTicket
+from baton.engine.limits import ModelLimits
 from baton.engine.model_runner import LaunchedStep, ModelRunner
 from baton.engine.multimodal import POSITION_OFFSET_META, MultimodalPrompt
 from baton.engine.output_processor import RequestOutput, RequestState
@@ -99,16 +100,12 @@ class LLMEngine:
             return encode_text(self.tokenizer, prompt)
         return list(prompt)
 
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(self.vocab_size, self.max_model_len)
+
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
-                             "which must leave room for at least one new token: shorten the prompt")
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        params.validate(self.vocab_size)
+        self.limits.validate(token_ids, params)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, hand_off_kv: bool = False,

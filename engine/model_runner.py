@@ -308,7 +308,8 @@ class ModelRunner:
         )
         sampling = SamplingBatch(
             temperatures=temperatures, top_ks=top_ks, top_ps=top_ps, seeds=seeds, has_seed=has_seed,
-            positions=sample_pos, all_greedy=bool((h.temperatures == 0).all()), any_top_k=bool((h.top_ks > 0).any()),
+            positions=sample_pos, all_greedy=bool((h.temperatures == 0).all()),
+            any_greedy=bool((h.temperatures == 0).any()), any_top_k=bool((h.top_ks > 0).any()),
             any_top_p=bool((h.top_ps < 1.0).any()), any_seed=bool(h.has_seed.any()),
         )
         return meta, ids, pos, sampling

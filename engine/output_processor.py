@@ -35,18 +35,66 @@ class CompletionOutput:
     cached_tokens: int = 0
 
 
+class TextStream:
+    """One request's text as its tokens arrive: `add` a token, `take` the text new since the
+    last take. Whole characters only; stop strings are cut from the text (`stopped` says one
+    matched: the token just added completed it), and while the request runs, a tail that could
+    still become a stop string is held back. The engine, the worker's front and the router (after
+    a migration) all stream text through this one class."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]):
+        self.detok = make_detokenizer(tokenizer, prompt_token_ids)
+        self.stops = list(stop)
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.sent_chars = 0
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    def add(self, token_id: int) -> bool:
+        """Feed one token; True once a stop string ended the text (later tokens change nothing)."""
+        if not self.stopped:
+            self.detok.add(token_id)
+            if self.stops:
+                self._cut_at_stop()
+        return self.stopped
+
+    def take(self, finished: bool) -> str:
+        """The text new since the last take. `finished`: the request ended, so nothing is held
+        back (an incomplete character is flushed, and may still complete a stop string)."""
+        if finished and not self.stopped:
+            self.detok.flush()
+            if self.stops:
+                self._cut_at_stop()
+        text = self.detok.text
+        end = len(text) if finished or self.stopped else max(self.sent_chars, len(text) - self.holdback)
+        delta = text[self.sent_chars:end]
+        self.sent_chars = end
+        return delta
+
+    def _cut_at_stop(self) -> None:
+        text = self.detok.text
+        start = max(0, self.sent_chars - self.holdback - 1)
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.detok.text = text[:min(hits)]
+            self.stopped = True
+
+
 class RequestState:
     """Per-request streaming state next to its Sequence."""
 
     def __init__(self, seq: Sequence, tokenizer):
         self.seq = seq
-        self.stops = list(seq.params.stop)
-        self.holdback = max((len(s) for s in self.stops), default=1) - 1
-        self.detok = make_detokenizer(tokenizer, seq.token_ids[:seq.num_prompt_tokens]) \
+        self.text = TextStream(tokenizer, seq.token_ids[:seq.num_prompt_tokens], seq.params.stop) \
             if tokenizer is not None else None
         self.emitted_tokens = 0
-        self.emitted_chars = 0
-        self.stopped_by_string = False
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self.text is not None and self.text.stopped
 
     def update(self) -> RequestOutput:
         """Consume tokens appended since the last call; may mark a stop-string match."""
@@ -55,17 +103,12 @@ class RequestState:
         new_ids = completion[self.emitted_tokens:]
         self.emitted_tokens = len(completion)
         finished = seq.is_finished
-        if self.detok is not None:
+        delta = ""
+        if self.text is not None:
             for t in new_ids:
-                self.detok.add(t)
-            if finished:
-                self.detok.flush()
-            if self.stops and self._cut_at_stop():
-                finished = True
-        text = self.detok.text if self.detok is not None else ""
-        end = len(text) if finished else max(self.emitted_chars, len(text) - self.holdback)
-        delta = text[self.emitted_chars:end]
-        self.emitted_chars = end
+                self.text.add(t)
+            finished = finished or self.text.stopped
+            delta = self.text.take(finished)
         reason = FinishReason.STOP if self.stopped_by_string else seq.finish_reason
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=new_ids, new_text=delta, finished=finished,
@@ -73,15 +116,3 @@ class RequestState:
             prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_completion_tokens,
             cached_tokens=seq.num_cached_tokens,
         )
-
-    def _cut_at_stop(self) -> bool:
-        if self.stopped_by_string:
-            return True
-        text = self.detok.text
-        start = max(0, self.emitted_chars - self.holdback - 1)
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        if not hits:
-            return False
-        self.detok.text = text[:min(hits)]
-        self.stopped_by_string = True
-        return True

@@ -1,39 +1,15 @@
-"""The prefill worker: runs prompts in continuous batches (prefix cache, chunked prefill),
-samples each request's first token, and hands its KV to the decode worker the router chose.
-
-One pipeline whatever the KV backend: the transfer opens when the request is queued, so
-the decode worker stages it while the prefill runs; after each prefill step the engine packs
-the prompt blocks that step made final (`KVPiece`, through `PrefillHandoff`) and they go out
-at once, overlapping the next chunk's compute; the last piece carries the first token.
-Nothing is held past the prefill: the request's `KVTicket` goes QUEUED -> PREFILLING ->
-PREFILLED (its blocks freed, still prefix-cached) -> SENT, or FREED / FAILED on the way.
-
-Abort, deadline or a failed push ends the request with a status and nothing held; an open
-transfer is abandoned, so the decode worker frees its blocks at once.
+"""The prefill worker's front: checks a Prefill request and hands it to its engine core
+(prefill_service/core.py), which runs the prompt, pushes its KV to the decode worker the
+router chose, and answers with the first token; Abort ends it there. The front holds no KV
+and no model: only what the RPCs need.
 """
 from __future__ import annotations
 
 import asyncio
-import time
-from dataclasses import replace
 
 import grpc
 
-from baton.engine.async_engine import EngineDead
-from baton.engine.kv_handoff import KVHandoff, KVPiece, KVState, KVTicket
-from baton.engine.output_processor import RequestOutput
-from baton.kvtransfer.backend import (
-    KVSender,
-    KVTransferError,
-    OutgoingTransfer,
-    SendStats,
-    TransferDescriptor,
-)
-from baton.kvtransfer.factory import make_sender
-from baton.kvtransfer.grpc_options import channel_options
-from baton.kvtransfer.peer_auth import KVPeerAuth
-from baton.models.multimodal import ImageInput
-from baton.serving.grpc_server import ServiceError, open_channel
+from baton.serving.grpc_server import ServiceError
 from baton.serving.wire import images_from_proto, sampling_from_proto
 from baton.serving.worker import EngineWorker
 from baton.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
@@ -41,203 +17,54 @@ from baton.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
 DEFAULT_TIMEOUT_S = 120.0
 
 
-class PrefillHandoff(KVHandoff):
-    """The prefill worker's half of the engine's seam: each piece goes to its request's
-    transfer on the event loop (the engine thread only queues it)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.sinks: dict[str, asyncio.Queue] = {}
-
-    def on_prompt_kv(self, piece: KVPiece) -> None:
-        sink = self.sinks.get(piece.request_id)
-        if sink is None:                     # the request is gone: the engine ends it
-            raise LookupError(f"nobody takes the KV of {piece.request_id} any more")
-        self.loop.call_soon_threadsafe(sink.put_nowait, piece)
-
-
 class PrefillWorker(EngineWorker):
     service_names = ("baton.v1.Prefill",)
+    core_target = "baton.prefill_service.core:PrefillCore"
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.tasks: dict[str, asyncio.Task] = {}
-        self.senders: dict[tuple[str, str], KVSender] = {}     # (decode address, backend) -> sender
-        self.channels: dict[tuple[str, str], object] = {}     # ...and the channel this worker opened for it
-        self.handshakes: dict[tuple[str, str], asyncio.Future] = {}   # ...and its handshake, awaited by all
-        self.kv_auth = KVPeerAuth(cfg.kv_secret) if cfg.kv_secret else None
-        self.layout = None
-
-    async def start(self):
-        self.handoff = PrefillHandoff(asyncio.get_running_loop())
-        return await super().start()
+        self.active: set[str] = set()
 
     def add_services(self, server) -> None:
-        self.layout = self.kv_layout()
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), server)
 
     def num_active(self) -> int:
-        return len(self.tasks)
-
-    async def release_transports(self) -> None:
-        for key in list(self.senders):
-            await self._drop_sender(key)
-
-    async def sender_for(self, address: str, backend: str, timeout: float) -> KVSender:
-        """The handshaken sender to a decode worker; concurrent first requests share one handshake."""
-        key = (address, backend)
-        sender = self.senders.get(key)
-        if sender is None:       # over TLS (mutual, with our certificate) when this worker runs TLS
-            channel = open_channel(address, self.cfg.tls, options=channel_options())
-            sender = make_sender(backend, address, channel, self.llm.platform, auth=self.kv_auth,
-                                 nccl=self.cfg.kv_nccl, stall_s=self.cfg.kv_fault_stall_s)
-            self.senders[key], self.channels[key] = sender, channel
-            self.handshakes[key] = asyncio.ensure_future(sender.handshake(self.layout))
-            self.handshakes[key].add_done_callback(_retrieve)
-        try:
-            await asyncio.wait_for(asyncio.shield(self.handshakes[key]), timeout)   # mismatch: a clear error
-        except BaseException:
-            if self.senders.get(key) is sender:
-                await self._drop_sender(key)
-            raise
-        return sender
+        return len(self.active)
 
     async def prefill(self, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
         self.check_accepting()
         rid = req.request_id
         if not rid:
             raise ValueError("request_id is required")
-        if rid in self.tasks:
+        if rid in self.active:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already prefilling here")
-        if not req.handoff.decode_address or not req.handoff.transfer_id:
+        handoff = req.handoff
+        if not handoff.decode_address or not handoff.transfer_id:
             raise ValueError("handoff.decode_address and handoff.transfer_id are required")
-        backend = req.handoff.backend or self.cfg.kv_backend
+        backend = handoff.backend or self.cfg.kv_backend
         if backend not in self.kv_backends():
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"KV backend {backend!r} is not available on "
                                f"this prefill worker (it speaks {self.kv_backends()}); start it with --kv-backend "
                                f"{backend}")
         prompt, params = list(req.prompt_token_ids), sampling_from_proto(req.sampling)
-        self.llm.validate(prompt, params)
+        self.limits.validate(prompt, params)
         images = images_from_proto(req.images)
         timeout = req.timeout_ms / 1000 if req.timeout_ms else DEFAULT_TIMEOUT_S
-        self.tasks[rid] = asyncio.current_task()
+        self.active.add(rid)
         try:
-            return await asyncio.wait_for(self._run(rid, prompt, images, params, req.handoff, backend, timeout),
-                                          timeout)
-        except TimeoutError:
-            raise TimeoutError(f"prefill of {rid} did not finish within {timeout:.1f}s") from None
+            reply = await self.core.call("prefill", rid, prompt, params, images,
+                                         (handoff.decode_address, handoff.transfer_id, backend), timeout)
+        except asyncio.CancelledError:       # the router gave up on it: so does the core
+            self.core.cast("abort", rid)
+            raise
         finally:
             self.requests_served += 1
-            self.tasks.pop(rid, None)
-            self.engine.abort(rid)           # no-op when it completed
-
-    async def _run(self, rid: str, prompt: list[int], images: list[ImageInput], params, handoff, backend: str,
-                   timeout: float) -> prefill_pb2.PrefillResponse:
-        t0 = time.perf_counter()
-        pieces: asyncio.Queue = asyncio.Queue()
-        self.handoff.sinks[rid] = pieces
-        num_blocks = -(-len(prompt) // self.llm.config.block_size)
-        transfer = TransferDescriptor(handoff.transfer_id, nbytes=self.layout.payload_nbytes(num_blocks),
-                                      num_tokens=len(prompt), backend=backend)
-        streaming = asyncio.ensure_future(self._stream(handoff.decode_address, transfer, pieces, timeout))
-        prefill = asyncio.ensure_future(self._prefill(rid, prompt, images, params))
-        try:
-            await asyncio.wait({streaming, prefill}, return_when=asyncio.FIRST_COMPLETED)
-            if streaming.done() and streaming.exception() is not None:
-                raise streaming.exception()   # refused or broken: no point finishing the prefill
-            out, ticket = await prefill
-            t1 = time.perf_counter()
-            try:
-                stats = await (await streaming).done()
-            except KVTransferError:
-                ticket.try_advance(KVState.FAILED)
-                raise
-            ticket.advance(KVState.SENT)
-        except KVTransferError as exc:
-            raise self._push_failed(handoff.decode_address, backend, exc) from exc
-        finally:
-            self.handoff.sinks.pop(rid, None)
-            for task in (streaming, prefill):
-                task.cancel()
-            if streaming.done() and not streaming.cancelled() and streaming.exception() is None:
-                streaming.result().abandon("the prefill ended first")   # no-op once finished
-        return self._done(out, stats, t0, t1)
-
-    async def _prefill(self, rid: str, prompt: list[int], images: list[ImageInput],
-                       params) -> tuple[RequestOutput, KVTicket]:
-        """Run the prompt (and its images: the vision encoder runs here) with its KV handed off
-        (one token here; the decode worker continues with the request's own limits); returns the
-        output carrying the first token, and the request's KV ticket."""
-        queue, ticket = await self.engine.add(rid, prompt, replace(params, max_tokens=1, stop=[]), images=images,
-                                               hand_off_kv=True)
-        try:
-            out = await queue.get()
-        finally:
-            self.engine.close_stream(rid)
-        if isinstance(out, EngineDead):
-            raise ServiceError(grpc.StatusCode.INTERNAL, f"prefill engine failed: {out}")
-        if out.error:
-            raise ServiceError(grpc.StatusCode.INTERNAL, f"prefill of {rid} failed: {out.error}")
-        return out, ticket
-
-    async def _stream(self, address: str, transfer: TransferDescriptor, pieces: asyncio.Queue,
-                      timeout: float) -> OutgoingTransfer:
-        """Open the transfer and send every piece the engine hands over, up to the last (with the
-        first token); the caller waits for the decode worker's word."""
-        sender = await self.sender_for(address, transfer.backend, timeout)
-        outgoing = await sender.open(transfer, timeout)
-        try:
-            while not outgoing.token_sent:
-                await outgoing.piece(await pieces.get())
-        except BaseException as exc:
-            outgoing.abandon(f"{exc!r}" if not isinstance(exc, asyncio.CancelledError) else "prefill aborted")
-            raise
-        return outgoing
-
-    def _push_failed(self, address: str, backend: str, exc: KVTransferError) -> ServiceError:
-        self.metrics.kv_transfer_failures.labels("send").inc()
-        # a grpc sender is dropped (the next request handshakes afresh); a direct one carries other
-        # transfers on its pair, and closes and reconnects the pair by itself when it breaks
-        if backend != "direct" and (address, backend) in self.senders:
-            asyncio.ensure_future(self._drop_sender((address, backend)))
-        return ServiceError(getattr(exc, "code", None) or grpc.StatusCode.UNAVAILABLE,
-                            f"KV push to {address} failed: {exc}")
-
-    def _done(self, out: RequestOutput, stats: SendStats, t0: float, t1: float) -> prefill_pb2.PrefillResponse:
-        """`t1`: when the prefill ended; the transfer time reported is what came after it."""
-        t2 = time.perf_counter()
-        self.metrics.kv_transfer_bytes.labels("out").inc(stats.nbytes)
-        self.metrics.kv_transfer_seconds.observe(t2 - t1)
-        return prefill_pb2.PrefillResponse(first_token=out.new_token_ids[0], cached_prompt_tokens=out.cached_tokens,
-                                           prefill_seconds=t1 - t0, transfer_seconds=t2 - t1,
-                                           transfer_bytes=stats.nbytes)
-
-    def _drop_sender(self, key: tuple[str, str]):
-        """Forget a sender now (the next request handshakes afresh); returns the coroutine that
-        closes it and the channel this worker opened for it."""
-        handshake = self.handshakes.pop(key, None)
-        if handshake is not None and not handshake.done():
-            handshake.cancel()
-        return _close(self.senders.pop(key, None), self.channels.pop(key, None))
+            self.active.discard(rid)
+        return prefill_pb2.PrefillResponse(**reply)
 
     def abort_request(self, rid: str) -> bool:
-        task = self.tasks.get(rid)
-        self.engine.abort(rid)
-        if task is not None:
-            task.cancel()
-        return task is not None
-
-
-def _retrieve(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
-async def _close(sender: KVSender | None, channel) -> None:
-    if sender is not None:
-        await sender.close()
-    if channel is not None:
-        await channel.close()
+        self.core.cast("abort", rid)
+        return rid in self.active
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -254,4 +81,4 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return self.w.status()
 
 
-__all__ = ["PrefillHandoff", "PrefillWorker"]
+__all__ = ["PrefillWorker"]

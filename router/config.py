@@ -44,6 +44,7 @@ class RouterConfig:
     served_model_name: list[str] = field(default_factory=list)   # names the HTTP API answers to
     max_migrations: int = 3             # times one stream may move to a survivor when its worker dies
     request_timeout: float = 0.0        # a deadline for requests whose client set none (0: none)
+    stream_message_rate: float = 10_000.0   # messages/s written to all client streams at most (0: no pacing)
     generation_config: str = "auto"     # where unset sampling fields come from (engine/sampling_params.py)
     log_level: str = "info"
     log_format: str = "text"
@@ -59,8 +60,8 @@ class RouterConfig:
             raise ValueError(f"--http-port must be a port number (0: no HTTP API), got {self.http_port}")
         if self.max_migrations < 0:
             raise ValueError("--max-migrations must be >= 0 (0 = a stream ends with its worker)")
-        if self.request_timeout < 0:
-            raise ValueError("--request-timeout must be >= 0 seconds (0 = no limit)")
+        if self.request_timeout < 0 or self.stream_message_rate < 0:
+            raise ValueError("--request-timeout must be >= 0 seconds (0 = no limit) and --stream-message-rate >= 0")
         if self.queue_timeout <= 0 or self.first_token_timeout <= 0:
             raise ValueError("--queue-timeout and --first-token-timeout must be > 0 seconds")
         if self.resolve_interval < 0:
@@ -139,21 +140,30 @@ def add_auth_and_limits(p: argparse.ArgumentParser) -> None:
     flag(a, "--request-timeout", type=float, default=0.0,
          help="seconds a request may take in all when its client set no deadline (0: no limit; a stream that "
               "makes progress is never cut)")
+    flag(a, "--stream-message-rate", type=float, default=10_000.0,
+         help="messages per second the router writes to all client streams together, at most: with more streams "
+              "than that allows one message per token, each stream's tokens gather into fuller messages, at "
+              "most 100 ms apart (0: one message per worker chunk)")
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
+    try:
+        tokens = load_tokens(args.auth_token, args.auth_token_file)
+    except OSError as exc:
+        raise ValueError(f"--auth-token-file {args.auth_token_file}: {exc.strerror or exc}") from None
     cfg = RouterConfig(host=args.host, port=args.port, model=args.model, tokenizer=args.tokenizer,
                        cache_dir=args.cache_dir, metrics_port=args.metrics_port,
                        prefill=_addresses(args.prefill), decode=_addresses(args.decode),
                        colocated=_addresses(args.colocated), policy=args.policy, resolve_interval=args.resolve_interval,
                        grace_seconds=args.grace,
-                       tls=tls_from_args(args), auth_tokens=load_tokens(args.auth_token, args.auth_token_file),
+                       tls=tls_from_args(args), auth_tokens=tokens,
                        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                        max_images=args.max_images, max_image_bytes=args.max_image_bytes,
                        max_inflight=args.max_inflight, max_queued=args.max_queued, queue_timeout=args.queue_timeout,
                        max_per_client=args.max_per_client, first_token_timeout=args.first_token_timeout,
                        max_migrations=args.max_migrations, http_port=args.http_port,
                        served_model_name=_addresses(args.served_model_name), request_timeout=args.request_timeout,
+                       stream_message_rate=args.stream_message_rate,
                        generation_config=args.generation_config, log_level=args.log_level,
                        log_format=args.log_format)
     cfg.validate()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.router.token_bus import TokenBus
 from baton.serving.grpc_server import CHANNEL_OPTIONS, open_channel
 from baton.serving.security import TLSConfig
 from baton.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
@@ -73,6 +74,7 @@ class Worker:
     last_error: str = ""
     last_seen: float = 0.0
     retired: bool = False                         # gone from DNS: no new requests, closed once idle
+    bus: TokenBus | None = None                   # decode / colocated: this router's token stream from it
 
     def connect(self, tls: TLSConfig | None = None) -> None:
         host = split_target(self.target)[0] if self.target else ""
@@ -84,6 +86,7 @@ class Worker:
         stub_cls = prefill_pb2_grpc.PrefillStub if self.role == "prefill" else decode_pb2_grpc.DecodeStub
         self.stub = stub_cls(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.bus = TokenBus(self.stub, self.address) if self.role != "prefill" else None
 
     def load(self) -> int:
         return max(self.inflight, self.status.running + self.status.waiting)

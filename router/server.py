@@ -25,14 +25,18 @@ from baton.router.images import ImagePolicy
 from baton.router.migration import Ledger
 from baton.router.policies import make_policy
 from baton.router.registry import Registry, Worker
+from baton.router.token_bus import SUBSCRIBER, BusBroken, Inbox
 from baton.serving.grpc_server import ServiceError
+from baton.serving.metrics import observe_many
 from baton.serving.security import TokenAuth
-from baton.serving.wire import sampling_to_proto
+from baton.serving.wire import STATUS_BY_NUMBER, sampling_to_proto
 from baton.v1 import decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 log = logging.getLogger("baton.router")
 MAX_ATTEMPTS = 3
 ABORT_TIMEOUT_S = 2.0
+MAX_STREAM_INTERVAL_S = 0.1            # paced streams still get a message at least this often
+MIN_STREAM_INTERVAL_S = 0.002          # shorter waits buy nothing (a step is longer)
 # a worker lost under a running stream (crashed, killed, drained): the stream may migrate
 MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
@@ -78,6 +82,7 @@ class RequestClock:
         self.tokens = 0
         self.status = "unavailable"             # until it ends otherwise
         self.running = False
+        self.itl = None
         self.m.router_waiting.labels(self.model).inc()
 
     def admitted(self) -> None:
@@ -93,12 +98,12 @@ class RequestClock:
         if n:
             if self.tokens == 0:
                 self.m.ttft.labels(self.model).observe(now - self.t0)
+                self.itl = self.m.itl.labels(self.model)     # per message from here on: looked up once
                 gaps = n - 1                    # tokens arriving together: zero-length intervals
                 gap = 0.0
             else:
                 gaps, gap = n, (now - self.last) / n
-            for _ in range(gaps):
-                self.m.itl.labels(self.model).observe(gap)
+            observe_many(self.itl, gap, gaps)
             self.tokens += n
             self.last = now
         if resp.finish_reason:
@@ -298,9 +303,11 @@ class RouterService:
 
     def _pick(self, role: str, policy, ids, tried: set[str]) -> Worker:
         workers = self.registry.healthy(role, tried) or self.registry.healthy(role)
-        if not workers:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"no healthy {role} worker; check the workers with GetServerInfo")
+        if not workers:       # said to gRPC and HTTP clients alike: name what each can look at
+            n = sum(w.role == role for w in self.registry.workers)
+            where = "GET /health on the HTTP port or the GetServerInfo RPC" if self.cfg.http_port else "GetServerInfo"
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker (0 of {n} pass their health "
+                                                            f"checks); {where} lists the workers")
         return policy.pick(workers, ids)
 
     def _use(self, active: Active, w: Worker) -> None:
@@ -315,82 +322,106 @@ class RouterService:
         self._use(active, d)
         # the KV must land, and the prefill end, before the first token is due: bounded whatever the deadline
         handover = min(self.cfg.first_token_timeout, deadline - loop.time())
+        inbox = await self._listen(d, rid, handover)
+        prefill = None
         try:
-            admit = await d.stub.Admit(decode_pb2.AdmitRequest(
-                request_id=rid, prompt_token_ids=ids, sampling=sampling, backend=kv_backend(p, d),
-                timeout_ms=_ms(handover)), timeout=handover)
-        except grpc.aio.AioRpcError as exc:
-            raise _failed(exc, d, "admit") from exc
-        stream = d.stub.Stream(decode_pb2.StreamRequest(request_id=rid, timeout_ms=_ms(deadline - loop.time())),
-                               timeout=_seconds(deadline - loop.time()))
-        self._use(active, p)
-        prefill = asyncio.ensure_future(p.stub.Prefill(prefill_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(handover), images=active.images,
-            handoff=prefill_pb2.Handoff(decode_address=admit.kv_address or d.address,
-                                        transfer_id=admit.transfer_id, backend=admit.backend)),
-            timeout=handover))
-        prefill.add_done_callback(_retrieve)
-        first_by = loop.time() + min(self.cfg.first_token_timeout, deadline - loop.time())
-        try:
-            first = asyncio.ensure_future(_next(stream))
+            try:
+                admit = await d.stub.Admit(decode_pb2.AdmitRequest(
+                    request_id=rid, prompt_token_ids=ids, sampling=sampling, backend=kv_backend(p, d),
+                    timeout_ms=_ms(handover), subscriber=SUBSCRIBER, stream_timeout_ms=_ms(deadline - loop.time())),
+                    timeout=handover)
+            except grpc.aio.AioRpcError as exc:
+                raise _failed(exc, d, "admit") from exc
+            self._use(active, p)
+            prefill = asyncio.ensure_future(p.stub.Prefill(prefill_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(handover),
+                images=active.images, handoff=prefill_pb2.Handoff(
+                    decode_address=admit.kv_address or d.address, transfer_id=admit.transfer_id,
+                    backend=admit.backend)), timeout=handover))
+            prefill.add_done_callback(_retrieve)
+            first_by = loop.time() + min(self.cfg.first_token_timeout, deadline - loop.time())
+            first = asyncio.ensure_future(inbox.next())
             first.add_done_callback(_retrieve)           # abandoned on a failed attempt: no warning
             await asyncio.wait({prefill, first}, timeout=max(0.0, first_by - loop.time()),
                                return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and prefill.exception() is not None and not first.done():
                 first.cancel()
-                stream.cancel()
                 raise _failed(prefill.exception(), p, "prefill")
             if not first.done():
                 await asyncio.wait({first}, timeout=max(0.0, first_by - loop.time()))
             if not first.done():
                 first.cancel()
-                stream.cancel()
                 if loop.time() >= deadline:
                     raise TimeoutError(f"request {active.request_id} got no first token before its deadline")
                 raise AttemptFailed(grpc.StatusCode.UNAVAILABLE,
                                     f"no first token within {self.cfg.first_token_timeout:.0f}s from prefill "
                                     f"{p.address} via decode {d.address} (stalled KV handover?)", None, (p, d))
-            try:
-                chunk = await first
-            except grpc.aio.AioRpcError as exc:
-                raise _failed(exc, d, "decode stream") from exc
-            async for rest in self._relay(chunk, stream, d):
+            chunk = _first_chunk(await _result(first), d, "decode stream")
+            async for rest in self._relay(chunk, inbox, d, deadline):
                 yield rest
         finally:
-            if not prefill.done():
+            if prefill is not None and not prefill.done():
                 prefill.cancel()
+            d.bus.unregister(rid)
 
     async def _colocated(self, active: Active, ids, sampling, deadline, tried):
         loop = asyncio.get_running_loop()
         w = self._pick("colocated", self.colocated_policy, ids, tried)
         self._use(active, w)
-        stream = w.stub.Generate(decode_pb2.WorkerGenerateRequest(
-            request_id=active.worker_id, prompt_token_ids=ids, sampling=sampling, images=active.images,
-            timeout_ms=_ms(deadline - loop.time())), timeout=_seconds(deadline - loop.time()))
+        rid = active.worker_id
+        inbox = await self._listen(w, rid, min(self.cfg.first_token_timeout, deadline - loop.time()))
         try:
-            chunk = await _next(stream)
-        except grpc.aio.AioRpcError as exc:
-            raise _failed(exc, w, "generate") from exc
-        async for rest in self._relay(chunk, stream, w):
-            yield rest
+            try:
+                await w.stub.Start(decode_pb2.WorkerGenerateRequest(
+                    request_id=rid, prompt_token_ids=ids, sampling=sampling, images=active.images,
+                    timeout_ms=_ms(deadline - loop.time()), subscriber=SUBSCRIBER),
+                    timeout=min(self.cfg.first_token_timeout, deadline - loop.time()))
+            except grpc.aio.AioRpcError as exc:
+                raise _failed(exc, w, "start") from exc
+            chunk = _first_chunk(await _result(asyncio.ensure_future(inbox.next(deadline))), w, "generate")
+            async for rest in self._relay(chunk, inbox, w, deadline):
+                yield rest
+        finally:
+            w.bus.unregister(rid)
 
-    async def _relay(self, chunk, stream, worker: Worker):
+    async def _listen(self, w: Worker, rid: str, timeout: float) -> Inbox:
+        """The inbox of request `rid` on `w`'s token bus (opened here if it is not yet)."""
+        try:
+            return await w.bus.register(rid, max(0.0, timeout))
+        except (BusBroken, TimeoutError) as exc:
+            code = getattr(exc, "code", grpc.StatusCode.UNAVAILABLE)
+            raise AttemptFailed(code, f"token stream of {w.address}: {exc or 'no answer'}", w) from None
+
+    async def _relay(self, chunk, inbox: Inbox, worker: Worker, deadline: float):
         """The worker's chunks after the first; a worker lost mid-stream raises StreamBroke."""
-        while chunk is not None:
+        while True:
             yield chunk
             if chunk.finish_reason != router_pb2.FINISH_REASON_UNSPECIFIED:
                 return
+            pace = self._pace()
+            if pace:
+                await inbox.gather(pace)
             try:
-                chunk = await _next(stream)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    worker.mark_down(exc.details() or "stream broke")
-                what = f"{worker.role} worker {worker.address} failed mid-stream: {exc.code().name}: {exc.details()}"
-                if exc.code() in MIGRATABLE:
-                    raise StreamBroke(exc.code(), what, worker) from exc
-                raise ServiceError(exc.code(), what) from exc
-        raise StreamBroke(grpc.StatusCode.UNAVAILABLE,
-                          f"{worker.role} worker {worker.address} ended the stream without finishing", worker)
+                chunk = await inbox.next(deadline)
+            except BusBroken as exc:
+                chunk = decode_pb2.TokenChunk(error_code=exc.code.value[0], error_message=str(exc))
+            if chunk.error_code:
+                code = STATUS_BY_NUMBER[chunk.error_code]
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    worker.mark_down(chunk.error_message or "stream broke")
+                what = f"{worker.role} worker {worker.address} failed mid-stream: {code.name}: {chunk.error_message}"
+                if code in MIGRATABLE:
+                    raise StreamBroke(code, what, worker)
+                raise ServiceError(code, what)
+
+    def _pace(self) -> float:
+        """Seconds a stream waits between two messages to its client, so that all of them together
+        stay within --stream-message-rate: a message costs the router ~40-80 us of CPU whatever it
+        carries, so 256 streams of 185 tok/s each, sent a token at a time, would need 2-4 router
+        cores; paced, the same tokens go in messages of a few, on one. Below the rate: no wait."""
+        rate = self.cfg.stream_message_rate
+        pace = min(MAX_STREAM_INTERVAL_S, len(self.active) / rate) if rate else 0.0
+        return pace if pace >= MIN_STREAM_INTERVAL_S else 0.0
 
     async def _abort_on_workers(self, calls: list[tuple[Worker, str]]) -> None:
         """Best effort, bounded: the workers free the request's blocks (a no-op if finished)."""
@@ -438,9 +469,24 @@ def _same_accelerator(a: Worker, b: Worker) -> bool:
             and a.address.rsplit(":", 1)[0] == b.address.rsplit(":", 1)[0])
 
 
-async def _next(stream):
-    item = await stream.read()
-    return None if item is grpc.aio.EOF else item
+async def _result(first: asyncio.Future):
+    """The first chunk, or the BusBroken / TimeoutError that came instead (as a value)."""
+    try:
+        return await first
+    except (BusBroken, TimeoutError) as exc:
+        return exc
+
+
+def _first_chunk(item, worker: Worker, what: str):
+    """The first chunk of an attempt; a failure before it is the attempt's (retried elsewhere)."""
+    if isinstance(item, TimeoutError):
+        raise item
+    if isinstance(item, BusBroken):
+        raise AttemptFailed(item.code, f"{what} on {worker.address}: {item.code.name}: {item}", worker)
+    if item.error_code:
+        code = STATUS_BY_NUMBER[item.error_code]
+        raise AttemptFailed(code, f"{what} on {worker.address}: {code.name}: {item.error_message}", worker)
+    return item
 
 
 def _retrieve(fut: asyncio.Future) -> None:

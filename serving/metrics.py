@@ -81,6 +81,21 @@ class Metrics:
         self.kv_usage.set((total - free) / total if total else 0.0)
 
 
+def observe_many(histogram, value: float, count: int) -> None:
+    """`count` observations of `value` at once: what `count` calls of histogram.observe(value) add
+    (prometheus_client has no weighted observe). The router's inter-token latency is one value per
+    token, and a paced message carries tens of tokens: one bucket update instead of tens (this uses
+    the child's _sum / _upper_bounds / _buckets, as observe() does; tests/test_services.py checks the
+    two agree)."""
+    if count <= 0:
+        return
+    histogram._sum.inc(value * count)
+    for i, bound in enumerate(histogram._upper_bounds):
+        if value <= bound:
+            histogram._buckets[i].inc(count)
+            break
+
+
 RECORDED_BY = {
     "baton_model_info": "every process", "baton_requests": "router; decode, colocated (their own requests)",
     "baton_ttft_seconds": "router", "baton_itl_seconds": "router", "baton_e2e_seconds": "router",

@@ -1,6 +1,8 @@
 """Engine types <-> baton.v1 messages, in one place so every service converts alike."""
 from __future__ import annotations
 
+import grpc
+
 from baton.engine.output_processor import RequestOutput
 from baton.engine.sampling_params import SamplingParams
 from baton.models.multimodal import ImageInput
@@ -14,6 +16,9 @@ FINISH_TO_PROTO = {
     "length": router_pb2.FINISH_REASON_LENGTH,
     "abort": router_pb2.FINISH_REASON_ABORT,
 }
+
+# a token-bus chunk's error_code (a grpc status number) -> its StatusCode
+STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def sampling_from_proto(p: router_pb2.SamplingParams, defaults: dict | None = None) -> SamplingParams:

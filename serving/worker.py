@@ -1,70 +1,76 @@
-"""What every engine-backed server process shares: start-up, status, abort, metrics, drain.
+"""A worker's front: what every engine-backed server shares (start-up, status, admission,
+metrics, drain, the engine core's life).
 
-`prefill_service` and `decode_service` subclass `EngineWorker` and add their RPCs. The
-engine runs on its own thread (AsyncEngine); everything here runs on the event loop.
+A worker is two processes. The front (this, on one event loop) serves the worker's RPCs,
+checks requests, makes text and streams tokens; its engine core (serving/engine_core.py,
+a child process started through serving/core_client.py) runs the step loop, the device, the
+KV cache and the KV transfers. `prefill_service` and `decode_service` subclass `EngineWorker`
+with their RPCs and name their core (`core_target`). The front never imports torch.
+
+The core dying or hanging is the worker dying: the front fails what is in flight with
+UNAVAILABLE (the router moves those streams elsewhere) and exits with code 1 (`baton serve`
+restarts it; Kubernetes does the same).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 
 import grpc
 
-from baton.engine.async_engine import AsyncEngine
-from baton.engine.kv_handoff import KVHandoff
-from baton.engine.llm_engine import LLMEngine, freeze_startup_objects
-from baton.kvtransfer.factory import accepted
-from baton.kvtransfer.layout import KVLayout
+from baton.engine.limits import ModelLimits
+from baton.serving.core_client import CoreClient, start_core
 from baton.serving.grpc_server import Server, ServiceError
 from baton.serving.metrics import Metrics
 from baton.serving.worker_config import WorkerConfig
 from baton.v1 import worker_pb2
 
+log = logging.getLogger("baton.worker")
+EXIT_FLUSH_S = 0.5                 # a dead core's streams get their error out before the worker exits
+
 
 class EngineWorker:
     service_names: tuple[str, ...] = ()
+    core_target = ""               # "module:Class" of the role's engine core
 
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
         self.metrics = Metrics(cfg.role)
-        self.engine: AsyncEngine | None = None
+        self.core: CoreClient | None = None
         self.server: Server | None = None
+        self.info: dict = {}
+        self.limits: ModelLimits | None = None
         self.requests_served = 0
-        self.handoff: KVHandoff | None = None    # the services' side of the engine's KV seam
-
-    @property
-    def llm(self) -> LLMEngine:
-        return self.engine.engine
+        self._dead: asyncio.Future | None = None
 
     async def start(self) -> Server:
         t0 = time.perf_counter()
-        # the engine thread and the event loop share the GIL; a thread that wants it back waits out
-        # the holder's switch interval (Python's 5 ms is about one decode step of an 8B model)
-        if self.cfg.gil_switch_ms:
-            sys.setswitchinterval(self.cfg.gil_switch_ms / 1e3)
         # ports first: a clash is reported in a second, not after the model has loaded
         self.server = Server(self.cfg.host, self.cfg.port, self.service_names, tls=self.cfg.tls)
         self.metrics.serve(self.cfg.metrics_port, self.cfg.host)
-        print(f"[baton] {self.cfg.role}: loading {self.cfg.engine.model} on {self.cfg.engine.device}",
-              file=sys.stderr, flush=True)
-        loop = asyncio.get_running_loop()
-        llm = await loop.run_in_executor(None, lambda: LLMEngine(self.cfg.engine, handoff=self.handoff))
-        freeze_startup_objects()
-        self.metrics.serving_model(llm.source.name)
-        self.engine = AsyncEngine(llm, loop)
-        self.engine.on_step = self._after_step
+        self._dead = asyncio.get_running_loop().create_future()
+        self.core = start_core(self.cfg, self.cfg.engine_core or self.core_target, on_updates=self.on_updates,
+                               on_metrics=self._record, on_death=self._core_died)
+        self.info = info = await self.core.start()
+        self.limits = ModelLimits(info["vocab_size"], info["max_model_len"])
+        self.metrics.serving_model(info["model"])
+        self.prepare(info)
         self.add_services(self.server.server)
         await self.server.start()
         self._observe()
-        stats = self.engine.stats()
+        stats = self.core.stats
         print(f"[baton] {self.cfg.role} ready on {self.server.address} "
-              f"({stats.kv_blocks_total} KV blocks of {llm.config.block_size}, "
-              f"max_model_len {llm.max_model_len}) in {time.perf_counter() - t0:.1f}s; "
+              f"({stats.kv_blocks_total} KV blocks of {info['block_size']}, "
+              f"max_model_len {info['max_model_len']}) in {time.perf_counter() - t0:.1f}s; "
               f"{'mutual TLS' if self.cfg.tls.require_client_cert else 'TLS' if self.cfg.tls.cert else 'plaintext'}"
               f"{', KV peers proven by shared secret' if self.cfg.kv_secret else ''}{self.ready_note()}",
               file=sys.stderr, flush=True)
         return self.server
+
+    def prepare(self, info: dict) -> None:
+        """What the role needs once the core serves (the decode front: its tokenizer)."""
 
     def ready_note(self) -> str:
         """More for the ready line (the decode worker: where peers push KV)."""
@@ -75,40 +81,60 @@ class EngineWorker:
 
     async def serve_forever(self) -> None:
         server = await self.start()
-        await server.wait_for_signal(self.cfg.grace_seconds, on_stop=self.stop, busy=self.num_active)
+        stopped = asyncio.ensure_future(server.wait_for_signal(self.cfg.grace_seconds, on_stop=self.stop,
+                                                               busy=self.num_active))
+        await asyncio.wait({stopped, self._dead}, return_when=asyncio.FIRST_COMPLETED)
+        if stopped.done():
+            stopped.result()
+            return
+        stopped.cancel()
+        await asyncio.sleep(EXIT_FLUSH_S)
+        await server.server.stop(0)
+        await self.core.stop()
+        print(f"[baton] {self.cfg.role} on {server.address} exits: its engine core {self._dead.result()}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
     async def stop(self) -> None:
-        """After the drain: release the KV transports (device communicators), stop the engine."""
-        await self.release_transports()
-        self.engine.shutdown()
+        """After the drain: stop the core (it releases the KV transports and the device)."""
+        await self.core.stop()
 
-    async def release_transports(self) -> None:
-        return None
+    # -- the core's messages -------------------------------------------------------------------
+    def on_updates(self, updates: list[tuple]) -> None:
+        """Every request's new tokens of one engine step (the decode front streams them)."""
+        self._observe()
+
+    def _record(self, events: list[tuple]) -> None:
+        for name, labels, value in events:
+            metric = getattr(self.metrics, name)
+            metric = metric.labels(*labels) if labels else metric
+            (metric.observe if hasattr(metric, "observe") else metric.inc)(value)
+
+    def _core_died(self, reason: str) -> None:
+        log.error("%s worker: its engine core %s; failing what is in flight, then exiting", self.cfg.role, reason)
+        self.server.draining = True
+        asyncio.ensure_future(self.server.set_serving(False))
+        self.fail_all(ServiceError(grpc.StatusCode.UNAVAILABLE, f"the worker's engine core {reason}"))
+        if not self._dead.done():
+            self._dead.set_result(reason)
+
+    def fail_all(self, exc: ServiceError) -> None:
+        """End every request in flight with `exc` (the core is gone)."""
 
     # -- shared RPC bodies ------------------------------------------------------------------
     def status(self) -> worker_pb2.WorkerStatus:
-        s = self.engine.stats()
+        s, info = self.core.stats, self.info
         return worker_pb2.WorkerStatus(
-            role=self.cfg.role, model=self.llm.source.name, running=s.running,
-            waiting=s.waiting + self.num_pending(), kv_blocks_total=s.kv_blocks_total,
-            kv_blocks_free=s.kv_blocks_free, block_size=self.llm.config.block_size,
-            max_model_len=self.llm.max_model_len, kv_backends=self.kv_backends(), device=self.cfg.engine.device,
-            draining=bool(self.server and self.server.draining), requests_served=self.requests_served)
-
-    def kv_layout(self) -> KVLayout:
-        """This worker's KV layout, for the transfer handshake (both ends must agree)."""
-        spec = self.llm.kv_spec
-        return KVLayout(model=self.llm.source.name, architecture=self.llm.source.architecture, dtype=spec.dtype,
-                        block_size=spec.block_size, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
-                        head_dim=spec.head_dim, tp_size=1, tp_rank=0, backends=self.kv_backends())
+            role=self.cfg.role, model=info["model"], running=s.running, waiting=s.waiting,
+            kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free, block_size=info["block_size"],
+            max_model_len=info["max_model_len"], kv_backends=self.kv_backends(), device=self.cfg.engine.device,
+            draining=bool(self.server and self.server.draining), requests_served=self.requests_served,
+            kv_address=info.get("kv_address", ""))
 
     def kv_backends(self) -> list[str]:
         """KV transports this worker speaks (a decode worker also takes grpc pushes whatever
         its own backend)."""
-        return accepted(self.cfg.kv_backend)
-
-    def num_pending(self) -> int:
-        return 0
+        return list(self.info["kv_backends"])
 
     def num_active(self) -> int:
         """Requests in flight here (what a drain waits for)."""
@@ -118,16 +144,12 @@ class EngineWorker:
         """Admission control for a new request: draining or a full queue refuses it."""
         if self.server is not None and self.server.draining:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "worker is draining; send the request elsewhere")
-        waiting = self.engine.stats().waiting + self.num_pending()
+        waiting = self.core.stats.waiting
         if waiting >= self.cfg.max_waiting:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"{self.cfg.role} worker has {waiting} requests queued (limit {self.cfg.max_waiting}); "
                                "retry shortly or on another worker", retry_after=1.0)
 
-    def _after_step(self, llm: LLMEngine, outputs) -> None:
-        self.metrics.step_seconds.labels("step").observe(llm.last_step_seconds)
-        self._observe()
-
     def _observe(self) -> None:
-        s = self.engine.stats()
+        s = self.core.stats
         self.metrics.observe_engine(s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_free)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from baton.engine.config import DEFAULT_MODEL, NPU_GRAPH_MODES, EngineConfig
 from baton.kvtransfer.peer_auth import load_secret
+from baton.models.presets import PRESETS
 from baton.serving.logs import add_log_args
 from baton.serving.options import flag, parser
 from baton.serving.processes import WILDCARD_HOSTS
@@ -37,6 +38,10 @@ class WorkerConfig:
     kv_nccl: str = "direct"             # direct: call NCCL through ctypes; torch: through ProcessGroupNCCL
     kv_fault_stall_s: float = 0.0       # fault injection: hold every device-direct piece this long
     gil_switch_ms: float | None = None  # sys.setswitchinterval for the engine thread and event loop
+    engine_process: bool | None = None  # the engine core in its own process (None: unless --kv-backend memory)
+    engine_hang_timeout: float = 30.0   # a core silent this long (no step, no idle beat) is hung: the worker ends
+    kv_port: int = 0                    # decode: where the core's KV services listen (0: a free port)
+    engine_core: str = ""               # "module:Class" of the engine core (unset: the role's own)
     engine: EngineConfig = field(default_factory=EngineConfig)
     log_level: str = "info"
     log_format: str = "text"
@@ -54,6 +59,12 @@ class WorkerConfig:
             raise ValueError(f"--kv-nccl must be direct or torch, got {self.kv_nccl!r}")
         if self.kv_fault_stall_s < 0 or (self.gil_switch_ms is not None and self.gil_switch_ms <= 0):
             raise ValueError("--kv-fault-stall-s must be >= 0 and --gil-switch-ms > 0")
+        if self.engine_hang_timeout < 0 or not 0 <= self.kv_port < 65536:
+            raise ValueError("--engine-hang-timeout must be >= 0 (0: never) and --kv-port in [0, 65535]")
+        if self.engine_process is None:
+            self.engine_process = self.kv_backend != "memory"
+        if self.engine_process and self.kv_backend == "memory":
+            raise ValueError("--kv-backend memory hands KV over inside one process: run it with --no-engine-process")
         if self.engine.tp_size > 1 and self.role != "colocated":
             raise ValueError(f"--tp-size {self.engine.tp_size} on a {self.role} worker: KV transfer moves one "
                              "rank's cache, so disaggregated roles run with tp_size 1 for now (use --role colocated, "
@@ -68,11 +79,18 @@ class WorkerConfig:
         self.engine.validate()
 
 
+# presets are random weights: say so where they are listed, or qwen3-8b reads as the real model
+MODEL_HELP = (f"{DEFAULT_MODEL} (embedded, real weights), an HF checkpoint directory (config.json + *.safetensors), "
+              "a .gguf file, or a preset of random weights in a real model's shape (for benchmarks): "
+              + ", ".join(name for name in PRESETS if not name.startswith("tiny-"))
+              + "; for tests: " + ", ".join(name for name in PRESETS if name.startswith("tiny-")))
+
+
 def add_common_args(p: argparse.ArgumentParser, default_port: int) -> None:
     """What every Baton server takes: where to listen, which model, which device, metrics, TLS."""
     flag(p, "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     flag(p, "--port", type=int, default=default_port, help="gRPC port")
-    flag(p, "--model", default=DEFAULT_MODEL, help="preset name, HF directory or .gguf file")
+    flag(p, "--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     flag(p, "--tokenizer", help="tokenizer directory to use instead of the model's own (presets: the embedded one's)")
     flag(p, "--cache-dir", help="where converted models and compiled graphs are kept (unset: ~/.cache/baton)")
     flag(p, "--device", default="cpu", help="cpu, cuda:N or npu:N")
@@ -98,7 +116,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="schedule and upload step N+1 while step N runs (unset: on accelerators, off on the CPU)")
     flag(g, "--fused-ops", type=bool, default=True, help="fused layer kernels (Triton on CUDA, torch_npu on Ascend)")
     flag(g, "--npu-graph-mode", default=e.npu_graph_mode, choices=NPU_GRAPH_MODES, help="Ascend decode graphs")
-    flag(g, "--npu-emulation", type=bool, default=False,
+    flag(g, "--npu-emulation", type=bool, default=False, hidden=True,
          help="TEST ONLY: npu:N is the host CPU running the documented torch_npu op semantics")
     flag(g, "--tp-size", "--tensor-parallel-size", "-tp", type=int, default=1,
          help="tensor-parallel ranks, one device each (colocated role only, for now)")
@@ -129,7 +147,18 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     flag(g, "--kv-nccl", default="direct", choices=("direct", "torch"),
          help="device-direct KV on GPUs: call NCCL directly, or through torch's ProcessGroupNCCL")
     flag(g, "--gil-switch-ms", type=float, help="Python's thread switch interval (unset: Python's 5 ms)")
-    flag(g, "--kv-fault-stall-s", type=float, default=0.0,
+    flag(g, "--engine-process", type=bool, help="run the engine core (step loop, device, KV cache and KV transfers) "
+         "in a process of its own, apart from the RPCs and token streams (unset: yes, except with --kv-backend "
+         "memory, which needs one process)")
+    flag(g, "--engine-hang-timeout", type=float, default=30.0,
+         help="seconds the engine core may go without a step or an idle heartbeat before the worker counts it "
+              "hung and exits, so its streams move elsewhere (0: never)")
+    flag(g, "--kv-port", type=int, default=0, help="decode: the port the engine core takes KV pushes on "
+                                                   "(0: a free one, told to prefill workers at admission)")
+    flag(g, "--engine-core", default="", hidden=True,
+         help="TEST ONLY: the engine core to run, module:Class (unset: the role's own; `baton bench relay` runs a "
+              "synthetic token source here)")
+    flag(g, "--kv-fault-stall-s", type=float, default=0.0, hidden=True,
          help="TEST ONLY: hold each device-direct KV piece this long, as a stalled link would")
 
 
@@ -161,6 +190,8 @@ def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig
                        kv_advertise=args.kv_advertise, advertise_host=args.advertise_host, tls=tls_from_args(args),
                        kv_secret=load_secret(os.environ.get("BATON_KV_SECRET"), args.kv_secret_file),
                        kv_nccl=args.kv_nccl, kv_fault_stall_s=args.kv_fault_stall_s, gil_switch_ms=args.gil_switch_ms,
+                       engine_process=args.engine_process, engine_hang_timeout=args.engine_hang_timeout,
+                       kv_port=args.kv_port, engine_core=args.engine_core,
                        engine=engine_config_from_args(args), log_level=args.log_level, log_format=args.log_format)
     cfg.validate()
     return cfg

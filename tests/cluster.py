@@ -54,11 +54,9 @@ class Proc:
         return self.popen is not None and self.popen.poll() is None
 
     def peak_rss_mib(self) -> float:
-        """The process's peak resident memory so far (VmHWM), MiB."""
-        for line in Path(f"/proc/{self.popen.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
+        """The peak resident memory so far (VmHWM), MiB, of the process and its children (a
+        worker's engine core)."""
+        return sum(peak_rss_mib(pid) for pid in [self.popen.pid, *children(self.popen.pid)])
 
     def status(self, timeout: float = 5.0, tls=None):
         """The worker's own GetStatus (works while the router is down)."""
@@ -67,6 +65,23 @@ class Proc:
         with open_sync_channel(self.address, tls) as ch:
             stub_cls = prefill_pb2_grpc.PrefillStub if self.name.startswith("prefill") else decode_pb2_grpc.DecodeStub
             return stub_cls(ch).GetStatus(worker_pb2.GetStatusRequest(), timeout=timeout)
+
+
+def peak_rss_mib(pid: int) -> float:
+    """One process's peak resident memory so far (VmHWM), MiB (0 if it is gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return 0.0
+    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmHWM:")), 0.0)
+
+
+def children(pid: int) -> list[int]:
+    """The pids of a process's children."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 @dataclass

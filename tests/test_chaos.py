@@ -59,7 +59,7 @@ def known(embedded_llm):
 def link():
     port = free_port()
     proxy = FaultyLink(("127.0.0.1", port))
-    proxy.decode_port = port
+    proxy.kv_port = port                # decode-0's engine core takes KV pushes there
     yield proxy
     proxy.close()
 
@@ -70,7 +70,7 @@ def cluster(tmp_path_factory, link):
                        worker_args=["--num-kv-blocks", "256", "--grace", "60"],
                        router_args=["--policy", "round_robin", "--first-token-timeout", str(FIRST_TOKEN_TIMEOUT_S),
                                     "--grace", "60"],
-                       ports={"decode-0": link.decode_port}, extra={"decode-0": ["--kv-advertise", link.address]})
+                       extra={"decode-0": ["--kv-port", str(link.kv_port), "--kv-advertise", link.address]})
     yield c
     c.stop()
 
@@ -191,13 +191,15 @@ def test_sigkill_of_a_prefill_worker_is_retried_on_the_other(cluster, known, rel
 
 # -- the KV link --------------------------------------------------------------------------------
 def _prefill_holding(cluster, link: FaultyLink) -> Proc | None:
-    """The prefill process with a TCP connection into the proxy (its KV push is what stalled)."""
+    """The prefill worker with a TCP connection into the proxy (its KV push is what stalled: its
+    engine core, a child of the worker's process, pushes it)."""
     ports = link.client_ports()
     for p in cluster.procs:
         if not p.name.startswith("prefill") or not p.alive:
             continue
-        for conn in psutil.Process(p.popen.pid).net_connections(kind="tcp"):
-            if conn.laddr and conn.laddr.port in ports:
+        worker = psutil.Process(p.popen.pid)
+        for proc in (worker, *worker.children(recursive=True)):
+            if any(c.laddr and c.laddr.port in ports for c in proc.net_connections(kind="tcp")):
                 return p
     return None
 
@@ -260,12 +262,13 @@ def test_partition_between_prefill_and_decode(cluster, link, known, reliability)
 def test_garbage_on_the_kv_channel(cluster, known, reliability):
     """Random bytes, a truncated HTTP/2 preface and hostile KV messages at decode-1, while
     known-answer traffic runs through it."""
-    target = cluster.worker("decode-1").address
-    host, port = target.rsplit(":", 1)
+    victim = cluster.worker("decode-1")
+    target = victim.status().kv_address                  # its engine core's KV port; the front's port gets garbage too
     load = known_load(cluster, known, 8)
     rng = random.Random(0)
     tried = 0
     for i in range(20):
+        host, port = (target if i % 2 else victim.address).rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=5) as s:
             if i % 4 == 0:
                 s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + rng.randbytes(rng.randint(1, 4096)))

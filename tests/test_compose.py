@@ -176,7 +176,7 @@ def test_the_compose_stack_answers_across_hosts(compose):
     assert "Paris" in got["openai"] and got["model"] == "smollm2-135m-instruct", got
     decode = compose.hosts["decode"]
     ready = next(line for line in compose.log("decode").splitlines() if "push KV to" in line)
-    assert f"push KV to {decode.ip}:50061" in ready, ready
+    assert f"push KV to {decode.ip}:50062" in ready, ready          # its engine core's --kv-port
     assert compose.metric("decode", 9061, "baton_kv_transfer_bytes_total") > 0     # KV crossed hosts
 
 

@@ -12,11 +12,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-from cluster import REPO
+from cluster import REPO, children, peak_rss_mib
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.serving.processes import free_port
@@ -109,23 +110,49 @@ def answer(stub, req, timeout: float = 60, token: str = TOKEN) -> tuple[str, rou
 
 
 def test_the_printed_command_works_as_printed_and_answers_right_every_time(stack):
-    """Item 6 (the ready line names --addr and the token) and item 9 (the embedded model's
-    generation config makes its defaults greedy: the README's question is answered right, twice)."""
-    assert f"--addr {stack.address}" in stack.ready_line and "$BATON_AUTH_TOKEN" in stack.ready_line
-    command = stack.ready_line.split("try: ", 1)[1].rsplit(")", 1)[0]
-    outs = []
-    for _ in range(2):
-        run = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=120,
-                             env=dict(stack.env, BATON_AUTH_TOKEN=TOKEN))
-        assert run.returncode == 0, (command, run.stderr)
-        outs.append(run.stdout)
+    """Item 6 (the ready line names --addr and how to pass the token: the token file, never the
+    token) and item 9 (the embedded model's generation config makes its defaults greedy: the
+    README's question is answered right, twice)."""
+    assert f"--addr {stack.address}" in stack.ready_line and f"--auth-token-file {stack.tokens}" in stack.ready_line
+    assert TOKEN not in stack.ready_line and stack.ready_line.split("try: ", 1)[1].startswith("baton generate")
+    outs = [printed_command_answers(stack.ready_line, stack.env) for _ in range(2)]
     assert "Paris" in outs[0] and outs[0] == outs[1]
+    assert "another process is converting" not in stack.log()      # the launcher made the model ready first
+
+
+def printed_command_answers(line: str, env: dict) -> str:
+    command = line.split("try: ", 1)[1].rsplit(")", 1)[0]
+    run = subprocess.run(["bash", "-c", command], cwd="/", capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in env.items() if not k.startswith("BATON_")})
+    assert run.returncode == 0, (command, run.stderr)
+    return run.stdout
+
+
+def test_without_the_venv_on_path_the_command_is_the_full_path(stack, monkeypatch):
+    """`make serve` runs .venv/bin/baton with no venv activated: `baton` is not on PATH, so the
+    line names the script itself, and that works from another directory."""
+    from baton.launcher import build_parser, ready_lines
+    bare = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if d and Path(d).resolve() != Path(sys.executable).parent.resolve())
+    monkeypatch.setenv("PATH", bare)
+    args = build_parser().parse_args(["--port", str(stack.port), "--auth-token-file", str(stack.tokens),
+                                      "--http-port", str(stack.http_port)])
+    grpc_line, http_line = ready_lines(args)
+    assert f"try: {Path(sys.executable).parent.absolute() / 'baton'} generate" in grpc_line, grpc_line
+    assert "Paris" in printed_command_answers(grpc_line, dict(os.environ, PATH=bare))
+    assert http_line == stack.http_line.strip()
 
 
 def test_the_openai_api_is_announced_and_wants_the_same_token(stack):
     import openai
     url = f"http://127.0.0.1:{stack.http_port}/v1"
     assert url in stack.http_line, stack.http_line
+    # the curl it suggests sends the header the API wants (naming the token file, not a token)
+    curl = stack.http_line.split("try: ", 1)[1].rsplit(")", 1)[0]
+    assert curl == f'curl -H "Authorization: Bearer <a token in {stack.tokens}>" {url}/models', curl
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/models", headers={
+            "Authorization": f"Bearer {TOKEN}"}), timeout=10) as r:
+        assert r.status == 200
     for key in ("", "not-a-token"):
         with pytest.raises(openai.AuthenticationError) as err:
             openai.OpenAI(base_url=url, api_key=key or "x", max_retries=0,
@@ -227,14 +254,15 @@ def test_an_empty_prompt_is_refused_by_the_cli_as_by_the_api(stack):
 
 
 def test_cpu_workers_are_sized_to_the_model(stack):
-    """Item 12: the 135M model's worker stays well under the 2.1 GiB it took with a fixed 1 GiB KV."""
+    """Item 12: the 135M model's worker (its front and its engine core together) stays well under
+    the 2.1 GiB it took with a fixed 1 GiB KV; the front, which never loads torch, is small."""
     peaks = {}
     for module in ("baton.prefill_service", "baton.decode_service"):
         for pid in stack.children(module):
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    peaks[module] = int(line.split()[1]) / 1024
-    assert len(peaks) == 2 and max(peaks.values()) < 1700, peaks
+            core, = children(pid)
+            peaks[module] = (peak_rss_mib(pid), peak_rss_mib(core))
+    assert len(peaks) == 2 and max(front + core for front, core in peaks.values()) < 1700, peaks
+    assert max(front for front, _ in peaks.values()) < 250, peaks
 
 
 def test_a_killed_worker_is_restarted_and_rejoins(stack):
@@ -248,6 +276,8 @@ def test_a_killed_worker_is_restarted_and_rejoins(stack):
         time.sleep(0.5)
     log = stack.log()
     assert "decode-0 exited with code -9; restarting it" in log and "decode-0 is back" in log, log[-3000:]
+    # one text format in the one terminal: the router's log records read as the progress lines
+    assert "[baton] router: warning: worker" in log and " WARNING baton.router:" not in log, log[-3000:]
     with grpc.insecure_channel(stack.address) as ch:
         stub = stack.stub(ch)
         deadline = time.monotonic() + 30

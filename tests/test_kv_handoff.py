@@ -218,6 +218,11 @@ def test_a_failing_hook_ends_the_prefill_with_its_blocks_freed(engine, hook):
 
 
 # -- both services in one process, over the in-memory backend ---------------------------------
+def core(worker):
+    """A worker's engine core (on this event loop: the in-memory backend keeps both in one process)."""
+    return worker.core.core
+
+
 @contextlib.asynccontextmanager
 async def workers():
     """A decode and a prefill worker (tiny-llama, CPU) serving on loopback, in this process."""
@@ -262,7 +267,7 @@ async def idle(*ws, timeout: float = 10.0) -> None:
     while True:
         stats = [w.status() for w in ws]
         if all(s.kv_blocks_free == s.kv_blocks_total and s.running == s.waiting == 0 for s in stats) \
-                and all(len(w.pending) == 0 for w in ws if hasattr(w, "pending")):
+                and all(len(core(w).pending) == 0 for w in ws if hasattr(core(w), "pending")):
             return
         assert loop.time() < end, f"blocks still held: {stats}"
         await asyncio.sleep(0.05)
@@ -276,7 +281,7 @@ def test_a_memory_handoff_runs_every_state_and_gives_back_every_block():
     async def main():
         async with workers() as (prefill, decode):
             admitted = await admit(decode, "r")
-            ticket = decode.requests["r"].ticket
+            ticket = core(decode).reservations["r"].ticket
             stream = asyncio.ensure_future(collect(decode, "r"))
             reply = await prefill.prefill(prefill_request("r", admitted))
             tokens = await stream
@@ -293,8 +298,8 @@ async def admitted_with_sender(decode, rid: str):
     from baton.kvtransfer.memory_backend import MemoryKVSender
     admitted = await admit(decode, rid)
     sender = MemoryKVSender(admitted.kv_address)
-    await sender.handshake(decode.layout)
-    return admitted, decode.requests[rid].ticket, sender
+    await sender.handshake(core(decode).layout)
+    return admitted, core(decode).reservations[rid].ticket, sender
 
 
 @pytest.mark.parametrize("state", ["reserved", "receiving"])
@@ -304,7 +309,7 @@ def test_a_decode_abort_before_the_kv_landed_frees_it_and_refuses_the_late_sende
     async def main():
         async with workers() as (prefill, decode):
             admitted, ticket, sender = await admitted_with_sender(decode, "r")
-            nbytes = decode.layout.payload_nbytes(admitted.num_blocks)
+            nbytes = core(decode).layout.payload_nbytes(admitted.num_blocks)
             out = await sender.open(TransferDescriptor(admitted.transfer_id, nbytes)) if state == "receiving" else None
             decode.abort_request("r", "the client went away")
             await idle(decode)
@@ -328,8 +333,8 @@ def test_a_prefill_peer_that_dies_mid_transfer_frees_the_decode_blocks_and_fails
         async with workers() as (prefill, decode):
             admitted, ticket, sender = await admitted_with_sender(decode, "r")
             out = await sender.open(TransferDescriptor(admitted.transfer_id,
-                                                       decode.layout.payload_nbytes(admitted.num_blocks)))
-            await out.piece(KVPiece("r", 0, 1, payload_for(decode.llm, 1), None))
+                                                       core(decode).layout.payload_nbytes(admitted.num_blocks)))
+            await out.piece(KVPiece("r", 0, 1, payload_for(core(decode).llm, 1), None))
             stream = asyncio.ensure_future(collect(decode, "r"))
             out.abandon("the prefill worker died")
             with pytest.raises(ServiceError) as err:
@@ -345,7 +350,7 @@ def test_a_reservation_nobody_fills_is_reclaimed_at_its_deadline():
     async def main():
         async with workers() as (prefill, decode):
             await admit(decode, "r", timeout_ms=300)
-            ticket = decode.requests["r"].ticket
+            ticket = core(decode).reservations["r"].ticket
             await asyncio.sleep(0.6)
             await idle(decode)
             return ticket
@@ -356,7 +361,7 @@ def test_a_decode_peer_that_disappears_ends_the_prefill_with_its_blocks_freed():
     async def main():
         async with workers() as (prefill, decode):
             admitted = await admit(decode, "r")
-            for receiver in decode.receivers:     # the decode worker is gone (its receivers with it)
+            for receiver in core(decode).receivers:     # the decode worker is gone (its receivers with it)
                 await receiver.close()
             with pytest.raises(Exception) as err:
                 await prefill.prefill(prefill_request("r", admitted))

@@ -217,3 +217,18 @@ def test_the_metrics_table_is_what_the_processes_export():
     from baton.serving.metrics import table
     assert (REPO / "docs" / "metrics.md").read_text() == table(), \
         "regenerate it: python -m baton.serving.metrics > docs/metrics.md"
+
+
+def test_observing_many_at_once_equals_observing_each():
+    """The router's inter-token latency records a paced message's tokens in one go (observe_many)."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from baton.serving.metrics import LATENCY_BUCKETS, observe_many
+    one, many = (Histogram(name, "", buckets=LATENCY_BUCKETS, registry=CollectorRegistry()) for name in ("a", "b"))
+    for value, count in ((0.0, 3), (0.004, 5), (0.2, 1), (100.0, 2), (0.01, 0)):
+        for _ in range(count):
+            one.observe(value)
+        observe_many(many, value, count)
+    samples = [[(s.name[1:], s.labels, s.value) for s in next(iter(h.collect())).samples if not s.name.endswith("created")]
+               for h in (one, many)]
+    assert samples[0] == samples[1]

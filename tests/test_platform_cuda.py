@@ -503,7 +503,8 @@ def test_the_one_pass_sampler_draws_what_the_torch_sampler_draws():
     has_seed = torch.ones(n, dtype=torch.bool, device="cuda")
     positions = torch.arange(n, device="cuda", dtype=torch.int64) + 100
     batch = SamplingBatch(temps, torch.zeros(n, dtype=torch.int64, device="cuda"), torch.ones(n, device="cuda"),
-                          seeds, has_seed, positions, False, False, False, True)
+                          seeds, has_seed, positions, all_greedy=False, any_greedy=True, any_top_k=False,
+                          any_top_p=False, any_seed=True)
     want = Sampler()(logits, batch)
     got = sample(logits, temps, seeds, has_seed, positions, step_seed=1)
     agree = (want == got).float().mean().item()

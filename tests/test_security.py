@@ -147,10 +147,11 @@ def test_bad_credentials_are_refused(cluster, pki, reliability, embedded_llm):
         ca, open(key, "rb").read(), open(cert, "rb").read()))) is None          # the right cert gets in
     # a host with a good certificate but not the KV secret cannot become a KV peer
     node = TLSConfig(cert=cert, key=key, ca=pki["ca"])
+    kv = cluster.worker("decode-0").status(tls=node).kv_address        # its engine core's KV port
     for name, secret in [("KV handshake: right cert, no secret", None),
                          ("KV handshake: right cert, wrong secret", b"not-the-kv-secret-0123456789")]:
-        refused[name] = _kv_handshake(worker, embedded_llm.engine, node, secret)
-    assert _kv_handshake(worker, embedded_llm.engine, node, KV_SECRET.encode()) is None
+        refused[name] = _kv_handshake(kv, embedded_llm.engine, node, secret)
+    assert _kv_handshake(kv, embedded_llm.engine, node, KV_SECRET.encode()) is None
     unauth = {"no token", "wrong token", "not a bearer header", "token on GetModelInfo too",
               "KV handshake: right cert, no secret", "KV handshake: right cert, wrong secret"}
     for name, code in refused.items():

@@ -30,6 +30,7 @@ from baton.router.config import RouterConfig
 from baton.router.images import ImagePolicy, check_limits
 from baton.router.registry import Registry, Worker
 from baton.router.server import RouterService
+from baton.router.token_bus import TokenBus
 from baton.router.validation import chat_messages
 from baton.v1 import decode_pb2, prefill_pb2, router_pb2, worker_pb2
 
@@ -193,32 +194,39 @@ def generate(svc: RouterService, req) -> list[router_pb2.GenerateResponse]:
     return asyncio.run(main())
 
 
-class FakeStream:
-    """A worker's token stream: chunks, then (optionally) the worker dying."""
+class FakeBus:
+    """A worker's token bus (Decode.Subscribe): an empty batch, then what the worker puts on it,
+    then (optionally) the worker dying."""
 
-    def __init__(self, items):
-        self.items = list(items)
+    def __init__(self):
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.items.put_nowait(decode_pb2.TokenBatch())
 
     async def read(self):
-        if not self.items:
-            return grpc.aio.EOF
-        item = self.items.pop(0)
+        item = await self.items.get()
         if isinstance(item, Exception):
             raise item
         return item
 
+    def send(self, request_id: str, *chunks) -> None:
+        for c in chunks:
+            if isinstance(c, Exception):
+                self.items.put_nowait(c)
+            else:
+                c.request_id = request_id
+                self.items.put_nowait(decode_pb2.TokenBatch(chunks=[c]))
+
     def cancel(self):
-        self.items = []
+        self.items.put_nowait(grpc.aio.EOF)
 
 
 def died() -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "worker died")
 
 
-def finishing(prompt) -> FakeStream:
+def finishing(prompt) -> list:
     usage = router_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=1)
-    return FakeStream([decode_pb2.TokenChunk(token_ids=[13], finish_reason=router_pb2.FINISH_REASON_LENGTH,
-                                             usage=usage)])
+    return [decode_pb2.TokenChunk(token_ids=[13], finish_reason=router_pb2.FINISH_REASON_LENGTH, usage=usage)]
 
 
 class FakeWorkers:
@@ -230,28 +238,43 @@ class FakeWorkers:
 
     def worker(self, address, role):
         w = Worker(address, role, healthy=True)
-        w.stub = self
+        w.stub = FakeStub(self)
+        w.bus = TokenBus(w.stub, address)
         return w
 
+
+class FakeStub:
+    """One fake worker's RPCs (what they were sent goes to the shared FakeWorkers)."""
+
+    def __init__(self, workers: FakeWorkers):
+        self.w = workers
+        self.bus: FakeBus | None = None
+
+    def Subscribe(self, req, timeout=None):
+        self.bus = FakeBus()
+        return self.bus
+
     async def Prefill(self, req, timeout=None):
-        self.prefills.append(req)
+        self.w.prefills.append(req)
         return prefill_pb2.PrefillResponse(first_token=11)
 
     async def Admit(self, req, timeout=None):
-        self.admits.append(req)
-        return decode_pb2.AdmitResponse(transfer_id=f"t{len(self.admits)}", kv_address="kv:1", backend="grpc")
+        self.w.admits.append(req)
+        self.w.streams += 1
+        if self.w.streams == 1:
+            self.bus.send(req.request_id, decode_pb2.TokenChunk(token_ids=[11]), decode_pb2.TokenChunk(token_ids=[12]),
+                          died())
+        else:
+            self.bus.send(req.request_id, *finishing(req.prompt_token_ids))
+        return decode_pb2.AdmitResponse(transfer_id=f"t{len(self.w.admits)}", kv_address="kv:1", backend="grpc")
 
-    def Stream(self, req, timeout=None):
-        self.streams += 1
-        if self.streams == 1:
-            return FakeStream([decode_pb2.TokenChunk(token_ids=[11]), decode_pb2.TokenChunk(token_ids=[12]), died()])
-        return finishing(self.admits[-1].prompt_token_ids)
-
-    def Generate(self, req, timeout=None):                     # colocated: dies at once the first time
-        self.generates.append(req)
-        if len(self.generates) == 1:
-            return FakeStream([died()])
-        return finishing(req.prompt_token_ids)
+    async def Start(self, req, timeout=None):                     # colocated: dies at once the first time
+        self.w.generates.append(req)
+        if len(self.w.generates) == 1:
+            self.bus.send(req.request_id, died())
+        else:
+            self.bus.send(req.request_id, *finishing(req.prompt_token_ids))
+        return decode_pb2.StartResponse()
 
     async def Abort(self, req, timeout=None):
         return worker_pb2.WorkerAbortResponse()

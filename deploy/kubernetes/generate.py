@@ -16,6 +16,7 @@ import yaml
 
 HERE = Path(__file__).parent
 PORTS = {"router": 50051, "prefill": 50071, "decode": 50061}
+KV_PORT = 50062                 # a decode worker's engine core takes KV pushes here (pod IP to pod IP)
 METRICS = {"router": 9051, "prefill": 9071, "decode": 9061}
 HTTP_PORT = 8000
 
@@ -61,6 +62,9 @@ def container(role: str, profile: dict) -> dict:
         # peers dial the pod's IP; the KV secret proves prefill and decode to each other
         env += [{"name": "BATON_ADVERTISE_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 secret_env("BATON_KV_SECRET", "baton-kv", "secret")]
+        if role == "decode":
+            args += ["--kv-port", str(KV_PORT)]
+            ports.append({"name": "kv", "containerPort": KV_PORT})
         resources = profile["worker"]
     grpc_probe = {"grpc": {"port": port}}
     return {

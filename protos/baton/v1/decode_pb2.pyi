@@ -9,18 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "timeout_ms", "backend")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "timeout_ms", "backend", "subscriber", "stream_timeout_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    STREAM_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _router_pb2.SamplingParams
     timeout_ms: int
     backend: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    subscriber: str
+    stream_timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., backend: _Optional[str] = ..., subscriber: _Optional[str] = ..., stream_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
     __slots__ = ("transfer_id", "num_blocks", "kv_address", "backend")
@@ -43,29 +47,53 @@ class StreamRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "timeout_ms", "images")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "timeout_ms", "images", "subscriber")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _router_pb2.SamplingParams
     timeout_ms: int
     images: _containers.RepeatedCompositeFieldContainer[_router_pb2.Image]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., images: _Optional[_Iterable[_Union[_router_pb2.Image, _Mapping]]] = ...) -> None: ...
+    subscriber: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., images: _Optional[_Iterable[_Union[_router_pb2.Image, _Mapping]]] = ..., subscriber: _Optional[str] = ...) -> None: ...
+
+class StartResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("subscriber",)
+    SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    subscriber: str
+    def __init__(self, subscriber: _Optional[str] = ...) -> None: ...
+
+class TokenBatch(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[TokenChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TokenChunk, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage", "handover_seconds")
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "handover_seconds", "request_id", "error_code", "error_message")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _router_pb2.FinishReason
     usage: _router_pb2.Usage
     handover_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_router_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_router_pb2.Usage, _Mapping]] = ..., handover_seconds: _Optional[float] = ...) -> None: ...
+    request_id: str
+    error_code: int
+    error_message: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_router_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_router_pb2.Usage, _Mapping]] = ..., handover_seconds: _Optional[float] = ..., request_id: _Optional[str] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...

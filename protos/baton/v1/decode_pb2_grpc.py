@@ -60,6 +60,16 @@ class DecodeStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/baton.v1.Decode/Subscribe',
+                request_serializer=baton_dot_v1_dot_decode__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_decode__pb2.TokenBatch.FromString,
+                _registered_method=True)
+        self.Start = channel.unary_unary(
+                '/baton.v1.Decode/Start',
+                request_serializer=baton_dot_v1_dot_decode__pb2.WorkerGenerateRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_decode__pb2.StartResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -96,6 +106,19 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Subscribe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Start(self, request, context):
+        """colocated role only
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +146,16 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.GetStatusRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=baton_dot_v1_dot_decode__pb2.SubscribeRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_decode__pb2.TokenBatch.SerializeToString,
+            ),
+            'Start': grpc.unary_unary_rpc_method_handler(
+                    servicer.Start,
+                    request_deserializer=baton_dot_v1_dot_decode__pb2.WorkerGenerateRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_decode__pb2.StartResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +293,60 @@ class Decode:
             '/baton.v1.Decode/GetStatus',
             baton_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.Decode/Subscribe',
+            baton_dot_v1_dot_decode__pb2.SubscribeRequest.SerializeToString,
+            baton_dot_v1_dot_decode__pb2.TokenBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Start(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Decode/Start',
+            baton_dot_v1_dot_decode__pb2.WorkerGenerateRequest.SerializeToString,
+            baton_dot_v1_dot_decode__pb2.StartResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,7 +11,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "model", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "block_size", "max_model_len", "kv_backends", "device", "draining", "requests_served")
+    __slots__ = ("role", "model", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "block_size", "max_model_len", "kv_backends", "device", "draining", "requests_served", "kv_address")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class WorkerStatus(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     running: int
@@ -36,7 +37,8 @@ class WorkerStatus(_message.Message):
     device: str
     draining: bool
     requests_served: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_backends: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., draining: _Optional[bool] = ..., requests_served: _Optional[int] = ...) -> None: ...
+    kv_address: str
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_backends: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., draining: _Optional[bool] = ..., requests_served: _Optional[int] = ..., kv_address: _Optional[str] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -1,0 +1,270 @@
+"""The front's handle on its engine core (serving/engine_core.py): start it, call its
+commands, hear its per-step updates, and notice when it dies or hangs.
+
+`ProcessCore` runs the core as a child process over two socket pairs (the default);
+`LocalCore` runs it on this process's event loop (the in-memory KV backend, tools, tests).
+Both hand the front the same messages, so the front has one code path.
+
+A core that exits, or goes `hang_timeout` seconds without a step or an idle beat once it
+serves, is dead: every call in flight fails UNAVAILABLE and `on_death` tells the front, which
+ends the worker (the supervisor and the router know what to do about a dead worker).
+Torch-free.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+
+import grpc
+
+from baton.serving.core_protocol import (
+    BEAT,
+    CALL,
+    FATAL,
+    HELLO,
+    INIT,
+    REPLY,
+    UPDATES,
+    CoreStats,
+    FrameWriter,
+    decode_error,
+    open_reader,
+    read_frame,
+)
+from baton.serving.grpc_server import ServiceError
+from baton.serving.worker_config import WorkerConfig
+
+WATCH_EVERY_S = 1.0
+STOP_TIMEOUT_S = 15.0
+
+
+class CoreDied(ServiceError):
+    def __init__(self, reason: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, f"the worker's engine core {reason}")
+
+
+class CoreClient:
+    """What both kinds share: calls, the messages' dispatch, the watchdog."""
+
+    def __init__(self, cfg: WorkerConfig, target: str, on_updates: Callable[[list[tuple]], None],
+                 on_metrics: Callable[[list[tuple]], None], on_death: Callable[[str], None]):
+        self.cfg, self.target = cfg, target
+        self.on_updates, self.on_metrics, self.on_death = on_updates, on_metrics, on_death
+        self.stats = CoreStats()
+        self.info: dict = {}
+        self.dead: str | None = None
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._hello: asyncio.Future | None = None
+        self._heard = 0.0
+        self._watch: asyncio.Task | None = None
+
+    async def start(self) -> dict:
+        """Until the core serves (its model loaded); ValueError with its one-line reason if it
+        could not start."""
+        loop = asyncio.get_running_loop()
+        self._hello = loop.create_future()
+        await self._launch()
+        self.info = await self._hello
+        self._heard = loop.time()
+        self._watch = asyncio.ensure_future(self._watchdog())
+        return self.info
+
+    async def call(self, method: str, *args, timeout: float | None = None):
+        """Run a command of the core and return its result (or raise its error)."""
+        if self.dead is not None:
+            raise CoreDied(self.dead)
+        return await asyncio.wait_for(self._call(method, args), timeout)
+
+    def cast(self, method: str, *args) -> None:
+        """A command whose result nobody waits for (abort)."""
+        if self.dead is None:
+            self._send(0, method, args)
+
+    # -- the core's messages -------------------------------------------------------------------
+    def _message(self, msg: tuple) -> None:
+        kind = msg[0]
+        self._heard = asyncio.get_running_loop().time()
+        if kind == UPDATES:
+            _, updates, self.stats, metrics = msg
+            self.on_metrics(metrics)
+            self.on_updates(updates)
+        elif kind == BEAT:
+            _, self.stats, metrics = msg
+            self.on_metrics(metrics)
+        elif kind == REPLY:
+            _, call_id, error, value = msg
+            fut = self._calls.pop(call_id, None)
+            if error:
+                _fail(fut, decode_error(error))
+            else:
+                _resolve(fut, value)
+        elif kind == HELLO:
+            self.info = msg[1]
+            self.stats = self.info["stats"]
+            _resolve(self._hello, self.info)
+        elif kind == FATAL:
+            _fail(self._hello, ValueError(msg[1]))
+
+    def _died(self, reason: str) -> None:
+        if self.dead is not None:
+            return
+        self.dead = reason
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(CoreDied(reason))
+        self._calls.clear()
+        if not self.info:                   # still starting: start() raises instead
+            _fail(self._hello, ValueError(f"the engine core {reason} before it served"))
+            return
+        self.on_death(reason)
+
+    async def _watchdog(self) -> None:
+        loop = asyncio.get_running_loop()
+        limit = self.cfg.engine_hang_timeout
+        while self.dead is None:
+            await asyncio.sleep(WATCH_EVERY_S)
+            silent = loop.time() - self._heard
+            if limit and silent > limit:
+                self._died(f"made no step and sent no heartbeat for {silent:.0f}s (limit "
+                           f"--engine-hang-timeout {limit:g}s): hung")
+                await self._kill()
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        self.dead = self.dead or "stopped"
+
+    # -- transport, per kind ---------------------------------------------------------------------
+    async def _launch(self) -> None:
+        raise NotImplementedError
+
+    async def _call(self, method: str, args: tuple):
+        raise NotImplementedError
+
+    def _send(self, call_id: int, method: str, args: tuple) -> None:
+        raise NotImplementedError
+
+    async def _kill(self) -> None:
+        return None
+
+
+class ProcessCore(CoreClient):
+    """The core in a child process: `python -m baton.serving.engine_core --fds C,E`."""
+
+    proc: subprocess.Popen | None = None
+
+    async def _launch(self) -> None:
+        front_cmd, core_cmd = socket.socketpair()
+        front_evt, core_evt = socket.socketpair()
+        fds = (core_cmd.fileno(), core_evt.fileno())
+        self.proc = subprocess.Popen([sys.executable, "-m", "baton.serving.engine_core", "--fds",
+                                      ",".join(map(str, fds))], pass_fds=fds)
+        core_cmd.close()
+        core_evt.close()
+        self._writer = FrameWriter(front_cmd)
+        self._writer.send((INIT, self.target, self.cfg))
+        self._reader = asyncio.ensure_future(self._read(await open_reader(front_evt)))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                self._message(await read_frame(reader))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        code = await asyncio.get_running_loop().run_in_executor(None, self._wait_exit)
+        self._died(f"exited (code {code})" if code is not None else "closed its socket")
+
+    def _wait_exit(self, timeout: float = 5.0) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    async def _call(self, method: str, args: tuple):
+        call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            self._send(call_id, method, args)
+            return await fut
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _send(self, call_id: int, method: str, args: tuple) -> None:
+        try:
+            self._writer.send((CALL, call_id, method, args))
+        except OSError as exc:
+            self._died(f"is unreachable ({exc})")
+            raise CoreDied(self.dead) from None
+
+    async def stop(self) -> None:
+        """Close the command socket (the core stops its engine and exits); kill it if it doesn't."""
+        await super().stop()
+        if self.proc is None:
+            return
+        self._writer.close()
+        loop = asyncio.get_running_loop()
+        if await loop.run_in_executor(None, self._wait_exit, STOP_TIMEOUT_S) is None:
+            await self._kill()
+
+    async def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            await asyncio.get_running_loop().run_in_executor(None, self._wait_exit)
+
+
+class LocalCore(CoreClient):
+    """The core on this event loop (its engine on a thread of this process)."""
+
+    core = None
+
+    async def _launch(self) -> None:
+        from baton.serving.engine_core import load_core  # the engine (torch) only in this mode
+        loop = asyncio.get_running_loop()
+        self.core = load_core(self.target)(self.cfg, lambda msg: loop.call_soon_threadsafe(self._message, msg))
+        try:
+            info = await self.core.start()
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ValueError(f"{type(exc).__name__}: {exc}") from exc
+        self._message((HELLO, info))
+
+    async def _call(self, method: str, args: tuple):
+        return await self.core.handle(method, args)
+
+    def _send(self, call_id: int, method: str, args: tuple) -> None:
+        task = asyncio.ensure_future(self.core.handle(method, args))
+        task.add_done_callback(_retrieve)
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.core is not None:
+            await self.core.stop()
+
+
+def start_core(cfg: WorkerConfig, target: str, **callbacks) -> CoreClient:
+    """The core the config asks for: its own process unless --no-engine-process."""
+    return (ProcessCore if cfg.engine_process else LocalCore)(cfg, target, **callbacks)
+
+
+def _resolve(fut: asyncio.Future | None, value) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(value)
+
+
+def _fail(fut: asyncio.Future | None, exc: BaseException) -> None:
+    if fut is not None and not fut.done():
+        fut.set_exception(exc)
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        with contextlib.suppress(Exception):
+            task.exception()

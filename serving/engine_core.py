@@ -1,0 +1,255 @@
+"""A worker's engine core: the step loop and everything that touches the device and the KV
+cache (the KV-transfer plane too), apart from the worker's front (serving/worker.py), which
+serves its RPCs, makes the text and streams the tokens.
+
+The core runs in a process of its own (`python -m baton.serving.engine_core`, started by
+the front through serving/core_client.py), so the step loop never waits for the front's
+event loop and its gRPC writes: they don't share an interpreter. After every step it sends
+the front ONE message with every request's new tokens (serving/core_protocol.py). For
+in-process tools and tests (the in-memory KV backend) the same core runs on the front's event
+loop instead; nothing else differs.
+
+`EngineCore` is what every role shares; prefill_service/core.py and decode_service/core.py
+add their commands (`cmd_<name>` coroutines) and their half of the KV plane.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import ctypes
+import importlib
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import grpc
+
+from baton.engine.async_engine import AsyncEngine
+from baton.engine.kv_handoff import KVHandoff
+from baton.engine.llm_engine import LLMEngine, freeze_startup_objects
+from baton.engine.output_processor import RequestOutput
+from baton.kvtransfer.factory import accepted
+from baton.kvtransfer.layout import KVLayout
+from baton.serving.core_protocol import (
+    BEAT,
+    CALL,
+    FATAL,
+    HELLO,
+    REPLY,
+    UPDATES,
+    CoreStats,
+    FrameWriter,
+    encode_error,
+    open_reader,
+    read_frame,
+)
+from baton.serving.grpc_server import ServiceError
+from baton.serving.logs import setup_logging
+from baton.serving.worker_config import WorkerConfig
+
+BEAT_INTERVAL_S = 0.5              # an idle core still says it is alive this often
+STOP_TIMEOUT_S = 10.0
+
+Emit = Callable[[tuple], None]
+
+
+class MetricEvents:
+    """Observations made in the core (step time, KV bytes, ...), recorded by the front's
+    Prometheus registry: (metric attribute of serving.metrics.Metrics, labels, value).
+    Appended from any thread; taken with the next message."""
+
+    def __init__(self):
+        self._events: collections.deque = collections.deque()
+
+    def add(self, metric: str, value: float, *labels: str) -> None:
+        self._events.append((metric, labels, value))
+
+    def take(self) -> list[tuple[str, tuple[str, ...], float]]:
+        taken = []
+        while self._events:
+            taken.append(self._events.popleft())
+        return taken
+
+
+class EngineCore:
+    def __init__(self, cfg: WorkerConfig, emit: Emit):
+        self.cfg = cfg
+        self.emit = emit
+        self.engine: AsyncEngine | None = None
+        self.handoff: KVHandoff | None = None      # the role's side of the engine's KV seam
+        self.metrics = MetricEvents()
+        self._last_emit = 0.0
+
+    @property
+    def llm(self) -> LLMEngine:
+        return self.engine.engine
+
+    async def start(self) -> dict:
+        """Load the model, start the step loop and the KV plane; returns the hello info."""
+        if self.cfg.gil_switch_ms:
+            sys.setswitchinterval(self.cfg.gil_switch_ms / 1e3)
+        print(f"[baton] {self.cfg.role}: loading {self.cfg.engine.model} on {self.cfg.engine.device}",
+              file=sys.stderr, flush=True)
+        loop = asyncio.get_running_loop()
+        llm = await loop.run_in_executor(None, lambda: LLMEngine(self.cfg.engine, handoff=self.handoff))
+        llm.stream_text = False            # the front makes the text (and applies stop strings)
+        freeze_startup_objects()
+        self.engine = AsyncEngine(llm, loop)
+        self.engine.on_step = self._stepped
+        self.engine.on_idle = self._idle
+        await self.start_transport()
+        return self.hello()
+
+    async def start_transport(self) -> None:
+        """The role's KV plane (decode: the receivers' server; prefill: nothing until a push)."""
+
+    def hello(self) -> dict:
+        llm, src = self.llm, self.llm.source
+        return {"model": src.name, "architecture": src.architecture, "vocab_size": llm.vocab_size,
+                "max_model_len": llm.max_model_len, "block_size": llm.config.block_size,
+                "eos_token_ids": list(llm.eos_token_ids), "tokenizer_dir": src.tokenizer_dir(),
+                "kv_backends": self.kv_backends(), "device": self.cfg.engine.device, "stats": self.stats()}
+
+    def kv_backends(self) -> list[str]:
+        return accepted(self.cfg.kv_backend)
+
+    def kv_layout(self) -> KVLayout:
+        """This worker's KV layout, for the transfer handshake (both ends must agree)."""
+        spec = self.llm.kv_spec
+        return KVLayout(model=self.llm.source.name, architecture=self.llm.source.architecture, dtype=spec.dtype,
+                        block_size=spec.block_size, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                        head_dim=spec.head_dim, tp_size=1, tp_rank=0, backends=self.kv_backends())
+
+    async def handle(self, method: str, args: tuple):
+        fn = getattr(self, f"cmd_{method}", None)
+        if fn is None:
+            raise ValueError(f"the {self.cfg.role} engine core has no command {method!r}")
+        return await fn(*args)
+
+    async def stop(self) -> None:
+        """Release the KV plane (device communicators), then stop the engine."""
+        await self.stop_transport()
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    async def stop_transport(self) -> None:
+        return None
+
+    # -- what the front hears ------------------------------------------------------------------
+    def num_pending(self) -> int:
+        """Requests admitted whose KV has not landed yet (decode)."""
+        return 0
+
+    def stats(self) -> CoreStats:
+        s = self.engine.stats()
+        return CoreStats(s.running, s.waiting + self.num_pending(), s.kv_blocks_total, s.kv_blocks_free)
+
+    def update_of(self, out: RequestOutput) -> tuple:
+        error = encode_error(self.failure(out)) if out.error else None
+        return out.request_id, out.new_token_ids, out.finish_reason, out.cached_tokens, error, 0.0
+
+    def failure(self, out: RequestOutput) -> Exception:
+        """What a request the engine ended with an error (out.error) ends with for its client."""
+        return ServiceError(grpc.StatusCode.UNAVAILABLE, f"request {out.request_id} failed: {out.error}")
+
+    def send_updates(self, updates: list[tuple]) -> None:
+        self.emit((UPDATES, updates, self.stats(), self.metrics.take()))
+        self._last_emit = time.monotonic()
+
+    def _stepped(self, llm: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """Engine thread, after each step: one message with every request's new tokens."""
+        self.metrics.add("step_seconds", llm.last_step_seconds, "step")
+        self.send_updates([self.update_of(out) for out in outputs])
+
+    def _idle(self, llm: LLMEngine) -> None:
+        now = time.monotonic()
+        if now - self._last_emit >= BEAT_INTERVAL_S:
+            self._last_emit = now
+            self.emit((BEAT, self.stats(), self.metrics.take()))
+
+
+# -- the core's own process ------------------------------------------------------------------
+class CoreHost:
+    """Serves one core over the front's sockets: runs each CALL as a task, replies, and ends
+    everything when the front goes away (its socket closes)."""
+
+    def __init__(self, core: EngineCore, writer: FrameWriter):
+        self.core, self.writer = core, writer
+        self.tasks: set[asyncio.Task] = set()
+
+    async def serve(self, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                kind, call_id, method, args = await read_frame(reader)
+                if kind == CALL:
+                    task = asyncio.ensure_future(self._run(call_id, method, args))
+                    self.tasks.add(task)
+                    task.add_done_callback(self.tasks.discard)
+
+    async def _run(self, call_id: int, method: str, args: tuple) -> None:
+        try:
+            value, error = await self.core.handle(method, args), None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            value, error = None, encode_error(exc)
+            if not isinstance(exc, (ValueError, TimeoutError)) and error[1] == "INTERNAL":
+                traceback.print_exc()
+        if call_id:
+            self.writer.send((REPLY, call_id, error, value))
+
+
+def load_core(target: str) -> type[EngineCore]:
+    """"package.module:Class" -> the class (the front names its role's core; serving never
+    imports a service)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+async def _serve(command_fd: int, event_fd: int) -> int:
+    writer = FrameWriter(socket.socket(fileno=event_fd))
+    reader = await open_reader(socket.socket(fileno=command_fd))
+    _, target, cfg = await read_frame(reader)
+    setup_logging(cfg.log_level, cfg.log_format)
+    core = load_core(target)(cfg, writer.send)
+    try:
+        info = await core.start()
+    except Exception as exc:            # the front shows one line and exits; tracebacks for bugs only
+        if not isinstance(exc, ValueError):
+            traceback.print_exc()
+        writer.send((FATAL, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"))
+        return 2
+    writer.send((HELLO, info))
+    await CoreHost(core, writer).serve(reader)
+    try:                                # the front is gone or asked us to stop: release the device
+        await asyncio.wait_for(core.stop(), STOP_TIMEOUT_S)
+    except TimeoutError:
+        print("[baton] engine core: stopping took too long; exiting anyway", file=sys.stderr, flush=True)
+    return 0
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel ends this process when its front dies, whatever the core is doing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m baton.serving.engine_core",
+                                description="a worker's engine core; started by the worker, not by hand")
+    p.add_argument("--fds", required=True, help="COMMAND_FD,EVENT_FD: the sockets to the front")
+    args = p.parse_args(argv)
+    command_fd, event_fd = (int(x) for x in args.fds.split(","))
+    _die_with_parent()
+    # Ctrl-C reaches the whole process group: the front drains first, then closes our socket
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(asyncio.run(_serve(command_fd, event_fd)))
+
+
+if __name__ == "__main__":
+    main()
