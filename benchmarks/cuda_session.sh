@@ -72,7 +72,7 @@ for step in $STEPS; do
                 cap=""; [ $c != 256 ] && cap="--max-concurrency $c"
                 timeout ${SERVED_TIMEOUT:-280} python3 -m baton bench serve --topologies 1colocated --model $m \
                   --devices cuda:0 --dataset random --input-len 100:1024 --output-len 100:1024 --request-rates inf \
-                  --num-prompts 256 $cap --api grpc,openai --offline-baseline --worker-args "${SERVED_WORKER_ARGS:-}" \
+                  --num-prompts 256 $cap --api grpc,openai --offline-baseline --worker-args="${SERVED_WORKER_ARGS:-}" \
                   --no-plots --output "$OUT/served-$m-c$c.json" 2>&1 | tee "$OUT/served-$m-c$c.log" \
                   | grep "^\[bench\]" | grep -v "requests done\|done, "
               done

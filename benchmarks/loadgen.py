@@ -147,7 +147,7 @@ class OpenAIClient:
                         chunk = json.loads(line[6:])
                         now = time.perf_counter()
                         choice = (chunk.get("choices") or [{}])[0]
-                        if choice.get("text"):
+                        if choice.get("text") is not None:          # a token-bearing event (its text may be "")
                             if res.ttft is None:
                                 res.ttft = now - start
                             else:

@@ -213,13 +213,14 @@ def run_baton(args: argparse.Namespace, workload: OfflineWorkload) -> tuple[dict
     _drive(engine, warmup_workload(workload, args.seed), recorder, progress=False)
     recorder.device_events.clear()
     with GcPauses() as gc_pauses:
-        wall, out_tokens, steps, step_seconds = _drive(engine, workload, recorder, progress=True)
+        wall, out_tokens, steps, step_seconds, tpots = _drive(engine, workload, recorder, progress=True)
     decode_s = [t for s, t in zip(steps, step_seconds, strict=True) if s.is_decode]
     prefill_s = [t for s, t in zip(steps, step_seconds, strict=True) if not s.is_decode]
     results = {
         "engine": "baton", "mode": "baton continuous batching", "load_seconds": load_seconds,
         "wall_seconds": wall, "prompt_tokens": workload.prompt_tokens, "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / wall, "total_tokens_per_s": (workload.prompt_tokens + out_tokens) / wall,
+        "tpot_s": summarize(tpots),
         "steps": {"count": len(steps), "scheduled_tokens": sum(s.tokens for s in steps),
                   "sampled_rows": sum(s.sampled for s in steps), "decode_seconds": summarize(decode_s),
                   "prefill_seconds": summarize(prefill_s),
@@ -243,11 +244,14 @@ def _slowest(steps: list[StepShape], seconds: list[float], n: int = 5) -> list[d
 
 
 def _drive(engine, workload: OfflineWorkload, recorder: StepRecorder, progress: bool):
-    """Add every request, step until all finish; (wall, output tokens, step shapes, step seconds)."""
+    """Add every request, step until all finish; (wall, output tokens, step shapes, step seconds,
+    per-request TPOT: (finish - first token) / (tokens - 1), as `bench serve` computes it from a client)."""
     from baton.engine import SamplingParams
     steps: list[StepShape] = []
     step_seconds: list[float] = []
     out_tokens = finished = idle = 0
+    first: dict[str, float] = {}
+    tpots: list[float] = []
     t0 = last = time.perf_counter()
     for ids, n in zip(workload.prompts, workload.output_lens, strict=True):
         engine.add_request(ids, SamplingParams(temperature=workload.temperature, max_tokens=n, ignore_eos=True))
@@ -257,6 +261,10 @@ def _drive(engine, workload: OfflineWorkload, recorder: StepRecorder, progress: 
         te = time.perf_counter()
         out_tokens += sum(len(o.new_token_ids) for o in outs)     # (a step ahead: the last call only resolves)
         finished += sum(o.finished for o in outs)
+        for o in outs:
+            first.setdefault(o.request_id, te)
+            if o.finished and o.completion_tokens > 1:
+                tpots.append((te - first[o.request_id]) / (o.completion_tokens - 1))
         if recorder.last is None:
             idle = idle + 1 if not outs else 0
             if idle > 1000:
@@ -270,7 +278,7 @@ def _drive(engine, workload: OfflineWorkload, recorder: StepRecorder, progress: 
             last = te
             print(f"[bench] {finished}/{len(workload.prompts)} done, {out_tokens} tokens, "
                   f"{out_tokens / (te - t0):.1f} tok/s", file=sys.stderr, flush=True)
-    return time.perf_counter() - t0, out_tokens, steps, step_seconds
+    return time.perf_counter() - t0, out_tokens, steps, step_seconds, tpots
 
 
 def _print_summary(r: dict) -> None:

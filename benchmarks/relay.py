@@ -39,7 +39,7 @@ SYNTHETIC_CORE = "baton.benchmarks.synthetic_core:SyntheticCore"
 STEP_MS_ENV = "BATON_SYNTHETIC_STEP_MS"     # the synthetic core reads its step interval from it
 
 GOAL_TOK_S = 100_000
-FULL = dict(workers=4, clients=4, streams=1000, max_tokens=200, step_ms="5,20", timeout=300.0)
+FULL = dict(workers=4, clients=4, streams=1000, max_tokens=2000, step_ms="5", timeout=300.0)
 SMOKE = dict(workers=2, clients=1, streams=40, max_tokens=20, step_ms="5", timeout=60.0)
 START_TIMEOUT_S = 120.0
 STREAMS_PER_CHANNEL = 64            # streams share an HTTP/2 connection, as a real client's would
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("deployment")
     d.add_argument("--workers", type=int, default=None, help="synthetic colocated workers (default 4; smoke 2)")
     d.add_argument("--step-ms", default=None, help="comma list of step intervals, one run each: every stream "
-                   "gets one token per step (default 5,20: 200k and 50k tok/s offered by 1000 streams; smoke 5)")
+                   "gets one token per step (default 5: 200k tok/s offered by 1000 streams; smoke 5)")
     d.add_argument("--model", default=DEFAULT_MODEL, help="the model name the router serves (its tokenizer "
                    "is loaded; the workers only take the name)")
     d.add_argument("--tokenizer", default=None, help="tokenizer directory instead of the model's own (a preset "
@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--clients", type=int, default=None, help="client processes (default 4; smoke 1)")
     c.add_argument("--streams", type=int, default=None, help="concurrent streams, all clients together "
                    "(default 1000; smoke 40)")
-    c.add_argument("--max-tokens", type=int, default=None, help="tokens per stream (default 200; smoke 20)")
+    c.add_argument("--max-tokens", type=int, default=None, help="tokens per stream (default 2000: ten seconds at "
+                   "5 ms steps, so the figure is the steady relay rather than the streams' set-up; smoke 20)")
     c.add_argument("--prompt-len", type=int, default=8, help="prompt token ids per request")
     c.add_argument("--timeout", type=float, default=None, help="seconds per run (default 300; smoke 60)")
 

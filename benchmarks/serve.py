@@ -316,10 +316,14 @@ def _offline_baseline(args: argparse.Namespace, topologies: dict[str, dict], log
             point = t["rates"][i]
             point["offline_baseline"] = baseline.compare(point, offline)
             b = point["offline_baseline"]
-            ratio = b["tpot_p50_over_decode_step_p50"]
             print(f"[bench] {name} rate {point['request_rate']:g}: served {point['output_throughput']:.0f} tok/s / "
                   f"offline {b['output_tokens_per_s']:.0f} tok/s = {b['served_over_offline']:.3f}; TPOT p50 / offline "
-                  f"decode step p50 = {'-' if ratio is None else f'{ratio:.2f}'}", file=sys.stderr, flush=True)
+                  f"decode step p50 = {_ratio(b['tpot_p50_over_decode_step_p50'])}, / offline TPOT p50 = "
+                  f"{_ratio(b['tpot_p50_over_offline_tpot_p50'])}", file=sys.stderr, flush=True)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def recommend(topologies: dict[str, dict], slo_tpots_ms: list[float]) -> list[dict]:

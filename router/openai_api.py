@@ -306,7 +306,7 @@ class OpenAIServer:
 
         def chunk(text: str | None, reason: str | None, role: bool = False) -> dict:
             if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
@@ -319,8 +319,11 @@ class OpenAIServer:
             item = first
             while item is not None:
                 reason = FINISH.get(item.finish_reason) if item.finish_reason else None
-                if item.text or reason:
-                    await send(chunk(item.text, reason))
+                # new tokens whose text is held back (half a character, a possible stop string) or empty
+                # (special tokens) still make an event, with empty text: the client sees progress, as
+                # a gRPC client does, and a token's time is when it came, not when its text did
+                if item.text or item.token_ids or reason:
+                    await send(chunk(item.text if item.text or item.token_ids else None, reason))
                 if reason:
                     usage = item.usage
                     break
