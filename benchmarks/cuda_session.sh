@@ -95,7 +95,7 @@ for step in $STEPS; do
               else load="--output-len 128:384 --request-rates ${B2_DH_RATES:-8,32} --num-prompts ${B2_DH_PROMPTS:-64}"; fi
               timeout ${B2_TIMEOUT:-280} python3 -m baton bench serve --topologies ${B2_TOPOLOGIES:-1p1d,2colocated} \
                 --model ${B2_MODEL:-qwen3-8b} --devices ${B2_DEVICES:-cuda:0,cuda:1} --kv-backend ${B2_KV:-direct} \
-                --worker-args "${B2_WORKER_ARGS:-}" --dataset $ds $load --slo-ttft-ms 1000 \
+                --worker-args="${B2_WORKER_ARGS:-}" --dataset $ds $load --slo-ttft-ms 1000 \
                 --slo-tpot-ms ${B2_TPOT:-50,25,15,10} --output "$OUT/b2-$ds${B2_TAG:-}.json" 2>&1 \
                 | tee "$OUT/b2-$ds${B2_TAG:-}.log" | grep "^\[bench\]" | tail -30
             done ;;

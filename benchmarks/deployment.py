@@ -112,7 +112,7 @@ def launch(topology: str, model: str, devices: list[str], worker_args: list[str]
         print(f"[bench] {topology}: starting {len(workers)} worker(s) on {model} (logs in {log_dir}) ...",
               file=sys.stderr, flush=True)
         for c in dep.children:
-            _wait(c, log_dir)
+            wait_ready(c, log_dir)
         port = free_port(host)
         flags = []
         for role in ("prefill", "decode", "colocated"):
@@ -124,14 +124,15 @@ def launch(topology: str, model: str, devices: list[str], worker_args: list[str]
         dep.http_url = f"http://{host}:{http_port}/v1"          # the OpenAI API, for OpenAI-API load tools
         cmd = [sys.executable, "-m", "baton.router", "--host", host, "--port", str(port), "--model", model,
                "--http-port", str(http_port), *flags, *router_args]
-        _wait(start("router", cmd, dep.router_address), log_dir)
+        wait_ready(start("router", cmd, dep.router_address), log_dir)
     except BaseException:
         dep.stop()
         raise
     return dep
 
 
-def _wait(child: Child, log_dir: Path) -> None:
+def wait_ready(child: Child, log_dir: Path) -> None:
+    """Until `child` serves; LaunchError, with the tail of its log, if it exits or times out first."""
     try:
         wait_serving(child.address, child.proc, child.name, START_TIMEOUT_S)
     except (RuntimeError, TimeoutError) as exc:

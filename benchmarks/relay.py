@@ -30,9 +30,10 @@ from pathlib import Path
 import grpc
 
 from baton.benchmarks import prometheus
+from baton.benchmarks.deployment import wait_ready
 from baton.benchmarks.stats import summarize
 from baton.engine.config import DEFAULT_MODEL
-from baton.serving.processes import Child, free_port, stop_all, wait_serving
+from baton.serving.processes import Child, free_port, stop_all
 from baton.v1 import router_pb2, router_pb2_grpc
 
 SYNTHETIC_CORE = "baton.benchmarks.synthetic_core:SyntheticCore"
@@ -151,7 +152,7 @@ def launch(args: argparse.Namespace, step_ms: float, tokenizer: str | None, log_
                "--grace", "1", *tok]
         dep.workers.append(_start(f"worker-{i}", cmd, address, log_dir, {STEP_MS_ENV: f"{step_ms:g}"}))
     for w in dep.workers:
-        _wait(w, log_dir)
+        wait_ready(w, log_dir)
     address, metrics_port = f"{host}:{free_port(host)}", free_port(host)
     dep.router_metrics = f"http://{host}:{metrics_port}/metrics"
     # --max-inflight: every stream runs at once (the default 512 would queue the rest)
@@ -160,7 +161,7 @@ def launch(args: argparse.Namespace, step_ms: float, tokenizer: str | None, log_
            "--max-inflight", str(args.streams), "--grace", "1", "--metrics-port", str(metrics_port),
            *(["--tokenizer", args.tokenizer] if args.tokenizer else []), *args.router_args.split()]
     dep.router = _start("router", cmd, address, log_dir)
-    _wait(dep.router, log_dir)
+    wait_ready(dep.router, log_dir)
     _wait_workers_healthy(dep.router.address, args.workers)
 
 
@@ -169,15 +170,6 @@ def _start(name: str, cmd: list[str], address: str, log_dir: Path, env: dict | N
     with open(log_dir / f"{name}.log", "ab") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return Child(name, address, proc)
-
-
-def _wait(child: Child, log_dir: Path) -> None:
-    try:
-        wait_serving(child.address, child.proc, child.name, START_TIMEOUT_S)
-    except (RuntimeError, TimeoutError) as exc:
-        log = log_dir / f"{child.name}.log"
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
-        raise RuntimeError(f"{exc}\n--- {log} ---\n{tail}") from exc
 
 
 def _wait_workers_healthy(address: str, n: int) -> None:

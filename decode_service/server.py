@@ -88,8 +88,10 @@ class DecodeWorker(EngineWorker):
         stream = self._open(rid, prompt, params, limit)
         try:
             admitted = await self.core.call("admit", rid, prompt, _for_core(params), backend, timeout)
-        except BaseException:
+        except BaseException as exc:
             self._forget(stream)
+            if isinstance(exc, asyncio.CancelledError):     # the caller left: the core may have reserved
+                self.core.cast("abort", rid)
             raise
         if bus is not None:
             stream.attach(bus)
@@ -108,8 +110,10 @@ class DecodeWorker(EngineWorker):
         stream = self._open(rid, prompt, params, req.timeout_ms / 1000 or None)
         try:
             await self.core.call("add", rid, prompt, _for_core(params), images)
-        except BaseException:
+        except BaseException as exc:
             self._forget(stream)
+            if isinstance(exc, asyncio.CancelledError):     # the caller left: the core may have queued it
+                self.core.cast("abort", rid)
             raise
         return stream
 

@@ -18,6 +18,7 @@ import itertools
 import socket
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
 
 import grpc
@@ -232,7 +233,8 @@ class LocalCore(CoreClient):
             info = await self.core.start()
         except ValueError:
             raise
-        except Exception as exc:
+        except Exception as exc:            # a bug, not a setting: its traceback, then one line
+            traceback.print_exc()
             raise ValueError(f"{type(exc).__name__}: {exc}") from exc
         self._message((HELLO, info))
 
