@@ -7,7 +7,12 @@ restart. A new address joins once its health check passes; an address gone from 
 retired: it takes no new request, and its channel closes when its last stream has ended.
 
 A worker that fails a health check, a status call or a real request is marked unhealthy at
-once and leaves rotation; the checker keeps probing it and a recovered worker returns.
+once and leaves rotation; the checker keeps probing it and a recovered worker returns. One that
+stops answering (a hang: the check times out), is gone (unreachable), or whose engine core has
+made no progress for max(HANG_FLOOR_S, HANG_STEPS x its step p99) is also *lost*: what this router
+runs there is taken away at once (its token bus is closed, so its streams migrate; attempts
+waiting on it fail over), and a hang is counted apart from a death. A draining worker is only
+out of rotation: its streams finish there.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import ipaddress
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,8 +33,13 @@ from baton.serving.security import TLSConfig
 from baton.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 
 log = logging.getLogger("baton.router")
-CHECK_INTERVAL_S = 1.0
-CHECK_TIMEOUT_S = 2.0
+CHECK_INTERVAL_S = 0.5                # with the timeout: a hung worker is left within ~2 s
+CHECK_TIMEOUT_S = 1.5
+# An engine core silent for max(HANG_FLOOR_S, HANG_STEPS x its step p99) is hung; a running stream
+# with no token for max(STALL_FLOOR_S, STALL_STEPS x step p99) moves. The caps bound what one slow
+# (or stopped) step does to the p99 the limits scale with.
+HANG_FLOOR_S, HANG_STEPS, HANG_CAP_S = 5.0, 10, 15.0
+STALL_FLOOR_S, STALL_STEPS, STALL_CAP_S = 10.0, 20, 30.0
 RESOLVE_INTERVAL_S = 5.0
 
 
@@ -75,6 +86,7 @@ class Worker:
     last_seen: float = 0.0
     retired: bool = False                         # gone from DNS: no new requests, closed once idle
     bus: TokenBus | None = None                   # decode / colocated: this router's token stream from it
+    lost: asyncio.Event = field(default_factory=asyncio.Event)   # set while lost (hung, dead): attempts give up
 
     def connect(self, tls: TLSConfig | None = None) -> None:
         host = split_target(self.target)[0] if self.target else ""
@@ -101,6 +113,22 @@ class Worker:
         self.healthy = False
         self.last_error = reason
 
+    def abandon(self, reason: str) -> None:
+        """It stopped answering or died: take away what runs there (its streams migrate)."""
+        self.mark_down(reason)
+        self.lost.set()
+        if self.bus is not None:
+            self.bus.close(f"{self.role} worker {self.address} {reason}")
+
+    def hang_limit(self) -> float:
+        """Seconds its engine may go without progress before it counts as hung."""
+        return min(HANG_CAP_S, max(HANG_FLOOR_S, HANG_STEPS * self.status.step_p99_ms / 1e3))
+
+    def stall_limit(self) -> float:
+        """Seconds a running stream here may go without a token before it moves elsewhere (a stuck
+        stream the health checks cannot see; a preempted one waiting for memory may move too)."""
+        return min(STALL_CAP_S, max(STALL_FLOOR_S, STALL_STEPS * self.status.step_p99_ms / 1e3))
+
 
 class Registry:
     def __init__(self, prefill: list[str], decode: list[str], colocated: list[str], model: str,
@@ -115,6 +143,7 @@ class Registry:
         if bool(prefill) != bool(decode):
             raise ValueError("disaggregated serving needs both --prefill and --decode workers")
         self.workers: list[Worker] = []
+        self.on_lost: Callable[[Worker, str], None] | None = None     # (worker, "hung" | "dead"): metrics
         self._unresolved: dict[str, str] = {}         # target -> the error last logged for it
         self._task: asyncio.Task | None = None
 
@@ -195,7 +224,15 @@ class Registry:
                 return
             status = await w.stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            w.mark_down(f"{exc.code().name}: {exc.details()}")
+            how = {grpc.StatusCode.DEADLINE_EXCEEDED: "hung", grpc.StatusCode.UNAVAILABLE: "dead"}.get(exc.code())
+            reason = f"{exc.code().name}: {exc.details()}"
+            if how:
+                self._lose(w, how, reason)
+            else:
+                w.mark_down(reason)
+            return
+        if status.stalled_seconds > w.hang_limit():
+            self._lose(w, "hung", f"its engine core made no progress for {status.stalled_seconds:.1f}s")
             return
         if status.role != w.role:
             w.mark_down(f"configured as {w.role} but reports role {status.role!r}")
@@ -205,4 +242,10 @@ class Registry:
             return
         if not w.healthy:
             log.info("worker %s (%s) healthy", w.address, w.role)
+            w.lost.clear()
         w.status, w.healthy, w.last_seen = status, True, time.monotonic()
+
+    def _lose(self, w: Worker, how: str, reason: str) -> None:
+        if not w.lost.is_set() and self.on_lost is not None:
+            self.on_lost(w, how)
+        w.abandon(f"{how}: {reason}")

@@ -25,7 +25,7 @@ from baton.router.images import ImagePolicy
 from baton.router.migration import Ledger
 from baton.router.policies import make_policy
 from baton.router.registry import Registry, Worker
-from baton.router.token_bus import SUBSCRIBER, BusBroken, Inbox
+from baton.router.token_bus import SUBSCRIBER, BusBroken, Inbox, StreamStalled
 from baton.serving.grpc_server import ServiceError
 from baton.serving.metrics import observe_many
 from baton.serving.security import TokenAuth
@@ -150,6 +150,7 @@ class RouterService:
         self.auth = TokenAuth(cfg.auth_tokens) if cfg.auth_tokens else None
         self.server = None                  # the grpc_server.Server, whose `draining` we honour
         self.metrics = None
+        registry.on_lost = self._count_loss
         self._background: set[asyncio.Task] = set()
 
     def client_of(self, context) -> str:
@@ -256,6 +257,10 @@ class RouterService:
                     active.finished = True
                     return
 
+    def _count_loss(self, worker: Worker, how: str) -> None:
+        if self.metrics:
+            self.metrics.worker_losses.labels(worker.role, how).inc()
+
     def _count_migration(self, outcome: str) -> None:
         if self.metrics:
             self.metrics.migrations.labels(outcome).inc()
@@ -342,11 +347,17 @@ class RouterService:
             first_by = loop.time() + min(self.cfg.first_token_timeout, deadline - loop.time())
             first = asyncio.ensure_future(inbox.next())
             first.add_done_callback(_retrieve)           # abandoned on a failed attempt: no warning
-            await asyncio.wait({prefill, first}, timeout=max(0.0, first_by - loop.time()),
+            p_lost = asyncio.ensure_future(p.lost.wait())    # a hung prefill worker: fail over at once
+            await asyncio.wait({prefill, first, p_lost}, timeout=max(0.0, first_by - loop.time()),
                                return_when=asyncio.FIRST_COMPLETED)
+            p_lost.cancel()
             if prefill.done() and prefill.exception() is not None and not first.done():
                 first.cancel()
                 raise _failed(prefill.exception(), p, "prefill")
+            if p.lost.is_set() and not first.done():
+                first.cancel()
+                raise AttemptFailed(grpc.StatusCode.UNAVAILABLE, f"prefill worker {p.address} was left: "
+                                    f"{p.last_error}", p)
             if not first.done():
                 await asyncio.wait({first}, timeout=max(0.0, first_by - loop.time()))
             if not first.done():
@@ -402,7 +413,12 @@ class RouterService:
             if pace:
                 await inbox.gather(pace)
             try:
-                chunk = await inbox.next(deadline)
+                chunk = await inbox.next(deadline, asyncio.get_running_loop().time() + worker.stall_limit())
+            except StreamStalled as exc:            # the worker answers its health checks: only this stream moves
+                if self.metrics:
+                    self.metrics.stream_stalls.labels(worker.role).inc()
+                raise StreamBroke(exc.code, f"{worker.role} worker {worker.address} sent no token for "
+                                            f"{worker.stall_limit():.0f}s", worker) from None
             except BusBroken as exc:
                 chunk = decode_pb2.TokenChunk(error_code=exc.code.value[0], error_message=str(exc))
             if chunk.error_code:

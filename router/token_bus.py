@@ -35,6 +35,13 @@ class BusBroken(Exception):
         self.code = code
 
 
+class StreamStalled(BusBroken):
+    """A running stream got no token for its stall limit while its worker answered health checks."""
+
+    def __init__(self, message: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
 class Inbox:
     """One request's chunks off the bus. `next` returns every chunk that arrived since the
     last call merged into one: a client that fell behind gets one fuller message, and so does
@@ -58,14 +65,21 @@ class Inbox:
                 async with asyncio.timeout(seconds):
                     await self._ended.wait()
 
-    async def next(self, deadline: float = math.inf) -> decode_pb2.TokenChunk:
-        """The next (merged) chunk; BusBroken if the bus broke; TimeoutError at `deadline`
-        (loop time). A chunk with an error_code is returned alone: the caller raises it."""
+    async def next(self, deadline: float = math.inf, stall_at: float = math.inf) -> decode_pb2.TokenChunk:
+        """The next (merged) chunk; BusBroken if the bus broke; TimeoutError at `deadline`, and
+        StreamStalled at `stall_at` when that comes first (loop times). A chunk with an error_code is
+        returned alone: the caller raises it."""
         if not self._items:
-            async with asyncio.timeout_at(None if math.isinf(deadline) else deadline):
-                while not self._items:
-                    self._wake.clear()
-                    await self._wake.wait()
+            until = min(deadline, stall_at)
+            try:
+                async with asyncio.timeout_at(None if math.isinf(until) else until):
+                    while not self._items:
+                        self._wake.clear()
+                        await self._wake.wait()
+            except TimeoutError:
+                if until < deadline:
+                    raise StreamStalled("no token for its stall limit") from None
+                raise
         item = self._items.popleft()
         if isinstance(item, BusBroken):
             raise item
@@ -92,6 +106,7 @@ class TokenBus:
         self.stub, self.address = stub, address
         self._inboxes: dict[str, Inbox] = {}
         self._open: asyncio.Future | None = None     # the Subscribe call, once its first (empty) batch came
+        self._closing = ""
 
     async def register(self, worker_request_id: str, timeout: float) -> Inbox:
         """Where this request's chunks (then, if the bus breaks, a BusBroken) arrive; the bus
@@ -105,9 +120,11 @@ class TokenBus:
     def unregister(self, worker_request_id: str) -> None:
         self._inboxes.pop(worker_request_id, None)
 
-    def close(self) -> None:
+    def close(self, reason: str = "the router closed its token stream") -> None:
+        """End the bus now: every request on it gets BusBroken(UNAVAILABLE, reason)."""
         fut = self._open
         if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
+            self._closing = reason
             fut.result().cancel()
 
     async def _subscribe(self):
@@ -135,10 +152,12 @@ class TokenBus:
                         inbox.put(chunk)
         except grpc.aio.AioRpcError as exc:
             broken = BusBroken(exc.code(), f"token stream of {self.address}: {exc.code().name}: {exc.details()}")
+            if self._closing:                    # we cancelled it: the worker was left
+                broken = BusBroken(grpc.StatusCode.UNAVAILABLE, self._closing)
         except asyncio.CancelledError:
-            broken = BusBroken(grpc.StatusCode.UNAVAILABLE, "the router closed its token stream")
+            broken = BusBroken(grpc.StatusCode.UNAVAILABLE, self._closing or "the router closed its token stream")
         finally:
-            self._open = None
+            self._open, self._closing = None, ""
             inboxes, self._inboxes = self._inboxes, {}
             for inbox in inboxes.values():
                 inbox.put(broken)

@@ -82,6 +82,10 @@ class CoreClient:
             raise CoreDied(self.dead)
         return await asyncio.wait_for(self._call(method, args), timeout)
 
+    def silent_seconds(self) -> float:
+        """Since the core last sent anything (a step's updates, an idle beat); it beats every 0.5 s."""
+        return asyncio.get_running_loop().time() - self._heard if self.info else 0.0
+
     def cast(self, method: str, *args) -> None:
         """A command whose result nobody waits for (abort)."""
         if self.dead is None:

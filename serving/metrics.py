@@ -59,6 +59,12 @@ class Metrics:
                                   ["outcome"], registry=r)
         self.step_seconds = Histogram("baton_step_seconds", "engine step time", ["kind"],
                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.worker_losses = Counter("baton_worker_losses", "workers the router left while serving through them, "
+                                     "by how: hung (no answer, or an engine core without progress) or dead "
+                                     "(unreachable)", ["role", "how"], registry=r)
+        self.stream_stalls = Counter("baton_stream_stalls", "running streams moved off a worker that answered "
+                                     "health checks but sent them no token for their stall limit", ["role"],
+                                     registry=r)
 
     def serving_model(self, name: str) -> None:
         self.model = name
@@ -105,7 +111,8 @@ RECORDED_BY = {
     "baton_kv_blocks_free": "workers", "baton_kv_cache_usage_ratio": "workers",
     "baton_kv_transfer_bytes": "prefill (out), decode (in)", "baton_kv_transfer_seconds": "prefill",
     "baton_kv_transfer_failures": "prefill (send), decode (receive)", "baton_handover_seconds": "decode",
-    "baton_kv_landed_seconds": "decode", "baton_step_seconds": "workers",
+    "baton_kv_landed_seconds": "decode", "baton_step_seconds": "workers", "baton_worker_losses": "router",
+    "baton_stream_stalls": "router",
 }
 
 

@@ -14,6 +14,7 @@ restarts it; Kubernetes does the same).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import sys
 import time
@@ -29,6 +30,8 @@ from baton.v1 import worker_pb2
 
 log = logging.getLogger("baton.worker")
 EXIT_FLUSH_S = 0.5                 # a dead core's streams get their error out before the worker exits
+STEP_WINDOW = 512                  # recent steps the reported step p99 is taken over
+SILENT_REPORTED_S = 1.0            # a core quiet this long is reported stalled (it beats every 0.5 s)
 
 
 class EngineWorker:
@@ -43,6 +46,7 @@ class EngineWorker:
         self.info: dict = {}
         self.limits: ModelLimits | None = None
         self.requests_served = 0
+        self.step_seconds: collections.deque = collections.deque(maxlen=STEP_WINDOW)
         self._dead: asyncio.Future | None = None
 
     async def start(self) -> Server:
@@ -106,6 +110,8 @@ class EngineWorker:
 
     def _record(self, events: list[tuple]) -> None:
         for name, labels, value in events:
+            if name == "step_seconds":
+                self.step_seconds.append(value)
             metric = getattr(self.metrics, name)
             metric = metric.labels(*labels) if labels else metric
             (metric.observe if hasattr(metric, "observe") else metric.inc)(value)
@@ -129,7 +135,13 @@ class EngineWorker:
             kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free, block_size=info["block_size"],
             max_model_len=info["max_model_len"], kv_backends=self.kv_backends(), device=self.cfg.engine.device,
             draining=bool(self.server and self.server.draining), requests_served=self.requests_served,
-            kv_address=info.get("kv_address", ""))
+            kv_address=info.get("kv_address", ""), step_p99_ms=self.step_p99() * 1e3,
+            stalled_seconds=silent if (silent := self.core.silent_seconds()) > SILENT_REPORTED_S else 0.0)
+
+    def step_p99(self) -> float:
+        """Seconds: the p99 of the engine's recent steps (0 before any)."""
+        steps = sorted(self.step_seconds)
+        return steps[min(len(steps) - 1, int(0.99 * len(steps)))] if steps else 0.0
 
     def kv_backends(self) -> list[str]:
         """KV transports this worker speaks (a decode worker also takes grpc pushes whatever

@@ -17,13 +17,15 @@ import signal
 import socket
 import sys
 import time
+import urllib.request
 
 import grpc
 import psutil
 import pytest
-from cluster import Cluster, Proc
+from cluster import Cluster, Proc, children
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from netfault import FaultyLink
+from prometheus_client.parser import text_string_to_metric_families
 from reliability import Load, Outcomes
 
 from baton.engine import SamplingParams
@@ -66,11 +68,13 @@ def link():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, link):
+    metrics_port = free_port()
     c = Cluster.launch(tmp_path_factory.mktemp("logs"), prefill=2, decode=2,
                        worker_args=["--num-kv-blocks", "256", "--grace", "60"],
                        router_args=["--policy", "round_robin", "--first-token-timeout", str(FIRST_TOKEN_TIMEOUT_S),
-                                    "--grace", "60"],
+                                    "--grace", "60", "--metrics-port", str(metrics_port)],
                        extra={"decode-0": ["--kv-port", str(link.kv_port), "--kv-advertise", link.address]})
+    c.router_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     yield c
     c.stop()
 
@@ -173,6 +177,99 @@ def test_restarted_decode_worker_returns_to_rotation(cluster, known):
     known_load(cluster, known, 4).wait().assert_clean()
     assert victim.status().requests_served > before
     assert settle(cluster) == 0
+
+
+# -- hung workers: alive, ports open, no progress ----------------------------------------------------
+def _signal(proc: Proc, sig: int) -> None:
+    """The worker's processes (its front and its engine core) all at once, as a hung host would be."""
+    for pid in [proc.popen.pid, *children(proc.popen.pid)]:
+        os.kill(pid, sig)
+
+
+def _losses(cluster, how: str) -> float:
+    """The router's baton_worker_losses_total{how=...}, all roles."""
+    text = urllib.request.urlopen(cluster.router_metrics, timeout=5).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "baton_worker_losses_total" and s.labels.get("how") == how)
+
+
+def test_a_hung_engine_core_behind_a_live_front_is_left(cluster, known_long, reliability):
+    """Only the engine core stops (a hung device, say): the front still answers health checks, but
+    reports the core silent; past the worker's hang limit (5 s here: its steps are short) the router
+    leaves it and its streams migrate. After SIGCONT the core catches up, every block is freed, the
+    worker rejoins. (First of the hang tests: a stopped step inflates the step p99 the limit scales with.)"""
+    victim = cluster.worker("decode-1")
+    hung = _losses(cluster, "hung")
+    load = story_load(cluster, known_long)
+    load.wait_streaming(5)
+    [core] = children(victim.popen.pid)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        out = load.wait()
+    finally:
+        os.kill(core, signal.SIGCONT)
+    out.assert_clean()
+    assert out.completed == out.sent == 24, out
+    assert load.longest_gap_s < 9.0, load.longest_gap_s         # the 5 s floor, a check round, the move
+    cluster.wait_health(victim.address, healthy=True)
+    leaked = settle(cluster)
+    reliability.record("SIGSTOP decode's engine core only (24 streams), SIGCONT after", out, leaked_blocks=leaked,
+                       client_stall_s=round(load.longest_gap_s, 2))
+    assert leaked == 0 and _losses(cluster, "hung") == hung + 1
+
+
+def test_a_hung_decode_worker_is_left_within_seconds(cluster, known_long, reliability):
+    """SIGSTOP mid-stream: the router's health check of it times out within ~2.5 s, the router closes
+    its token bus, and every stream there migrates: no client waits 5 s for its next token, and each
+    gets the fault-free tokens. After SIGCONT the worker finds its streams gone (their bus ended),
+    frees every block, and rejoins. The router counts a hang, not a death."""
+    victim = cluster.worker("decode-1")
+    hung = _losses(cluster, "hung")
+    load = story_load(cluster, known_long)
+    load.wait_streaming(5)
+    on_victim = victim.status().running
+    t0 = time.monotonic()
+    _signal(victim, signal.SIGSTOP)
+    try:
+        out = load.wait()
+        done_s = time.monotonic() - t0
+    finally:
+        _signal(victim, signal.SIGCONT)
+    out.assert_clean()
+    assert out.completed == out.sent == 24 and on_victim > 0, out
+    assert load.longest_gap_s < 5.0, load.longest_gap_s
+    cluster.wait_health(victim.address, healthy=True)
+    leaked = settle(cluster)
+    reliability.record("SIGSTOP decode mid-stream (24 streams), SIGCONT after", out, leaked_blocks=leaked,
+                       migrated=on_victim, client_stall_s=round(load.longest_gap_s, 2),
+                       all_done_after_hang_s=round(done_s, 1))
+    assert leaked == 0 and _losses(cluster, "hung") == hung + 1
+
+
+def test_a_hung_prefill_worker_is_left_within_seconds(cluster, known, reliability):
+    """SIGSTOP while it prefills long prompts: the router leaves it within seconds (not at the
+    first-token timeout) and retries its requests on the other prefill worker; after SIGCONT it
+    frees every block and rejoins."""
+    victim = cluster.worker("prefill-0")
+    hung = _losses(cluster, "hung")
+    load = known_load(cluster, known, 16, prompts=LONG_PROMPTS)
+    time.sleep(0.2)                                  # its share of the prompts is in its engine now
+    t0 = time.monotonic()
+    _signal(victim, signal.SIGSTOP)
+    try:
+        cluster.wait_health(victim.address, healthy=False)
+        left_s = time.monotonic() - t0
+        out = load.wait()
+    finally:
+        _signal(victim, signal.SIGCONT)
+    out.assert_clean()
+    assert out.completed == out.sent, out.summary()
+    assert left_s < 4.0, left_s                      # its requests moved then, not at the first-token timeout
+    cluster.wait_health(victim.address, healthy=True)
+    leaked = settle(cluster)
+    reliability.record("SIGSTOP prefill during long prefills, SIGCONT after", out, leaked_blocks=leaked,
+                       left_after_s=round(left_s, 2), slowest_request_s=round(out.slowest_s, 2))
+    assert leaked == 0 and _losses(cluster, "hung") == hung + 1
 
 
 def test_sigkill_of_a_prefill_worker_is_retried_on_the_other(cluster, known, reliability):
