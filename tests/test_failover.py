@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
+from fake_bus import FakeBus
 
 from baton.router import registry as registry_module
 from baton.router.config import RouterConfig
@@ -21,35 +21,17 @@ from baton.v1 import decode_pb2, prefill_pb2, router_pb2, worker_pb2
 PROMPT = [5, 6, 7]
 
 
-class Bus:
-    """A worker's Subscribe stream: an empty batch, then what the fake worker sends."""
-
-    def __init__(self):
-        self.items: asyncio.Queue = asyncio.Queue()
-        self.items.put_nowait(decode_pb2.TokenBatch())
-
-    async def read(self):
-        item = await self.items.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def cancel(self):
-        self.items.put_nowait(grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(),
-                                                   grpc.aio.Metadata(), "cancelled"))
-
-
 class FakeWorker:
     """A decode or prefill worker's RPCs. `plan(request_id)`: the token ids its stream sends (then
     silence, unless the last is the end); a prefill that `hangs` never answers."""
 
     def __init__(self, tokens_before_silence: int | None = None, hangs: bool = False):
         self.silent_after, self.hangs = tokens_before_silence, hangs
-        self.bus: Bus | None = None
+        self.bus: FakeBus | None = None
         self.admits: list = []
 
     def Subscribe(self, req, timeout=None):
-        self.bus = Bus()
+        self.bus = FakeBus()
         return self.bus
 
     async def Admit(self, req, timeout=None):
@@ -57,11 +39,11 @@ class FakeWorker:
         n = req.sampling.max_tokens
         count = n if self.silent_after is None else self.silent_after
         for i in range(count):
-            chunk = decode_pb2.TokenChunk(request_id=req.request_id, token_ids=[100 + len(req.prompt_token_ids) + i])
+            chunk = decode_pb2.TokenChunk(token_ids=[100 + len(req.prompt_token_ids) + i])
             if i == n - 1:
                 chunk.finish_reason = router_pb2.FINISH_REASON_LENGTH
                 chunk.usage.CopyFrom(router_pb2.Usage(prompt_tokens=len(PROMPT), completion_tokens=n))
-            self.bus.items.put_nowait(decode_pb2.TokenBatch(chunks=[chunk]))
+            self.bus.send(req.request_id, chunk)
         return decode_pb2.AdmitResponse(transfer_id="t", kv_address="kv:1", backend="grpc")
 
     async def Prefill(self, req, timeout=None):

@@ -19,6 +19,7 @@ import grpc
 import openai
 import pytest
 from cluster import Cluster
+from fake_bus import FakeBus
 from PIL import Image
 from test_services import collect
 from vl_helpers import build_vl_tokenizer, save_tiny_vl_checkpoint
@@ -192,32 +193,6 @@ def generate(svc: RouterService, req) -> list[router_pb2.GenerateResponse]:
     async def main():
         return [r async for r in svc.generate(req, FakeContext())]
     return asyncio.run(main())
-
-
-class FakeBus:
-    """A worker's token bus (Decode.Subscribe): an empty batch, then what the worker puts on it,
-    then (optionally) the worker dying."""
-
-    def __init__(self):
-        self.items: asyncio.Queue = asyncio.Queue()
-        self.items.put_nowait(decode_pb2.TokenBatch())
-
-    async def read(self):
-        item = await self.items.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def send(self, request_id: str, *chunks) -> None:
-        for c in chunks:
-            if isinstance(c, Exception):
-                self.items.put_nowait(c)
-            else:
-                c.request_id = request_id
-                self.items.put_nowait(decode_pb2.TokenBatch(chunks=[c]))
-
-    def cancel(self):
-        self.items.put_nowait(grpc.aio.EOF)
 
 
 def died() -> grpc.aio.AioRpcError:
