@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fake_bus import FakeBus
+from fake_worker import FakeBus, FakeContext
 
 from baton.router import registry as registry_module
 from baton.router.config import RouterConfig
@@ -72,24 +72,13 @@ def service(workers: list[Worker], **cfg) -> RouterService:
     return svc
 
 
-class Context:
-    def time_remaining(self):
-        return 30.0
-
-    def peer(self):
-        return "ipv4:127.0.0.1:1"
-
-    def invocation_metadata(self):
-        return ()
-
-
 def request(n: int) -> router_pb2.GenerateRequest:
     return router_pb2.GenerateRequest(tokens=router_pb2.TokenIds(ids=PROMPT), sampling=router_pb2.SamplingParams(
         temperature=0, max_tokens=n, ignore_eos=True))
 
 
 async def collect(svc: RouterService, req) -> list[int]:
-    return [t async for r in svc.generate(req, Context()) for t in r.token_ids]
+    return [t async for r in svc.generate(req, FakeContext()) for t in r.token_ids]
 
 
 def test_a_stream_with_no_token_for_its_stall_limit_moves_and_its_worker_stays(monkeypatch):

@@ -19,7 +19,7 @@ import grpc
 import openai
 import pytest
 from cluster import Cluster
-from fake_bus import FakeBus
+from fake_worker import FakeBus, FakeContext
 from PIL import Image
 from test_services import collect
 from vl_helpers import build_vl_tokenizer, save_tiny_vl_checkpoint
@@ -253,17 +253,6 @@ class FakeStub:
 
     async def Abort(self, req, timeout=None):
         return worker_pb2.WorkerAbortResponse()
-
-
-class FakeContext:
-    def time_remaining(self):
-        return 30.0
-
-    def peer(self):
-        return "ipv4:127.0.0.1:1"
-
-    def invocation_metadata(self):
-        return ()
 
 
 def test_a_migrated_stream_re_prefills_prompt_and_tokens_sent_with_the_same_images(vl_tokenizer):

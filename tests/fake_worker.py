@@ -1,5 +1,6 @@
-"""A worker's token bus (Decode.Subscribe) for router tests with fake workers, in this process:
-an empty batch first (the bus is open), then what the fake worker sends, chunk by chunk."""
+"""What router tests with fake workers, in this process, share: a worker's token bus
+(Decode.Subscribe: an empty batch first, the bus is open, then what the fake worker sends, chunk
+by chunk) and the gRPC context a request arrives with."""
 from __future__ import annotations
 
 import asyncio
@@ -32,3 +33,16 @@ class FakeBus:
     def cancel(self):
         self.items.put_nowait(grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(),
                                                    grpc.aio.Metadata(), "cancelled"))
+
+
+class FakeContext:
+    """What RouterService.generate asks of a gRPC context."""
+
+    def time_remaining(self):
+        return 30.0
+
+    def peer(self):
+        return "ipv4:127.0.0.1:1"
+
+    def invocation_metadata(self):
+        return ()
