@@ -15,6 +15,10 @@
 # Served at engine speed (one GPU): served (bench serve, one colocated worker, the B1 workload, 256 at once and
 # --max-concurrency 64, gRPC and OpenAI, --offline-baseline: served / offline in the same run), relay (one
 # router process relaying synthetic streams)
+# Deterministic mode (one GPU): determinism (tests in bf16; 256 together == alone == chunked, and the default's
+# count), b1det (B1 with --deterministic / without, same lease); migration with MIGRATION_DEVICES=cuda:0,cuda:0
+# MIGRATION_KV=grpc MIGRATION_ARGS=--deterministic: two decode workers on one GPU, bitwise after the kill
+# 1P1D served (two GPUs): STEPS=served SERVED_TOPOLOGY=1p1d SERVED_DEVICES=cuda:0,cuda:1 SERVED_KV=direct
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 set -uo pipefail
@@ -45,10 +49,23 @@ for step in $STEPS; do
               2>"$OUT/graphs.log" | tee "$OUT/graphs.jsonl" ;;
     profile) timeout 150 python3 -m baton.benchmarks.profile_steps --model qwen3-0.6b --batch 256 --context 512 \
               2>"$OUT/profile.log" | tee "$OUT/profile.jsonl" ;;
-    migration) timeout 500 python3 -m baton.benchmarks.migration --model qwen3-0.6b --devices cuda:0,cuda:1 \
-              --kv-backend direct --streams 24 --max-tokens 256 --worker-args "--num-kv-blocks 2048" \
-              --output "$OUT/migration-qwen3-0.6b-h200x2.json" --log-dir "$OUT/migration-logs" \
-              2>"$OUT/migration.log" | tail -40 ;;
+    migration) timeout ${MIGRATION_TIMEOUT:-500} python3 -m baton.benchmarks.migration --model qwen3-0.6b \
+              --devices ${MIGRATION_DEVICES:-cuda:0,cuda:1} --kv-backend ${MIGRATION_KV:-direct} --streams 24 \
+              --max-tokens 256 --worker-args "--num-kv-blocks 2048 ${MIGRATION_ARGS:-}" \
+              --output "$OUT/migration-qwen3-0.6b${MIGRATION_TAG:-}.json" --log-dir "$OUT/migration-logs${MIGRATION_TAG:-}" \
+              2>"$OUT/migration${MIGRATION_TAG:-}.log" | tail -40 ;;
+    determinism)     # --deterministic: the kernel tests in bf16, then 256 together == alone == chunked
+            BATON_TEST_DEVICE=cuda:0 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_deterministic.py \
+              2>&1 | tail -15 | tee "$OUT/deterministic-tests.txt"
+            timeout 400 python3 -m baton.benchmarks.deterministic --model qwen3-0.6b --device cuda:0 \
+              --output "$OUT/deterministic-qwen3-0.6b.json" 2>&1 | grep -v "^\[baton\]" | tail -8 ;;
+    b1det)  for m in ${B1DET_MODELS:-qwen3-0.6b qwen3-8b}; do     # what --deterministic costs: B1, then B1 default
+              for mode in deterministic default; do
+                flag=""; [ $mode = deterministic ] && flag="--deterministic"
+                timeout 240 python3 -m baton bench offline --model $m --device cuda:0 $flag \
+                  --output "$OUT/b1-$m-$mode.json" 2>&1 | tail -3
+              done
+            done ;;
     b1)     timeout 200 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 ${B1_ARGS:-} \
               --output "$OUT/b1-qwen3-0.6b-baton${B1_TAG:-}.json" 2>&1 | tail -15 ;;
     b1s)    timeout 120 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 --num-seqs 64 \
@@ -70,10 +87,10 @@ for step in $STEPS; do
     served) for m in ${SERVED_MODELS:-qwen3-0.6b qwen3-8b}; do
               for c in ${SERVED_CONCURRENCY:-256 64}; do     # 256: all at once; 64: --max-concurrency 64
                 cap=""; [ $c != 256 ] && cap="--max-concurrency $c"
-                timeout ${SERVED_TIMEOUT:-280} python3 -m baton bench serve --topologies 1colocated --model $m \
-                  --devices cuda:0 --dataset random --input-len 100:1024 --output-len 100:1024 --request-rates inf \
+                timeout ${SERVED_TIMEOUT:-280} python3 -m baton bench serve --topologies ${SERVED_TOPOLOGY:-1colocated} \
+                  --model $m --devices ${SERVED_DEVICES:-cuda:0} ${SERVED_KV:+--kv-backend $SERVED_KV} --dataset random --input-len 100:1024 --output-len 100:1024 --request-rates inf \
                   --num-prompts 256 $cap --api grpc,openai --offline-baseline --worker-args="${SERVED_WORKER_ARGS:-}" \
-                  --no-plots --output "$OUT/served-$m-c$c.json" 2>&1 | tee "$OUT/served-$m-c$c.log" \
+                  --no-plots --output "$OUT/served-$m-c$c${SERVED_TAG:-}.json" 2>&1 | tee "$OUT/served-$m-c$c${SERVED_TAG:-}.log" \
                   | grep "^\[bench\]" | grep -v "requests done\|done, "
               done
             done ;;

@@ -26,7 +26,7 @@ SMOKE = dict(model=DEFAULT_MODEL, num_seqs=8, min_input_len=16, max_input_len=64
              max_output_len=8, device="cpu")
 ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                 "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "tp_size", "tp_devices", "tokenizer",
-                "async_scheduling")
+                "async_scheduling", "deterministic")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on accelerators)")
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels (engine/batch_invariant.py): what the mode costs")
     e.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one device each")
     e.add_argument("--tp-devices", default=None, help="devices of the ranks, e.g. cuda:0,cuda:1 "
                    "(default: counted up from --device)")

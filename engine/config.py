@@ -43,6 +43,7 @@ class EngineConfig:
     npu_emulation: bool = False         # TEST ONLY: npu:N is the host CPU running the documented op semantics
     async_scheduling: bool | None = None   # schedule step N+1 while step N runs; None: on accelerators
     generation_config: str = "auto"     # sampling defaults: auto (the model's generation_config.json) | none | DIR
+    deterministic: bool = False         # a request's tokens independent of its batch (engine/batch_invariant.py)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -63,6 +64,9 @@ class EngineConfig:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0 <= self.tp_port < 65536:
             raise ValueError(f"tp_port must be in [0, 65535], got {self.tp_port}")
+        if self.deterministic:
+            from baton.engine.batch_invariant import check_supported
+            check_supported(self.tp_size)
         if self.npu_graph_mode not in NPU_GRAPH_MODES:
             raise ValueError(f"npu_graph_mode must be one of {', '.join(NPU_GRAPH_MODES)}, got {self.npu_graph_mode!r}")
 

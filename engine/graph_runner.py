@@ -55,7 +55,7 @@ class DecodeGraphs:
         pool = None
         r = self.runner
         for i, bs in enumerate(reversed(self.buckets)):        # largest first: it sizes the pool
-            ctx = ForwardContext(self._meta(bs), r.kv_caches, self.platform, r.scale)
+            ctx = ForwardContext(self._meta(bs), r.kv_caches, r.attention, r.scale)
             args = (self.input_ids[:bs], self.positions[:bs], ctx)
             r.model(*args)                                     # warm-up: kernels compiled, workspaces sized
             self.platform.synchronize()

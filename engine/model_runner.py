@@ -53,6 +53,12 @@ class ModelRunner:
         self.dtype = _DTYPES[config.dtype] if config.dtype else self.platform.default_dtype()
         self.vocab_size = hf.vocab_size
         self.model = self._load_model(tp_rank, tp_group)
+        # what the model's attention layers call: the platform, or deterministic mode's row attention
+        self.attention = self.platform
+        if config.deterministic:
+            from baton.engine.batch_invariant import RowAttention, make_batch_invariant
+            make_batch_invariant(self.model, self.platform.ops, self.platform.invariant_rows)
+            self.attention = RowAttention(self.platform)
         self.block_size = config.block_size
         self.platform.check_kv_layout(self.block_size, self.model.head_dim, self.dtype)
         self.num_blocks = self._size_kv_cache()
@@ -61,7 +67,7 @@ class ModelRunner:
             self.model.head_dim, self.dtype)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.model.num_layers)]
         self.scale = self.model.head_dim ** -0.5
-        self.sampler = Sampler(self.platform.fused_sample)
+        self.sampler = Sampler(self.platform.fused_sample, per_row=config.deterministic)
         self.upload = HostUpload(self.device)
         self._token_buffers: list[torch.Tensor | None] = [None, None]   # pinned copies of sampled tokens
         self._turn = 0
@@ -131,7 +137,7 @@ class ModelRunner:
         meta = AttnMetadata(is_decode=False, slot_mapping=slots, query_start_loc=starts_d, seq_lens=lens,
                             block_tables=tables, max_query_len=new, max_seq_len=seq_len, has_context=context > 0,
                             query_start_loc_cpu=[0, new], seq_lens_cpu=[seq_len])
-        hidden = self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.platform, self.scale))
+        hidden = self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.attention, self.scale))
         self.model.compute_logits(hidden[-1:])
 
     def pack_kv(self, block_ids: list[int]):
@@ -229,7 +235,7 @@ class ModelRunner:
         if self.graphs is not None and meta.is_decode and self.graphs.can_run(meta.num_seqs):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
-            ctx = ForwardContext(meta, self.kv_caches, self.platform, self.scale)
+            ctx = ForwardContext(meta, self.kv_caches, self.attention, self.scale)
             extra = {}
             if inputs.mrope_positions is not None:    # images in the step: vision embeddings and MRoPE
                 from baton.engine.vision_step import multimodal_step  # (text models never load it)

@@ -59,16 +59,29 @@ class Sampler:
     """`fused(logits, temperatures, seeds, has_seed, positions, step_seed)`: a platform's one-pass
     kernel for batches without top-k/top-p (the same draws; see triton_kernels/sampling.py)."""
 
-    def __init__(self, fused=None):
+    def __init__(self, fused=None, per_row: bool = False):
         self.fused = fused
+        # deterministic mode: a row takes the fused or the plain path by its own settings, not by
+        # whether some other row of the batch has top-k/top-p (the two round differently)
+        self.per_row = per_row
         self._steps = random.Random(0x5EED)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         if self.fused is not None and not (batch.any_top_k or batch.any_top_p):
-            return self.fused(logits, batch.temperatures, batch.seeds, batch.has_seed, batch.positions,
-                              self._steps.getrandbits(31))
+            return self._fused(logits, batch)
+        sampled = self._plain(logits, batch)
+        if self.per_row and self.fused is not None:
+            filtered = (batch.top_ks > 0) | (batch.top_ps < 1)
+            return torch.where(filtered, sampled, self._fused(logits, batch))
+        return sampled
+
+    def _fused(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        return self.fused(logits, batch.temperatures, batch.seeds, batch.has_seed, batch.positions,
+                          self._steps.getrandbits(31))
+
+    def _plain(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits.float()
         greedy = logits.argmax(dim=-1) if batch.any_greedy else None
         temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
@@ -95,6 +108,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tens
     if batch.any_top_p:
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         before = probs.cumsum(dim=-1) - probs          # mass strictly above this token
-        drop |= before >= batch.top_ps[:, None]        # always keeps the top token
+        # always keeps the top token; rows without top-p keep all (a cumsum can reach 1.0 early)
+        drop |= (before >= batch.top_ps[:, None]) & (batch.top_ps < 1)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

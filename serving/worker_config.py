@@ -123,6 +123,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(g, "--tp-devices", help="devices of the ranks, e.g. cuda:0,cuda:1 (unset: counted up from --device)")
     flag(g, "--tp-port", type=int, default=0, help="rendezvous port of the ranks on 127.0.0.1 (0: a free one)")
     flag(g, "--seed", type=int, default=0, help="random weights of presets, and unseeded sampling")
+    flag(g, "--deterministic", type=bool, default=False,
+         help="a request's tokens do not depend on its batch, chunking, prefix-cache hits or which worker "
+              "computes them (batch-invariant matmuls and attention; migration is bitwise); set it on every "
+              "worker of a deployment. Costs speed (docs/benchmarks.md)")
 
 
 def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -181,7 +185,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, seed=args.seed, tp_size=args.tp_size, tp_devices=args.tp_devices,
         tp_port=args.tp_port, tokenizer=args.tokenizer, cache_dir=args.cache_dir, fused_ops=args.fused_ops,
         npu_graph_mode=args.npu_graph_mode, npu_emulation=args.npu_emulation,
-        async_scheduling=args.async_scheduling)
+        async_scheduling=args.async_scheduling, deterministic=args.deterministic)
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:

@@ -28,6 +28,14 @@ class LayerOps:
     # whether moe_experts can be captured into a device graph: this one reads per-expert counts
     # on the host, so the runner keeps MoE models eager on it (engine/model_runner.py)
     moe_graph_safe: bool = False
+    # whether make_batch_invariant makes moe_experts batch-invariant (engine/batch_invariant.py)
+    invariant_moe: bool = True
+    # the matmul of the ops' own GEMMs (the experts'); deterministic mode swaps in a fixed-shape one
+    linear = staticmethod(F.linear)
+
+    def make_batch_invariant(self, linear) -> None:
+        """Deterministic mode: `linear` is a matmul whose rows do not depend on each other's count."""
+        self.linear = linear
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         dtype = x.dtype
@@ -94,8 +102,8 @@ class LayerOps:
             slots = order[start:start + n]
             start += n
             tokens = slots // k
-            h = self.silu_and_mul(F.linear(x[tokens], w13[expert]))
-            h = F.linear(h, w2[expert]) * flat_weights[slots, None]
+            h = self.silu_and_mul(self.linear(x[tokens], w13[expert]))
+            h = self.linear(h, w2[expert]) * flat_weights[slots, None]
             out.index_add_(0, tokens, h)
         return out
 
@@ -111,6 +119,7 @@ class Platform(ABC):
     name: str = "base"
     dist_backend: str = "gloo"           # the collective library: tensor parallelism and device-direct KV
     supports_graphs: bool = False        # can capture decode steps (CUDA graphs, torchair)
+    invariant_rows: int = 64             # deterministic mode's matmul piece (engine/batch_invariant.py)
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -213,3 +222,10 @@ class Platform(ABC):
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttnMetadata, scale: float) -> torch.Tensor:
         """One query token per sequence, q [B, Hq, D], over paged caches -> [B, Hq, D]."""
+
+    def row_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      rows: AttnMetadata, scale: float) -> torch.Tensor:
+        """Deterministic mode's attention (engine/batch_invariant.py): as decode_attention, one query
+        row per entry of `rows`, but each row's reduction order must depend on its own length
+        alone, never on the other rows (no split of the context by batch size)."""
+        raise NotImplementedError(f"{self.name} has no batch-invariant attention: serve without --deterministic")

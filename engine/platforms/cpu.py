@@ -18,6 +18,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     dist_backend = "gloo"
     supports_graphs = False
+    invariant_rows = 16      # deterministic mode pads decode matmuls to this many rows: small, the CPU is compute-bound
 
     def default_dtype(self) -> torch.dtype:
         return torch.float32
@@ -66,6 +67,23 @@ class CpuPlatform(Platform):
             attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
         )
         return out.squeeze(2).to(q.dtype)
+
+
+    def row_attention(self, q, k_cache, v_cache, rows: AttnMetadata, scale: float):
+        """Each row alone, in shapes fixed by its own length: its keys gathered and laid out the
+        same way whatever the batch, the group's query heads times its keys as one batched
+        matmul per kv head, softmax, times its values."""
+        out = torch.empty_like(q)
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        group = q.shape[1] // hkv
+        for r, seq_len in enumerate(rows.seq_lens_cpu):
+            keys, values = gather_sequence_kv(k_cache, v_cache, rows.block_tables[r], seq_len)
+            k_t = keys.permute(1, 2, 0).contiguous()           # [Hkv, D, L]
+            v_r = values.permute(1, 0, 2).contiguous()         # [Hkv, L, D]
+            q_r = q[r].reshape(hkv, group, d).to(k_t.dtype)
+            probs = torch.softmax(torch.bmm(q_r, k_t) * scale, dim=-1)
+            out[r] = torch.bmm(probs, v_r).reshape(hkv * group, d).to(q.dtype)
+        return out
 
 
 def gather_sequence_kv(k_cache, v_cache, block_table, seq_len: int):

@@ -38,9 +38,17 @@ class TritonLayerOps(LayerOps):
         from baton.engine.platforms.triton_kernels import layer_ops
         return layer_ops.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, positions)
 
+    moe_invariant = False      # False: tiles by rows per expert; deterministic mode fixes them
+
     def moe_experts(self, x, w13, w2, ids, weights):
         from baton.engine.platforms.triton_kernels import moe
-        return moe.fused_experts(x, w13, w2, ids, weights)
+        return moe.fused_experts(x, w13, w2, ids, weights, invariant=self.moe_invariant)
+
+    def make_batch_invariant(self, linear) -> None:
+        """One tile shape whatever the batch: each output sums its K dimension in the same pieces
+        with the same instructions, so a row's experts do not depend on the rows beside it."""
+        super().make_batch_invariant(linear)
+        self.moe_invariant = True
 
 
 def _fused_sample(*args):
@@ -52,6 +60,9 @@ class CudaPlatform(Platform):
     name = "cuda"
     dist_backend = "nccl"
     supports_graphs = True
+    # deterministic mode's matmul piece: cuBLAS sees one shape; a decode step of fewer sequences
+    # computes 256 rows, which costs about what reading the weights does on an H100 (~295 flop/byte)
+    invariant_rows = 256
 
     def __init__(self, device: torch.device, fused_ops: bool = True):
         super().__init__(device)
@@ -123,6 +134,14 @@ class CudaPlatform(Platform):
                 q, k, v, meta.query_start_loc, meta.max_query_len, scale, seq_lens=meta.seq_lens,
                 k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables)
         return prefill_attention.varlen_prefill(q, k, v, meta.query_start_loc, meta.max_query_len, scale)
+
+    def row_attention(self, q, k_cache, v_cache, rows: AttnMetadata, scale: float):
+        """The decode kernel over every row with one split: a row's context is summed by one
+        program in tiles of block_n from position 0, whatever the batch or the block-table width."""
+        from baton.engine.platforms.triton_kernels import decode_attention
+        cfg = decode_attention.invariant_config(q.shape[-1], k_cache.dtype)
+        return decode_attention.paged_decode(q, k_cache, v_cache, rows.block_tables, rows.seq_lens, scale,
+                                             self.num_sms, cfg)
 
     def decode_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float):
         """Splits derive from block_tables' width, fixed for a captured graph (the graph runner

@@ -63,6 +63,7 @@ class NpuMoeOps(LayerOps):
     group_list, and every shape depends only on the token count."""
 
     moe_graph_safe = True
+    invariant_moe = False     # the grouped matmul's tiling per expert is the op's own (deterministic mode refuses)
 
     def __init__(self, npu):
         self.npu = npu
@@ -160,6 +161,7 @@ class NpuPlatform(Platform):
     name = "npu"
     dist_backend = "hccl"
     supports_graphs = True
+    invariant_rows = 256     # deterministic mode's matmul piece (engine/batch_invariant.py)
 
     def __init__(self, device: torch.device, npu, torchair=None, graph_cache_dir: str | None = None,
                  fused_ops: bool = True):
@@ -323,6 +325,14 @@ class NpuPlatform(Platform):
             out, _ = self.npu.npu_fused_infer_attention_score_v2(
                 *args, **kwargs, actual_seq_kvlen=list(meta.seq_lens_cpu))
         return out.squeeze(1)
+
+
+    def row_attention(self, q, k_cache, v_cache, rows: AttnMetadata, scale: float):
+        """Deterministic mode: prefill rows too through the decode call (Q_S = 1 per row, its own
+        kv length), so a token sees one reduction whichever step computes it. That FIA reduces a
+        row by its own kv length only, not by the batch, is what its documentation's per-batch
+        actual_seq_kvlen implies; it is tested on the emulation, never on hardware."""
+        return self.decode_attention(q, k_cache, v_cache, rows, scale)
 
 
 class TorchairDecodeStep(torch.nn.Module):

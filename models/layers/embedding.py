@@ -34,8 +34,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    matmul = staticmethod(F.linear)    # as LinearBase.matmul
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.matmul(hidden, self.weight)
         if self.tp.size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
             dist.all_gather(parts, logits, group=self.tp.group)

@@ -12,6 +12,7 @@ so a captured graph stays correct for any seq_lens the block-table width can hol
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,12 @@ def default_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
     if dtype == torch.float32 or head_dim > 128:
         return DecodeConfig(block_n=32, num_stages=2)
     return DecodeConfig()
+
+
+def invariant_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """Deterministic mode (engine/batch_invariant.py): never split a context, so a row's sum does
+    not depend on how many rows share the GPU."""
+    return dataclasses.replace(default_config(head_dim, dtype), max_splits=1)
 
 
 def num_splits(batch: int, kv_heads: int, max_tokens: int, num_sms: int, cfg: DecodeConfig) -> int:

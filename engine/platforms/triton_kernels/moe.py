@@ -78,6 +78,13 @@ def pick_tiles(num_slots: int, num_experts: int, hidden: int, intermediate: int,
                     fit(tiles.w2_block_n), fit(tiles.w2_block_k), tiles.w2_num_warps, tiles.w2_num_stages)
 
 
+def invariant_tiles(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> MoeTiles:
+    """Deterministic mode: one tile shape for every batch, a decode bucket's (BLOCK_K sets the
+    pieces each output's sum is cut into, BLOCK_M the tensor-core instruction). Prefill pays for
+    the small tiles."""
+    return pick_tiles(10 * num_experts, num_experts, hidden, intermediate, dtype)
+
+
 @triton.jit
 def _align_kernel(ids_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, num_blocks,
                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
@@ -298,9 +305,10 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tens
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  tiles: MoeTiles | None = None) -> torch.Tensor:
+                  tiles: MoeTiles | None = None, invariant: bool = False) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for SwiGLU experts w13 [E, 2I, H], w2 [E, H, I];
-    x [T, H] -> [T, H] in x's dtype. `tiles` overrides the bucket's choice (benchmarks)."""
+    x [T, H] -> [T, H] in x's dtype. `tiles` overrides the bucket's choice (benchmarks); `invariant`:
+    the same tiles for every T (deterministic mode)."""
     _check(x, w13, w2, ids, weights)
     t, k = ids.shape
     e, two_i, h = w13.shape
@@ -308,7 +316,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     if t == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    tiles = tiles or pick_tiles(t * k, e, h, inter, x.dtype)
+    tiles = tiles or (invariant_tiles(e, h, inter, x.dtype) if invariant else pick_tiles(t * k, e, h, inter, x.dtype))
     blocks = align(ids, e, tiles.block_m)
     act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
     launch_w13(x, w13, act, blocks, k, tiles)
