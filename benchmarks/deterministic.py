@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 
@@ -45,7 +46,7 @@ def differ(a: list[list[int]], b: list[list[int]]) -> int:
 
 
 def run_mode(args, deterministic: bool, prompts, params) -> dict:
-    common = dict(device=args.device, deterministic=deterministic, num_kv_blocks=args.num_kv_blocks,
+    common = dict(device=args.device, tokenizer=args.tokenizer, deterministic=deterministic, num_kv_blocks=args.num_kv_blocks,
                   enable_prefix_caching=False, max_num_seqs=args.num_seqs)
     llm = LLM(args.model, **common)
     t0 = time.perf_counter()
@@ -73,6 +74,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--tokenizer", default=os.environ.get("BATON_TOKENIZER"),
+                   help="tokenizer directory (default: $BATON_TOKENIZER, else the model's)")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-input-len", type=int, default=16)
     p.add_argument("--max-input-len", type=int, default=512)

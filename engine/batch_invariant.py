@@ -28,6 +28,7 @@ Here every reduction a row sees depends on that row alone:
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from baton.models.attention_metadata import AttnMetadata
@@ -82,22 +83,22 @@ def row_metadata(meta: AttnMetadata) -> AttnMetadata:
     through sequence i's block table. A decode step is already this."""
     if meta.is_decode:
         return meta
-    starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    owner, row_lens = [], []
-    for i, seq_len in enumerate(lens):
-        q_len = starts[i + 1] - starts[i]
-        owner.extend([i] * q_len)
-        row_lens.extend(range(seq_len - q_len + 1, seq_len + 1))
+    starts = np.asarray(meta.query_start_loc_cpu, np.int64)
+    q_lens = np.diff(starts)
+    owner = np.repeat(np.arange(len(q_lens)), q_lens)                  # row -> its sequence
+    # row j of sequence i sees seq_len - q_len + j + 1 keys
+    row_lens = (np.asarray(meta.seq_lens_cpu, np.int64) - q_lens)[owner] + np.arange(len(owner)) - starts[owner] + 1
     device = meta.seq_lens.device
-    index = torch.tensor(owner, dtype=torch.int64).to(device, non_blocking=True)
+    index = torch.from_numpy(owner).to(device, non_blocking=True)
     t = len(owner)
+    row_lens_list = row_lens.tolist()
     return AttnMetadata(
         is_decode=True, slot_mapping=meta.slot_mapping,
         query_start_loc=torch.arange(t + 1, dtype=torch.int32).to(device, non_blocking=True),
-        seq_lens=torch.tensor(row_lens, dtype=torch.int32).to(device, non_blocking=True),
+        seq_lens=torch.from_numpy(row_lens.astype(np.int32)).to(device, non_blocking=True),
         block_tables=meta.block_tables.index_select(0, index), max_query_len=1,
-        max_seq_len=max(row_lens, default=1), has_context=True,
-        query_start_loc_cpu=list(range(t + 1)), seq_lens_cpu=row_lens, num_decode_rows=t)
+        max_seq_len=max(row_lens_list, default=1), has_context=True,
+        query_start_loc_cpu=list(range(t + 1)), seq_lens_cpu=row_lens_list, num_decode_rows=t)
 
 
 class RowAttention:
