@@ -44,6 +44,9 @@ class EngineConfig:
     async_scheduling: bool | None = None   # schedule step N+1 while step N runs; None: on accelerators
     generation_config: str = "auto"     # sampling defaults: auto (the model's generation_config.json) | none | DIR
     deterministic: bool = False         # a request's tokens independent of its batch (engine/batch_invariant.py)
+    speculative_method: str | None = None   # ngram: guess tokens, verify them in one step (engine/speculative.py)
+    num_speculative_tokens: int = 4     # guesses per sequence and step
+    speculative_max_batch: int = 32     # speculate only while at most this many sequences run
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -64,6 +67,15 @@ class EngineConfig:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0 <= self.tp_port < 65536:
             raise ValueError(f"tp_port must be in [0, 65535], got {self.tp_port}")
+        if self.speculative_method is not None:
+            from baton.engine.speculative import METHODS
+            if self.speculative_method not in METHODS:
+                raise ValueError(f"speculative_method must be one of {', '.join(METHODS)} (or unset), "
+                                 f"got {self.speculative_method!r}")
+            if not 1 <= self.num_speculative_tokens <= 16:
+                raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+            if self.speculative_max_batch < 1:
+                raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.deterministic:
             from baton.engine.batch_invariant import check_supported
             check_supported(self.tp_size)

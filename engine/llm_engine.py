@@ -26,6 +26,7 @@ from baton.engine.output_processor import RequestOutput, RequestState
 from baton.engine.sampling_params import SamplingParams, sampling_defaults
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
+from baton.engine.speculative import Speculator, accept
 from baton.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from baton.models.multimodal import ImageInput, ImagePlaceholders
 
@@ -88,6 +89,8 @@ class LLMEngine:
         auto = self.runner.device.type != "cpu" and self.config.tp_size == 1
         self.look_ahead = auto if self.config.async_scheduling is None else self.config.async_scheduling
         self.in_flight: LaunchedStep | None = None
+        self.speculator = None if self.config.speculative_method is None else Speculator(
+            self.config.speculative_method, self.config.num_speculative_tokens, self.config.speculative_max_batch)
         self._ids = itertools.count()
         self.last_step_seconds = 0.0
 
@@ -221,12 +224,14 @@ class LLMEngine:
         outputs = self._join_landed()
         t0 = time.perf_counter()
         prev, out = self.in_flight, None
-        if prev is not None and self._may_schedule_ahead(prev):
+        if prev is not None and self._may_schedule_ahead(prev) and not self._speculating():
             out = self.scheduler.schedule(preempt=False)       # None: it would preempt; wait first
         if out is None:
             if prev is not None:
                 outputs += self._resolve(prev)
                 prev = self.in_flight = None
+            if self._speculating():            # guesses need every token known: no step is in flight now
+                self.speculator.propose(self.scheduler.running)
             out = self.scheduler.schedule()
             outputs += self._fail_unrecomputable(out.preempted)
         if out.is_empty:
@@ -239,7 +244,7 @@ class LLMEngine:
         if prev is not None:
             outputs += self._resolve(prev)
         self.in_flight = launched
-        if not self.look_ahead:
+        if not self.look_ahead or any(item.draft for item in out.scheduled):
             outputs += self._resolve(launched)
             self.in_flight = None
         self.last_step_seconds = time.perf_counter() - t0
@@ -252,6 +257,9 @@ class LLMEngine:
                                            "to recompute its prompt; retry the request")
                 for seq in preempted if seq.mm is not None and not seq.mm.images_available]
 
+    def _speculating(self) -> bool:
+        return self.speculator is not None and self.speculator.active(self.scheduler.running)
+
     def _may_schedule_ahead(self, prev: LaunchedStep) -> bool:
         """Not past a step whose prompt KV is handed off (the pieces need its sampled token)."""
         return self.look_ahead and not any(item.seq.kv_ticket is not None and item.seq.kv_ticket.side == "prefill"
@@ -260,9 +268,30 @@ class LLMEngine:
     def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
         """The step's tokens are back: hand off the prompt KV it finished, fill in its tokens,
         finish what ended, and emit."""
+        if any(item.draft for item in launched.out.scheduled):
+            return self._resolve_verified(launched)
         sampled = launched.tokens()
         failed = self._hand_off_kv(launched.out, sampled)   # before resolve frees a finished prefill's blocks
         self.scheduler.resolve(launched.out, launched.slots, sampled)
+        outputs = [self._emit(item.seq.request_id) for item, token in zip(launched.out.scheduled, sampled, strict=True)
+                   if token is not None and item.seq.request_id not in failed and item.seq.request_id in self.states
+                   and self.states[item.seq.request_id].seq is item.seq]
+        return outputs + [self._fail(rid, why) for rid, why in failed.items()]
+
+    def _resolve_verified(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """`_resolve` for a step with guesses (engine/speculative.py): each item keeps its guesses
+        up to the first the model disagreed with, and the token sampled there."""
+        lists = launched.token_lists()
+        kept = []
+        for item, tokens in zip(launched.out.scheduled, lists, strict=True):
+            if tokens is not None and item.draft:
+                tokens = accept(item.draft, tokens)
+                self.speculator.stats.record(len(item.draft), len(tokens) - 1)
+            kept.append(tokens)
+        self.speculator.stats.steps += 1
+        sampled = [tokens[-1] if tokens else None for tokens in kept]
+        failed = self._hand_off_kv(launched.out, sampled)
+        self.scheduler.resolve_verified(launched.out, launched.slots, kept)
         outputs = [self._emit(item.seq.request_id) for item, token in zip(launched.out.scheduled, sampled, strict=True)
                    if token is not None and item.seq.request_id not in failed and item.seq.request_id in self.states
                    and self.states[item.seq.request_id].seq is item.seq]

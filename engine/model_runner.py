@@ -244,9 +244,13 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, ctx, **extra)
         if not len(inputs.rows):
             return None
-        last = meta.query_start_loc[1:].long() - 1
-        rows = inputs.rows.tolist()
-        logits = self.model.compute_logits(hidden[last[rows]] if len(rows) < len(last) else hidden[last])
+        if inputs.logit_rows is not None:
+            picked = hidden[torch.from_numpy(inputs.logit_rows).to(hidden.device, non_blocking=True)]
+        else:
+            last = meta.query_start_loc[1:].long() - 1
+            rows = inputs.rows.tolist()
+            picked = hidden[last[rows]] if len(rows) < len(last) else hidden[last]
+        logits = self.model.compute_logits(picked)
         if self.tp_rank != 0:                          # the LM head's gather was the last collective
             return None
         return self.sampler(logits, sampling)
@@ -270,7 +274,7 @@ class ModelRunner:
         for i, item in enumerate(items):
             seq = item.seq
             tables[i, :len(seq.block_table)] = seq.block_table
-            input_ids += seq.token_ids[begins[i]:ends[i]]
+            input_ids += seq.token_ids[begins[i]:ends[i] - len(item.draft)] + item.draft
         if out.is_decode:                                  # one token each: no per-token loop
             positions = begins
         else:
@@ -282,6 +286,15 @@ class ModelRunner:
         pending_dst = np.flatnonzero(ids == PENDING)
         pending_src = _rows_in(prev, [items[r].seq.seq_id for r in token_rows[pending_dst]])
         rows = np.array([i for i, item in enumerate(items) if item.samples], np.int64)
+        logit_rows = None
+        sample_positions = [items[r].seq.num_tokens for r in rows.tolist()]
+        if any(items[r].draft for r in rows.tolist()):
+            # a verified step: a token is sampled at the last real token and after each guess
+            per_row = [len(items[r].draft) + 1 for r in rows.tolist()]
+            logit_rows = np.concatenate([np.arange(starts[r + 1] - n, starts[r + 1]) for r, n in zip(rows, per_row,
+                                                                                                   strict=True)])
+            sample_positions = [p + j for p, n in zip(sample_positions, per_row, strict=True) for j in range(n)]
+            rows = np.repeat(rows, per_row)
         seqs = [items[r].seq for r in rows.tolist()]
         params = [q.params for q in seqs]
         return StepInputs(
@@ -295,9 +308,9 @@ class ModelRunner:
             top_ps=np.array([p.top_p for p in params], np.float32),
             seeds=np.array([_signed64(q.sampling_seed or 0) for q in seqs], np.int64),
             has_seed=np.array([q.sampling_seed is not None for q in seqs], np.bool_),
-            sample_positions=np.array([q.num_tokens for q in seqs], np.int64),
+            sample_positions=np.array(sample_positions, np.int64),
             pending_dst=pending_dst.astype(np.int64), pending_src=pending_src,
-            mrope_positions=mrope, image_chunks=image_chunks,
+            mrope_positions=mrope, image_chunks=image_chunks, logit_rows=logit_rows,
         )
 
     def _device_inputs(self, h: StepInputs) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor, SamplingBatch]:
@@ -349,6 +362,8 @@ class StepInputs:
     pending_src_dev: torch.Tensor | None = None
     mrope_positions: np.ndarray | None = None        # [3, T] int64: a multimodal prefill step's (t, h, w)
     image_chunks: list | None = None                 # ...and its chunks that hold image tokens
+    logit_rows: np.ndarray | None = None             # [N] int64: input token of each sampled row, when some
+    #                                                  sequence samples several (guesses); else each row's last
 
 
 @dataclass(slots=True)
@@ -377,6 +392,19 @@ class LaunchedStep:
         result: list[int | None] = [None] * len(self.out.scheduled)
         for item, token in zip(self.rows, values, strict=True):
             result[item] = token
+        return result
+
+    def token_lists(self) -> list[list[int] | None]:
+        """Every token sampled for each scheduled item, in order (several for an item with
+        guesses: one after its last token and one after each guess); None: it did not sample."""
+        if self.event is not None:
+            self.event.synchronize()
+        values = self.host_tokens.tolist() if self.host_tokens is not None else []
+        result: list[list[int] | None] = [None] * len(self.out.scheduled)
+        for item, token in zip(self.rows, values, strict=True):
+            if result[item] is None:
+                result[item] = []
+            result[item].append(token)
         return result
 
 

@@ -105,8 +105,16 @@ class RequestState:
         finished = seq.is_finished
         delta = ""
         if self.text is not None:
-            for t in new_ids:
-                self.text.add(t)
+            for j, t in enumerate(new_ids):
+                if self.text.add(t):
+                    # a stop string ended the text at this token: a step that added several
+                    # (speculation) keeps none after it, as one token at a time would have
+                    extra = len(new_ids) - j - 1
+                    if extra and not seq.is_finished:
+                        seq.drop_last(extra)
+                        new_ids = new_ids[:j + 1]
+                        self.emitted_tokens -= extra
+                    break
             finished = finished or self.text.stopped
             delta = self.text.take(finished)
         reason = FinishReason.STOP if self.stopped_by_string else seq.finish_reason

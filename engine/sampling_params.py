@@ -20,6 +20,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None         # same seed + same request = same tokens
+    speculative: bool = True        # may the engine speculate for it (--speculative-method); False: opt out
 
     @property
     def greedy(self) -> bool:

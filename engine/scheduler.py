@@ -18,11 +18,12 @@ from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int          # tokens fed to the model this step, from seq.num_computed_tokens
+    draft: list[int] = field(default_factory=list)   # guesses fed after its last token (verified: speculative.py)
 
     @property
     def samples(self) -> bool:
         """Does this step produce the sequence's next token (its prefill is complete)?"""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(self.draft)
 
 
 @dataclass(slots=True)
@@ -106,7 +107,11 @@ class Scheduler:
             if seq.num_pending_tokens and seq.surely_done:
                 i += 1
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            draft = seq.draft[:budget - 1] if seq.draft and seq.num_uncomputed_tokens == 1 else []
+            seq.draft = []                              # this step's guesses live in its ScheduledSeq
+            n = min(seq.num_uncomputed_tokens, budget) + len(draft)
+            if draft and not self.block_manager.can_allocate(seq, n):
+                draft, n = [], n - len(draft)           # guesses never cost another sequence its blocks
             if not preempt and not self.block_manager.can_allocate(seq, n):
                 return None
             while not self.block_manager.can_allocate(seq, n):
@@ -116,7 +121,7 @@ class Scheduler:
                     break
             else:
                 self.block_manager.allocate(seq, n)
-                out.scheduled.append(ScheduledSeq(seq, n))
+                out.scheduled.append(ScheduledSeq(seq, n, draft))
                 budget -= n
                 i += 1
                 continue
@@ -166,7 +171,8 @@ class Scheduler:
         slots: list[int | None] = []
         for item in out.scheduled:
             samples = item.samples                   # (judged before the count moves)
-            item.seq.num_computed_tokens += item.num_new_tokens
+            # a verified step's guesses count as computed once they are kept (resolve_verified)
+            item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
             slots.append(item.seq.append_pending() if samples else None)
         return slots
 
@@ -186,6 +192,36 @@ class Scheduler:
             if slot is None:
                 continue
             reason = self.stop_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def resolve_verified(self, out: SchedulerOutput, slots: list[int | None],
+                         kept: list[list[int] | None]) -> list[Sequence]:
+        """`resolve` for a step whose items may carry guesses: `kept` has each item's tokens to
+        append (engine/speculative.accept: the guesses that held and the sampled token after them;
+        one token for an item without guesses). Their KV was computed this step, except the last
+        token's. A stop (EOS, a stop token, max_tokens) inside them ends the sequence there."""
+        finished = []
+        for item, slot, tokens in zip(out.scheduled, slots, kept, strict=True):
+            seq = item.seq
+            if seq.is_finished:
+                seq.drop_pending()
+                continue
+            reason = None
+            if slot is not None:
+                for j, token in enumerate(tokens):
+                    if j == 0:
+                        seq.fill_pending(slot, token)
+                    else:
+                        seq.append_token(token)
+                        seq.num_computed_tokens += 1        # the guess before it had its KV computed
+                    reason = self.stop_reason(seq, token)
+                    if reason is not None:
+                        break
+            self.block_manager.register_full_blocks(seq)
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)

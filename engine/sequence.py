@@ -36,7 +36,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "block_table", "status", "params", "finish_reason", "max_model_len",
         "arrival", "num_preemptions", "sampling_seed", "num_hashed_blocks", "kv_ticket",
-        "num_blocks_handed_off", "num_pending_tokens", "mm",
+        "num_blocks_handed_off", "num_pending_tokens", "mm", "draft",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -60,6 +60,7 @@ class Sequence:
         self.num_blocks_handed_off = 0      # prefill side: prompt blocks already packed into pieces
         self.num_pending_tokens = 0         # trailing PENDING tokens (asynchronous scheduling)
         self.mm = None                      # MultimodalPrompt (engine/multimodal.py) of a prompt with images
+        self.draft: list[int] = []          # guesses of its next tokens for this step (engine/speculative.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -114,6 +115,11 @@ class Sequence:
         """The sampled value of the placeholder at `index` (the oldest pending one)."""
         self.token_ids[index] = token_id
         self.num_pending_tokens -= 1
+
+    def drop_last(self, n: int) -> None:
+        """Forget the last n known tokens (a stop string ended the text before them)."""
+        if n > 0:
+            del self.token_ids[len(self.token_ids) - n:]
 
     def drop_pending(self) -> None:
         """Forget the placeholders (the request ended before they were filled in)."""

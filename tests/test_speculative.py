@@ -1,0 +1,132 @@
+"""Speculative decoding (engine/speculative.py): n-gram guesses verified in one step give the
+tokens plain decoding gives -- greedy and seeded, token for token, on the embedded model and the
+tiny architectures -- and unseeded sampling keeps the target distribution (a chi-square test)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from helpers import save_tiny_checkpoint
+
+from baton.engine import LLM, SamplingParams
+from baton.engine.speculative import NgramProposer, accept
+
+DEVICE = os.environ.get("BATON_TEST_DEVICE", "cpu")
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=4)
+
+
+def test_ngram_proposer_finds_the_latest_longest_match():
+    p = NgramProposer(k=3)
+    assert p.propose([1, 2, 3, 4, 9, 1, 2, 3], limit=10) == [4, 9, 1]      # suffix 1 2 3 seen before
+    assert p.propose([5, 6, 7, 5, 6, 8, 5, 6], limit=10) == [8, 5, 6]      # the latest occurrence wins
+    assert p.propose([1, 2, 3, 4, 9, 1, 2, 3], limit=2) == [4, 9]          # room left caps it
+    assert p.propose([1, 2, 3], limit=5) == []                              # nothing repeats
+    assert p.propose([7], limit=5) == []
+
+
+def test_accept_keeps_guesses_up_to_the_first_disagreement():
+    assert accept([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]                  # all held, plus the bonus
+    assert accept([4, 5, 6], [4, 9, 6, 7]) == [4, 9]
+    assert accept([4, 5, 6], [8, 5, 6, 7]) == [8]
+
+
+@pytest.fixture(scope="module")
+def copy_prompts(embedded_llm):
+    """Prompts whose answers copy spans of the prompt (where n-gram guesses hold)."""
+    tok = embedded_llm.tokenizer
+    texts = ["Repeat this list exactly: apples, pears, plums, cherries, apples, pears, plums, cherries, apples,",
+             "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+             "one two three four five one two three four five one two three"]
+    return [tok(t)["input_ids"] for t in texts]
+
+
+@pytest.fixture(scope="module")
+def spec_llm(embedded_llm):
+    return LLM(embedded_llm.engine.source.name, **SPEC)
+
+
+def test_greedy_and_seeded_tokens_are_plain_decodings_on_the_embedded_model(embedded_llm, spec_llm, copy_prompts):
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=3, max_tokens=24, ignore_eos=True)]
+    plain = [[o.token_ids for o in embedded_llm.generate(copy_prompts, p)] for p in params]
+    spec = [[o.token_ids for o in spec_llm.generate(copy_prompts, p)] for p in params]
+    assert spec == plain
+    stats = spec_llm.engine.speculator.stats
+    assert stats.accepted > 0 and stats.mean_accepted > 1.5, stats
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
+def test_tiny_architectures_decode_the_same_tokens_with_guesses(tmp_path, arch):
+    from baton.models.source import resolve_model
+    tokenizer_dir = os.environ.get("BATON_TOKENIZER") or resolve_model(None).tokenizer_path
+    path = str(save_tiny_checkpoint(arch, tmp_path / arch, tokenizer_dir))
+    g = torch.Generator().manual_seed(5)
+    motif = torch.randint(3, 49152, (6,), generator=g).tolist()
+    prompts = [motif * 4, torch.randint(3, 49152, (30,), generator=g).tolist(), motif * 2 + [9, 9]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = dict(device=DEVICE, num_kv_blocks=128, block_size=16)
+    want = [o.token_ids for o in LLM(path, **common).generate(prompts, params)]
+    llm = LLM(path, **common, **SPEC)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.speculator.stats.steps > 0
+    assert llm.engine.block_manager.num_free_blocks == 128
+
+
+def test_stops_inside_the_guesses_end_where_plain_decoding_ends(embedded_llm, spec_llm, copy_prompts):
+    """max_tokens, a stop token and a stop string met in the middle of kept guesses."""
+    tok = embedded_llm.tokenizer
+    plain = embedded_llm.generate(copy_prompts[2:], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    ids = plain.token_ids
+    llm = spec_llm
+    cases = [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[ids[9]]),
+             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[tok.decode(ids[10:12]).strip()])]
+    for params in cases:
+        want = embedded_llm.generate(copy_prompts[2:], params)[0]
+        got = llm.generate(copy_prompts[2:], params)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_unseeded_sampling_keeps_the_target_distribution(tmp_path):
+    """Three sampled tokens after a prompt that repeats itself (the first is sampled by the prefill,
+    the next two by a step verifying an n-gram guess): their joint frequencies over 4000 runs
+    against p(t1) p(t2 | t1) p(t3 | t1 t2) from transformers, by chi-square with the rare cells
+    pooled (expected counts >= 5). False-failure rate: the threshold is p < 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    from baton.models.source import resolve_model
+    vocab = 6
+    tokenizer_dir = os.environ.get("BATON_TOKENIZER") or resolve_model(None).tokenizer_path
+    path = save_tiny_checkpoint("qwen3", tmp_path / "v6", tokenizer_dir, vocab_size=vocab, bos_token_id=0,
+                                eos_token_id=1)
+    prompt = [2, 3, 4, 5, 2, 3, 4, 5, 2, 3, 4]        # whatever comes next, a guess is found
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def probs(ids):
+        with torch.no_grad():
+            return torch.softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)
+
+    joint = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
+    p1 = probs(prompt)
+    for a in range(vocab):
+        p2 = probs(prompt + [a])
+        for b in range(vocab):
+            joint[a, b] = p1[a] * p2[b] * probs(prompt + [a, b])
+    n = 4000
+    llm = LLM(str(path), num_kv_blocks=2048, max_num_seqs=n, speculative_max_batch=n, **SPEC)
+    outs = llm.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
+    assert llm.engine.speculator.stats.accepted > 100, llm.engine.speculator.stats
+    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
+    for o in outs:
+        a, b, c = o.token_ids
+        counts[(a * vocab + b) * vocab + c] += 1
+    expected = joint.flatten() * n
+    keep = expected >= 5                                  # the rare cells pooled into one
+    obs = torch.cat([counts[keep], counts[~keep].sum().reshape(1)])
+    exp = torch.cat([expected[keep], expected[~keep].sum().reshape(1)])
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(obs) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+    assert p_value > 1e-4, (stat, dof, p_value)
