@@ -72,25 +72,26 @@ async def serve(cfg: RouterConfig) -> None:
 def load_model(cfg: RouterConfig):
     """The model's source and tokenizer."""
     try:
-        source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer)
+        source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer, cfg.revision)
         return source, load_tokenizer(source)
     except ImportError:                       # torch, to convert a GGUF: let a process with torch do it
         _convert_in_child(cfg)
-        source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer)
+        source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer, cfg.revision)
         return source, load_tokenizer(source)
 
 
 CONVERT = """import sys
 from baton.models.source import resolve_model
 try:
-    resolve_model(sys.argv[1], sys.argv[2] or None, sys.argv[3] or None).tokenizer_dir()
+    resolve_model(sys.argv[1], sys.argv[2] or None, sys.argv[3] or None, sys.argv[4] or None).tokenizer_dir()
 except ValueError as exc:
     sys.exit(f"baton router: {exc}")
 """
 
 
 def _convert_in_child(cfg: RouterConfig) -> None:
-    done = subprocess.run([sys.executable, "-c", CONVERT, cfg.model, cfg.cache_dir or "", cfg.tokenizer or ""],
+    done = subprocess.run([sys.executable, "-c", CONVERT, cfg.model, cfg.cache_dir or "", cfg.tokenizer or "",
+                           cfg.revision or ""],
                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     if done.returncode:
         sys.exit(2)                           # the child said why

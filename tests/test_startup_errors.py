@@ -25,9 +25,10 @@ pytestmark = pytest.mark.timeout(300)
 BATON = [sys.executable, "-m", "baton"]
 
 
-def run(*argv: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+def run(*argv: str, timeout: float = 60, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    out = subprocess.run([*BATON, *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run([*BATON, *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, **(env or {})})
     return out, time.monotonic() - t0
 
 
@@ -37,9 +38,9 @@ def one_line(out: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def serve_refuses(*flags: str) -> str:
+def serve_refuses(*flags: str, env: dict | None = None) -> str:
     """`baton serve` with these flags: exit 2 within seconds, one line, nothing started."""
-    out, took = run("serve", "--port", str(free_port()), *flags)
+    out, took = run("serve", "--port", str(free_port()), *flags, env=env)
     assert out.returncode == 2, out.stderr
     assert took < 10, f"took {took:.1f}s: the check must come before anything loads"
     line = one_line(out)
@@ -48,10 +49,22 @@ def serve_refuses(*flags: str) -> str:
 
 
 # -- baton serve: refused before anything starts ---------------------------------------------------
-def test_a_hub_name_says_baton_does_not_download_and_offers_the_preset():
-    line = serve_refuses("--model", "Qwen/Qwen3-8B")
-    assert "does not download from the Hugging Face Hub" in line and "hf download Qwen/Qwen3-8B" in line
-    assert "--model qwen3-8b" in line and "random weights" in line
+def test_a_hub_name_missing_from_the_cache_with_the_network_off_says_what_to_do(tmp_path):
+    line = serve_refuses("Qwen/Qwen3-8B", env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)})
+    assert f"--model Qwen/Qwen3-8B: not in the Hugging Face cache ({tmp_path})" in line
+    assert "HF_HUB_OFFLINE is set" in line and "hf download Qwen/Qwen3-8B" in line
+
+
+def test_a_revision_of_what_is_no_hub_model_is_refused():
+    assert "only a Hub model (ORG/NAME) has revisions" in serve_refuses("--revision", "v1")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--port", "8000", "--http-port", "8000"], "--port (the router's gRPC) and --http-port (the OpenAI API; 0: off) are both port 8000"),
+    (["--http-port", "9100", "--metrics-port", "9099"], "--http-port (the OpenAI API; 0: off) and --metrics-port + 1"),
+])
+def test_one_port_given_to_two_listeners_is_refused(flags, says):
+    assert says in serve_refuses(*flags)
 
 
 @pytest.mark.parametrize("model, says", [
