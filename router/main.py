@@ -37,7 +37,7 @@ async def serve(cfg: RouterConfig) -> None:
     metrics.serve(cfg.metrics_port, cfg.host)
     http = None
     if cfg.http_port:
-        http = OpenAIServer(None, cfg, "")
+        http = OpenAIServer(None, cfg, "", metrics.registry)
         await http.start()
     source, tokenizer = load_model(cfg)
     hf = source.hf_config
@@ -48,6 +48,7 @@ async def serve(cfg: RouterConfig) -> None:
     registry = Registry(cfg.prefill, cfg.decode, cfg.colocated, source.name, tls=cfg.tls,
                         resolve_interval=cfg.resolve_interval)
     await registry.start()
+    metrics.watch_kv_usage(lambda: kv_usage(registry))
     svc = RouterService(registry, tokenizer, info, cfg,
                         sampling_defaults(source.generation_config(cfg.generation_config)),
                         vision=ImagePlaceholders.from_config(hf))
@@ -67,6 +68,13 @@ async def serve(cfg: RouterConfig) -> None:
     if http is not None:
         await http.stop()
     await registry.stop()
+
+
+def kv_usage(registry: Registry) -> float:
+    """Share of KV blocks in use over the healthy workers that hold running requests' KV."""
+    workers = [w for w in registry.workers if w.healthy and w.role != "prefill"]
+    total = sum(w.status.kv_blocks_total for w in workers)
+    return 1 - sum(w.status.kv_blocks_free for w in workers) / total if total else 0.0
 
 
 def load_model(cfg: RouterConfig):

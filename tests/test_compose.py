@@ -49,7 +49,7 @@ def _parser_accepts(command: list[str]) -> None:
     assert seen.get("ok"), f"{command} did not reach start-up"
 
 
-@pytest.mark.parametrize("name", [n for n, s in SERVICES.items() if s["command"][0] == "python"])
+@pytest.mark.parametrize("name", [n for n, s in SERVICES.items() if s.get("command", [""])[0] == "python"])
 def test_every_service_command_parses_with_the_real_cli(name):
     _parser_accepts(SERVICES[name]["command"])
 

@@ -23,7 +23,7 @@ def _compose(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
     return subprocess.run([str(COMPOSE), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("profiles", [[], ["gpu"], ["npu"], ["cpu", "bench"]])
+@pytest.mark.parametrize("profiles", [[], ["gpu"], ["npu"], ["cpu", "bench"], ["cpu", "observability"]])
 def test_docker_compose_config_accepts_every_profile(profiles):
     flags = [x for p in profiles for x in ("--profile", p)]
     run = _compose(*flags, "config")
@@ -33,7 +33,35 @@ def test_docker_compose_config_accepts_every_profile(profiles):
     if profiles in ([], ["gpu"]):
         assert want[profiles[0] if profiles else ""] <= set(services)
     for svc in services.values():                  # what Docker will run, after interpolation
-        assert svc["environment"]["BATON_MODEL"] == "smollm2-135m-instruct"
+        if svc["image"].startswith("baton:"):
+            assert svc["environment"]["BATON_MODEL"] == "smollm2-135m-instruct"
+
+
+def test_the_observability_profile_scrapes_every_service_and_provisions_the_dashboard():
+    run = _compose("--profile", "cpu", "--profile", "observability", "config")
+    assert run.returncode == 0, run.stderr
+    services = yaml.safe_load(run.stdout)["services"]
+    # docker-compose 1.29 writes volumes short: SOURCE:TARGET:MODE, the source made absolute
+    mounts = {name: {v.split(":")[1]: v.split(":")[0] for v in svc.get("volumes", []) if v.startswith("/")}
+              for name, svc in services.items()}
+    prometheus_yml = mounts["prometheus"]["/etc/prometheus/prometheus.yml"]
+    jobs = {job["job_name"]: job["dns_sd_configs"][0] for job in yaml.safe_load(open(prometheus_yml))["scrape_configs"]}
+
+    def flag(service: str, name: str) -> int:
+        command = services[service]["command"]
+        return int(command[command.index(name) + 1])
+    # the router on its OpenAI port's /metrics, each worker on its --metrics-port, by compose service name
+    assert jobs["baton-router"]["port"] == flag("router", "--http-port") and "router" in jobs["baton-router"]["names"]
+    for role in ("prefill", "decode"):
+        assert jobs[f"baton-{role}"]["port"] == flag(role, "--metrics-port") and role in jobs[f"baton-{role}"]["names"]
+    provisioning = mounts["grafana"]["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load(open(f"{provisioning}/datasources/prometheus.yaml"))["datasources"]
+    assert source["url"] == "http://prometheus:9090" and "9090:9090" in [
+        f"{p['published']}:{p['target']}" for p in services["prometheus"]["ports"]]
+    (provider,) = yaml.safe_load(open(f"{provisioning}/dashboards/baton.yaml"))["providers"]
+    dashboards = mounts["grafana"][provider["options"]["path"]]
+    assert (REPO / "deploy" / "observability" / "grafana" / "dashboards" / "baton.json").samefile(
+        f"{dashboards}/baton.json")
 
 
 def test_docker_compose_config_rejects_a_broken_file(tmp_path):
