@@ -8,6 +8,7 @@ import importlib.util
 import shutil
 import subprocess
 
+import jsonpatch
 import kubernetes_validate
 import pytest
 import yaml
@@ -88,6 +89,7 @@ def test_kubernetes_manifests_validate_and_are_generated(profile):
     files = GEN.render(profile)
     for name, text in files.items():
         assert (K8S / profile / name).read_text() == text, "regenerate: python deploy/kubernetes/generate.py"
+        assert "&id" not in text and "*id" not in text, "YAML anchors: every value is written out in full"
     kustomization = yaml.safe_load(files["kustomization.yaml"])
     assert kustomization["resources"] == ["baton.yaml"]
     docs = list(yaml.safe_load_all(files["baton.yaml"]))
@@ -101,6 +103,9 @@ def test_kubernetes_manifests_validate_and_are_generated(profile):
         (c,) = pod["containers"]
         assert pod["restartPolicy"] == "Always" and pod["terminationGracePeriodSeconds"] > 30     # > --grace
         assert "grpc" in c["readinessProbe"] and "grpc" in c["startupProbe"] and "livenessProbe" in c
+        assert c["args"][0] == role and "command" not in c          # the image's ENTRYPOINT, baton, runs
+        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 1000
+        assert {"name": "hf-cache", "mountPath": GEN.HF_CACHE} in c["volumeMounts"]
         if role == "router":                       # the worker sets it re-resolves are the headless names
             targets = {c["args"][c["args"].index(f) + 1].split(":")[0] for f in ("--prefill", "--decode")}
             assert targets == headless
@@ -114,3 +119,59 @@ def test_kubernetes_manifests_validate_and_are_generated(profile):
         bad = kinds[("Deployment", "baton-decode")]
         bad["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "grpc-port"
         kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def _base(profile: str) -> dict:
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(GEN.render(profile)["baton.yaml"])}
+
+
+@pytest.mark.parametrize("name", list(GEN.COMPONENTS))
+def test_each_kustomize_component_validates_and_applies_to_every_profile(name):
+    """A component's resources against the API schemas (a ServiceMonitor, a CRD with no schema here,
+    against the Services it selects), and its patches applied (JSON 6902, as Kustomize applies them)
+    to every profile's Deployments, the results validated again."""
+    files = GEN.render_component(name)
+    for file, text in files.items():
+        assert (K8S / "components" / name / file).read_text() == text, "regenerate: python deploy/kubernetes/generate.py"
+        assert "&id" not in text and "*id" not in text
+    kustomization = yaml.safe_load(files["kustomization.yaml"])
+    assert (kustomization["apiVersion"], kustomization["kind"]) == ("kustomize.config.k8s.io/v1alpha1", "Component")
+    resources = list(yaml.safe_load_all(files["resources.yaml"])) if "resources" in kustomization else []
+    assert bool(resources or kustomization.get("patches"))
+    for profile in GEN.PROFILES:
+        base = _base(profile)
+        for doc in resources:
+            if doc["kind"] == "ServiceMonitor":
+                _check_service_monitor(doc, base)
+                continue
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+            if doc["kind"] == "HorizontalPodAutoscaler":
+                assert ("Deployment", doc["spec"]["scaleTargetRef"]["name"]) in base
+            if doc["kind"] == "PodDisruptionBudget":
+                selected = [d for (k, _), d in base.items() if k == "Deployment" and doc["spec"]["selector"][
+                    "matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+                assert len(selected) == 1, doc
+        for p in kustomization.get("patches", []):
+            target = base[(p["target"]["kind"], p["target"]["name"])]
+            patched = jsonpatch.apply_patch(target, yaml.safe_load(p["patch"]))
+            kubernetes_validate.validate(patched, K8S_VERSION, strict=True)
+            pod = patched["spec"]["template"]["spec"]
+            mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            if name == "shm":
+                assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+            if name == "model-pvc":
+                claim = volumes[mounts[GEN.HF_CACHE]]["persistentVolumeClaim"]["claimName"]
+                assert claim == next(d["metadata"]["name"] for d in resources if d["kind"] == "PersistentVolumeClaim")
+
+
+def _check_service_monitor(doc: dict, base: dict) -> None:
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1" and set(doc["spec"]) == {"selector", "endpoints"}
+    services = [d for (k, _), d in base.items() if k == "Service"
+                and doc["spec"]["selector"]["matchLabels"].items() <= d["metadata"]["labels"].items()]
+    assert {s["metadata"]["name"] for s in services} == {"baton", "baton-prefill", "baton-decode"}
+    for endpoint in doc["spec"]["endpoints"]:
+        assert set(endpoint) <= {"port", "path", "interval"} and endpoint["path"] == "/metrics"
+        for service in services:            # each Service names the port, and it leads to the pod's metrics port
+            (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+            assert port["targetPort"] == "metrics"
