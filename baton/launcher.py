@@ -38,7 +38,8 @@ PER_PROCESS = {"host", "port", "metrics_port", "device", "colocated", "prefill",
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = parser("baton serve", "router + prefill + decode workers as separate local processes")
+    p = parser("baton serve", "router + prefill + decode workers as separate local processes",
+               usage="baton serve [MODEL] [flags]")
     add_worker_args(p, 50051)      # --port is the router's; workers listen on free loopback ports
     t = p.add_argument_group("topology")
     flag(t, "--prefill-instances", type=int, default=1, help="prefill workers")

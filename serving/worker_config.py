@@ -84,8 +84,9 @@ class WorkerConfig:
 
 
 # presets are random weights: say so where they are listed, or qwen3-8b reads as the real model
-MODEL_HELP = (f"{DEFAULT_MODEL} (embedded, real weights), an HF checkpoint directory (config.json + *.safetensors), "
-              "a .gguf file, or a preset of random weights in a real model's shape (for benchmarks): "
+MODEL_HELP = (f"{DEFAULT_MODEL} (embedded, real weights), a Hugging Face Hub name (ORG/NAME: downloaded into the HF "
+              "cache; HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE apply), an HF checkpoint directory (config.json + "
+              "*.safetensors), a .gguf file, or a preset of random weights in a real model's shape (for benchmarks): "
               + ", ".join(name for name in PRESETS if not name.startswith("tiny-"))
               + "; for tests: " + ", ".join(name for name in PRESETS if name.startswith("tiny-")))
 
@@ -188,7 +189,7 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
 def build_parser(role: str) -> argparse.ArgumentParser:
     what = {"prefill": "prefill worker", "decode": "decode worker (--colocated: prefill and decode in one)",
             "colocated": "colocated worker"}[role]
-    p = parser(f"baton {role}", f"Baton {what}")
+    p = parser(f"baton {role}", f"Baton {what}", usage=f"baton {role} [MODEL] [flags]")
     add_worker_args(p, DEFAULT_PORTS[role])
     if role != "prefill":
         flag(p, "--colocated", type=bool, default=False, help="also run prefill here (role colocated)")
