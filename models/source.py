@@ -22,6 +22,7 @@ from pathlib import Path
 
 from baton.models import hub
 from baton.models.cache import cache_root
+from baton.models.multimodal import PROCESSOR_ATTR
 from baton.models.presets import PRESETS
 from baton.models.registry import SUPPORTED_ARCHITECTURES
 
@@ -275,6 +276,12 @@ def _from_hf_dir(path: Path, name: str) -> ModelSource:
         raise ValueError(f"cannot read the model config in {path}: {exc}") from exc
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     mirror_text_config(config)
+    processor = path / "preprocessor_config.json"
+    if processor.is_file():                 # an image processor's settings: read where images are (multimodal.py)
+        try:
+            setattr(config, PROCESSOR_ATTR, json.loads(processor.read_text()))
+        except ValueError as exc:
+            raise ValueError(f"cannot read {processor}: {exc}") from exc
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} of {path} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
