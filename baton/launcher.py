@@ -77,6 +77,9 @@ def passed_on(args: argparse.Namespace, child: argparse.ArgumentParser) -> list[
 
 def serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)        # this process's lines read as its children's
+    # the file's settings are in `args` now and reach each process as flags (passed_on): the file
+    # itself, a `baton serve` file, is read by no router or worker parser (here or in a child)
+    os.environ.pop("BATON_CONFIG", None)
     specs = _specs(args)
     workers, worker_flags = _workers(args, specs)
     router = _router(args, worker_flags)
@@ -97,7 +100,6 @@ def serve(args: argparse.Namespace) -> int:
               "with --port / --http-port / --metrics-port", file=sys.stderr)
         return 1
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("BATON_CONFIG", None)       # its settings reach the children as flags (passed_on), for their own parsers
     if "cpu" in (args.device, args.prefill_devices, args.decode_devices):
         # CPU workers share the machine's cores: oversubscribed torch threads crawl
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(workers))))

@@ -55,6 +55,15 @@ def test_a_hub_name_missing_from_the_cache_with_the_network_off_says_what_to_do(
     assert "HF_HUB_OFFLINE is set" in line and "hf download Qwen/Qwen3-8B" in line
 
 
+@pytest.mark.parametrize("how", ["flag", "variable"])
+def test_a_serve_config_file_reaches_every_process_as_flags(tmp_path, how):
+    """A `baton serve` file (with settings only serve has) is checked as the router would take it."""
+    path = tmp_path / "serve.yaml"
+    path.write_text("prefill-instances: 1\nmax-inflight: 0\n")
+    flags, env = (["--config", str(path)], None) if how == "flag" else ([], {"BATON_CONFIG": str(path)})
+    assert "--max-inflight must be >= 1" in serve_refuses(*flags, env=env)
+
+
 def test_a_revision_of_what_is_no_hub_model_is_refused():
     assert "only a Hub model (ORG/NAME) has revisions" in serve_refuses("--revision", "v1")
 
