@@ -35,7 +35,7 @@ def revisions(tmp_path_factory):
 def serve(model_args: list[str], env: dict, tmp_path) -> tuple[Serve, int, int]:
     port, http = free_port(), free_port()
     s = Serve([*model_args, "--colocated", "--port", str(port), "--http-port", str(http), "--cache-dir",
-               str(tmp_path / "baton-cache"), "--num-kv-blocks", "64", "--max-num-seqs", "4"],
+               str(tmp_path / "baton-cache"), "--num-kv-blocks", "64"],
               {"HF_HUB_CACHE": str(tmp_path / "hf-cache"), **env}, tmp_path / "serve.log")
     return s, port, http
 
@@ -52,12 +52,15 @@ def ask(port: int) -> tuple[router_pb2.ModelInfo, list[int]]:
 
 def test_a_hub_name_is_served_from_the_hf_cache_with_the_network_off(revisions, tmp_path):
     lay_out_cache(tmp_path / "hf-cache", REPO_ID, {"main": revisions["main"]})
-    s, port, http = serve([REPO_ID], {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": UNREACHABLE}, tmp_path)
+    config = tmp_path / "baton.yaml"             # a vLLM-style config file: names served, a batch limit
+    config.write_text(f"served-model-name: [{REPO_ID}, tiny]\nmax-num-seqs: 2\n")
+    s, port, http = serve([REPO_ID, "--config", str(config)], {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": UNREACHABLE},
+                          tmp_path)
     try:
         info, tokens = ask(port)
         assert info.name == REPO_ID and info.max_model_len == 512 and len(tokens) == 4
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=10) as r:
-            assert [m["id"] for m in json.load(r)["data"]] == [REPO_ID]       # vLLM's model id: the Hub name
+            assert [m["id"] for m in json.load(r)["data"]] == [REPO_ID, "tiny"]     # the Hub name, as vLLM's id
     finally:
         s.stop()
     assert not (tmp_path / "baton-cache" / "models").exists()       # served from the HF cache, not copied
