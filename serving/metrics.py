@@ -146,13 +146,13 @@ VLLM_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm:num_requests_running": ("baton_router_running", ()),
     "vllm:num_requests_waiting": ("baton_router_waiting", ()),
     "vllm:kv_cache_usage_perc": ("baton_router_kv_cache_usage_ratio", ()),
-    "vllm:gpu_cache_usage_perc": ("baton_router_kv_cache_usage_ratio", ()),      # its name before vLLM 0.10
+    "vllm:gpu_cache_usage_perc": ("baton_router_kv_cache_usage_ratio", ()),      # its older name in vLLM
     "vllm:prompt_tokens": ("baton_prompt_tokens", ()),
     "vllm:generation_tokens": ("baton_generation_tokens", ()),
     "vllm:request_success": ("baton_requests", ("stop", "length", "abort")),
     "vllm:time_to_first_token_seconds": ("baton_ttft_seconds", ()),
     "vllm:inter_token_latency_seconds": ("baton_itl_seconds", ()),
-    "vllm:time_per_output_token_seconds": ("baton_itl_seconds", ()),             # its name before vLLM 0.10
+    "vllm:time_per_output_token_seconds": ("baton_itl_seconds", ()),             # its older name in vLLM
     "vllm:e2e_request_latency_seconds": ("baton_e2e_seconds", ()),
     "vllm:request_queue_time_seconds": ("baton_queue_seconds", ()),
     "vllm:request_prompt_tokens": ("baton_request_prompt_tokens", ()),
