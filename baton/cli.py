@@ -10,7 +10,8 @@ import sys
 USAGE = """usage: baton <command> [flags]      (baton <command> --help for its flags)
 
 commands:
-  serve      router + prefill + decode as local processes on the embedded model
+  serve      router + prefill + decode as local processes: baton serve [MODEL] (a Hub name such as
+             Qwen/Qwen3-0.6B, a checkpoint folder, a .gguf file; unset: the embedded model)
   generate   stream a completion from a running router
   router     the public gRPC router
   prefill    a prefill worker

@@ -25,7 +25,7 @@ from baton.router.config import add_auth_and_limits, add_generation_config, add_
 from baton.router.config import build_parser as router_parser
 from baton.serving.grpc_server import port_is_free
 from baton.serving.logs import setup_logging
-from baton.serving.options import flag, parser
+from baton.serving.options import flag, parser, port_clash
 from baton.serving.processes import START_TIMEOUT_S, WILDCARD_HOSTS, devices_for, free_port
 from baton.serving.security import tls_from_args
 from baton.serving.worker_config import add_worker_args
@@ -34,11 +34,12 @@ from baton.supervisor import Process, Supervisor
 
 NAMED_TOKEN = "<the --api-key / --auth-token token>"
 # set per process by the launcher, never passed on from `baton serve`'s own value
-PER_PROCESS = {"host", "port", "metrics_port", "device", "colocated", "prefill", "decode", "help"}
+PER_PROCESS = {"host", "port", "metrics_port", "device", "colocated", "prefill", "decode", "help", "config"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = parser("baton serve", "router + prefill + decode workers as separate local processes")
+    p = parser("baton serve", "router + prefill + decode workers as separate local processes",
+               usage="baton serve [MODEL] [flags]")
     add_worker_args(p, 50051)      # --port is the router's; workers listen on free loopback ports
     t = p.add_argument_group("topology")
     flag(t, "--prefill-instances", type=int, default=1, help="prefill workers")
@@ -67,6 +68,8 @@ def passed_on(args: argparse.Namespace, child: argparse.ArgumentParser) -> list[
         name = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
             out.append(name if value else f"--no-{name[2:]}")
+        elif isinstance(value, list):
+            out += [name, *map(str, value)]
         else:
             out += [name, str(value)]
     return out
@@ -74,6 +77,9 @@ def passed_on(args: argparse.Namespace, child: argparse.ArgumentParser) -> list[
 
 def serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)        # this process's lines read as its children's
+    # the file's settings are in `args` now and reach each process as flags (passed_on): the file
+    # itself, a `baton serve` file, is read by no router or worker parser (here or in a child)
+    os.environ.pop("BATON_CONFIG", None)
     specs = _specs(args)
     workers, worker_flags = _workers(args, specs)
     router = _router(args, worker_flags)
@@ -82,6 +88,10 @@ def serve(args: argparse.Namespace) -> int:
                               [*passed_on(args, router_parser()), *worker_flags])
     if wrong:          # what a worker would refuse after loading torch, said in a blink, once
         print(f"baton serve: {wrong}", file=sys.stderr)
+        return 2
+    clash = port_clash(_ports(args))
+    if clash:
+        print(f"baton serve: {clash}", file=sys.stderr)
         return 2
     host = args.host
     taken = [f"{host}:{port} ({what})" for port, what in _ports(args) if not port_is_free(host, port)]
@@ -125,12 +135,13 @@ def _run(sup: Supervisor, workers: list[Process], router: Process, args, stoppin
 
 
 def _ports(args) -> list[tuple[int, str]]:
-    ports = [(args.port, "the router's --port")]
+    ports = [(args.port, "--port (the router's gRPC)")]
     if args.http_port:
-        ports.append((args.http_port, "the OpenAI API's --http-port (0: off)"))
+        ports.append((args.http_port, "--http-port (the OpenAI API; 0: off)"))
     if args.metrics_port:
         n = args.instances if args.colocated else args.prefill_instances + args.decode_instances
-        ports += [(args.metrics_port + i, "--metrics-port and the ports after it") for i in range(n + 1)]
+        ports += [(args.metrics_port + i, f"--metrics-port{f' + {i}' if i else ''} (metrics, one port per process)")
+                  for i in range(n + 1)]
     return ports
 
 

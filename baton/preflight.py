@@ -1,12 +1,13 @@
 """What `baton serve` checks before it starts a process, and the model made ready once for all.
 
 The checks take milliseconds and no torch, like the port check beside them: a setting a worker
-would refuse, a --model that names nothing Baton loads (a Hugging Face Hub name, say) or a
---device this machine lacks is one line saying what to do, before anything loads, not a
-traceback from every worker seconds later.
+would refuse, a --model that names nothing Baton loads (or a Hub model missing from the cache with
+the network off) or a --device this machine lacks is one line saying what to do, before anything
+loads, not a traceback from every worker seconds later.
 
-The model: on the first start with a model, one child process resolves it (fetches and converts
-the embedded GGUF, reads the config and tokenizer) with its progress shown, so the workers and
+The model: on the first start with a model, one child process resolves it (downloads a Hub model
+into the HF cache, fetches and converts the embedded GGUF, reads the config and tokenizer) with its
+progress shown, so the workers and
 the router find it ready instead of queueing behind one another on the conversion lock. A stamp
 in the cache records it: later starts find the stamp and pay no extra process.
 """
@@ -24,6 +25,7 @@ import threading
 from pathlib import Path
 
 from baton import __version__
+from baton.models import hub
 from baton.models import source as model_source
 from baton.models.cache import cache_root
 from baton.models.source import EMBEDDED, PRESETS
@@ -32,13 +34,12 @@ from baton.router.config import router_config_from_args
 from baton.serving.worker_config import worker_config_from_args
 
 DEVICE = re.compile(r"(cpu|cuda|npu)(:\d+)?")
-HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")       # what `from_pretrained` would fetch from the Hub
 
 
 # -- the checks: each returns what is wrong, in one line, or None ----------------------------------
 def problem(args: argparse.Namespace, roles: list[str], devices: list[str], router_argv: list[str]) -> str | None:
     """The first thing that would stop the stack, as `baton serve` would be told it."""
-    found = config_problem(args, roles, router_argv) or model_problem(args.model, args.tokenizer)
+    found = config_problem(args, roles, router_argv) or model_problem(args.model, args.tokenizer, args.revision)
     for device in dict.fromkeys(devices):
         found = found or device_problem(device, args.npu_emulation)
     return found
@@ -59,11 +60,15 @@ def config_problem(args: argparse.Namespace, roles: list[str], router_argv: list
     return None
 
 
-def model_problem(model: str, tokenizer: str | None = None) -> str | None:
+def model_problem(model: str, tokenizer: str | None = None, revision: str | None = None) -> str | None:
     """What `resolve_model` would refuse without loading anything (tests/test_startup_errors.py
     keeps the two in step)."""
     if tokenizer and not Path(tokenizer).expanduser().is_dir():
         return f"--tokenizer {tokenizer}: no such directory (give a directory with tokenizer.json)"
+    if hub.is_hub_name(model):
+        return hub.offline_problem(model, revision)
+    if revision:
+        return f"--revision {revision}: only a Hub model (ORG/NAME) has revisions, not --model {model}"
     if model == EMBEDDED or model in PRESETS:
         return None
     path = Path(model).expanduser()
@@ -77,13 +82,8 @@ def model_problem(model: str, tokenizer: str | None = None) -> str | None:
 
 def _unknown_model(model: str) -> str:
     presets = ", ".join(name for name in PRESETS if not name.startswith("tiny-"))
-    if HUB_NAME.fullmatch(model) and not Path(model).expanduser().exists():
-        same = model.rsplit("/", 1)[1].lower()
-        preset = f"; or --model {same}, a preset of random weights in its shape (benchmarks)" if same in PRESETS else ""
-        return (f"--model {model}: no such directory, and Baton does not download from the Hugging Face Hub; "
-                f"download it first (hf download {model} --local-dir DIR) and give --model DIR{preset}")
     return (f"--model {model}: no such preset, directory or .gguf file; give {EMBEDDED} (the default), an HF "
-            f"checkpoint directory, a .gguf file, or a preset ({presets})")
+            f"checkpoint directory, a .gguf file, a Hub name (ORG/NAME), or a preset ({presets})")
 
 
 def device_problem(device: str, npu_emulation: bool = False) -> str | None:
@@ -135,7 +135,7 @@ def prepare_model(args: argparse.Namespace, env: dict, stopping: threading.Event
     print(f"[baton] preparing {args.model} for the workers and the router (once per machine and model) ...",
           file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "baton.preflight", str(stamp), args.model, args.cache_dir or "",
-           args.tokenizer or "", args.log_level, args.log_format]
+           args.tokenizer or "", args.revision or "", args.log_level, args.log_format]
     child = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
     while child.poll() is None:
         if stopping.wait(0.2):
@@ -149,7 +149,7 @@ def stamp_path(args: argparse.Namespace) -> Path:
     """The stamp of this model as this installation resolves it: a new Baton, venv or model file
     (or a change to the code that resolves models) makes a new one."""
     here = Path(model_source.__file__).parent
-    parts = [args.model, args.tokenizer or "", sys.prefix, __version__,
+    parts = [args.model, args.tokenizer or "", args.revision or "", sys.prefix, __version__,
              *(_signature(here / name) for name in ("source.py", "gguf_import.py"))]
     path = Path(args.model).expanduser()
     parts.append(_signature(path / "config.json" if path.is_dir() else path))
@@ -174,8 +174,9 @@ def is_ready(stamp: Path) -> bool:
     return all(Path(p).is_dir() for p in made.values() if p)
 
 
-def _prepare_here(stamp: Path, model: str, cache_dir: str | None, tokenizer: str | None) -> None:
-    source = model_source.resolve_model(model, cache_dir, tokenizer)
+def _prepare_here(stamp: Path, model: str, cache_dir: str | None, tokenizer: str | None,
+                  revision: str | None) -> None:
+    source = model_source.resolve_model(model, cache_dir, tokenizer, revision)
     made = {"weights": source.weights_path, "tokenizer": source.tokenizer_dir()}
     stamp.parent.mkdir(parents=True, exist_ok=True)
     tmp = stamp.with_suffix(f".{os.getpid()}.tmp")
@@ -185,12 +186,12 @@ def _prepare_here(stamp: Path, model: str, cache_dir: str | None, tokenizer: str
 
 def main(argv: list[str]) -> None:
     """The child `prepare_model` starts: `python -m baton.preflight STAMP MODEL CACHE_DIR TOKENIZER
-    LOG_LEVEL LOG_FORMAT`."""
+    REVISION LOG_LEVEL LOG_FORMAT`."""
     from baton.serving.logs import setup_logging
-    stamp, model, cache_dir, tokenizer, level, fmt = argv
+    stamp, model, cache_dir, tokenizer, revision, level, fmt = argv
     setup_logging(level, fmt)
     try:
-        _prepare_here(Path(stamp), model, cache_dir or None, tokenizer or None)
+        _prepare_here(Path(stamp), model, cache_dir or None, tokenizer or None, revision or None)
     except ValueError as exc:
         print(f"baton serve: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

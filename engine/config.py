@@ -20,7 +20,8 @@ class PlatformOptions:
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str = DEFAULT_MODEL          # preset name, HF directory or .gguf file
+    model: str = DEFAULT_MODEL          # preset name, HF directory, .gguf file or Hub name (ORG/NAME)
+    revision: str | None = None         # a Hub model's branch, tag or commit; None = main
     device: str = "cpu"                 # cpu | cuda:N | npu:N
     dtype: str | None = None            # float32 | bfloat16 | float16; None = platform default
     block_size: int = 16

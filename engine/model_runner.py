@@ -48,7 +48,7 @@ class ModelRunner:
         self.platform: Platform = get_platform(device or config.device, config.platform_options())
         self.device = self.platform.device
         self.platform.bind_thread()          # the engine thread binds itself too (AsyncEngine)
-        self.source = source or resolve_model(config.model, config.cache_dir, config.tokenizer)
+        self.source = source or resolve_model(config.model, config.cache_dir, config.tokenizer, config.revision)
         hf = self.source.hf_config
         self.dtype = _DTYPES[config.dtype] if config.dtype else self.platform.default_dtype()
         self.vocab_size = hf.vocab_size

@@ -8,6 +8,9 @@
 
 The resize rule is Qwen2-VL / Qwen3-VL's `smart_resize`: both sides rounded to a multiple of
 patch_size * merge_size, the pixel count kept within [min_pixels, max_pixels], aspect ratio kept.
+The checkpoint's preprocessor_config.json, where it has one, sets the pixel limits, patch sizes,
+rescale factor and the normalization's mean and std (models/source.py hands it over as
+`config.image_processor`); Qwen3-VL's published values are the defaults.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from dataclasses import dataclass, field
 # Qwen3-VL's preprocessor_config.json ("size": shortest_edge / longest_edge, in pixels)
 QWEN3_VL_MIN_PIXELS = 65536
 QWEN3_VL_MAX_PIXELS = 16777216
+QWEN3_VL_MEAN = QWEN3_VL_STD = (0.5, 0.5, 0.5)
+PROCESSOR_ATTR = "image_processor"      # the checkpoint's preprocessor_config.json, on its config
 # Refuse to decode anything larger (a decompression bomb costs memory before any resize)
 MAX_DECODED_PIXELS = 64 * 1024 * 1024
 MAX_ASPECT_RATIO = 200
@@ -89,22 +94,34 @@ class ImagePlaceholders:
     temporal_patch_size: int = 2
     min_pixels: int = QWEN3_VL_MIN_PIXELS
     max_pixels: int = QWEN3_VL_MAX_PIXELS
+    image_mean: tuple[float, ...] = QWEN3_VL_MEAN
+    image_std: tuple[float, ...] = QWEN3_VL_STD
+    rescale_factor: float = 1 / 255
     _sizes: dict = field(default_factory=dict, compare=False, repr=False)  # digest -> (h, w) decoded
 
     @classmethod
     def from_config(cls, config, min_pixels: int | None = None,
                     max_pixels: int | None = None) -> ImagePlaceholders | None:
-        """From a HF config (object or dict); None for a text-only model."""
+        """From a HF config (object or dict), with its checkpoint's image processor settings where
+        it carries them (`image_processor`: preprocessor_config.json); None for a text-only model."""
         if _get(config, "model_type") not in VL_MODEL_TYPES:
             return None
         vision = _get(config, "vision_config") or {}
+        proc = _get(config, PROCESSOR_ATTR) or {}
+        size = proc.get("size") or {}
         return cls(image_token_id=int(_get(config, "image_token_id")),
                    vision_start_id=int(_get(config, "vision_start_token_id")),
                    vision_end_id=int(_get(config, "vision_end_token_id")),
-                   patch_size=int(_get(vision, "patch_size", 16)),
-                   merge_size=int(_get(vision, "spatial_merge_size", 2)),
-                   temporal_patch_size=int(_get(vision, "temporal_patch_size", 2)),
-                   min_pixels=min_pixels or QWEN3_VL_MIN_PIXELS, max_pixels=max_pixels or QWEN3_VL_MAX_PIXELS)
+                   patch_size=int(proc.get("patch_size") or _get(vision, "patch_size", 16)),
+                   merge_size=int(proc.get("merge_size") or _get(vision, "spatial_merge_size", 2)),
+                   temporal_patch_size=int(proc.get("temporal_patch_size") or _get(vision, "temporal_patch_size", 2)),
+                   min_pixels=int(min_pixels or size.get("shortest_edge") or proc.get("min_pixels")
+                                  or QWEN3_VL_MIN_PIXELS),
+                   max_pixels=int(max_pixels or size.get("longest_edge") or proc.get("max_pixels")
+                                  or QWEN3_VL_MAX_PIXELS),
+                   image_mean=tuple(map(float, proc.get("image_mean") or QWEN3_VL_MEAN)),
+                   image_std=tuple(map(float, proc.get("image_std") or QWEN3_VL_STD)),
+                   rescale_factor=float(proc.get("rescale_factor") or 1 / 255))
 
     def resized_size(self, height: int, width: int) -> tuple[int, int]:
         return smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)

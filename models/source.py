@@ -1,5 +1,6 @@
-"""Where a model comes from: the embedded default, a .gguf file, an HF directory, or a
-preset of random weights in a real checkpoint's shape. `resolve_model` decides, once.
+"""Where a model comes from: the embedded default, a .gguf file, an HF directory, a Hugging Face
+Hub name (models/hub.py), or a preset of random weights in a real checkpoint's shape.
+`resolve_model` decides, once.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from baton.models import hub
 from baton.models.cache import cache_root
+from baton.models.multimodal import PROCESSOR_ATTR
 from baton.models.presets import PRESETS
 from baton.models.registry import SUPPORTED_ARCHITECTURES
 
@@ -76,18 +79,20 @@ class ModelSource:
 
 
 def resolve_model(name_or_path: str | None = None, cache_dir: str | None = None,
-                  tokenizer: str | None = None) -> ModelSource:
+                  tokenizer: str | None = None, revision: str | None = None) -> ModelSource:
     """`tokenizer`: a tokenizer directory to use instead of the model's own (presets default to
-    the embedded model's)."""
+    the embedded model's); `revision`: a Hub model's branch, tag or commit."""
     name = name_or_path or EMBEDDED
-    source = _resolve(name, cache_dir)
+    if revision and not hub.is_hub_name(name):
+        raise ValueError(f"--revision {revision}: only a Hub model (ORG/NAME) has revisions, not --model {name}")
+    source = _resolve(name, cache_dir, revision)
     source.cache_dir = cache_dir
     if tokenizer:
         source.tokenizer_path = str(Path(tokenizer).expanduser())
     return source
 
 
-def _resolve(name: str, cache_dir: str | None) -> ModelSource:
+def _resolve(name: str, cache_dir: str | None, revision: str | None = None) -> ModelSource:
     if name == EMBEDDED:
         return _from_hf_dir(_embedded(cache_dir), EMBEDDED)
     if name in PRESETS:
@@ -97,8 +102,11 @@ def _resolve(name: str, cache_dir: str | None) -> ModelSource:
         return _from_hf_dir(_converted(path, cache_dir), path.stem)
     if path.is_dir() and (path / "config.json").exists():
         return _from_hf_dir(path, path.name)
+    if hub.is_hub_name(name):
+        return _from_hf_dir(hub.download(name, revision), name)
     raise ValueError(f"unknown model {name!r}: give {EMBEDDED!r} (the default), a preset "
-                     f"({', '.join(PRESETS)}), a .gguf file, or an HF directory with config.json")
+                     f"({', '.join(PRESETS)}), a .gguf file, an HF directory with config.json, or a Hub "
+                     "name (ORG/NAME)")
 
 
 def _embedded(cache_dir: str | None) -> Path:
@@ -268,6 +276,12 @@ def _from_hf_dir(path: Path, name: str) -> ModelSource:
         raise ValueError(f"cannot read the model config in {path}: {exc}") from exc
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     mirror_text_config(config)
+    processor = path / "preprocessor_config.json"
+    if processor.is_file():                 # an image processor's settings: read where images are (multimodal.py)
+        try:
+            setattr(config, PROCESSOR_ATTR, json.loads(processor.read_text()))
+        except ValueError as exc:
+            raise ValueError(f"cannot read {processor}: {exc}") from exc
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} of {path} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from baton.router.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES, check_limits
 from baton.router.policies import POLICIES
 from baton.router.registry import split_target
-from baton.serving.options import flag, parser
+from baton.serving.options import flag, parser, port_clash
 from baton.serving.security import TLSConfig, load_tokens, tls_from_args
 from baton.serving.worker_config import add_common_args
 
@@ -19,6 +19,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     model: str = "smollm2-135m-instruct"
+    revision: str | None = None         # a Hub model's branch, tag or commit
     tokenizer: str | None = None
     cache_dir: str | None = None
     metrics_port: int | None = None
@@ -58,6 +59,10 @@ class RouterConfig:
             raise ValueError("--max-inflight must be >= 1 and --max-queued >= 0")
         if not 0 <= self.http_port < 65536:
             raise ValueError(f"--http-port must be a port number (0: no HTTP API), got {self.http_port}")
+        clash = port_clash([(self.port, "--port (gRPC)"), (self.http_port, "--http-port (the OpenAI API)"),
+                            (self.metrics_port or 0, "--metrics-port")])
+        if clash:
+            raise ValueError(clash)
         if self.max_migrations < 0:
             raise ValueError("--max-migrations must be >= 0 (0 = a stream ends with its worker)")
         if self.request_timeout < 0 or self.stream_message_rate < 0:
@@ -80,8 +85,14 @@ def _addresses(value: str | None) -> list[str]:
     return [a.strip() for a in (value or "").split(",") if a.strip()]
 
 
+def _names(values: list[str] | str | None) -> list[str]:
+    """`--served-model-name a b`, `a,b` or both."""
+    items = values if isinstance(values, list) else [values or ""]
+    return [name for item in items for name in _addresses(item)]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = parser("baton router", "Baton's public gRPC router")
+    p = parser("baton router", "Baton's public gRPC router", usage="baton router [MODEL] [flags]")
     add_common_args(p, DEFAULT_PORT)
     flag(p, "--prefill", default="", help="prefill workers, HOST:PORT[,HOST:PORT...]; a host name stands for every "
                                           "address it resolves to (a compose service, a headless Service)")
@@ -104,8 +115,8 @@ def add_http_api(p: argparse.ArgumentParser) -> None:
     flag(h, "--http-port", type=int, default=8000,
          help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health); "
               "0: off")
-    flag(h, "--served-model-name", default="",
-         help="model name(s) the HTTP API answers to, comma-separated (unset: the model's own name)")
+    flag(h, "--served-model-name", nargs="+", default=[],
+         help="model name(s) the HTTP API answers to, apart by spaces or commas (unset: the model's own name)")
 
 
 def add_generation_config(p: argparse.ArgumentParser) -> None:
@@ -151,7 +162,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         tokens = load_tokens(args.auth_token, args.auth_token_file)
     except OSError as exc:
         raise ValueError(f"--auth-token-file {args.auth_token_file}: {exc.strerror or exc}") from None
-    cfg = RouterConfig(host=args.host, port=args.port, model=args.model, tokenizer=args.tokenizer,
+    cfg = RouterConfig(host=args.host, port=args.port, model=args.model, revision=args.revision, tokenizer=args.tokenizer,
                        cache_dir=args.cache_dir, metrics_port=args.metrics_port,
                        prefill=_addresses(args.prefill), decode=_addresses(args.decode),
                        colocated=_addresses(args.colocated), policy=args.policy, resolve_interval=args.resolve_interval,
@@ -162,7 +173,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
                        max_inflight=args.max_inflight, max_queued=args.max_queued, queue_timeout=args.queue_timeout,
                        max_per_client=args.max_per_client, first_token_timeout=args.first_token_timeout,
                        max_migrations=args.max_migrations, http_port=args.http_port,
-                       served_model_name=_addresses(args.served_model_name), request_timeout=args.request_timeout,
+                       served_model_name=_names(args.served_model_name), request_timeout=args.request_timeout,
                        stream_message_rate=args.stream_message_rate,
                        generation_config=args.generation_config, log_level=args.log_level,
                        log_format=args.log_format)

@@ -37,7 +37,7 @@ async def serve(cfg: RouterConfig) -> None:
     metrics.serve(cfg.metrics_port, cfg.host)
     http = None
     if cfg.http_port:
-        http = OpenAIServer(None, cfg, "")
+        http = OpenAIServer(None, cfg, "", metrics.registry)
         await http.start()
     source, tokenizer = load_model(cfg)
     hf = source.hf_config
@@ -48,6 +48,7 @@ async def serve(cfg: RouterConfig) -> None:
     registry = Registry(cfg.prefill, cfg.decode, cfg.colocated, source.name, tls=cfg.tls,
                         resolve_interval=cfg.resolve_interval)
     await registry.start()
+    metrics.watch_kv_usage(lambda: kv_usage(registry))
     svc = RouterService(registry, tokenizer, info, cfg,
                         sampling_defaults(source.generation_config(cfg.generation_config)),
                         vision=ImagePlaceholders.from_config(hf))
@@ -69,28 +70,36 @@ async def serve(cfg: RouterConfig) -> None:
     await registry.stop()
 
 
+def kv_usage(registry: Registry) -> float:
+    """Share of KV blocks in use over the healthy workers that hold running requests' KV."""
+    workers = [w for w in registry.workers if w.healthy and w.role != "prefill"]
+    total = sum(w.status.kv_blocks_total for w in workers)
+    return 1 - sum(w.status.kv_blocks_free for w in workers) / total if total else 0.0
+
+
 def load_model(cfg: RouterConfig):
     """The model's source and tokenizer."""
     try:
-        source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer)
+        source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer, cfg.revision)
         return source, load_tokenizer(source)
     except ImportError:                       # torch, to convert a GGUF: let a process with torch do it
         _convert_in_child(cfg)
-        source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer)
+        source = resolve_model(cfg.model, cfg.cache_dir, cfg.tokenizer, cfg.revision)
         return source, load_tokenizer(source)
 
 
 CONVERT = """import sys
 from baton.models.source import resolve_model
 try:
-    resolve_model(sys.argv[1], sys.argv[2] or None, sys.argv[3] or None).tokenizer_dir()
+    resolve_model(sys.argv[1], sys.argv[2] or None, sys.argv[3] or None, sys.argv[4] or None).tokenizer_dir()
 except ValueError as exc:
     sys.exit(f"baton router: {exc}")
 """
 
 
 def _convert_in_child(cfg: RouterConfig) -> None:
-    done = subprocess.run([sys.executable, "-c", CONVERT, cfg.model, cfg.cache_dir or "", cfg.tokenizer or ""],
+    done = subprocess.run([sys.executable, "-c", CONVERT, cfg.model, cfg.cache_dir or "", cfg.tokenizer or "",
+                           cfg.revision or ""],
                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     if done.returncode:
         sys.exit(2)                           # the child said why

@@ -23,6 +23,7 @@ import uuid
 
 import grpc
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton.models.multimodal import decode_data_url
 from baton.router.config import RouterConfig
@@ -52,6 +53,9 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": 
                "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "suffix": (None, ""),
                "functions": (None, []), "audio": (None,), "prediction": (None,)}
+
+
+OPEN_PATHS = ("/health", "/metrics")     # answered without a bearer token
 
 
 class HTTPError(Exception):
@@ -107,9 +111,10 @@ class HttpContext:
 
 
 class OpenAIServer:
-    def __init__(self, svc, cfg: RouterConfig, model_name: str):
+    def __init__(self, svc, cfg: RouterConfig, model_name: str, metrics_registry=None):
         self.svc = svc                      # None until attach(): /health says 503 meanwhile
         self.cfg = cfg
+        self.metrics_registry = metrics_registry    # served on /metrics (None: no such path)
         self.names = list(cfg.served_model_name or [model_name])
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
@@ -121,6 +126,8 @@ class OpenAIServer:
         images = self.cfg.max_images * self.cfg.max_image_bytes * 4 // 3
         app = web.Application(client_max_size=(8 << 20) + images, middlewares=[self._errors])
         app.router.add_get("/health", self.health)
+        if self.metrics_registry is not None:
+            app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -158,9 +165,11 @@ class OpenAIServer:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
+            if request.path in OPEN_PATHS and request.path != "/health":
+                return await handler(request)          # for Prometheus, as vLLM's: no token, even while starting
             if self.svc is None:
                 raise HTTPError(503, "the router is still starting", "service_unavailable", retry_after=1)
-            if request.path != "/health" and self.svc.auth is not None:
+            if request.path not in OPEN_PATHS and self.svc.auth is not None:
                 self._authenticate(request)
             return await handler(request)
         except HTTPError as exc:
@@ -197,6 +206,11 @@ class OpenAIServer:
                                 **({"error": w.last_error} if not w.healthy and w.last_error else {})}
                                for w in reg.workers]
         return web.json_response(body, status=200 if body["status"] == "ok" else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The router's Prometheus metrics (those of --metrics-port), vLLM's names among them."""
+        body = generate_latest(self.metrics_registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [

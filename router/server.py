@@ -80,6 +80,7 @@ class RequestClock:
         self.prompt_tokens = prompt_tokens
         self.t0 = self.last = time.perf_counter()
         self.tokens = 0
+        self.cached_tokens = 0                  # of the prompt, found in a prefix cache (the last chunk says)
         self.status = "unavailable"             # until it ends otherwise
         self.running = False
         self.itl = None
@@ -108,6 +109,7 @@ class RequestClock:
             self.last = now
         if resp.finish_reason:
             self.status = router_pb2.FinishReason.Name(resp.finish_reason).removeprefix("FINISH_REASON_").lower()
+            self.cached_tokens = resp.usage.cached_prompt_tokens
 
     def done(self) -> None:
         m, model = self.m, self.model
@@ -116,8 +118,7 @@ class RequestClock:
         else:
             m.router_waiting.labels(model).dec()
         m.requests.labels(model, self.status).inc()
-        m.prompt_tokens.labels(model).inc(self.prompt_tokens)
-        m.generation_tokens.labels(model).inc(self.tokens)
+        m.finished(self.prompt_tokens, self.tokens, self.cached_tokens)
         if self.status in ("stop", "length"):
             m.e2e.labels(model).observe(time.perf_counter() - self.t0)
 

@@ -1,15 +1,23 @@
 """Prometheus metrics for every Baton process, in one registry per process.
 
-Served over HTTP on --metrics-port. Names are stable: dashboards and the benchmark
-harness (handover latency) read them.
+Served over HTTP on --metrics-port, and by the router also on its OpenAI port's `/metrics`. Names
+are stable: dashboards and the benchmark harness (handover latency) read them. The router also
+exports its request metrics under the names and labels of vLLM (`vllm:*`, `model_name`), which the
+dashboards users already run query (vLLM's Grafana JSON, llm-d's, the Gateway API Inference
+Extension's endpoint picker): `VLLM_NAMES` maps each to the Baton metric it is made from, at scrape
+time, so the two can never disagree.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 
 from baton.serving.grpc_server import PortInUse
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # the handover is compared with one decode step (a few ms): finer where it lives
 HANDOVER_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02,
                     0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
@@ -37,6 +45,17 @@ class Metrics:
                                        m, buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("baton_prompt_tokens", "prompt tokens of finished requests", m, registry=r)
         self.generation_tokens = Counter("baton_generation_tokens", "tokens sent to clients", m, registry=r)
+        self.request_prompt_tokens = Histogram("baton_request_prompt_tokens", "prompt length of finished requests",
+                                               m, buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("baton_request_generation_tokens", "tokens each finished "
+                                                   "request generated", m, buckets=TOKEN_BUCKETS, registry=r)
+        self.prefix_cache_queries = Counter("baton_prefix_cache_queries", "prompt tokens of finished requests "
+                                            "looked up in the workers' prefix caches", m, registry=r)
+        self.prefix_cache_hits = Counter("baton_prefix_cache_hits", "of those, tokens whose KV was found there "
+                                         "(cached_prompt_tokens)", m, registry=r)
+        self.router_kv_usage = Gauge("baton_router_kv_cache_usage_ratio", "share of KV cache blocks in use (0..1) "
+                                     "over the healthy decode and colocated workers, as the router last heard",
+                                     m, registry=r)
         self.router_running = Gauge("baton_router_running", "requests routed to workers now", m, registry=r)
         self.router_waiting = Gauge("baton_router_waiting", "requests queued for an admission slot now", m,
                                     registry=r)
@@ -66,9 +85,29 @@ class Metrics:
                                      "health checks but sent them no token for their stall limit", ["role"],
                                      registry=r)
 
+        if role == "router":
+            r.register(VllmNames(self))
+
     def serving_model(self, name: str) -> None:
         self.model = name
         self.info.labels(name, self.role).set(1)
+        for metric in vars(self).values():      # the router's: 0, not "no data", before the first request
+            if self.role == "router" and getattr(metric, "_labelnames", None) == ("model",):
+                metric.labels(name)
+
+    def watch_kv_usage(self, usage: Callable[[], float]) -> None:
+        """The router's KV usage gauge, read from `usage()` at each scrape."""
+        self.router_kv_usage.labels(self.model).set_function(usage)
+
+    def finished(self, prompt_tokens: int, generated: int, cached_tokens: int) -> None:
+        """A request's token counts, once, when it ends."""
+        model = self.model
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.generation_tokens.labels(model).inc(generated)
+        self.request_prompt_tokens.labels(model).observe(prompt_tokens)
+        self.request_generation_tokens.labels(model).observe(generated)
+        self.prefix_cache_queries.labels(model).inc(prompt_tokens)
+        self.prefix_cache_hits.labels(model).inc(cached_tokens)
 
     def serve(self, port: int | None, host: str = "127.0.0.1") -> None:
         if port is None:
@@ -102,6 +141,62 @@ def observe_many(histogram, value: float, count: int) -> None:
             break
 
 
+# vLLM's name -> (the Baton metric it is made from, which of its `status` values it keeps, as finished_reason)
+VLLM_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "vllm:num_requests_running": ("baton_router_running", ()),
+    "vllm:num_requests_waiting": ("baton_router_waiting", ()),
+    "vllm:kv_cache_usage_perc": ("baton_router_kv_cache_usage_ratio", ()),
+    "vllm:gpu_cache_usage_perc": ("baton_router_kv_cache_usage_ratio", ()),      # its older name in vLLM
+    "vllm:prompt_tokens": ("baton_prompt_tokens", ()),
+    "vllm:generation_tokens": ("baton_generation_tokens", ()),
+    "vllm:request_success": ("baton_requests", ("stop", "length", "abort")),
+    "vllm:time_to_first_token_seconds": ("baton_ttft_seconds", ()),
+    "vllm:inter_token_latency_seconds": ("baton_itl_seconds", ()),
+    "vllm:time_per_output_token_seconds": ("baton_itl_seconds", ()),             # its older name in vLLM
+    "vllm:e2e_request_latency_seconds": ("baton_e2e_seconds", ()),
+    "vllm:request_queue_time_seconds": ("baton_queue_seconds", ()),
+    "vllm:request_prompt_tokens": ("baton_request_prompt_tokens", ()),
+    "vllm:request_generation_tokens": ("baton_request_generation_tokens", ()),
+    "vllm:prefix_cache_queries": ("baton_prefix_cache_queries", ()),
+    "vllm:prefix_cache_hits": ("baton_prefix_cache_hits", ()),
+}
+
+
+class VllmNames:
+    """A collector that re-exports the router's request metrics under vLLM's names, with `model`
+    renamed `model_name` (and a request's `status` as `finished_reason`), read at each scrape."""
+
+    def __init__(self, metrics: Metrics):
+        self.sources = {v._name: v for v in vars(metrics).values() if hasattr(v, "_name") and hasattr(v, "collect")}
+
+    def describe(self):
+        return []                       # nothing to check up front: the sources are registered already
+
+    def collect(self):
+        families: dict[str, list[Metric]] = {}
+        for name, (source, keep) in VLLM_NAMES.items():
+            if source not in families:
+                families[source] = self.sources[source].collect()
+            for fam in families[source]:
+                yield _renamed(fam, name, keep)
+
+
+def _renamed(fam: Metric, name: str, keep: tuple[str, ...]) -> Metric:
+    out = Metric(name, f"{fam.documentation} (Baton's {fam.name})", fam.type)
+    for s in fam.samples:
+        if s.name.endswith("_created"):
+            continue                    # when the series began: no dashboard reads it
+        labels = dict(s.labels)
+        if keep:
+            if labels.get("status") not in keep:
+                continue
+            labels["finished_reason"] = labels.pop("status")
+        if "model" in labels:
+            labels["model_name"] = labels.pop("model")
+        out.add_sample(name + s.name[len(fam.name):], labels, s.value, s.timestamp, s.exemplar)
+    return out
+
+
 RECORDED_BY = {
     "baton_model_info": "every process", "baton_requests": "router; decode, colocated (their own requests)",
     "baton_ttft_seconds": "router", "baton_itl_seconds": "router", "baton_e2e_seconds": "router",
@@ -112,24 +207,44 @@ RECORDED_BY = {
     "baton_kv_transfer_bytes": "prefill (out), decode (in)", "baton_kv_transfer_seconds": "prefill",
     "baton_kv_transfer_failures": "prefill (send), decode (receive)", "baton_handover_seconds": "decode",
     "baton_kv_landed_seconds": "decode", "baton_step_seconds": "workers", "baton_worker_losses": "router",
-    "baton_stream_stalls": "router",
+    "baton_stream_stalls": "router", "baton_request_prompt_tokens": "router",
+    "baton_request_generation_tokens": "router", "baton_prefix_cache_queries": "router",
+    "baton_prefix_cache_hits": "router", "baton_router_kv_cache_usage_ratio": "router",
 }
 
 
 def table() -> str:
     """docs/metrics.md: every metric a Baton process exports, from the definitions above."""
     lines = ["# Metrics", "",
-             "Every Baton process serves Prometheus metrics on `--metrics-port` (`/metrics`). The router's",
-             "request metrics are labelled by `model`; `baton_model_info{model, role}` names what each process",
-             "serves. Counters are exported with the `_total` suffix, histograms as `_bucket` / `_sum` / `_count`.",
-             "Generated by `python -m baton.serving.metrics > docs/metrics.md` (a test keeps it in step).", "",
+             "Every Baton process serves Prometheus metrics on `--metrics-port` (`/metrics`); the router also on",
+             "its OpenAI port (`--http-port`, default 8000: `http://HOST:8000/metrics`, no token needed, as vLLM's).",
+             "The router's request metrics are labelled by `model`; `baton_model_info{model, role}` names what",
+             "each process serves. Counters are exported with the `_total` suffix, histograms as `_bucket` /",
+             "`_sum` / `_count`. Generated by `python -m baton.serving.metrics > docs/metrics.md` (a test keeps",
+             "it in step).", "",
              "| name | type | labels | recorded by | meaning |", "| --- | --- | --- | --- | --- |"]
+    kinds = {"counter": "counter", "gauge": "gauge", "histogram": "histogram"}
     for fam in sorted(Metrics("any").registry.collect(), key=lambda f: f.name):
-        kind = {"counter": "counter", "gauge": "gauge", "histogram": "histogram"}[fam.type]
-        name = fam.name + ("_total" if kind == "counter" else "")
+        name = fam.name + ("_total" if fam.type == "counter" else "")
         labels = ", ".join(_labels(fam.name)) or "-"
-        lines.append(f"| `{name}` | {kind} | {labels} | {RECORDED_BY[fam.name]} | {fam.documentation} |")
-    return "\n".join(lines) + "\n"
+        lines.append(f"| `{name}` | {kinds[fam.type]} | {labels} | {RECORDED_BY[fam.name]} | {fam.documentation} |")
+    lines += ["", "## vLLM's names", "",
+              "The router exports these too, so dashboards made for vLLM (its Grafana JSON, llm-d's, the Gateway",
+              "API Inference Extension's endpoint picker) work unchanged: each is the Baton metric beside it, read",
+              "at the same scrape, with the label `model` renamed `model_name`. `deploy/observability/` holds a",
+              "Grafana dashboard on them (tests/test_dashboard.py runs its queries against a live router).", "",
+              "| vLLM's name | type | labels | made from |", "| --- | --- | --- | --- |"]
+    router = {f.name: f for f in Metrics("router").registry.collect()}
+    for name, (source, keep) in VLLM_NAMES.items():
+        fam = router[name]
+        shown = name + ("_total" if fam.type == "counter" else "")
+        labels = ", ".join(["model_name", *(["finished_reason"] if keep else [])])
+        kept = f" (status {' / '.join(keep)})" if keep else ""
+        lines.append(f"| `{shown}` | {kinds[fam.type]} | {labels} | `{source}`{kept} |")
+    lines += ["", "Not exported (Baton has no such state, or counts it elsewhere): `vllm:num_requests_swapped`,",
+              "`vllm:num_preemptions_total`, `vllm:request_prefill_time_seconds`, `vllm:request_decode_time_seconds`.",
+              ""]
+    return "\n".join(lines)
 
 
 def _labels(name: str) -> tuple[str, ...]:

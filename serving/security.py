@@ -81,9 +81,9 @@ def add_tls_args(p: argparse.ArgumentParser, server: bool = True) -> None:
         flag(g, "--tls-server-name", help="name the router's certificate must carry, when it is not --addr's host")
         return
     g = p.add_argument_group("TLS (every gRPC channel this process serves or opens)")
-    flag(g, "--tls-cert", help="PEM certificate of this process")
-    flag(g, "--tls-key", help="PEM private key of --tls-cert")
-    flag(g, "--tls-ca", help="PEM CA bundle peers must chain to (enables TLS on outgoing channels)")
+    flag(g, "--tls-cert", "--ssl-certfile", help="PEM certificate of this process")
+    flag(g, "--tls-key", "--ssl-keyfile", help="PEM private key of --tls-cert")
+    flag(g, "--tls-ca", "--ssl-ca-certs", help="PEM CA bundle peers must chain to (enables TLS on outgoing channels)")
     flag(g, "--tls-require-client-cert", type=bool, default=False,
          help="mutual TLS: refuse peers without a certificate from --tls-ca")
     flag(g, "--tls-server-name", help="name peers' certificates must carry, when it is not the address's host")

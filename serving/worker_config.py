@@ -13,7 +13,7 @@ from baton.engine.config import DEFAULT_MODEL, NPU_GRAPH_MODES, EngineConfig
 from baton.kvtransfer.peer_auth import load_secret
 from baton.models.presets import PRESETS
 from baton.serving.logs import add_log_args
-from baton.serving.options import flag, parser
+from baton.serving.options import add_config_arg, flag, parser, port_clash
 from baton.serving.processes import WILDCARD_HOSTS
 from baton.serving.security import TLSConfig, add_tls_args, tls_from_args
 
@@ -59,6 +59,10 @@ class WorkerConfig:
             raise ValueError(f"--kv-nccl must be direct or torch, got {self.kv_nccl!r}")
         if self.kv_fault_stall_s < 0 or (self.gil_switch_ms is not None and self.gil_switch_ms <= 0):
             raise ValueError("--kv-fault-stall-s must be >= 0 and --gil-switch-ms > 0")
+        clash = port_clash([(self.port, "--port (gRPC)"), (self.metrics_port or 0, "--metrics-port"),
+                            (self.kv_port, "--kv-port")])
+        if clash:
+            raise ValueError(clash)
         if self.engine_hang_timeout < 0 or not 0 <= self.kv_port < 65536:
             raise ValueError("--engine-hang-timeout must be >= 0 (0: never) and --kv-port in [0, 65535]")
         if self.engine_process is None:
@@ -80,17 +84,21 @@ class WorkerConfig:
 
 
 # presets are random weights: say so where they are listed, or qwen3-8b reads as the real model
-MODEL_HELP = (f"{DEFAULT_MODEL} (embedded, real weights), an HF checkpoint directory (config.json + *.safetensors), "
-              "a .gguf file, or a preset of random weights in a real model's shape (for benchmarks): "
+MODEL_HELP = (f"{DEFAULT_MODEL} (embedded, real weights), a Hugging Face Hub name (ORG/NAME: downloaded into the HF "
+              "cache; HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE apply), an HF checkpoint directory (config.json + "
+              "*.safetensors), a .gguf file, or a preset of random weights in a real model's shape (for benchmarks): "
               + ", ".join(name for name in PRESETS if not name.startswith("tiny-"))
               + "; for tests: " + ", ".join(name for name in PRESETS if name.startswith("tiny-")))
 
 
 def add_common_args(p: argparse.ArgumentParser, default_port: int) -> None:
     """What every Baton server takes: where to listen, which model, which device, metrics, TLS."""
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model (`baton serve Qwen/Qwen3-0.6B`)")
+    add_config_arg(p)
     flag(p, "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     flag(p, "--port", type=int, default=default_port, help="gRPC port")
     flag(p, "--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    flag(p, "--revision", help="Hub models: the branch, tag or commit to serve (unset: main)")
     flag(p, "--tokenizer", help="tokenizer directory to use instead of the model's own (presets: the embedded one's)")
     flag(p, "--cache-dir", help="where converted models and compiled graphs are kept (unset: ~/.cache/baton)")
     flag(p, "--device", default="cpu", help="cpu, cuda:N or npu:N")
@@ -102,7 +110,9 @@ def add_common_args(p: argparse.ArgumentParser, default_port: int) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     e = EngineConfig()
     g = p.add_argument_group("engine")
-    flag(g, "--dtype", choices=("float32", "bfloat16", "float16"), help="weights and KV dtype (unset: the platform's)")
+    flag(g, "--dtype", type=_dtype, choices=(*DTYPE_ALIASES, "float32", "bfloat16", "float16"),
+         help="weights and KV dtype: float32, bfloat16, float16 (vLLM's auto, half, float and bf16 too; unset or "
+              "auto: the platform's)")
     flag(g, "--block-size", type=int, default=e.block_size, help="tokens per KV block")
     flag(g, "--max-num-seqs", type=int, default=e.max_num_seqs, help="sequences in one batch")
     flag(g, "--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens, help="tokens in one step")
@@ -110,7 +120,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(g, "--num-kv-blocks", type=int, help="exact KV cache size in blocks (unset: from the memory budget)")
     flag(g, "--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization,
          help="share of accelerator memory for weights, activations and the KV cache")
-    flag(g, "--prefix-caching", type=bool, default=True, help="reuse the KV of prompt prefixes seen before")
+    flag(g, "--prefix-caching", "--enable-prefix-caching", type=bool, default=True,
+         help="reuse the KV of prompt prefixes seen before")
     flag(g, "--enforce-eager", type=bool, default=False, help="no decode graph capture")
     flag(g, "--async-scheduling", type=bool,
          help="schedule and upload step N+1 while step N runs (unset: on accelerators, off on the CPU)")
@@ -127,6 +138,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="a request's tokens do not depend on its batch, chunking, prefix-cache hits or which worker "
               "computes them (batch-invariant matmuls and attention; migration is bitwise); set it on every "
               "worker of a deployment. Costs speed (docs/benchmarks.md)")
+
+
+DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                 "fp32": "float32"}
+
+
+def _dtype(value: str) -> str:
+    """vLLM's spellings kept as given (the choices check them); engine_dtype maps them."""
+    return value.strip().lower()
+
+
+def engine_dtype(value: str | None) -> str | None:
+    return DTYPE_ALIASES.get(value, value) if value else None
 
 
 def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -169,7 +193,7 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
 def build_parser(role: str) -> argparse.ArgumentParser:
     what = {"prefill": "prefill worker", "decode": "decode worker (--colocated: prefill and decode in one)",
             "colocated": "colocated worker"}[role]
-    p = parser(f"baton {role}", f"Baton {what}")
+    p = parser(f"baton {role}", f"Baton {what}", usage=f"baton {role} [MODEL] [flags]")
     add_worker_args(p, DEFAULT_PORTS[role])
     if role != "prefill":
         flag(p, "--colocated", type=bool, default=False, help="also run prefill here (role colocated)")
@@ -178,7 +202,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        model=args.model, revision=args.revision, device=args.device, dtype=engine_dtype(args.dtype), block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.prefix_caching,

@@ -20,14 +20,14 @@ from netns import Network
 
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-MODULES = {"baton.prefill_service": "baton.prefill_service.main", "baton.decode_service": "baton.decode_service.main",
-           "baton.router": "baton.router.main"}
+# the images' ENTRYPOINT is `baton`: a service's command is a baton subcommand and its flags
+COMMANDS = {"prefill": "baton.prefill_service.main", "decode": "baton.decode_service.main",
+            "router": "baton.router.main"}
 
 
 def _parser_accepts(command: list[str]) -> None:
-    assert command[:2] == ["python", "-m"], command
-    module = command[2]
-    main = __import__(MODULES[module], fromlist=["main"])
+    assert command[0] in COMMANDS, command
+    main = __import__(COMMANDS[command[0]], fromlist=["main"])
     seen = {}
 
     class Stop(Exception):
@@ -39,7 +39,7 @@ def _parser_accepts(command: list[str]) -> None:
     orig = main.run_server
     main.run_server = fake_run
     try:
-        main.main(command[3:])
+        main.main(command[1:])
     except Stop:
         seen["ok"] = True
     except SystemExit as exc:  # argparse error
@@ -49,9 +49,22 @@ def _parser_accepts(command: list[str]) -> None:
     assert seen.get("ok"), f"{command} did not reach start-up"
 
 
-@pytest.mark.parametrize("name", [n for n, s in SERVICES.items() if s["command"][0] == "python"])
+@pytest.mark.parametrize("name", [n for n, s in SERVICES.items() if s.get("command", [""])[0] in COMMANDS])
 def test_every_service_command_parses_with_the_real_cli(name):
     _parser_accepts(SERVICES[name]["command"])
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.ascend"])
+def test_the_images_run_baton_as_an_unprivileged_user_with_a_hub_cache_volume(dockerfile):
+    text = (REPO / dockerfile).read_text()
+    entry = json.loads(re.search(r"^ENTRYPOINT (\[.*?\])$", text, flags=re.M | re.S).group(1).replace("\\\n", ""))
+    assert entry == ["baton"] or (entry[:2] == ["/bin/bash", "-c"] and "exec baton \"$@\"" in entry[2])
+    assert json.loads(re.search(r"^CMD (\[.*\])$", text, flags=re.M).group(1))[0] == "serve"
+    assert re.search(r"^USER baton$", text, flags=re.M) and "useradd --uid 1000" in text
+    assert "HF_HOME=/var/cache/huggingface" in text and 'VOLUME ["/var/cache/huggingface"]' in text
+    assert "COPY pyproject.toml README.md LICENSE ./" in text          # pip install . needs the license file
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "**/__pycache__"} <= set(ignored)
 
 
 def test_profiles_give_each_service_its_own_accelerator():
@@ -95,6 +108,11 @@ def _as_run_here(argv: list[str]) -> list[str]:
     return [sys.executable if a == "python" else a for a in argv]
 
 
+def _entrypoint(command: list[str]) -> list[str]:
+    """A service's command as its image runs it: after the ENTRYPOINT, `baton` (this venv's)."""
+    return [sys.executable, "-m", "baton", *command]
+
+
 def _healthy(net: Network, host, name: str, deadline: float) -> None:
     """Wait as `depends_on: condition: service_healthy` waits: the service's own healthcheck
     command, run inside its container, until it passes."""
@@ -130,7 +148,7 @@ class ComposeStack:
         env = dict(self.env, **{k: _interpolate(v) for k, v in svc.get("environment", {}).items()})
         host = self.net.add(name, service=service)
         log = open(self.logs / f"{name}.log", "wb")
-        self.net.popen(host, _as_run_here(svc["command"]), cwd=REPO, env=env, stdout=log,
+        self.net.popen(host, _entrypoint(svc["command"]), cwd=REPO, env=env, stdout=log,
                        stderr=subprocess.STDOUT)
         self.hosts[name] = host
         return host
@@ -238,6 +256,8 @@ def test_a_wildcard_bind_address_is_never_what_peers_are_told():
 def test_each_profile_builds_its_own_image_and_the_cpu_stack_starts_alone():
     images = {}
     for svc in SERVICES.values():
+        if "build" not in svc:                    # Prometheus, Grafana: their own images
+            continue
         (profile,) = svc["profiles"]              # every service is in exactly one profile
         images.setdefault(svc["image"], set()).add((profile, repr(svc["build"])))
     assert all(len(builds) == 1 for builds in images.values()), images   # one build per image tag

@@ -25,9 +25,10 @@ pytestmark = pytest.mark.timeout(300)
 BATON = [sys.executable, "-m", "baton"]
 
 
-def run(*argv: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+def run(*argv: str, timeout: float = 60, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    out = subprocess.run([*BATON, *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run([*BATON, *argv], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, **(env or {})})
     return out, time.monotonic() - t0
 
 
@@ -37,9 +38,9 @@ def one_line(out: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def serve_refuses(*flags: str) -> str:
+def serve_refuses(*flags: str, env: dict | None = None) -> str:
     """`baton serve` with these flags: exit 2 within seconds, one line, nothing started."""
-    out, took = run("serve", "--port", str(free_port()), *flags)
+    out, took = run("serve", "--port", str(free_port()), *flags, env=env)
     assert out.returncode == 2, out.stderr
     assert took < 10, f"took {took:.1f}s: the check must come before anything loads"
     line = one_line(out)
@@ -48,10 +49,31 @@ def serve_refuses(*flags: str) -> str:
 
 
 # -- baton serve: refused before anything starts ---------------------------------------------------
-def test_a_hub_name_says_baton_does_not_download_and_offers_the_preset():
-    line = serve_refuses("--model", "Qwen/Qwen3-8B")
-    assert "does not download from the Hugging Face Hub" in line and "hf download Qwen/Qwen3-8B" in line
-    assert "--model qwen3-8b" in line and "random weights" in line
+def test_a_hub_name_missing_from_the_cache_with_the_network_off_says_what_to_do(tmp_path):
+    line = serve_refuses("Qwen/Qwen3-8B", env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)})
+    assert f"--model Qwen/Qwen3-8B: not in the Hugging Face cache ({tmp_path})" in line
+    assert "HF_HUB_OFFLINE is set" in line and "hf download Qwen/Qwen3-8B" in line
+
+
+@pytest.mark.parametrize("how", ["flag", "variable"])
+def test_a_serve_config_file_reaches_every_process_as_flags(tmp_path, how):
+    """A `baton serve` file (with settings only serve has) is checked as the router would take it."""
+    path = tmp_path / "serve.yaml"
+    path.write_text("prefill-instances: 1\nmax-inflight: 0\n")
+    flags, env = (["--config", str(path)], None) if how == "flag" else ([], {"BATON_CONFIG": str(path)})
+    assert "--max-inflight must be >= 1" in serve_refuses(*flags, env=env)
+
+
+def test_a_revision_of_what_is_no_hub_model_is_refused():
+    assert "only a Hub model (ORG/NAME) has revisions" in serve_refuses("--revision", "v1")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--port", "8000", "--http-port", "8000"], "--port (the router's gRPC) and --http-port (the OpenAI API; 0: off) are both port 8000"),
+    (["--http-port", "9100", "--metrics-port", "9099"], "--http-port (the OpenAI API; 0: off) and --metrics-port + 1"),
+])
+def test_one_port_given_to_two_listeners_is_refused(flags, says):
+    assert says in serve_refuses(*flags)
 
 
 @pytest.mark.parametrize("model, says", [
@@ -86,16 +108,16 @@ def test_cuda_on_a_machine_without_a_gpu_is_one_line():
 
 
 def test_json_logs_carry_the_refusal_as_one_error_object():
-    out, _ = run("serve", "--log-format", "json", "--model", "Qwen/Qwen3-8B")
+    out, _ = run("serve", "--log-format", "json", "--model", "no-such-model")
     record = json.loads(one_line(out))
-    assert out.returncode == 2 and record["level"] == "ERROR" and "Hugging Face Hub" in record["message"]
+    assert out.returncode == 2 and record["level"] == "ERROR" and "no such preset" in record["message"]
 
 
 def test_the_model_check_agrees_with_resolve_model(tmp_path):
     """The launcher's torch-free check refuses what resolve_model refuses, and lets through what it
     takes (the unknown names cost resolve_model nothing; it raises before importing anything)."""
     from baton.models.source import resolve_model
-    for bad in ("Qwen/Qwen3-8B", "no-such-model", str(tmp_path / "missing.gguf"), str(tmp_path)):
+    for bad in ("no-such-model", str(tmp_path / "missing.gguf"), str(tmp_path)):
         assert preflight.model_problem(bad) is not None
         with pytest.raises(ValueError):
             resolve_model(bad)
@@ -103,6 +125,7 @@ def test_the_model_check_agrees_with_resolve_model(tmp_path):
         assert preflight.model_problem(good) is None
     (tmp_path / "config.json").write_text("{}")
     assert preflight.model_problem(str(tmp_path)) is None
+    assert preflight.model_problem("Qwen/Qwen3-8B") is None       # a Hub name: fetched when the stack starts
 
 
 def test_cuda_visible_devices_is_counted_as_cuda_counts_it(monkeypatch):
@@ -177,7 +200,7 @@ def test_a_router_on_an_unconverted_gguf_converts_it_in_a_child_and_stays_torch_
 
 # -- the model, made ready once -------------------------------------------------------------------
 def args_for(model: str, cache: Path) -> Namespace:
-    return Namespace(model=model, tokenizer=None, cache_dir=str(cache), log_level="info", log_format="text")
+    return Namespace(model=model, tokenizer=None, revision=None, cache_dir=str(cache), log_level="info", log_format="text")
 
 
 def test_a_stamp_is_ready_only_while_what_it_records_is_there(tmp_path):

@@ -1,5 +1,6 @@
-"""Tiny GGUF files written here (random float32 weights, a byte-level BPE vocabulary of 263
-tokens) so GGUF import is tested on architectures beyond the embedded Llama in seconds."""
+"""Tiny GGUF files written here (random weights, float32 or, as real exports store them, bf16 /
+f16 matrices with float32 norms; a byte-level BPE vocabulary of 263 tokens) so GGUF import is
+tested on architectures beyond the embedded Llama in seconds."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,8 +26,9 @@ def _byte_alphabet() -> list[str]:
 
 
 def write_tiny_gguf(path: Path, arch: str = "qwen3", layers: int = 2, hidden: int = 64, heads: int = 4,
-                    kv_heads: int = 2, ffn: int = 128, seed: int = 0) -> Path:
-    from gguf import GGUFWriter, TokenType
+                    kv_heads: int = 2, ffn: int = 128, seed: int = 0, dtype: str = "float32") -> Path:
+    """`dtype`: how the weight matrices are stored, float32, float16 or bfloat16."""
+    from gguf import GGMLQuantizationType, GGUFWriter, TokenType, quants
     # transformers' GGUF reader takes Qwen3's head_dim from its config default (128, as in every
     # real Qwen3), the others' from hidden / heads
     head_dim = 128 if arch == "qwen3" else hidden // heads
@@ -58,7 +60,14 @@ def write_tiny_gguf(path: Path, arch: str = "qwen3", layers: int = 2, hidden: in
     w.add_chat_template(CHAT_TEMPLATE)
 
     def t(name: str, *shape: int, scale: float = 0.08) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+        values = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if dtype == "float16" and len(shape) > 1:
+            w.add_tensor(name, values.astype(np.float16))
+        elif dtype == "bfloat16" and len(shape) > 1:
+            w.add_tensor(name, quants.quantize(values, GGMLQuantizationType.BF16),   # bytes: their shape says
+                         raw_dtype=GGMLQuantizationType.BF16)
+        else:
+            w.add_tensor(name, values)
 
     def ones(name: str, n: int) -> None:
         w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))

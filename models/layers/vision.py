@@ -14,20 +14,20 @@ from torch import nn
 
 from baton.models.multimodal import ImageInput, ImagePlaceholders, open_image
 
-IMAGE_MEAN = IMAGE_STD = (0.5, 0.5, 0.5)      # Qwen3-VL's preprocessor_config.json
-
 
 def preprocess_image(image: ImageInput, placeholders: ImagePlaceholders, index: int = 0
                      ) -> tuple[np.ndarray, tuple[int, int, int]]:
     """(pixel patches [h*w, C*T*P*P] float32 in merge-block order, grid (t, h, w)) as the
-    model's image processor lays them out (resize: PIL bicubic to the smart_resize size)."""
+    model's image processor lays them out (resize: PIL bicubic to the smart_resize size; rescale,
+    mean and std: the checkpoint's preprocessor_config.json, through `placeholders`)."""
     from PIL import Image
     im = open_image(image, index)
     t, gh, gw = placeholders.grid_thw(image, index)
     p, m, tp = placeholders.patch_size, placeholders.merge_size, placeholders.temporal_patch_size
     im = im.resize((gw * p, gh * p), Image.Resampling.BICUBIC)
-    x = np.asarray(im, dtype=np.float32).transpose(2, 0, 1) / 255.0
-    x = (x - np.array(IMAGE_MEAN, np.float32)[:, None, None]) / np.array(IMAGE_STD, np.float32)[:, None, None]
+    x = np.asarray(im, dtype=np.float32).transpose(2, 0, 1) * np.float32(placeholders.rescale_factor)
+    mean = np.array(placeholders.image_mean, np.float32)[:, None, None]
+    x = (x - mean) / np.array(placeholders.image_std, np.float32)[:, None, None]
     return patchify(x, p, m, tp), (t, gh, gw)
 
 
