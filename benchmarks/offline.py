@@ -26,7 +26,8 @@ SMOKE = dict(model=DEFAULT_MODEL, num_seqs=8, min_input_len=16, max_input_len=64
              max_output_len=8, device="cpu")
 ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                 "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "tp_size", "tp_devices", "tokenizer",
-                "async_scheduling", "deterministic")
+                "async_scheduling", "deterministic", "speculative_method", "num_speculative_tokens",
+                "speculative_max_batch")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on accelerators)")
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--speculative-method", choices=("ngram",), default=None, help="speculative decoding")
+    e.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
+    e.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch)
     e.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels (engine/batch_invariant.py): what the mode costs")
     e.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one device each")

@@ -33,8 +33,6 @@ import torch
 
 from baton.models.attention_metadata import AttnMetadata
 
-MAX_TP = 2
-
 
 def fixed_rows_linear(rows: int):
     """F.linear computed in pieces of exactly `rows` rows: the same library call for any batch."""
@@ -126,10 +124,4 @@ class RowAttention:
         return self.platform.row_attention(q, k_cache, v_cache, meta, scale)
 
 
-def check_supported(tp_size: int) -> None:
-    if tp_size > MAX_TP:
-        raise ValueError(f"--deterministic takes at most {MAX_TP} tensor-parallel ranks (an all-reduce of more "
-                         f"sums in an order NCCL picks by message size), got --tensor-parallel-size {tp_size}")
-
-
-__all__ = ["RowAttention", "check_supported", "fixed_rows_linear", "make_batch_invariant", "row_metadata"]
+__all__ = ["RowAttention", "fixed_rows_linear", "make_batch_invariant", "row_metadata"]

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from baton.models.cache import cache_root
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+SPECULATIVE_METHODS = ("ngram",)        # engine/speculative.py
+DETERMINISTIC_MAX_TP = 2                # engine/batch_invariant.py: an all-reduce of two is one addition
 NPU_GRAPH_MODES = ("aclgraph", "torchair")
 
 
@@ -69,17 +71,17 @@ class EngineConfig:
         if not 0 <= self.tp_port < 65536:
             raise ValueError(f"tp_port must be in [0, 65535], got {self.tp_port}")
         if self.speculative_method is not None:
-            from baton.engine.speculative import METHODS
-            if self.speculative_method not in METHODS:
-                raise ValueError(f"speculative_method must be one of {', '.join(METHODS)} (or unset), "
+            if self.speculative_method not in SPECULATIVE_METHODS:
+                raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} (or unset), "
                                  f"got {self.speculative_method!r}")
             if not 1 <= self.num_speculative_tokens <= 16:
                 raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
             if self.speculative_max_batch < 1:
                 raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
-        if self.deterministic:
-            from baton.engine.batch_invariant import check_supported
-            check_supported(self.tp_size)
+        if self.deterministic and self.tp_size > DETERMINISTIC_MAX_TP:
+            raise ValueError(f"--deterministic takes at most {DETERMINISTIC_MAX_TP} tensor-parallel ranks (an "
+                             f"all-reduce of more sums in an order NCCL picks by message size), got "
+                             f"--tensor-parallel-size {self.tp_size}")
         if self.npu_graph_mode not in NPU_GRAPH_MODES:
             raise ValueError(f"npu_graph_mode must be one of {', '.join(NPU_GRAPH_MODES)}, got {self.npu_graph_mode!r}")
 

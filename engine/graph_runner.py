@@ -22,19 +22,26 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner):
+    """`query_len` tokens per sequence: 1 for plain decode steps; 1 + k for the steps that verify
+    k guesses per sequence (engine/speculative.py: the runner pads every sequence's guesses to k,
+    the padding's KV slot -1 and its logits unused), whose attention is the prefill kernel over
+    the paged context with a fixed query length."""
+
+    def __init__(self, runner, query_len: int = 1, max_num_seqs: int | None = None):
         self.runner = runner
         self.platform = runner.platform
-        self.buckets = batch_buckets(runner.config.max_num_seqs)
+        self.q = query_len
+        self.buckets = batch_buckets(max_num_seqs or runner.config.max_num_seqs)
         self.max_bs = self.buckets[-1]
         dev = runner.device
         max_blocks = (runner.max_model_len + runner.block_size - 1) // runner.block_size
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
+        rows = self.max_bs * query_len
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.full((self.max_bs,), query_len, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(self.max_bs, max_blocks, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev) * query_len
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture()
@@ -43,42 +50,45 @@ class DecodeGraphs:
         return n <= self.max_bs
 
     def _meta(self, bs: int) -> AttnMetadata:
+        q = self.q
         return AttnMetadata(
-            is_decode=True, slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_query_len=1,
+            is_decode=q == 1, slot_mapping=self.slot_mapping[:bs * q], query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_query_len=q,
             max_seq_len=self.runner.max_model_len, has_context=True,
-            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs)
+            query_start_loc_cpu=[i * q for i in range(bs + 1)], seq_lens_cpu=[q] * bs,
+            num_decode_rows=bs if q == 1 else 0)
 
     @torch.inference_mode()
     def _capture(self) -> None:
         t0 = time.perf_counter()
         pool = None
-        r = self.runner
+        r, q = self.runner, self.q
+        what = "decode" if q == 1 else f"verify ({q - 1} guesses)"
         for i, bs in enumerate(reversed(self.buckets)):        # largest first: it sizes the pool
             ctx = ForwardContext(self._meta(bs), r.kv_caches, r.attention, r.scale)
-            args = (self.input_ids[:bs], self.positions[:bs], ctx)
+            args = (self.input_ids[:bs * q], self.positions[:bs * q], ctx)
             r.model(*args)                                     # warm-up: kernels compiled, workspaces sized
             self.platform.synchronize()
             graph, self.outputs[bs] = self.platform.capture_graph(lambda a=args: r.model(*a), pool)
             pool = graph.pool()
             self.graphs[bs] = graph
-            print(f"\r[baton] capturing decode graphs: {i + 1}/{len(self.buckets)}", end="", file=sys.stderr)
+            print(f"\r[baton] capturing {what} graphs: {i + 1}/{len(self.buckets)}", end="", file=sys.stderr)
         self.platform.synchronize()
-        print(f"\r[baton] captured {len(self.buckets)} decode graphs (batch 1..{self.max_bs}) "
+        print(f"\r[baton] captured {len(self.buckets)} {what} graphs (batch 1..{self.max_bs}) "
               f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        n = meta.num_seqs
+        n, q = meta.num_seqs, self.q
         bs = next(b for b in self.buckets if b >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
+        self.input_ids[:n * q].copy_(input_ids)
+        self.positions[:n * q].copy_(positions)
+        self.slot_mapping[:n * q].copy_(meta.slot_mapping)
+        self.slot_mapping[n * q:bs * q].fill_(-1)
         self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:bs].fill_(1)
+        self.seq_lens[n:bs].fill_(q)
         width = meta.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(meta.block_tables)
         self.block_tables[n:bs, 0].fill_(0)
         self.platform.before_replay(self.graphs[bs], meta, bs)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        return self.outputs[bs][:n * q]

@@ -75,9 +75,19 @@ class ModelRunner:
         self.graphs = None
         if self.device.type != "cpu":
             self._warm_up()
+        # steps verifying guesses (engine/speculative.py): every sequence's guesses padded to k, so
+        # such a step has one shape per batch bucket and replays a graph too (CUDA, not in
+        # deterministic mode, whose row metadata is built on the host per step)
+        self.verify_graphs = None
+        self.pad_guesses_to = 0          # k: verifying steps padded to k guesses per sequence (0: not padded)
+        self.verify_max_bs = 0           # ...when at most this many sequences run
         if self.platform.supports_graphs and not config.enforce_eager and self._graph_safe():
             from baton.engine.graph_runner import DecodeGraphs
             self.graphs = DecodeGraphs(self)
+            if config.speculative_method and self.platform.name == "cuda" and not config.deterministic:
+                k = config.num_speculative_tokens
+                self.verify_graphs = DecodeGraphs(self, 1 + k, min(config.speculative_max_batch, config.max_num_seqs))
+                self.pad_guesses_to, self.verify_max_bs = k, self.verify_graphs.max_bs
         if self.tp is not None:
             self.tp.wait_ready()
 
@@ -234,6 +244,8 @@ class ModelRunner:
             input_ids.index_copy_(0, inputs.pending_dst_dev, prev_tokens.index_select(0, inputs.pending_src_dev))
         if self.graphs is not None and meta.is_decode and self.graphs.can_run(meta.num_seqs):
             hidden = self.graphs.run(input_ids, positions, meta)
+        elif self.verify_graphs is not None and inputs.uniform_query_len == self.verify_graphs.q:
+            hidden = self.verify_graphs.run(input_ids, positions, meta)
         else:
             ctx = ForwardContext(meta, self.kv_caches, self.attention, self.scale)
             extra = {}
@@ -260,6 +272,8 @@ class ModelRunner:
         sends to the other tensor-parallel ranks. Rows of one token (decodes) come first, so a
         mixed step's attention can run them through the decode kernel."""
         bs = self.block_size
+        if self.pad_guesses_to and self._all_verifying(out):
+            return self._verify_inputs(out)
         order = list(range(len(out.scheduled))) if out.is_decode else \
             sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_new_tokens != 1)
         items = [out.scheduled[i] for i in order]
@@ -313,6 +327,55 @@ class ModelRunner:
             mrope_positions=mrope, image_chunks=image_chunks, logit_rows=logit_rows,
         )
 
+    def _all_verifying(self, out: SchedulerOutput) -> bool:
+        """A step of decodes only, some with guesses, no token pending, few enough for the graphs."""
+        q = 1 + self.pad_guesses_to
+        return (any(item.draft for item in out.scheduled) and len(out.scheduled) <= self.verify_max_bs
+                and all(item.num_new_tokens == 1 + len(item.draft) and not item.seq.num_pending_tokens
+                        and item.seq.num_computed_tokens == item.seq.num_tokens - 1
+                        and item.seq.num_tokens - 1 + q <= self.max_model_len for item in out.scheduled))
+
+    def _verify_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """A verifying step in the verify graphs' shape: each sequence's last token and its guesses,
+        padded to k guesses (padding: token 0 at the last real position, KV slot -1, no logits)."""
+        bs, q, items = self.block_size, 1 + self.pad_guesses_to, out.scheduled
+        n = len(items)
+        # wide enough for the padding's positions, which may read block 0 (valid memory, never -1)
+        width = max(max(len(item.seq.block_table), -(-(item.seq.num_tokens - 1 + q) // bs)) for item in items)
+        tables = np.zeros((n, width), np.int32)
+        ids = np.zeros(n * q, np.int64)
+        positions = np.empty(n * q, np.int64)
+        slots = np.full(n * q, -1, np.int64)
+        logit_rows, sample_positions = [], []
+        for i, item in enumerate(items):
+            seq = item.seq
+            tables[i, :len(seq.block_table)] = seq.block_table
+            real = 1 + len(item.draft)
+            last = seq.num_tokens - 1
+            ids[i * q:i * q + real] = [seq.token_ids[-1], *item.draft]
+            pos = np.arange(last, last + real)
+            positions[i * q:(i + 1) * q] = last + real - 1
+            positions[i * q:i * q + real] = pos
+            slots[i * q:i * q + real] = tables[i, pos // bs].astype(np.int64) * bs + pos % bs
+            logit_rows.extend(range(i * q, i * q + real))
+            sample_positions.extend(range(seq.num_tokens, seq.num_tokens + real))
+        rows = np.repeat(np.arange(n), [1 + len(item.draft) for item in items])
+        params = [items[r].seq.params for r in rows.tolist()]
+        seqs = [items[r].seq for r in rows.tolist()]
+        return StepInputs(
+            is_decode=False, input_ids=ids, positions=positions, slots=slots,
+            query_starts=(np.arange(n + 1) * q).astype(np.int32),
+            seq_lens=np.array([item.seq.num_tokens - 1 + q for item in items], np.int32), block_tables=tables,
+            max_query_len=q, has_context=True, rows=rows, sample_items=rows.copy(), num_decode_rows=0,
+            temperatures=np.array([p.temperature for p in params], np.float32),
+            top_ks=np.array([p.top_k for p in params], np.int64),
+            top_ps=np.array([p.top_p for p in params], np.float32),
+            seeds=np.array([_signed64(s.sampling_seed or 0) for s in seqs], np.int64),
+            has_seed=np.array([s.sampling_seed is not None for s in seqs], np.bool_),
+            sample_positions=np.array(sample_positions, np.int64),
+            pending_dst=np.zeros(0, np.int64), pending_src=np.zeros(0, np.int64),
+            logit_rows=np.array(logit_rows, np.int64), uniform_query_len=q)
+
     def _device_inputs(self, h: StepInputs) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor, SamplingBatch]:
         """Everything to the device in one copy (HostUpload)."""
         (ids, pos, slots, starts, lens, tables, temperatures, top_ks, top_ps, seeds, has_seed, sample_pos,
@@ -364,6 +427,7 @@ class StepInputs:
     image_chunks: list | None = None                 # ...and its chunks that hold image tokens
     logit_rows: np.ndarray | None = None             # [N] int64: input token of each sampled row, when some
     #                                                  sequence samples several (guesses); else each row's last
+    uniform_query_len: int = 0                       # every sequence has this many rows (a verify graph's shape)
 
 
 @dataclass(slots=True)

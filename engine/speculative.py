@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from baton.engine.config import SPECULATIVE_METHODS as METHODS
 from baton.engine.sequence import Sequence
-
-METHODS = ("ngram",)
 
 
 class NgramProposer:

@@ -138,6 +138,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="a request's tokens do not depend on its batch, chunking, prefix-cache hits or which worker "
               "computes them (batch-invariant matmuls and attention; migration is bitwise); set it on every "
               "worker of a deployment. Costs speed (docs/benchmarks.md)")
+    flag(g, "--speculative-method", choices=("ngram",),
+         help="speculative decoding: ngram guesses the next tokens from earlier spans of the sequence and "
+              "verifies them in one step; the tokens are the ones plain decoding gives (unset: off)")
+    flag(g, "--num-speculative-tokens", type=int, default=e.num_speculative_tokens,
+         help="guesses per sequence and step")
+    flag(g, "--speculative-max-batch", type=int, default=e.speculative_max_batch,
+         help="speculate only while at most this many sequences run (a full batch has no compute to spare)")
 
 
 DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -209,7 +216,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, seed=args.seed, tp_size=args.tp_size, tp_devices=args.tp_devices,
         tp_port=args.tp_port, tokenizer=args.tokenizer, cache_dir=args.cache_dir, fused_ops=args.fused_ops,
         npu_graph_mode=args.npu_graph_mode, npu_emulation=args.npu_emulation,
-        async_scheduling=args.async_scheduling, deterministic=args.deterministic)
+        async_scheduling=args.async_scheduling, deterministic=args.deterministic,
+        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        speculative_max_batch=args.speculative_max_batch)
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:

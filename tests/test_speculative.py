@@ -56,8 +56,11 @@ def test_greedy_and_seeded_tokens_are_plain_decodings_on_the_embedded_model(embe
     assert stats.accepted > 0 and stats.mean_accepted > 1.5, stats
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
-def test_tiny_architectures_decode_the_same_tokens_with_guesses(tmp_path, arch):
+@pytest.mark.parametrize("arch,padded", [("qwen3", False), ("llama", False), ("qwen3_moe", False),
+                                         ("qwen3", True)])
+def test_tiny_architectures_decode_the_same_tokens_with_guesses(tmp_path, arch, padded):
+    """padded: every sequence's guesses padded to k (padding rows: KV slot -1, no logits), the
+    shape CUDA's verify graphs replay -- here through the eager forward."""
     from baton.models.source import resolve_model
     tokenizer_dir = os.environ.get("BATON_TOKENIZER") or resolve_model(None).tokenizer_path
     path = str(save_tiny_checkpoint(arch, tmp_path / arch, tokenizer_dir))
@@ -68,6 +71,9 @@ def test_tiny_architectures_decode_the_same_tokens_with_guesses(tmp_path, arch):
     common = dict(device=DEVICE, num_kv_blocks=128, block_size=16)
     want = [o.token_ids for o in LLM(path, **common).generate(prompts, params)]
     llm = LLM(path, **common, **SPEC)
+    runner = llm.engine.runner
+    if padded and runner.verify_graphs is None:
+        runner.pad_guesses_to, runner.verify_max_bs = SPEC["num_speculative_tokens"], 64
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.engine.speculator.stats.steps > 0
     assert llm.engine.block_manager.num_free_blocks == 128

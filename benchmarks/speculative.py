@@ -1,0 +1,115 @@
+"""Speculative decoding (n-gram) against plain decoding on an input-grounded workload.
+
+    python -m baton.benchmarks.speculative --device cuda:0 --batches 1,16,256 --output spec.json
+
+The embedded SmolLM2-135M-Instruct (real weights: speed-ups need a model that copies), asked to
+repeat a given passage with one word changed -- the answer copies spans of the prompt, as edits,
+summaries and extraction do. For each batch size, the same greedy requests run through an engine
+without speculation and one with `--speculative-method ngram`; output tok/s of each, their ratio,
+and the mean tokens a verifying step gained per sequence (accepted guesses + 1). Greedy tokens are
+compared too: they must be the same.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+
+import torch
+
+from baton.engine import LLM, SamplingParams
+
+PASSAGES = [
+    "The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night its keeper "
+    "climbed the narrow stairs, trimmed the wick, and watched the beam sweep across the dark water. Ships that "
+    "passed the point knew the rhythm of its light, three long flashes and one short, and steered wide of the rocks.",
+    "To bake the bread, mix the flour, water, salt and yeast in a large bowl until no dry flour remains. Cover the "
+    "bowl and let the dough rest for twelve hours at room temperature. Then shape it into a round loaf, let it rise "
+    "for another hour, and bake it in a hot oven for forty minutes until the crust is deep brown.",
+    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the members "
+    "agreed to increase the funding for the library, to repair the roof of the community hall, and to postpone the "
+    "new playground until the spring. The final vote was seven in favour and two against.",
+    "Rivers shape the land they cross. Over thousands of years, the water carves valleys, carries sand and stones "
+    "downstream, and builds wide plains where it slows near the sea. Farmers have always settled along rivers, "
+    "because the soil there is rich and the water is close at hand for their fields and their animals.",
+]
+EDITS = [("two hundred", "three hundred"), ("twelve", "ten"), ("Tuesday", "Monday"), ("thousands", "millions")]
+
+
+def prompts(llm: LLM, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        text = PASSAGES[i % len(PASSAGES)]
+        old, new = EDITS[i % len(EDITS)]
+        chat = [{"role": "user", "content": f"Here is a passage:\n\n{text}\n\nRepeat the passage exactly, word for "
+                                            f"word, but write \"{new}\" instead of \"{old}\"."}]
+        out.append(llm.apply_chat_template(chat))
+    return out
+
+
+def run(llm: LLM, batch: int, reqs: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    """Output tok/s with at most `batch` requests at once (each wave waits for the last)."""
+    llm.generate(reqs[:1], SamplingParams(temperature=0, max_tokens=8))          # warm
+    tokens, outs = 0, []
+    t0 = time.perf_counter()
+    for start in range(0, len(reqs), batch):
+        wave = llm.generate(reqs[start:start + batch], params)
+        outs += [o.token_ids for o in wave]
+        tokens += sum(len(o.token_ids) for o in wave)
+    return tokens / (time.perf_counter() - t0), outs
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--batches", default="1,16,256")
+    p.add_argument("--waves", type=int, default=4, help="at batch 1: this many requests, one after another")
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--speculative-max-batch", type=int, default=32)
+    p.add_argument("--num-kv-blocks", type=int, default=8192, help="each engine's KV cache (two engines share the GPU)")
+    p.add_argument("--output", default=None)
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    max_seqs = max(batches)
+    rows, results = [], {}
+    for spec in (False, True):
+        extra = dict(speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens,
+                     speculative_max_batch=args.speculative_max_batch) if spec else {}
+        llm = LLM(device=args.device, max_num_seqs=max_seqs, num_kv_blocks=args.num_kv_blocks, **extra)
+        for b in batches:
+            reqs = prompts(llm, b * (args.waves if b == 1 else 1))
+            before = llm.engine.speculator.stats.accepted_lengths[:] if spec else None
+            tok_s, outs = run(llm, b, reqs, params)
+            mean = None
+            if spec:
+                st = llm.engine.speculator.stats
+                lengths = [a - (before[i] if i < len(before) else 0) for i, a in enumerate(st.accepted_lengths)]
+                n = sum(lengths)
+                mean = sum((i + 1) * c for i, c in enumerate(lengths)) / n if n else None
+            results[(spec, b)] = (tok_s, outs, mean)
+            print(f"[spec] {'ngram' if spec else 'plain'} batch {b}: {tok_s:.0f} tok/s"
+                  + (f", mean tokens per verified step {mean:.2f}" if mean else ""), file=sys.stderr, flush=True)
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    for b in batches:
+        plain, spec = results[(False, b)], results[(True, b)]
+        rows.append({"batch": b, "plain_tok_s": round(plain[0], 1), "ngram_tok_s": round(spec[0], 1),
+                     "speedup": round(spec[0] / plain[0], 3), "mean_tokens_per_verified_step": spec[2],
+                     "same_tokens": plain[1] == spec[1]})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"model": "smollm2-135m-instruct (real weights)", "device": args.device,
+                       "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                       "max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
