@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from baton.engine.detokenizer import make_detokenizer
+from baton.engine.logprobs import TokenLogprob
 from baton.engine.sequence import FinishReason, Sequence
 
 
@@ -22,6 +23,8 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None              # set when the request ended by a failure, not by itself
+    logprobs: list[TokenLogprob | None] | None = None         # of new_token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # of the prompt (first: None), in the first output
 
 
 @dataclass(slots=True)
@@ -33,6 +36,8 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob | None] | None = None         # of token_ids (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # of prompt_token_ids (prompt_logprobs)
 
 
 class TextStream:
@@ -101,7 +106,7 @@ class RequestState:
         seq = self.seq
         completion = seq.completion_token_ids
         new_ids = completion[self.emitted_tokens:]
-        self.emitted_tokens = len(completion)
+        first, self.emitted_tokens = self.emitted_tokens, len(completion)
         finished = seq.is_finished
         delta = ""
         if self.text is not None:
@@ -115,4 +120,13 @@ class RequestState:
             finish_reason=reason.value if finished and reason else None,
             prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_completion_tokens,
             cached_tokens=seq.num_cached_tokens,
+            logprobs=_entries(seq.logprobs, seq.num_prompt_tokens + first, len(new_ids))
+            if seq.params.logprobs is not None else None,
+            prompt_logprobs=_entries(seq.prompt_logprobs, 0, seq.num_prompt_tokens)
+            if seq.params.prompt_logprobs is not None and first == 0 and (new_ids or finished) else None,
         )
+
+
+def _entries(records: dict | None, start: int, count: int) -> list[TokenLogprob | None]:
+    records = records or {}
+    return [records.get(i) for i in range(start, start + count)]

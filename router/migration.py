@@ -50,7 +50,9 @@ class Ledger:
         """The prompt and sampling to send to the next worker."""
         if not self.tokens:
             return self.prompt, self.params
-        return self.prompt + self.tokens, replace(self.params, max_tokens=self.budget)
+        return self.prompt + self.tokens, replace(self.params, max_tokens=self.budget,
+                                                  min_tokens=max(0, self.params.min_tokens - len(self.tokens)),
+                                                  prior_output_tokens=self.params.prior_output_tokens + len(self.tokens))
 
     def why_not(self) -> str | None:
         """None if the stream may migrate once more, else why not."""

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from baton.models.multimodal import decode_data_url
 from baton.router.config import RouterConfig
+from baton.router.openai_fields import HONOURED, refusal
 from baton.serving.grpc_server import PortInUse, ServiceError
 from baton.v1 import router_pb2
 
@@ -47,11 +48,6 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
-# fields we take; fields we refuse when set to anything but their no-op value
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-               "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "suffix": (None, ""),
-               "functions": (None, []), "audio": (None,), "prediction": (None,)}
 
 
 class HTTPError(Exception):
@@ -168,7 +164,7 @@ class OpenAIServer:
         except ServiceError as exc:
             return from_service_error(exc).response()
         except ValueError as exc:           # the router's validation, exactly as for gRPC
-            return HTTPError(400, str(exc)).response()
+            return HTTPError(400, str(exc), param=_field_named(str(exc))).response()
         except web.HTTPException as exc:    # aiohttp's own (404 path, 405 method, 413 size)
             return HTTPError(exc.status, exc.reason or "error", "invalid_request_error").response()
 
@@ -204,7 +200,7 @@ class OpenAIServer:
              "max_model_len": self.svc.max_model_len} for name in self.names]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _json(request)
+        body = await _json(request, "completions")
         prompts = body.get("prompt")
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -224,7 +220,7 @@ class OpenAIServer:
         return await self._serve(request, body, reqs, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await _json(request)
+        body = await _json(request, "chat")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise HTTPError(400, "messages must be a non-empty list of {role, content}", param="messages")
@@ -351,28 +347,28 @@ class OpenAIServer:
         return model
 
 
+def _field_named(message: str) -> str | None:
+    """The request field a validation message starts with ("min_p must be in [0, 1]..."), if any."""
+    word = message.split(" ", 1)[0].rstrip(":")
+    return word if word in HONOURED["completions"] | HONOURED["chat"] else None
+
+
 def _usage(u) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
 
 
-async def _json(request: web.Request) -> dict:
+async def _json(request: web.Request, endpoint: str) -> dict:
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise HTTPError(400, "the body is not valid JSON") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "the body must be a JSON object")
-    for name, noop in UNSUPPORTED.items():
-        if name in body and body[name] not in noop:
-            raise HTTPError(400, f"{name} is not supported by Baton yet; leave it unset", param=name)
-    n = body.get("n", 1)
-    if n not in (None, 1):
-        raise HTTPError(400, "only n=1 is supported; send several requests for several choices", param="n")
-    fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        raise HTTPError(400, "only the text response_format is supported", param="response_format")
+    refused = refusal(endpoint, body)
+    if refused is not None:
+        raise HTTPError(400, refused[1], param=refused[0])
     return body
 
 
@@ -475,4 +471,29 @@ def _sampling(body: dict, chat: bool) -> router_pb2.SamplingParams:
     if not isinstance(ignore, bool):
         raise HTTPError(400, "ignore_eos must be true or false", param="ignore_eos")
     s.ignore_eos = ignore
+    _processing(body, s)
     return s
+
+
+def _processing(body: dict, s: router_pb2.SamplingParams) -> None:
+    """Penalties, min_p, min_tokens and logit_bias (ranges: the router's validation)."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        v = _number(body, name, float)
+        if v is not None:
+            setattr(s, name, v)
+    v = _number(body, "min_tokens", int, lo=0)
+    if v is not None:
+        s.min_tokens = min(v, 2**32 - 1)
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise HTTPError(400, "logit_bias must be an object of token id -> bias", param="logit_bias")
+    for key, value in bias.items():
+        try:
+            token = int(key)                          # JSON keys are strings: "1234"
+        except ValueError:
+            token = -1
+        if token < 0 or token >= 2**32 or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise HTTPError(400, f"logit_bias: {key!r}: {value!r} is not a token id -> number", param="logit_bias")
+        s.logit_bias[token] = value

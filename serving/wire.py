@@ -34,13 +34,21 @@ def sampling_from_proto(p: router_pb2.SamplingParams, defaults: dict | None = No
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         seed=p.seed if p.HasField("seed") else None,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        min_p=p.min_p, min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias),
+        prior_output_tokens=p.prior_output_tokens,
     )
 
 
 def sampling_to_proto(s: SamplingParams) -> router_pb2.SamplingParams:
     p = router_pb2.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-        stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos)
+        stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, min_p=s.min_p,
+        min_tokens=s.min_tokens, logit_bias=s.logit_bias, prior_output_tokens=s.prior_output_tokens)
+    if s.repetition_penalty != 1.0:
+        p.repetition_penalty = s.repetition_penalty
     if s.seed is not None:
         p.seed = s.seed
     return p
