@@ -50,7 +50,7 @@ class Ledger:
         """The prompt and sampling to send to the next worker."""
         if not self.tokens:
             return self.prompt, self.params
-        return self.prompt + self.tokens, replace(self.params, max_tokens=self.budget,
+        return self.prompt + self.tokens, replace(self.params, max_tokens=self.budget, prompt_logprobs=None,
                                                   min_tokens=max(0, self.params.min_tokens - len(self.tokens)),
                                                   prior_output_tokens=self.params.prior_output_tokens + len(self.tokens))
 
@@ -77,7 +77,16 @@ class Ledger:
         return self._last(rid, [], router_pb2.FINISH_REASON_LENGTH, None)
 
     def relay(self, rid: str, chunk) -> router_pb2.GenerateResponse:
-        """One worker chunk -> the client's chunk (with the text made here once migrated)."""
+        """One worker chunk -> the client's chunk (with the text made here once migrated), and
+        its tokens' logprobs (the prompt's: sent by the first worker only)."""
+        resp = self._relay(rid, chunk)
+        if chunk.logprobs:
+            resp.logprobs.extend(chunk.logprobs[:len(resp.token_ids)])
+        if chunk.prompt_logprobs:
+            resp.prompt_logprobs.extend(chunk.prompt_logprobs)
+        return resp
+
+    def _relay(self, rid: str, chunk) -> router_pb2.GenerateResponse:
         ids = list(chunk.token_ids)
         usage = chunk.usage if chunk.HasField("usage") else None
         if self.detok is None:

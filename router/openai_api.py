@@ -20,13 +20,23 @@ import math
 import ssl
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import grpc
 from aiohttp import web
 
+from baton.engine.tokenizer import encode_text
 from baton.models.multimodal import decode_data_url
 from baton.router.config import RouterConfig
 from baton.router.openai_fields import HONOURED, refusal
+from baton.router.openai_logprobs import (
+    Entry,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    entries,
+    prompt_entries,
+)
 from baton.serving.grpc_server import PortInUse, ServiceError
 from baton.v1 import router_pb2
 
@@ -48,6 +58,24 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
+
+
+@dataclass(slots=True)
+class Shape:
+    """What a response carries beyond text."""
+    logprobs: bool = False          # completions: logprobs set; chat: logprobs true
+    echo: bool = False              # completions: the prompt before the text
+    echo_only: bool = False         # ...and max_tokens 0: the prompt alone (one token is run, not shown)
+
+
+@dataclass(slots=True)
+class Result:
+    """One choice's whole answer."""
+    text: str = ""
+    reason: str | None = None
+    usage: router_pb2.Usage = field(default_factory=router_pb2.Usage)
+    logprobs: list[Entry] = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)     # TokenLogprob messages
 
 
 class HTTPError(Exception):
@@ -110,6 +138,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
         self.address = ""
+        self._texts: TokenTexts | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -241,7 +270,7 @@ class OpenAIServer:
     # -- the shared path ----------------------------------------------------------------------
     async def _serve(self, request, body: dict, reqs: list, chat: bool) -> web.StreamResponse:
         model = self._model(body)
-        sampling = _sampling(body, chat)
+        sampling, shape = _sampling(body, chat)
         for req in reqs:
             req.sampling.CopyFrom(sampling)
         stream = body.get("stream", False)
@@ -254,37 +283,69 @@ class OpenAIServer:
             options = body.get("stream_options") or {}
             if not isinstance(options, dict):
                 raise HTTPError(400, "stream_options must be an object", param="stream_options")
-            return await self._stream(request, reqs[0], rid, model, chat, bool(options.get("include_usage")))
+            return await self._stream(request, reqs[0], rid, model, chat, shape, bool(options.get("include_usage")))
         results = await asyncio.gather(*(self._whole(request, r, f"{rid}-{i}" if len(reqs) > 1 else rid)
                                          for i, r in enumerate(reqs)))
         created = int(time.time())
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         cached = 0
-        for i, (text, reason, u) in enumerate(results):
+        for i, (req, result) in enumerate(zip(reqs, results, strict=True)):
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "finish_reason": reason, "logprobs": None})
+                choices.append({"index": i, "message": {"role": "assistant", "content": result.text},
+                                "finish_reason": result.reason,
+                                "logprobs": chat_logprobs(result.logprobs, self.texts) if shape.logprobs else None})
             else:
-                choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
+                choices.append(self._completion_choice(i, req, result, shape))
+            u = result.usage
             usage["prompt_tokens"] += u.prompt_tokens
-            usage["completion_tokens"] += u.completion_tokens
+            usage["completion_tokens"] += 0 if shape.echo_only else u.completion_tokens
             cached += u.cached_prompt_tokens
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                   "created": created, "model": model, "choices": choices, "usage": usage})
 
-    async def _whole(self, request, req, rid: str):
+    @property
+    def texts(self) -> TokenTexts:
+        if self._texts is None:
+            self._texts = TokenTexts(self.svc.tokenizer)
+        return self._texts
+
+    def _completion_choice(self, i: int, req, result: Result, shape: Shape) -> dict:
+        text, items = result.text, result.logprobs
+        if shape.echo_only:                          # max_tokens 0: the prompt alone
+            text, items, result.reason = "", [], "length"
+        prompt = self._echo(req, result) if shape.echo else None
+        if prompt is not None:
+            text = prompt[0] + text
+            items = prompt[1] + items
+        logprobs = completion_logprobs(items, self.texts) if shape.logprobs else None
+        return {"index": i, "text": text, "finish_reason": result.reason, "logprobs": logprobs}
+
+    def _echo(self, req, result: Result) -> tuple[str, list[Entry]]:
+        """The prompt's text, and (with logprobs) its tokens' entries."""
+        ids = list(req.tokens.ids) if req.WhichOneof("input") == "tokens" else None
+        text = req.text if ids is None else self.svc.tokenizer.decode(ids, skip_special_tokens=False)
+        if not result.prompt_logprobs:
+            return text, []
+        first = ids[0] if ids is not None else encode_text(self.svc.tokenizer, req.text)[0]
+        return text, prompt_entries(first, result.prompt_logprobs)
+
+    async def _whole(self, request, req, rid: str) -> Result:
         req.request_id = rid
-        text, reason, usage = [], None, router_pb2.Usage()
+        result = Result()
+        text = []
         async for resp in self.svc.generate(req, HttpContext(request)):
             text.append(resp.text)
+            result.logprobs += entries(resp.logprobs)
+            result.prompt_logprobs += resp.prompt_logprobs
             if resp.finish_reason:
-                reason = FINISH.get(resp.finish_reason, "stop")
-                usage = resp.usage
-        return "".join(text), reason, usage
+                result.reason = FINISH.get(resp.finish_reason, "stop")
+                result.usage = resp.usage
+        result.text = "".join(text)
+        return result
 
-    async def _stream(self, request, req, rid: str, model: str, chat: bool, include_usage: bool):
+    async def _stream(self, request, req, rid: str, model: str, chat: bool, shape: Shape, include_usage: bool):
         req.request_id = rid
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -296,30 +357,46 @@ class OpenAIServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
+        sent_chars = 0                        # of a completion's text (its logprobs' text_offset)
 
         async def send(obj) -> None:
             await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
-        def chunk(text: str | None, reason: str | None, role: bool = False) -> dict:
+        def chunk(text: str | None, reason: str | None, items: list[Entry] | None = None, role: bool = False) -> dict:
+            nonlocal sent_chars
+            logprobs = None
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+                if shape.logprobs and not role:
+                    logprobs = chat_logprobs(items or [], self.texts)
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+                if shape.logprobs:
+                    logprobs = completion_logprobs(items or [], self.texts, sent_chars)
+                sent_chars += len(text or "")
+                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
             return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
 
         usage = None
         try:
             if chat:
                 await send(chunk(None, None, role=True))
+            elif shape.echo and first is not None:
+                result = Result(prompt_logprobs=list(first.prompt_logprobs))
+                text, items = self._echo(req, result)
+                await send(chunk(text, None, items))
             item = first
             while item is not None:
                 reason = FINISH.get(item.finish_reason) if item.finish_reason else None
+                if shape.echo_only:           # max_tokens 0: no generated token is shown
+                    item = _without_tokens(item)
+                    reason = reason and "length"
                 # new tokens whose text is held back (half a character, a possible stop string) or empty
                 # (special tokens) still make an event, with empty text: the client sees progress, as
                 # a gRPC client does, and a token's time is when it came, not when its text did
                 if item.text or item.token_ids or reason:
-                    await send(chunk(item.text if item.text or item.token_ids else None, reason))
+                    await send(chunk(item.text if item.text or item.token_ids else None, reason,
+                                     entries(item.logprobs)))
                 if reason:
                     usage = item.usage
                     break
@@ -331,6 +408,8 @@ class OpenAIServer:
         finally:
             await gen.aclose()
         if include_usage and usage is not None:
+            if shape.echo_only:
+                usage.completion_tokens = 0
             await send({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
                         "usage": _usage(usage)})
         await resp.write(b"data: [DONE]\n\n")
@@ -351,6 +430,16 @@ def _field_named(message: str) -> str | None:
     """The request field a validation message starts with ("min_p must be in [0, 1]..."), if any."""
     word = message.split(" ", 1)[0].rstrip(":")
     return word if word in HONOURED["completions"] | HONOURED["chat"] else None
+
+
+def _without_tokens(item):
+    """A response with its generated tokens taken out (echo with max_tokens 0)."""
+    out = router_pb2.GenerateResponse()
+    out.CopyFrom(item)
+    del out.token_ids[:]
+    del out.logprobs[:]
+    out.text = ""
+    return out
 
 
 def _usage(u) -> dict:
@@ -430,9 +519,11 @@ def _number(body: dict, name: str, kind: type, lo=None) -> float | int | None:
     return value
 
 
-def _sampling(body: dict, chat: bool) -> router_pb2.SamplingParams:
-    """OpenAI's fields -> baton.v1.SamplingParams (ranges are checked by the router's validation)."""
+def _sampling(body: dict, chat: bool) -> tuple[router_pb2.SamplingParams, Shape]:
+    """OpenAI's fields -> baton.v1.SamplingParams (ranges are checked by the router's validation),
+    and what the response carries."""
     s = router_pb2.SamplingParams()
+    shape = _logprobs(body, chat, s)
     for name in ("temperature", "top_p"):
         v = _number(body, name, float)
         if v is not None:
@@ -446,8 +537,10 @@ def _sampling(body: dict, chat: bool) -> router_pb2.SamplingParams:
     for name in names:
         v = _number(body, name, int)
         if v is not None:
+            if v == 0 and shape.echo:                  # as vLLM: the prompt (and its logprobs) alone
+                shape.echo_only, v = True, 1
             if v < 1:
-                raise HTTPError(400, f"{name} must be >= 1, got {v}", param=name)
+                raise HTTPError(400, f"{name} must be >= 1 (0 only with echo), got {v}", param=name)
             s.max_tokens = min(v, 2**32 - 1)
             break
     else:
@@ -472,7 +565,34 @@ def _sampling(body: dict, chat: bool) -> router_pb2.SamplingParams:
         raise HTTPError(400, "ignore_eos must be true or false", param="ignore_eos")
     s.ignore_eos = ignore
     _processing(body, s)
-    return s
+    return s, shape
+
+
+def _logprobs(body: dict, chat: bool, s: router_pb2.SamplingParams) -> Shape:
+    """completions: logprobs=N, echo; chat: logprobs, top_logprobs."""
+    shape = Shape()
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted not in (None, True, False):
+            raise HTTPError(400, "logprobs must be true or false", param="logprobs")
+        top = _number(body, "top_logprobs", int, lo=0)
+        if top is not None and not wanted:
+            raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if wanted:
+            shape.logprobs = True
+            s.logprobs = min(top or 0, 2**31)
+        return shape
+    n = _number(body, "logprobs", int, lo=0)
+    echo = body.get("echo")
+    if echo not in (None, True, False):
+        raise HTTPError(400, "echo must be true or false", param="echo")
+    shape.echo = bool(echo)
+    if n is not None:
+        shape.logprobs = True
+        s.logprobs = min(n, 2**31)
+        if shape.echo:
+            s.prompt_logprobs = s.logprobs
+    return shape
 
 
 def _processing(body: dict, s: router_pb2.SamplingParams) -> None:

@@ -12,13 +12,13 @@ from collections.abc import Mapping
 
 COMMON_HONOURED = {
     "model", "stream", "stream_options", "temperature", "top_p", "max_tokens", "stop", "seed",
-    "presence_penalty", "frequency_penalty", "logit_bias",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     # vLLM's extras
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
 }
 HONOURED = {
-    "completions": COMMON_HONOURED | {"prompt"},
-    "chat": COMMON_HONOURED | {"messages", "max_completion_tokens"},
+    "completions": COMMON_HONOURED | {"prompt", "echo"},
+    "chat": COMMON_HONOURED | {"messages", "max_completion_tokens", "top_logprobs"},
 }
 
 # no effect on any output, on OpenAI's servers either (end-user ids, cache routing hints, and
@@ -34,7 +34,7 @@ _OFF = (None, False)
 _EMPTY = (None, [], {}, "")
 COMMON_REFUSED: dict[str, tuple] = {
     # not built yet (issue 29's later parts)
-    "n": (None, 1), "logprobs": (None, False, 0),
+    "n": (None, 1),
     # vLLM's extras
     "use_beam_search": _OFF, "length_penalty": (None, 1, 1.0), "include_stop_str_in_output": _OFF,
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
@@ -49,10 +49,9 @@ COMMON_REFUSED: dict[str, tuple] = {
 }
 REFUSED: dict[str, dict[str, tuple]] = {
     "completions": COMMON_REFUSED | {
-        "echo": _OFF, "best_of": (None, 1), "suffix": (None, ""),
+        "best_of": (None, 1), "suffix": (None, ""),
     },
     "chat": COMMON_REFUSED | {
-        "top_logprobs": (None, 0),
         "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
         "functions": (None, []), "function_call": (None, "none"),
         "audio": _NONE, "modalities": (None, ["text"]), "prediction": _NONE,
