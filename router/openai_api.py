@@ -78,6 +78,31 @@ class Result:
     prompt_logprobs: list = field(default_factory=list)     # TokenLogprob messages
 
 
+@dataclass(slots=True)
+class Choice:
+    """One choice of a request (n of them per prompt), each its own GenerateRequest."""
+    index: int
+    req: router_pb2.GenerateRequest
+    gate: asyncio.Event             # set once the prompt's first choice has its first token
+    first: bool                     # the prompt's first choice
+
+
+MAX_N = 128
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def _choice(prompt: router_pb2.GenerateRequest, sampling: router_pb2.SamplingParams, j: int):
+    """The request of choice `j` of a prompt: choice 0 is the request as sent; with a seed, choice j
+    samples with a seed of its own derived from it (the same choices for the same seed), so the
+    choices differ, yet each is reproducible."""
+    req = router_pb2.GenerateRequest()
+    req.CopyFrom(prompt)
+    req.sampling.CopyFrom(sampling)
+    if j and sampling.HasField("seed"):
+        req.sampling.seed = (sampling.seed + j * _SEED_MIX) % 2**64
+    return req
+
+
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, retry_after: float | None = None):
@@ -268,42 +293,50 @@ class OpenAIServer:
         return await self._serve(request, body, [req], chat=True)
 
     # -- the shared path ----------------------------------------------------------------------
-    async def _serve(self, request, body: dict, reqs: list, chat: bool) -> web.StreamResponse:
+    async def _serve(self, request, body: dict, prompts: list, chat: bool) -> web.StreamResponse:
         model = self._model(body)
         sampling, shape = _sampling(body, chat)
-        for req in reqs:
-            req.sampling.CopyFrom(sampling)
+        n = _number(body, "n", int, lo=1) or 1
+        if n > MAX_N:
+            raise HTTPError(400, f"n must be at most {MAX_N}, got {n}", param="n")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise HTTPError(400, "stream must be true or false", param="stream")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        reqs = [_choice(p, sampling, j) for p in prompts for j in range(n)]       # OpenAI's order of choices
+        many = len(reqs) > 1
+        for i, req in enumerate(reqs):
+            req.request_id = f"{rid}-{i}" if many else rid
+        # a prompt's first choice runs alone until its first token: the others find its KV in the prefix cache
+        gates = [asyncio.Event() for _ in prompts]
+        choices = [Choice(i, req, gates[i // n], first=i % n == 0) for i, req in enumerate(reqs)]
         if stream:
-            if len(reqs) != 1:
+            if len(prompts) != 1:
                 raise HTTPError(400, "streaming takes one prompt per request", param="prompt")
             options = body.get("stream_options") or {}
             if not isinstance(options, dict):
                 raise HTTPError(400, "stream_options must be an object", param="stream_options")
-            return await self._stream(request, reqs[0], rid, model, chat, shape, bool(options.get("include_usage")))
-        results = await asyncio.gather(*(self._whole(request, r, f"{rid}-{i}" if len(reqs) > 1 else rid)
-                                         for i, r in enumerate(reqs)))
+            return await self._stream(request, choices, rid, model, chat, shape, bool(options.get("include_usage")))
+        results = await asyncio.gather(*(self._whole(request, c) for c in choices))
         created = int(time.time())
-        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        out, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         cached = 0
-        for i, (req, result) in enumerate(zip(reqs, results, strict=True)):
+        for c, result in zip(choices, results, strict=True):
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": result.text},
-                                "finish_reason": result.reason,
-                                "logprobs": chat_logprobs(result.logprobs, self.texts) if shape.logprobs else None})
+                out.append({"index": c.index, "message": {"role": "assistant", "content": result.text},
+                            "finish_reason": result.reason,
+                            "logprobs": chat_logprobs(result.logprobs, self.texts) if shape.logprobs else None})
             else:
-                choices.append(self._completion_choice(i, req, result, shape))
+                out.append(self._completion_choice(c.index, c.req, result, shape))
             u = result.usage
-            usage["prompt_tokens"] += u.prompt_tokens
+            if c.first:                                # a prompt counts once, however many choices
+                usage["prompt_tokens"] += u.prompt_tokens
+                cached += u.cached_prompt_tokens
             usage["completion_tokens"] += 0 if shape.echo_only else u.completion_tokens
-            cached += u.cached_prompt_tokens
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                  "created": created, "model": model, "choices": choices, "usage": usage})
+                                  "created": created, "model": model, "choices": out, "usage": usage})
 
     @property
     def texts(self) -> TokenTexts:
@@ -331,11 +364,21 @@ class OpenAIServer:
         first = ids[0] if ids is not None else encode_text(self.svc.tokenizer, req.text)[0]
         return text, prompt_entries(first, result.prompt_logprobs)
 
-    async def _whole(self, request, req, rid: str) -> Result:
-        req.request_id = rid
+    async def _responses(self, request, c: Choice):
+        """The choice's responses; a prompt's later choices start once its first has a token."""
+        if not c.first:
+            await c.gate.wait()
+        try:
+            async for resp in self.svc.generate(c.req, HttpContext(request)):
+                c.gate.set()
+                yield resp
+        finally:
+            c.gate.set()                               # (failed or ended: the others go anyway)
+
+    async def _whole(self, request, c: Choice) -> Result:
         result = Result()
         text = []
-        async for resp in self.svc.generate(req, HttpContext(request)):
+        async for resp in self._responses(request, c):
             text.append(resp.text)
             result.logprobs += entries(resp.logprobs)
             result.prompt_logprobs += resp.prompt_logprobs
@@ -345,76 +388,105 @@ class OpenAIServer:
         result.text = "".join(text)
         return result
 
-    async def _stream(self, request, req, rid: str, model: str, chat: bool, shape: Shape, include_usage: bool):
-        req.request_id = rid
+    async def _stream(self, request, choices: list[Choice], rid: str, model: str, chat: bool, shape: Shape,
+                      include_usage: bool):
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
-        gen = self.svc.generate(req, HttpContext(request))
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            try:
+                async for item in self._responses(request, c):
+                    queue.put_nowait((c, item))
+            except Exception as exc:                   # (its status goes to the client below)
+                queue.put_nowait((c, exc))
+            finally:
+                queue.put_nowait((c, None))
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
-            first = await gen.__anext__()     # errors before the first token are plain HTTP errors
-        except StopAsyncIteration:
-            first = None
+            return await self._stream_events(request, queue, choices, rid, model, kind, created, chat, shape,
+                                             include_usage)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stream_events(self, request, queue: asyncio.Queue, choices: list[Choice], rid, model, kind, created,
+                             chat: bool, shape: Shape, include_usage: bool):
+        first = await queue.get()
+        if isinstance(first[1], Exception):            # errors before the first token are plain HTTP errors
+            raise first[1]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        sent_chars = 0                        # of a completion's text (its logprobs' text_offset)
+        sent_chars = {c.index: 0 for c in choices}   # of a completion's text (its logprobs' text_offset)
 
         async def send(obj) -> None:
             await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
-        def chunk(text: str | None, reason: str | None, items: list[Entry] | None = None, role: bool = False) -> dict:
-            nonlocal sent_chars
+        def chunk(i: int, text: str | None, reason: str | None, items: list[Entry] | None = None,
+                  role: bool = False) -> dict:
             logprobs = None
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
                 if shape.logprobs and not role:
                     logprobs = chat_logprobs(items or [], self.texts)
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+                choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             else:
                 if shape.logprobs:
-                    logprobs = completion_logprobs(items or [], self.texts, sent_chars)
-                sent_chars += len(text or "")
-                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
+                    logprobs = completion_logprobs(items or [], self.texts, sent_chars[i])
+                sent_chars[i] += len(text or "")
+                choice = {"index": i, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
             return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
 
-        usage = None
-        try:
-            if chat:
-                await send(chunk(None, None, role=True))
-            elif shape.echo and first is not None:
-                result = Result(prompt_logprobs=list(first.prompt_logprobs))
-                text, items = self._echo(req, result)
-                await send(chunk(text, None, items))
-            item = first
-            while item is not None:
-                reason = FINISH.get(item.finish_reason) if item.finish_reason else None
-                if shape.echo_only:           # max_tokens 0: no generated token is shown
-                    item = _without_tokens(item)
-                    reason = reason and "length"
-                # new tokens whose text is held back (half a character, a possible stop string) or empty
-                # (special tokens) still make an event, with empty text: the client sees progress, as
-                # a gRPC client does, and a token's time is when it came, not when its text did
-                if item.text or item.token_ids or reason:
-                    await send(chunk(item.text if item.text or item.token_ids else None, reason,
-                                     entries(item.logprobs)))
-                if reason:
-                    usage = item.usage
+        if chat:
+            for c in choices:
+                await send(chunk(c.index, None, None, role=True))
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_prompt_tokens": 0}
+        started, open_ = set(), len(choices)
+        c, item = first
+        while True:
+            if item is None:
+                open_ -= 1
+                if not open_:
                     break
-                item = await gen.__anext__()
-        except StopAsyncIteration:
-            pass
-        except ServiceError as exc:           # after the headers: the error goes in the stream
-            await send(from_service_error(exc).body())
-        finally:
-            await gen.aclose()
-        if include_usage and usage is not None:
-            if shape.echo_only:
-                usage.completion_tokens = 0
+            elif isinstance(item, Exception):          # after the headers: the error goes in the stream
+                error = item if isinstance(item, ServiceError) else ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT if isinstance(item, ValueError) else grpc.StatusCode.INTERNAL,
+                    str(item))
+                await send(from_service_error(error).body())
+            else:
+                if not chat and shape.echo and c.index not in started:
+                    text, items = self._echo(c.req, Result(prompt_logprobs=list(item.prompt_logprobs)))
+                    await send(chunk(c.index, text, None, items))
+                started.add(c.index)
+                await self._send_item(send, chunk, c, item, shape, usage)
+            c, item = await queue.get()
+        if include_usage and usage["prompt_tokens"]:
             await send({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
-                        "usage": _usage(usage)})
+                        "usage": _usage(router_pb2.Usage(**usage))})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    @staticmethod
+    async def _send_item(send, chunk, c: Choice, item, shape: Shape, usage: dict) -> None:
+        reason = FINISH.get(item.finish_reason) if item.finish_reason else None
+        if shape.echo_only:                            # max_tokens 0: no generated token is shown
+            item = _without_tokens(item)
+            reason = reason and "length"
+        # new tokens whose text is held back (half a character, a possible stop string) or empty
+        # (special tokens) still make an event, with empty text: the client sees progress, as
+        # a gRPC client does, and a token's time is when it came, not when its text did
+        if item.text or item.token_ids or reason:
+            await send(chunk(c.index, item.text if item.text or item.token_ids else None, reason,
+                             entries(item.logprobs)))
+        if reason:
+            u = item.usage
+            if c.first:
+                usage["prompt_tokens"] += u.prompt_tokens
+                usage["cached_prompt_tokens"] += u.cached_prompt_tokens
+            usage["completion_tokens"] += 0 if shape.echo_only else u.completion_tokens
 
     def _model(self, body: dict) -> str:
         model = body.get("model")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 COMMON_HONOURED = {
-    "model", "stream", "stream_options", "temperature", "top_p", "max_tokens", "stop", "seed",
+    "model", "stream", "stream_options", "temperature", "top_p", "max_tokens", "stop", "seed", "n",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     # vLLM's extras
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
@@ -33,8 +33,6 @@ _NONE = (None,)
 _OFF = (None, False)
 _EMPTY = (None, [], {}, "")
 COMMON_REFUSED: dict[str, tuple] = {
-    # not built yet (issue 29's later parts)
-    "n": (None, 1),
     # vLLM's extras
     "use_beam_search": _OFF, "length_penalty": (None, 1, 1.0), "include_stop_str_in_output": _OFF,
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
@@ -65,7 +63,6 @@ REFUSED: dict[str, dict[str, tuple]] = {
 }
 
 WHY = {
-    "n": "only n=1 is supported; send several requests for several choices",
     "response_format": "only the text response_format is supported (structured output is not built yet)",
 }
 
