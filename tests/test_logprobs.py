@@ -122,6 +122,8 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_alone(client, reference, em
     assert "".join(c.choices[0].text for c in streamed) == PROMPT
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True)     # no logprobs asked
+    assert plain.choices[0].text == PROMPT and plain.choices[0].logprobs is None
 
 
 def test_chat_logprobs_and_top_logprobs_whole_and_streamed(client, embedded_llm, reference):
