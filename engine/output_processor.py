@@ -45,11 +45,15 @@ class TextStream:
     last take. Whole characters only; stop strings are cut from the text (`stopped` says one
     matched: the token just added completed it), and while the request runs, a tail that could
     still become a stop string is held back. The engine, the worker's front and the router (after
-    a migration) all stream text through this one class."""
+    a migration) all stream text through this one class. As in vLLM, no stop string ends the
+    text before `min_tokens` tokens."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], min_tokens: int = 0):
         self.detok = make_detokenizer(tokenizer, prompt_token_ids)
         self.stops = list(stop)
+        self.min_tokens = min_tokens
+        self.added = 0
+        self.floor = 0                      # a stop string must end past the text of the first min_tokens - 1
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.sent_chars = 0
         self.stopped = False
@@ -62,7 +66,10 @@ class TextStream:
         """Feed one token; True once a stop string ended the text (later tokens change nothing)."""
         if not self.stopped:
             self.detok.add(token_id)
-            if self.stops:
+            self.added += 1
+            if self.added < self.min_tokens:
+                self.floor = len(self.detok.text)
+            elif self.stops:
                 self._cut_at_stop()
         return self.stopped
 
@@ -71,7 +78,7 @@ class TextStream:
         back (an incomplete character is flushed, and may still complete a stop string)."""
         if finished and not self.stopped:
             self.detok.flush()
-            if self.stops:
+            if self.stops and self.added >= self.min_tokens:
                 self._cut_at_stop()
         text = self.detok.text
         end = len(text) if finished or self.stopped else max(self.sent_chars, len(text) - self.holdback)
@@ -82,7 +89,7 @@ class TextStream:
     def _cut_at_stop(self) -> None:
         text = self.detok.text
         start = max(0, self.sent_chars - self.holdback - 1)
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        hits = [i for i in (text.find(s, max(start, self.floor - len(s) + 1)) for s in self.stops) if i >= 0]
         if hits:
             self.detok.text = text[:min(hits)]
             self.stopped = True
@@ -93,8 +100,8 @@ class RequestState:
 
     def __init__(self, seq: Sequence, tokenizer):
         self.seq = seq
-        self.text = TextStream(tokenizer, seq.token_ids[:seq.num_prompt_tokens], seq.params.stop) \
-            if tokenizer is not None else None
+        self.text = TextStream(tokenizer, seq.token_ids[:seq.num_prompt_tokens], seq.params.stop,
+                               seq.params.min_tokens) if tokenizer is not None else None
         self.emitted_tokens = 0
 
     @property

@@ -40,7 +40,7 @@ class TokenStream:
                  on_done: Callable[[TokenStream], None], deadline: float | None = None):
         self.request_id = request_id
         self.prompt_tokens = len(prompt)
-        self.text = TextStream(tokenizer, prompt, params.stop) if tokenizer is not None else None
+        self.text = TextStream(tokenizer, prompt, params.stop, params.min_tokens) if tokenizer is not None else None
         self.sink: Sink | None = None
         self.deadline = deadline            # time.monotonic(); None: none
         self.heard = time.monotonic()       # when the core last sent something for it

@@ -162,3 +162,12 @@ def test_a_migrated_request_goes_on_as_if_never_moved(embedded_llm):
     prompt, resumed = ledger.request()
     assert resumed.prior_output_tokens == 4 and resumed.min_tokens == 4 and resumed.max_tokens == 6
     assert embedded_llm.generate([prompt], resumed)[0].token_ids == whole[4:]
+
+
+def test_no_stop_string_ends_the_text_before_min_tokens(embedded_llm):
+    """As vLLM: min_tokens holds off stop strings too (" 5, 6," comes as ' ', '5', ',', ' ', '6', ',')."""
+    def text(min_tokens: int) -> str:
+        return embedded_llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=12, stop=[","],
+                                                                     min_tokens=min_tokens))[0].text
+    assert text(0) == text(3) == " 5"            # the comma is the third token: it may stop
+    assert text(4) == " 5, 6"                    # the first comma is too early: the next one stops

@@ -117,3 +117,17 @@ def test_logprobs_are_relayed_and_cut_with_the_tokens(tokenizer):
     rest = ledger.relay("r", with_logprobs(chunk(ids[1:], "junk"), [-0.25] * (len(ids) - 1)))
     assert rest.finish_reason == router_pb2.FINISH_REASON_STOP            # " three" ends it, across the seam
     assert len(rest.logprobs) == len(rest.token_ids) < len(ids) - 1 and not rest.prompt_logprobs
+
+
+def test_min_tokens_holds_off_a_stop_string_across_the_seam(tokenizer):
+    ids = tokenizer(" 5, 6, 7", add_special_tokens=False)["input_ids"]          # ' ', '5', ',', ' ', '6', ',', ...
+    params = SamplingParams(temperature=0, max_tokens=len(ids), stop=[","], min_tokens=4, ignore_eos=True)
+    ledger = Ledger([1], params, tokenizer, limit=1)
+    sent = [ledger.relay("r", chunk(ids[:2], " 5"))]
+    ledger.migrate()
+    assert ledger.request()[1].min_tokens == 2
+    for t in ids[2:]:
+        sent.append(ledger.relay("r", chunk([t], "junk")))
+        if sent[-1].finish_reason:
+            break
+    assert "".join(r.text for r in sent) == " 5, 6" and sent[-1].finish_reason == router_pb2.FINISH_REASON_STOP

@@ -149,3 +149,11 @@ def test_min_tokens_holds_off_eos_over_grpc(pd_cluster):
     with pytest.raises(grpc.RpcError) as err:
         completion(min_p=2.0)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_p" in err.value.details()
+
+
+def test_min_tokens_holds_off_stop_strings_when_served(pd_cluster):
+    def text(min_tokens: int) -> str:
+        r = post(pd_cluster, "completions", {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 12, "stop": [","],
+                                             "temperature": 0, "min_tokens": min_tokens})
+        return r.json()["choices"][0]["text"]
+    assert text(0) == " 5" and text(4) == " 5, 6"
