@@ -68,7 +68,7 @@ def host_inputs(seqs: list, input_starts: list[int], eos_token_ids: list[int]) -
         p = seq.params
         first_output = seq.num_prompt_tokens - p.prior_output_tokens
         uses_output = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
-        prompts.append(seq.token_ids[:first_output] if p.repetition_penalty != 1.0 else [])
+        prompts.append(_prompt_set(seq, first_output) if p.repetition_penalty != 1.0 else [])
         out = seq.token_ids[first_output:] if uses_output else []
         outputs.append([t if t != PENDING else -(2 + start + first_output + j) for j, t in enumerate(out)])
         if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens:    # (as max_tokens, past the prompt)
@@ -88,6 +88,13 @@ def host_inputs(seqs: list, input_starts: list[int], eos_token_ids: list[int]) -
         frequency=np.array([p.frequency_penalty for p in rows], np.float32),
         repetition=np.array([p.repetition_penalty for p in rows], np.float32),
         min_p=np.array([p.min_p for p in rows], np.float32))
+
+
+def _prompt_set(seq, first_output: int) -> list[int]:
+    """The prompt's distinct tokens (all a repetition penalty asks of it), found once per sequence."""
+    if seq.prompt_token_set is None:
+        seq.prompt_token_set = sorted(set(seq.token_ids[:first_output]))
+    return seq.prompt_token_set
 
 
 def _padded(lists: list[list[int]]) -> np.ndarray:

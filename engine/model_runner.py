@@ -323,7 +323,7 @@ class ModelRunner:
             mrope_positions=mrope, image_chunks=image_chunks,
             processing=host_inputs(seqs, [int(starts[r] - begins[r]) for r in rows.tolist()], self.eos_token_ids),
             num_logprobs=max((n for n in wanted if n is not None), default=-1), wanted_logprobs=wanted,
-            prompt_logprob_rows=_prompt_logprob_rows(items, order, begins, ends, starts),
+            prompt_logprob_rows=None if out.is_decode else _prompt_logprob_rows(items, order, begins, ends, starts),
         )
 
     def _device_inputs(self, h: StepInputs) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor, SamplingBatch]:
