@@ -86,6 +86,9 @@ def sampling(req: router_pb2.GenerateRequest, prompt_len: int, max_model_len: in
         raise ValueError("max_tokens must be >= 1 (leave it unset for the default of 256)")
     params = sampling_from_proto(req.sampling, defaults)
     params.validate(vocab_size)
+    if params.prior_output_tokens >= prompt_len:
+        raise ValueError(f"prior_output_tokens ({params.prior_output_tokens}) must be less than the prompt's "
+                         f"{prompt_len} tokens (it counts the prompt's last tokens as earlier output)")
     if max_new_tokens:
         params.max_tokens = min(params.max_tokens, max_new_tokens)
     if prompt_len >= max_model_len:

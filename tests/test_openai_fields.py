@@ -133,7 +133,7 @@ def test_served_tokens_equal_the_offline_engines(pd_cluster, embedded_llm, field
     assert offline.token_ids != plain.token_ids, "the field changes nothing here: the test proves nothing"
 
 
-def test_min_tokens_holds_off_eos_over_grpc(pd_cluster):
+def test_min_tokens_holds_off_eos_over_grpc_and_bad_values_are_invalid_argument(pd_cluster):
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(pd_cluster.router.address))
     question = router_pb2.Chat(messages=[router_pb2.ChatMessage(role="user", content="What is the capital of France?")])
 
@@ -146,9 +146,11 @@ def test_min_tokens_holds_off_eos_over_grpc(pd_cluster):
     short = completion()
     assert len(short) < 20
     assert len(completion(min_tokens=len(short) + 5)) >= len(short) + 5
-    with pytest.raises(grpc.RpcError) as err:
-        completion(min_p=2.0)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_p" in err.value.details()
+    for bad, name in ((dict(min_p=2.0), "min_p"), (dict(prior_output_tokens=10_000), "prior_output_tokens"),
+                      (dict(logprobs=21), "logprobs"), (dict(logit_bias={10**6: 1.0}), "logit_bias")):
+        with pytest.raises(grpc.RpcError) as err:
+            completion(**bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.value.details()
 
 
 def test_min_tokens_holds_off_stop_strings_when_served(pd_cluster):
