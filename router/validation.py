@@ -95,4 +95,5 @@ def sampling(req: router_pb2.GenerateRequest, prompt_len: int, max_model_len: in
         raise ValueError(f"prompt has {prompt_len} tokens; the model's context is {max_model_len} "
                          "and must leave room for one new token: shorten the prompt")
     params.max_tokens = min(params.max_tokens, max_model_len - prompt_len)   # capped by the context
+    params.min_tokens = min(params.min_tokens, params.max_tokens)            # ...and so is min_tokens
     return params

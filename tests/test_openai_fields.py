@@ -159,3 +159,10 @@ def test_min_tokens_holds_off_stop_strings_when_served(pd_cluster):
                                              "temperature": 0, "min_tokens": min_tokens})
         return r.json()["choices"][0]["text"]
     assert text(0) == " 5" and text(4) == " 5, 6"
+
+
+def test_min_tokens_is_capped_by_the_context_as_max_tokens_is():
+    from baton.router.validation import sampling
+    req = router_pb2.GenerateRequest(text="x", sampling=router_pb2.SamplingParams(min_tokens=50))
+    params = sampling(req, prompt_len=97, max_model_len=100, vocab_size=1000)
+    assert params.max_tokens == params.min_tokens == 3
