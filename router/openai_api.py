@@ -317,7 +317,7 @@ class OpenAIServer:
             if not isinstance(options, dict):
                 raise HTTPError(400, "stream_options must be an object", param="stream_options")
             return await self._stream(request, choices, rid, model, chat, shape, bool(options.get("include_usage")))
-        results = await asyncio.gather(*(self._whole(request, c) for c in choices))
+        results = await _all(self._whole(request, c) for c in choices)
         created = int(time.time())
         out, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         cached = 0
@@ -502,6 +502,18 @@ def _field_named(message: str) -> str | None:
     """The request field a validation message starts with ("min_p must be in [0, 1]..."), if any."""
     word = message.split(" ", 1)[0].rstrip(":")
     return word if word in HONOURED["completions"] | HONOURED["chat"] else None
+
+
+async def _all(coroutines) -> list:
+    """Their results, in order; the first failure cancels the others (each frees its blocks)."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _without_tokens(item):

@@ -74,3 +74,12 @@ def test_n_out_of_range_is_a_400(client):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=MODEL, prompt="Hi", n=n, max_tokens=1)
         assert err.value.body["param"] == "n"
+
+
+def test_a_failing_prompt_cancels_the_others_and_frees_their_blocks(client, pd_cluster):
+    start = pd_cluster.worker("decode-0").status()
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[[1, 2, 3, 4], [10**7]], max_tokens=3000, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert pd_cluster.wait_workers_idle(15) == 0
+    assert pd_cluster.worker("decode-0").status().kv_blocks_free == start.kv_blocks_free
