@@ -16,12 +16,11 @@ build the same arrays from the same tokens, so both sides sample alike.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from baton.engine.sequence import PENDING
 
 PAD = -1
 
@@ -70,7 +69,10 @@ def host_inputs(seqs: list, input_starts: list[int], eos_token_ids: list[int]) -
         uses_output = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
         prompts.append(_prompt_set(seq, first_output) if p.repetition_penalty != 1.0 else [])
         out = seq.token_ids[first_output:] if uses_output else []
-        outputs.append([t if t != PENDING else -(2 + start + first_output + j) for j, t in enumerate(out)])
+        if out and seq.num_pending_tokens:      # the trailing ones, sampled by the step in flight
+            for j in range(len(out) - seq.num_pending_tokens, len(out)):
+                out[j] = -(2 + start + first_output + j)
+        outputs.append(out)
         if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens:    # (as max_tokens, past the prompt)
             banned.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)))
         else:
@@ -98,9 +100,10 @@ def _prompt_set(seq, first_output: int) -> list[int]:
 
 
 def _padded(lists: list[list[int]]) -> np.ndarray:
-    out = np.full((len(lists), max(1, max(map(len, lists), default=0))), PAD, np.int64)
-    for i, ids in enumerate(lists):
-        out[i, :len(ids)] = ids
+    lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+    out = np.full((len(lists), max(1, int(lengths.max(initial=0)))), PAD, np.int64)
+    out[np.arange(out.shape[1])[None, :] < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(lists), np.int64, int(lengths.sum()))
     return out
 
 

@@ -114,6 +114,7 @@ def test_a_pending_token_is_read_from_the_steps_inputs():
     logits = torch.randn(1, VOCAB)
     known = seq([4, 5], [9, 13], frequency_penalty=1.5)
     pending = seq([4, 5], [9, PENDING], frequency_penalty=1.5)
+    pending.num_pending_tokens = 1
     pending.num_computed_tokens = 3                     # this step feeds token 3 (the pending one)...
     inputs = torch.tensor([21, 22, 13])                 # ...at input position 2 (after another row's two)
     got = process([pending], logits, input_ids=inputs, starts=[2 - 3])
