@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import ssl
 import time
 import uuid
@@ -28,6 +27,7 @@ from aiohttp import web
 from baton.engine.tokenizer import encode_text
 from baton.models.multimodal import decode_data_url
 from baton.router.config import RouterConfig
+from baton.router.openai_errors import HTTPError, from_service_error
 from baton.router.openai_fields import HONOURED, refusal
 from baton.router.openai_logprobs import (
     Entry,
@@ -37,6 +37,8 @@ from baton.router.openai_logprobs import (
     entries,
     prompt_entries,
 )
+from baton.router.openai_sampling import MAX_N, Shape, choice_request, number
+from baton.router.openai_sampling import sampling as request_sampling
 from baton.serving.grpc_server import PortInUse, ServiceError
 from baton.v1 import router_pb2
 
@@ -44,28 +46,6 @@ log = logging.getLogger("baton.router.http")
 
 FINISH = {router_pb2.FINISH_REASON_STOP: "stop", router_pb2.FINISH_REASON_LENGTH: "length",
           router_pb2.FINISH_REASON_ABORT: "abort"}
-# gRPC status -> (HTTP status, OpenAI error type)
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-}
-
-
-@dataclass(slots=True)
-class Shape:
-    """What a response carries beyond text."""
-    logprobs: bool = False          # completions: logprobs set; chat: logprobs true
-    echo: bool = False              # completions: the prompt before the text
-    echo_only: bool = False         # ...and max_tokens 0: the prompt alone (one token is run, not shown)
 
 
 @dataclass(slots=True)
@@ -87,39 +67,6 @@ class Choice:
     first: bool                     # the prompt's first choice
 
 
-MAX_N = 128
-_SEED_MIX = 0x9E3779B97F4A7C15
-
-
-def _choice(prompt: router_pb2.GenerateRequest, sampling: router_pb2.SamplingParams, j: int):
-    """The request of choice `j` of a prompt: choice 0 is the request as sent; with a seed, choice j
-    samples with a seed of its own derived from it (the same choices for the same seed), so the
-    choices differ, yet each is reproducible."""
-    req = router_pb2.GenerateRequest()
-    req.CopyFrom(prompt)
-    req.sampling.CopyFrom(sampling)
-    if j and sampling.HasField("seed"):
-        req.sampling.seed = (sampling.seed + j * _SEED_MIX) % 2**64
-    return req
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code, self.retry_after = status, kind, param, code, retry_after
-
-    def response(self) -> web.Response:
-        headers = {}
-        if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
-        return web.json_response(self.body(), status=self.status, headers=headers)
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
-                          "code": self.code or self.status}}
-
-
 def _roles(registry) -> dict[str, int]:
     """Workers per role, in the order a request meets them."""
     counts = {}
@@ -131,11 +78,6 @@ def _roles(registry) -> dict[str, int]:
 def _no_worker_reason(registry) -> str:
     missing = [f"{role} (0 of {n} healthy)" for role, n in _roles(registry).items() if not registry.healthy(role)]
     return f"no healthy worker: {', '.join(missing) or 'none configured'}"
-
-
-def from_service_error(exc: ServiceError) -> HTTPError:
-    status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
-    return HTTPError(status, str(exc), kind, retry_after=exc.retry_after)
 
 
 class HttpContext:
@@ -295,15 +237,15 @@ class OpenAIServer:
     # -- the shared path ----------------------------------------------------------------------
     async def _serve(self, request, body: dict, prompts: list, chat: bool) -> web.StreamResponse:
         model = self._model(body)
-        sampling, shape = _sampling(body, chat)
-        n = _number(body, "n", int, lo=1) or 1
+        sampling, shape = request_sampling(body, chat)
+        n = number(body, "n", int, lo=1) or 1
         if n > MAX_N:
             raise HTTPError(400, f"n must be at most {MAX_N}, got {n}", param="n")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise HTTPError(400, "stream must be true or false", param="stream")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        reqs = [_choice(p, sampling, j) for p in prompts for j in range(n)]       # OpenAI's order of choices
+        reqs = [choice_request(p, sampling, j) for p in prompts for j in range(n)]       # OpenAI's order of choices
         many = len(reqs) > 1
         for i, req in enumerate(reqs):
             req.request_id = f"{rid}-{i}" if many else rid
@@ -588,116 +530,3 @@ def _parts(content: list, i: int, images_before: int) -> list[router_pb2.ChatCon
             raise HTTPError(400, f"messages[{i}].content[{j}] must be a text part or an image_url part "
                                  "(a data: URL)", param="messages")
     return parts
-
-
-def _number(body: dict, name: str, kind: type, lo=None) -> float | int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
-    if not ok or isinstance(value, bool):
-        raise HTTPError(400, f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}",
-                        param=name)
-    if lo is not None and value < lo:
-        raise HTTPError(400, f"{name} must be >= {lo}, got {value}", param=name)
-    return value
-
-
-def _sampling(body: dict, chat: bool) -> tuple[router_pb2.SamplingParams, Shape]:
-    """OpenAI's fields -> baton.v1.SamplingParams (ranges are checked by the router's validation),
-    and what the response carries."""
-    s = router_pb2.SamplingParams()
-    shape = _logprobs(body, chat, s)
-    for name in ("temperature", "top_p"):
-        v = _number(body, name, float)
-        if v is not None:
-            setattr(s, name, v)
-    top_k = _number(body, "top_k", int)
-    if top_k is not None and top_k != -1:            # vLLM's -1 means off, as Baton's 0
-        if top_k < 0:
-            raise HTTPError(400, f"top_k must be >= 0 (or -1: off), got {top_k}", param="top_k")
-        s.top_k = top_k
-    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    for name in names:
-        v = _number(body, name, int)
-        if v is not None:
-            if v == 0 and shape.echo:                  # as vLLM: the prompt (and its logprobs) alone
-                shape.echo_only, v = True, 1
-            if v < 1:
-                raise HTTPError(400, f"{name} must be >= 1 (0 only with echo), got {v}", param=name)
-            s.max_tokens = min(v, 2**32 - 1)
-            break
-    else:
-        if not chat:
-            s.max_tokens = 16                       # OpenAI's default for /v1/completions
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None:
-        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
-            raise HTTPError(400, "stop must be a string or a list of strings", param="stop")
-        s.stop.extend(stop)
-    ids = body.get("stop_token_ids") or []
-    if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
-        raise HTTPError(400, "stop_token_ids must be a list of token ids", param="stop_token_ids")
-    s.stop_token_ids.extend(ids)
-    seed = _number(body, "seed", int)
-    if seed is not None:
-        s.seed = seed % 2**64                       # OpenAI allows negative seeds
-    ignore = body.get("ignore_eos", False)
-    if not isinstance(ignore, bool):
-        raise HTTPError(400, "ignore_eos must be true or false", param="ignore_eos")
-    s.ignore_eos = ignore
-    _processing(body, s)
-    return s, shape
-
-
-def _logprobs(body: dict, chat: bool, s: router_pb2.SamplingParams) -> Shape:
-    """completions: logprobs=N, echo; chat: logprobs, top_logprobs."""
-    shape = Shape()
-    if chat:
-        wanted = body.get("logprobs")
-        if wanted not in (None, True, False):
-            raise HTTPError(400, "logprobs must be true or false", param="logprobs")
-        top = _number(body, "top_logprobs", int, lo=0)
-        if top is not None and not wanted:
-            raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if wanted:
-            shape.logprobs = True
-            s.logprobs = min(top or 0, 2**31)
-        return shape
-    n = _number(body, "logprobs", int, lo=0)
-    echo = body.get("echo")
-    if echo not in (None, True, False):
-        raise HTTPError(400, "echo must be true or false", param="echo")
-    shape.echo = bool(echo)
-    if n is not None:
-        shape.logprobs = True
-        s.logprobs = min(n, 2**31)
-        if shape.echo:
-            s.prompt_logprobs = s.logprobs
-    return shape
-
-
-def _processing(body: dict, s: router_pb2.SamplingParams) -> None:
-    """Penalties, min_p, min_tokens and logit_bias (ranges: the router's validation)."""
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
-        v = _number(body, name, float)
-        if v is not None:
-            setattr(s, name, v)
-    v = _number(body, "min_tokens", int, lo=0)
-    if v is not None:
-        s.min_tokens = min(v, 2**32 - 1)
-    bias = body.get("logit_bias")
-    if bias is None:
-        return
-    if not isinstance(bias, dict):
-        raise HTTPError(400, "logit_bias must be an object of token id -> bias", param="logit_bias")
-    for key, value in bias.items():
-        try:
-            token = int(key)                          # JSON keys are strings: "1234"
-        except ValueError:
-            token = -1
-        if token < 0 or token >= 2**32 or isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise HTTPError(400, f"logit_bias: {key!r}: {value!r} is not a token id -> number", param="logit_bias")
-        s.logit_bias[token] = value
