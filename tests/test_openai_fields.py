@@ -166,3 +166,17 @@ def test_min_tokens_is_capped_by_the_context_as_max_tokens_is():
     req = router_pb2.GenerateRequest(text="x", sampling=router_pb2.SamplingParams(min_tokens=50))
     params = sampling(req, prompt_len=97, max_model_len=100, vocab_size=1000)
     assert params.max_tokens == params.min_tokens == 3
+
+
+def test_the_first_token_sampled_on_the_prefill_worker_obeys_the_same_fields(pd_cluster):
+    """The prefill worker samples token 1, the decode worker the rest: a bias holds for both, and a
+    repetition penalty that counts token 1 (handed over with the KV) changes token 2 on decode."""
+    stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(pd_cluster.router.address))
+
+    def tokens(**sampling) -> list[int]:
+        return [t for r in stub.Generate(router_pb2.GenerateRequest(text=PROMPT, sampling=router_pb2.SamplingParams(
+            temperature=0, max_tokens=4, ignore_eos=True, **sampling)), timeout=60) for t in r.token_ids]
+    assert tokens(logit_bias={1234: 100.0}) == [1234] * 4
+    # two biased tokens; once the first is out (prefill), the penalty halves its logit (~100 -> ~50) and
+    # the other (~60) wins on decode; once both are out, ~50 beats ~30 for good
+    assert tokens(logit_bias={1234: 100.0, 4321: 60.0}, repetition_penalty=2.0) == [1234, 4321, 1234, 1234]
