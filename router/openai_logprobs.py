@@ -7,6 +7,7 @@ part of a character decodes to U+FFFD, as in vLLM); `bytes` are that text's UTF-
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -20,7 +21,9 @@ class Entry:
 
 
 def entries(messages: Iterable) -> list[Entry]:
-    return [Entry(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top]) for m in messages]
+    """(A NaN logprob, a record the worker could not make, becomes None: JSON has no NaN.)"""
+    return [Entry(m.token_id, None if math.isnan(m.logprob) else m.logprob, [(t.token_id, t.logprob) for t in m.top])
+            for m in messages]
 
 
 def prompt_entries(first_token: int, messages: Iterable) -> list[Entry]:
@@ -59,5 +62,7 @@ def chat_logprobs(items: list[Entry], text_of: TokenTexts) -> dict:
     def one(token_id: int, logprob: float) -> dict:
         text = text_of(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top or []]}
+    # chat's logprob is never null: OpenAI's own "too unlikely to tell" is -9999
+    return {"content": [{**one(e.token_id, -9999.0 if e.logprob is None else e.logprob),
+                         "top_logprobs": [one(t, v) for t, v in e.top or []]}
                         for e in items]}
