@@ -27,7 +27,7 @@ from baton.kvtransfer.factory import make_receivers
 from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.kvtransfer.receiver import PendingTransfers
 from baton.models.multimodal import ImageInput
-from baton.serving.core_protocol import encode_error
+from baton.serving.core_protocol import encode_error, logprobs_of
 from baton.serving.engine_core import EngineCore
 from baton.serving.grpc_server import Server, ServiceError
 from baton.serving.processes import reachable_host
@@ -179,7 +179,7 @@ class DecodeCore(EngineCore):
         r = self.reservations.pop(rid, None)        # a reserved request's first output: its join
         handover = self._handover(r) if r is not None else 0.0
         error = encode_error(self.failure(out)) if out.error else None
-        return rid, out.new_token_ids, out.finish_reason, out.cached_tokens, error, handover
+        return rid, out.new_token_ids, out.finish_reason, out.cached_tokens, error, handover, *logprobs_of(out)
 
     def failure(self, out: RequestOutput) -> Exception:
         return ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV handover failed: {out.error}")

@@ -72,8 +72,8 @@ class BlockManager:
         number of cached tokens (a multiple of block_size).
         """
         assert not seq.block_table, "prefix matching is for sequences without blocks"
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0                    # (prompt logprobs need every prompt position's logits)
         parent: int | None = None
         usable = (seq.num_tokens - 1) // self.block_size
         for i in range(usable):

@@ -24,3 +24,6 @@ class ModelLimits:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         params.validate(self.vocab_size)
+        if params.prior_output_tokens >= len(token_ids):
+            raise ValueError(f"prior_output_tokens ({params.prior_output_tokens}) must be less than the prompt's "
+                             f"{len(token_ids)} tokens")

@@ -97,6 +97,10 @@ class LLM:
                 r = results[out.request_id]
                 r.token_ids += out.new_token_ids
                 r.text += out.new_text
+                if out.logprobs is not None:
+                    r.logprobs = (r.logprobs or []) + out.logprobs
+                if out.prompt_logprobs is not None:
+                    r.prompt_logprobs = out.prompt_logprobs
                 r.cached_tokens = out.cached_tokens
                 if out.finished:
                     r.finish_reason = out.finish_reason

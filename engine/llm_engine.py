@@ -20,6 +20,8 @@ from baton.engine.block_manager import BlockManager
 from baton.engine.config import EngineConfig
 from baton.engine.kv_handoff import KVHandoff, KVPiece, KVState, KVTicket
 from baton.engine.limits import ModelLimits
+from baton.engine.logprobs import decode as decode_logprobs
+from baton.engine.logprobs import encode as encode_logprobs
 from baton.engine.model_runner import LaunchedStep, ModelRunner
 from baton.engine.multimodal import POSITION_OFFSET_META, MultimodalPrompt
 from baton.engine.output_processor import RequestOutput, RequestState
@@ -72,6 +74,7 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_token_ids(self.source, self.tokenizer)
+        self.runner.eos_token_ids = list(self.eos_token_ids)
         self.sampling_defaults = sampling_defaults(self.source.generation_config(self.config.generation_config))
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
@@ -271,6 +274,8 @@ class LLMEngine:
         if any(item.draft for item in launched.out.scheduled):
             return self._resolve_verified(launched)
         sampled = launched.tokens()
+        if launched.step_logprobs is not None:
+            _record_logprobs(launched, sampled)
         failed = self._hand_off_kv(launched.out, sampled)   # before resolve frees a finished prefill's blocks
         self.scheduler.resolve(launched.out, launched.slots, sampled)
         outputs = [self._emit(item.seq.request_id) for item, token in zip(launched.out.scheduled, sampled, strict=True)
@@ -328,6 +333,7 @@ class LLMEngine:
             meta = {"prefill_done_unix": repr(time.time()), "cached_tokens": str(seq.num_cached_tokens)}
             if seq.mm is not None and seq.mm.position_offset:      # generated tokens' rotary shift
                 meta[POSITION_OFFSET_META] = str(seq.mm.position_offset)
+            meta.update(_logprobs_meta(seq))
         self.handoff.on_prompt_kv(KVPiece(seq.request_id, first, final - first, data, ready, token, meta))
         state = KVState.PREFILLED if token is not None else KVState.PREFILLING
         if ticket.state is not state:           # (pieces after the first leave it PREFILLING)
@@ -357,6 +363,7 @@ class LLMEngine:
             seq.mm = MultimodalPrompt.remote(seq.token_ids, self.placeholders.image_token_id,
                                              int(ticket.meta.get(POSITION_OFFSET_META) or 0))
         seq.append_token(ticket.first_token)
+        _join_logprobs(seq, ticket.meta)
         self.block_manager.register_full_blocks(seq)
         ticket.joined_at = time.time()
         ticket.advance(KVState.JOINED)
@@ -385,3 +392,41 @@ class LLMEngine:
             if ticket is not None and ticket.state is KVState.JOINED:
                 ticket.advance(KVState.FINISHED)
         return result
+
+
+# -- logprobs (engine/logprobs.py) ----------------------------------------------------------------
+FIRST_LOGPROBS_META, PROMPT_LOGPROBS_META = "first_logprobs", "prompt_logprobs"
+
+
+def _record_logprobs(launched: LaunchedStep, sampled: list[int | None]) -> None:
+    """Keep the step's logprob records on their sequences, by token index."""
+    scheduled = launched.out.scheduled
+    for item, entry in enumerate(launched.token_logprobs(sampled)):
+        slot = launched.slots[item]
+        if entry is not None and slot is not None:
+            seq = scheduled[item].seq
+            seq.logprobs = seq.logprobs or {}
+            seq.logprobs[slot] = entry
+    for item, first, entries in launched.prompt_logprobs():
+        seq = scheduled[item].seq
+        seq.prompt_logprobs = seq.prompt_logprobs or {}
+        seq.prompt_logprobs.update(enumerate(entries, first))
+
+
+def _logprobs_meta(seq: Sequence) -> dict[str, str]:
+    """Prefill side: the first token's and the prompt's records go with the KV hand-off."""
+    meta = {}
+    if seq.params.logprobs is not None:
+        meta[FIRST_LOGPROBS_META] = encode_logprobs([(seq.logprobs or {}).get(seq.num_prompt_tokens)])
+    if seq.params.prompt_logprobs is not None:
+        records = seq.prompt_logprobs or {}
+        meta[PROMPT_LOGPROBS_META] = encode_logprobs([records.get(i) for i in range(seq.num_prompt_tokens)])
+    return meta
+
+
+def _join_logprobs(seq: Sequence, meta: dict[str, str]) -> None:
+    """Decode side: the records that came with the KV."""
+    if FIRST_LOGPROBS_META in meta:
+        seq.logprobs = {seq.num_prompt_tokens: decode_logprobs(meta[FIRST_LOGPROBS_META])[0]}
+    if PROMPT_LOGPROBS_META in meta:
+        seq.prompt_logprobs = dict(enumerate(decode_logprobs(meta[PROMPT_LOGPROBS_META])))

@@ -14,6 +14,23 @@ import torch
 
 from baton.engine.config import EngineConfig
 from baton.engine.kv_blocks import pack_blocks_on_device, unpack_blocks
+from baton.engine.logits_processing import (
+    LogitsProcessing,
+    ProcessingInputs,
+    apply_logits_processing,
+    host_inputs,
+    to_device,
+)
+from baton.engine.logprobs import TokenLogprob
+from baton.engine.logprobs_device import (
+    PromptLogprobRows,
+    StepLogprobs,
+    log_softmax,
+    prompt_to_host,
+    sampled_logprobs,
+    to_host,
+)
+from baton.engine.logprobs_device import prompt as prompt_logprobs
 from baton.engine.multimodal import step_positions
 from baton.engine.platforms import Platform, get_platform
 from baton.engine.sampler import Sampler, SamplingBatch
@@ -68,6 +85,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.model.num_layers)]
         self.scale = self.model.head_dim ** -0.5
         self.sampler = Sampler(self.platform.fused_sample, per_row=config.deterministic)
+        self.eos_token_ids: list[int] = []     # min_tokens masks them (the engine sets them)
         self.upload = HostUpload(self.device)
         self._token_buffers: list[torch.Tensor | None] = [None, None]   # pinned copies of sampled tokens
         self._turn = 0
@@ -219,7 +237,7 @@ class ModelRunner:
         sampled = self.run(inputs, prev.device_tokens if prev is not None else None)
         host, event = self._copy_back(sampled)
         return LaunchedStep(out, inputs.sample_items.tolist(), [item.seq.seq_id for item in out.scheduled], sampled,
-                            host, event)
+                            host, event, step_logprobs=inputs.logprobs_dev, wanted_logprobs=inputs.wanted_logprobs)
 
     def _copy_back(self, sampled: torch.Tensor | None):
         """A host copy of the sampled tokens, under way (pinned buffers alternate: a step's copy is
@@ -263,9 +281,19 @@ class ModelRunner:
             rows = inputs.rows.tolist()
             picked = hidden[last[rows]] if len(rows) < len(last) else hidden[last]
         logits = self.model.compute_logits(picked)
+        step_lp = StepLogprobs() if inputs.num_logprobs >= 0 or inputs.prompt_logprob_rows else None
+        if inputs.prompt_logprob_rows:                 # (every rank: the LM head may gather across them)
+            prompt_logprobs(hidden, self.model.compute_logits, inputs.prompt_logprob_rows, step_lp)
         if self.tp_rank != 0:                          # the LM head's gather was the last collective
             return None
-        return self.sampler(logits, sampling)
+        raw = log_softmax(logits) if inputs.num_logprobs >= 0 else None     # of the raw logits, as vLLM
+        if inputs.processing_dev is not None:          # penalties, biases, min_tokens, min_p
+            logits = apply_logits_processing(logits, inputs.processing_dev, sampling.temperatures, input_ids)
+        sampled = self.sampler(logits, sampling)
+        if raw is not None:
+            sampled_logprobs(raw, sampled, inputs.num_logprobs, step_lp)
+        inputs.logprobs_dev = step_lp
+        return sampled
 
     def step_inputs(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         """The step's inputs as small numpy arrays: what the device needs, and what rank 0
@@ -311,6 +339,7 @@ class ModelRunner:
             rows = np.repeat(rows, per_row)
         seqs = [items[r].seq for r in rows.tolist()]
         params = [q.params for q in seqs]
+        wanted = [p.logprobs for p in params]
         return StepInputs(
             is_decode=out.is_decode, input_ids=ids, positions=positions, slots=slots,
             query_starts=starts, seq_lens=ends.astype(np.int32), block_tables=tables,
@@ -325,13 +354,18 @@ class ModelRunner:
             sample_positions=np.array(sample_positions, np.int64),
             pending_dst=pending_dst.astype(np.int64), pending_src=pending_src,
             mrope_positions=mrope, image_chunks=image_chunks, logit_rows=logit_rows,
+            processing=host_inputs(seqs, [int(starts[r] - begins[r]) for r in rows.tolist()], self.eos_token_ids),
+            num_logprobs=max((n for n in wanted if n is not None), default=-1), wanted_logprobs=wanted,
+            prompt_logprob_rows=None if out.is_decode else _prompt_logprob_rows(items, order, begins, ends, starts),
         )
 
     def _all_verifying(self, out: SchedulerOutput) -> bool:
-        """A step of decodes only, some with guesses, no token pending, few enough for the graphs."""
+        """A step of decodes only, some with guesses, no token pending, few enough for the graphs, none
+        with penalties or logprobs (the generic path serves those)."""
         q = 1 + self.pad_guesses_to
         return (any(item.draft for item in out.scheduled) and len(out.scheduled) <= self.verify_max_bs
-                and all(item.num_new_tokens == 1 + len(item.draft) and not item.seq.num_pending_tokens
+                and all(not item.seq.params.processes_logits and item.seq.params.logprobs is None
+                        and item.num_new_tokens == 1 + len(item.draft) and not item.seq.num_pending_tokens
                         and item.seq.num_computed_tokens == item.seq.num_tokens - 1
                         and item.seq.num_tokens - 1 + q <= self.max_model_len for item in out.scheduled))
 
@@ -378,10 +412,12 @@ class ModelRunner:
 
     def _device_inputs(self, h: StepInputs) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor, SamplingBatch]:
         """Everything to the device in one copy (HostUpload)."""
+        extra = h.processing.arrays() if h.processing is not None else ()
         (ids, pos, slots, starts, lens, tables, temperatures, top_ks, top_ps, seeds, has_seed, sample_pos,
-         h.pending_dst_dev, h.pending_src_dev) = self.upload(
+         h.pending_dst_dev, h.pending_src_dev, *processing) = self.upload(
             h.input_ids, h.positions, h.slots, h.query_starts, h.seq_lens, h.block_tables, h.temperatures, h.top_ks,
-            h.top_ps, h.seeds, h.has_seed, h.sample_positions, h.pending_dst, h.pending_src)
+            h.top_ps, h.seeds, h.has_seed, h.sample_positions, h.pending_dst, h.pending_src, *extra)
+        h.processing_dev = to_device(processing) if processing else None
         seq_lens = h.seq_lens.tolist()
         meta = AttnMetadata(
             is_decode=h.is_decode, slot_mapping=slots, query_start_loc=starts, seq_lens=lens, block_tables=tables,
@@ -428,6 +464,12 @@ class StepInputs:
     logit_rows: np.ndarray | None = None             # [N] int64: input token of each sampled row, when some
     #                                                  sequence samples several (guesses); else each row's last
     uniform_query_len: int = 0                       # every sequence has this many rows (a verify graph's shape)
+    processing: ProcessingInputs | None = None       # penalties / biases / masks of the sampling rows, if any
+    processing_dev: LogitsProcessing | None = None   # (their device copies, set on upload)
+    num_logprobs: int = -1                           # the most top logprobs a sampling row asked for (-1: none)
+    wanted_logprobs: list | None = None              # [N]: each sampling row's own (None: none)
+    prompt_logprob_rows: list | None = None          # [PromptLogprobRows] of the prompt chunks to score
+    logprobs_dev: StepLogprobs | None = None         # (the device results, set by run)
 
 
 @dataclass(slots=True)
@@ -442,6 +484,22 @@ class LaunchedStep:
     host_tokens: torch.Tensor | None
     event: object
     slots: list[int | None] | None = None
+    step_logprobs: StepLogprobs | None = None
+    wanted_logprobs: list | None = None
+
+    def token_logprobs(self, tokens: list[int | None]) -> list[TokenLogprob | None]:
+        """Each scheduled item's sampled token's record (None: none asked); after `tokens()`."""
+        result: list[TokenLogprob | None] = [None] * len(self.out.scheduled)
+        if self.step_logprobs is None or self.step_logprobs.chosen is None:
+            return result
+        drawn = [tokens[item] for item in self.rows]
+        for item, entry in zip(self.rows, to_host(self.step_logprobs, drawn, self.wanted_logprobs), strict=True):
+            result[item] = entry
+        return result
+
+    def prompt_logprobs(self) -> list[tuple[int, int, list[TokenLogprob]]]:
+        """[(scheduled item, token index of the first, records)] of the prompt tokens this step scored."""
+        return prompt_to_host(self.step_logprobs) if self.step_logprobs is not None else []
 
     def row_of(self) -> dict[int, int]:
         """seq_id -> its row among the sampled tokens."""
@@ -528,6 +586,22 @@ def _rows_in(prev: LaunchedStep | None, seq_ids: list[int]) -> np.ndarray:
         raise RuntimeError("a scheduled token is still pending but no step in flight sampled it")
     where = prev.row_of()
     return np.array([where[s] for s in seq_ids], np.int64)
+
+
+def _prompt_logprob_rows(items, order, begins, ends, starts) -> list[PromptLogprobRows]:
+    """The prompt chunks of this step whose sequences asked for prompt logprobs: each position
+    scores the prompt's next token (the last prompt position scores none: its token is sampled)."""
+    rows = []
+    for i, item in enumerate(items):
+        seq = item.seq
+        n = seq.params.prompt_logprobs
+        end = min(int(ends[i]), seq.num_prompt_tokens - 1)
+        if n is None or end <= begins[i]:
+            continue
+        count = end - int(begins[i])
+        rows.append(PromptLogprobRows(order[i], np.arange(starts[i], starts[i] + count, dtype=np.int64),
+                                      np.asarray(seq.token_ids[begins[i] + 1:end + 1], np.int64), int(begins[i]) + 1, n))
+    return rows
 
 
 def _signed64(x: int) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from baton.engine.detokenizer import make_detokenizer
+from baton.engine.logprobs import TokenLogprob
 from baton.engine.sequence import FinishReason, Sequence
 
 
@@ -22,6 +23,8 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None              # set when the request ended by a failure, not by itself
+    logprobs: list[TokenLogprob | None] | None = None         # of new_token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # of the prompt (first: None), in the first output
 
 
 @dataclass(slots=True)
@@ -33,6 +36,8 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob | None] | None = None         # of token_ids (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # of prompt_token_ids (prompt_logprobs)
 
 
 class TextStream:
@@ -40,11 +45,15 @@ class TextStream:
     last take. Whole characters only; stop strings are cut from the text (`stopped` says one
     matched: the token just added completed it), and while the request runs, a tail that could
     still become a stop string is held back. The engine, the worker's front and the router (after
-    a migration) all stream text through this one class."""
+    a migration) all stream text through this one class. As in vLLM, no stop string ends the
+    text before `min_tokens` tokens."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], min_tokens: int = 0):
         self.detok = make_detokenizer(tokenizer, prompt_token_ids)
         self.stops = list(stop)
+        self.min_tokens = min_tokens
+        self.added = 0
+        self.floor = 0                      # a stop string must end past the text of the first min_tokens - 1
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.sent_chars = 0
         self.stopped = False
@@ -57,7 +66,10 @@ class TextStream:
         """Feed one token; True once a stop string ended the text (later tokens change nothing)."""
         if not self.stopped:
             self.detok.add(token_id)
-            if self.stops:
+            self.added += 1
+            if self.added < self.min_tokens:
+                self.floor = len(self.detok.text)
+            elif self.stops:
                 self._cut_at_stop()
         return self.stopped
 
@@ -66,7 +78,7 @@ class TextStream:
         back (an incomplete character is flushed, and may still complete a stop string)."""
         if finished and not self.stopped:
             self.detok.flush()
-            if self.stops:
+            if self.stops and self.added >= self.min_tokens:
                 self._cut_at_stop()
         text = self.detok.text
         end = len(text) if finished or self.stopped else max(self.sent_chars, len(text) - self.holdback)
@@ -77,7 +89,7 @@ class TextStream:
     def _cut_at_stop(self) -> None:
         text = self.detok.text
         start = max(0, self.sent_chars - self.holdback - 1)
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        hits = [i for i in (text.find(s, max(start, self.floor - len(s) + 1)) for s in self.stops) if i >= 0]
         if hits:
             self.detok.text = text[:min(hits)]
             self.stopped = True
@@ -88,8 +100,8 @@ class RequestState:
 
     def __init__(self, seq: Sequence, tokenizer):
         self.seq = seq
-        self.text = TextStream(tokenizer, seq.token_ids[:seq.num_prompt_tokens], seq.params.stop) \
-            if tokenizer is not None else None
+        self.text = TextStream(tokenizer, seq.token_ids[:seq.num_prompt_tokens], seq.params.stop,
+                               seq.params.min_tokens) if tokenizer is not None else None
         self.emitted_tokens = 0
 
     @property
@@ -101,7 +113,7 @@ class RequestState:
         seq = self.seq
         completion = seq.completion_token_ids
         new_ids = completion[self.emitted_tokens:]
-        self.emitted_tokens = len(completion)
+        first, self.emitted_tokens = self.emitted_tokens, len(completion)
         finished = seq.is_finished
         delta = ""
         if self.text is not None:
@@ -123,4 +135,13 @@ class RequestState:
             finish_reason=reason.value if finished and reason else None,
             prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_completion_tokens,
             cached_tokens=seq.num_cached_tokens,
+            logprobs=_entries(seq.logprobs, seq.num_prompt_tokens + first, len(new_ids))
+            if seq.params.logprobs is not None else None,
+            prompt_logprobs=_entries(seq.prompt_logprobs, 0, seq.num_prompt_tokens)
+            if seq.params.prompt_logprobs is not None and first == 0 and (new_ids or finished) else None,
         )
+
+
+def _entries(records: dict | None, start: int, count: int) -> list[TokenLogprob | None]:
+    records = records or {}
+    return [records.get(i) for i in range(start, start + count)]

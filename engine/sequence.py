@@ -36,7 +36,8 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "num_cached_tokens", "block_table", "status", "params", "finish_reason", "max_model_len",
         "arrival", "num_preemptions", "sampling_seed", "num_hashed_blocks", "kv_ticket",
-        "num_blocks_handed_off", "num_pending_tokens", "mm", "draft",
+        "num_blocks_handed_off", "num_pending_tokens", "mm", "logprobs", "prompt_logprobs",
+        "prompt_token_set", "draft",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -61,6 +62,9 @@ class Sequence:
         self.num_pending_tokens = 0         # trailing PENDING tokens (asynchronous scheduling)
         self.mm = None                      # MultimodalPrompt (engine/multimodal.py) of a prompt with images
         self.draft: list[int] = []          # guesses of its next tokens for this step (engine/speculative.py)
+        self.logprobs = None                # {token index: TokenLogprob} of sampled tokens (params.logprobs)
+        self.prompt_logprobs = None         # {token index: TokenLogprob} of prompt tokens (params.prompt_logprobs)
+        self.prompt_token_set = None        # the prompt's distinct tokens, once a repetition penalty needs them
 
     def __len__(self) -> int:
         return len(self.token_ids)

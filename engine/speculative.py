@@ -97,7 +97,11 @@ class Speculator:
         """Set each decoding sequence's `draft` (cleared for the others)."""
         for seq in running:
             seq.draft = []
-            if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens or not seq.params.speculative \
+            p = seq.params
+            # penalties count the tokens before each row and logprobs are per sampled token: such
+            # requests decode one token a step (their rows would need the guesses counted in)
+            if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens or not p.speculative \
+                    or p.processes_logits or p.logprobs is not None \
                     or seq.kv_ticket is not None and seq.kv_ticket.side == "prefill":
                 continue
             # room left: max_tokens and the context both cap the tokens a step may add (guesses + 1)

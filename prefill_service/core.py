@@ -141,8 +141,9 @@ class PrefillCore(EngineCore):
         """Run the prompt (and its images: the vision encoder runs here) with its KV handed off
         (one token here; the decode worker continues with the request's own limits); returns the
         output carrying the first token, and the request's KV ticket."""
-        queue, ticket = await self.engine.add(rid, prompt, replace(params, max_tokens=1, stop=[]), images=images,
-                                               hand_off_kv=True)
+        # (min_tokens: the first token is masked alike, whatever it is past 1)
+        here = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=[])
+        queue, ticket = await self.engine.add(rid, prompt, here, images=images, hand_off_kv=True)
         try:
             out = await queue.get()
         finally:

@@ -36,6 +36,7 @@ class Ledger:
         self.sent_chars = 0             # length of the text sent to the client
         self.detok = None                # the router's own text, once migrated
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.floor = 0                  # (min_tokens: a stop string must end past this much text)
 
     @property
     def migrated(self) -> bool:
@@ -50,7 +51,9 @@ class Ledger:
         """The prompt and sampling to send to the next worker."""
         if not self.tokens:
             return self.prompt, self.params
-        return self.prompt + self.tokens, replace(self.params, max_tokens=self.budget)
+        return self.prompt + self.tokens, replace(self.params, max_tokens=self.budget, prompt_logprobs=None,
+                                                  min_tokens=max(0, self.params.min_tokens - len(self.tokens)),
+                                                  prior_output_tokens=self.params.prior_output_tokens + len(self.tokens))
 
     def why_not(self) -> str | None:
         """None if the stream may migrate once more, else why not."""
@@ -67,6 +70,8 @@ class Ledger:
             self.detok = make_detokenizer(self.tokenizer, self.prompt)
             for t in self.tokens:
                 self.detok.add(t)
+            if len(self.tokens) < self.params.min_tokens:
+                self.floor = len(self.detok.text)
 
     def out_of_budget(self, rid: str) -> router_pb2.GenerateResponse | None:
         """The last chunk, when the dead worker had sent every token but not the finish."""
@@ -75,7 +80,16 @@ class Ledger:
         return self._last(rid, [], router_pb2.FINISH_REASON_LENGTH, None)
 
     def relay(self, rid: str, chunk) -> router_pb2.GenerateResponse:
-        """One worker chunk -> the client's chunk (with the text made here once migrated)."""
+        """One worker chunk -> the client's chunk (with the text made here once migrated), and
+        its tokens' logprobs (the prompt's: sent by the first worker only)."""
+        resp = self._relay(rid, chunk)
+        if chunk.logprobs:
+            resp.logprobs.extend(chunk.logprobs[:len(resp.token_ids)])
+        if chunk.prompt_logprobs:
+            resp.prompt_logprobs.extend(chunk.prompt_logprobs)
+        return resp
+
+    def _relay(self, rid: str, chunk) -> router_pb2.GenerateResponse:
         ids = list(chunk.token_ids)
         usage = chunk.usage if chunk.HasField("usage") else None
         if self.detok is None:
@@ -85,7 +99,7 @@ class Ledger:
                                                finish_reason=chunk.finish_reason, usage=self._usage(usage))
         for i, t in enumerate(ids):
             self.detok.add(t)
-            if self._cut_at_stop():
+            if self._cut_at_stop(len(self.tokens) + i + 1):
                 return self._last(rid, ids[:i + 1], router_pb2.FINISH_REASON_STOP, usage, stopped=True)
         if chunk.finish_reason != FINISHED:
             return self._last(rid, ids, chunk.finish_reason, usage)
@@ -101,20 +115,23 @@ class Ledger:
         if self.detok is not None:
             if not stopped:
                 self.detok.flush()
-                if self._cut_at_stop():
+                if self._cut_at_stop(len(self.tokens)):
                     reason = router_pb2.FINISH_REASON_STOP
             text = self.detok.text[self.sent_chars:]
         self.sent_chars += len(text)
         return router_pb2.GenerateResponse(request_id=rid, token_ids=ids, text=text, finish_reason=reason,
                                            usage=self._usage(usage, always=True))
 
-    def _cut_at_stop(self) -> bool:
+    def _cut_at_stop(self, count: int) -> bool:
         """Cut the text at the first stop string that ends in it (searching across the seam)."""
         if not self.params.stop:
             return False
         text = self.detok.text
+        if count < self.params.min_tokens:          # as TextStream: none ends before min_tokens
+            self.floor = len(text)
+            return False
         start = max(0, self.sent_chars - self.holdback - 1)
-        hits = [i for i in (text.find(s, start) for s in self.params.stop) if i >= 0]
+        hits = [i for i in (text.find(s, max(start, self.floor - len(s) + 1)) for s in self.params.stop) if i >= 0]
         if not hits:
             return False
         self.detok.text = text[:min(hits)]

@@ -16,17 +16,30 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import ssl
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from baton.engine.tokenizer import encode_text
 from baton.models.multimodal import decode_data_url
 from baton.router.config import RouterConfig
+from baton.router.openai_errors import HTTPError, from_service_error
+from baton.router.openai_fields import HONOURED, refusal
+from baton.router.openai_logprobs import (
+    Entry,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    entries,
+    prompt_entries,
+)
+from baton.router.openai_sampling import MAX_N, Shape, choice_request, number
+from baton.router.openai_sampling import sampling as request_sampling
 from baton.serving.grpc_server import PortInUse, ServiceError
 from baton.v1 import router_pb2
 
@@ -34,45 +47,28 @@ log = logging.getLogger("baton.router.http")
 
 FINISH = {router_pb2.FINISH_REASON_STOP: "stop", router_pb2.FINISH_REASON_LENGTH: "length",
           router_pb2.FINISH_REASON_ABORT: "abort"}
-# gRPC status -> (HTTP status, OpenAI error type)
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-}
-# fields we take; fields we refuse when set to anything but their no-op value
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-               "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "suffix": (None, ""),
-               "functions": (None, []), "audio": (None,), "prediction": (None,)}
 
 
 OPEN_PATHS = ("/health", "/metrics")     # answered without a bearer token
 
 
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code, self.retry_after = status, kind, param, code, retry_after
+@dataclass(slots=True)
+class Result:
+    """One choice's whole answer."""
+    text: str = ""
+    reason: str | None = None
+    usage: router_pb2.Usage = field(default_factory=router_pb2.Usage)
+    logprobs: list[Entry] = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)     # TokenLogprob messages
 
-    def response(self) -> web.Response:
-        headers = {}
-        if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
-        return web.json_response(self.body(), status=self.status, headers=headers)
 
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
-                          "code": self.code or self.status}}
+@dataclass(slots=True)
+class Choice:
+    """One choice of a request (n of them per prompt), each its own GenerateRequest."""
+    index: int
+    req: router_pb2.GenerateRequest
+    gate: asyncio.Event             # set once the prompt's first choice has its first token
+    first: bool                     # the prompt's first choice
 
 
 def _roles(registry) -> dict[str, int]:
@@ -86,11 +82,6 @@ def _roles(registry) -> dict[str, int]:
 def _no_worker_reason(registry) -> str:
     missing = [f"{role} (0 of {n} healthy)" for role, n in _roles(registry).items() if not registry.healthy(role)]
     return f"no healthy worker: {', '.join(missing) or 'none configured'}"
-
-
-def from_service_error(exc: ServiceError) -> HTTPError:
-    status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
-    return HTTPError(status, str(exc), kind, retry_after=exc.retry_after)
 
 
 class HttpContext:
@@ -119,6 +110,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
         self.address = ""
+        self._texts: TokenTexts | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -177,7 +169,7 @@ class OpenAIServer:
         except ServiceError as exc:
             return from_service_error(exc).response()
         except ValueError as exc:           # the router's validation, exactly as for gRPC
-            return HTTPError(400, str(exc)).response()
+            return HTTPError(400, str(exc), param=_field_named(str(exc))).response()
         except web.HTTPException as exc:    # aiohttp's own (404 path, 405 method, 413 size)
             return HTTPError(exc.status, exc.reason or "error", "invalid_request_error").response()
 
@@ -218,7 +210,7 @@ class OpenAIServer:
              "max_model_len": self.svc.max_model_len} for name in self.names]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _json(request)
+        body = await _json(request, "completions")
         prompts = body.get("prompt")
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -238,7 +230,7 @@ class OpenAIServer:
         return await self._serve(request, body, reqs, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await _json(request)
+        body = await _json(request, "chat")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise HTTPError(400, "messages must be a non-empty list of {role, content}", param="messages")
@@ -257,103 +249,200 @@ class OpenAIServer:
         return await self._serve(request, body, [req], chat=True)
 
     # -- the shared path ----------------------------------------------------------------------
-    async def _serve(self, request, body: dict, reqs: list, chat: bool) -> web.StreamResponse:
+    async def _serve(self, request, body: dict, prompts: list, chat: bool) -> web.StreamResponse:
         model = self._model(body)
-        sampling = _sampling(body, chat)
-        for req in reqs:
-            req.sampling.CopyFrom(sampling)
+        sampling, shape = request_sampling(body, chat)
+        n = number(body, "n", int, lo=1) or 1
+        if n > MAX_N:
+            raise HTTPError(400, f"n must be at most {MAX_N}, got {n}", param="n")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise HTTPError(400, "stream must be true or false", param="stream")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        reqs = [choice_request(p, sampling, j) for p in prompts for j in range(n)]       # OpenAI's order of choices
+        many = len(reqs) > 1
+        for i, req in enumerate(reqs):
+            req.request_id = f"{rid}-{i}" if many else rid
+        # a prompt's first choice runs alone until its first token: the others find its KV in the prefix cache
+        gates = [asyncio.Event() for _ in prompts]
+        choices = [Choice(i, req, gates[i // n], first=i % n == 0) for i, req in enumerate(reqs)]
         if stream:
-            if len(reqs) != 1:
+            if len(prompts) != 1:
                 raise HTTPError(400, "streaming takes one prompt per request", param="prompt")
             options = body.get("stream_options") or {}
             if not isinstance(options, dict):
                 raise HTTPError(400, "stream_options must be an object", param="stream_options")
-            return await self._stream(request, reqs[0], rid, model, chat, bool(options.get("include_usage")))
-        results = await asyncio.gather(*(self._whole(request, r, f"{rid}-{i}" if len(reqs) > 1 else rid)
-                                         for i, r in enumerate(reqs)))
+            return await self._stream(request, choices, rid, model, chat, shape, bool(options.get("include_usage")))
+        results = await _all(self._whole(request, c) for c in choices)
         created = int(time.time())
-        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        out, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         cached = 0
-        for i, (text, reason, u) in enumerate(results):
+        for c, result in zip(choices, results, strict=True):
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "finish_reason": reason, "logprobs": None})
+                out.append({"index": c.index, "message": {"role": "assistant", "content": result.text},
+                            "finish_reason": result.reason,
+                            "logprobs": chat_logprobs(result.logprobs, self.texts) if shape.logprobs else None})
             else:
-                choices.append({"index": i, "text": text, "finish_reason": reason, "logprobs": None})
-            usage["prompt_tokens"] += u.prompt_tokens
-            usage["completion_tokens"] += u.completion_tokens
-            cached += u.cached_prompt_tokens
+                out.append(self._completion_choice(c.index, c.req, result, shape))
+            u = result.usage
+            if c.first:                                # a prompt counts once, however many choices
+                usage["prompt_tokens"] += u.prompt_tokens
+                cached += u.cached_prompt_tokens
+            usage["completion_tokens"] += 0 if shape.echo_only else u.completion_tokens
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                  "created": created, "model": model, "choices": choices, "usage": usage})
+                                  "created": created, "model": model, "choices": out, "usage": usage})
 
-    async def _whole(self, request, req, rid: str):
-        req.request_id = rid
-        text, reason, usage = [], None, router_pb2.Usage()
-        async for resp in self.svc.generate(req, HttpContext(request)):
+    @property
+    def texts(self) -> TokenTexts:
+        if self._texts is None:
+            self._texts = TokenTexts(self.svc.tokenizer)
+        return self._texts
+
+    def _completion_choice(self, i: int, req, result: Result, shape: Shape) -> dict:
+        text, items = result.text, result.logprobs
+        if shape.echo_only:                          # max_tokens 0: the prompt alone
+            text, items, result.reason = "", [], "length"
+        prompt = self._echo(req, result) if shape.echo else None
+        if prompt is not None:
+            text = prompt[0] + text
+            items = prompt[1] + items
+        logprobs = completion_logprobs(items, self.texts) if shape.logprobs else None
+        return {"index": i, "text": text, "finish_reason": result.reason, "logprobs": logprobs}
+
+    def _echo(self, req, result: Result) -> tuple[str, list[Entry]]:
+        """The prompt's text, and (with logprobs) its tokens' entries."""
+        ids = list(req.tokens.ids) if req.WhichOneof("input") == "tokens" else None
+        text = req.text if ids is None else self.svc.tokenizer.decode(ids, skip_special_tokens=False)
+        if not result.prompt_logprobs:
+            return text, []
+        first = ids[0] if ids is not None else encode_text(self.svc.tokenizer, req.text)[0]
+        return text, prompt_entries(first, result.prompt_logprobs)
+
+    async def _responses(self, request, c: Choice):
+        """The choice's responses; a prompt's later choices start once its first has a token."""
+        if not c.first:
+            await c.gate.wait()
+        try:
+            async for resp in self.svc.generate(c.req, HttpContext(request)):
+                c.gate.set()
+                yield resp
+        finally:
+            c.gate.set()                               # (failed or ended: the others go anyway)
+
+    async def _whole(self, request, c: Choice) -> Result:
+        result = Result()
+        text = []
+        async for resp in self._responses(request, c):
             text.append(resp.text)
+            result.logprobs += entries(resp.logprobs)
+            result.prompt_logprobs += resp.prompt_logprobs
             if resp.finish_reason:
-                reason = FINISH.get(resp.finish_reason, "stop")
-                usage = resp.usage
-        return "".join(text), reason, usage
+                result.reason = FINISH.get(resp.finish_reason, "stop")
+                result.usage = resp.usage
+        result.text = "".join(text)
+        return result
 
-    async def _stream(self, request, req, rid: str, model: str, chat: bool, include_usage: bool):
-        req.request_id = rid
+    async def _stream(self, request, choices: list[Choice], rid: str, model: str, chat: bool, shape: Shape,
+                      include_usage: bool):
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
-        gen = self.svc.generate(req, HttpContext(request))
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            try:
+                async for item in self._responses(request, c):
+                    queue.put_nowait((c, item))
+            except Exception as exc:                   # (its status goes to the client below)
+                queue.put_nowait((c, exc))
+            finally:
+                queue.put_nowait((c, None))
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
-            first = await gen.__anext__()     # errors before the first token are plain HTTP errors
-        except StopAsyncIteration:
-            first = None
+            return await self._stream_events(request, queue, choices, rid, model, kind, created, chat, shape,
+                                             include_usage)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stream_events(self, request, queue: asyncio.Queue, choices: list[Choice], rid, model, kind, created,
+                             chat: bool, shape: Shape, include_usage: bool):
+        first = await queue.get()
+        if isinstance(first[1], Exception):            # errors before the first token are plain HTTP errors
+            raise first[1]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
+        sent_chars = {c.index: 0 for c in choices}   # of a completion's text (its logprobs' text_offset)
 
         async def send(obj) -> None:
             await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
-        def chunk(text: str | None, reason: str | None, role: bool = False) -> dict:
+        def chunk(i: int, text: str | None, reason: str | None, items: list[Entry] | None = None,
+                  role: bool = False) -> dict:
+            logprobs = None
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+                if shape.logprobs and not role:
+                    logprobs = chat_logprobs(items or [], self.texts)
+                choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+                if shape.logprobs:
+                    logprobs = completion_logprobs(items or [], self.texts, sent_chars[i])
+                sent_chars[i] += len(text or "")
+                choice = {"index": i, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
             return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
 
-        usage = None
-        try:
-            if chat:
-                await send(chunk(None, None, role=True))
-            item = first
-            while item is not None:
-                reason = FINISH.get(item.finish_reason) if item.finish_reason else None
-                # new tokens whose text is held back (half a character, a possible stop string) or empty
-                # (special tokens) still make an event, with empty text: the client sees progress, as
-                # a gRPC client does, and a token's time is when it came, not when its text did
-                if item.text or item.token_ids or reason:
-                    await send(chunk(item.text if item.text or item.token_ids else None, reason))
-                if reason:
-                    usage = item.usage
+        if chat:
+            for c in choices:
+                await send(chunk(c.index, None, None, role=True))
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_prompt_tokens": 0}
+        started, open_ = set(), len(choices)
+        c, item = first
+        while True:
+            if item is None:
+                open_ -= 1
+                if not open_:
                     break
-                item = await gen.__anext__()
-        except StopAsyncIteration:
-            pass
-        except ServiceError as exc:           # after the headers: the error goes in the stream
-            await send(from_service_error(exc).body())
-        finally:
-            await gen.aclose()
-        if include_usage and usage is not None:
+            elif isinstance(item, Exception):          # after the headers: the error goes in the stream
+                error = item if isinstance(item, ServiceError) else ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT if isinstance(item, ValueError) else grpc.StatusCode.INTERNAL,
+                    str(item))
+                await send(from_service_error(error).body())
+            else:
+                if not chat and shape.echo and c.index not in started:
+                    text, items = self._echo(c.req, Result(prompt_logprobs=list(item.prompt_logprobs)))
+                    await send(chunk(c.index, text, None, items))
+                started.add(c.index)
+                await self._send_item(send, chunk, c, item, shape, usage)
+            c, item = await queue.get()
+        if include_usage and usage["prompt_tokens"]:
             await send({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
-                        "usage": _usage(usage)})
+                        "usage": _usage(router_pb2.Usage(**usage))})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    @staticmethod
+    async def _send_item(send, chunk, c: Choice, item, shape: Shape, usage: dict) -> None:
+        reason = FINISH.get(item.finish_reason) if item.finish_reason else None
+        if shape.echo_only:                            # max_tokens 0: no generated token is shown
+            item = _without_tokens(item)
+            reason = reason and "length"
+        # new tokens whose text is held back (half a character, a possible stop string) or empty
+        # (special tokens) still make an event, with empty text: the client sees progress, as
+        # a gRPC client does, and a token's time is when it came, not when its text did
+        if item.text or item.token_ids or reason:
+            await send(chunk(c.index, item.text if item.text or item.token_ids else None, reason,
+                             entries(item.logprobs)))
+        if reason:
+            u = item.usage
+            if c.first:
+                usage["prompt_tokens"] += u.prompt_tokens
+                usage["cached_prompt_tokens"] += u.cached_prompt_tokens
+            usage["completion_tokens"] += 0 if shape.echo_only else u.completion_tokens
 
     def _model(self, body: dict) -> str:
         model = body.get("model")
@@ -365,28 +454,50 @@ class OpenAIServer:
         return model
 
 
+def _field_named(message: str) -> str | None:
+    """The request field a validation message starts with ("min_p must be in [0, 1]..."), if any."""
+    word = message.split(" ", 1)[0].rstrip(":")
+    return word if word in HONOURED["completions"] | HONOURED["chat"] else None
+
+
+async def _all(coroutines) -> list:
+    """Their results, in order; the first failure cancels the others (each frees its blocks)."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _without_tokens(item):
+    """A response with its generated tokens taken out (echo with max_tokens 0)."""
+    out = router_pb2.GenerateResponse()
+    out.CopyFrom(item)
+    del out.token_ids[:]
+    del out.logprobs[:]
+    out.text = ""
+    return out
+
+
 def _usage(u) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
 
 
-async def _json(request: web.Request) -> dict:
+async def _json(request: web.Request, endpoint: str) -> dict:
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise HTTPError(400, "the body is not valid JSON") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "the body must be a JSON object")
-    for name, noop in UNSUPPORTED.items():
-        if name in body and body[name] not in noop:
-            raise HTTPError(400, f"{name} is not supported by Baton yet; leave it unset", param=name)
-    n = body.get("n", 1)
-    if n not in (None, 1):
-        raise HTTPError(400, "only n=1 is supported; send several requests for several choices", param="n")
-    fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        raise HTTPError(400, "only the text response_format is supported", param="response_format")
+    refused = refusal(endpoint, body)
+    if refused is not None:
+        raise HTTPError(400, refused[1], param=refused[0])
     return body
 
 
@@ -433,60 +544,3 @@ def _parts(content: list, i: int, images_before: int) -> list[router_pb2.ChatCon
             raise HTTPError(400, f"messages[{i}].content[{j}] must be a text part or an image_url part "
                                  "(a data: URL)", param="messages")
     return parts
-
-
-def _number(body: dict, name: str, kind: type, lo=None) -> float | int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
-    if not ok or isinstance(value, bool):
-        raise HTTPError(400, f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}",
-                        param=name)
-    if lo is not None and value < lo:
-        raise HTTPError(400, f"{name} must be >= {lo}, got {value}", param=name)
-    return value
-
-
-def _sampling(body: dict, chat: bool) -> router_pb2.SamplingParams:
-    """OpenAI's fields -> baton.v1.SamplingParams (ranges are checked by the router's validation)."""
-    s = router_pb2.SamplingParams()
-    for name in ("temperature", "top_p"):
-        v = _number(body, name, float)
-        if v is not None:
-            setattr(s, name, v)
-    top_k = _number(body, "top_k", int)
-    if top_k is not None and top_k != -1:            # vLLM's -1 means off, as Baton's 0
-        if top_k < 0:
-            raise HTTPError(400, f"top_k must be >= 0 (or -1: off), got {top_k}", param="top_k")
-        s.top_k = top_k
-    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    for name in names:
-        v = _number(body, name, int)
-        if v is not None:
-            if v < 1:
-                raise HTTPError(400, f"{name} must be >= 1, got {v}", param=name)
-            s.max_tokens = min(v, 2**32 - 1)
-            break
-    else:
-        if not chat:
-            s.max_tokens = 16                       # OpenAI's default for /v1/completions
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None:
-        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
-            raise HTTPError(400, "stop must be a string or a list of strings", param="stop")
-        s.stop.extend(stop)
-    ids = body.get("stop_token_ids") or []
-    if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
-        raise HTTPError(400, "stop_token_ids must be a list of token ids", param="stop_token_ids")
-    s.stop_token_ids.extend(ids)
-    seed = _number(body, "seed", int)
-    if seed is not None:
-        s.seed = seed % 2**64                       # OpenAI allows negative seeds
-    ignore = body.get("ignore_eos", False)
-    if not isinstance(ignore, bool):
-        raise HTTPError(400, "ignore_eos must be true or false", param="ignore_eos")
-    s.ignore_eos = ignore
-    return s

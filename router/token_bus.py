@@ -96,6 +96,7 @@ def merge(into: decode_pb2.TokenChunk, chunk: decode_pb2.TokenChunk) -> None:
     """`chunk` appended to `into`: its tokens and text after, its end (finish, usage) if any."""
     into.token_ids.extend(chunk.token_ids)
     into.text += chunk.text
+    into.logprobs.extend(chunk.logprobs)
     if chunk.finish_reason:
         into.finish_reason = chunk.finish_reason
         into.usage.CopyFrom(chunk.usage)

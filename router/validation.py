@@ -86,10 +86,14 @@ def sampling(req: router_pb2.GenerateRequest, prompt_len: int, max_model_len: in
         raise ValueError("max_tokens must be >= 1 (leave it unset for the default of 256)")
     params = sampling_from_proto(req.sampling, defaults)
     params.validate(vocab_size)
+    if params.prior_output_tokens >= prompt_len:
+        raise ValueError(f"prior_output_tokens ({params.prior_output_tokens}) must be less than the prompt's "
+                         f"{prompt_len} tokens (it counts the prompt's last tokens as earlier output)")
     if max_new_tokens:
         params.max_tokens = min(params.max_tokens, max_new_tokens)
     if prompt_len >= max_model_len:
         raise ValueError(f"prompt has {prompt_len} tokens; the model's context is {max_model_len} "
                          "and must leave room for one new token: shorten the prompt")
     params.max_tokens = min(params.max_tokens, max_model_len - prompt_len)   # capped by the context
+    params.min_tokens = min(params.min_tokens, params.max_tokens)            # ...and so is min_tokens
     return params

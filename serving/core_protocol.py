@@ -14,8 +14,9 @@ a schema for the same). Messages are tuples whose first item is their kind:
                                                                  request fails off the engine)
                     (BEAT, stats, metrics)                       while idle, so a hang shows
 
-An update is (request_id, new_token_ids, finish_reason, cached_tokens, error, handover_s):
-one request's tokens of that step; `error` (None or encode_error(...)) ends the request.
+An update is (request_id, new_token_ids, finish_reason, cached_tokens, error, handover_s[,
+logprobs, prompt_logprobs]): one request's tokens of that step; `error` (None or
+encode_error(...)) ends the request; the last two (logprobs_of) only where the request asked.
 `stats` is CoreStats; `metrics` a list of (metric, labels, value) the front records.
 Torch-free.
 """
@@ -76,6 +77,13 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple:
     """The next message; asyncio.IncompleteReadError when the other end is gone."""
     (n,) = FRAME.unpack(await reader.readexactly(FRAME.size))
     return pickle.loads(await reader.readexactly(n))
+
+
+def logprobs_of(out) -> tuple:
+    """An update's tail: a RequestOutput's logprob records, if it has any."""
+    if out.logprobs is None and out.prompt_logprobs is None:
+        return ()
+    return out.logprobs, out.prompt_logprobs
 
 
 # -- errors across the boundary ---------------------------------------------------------------

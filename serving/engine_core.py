@@ -45,6 +45,7 @@ from baton.serving.core_protocol import (
     CoreStats,
     FrameWriter,
     encode_error,
+    logprobs_of,
     open_reader,
     read_frame,
 )
@@ -152,7 +153,8 @@ class EngineCore:
 
     def update_of(self, out: RequestOutput) -> tuple:
         error = encode_error(self.failure(out)) if out.error else None
-        return out.request_id, out.new_token_ids, out.finish_reason, out.cached_tokens, error, 0.0
+        return (out.request_id, out.new_token_ids, out.finish_reason, out.cached_tokens, error, 0.0,
+                *logprobs_of(out))
 
     def failure(self, out: RequestOutput) -> Exception:
         """What a request the engine ended with an error (out.error) ends with for its client."""

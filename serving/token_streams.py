@@ -20,7 +20,7 @@ from baton.engine.output_processor import TextStream
 from baton.engine.sampling_params import SamplingParams
 from baton.serving.core_protocol import decode_error
 from baton.serving.grpc_server import ServiceError, status_for
-from baton.serving.wire import FINISH_TO_PROTO, STATUS_BY_NUMBER
+from baton.serving.wire import FINISH_TO_PROTO, STATUS_BY_NUMBER, logprobs_to_proto
 from baton.v1 import decode_pb2, router_pb2
 
 MAX_BUS_INTERVAL_S = 0.02              # a stream on a busy bus still gets a chunk at least this often
@@ -33,13 +33,14 @@ class TokenStream:
     chunk of everything new since the last one (None: nothing new)."""
 
     __slots__ = ("request_id", "prompt_tokens", "text", "sink", "deadline", "heard", "on_done", "pending",
-                 "finish", "error", "cached", "handover", "completion", "stopped", "done")
+                 "finish", "error", "cached", "handover", "completion", "stopped", "done", "logprobs",
+                 "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, tokenizer,
                  on_done: Callable[[TokenStream], None], deadline: float | None = None):
         self.request_id = request_id
         self.prompt_tokens = len(prompt)
-        self.text = TextStream(tokenizer, prompt, params.stop) if tokenizer is not None else None
+        self.text = TextStream(tokenizer, prompt, params.stop, params.min_tokens) if tokenizer is not None else None
         self.sink: Sink | None = None
         self.deadline = deadline            # time.monotonic(); None: none
         self.heard = time.monotonic()       # when the core last sent something for it
@@ -52,6 +53,8 @@ class TokenStream:
         self.completion = 0
         self.stopped = False                # a stop string ended it here, while the core may still run it
         self.done = False
+        self.logprobs: list | None = [] if params.logprobs is not None else None    # of `pending`
+        self.prompt_logprobs: list | None = None
 
     def attach(self, sink: Sink) -> None:
         self.sink = sink
@@ -65,9 +68,15 @@ class TokenStream:
             self.sink.attached(-1)
 
     def push(self, update: tuple) -> None:
-        _, ids, finish, cached, error, handover = update
+        _, ids, finish, cached, error, handover = update[:6]
         self.heard = time.monotonic()
         self.pending += ids
+        if len(update) > 6:
+            logprobs, prompt_logprobs = update[6:8]
+            if logprobs is not None and self.logprobs is not None:
+                self.logprobs += logprobs
+            if prompt_logprobs is not None:
+                self.prompt_logprobs = prompt_logprobs
         self.cached = cached
         if finish:
             self.finish = finish
@@ -91,6 +100,9 @@ class TokenStream:
         if self.error is not None:
             return self._end(self._error_chunk())
         ids, self.pending = self.pending, []
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs, self.logprobs = self.logprobs, []
         if self.text is not None:
             for i, t in enumerate(ids):
                 if self.text.add(t):            # a stop string: nothing after this token is sent
@@ -104,6 +116,11 @@ class TokenStream:
         chunk = decode_pb2.TokenChunk(request_id=self.request_id, token_ids=ids, text=text,
                                       handover_seconds=self.handover)
         self.handover = 0.0                     # first chunk only
+        if logprobs is not None:
+            chunk.logprobs.extend(logprobs_to_proto(logprobs[:len(ids)]))
+        if self.prompt_logprobs is not None:    # (first chunk only)
+            chunk.prompt_logprobs.extend(logprobs_to_proto(self.prompt_logprobs[1:]))
+            self.prompt_logprobs = None
         if not finished:
             return chunk
         chunk.finish_reason = FINISH_TO_PROTO["stop" if self.stopped else self.finish]

@@ -1,6 +1,8 @@
 """Engine types <-> baton.v1 messages, in one place so every service converts alike."""
 from __future__ import annotations
 
+import math
+
 import grpc
 
 from baton.engine.output_processor import RequestOutput
@@ -34,16 +36,38 @@ def sampling_from_proto(p: router_pb2.SamplingParams, defaults: dict | None = No
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         seed=p.seed if p.HasField("seed") else None,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        min_p=p.min_p, min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias),
+        prior_output_tokens=p.prior_output_tokens,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
 def sampling_to_proto(s: SamplingParams) -> router_pb2.SamplingParams:
     p = router_pb2.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-        stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos)
+        stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, min_p=s.min_p,
+        min_tokens=s.min_tokens, logit_bias=s.logit_bias, prior_output_tokens=s.prior_output_tokens)
+    if s.repetition_penalty != 1.0:
+        p.repetition_penalty = s.repetition_penalty
+    if s.logprobs is not None:
+        p.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        p.prompt_logprobs = s.prompt_logprobs
     if s.seed is not None:
         p.seed = s.seed
     return p
+
+
+def logprobs_to_proto(entries) -> list[router_pb2.TokenLogprob]:
+    """engine TokenLogprob records (None: not computed, sent as NaN) -> their messages."""
+    return [router_pb2.TokenLogprob(token_id=0, logprob=math.nan) if e is None else
+            router_pb2.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                                    top=[router_pb2.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
+            for e in entries]
 
 
 def images_from_proto(images) -> list[ImageInput]:

@@ -97,3 +97,37 @@ def test_the_migration_limit_and_a_spent_budget(tokenizer):
     last = ledger.out_of_budget("r")       # every token was sent, only the finish was lost
     assert last.finish_reason == router_pb2.FINISH_REASON_LENGTH and last.usage.completion_tokens == 2
     assert "off" in Ledger([1], params, tokenizer, limit=0).why_not()
+
+
+def test_logprobs_are_relayed_and_cut_with_the_tokens(tokenizer):
+    ids = tokenizer(" one two three four", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=len(ids), logprobs=1, prompt_logprobs=0, stop=[" three"],
+                            ignore_eos=True)
+    ledger = Ledger([1, 2, 3], params, tokenizer, limit=3)
+
+    def with_logprobs(c, values, prompt=()):
+        c.logprobs.extend(router_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in zip(c.token_ids, values, strict=True))
+        c.prompt_logprobs.extend(router_pb2.TokenLogprob(token_id=t, logprob=-1.0) for t in prompt)
+        return c
+    first = ledger.relay("r", with_logprobs(chunk(ids[:1], tokenizer.decode(ids[:1])), [-0.5], prompt=[2, 3]))
+    assert [e.logprob for e in first.logprobs] == [-0.5] and [e.token_id for e in first.prompt_logprobs] == [2, 3]
+    ledger.migrate()
+    prompt, resumed = ledger.request()
+    assert resumed.prompt_logprobs is None and resumed.logprobs == 1 and resumed.prior_output_tokens == 1
+    rest = ledger.relay("r", with_logprobs(chunk(ids[1:], "junk"), [-0.25] * (len(ids) - 1)))
+    assert rest.finish_reason == router_pb2.FINISH_REASON_STOP            # " three" ends it, across the seam
+    assert len(rest.logprobs) == len(rest.token_ids) < len(ids) - 1 and not rest.prompt_logprobs
+
+
+def test_min_tokens_holds_off_a_stop_string_across_the_seam(tokenizer):
+    ids = tokenizer(" 5, 6, 7", add_special_tokens=False)["input_ids"]          # ' ', '5', ',', ' ', '6', ',', ...
+    params = SamplingParams(temperature=0, max_tokens=len(ids), stop=[","], min_tokens=4, ignore_eos=True)
+    ledger = Ledger([1], params, tokenizer, limit=1)
+    sent = [ledger.relay("r", chunk(ids[:2], " 5"))]
+    ledger.migrate()
+    assert ledger.request()[1].min_tokens == 2
+    for t in ids[2:]:
+        sent.append(ledger.relay("r", chunk([t], "junk")))
+        if sent[-1].finish_reason:
+            break
+    assert "".join(r.text for r in sent) == " 5, 6" and sent[-1].finish_reason == router_pb2.FINISH_REASON_STOP

@@ -101,7 +101,7 @@ def test_seeded_sampling_is_reproducible(client):
 
 @pytest.mark.parametrize("fields, param", [
     ({"temperature": -1}, None), ({"top_p": 1.5}, None), ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n"), ({"logprobs": 3}, "logprobs"), ({"temperature": "hot"}, "temperature"),
+    ({"n": 0}, "n"), ({"logprobs": 21}, "logprobs"), ({"temperature": "hot"}, "temperature"),
     ({"stop": [1, 2]}, "stop"), ({"top_k": -5}, "top_k"), ({"prompt": ""}, None),
     ({"prompt": "word " * 5000}, None),                   # longer than the model's context
 ])

@@ -79,7 +79,7 @@ class TokenBatch(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[TokenChunk, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage", "handover_seconds", "request_id", "error_code", "error_message")
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "handover_seconds", "request_id", "error_code", "error_message", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,8 @@ class TokenChunk(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _router_pb2.FinishReason
@@ -96,4 +98,6 @@ class TokenChunk(_message.Message):
     request_id: str
     error_code: int
     error_message: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_router_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_router_pb2.Usage, _Mapping]] = ..., handover_seconds: _Optional[float] = ..., request_id: _Optional[str] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_router_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_router_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_router_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_router_pb2.Usage, _Mapping]] = ..., handover_seconds: _Optional[float] = ..., request_id: _Optional[str] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_router_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_router_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,87 @@
+"""Every request field the OpenAI API takes, and what Baton does with it: none is silently ignored.
+
+Each field of OpenAI's completions and chat-completions schemas, and each of vLLM's common extra
+fields, is either honoured (HONOURED: router/openai_sampling.py turns it into baton.v1 sampling), taken
+as information that changes no output (INFORMATIONAL, as OpenAI's own `user`), or refused with a
+400 naming it unless it holds a value that asks for nothing (REFUSED: field -> its no-op values).
+A field in none of them is refused as unknown, so a typo never passes for a default.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+COMMON_HONOURED = {
+    "model", "stream", "stream_options", "temperature", "top_p", "max_tokens", "stop", "seed", "n",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+    # vLLM's extras
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+}
+HONOURED = {
+    "completions": COMMON_HONOURED | {"prompt", "echo"},
+    "chat": COMMON_HONOURED | {"messages", "max_completion_tokens", "top_logprobs"},
+}
+
+# no effect on any output, on OpenAI's servers either (end-user ids, cache routing hints, and
+# metadata kept with a stored completion: Baton stores none, `store: true` is refused)
+INFORMATIONAL = {
+    "completions": {"user"},
+    "chat": {"user", "metadata", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
+             "safety_identifier"},
+}
+
+_NONE = (None,)
+_OFF = (None, False)
+_EMPTY = (None, [], {}, "")
+COMMON_REFUSED: dict[str, tuple] = {
+    # vLLM's extras
+    "use_beam_search": _OFF, "length_penalty": (None, 1, 1.0), "include_stop_str_in_output": _OFF,
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": _NONE, "allowed_token_ids": _NONE, "bad_words": _EMPTY, "prompt_logprobs": _NONE,
+    "guided_json": _EMPTY, "guided_regex": _EMPTY, "guided_choice": _EMPTY, "guided_grammar": _EMPTY,
+    "guided_decoding_backend": _EMPTY, "guided_whitespace_pattern": _EMPTY, "structural_tag": _EMPTY,
+    "structured_outputs": _EMPTY, "response_format": (None, {"type": "text"}),
+    "priority": (None, 0), "request_id": _EMPTY, "logits_processors": _EMPTY,
+    "return_tokens_as_token_ids": _OFF, "return_token_ids": _OFF, "cache_salt": _EMPTY,
+    "kv_transfer_params": _EMPTY, "vllm_xargs": _EMPTY, "add_special_tokens": (None, True),
+    "mm_processor_kwargs": _EMPTY, "min_tokens_per_choice": _NONE, "thinking_token_budget": _NONE,
+}
+REFUSED: dict[str, dict[str, tuple]] = {
+    "completions": COMMON_REFUSED | {
+        "best_of": (None, 1), "suffix": (None, ""),
+    },
+    "chat": COMMON_REFUSED | {
+        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+        "functions": (None, []), "function_call": (None, "none"),
+        "audio": _NONE, "modalities": (None, ["text"]), "prediction": _NONE,
+        "reasoning_effort": _NONE, "verbosity": _NONE, "web_search_options": _NONE, "moderation": _NONE,
+        "store": _OFF, "service_tier": (None, "auto", "default"),
+        # vLLM's chat extras
+        "echo": _OFF, "add_generation_prompt": (None, True), "continue_final_message": _OFF,
+        "documents": _EMPTY, "chat_template": _EMPTY, "chat_template_kwargs": _EMPTY,
+        "tool_parser": _EMPTY, "reasoning_parser": _EMPTY,
+    },
+}
+
+WHY = {
+    "response_format": "only the text response_format is supported (structured output is not built yet)",
+}
+
+
+def refusal(endpoint: str, body: Mapping) -> tuple[str, str] | None:
+    """(field, message) for the first field of `body` that Baton would not honour; None if all are."""
+    refused = REFUSED[endpoint]
+    for name, value in body.items():
+        if name in HONOURED[endpoint] or name in INFORMATIONAL[endpoint]:
+            continue
+        if name in refused:
+            if _is_noop(value, refused[name]):
+                continue
+            return name, WHY.get(name, f"{name} is not supported by Baton; leave it unset (got {value!r:.60})")
+        return name, (f"unknown field {name!r} for /v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
+                      "; Baton refuses fields it would otherwise ignore")
+    return None
+
+
+def _is_noop(value, noops: tuple) -> bool:
+    # bool is an int: True must not pass for 1, nor False for 0; 1.0 may pass for 1
+    return any(value == x and (type(value) is type(x) or (type(value) is float and type(x) is int)) for x in noops)

@@ -1,0 +1,149 @@
+"""An OpenAI request body -> baton.v1 SamplingParams, and what its response must carry.
+
+Each field's range is the router's validation's to check (router/validation.py), but a value of the
+wrong type, or a field whose shape OpenAI defines (logit_bias's string keys, logprobs' meaning per
+endpoint), is refused here with a 400 naming it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.router.openai_errors import HTTPError
+from baton.v1 import router_pb2
+
+
+@dataclass(slots=True)
+class Shape:
+    """What a response carries beyond text."""
+    logprobs: bool = False          # completions: logprobs set; chat: logprobs true
+    echo: bool = False              # completions: the prompt before the text
+    echo_only: bool = False         # ...and max_tokens 0: the prompt alone (one token is run, not shown)
+
+
+MAX_N = 128
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def choice_request(prompt: router_pb2.GenerateRequest, sampling: router_pb2.SamplingParams, j: int):
+    """The request of choice `j` of a prompt: choice 0 is the request as sent; with a seed, choice j
+    samples with a seed of its own derived from it (the same choices for the same seed), so the
+    choices differ, yet each is reproducible."""
+    req = router_pb2.GenerateRequest()
+    req.CopyFrom(prompt)
+    req.sampling.CopyFrom(sampling)
+    if j and sampling.HasField("seed"):
+        req.sampling.seed = (sampling.seed + j * _SEED_MIX) % 2**64
+    return req
+
+
+def number(body: dict, name: str, kind: type, lo=None) -> float | int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
+    if not ok or isinstance(value, bool):
+        raise HTTPError(400, f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}",
+                        param=name)
+    if lo is not None and value < lo:
+        raise HTTPError(400, f"{name} must be >= {lo}, got {value}", param=name)
+    return value
+
+
+def sampling(body: dict, chat: bool) -> tuple[router_pb2.SamplingParams, Shape]:
+    """OpenAI's fields -> baton.v1.SamplingParams (ranges are checked by the router's validation),
+    and what the response carries."""
+    s = router_pb2.SamplingParams()
+    shape = _logprobs(body, chat, s)
+    for name in ("temperature", "top_p"):
+        v = number(body, name, float)
+        if v is not None:
+            setattr(s, name, v)
+    top_k = number(body, "top_k", int)
+    if top_k is not None and top_k != -1:            # vLLM's -1 means off, as Baton's 0
+        if top_k < 0:
+            raise HTTPError(400, f"top_k must be >= 0 (or -1: off), got {top_k}", param="top_k")
+        s.top_k = top_k
+    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    for name in names:
+        v = number(body, name, int)
+        if v is not None:
+            if v == 0 and shape.echo:                  # as vLLM: the prompt (and its logprobs) alone
+                shape.echo_only, v = True, 1
+            if v < 1:
+                raise HTTPError(400, f"{name} must be >= 1 (0 only with echo), got {v}", param=name)
+            s.max_tokens = min(v, 2**32 - 1)
+            break
+    else:
+        if not chat:
+            s.max_tokens = 16                       # OpenAI's default for /v1/completions
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            raise HTTPError(400, "stop must be a string or a list of strings", param="stop")
+        s.stop.extend(stop)
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+        raise HTTPError(400, "stop_token_ids must be a list of token ids", param="stop_token_ids")
+    s.stop_token_ids.extend(ids)
+    seed = number(body, "seed", int)
+    if seed is not None:
+        s.seed = seed % 2**64                       # OpenAI allows negative seeds
+    ignore = body.get("ignore_eos", False)
+    if not isinstance(ignore, bool):
+        raise HTTPError(400, "ignore_eos must be true or false", param="ignore_eos")
+    s.ignore_eos = ignore
+    _processing(body, s)
+    return s, shape
+
+
+def _logprobs(body: dict, chat: bool, s: router_pb2.SamplingParams) -> Shape:
+    """completions: logprobs=N, echo; chat: logprobs, top_logprobs."""
+    shape = Shape()
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted not in (None, True, False):
+            raise HTTPError(400, "logprobs must be true or false", param="logprobs")
+        top = number(body, "top_logprobs", int, lo=0)
+        if top is not None and not wanted:
+            raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if wanted:
+            shape.logprobs = True
+            s.logprobs = min(top or 0, 2**31)
+        return shape
+    n = number(body, "logprobs", int, lo=0)
+    echo = body.get("echo")
+    if echo not in (None, True, False):
+        raise HTTPError(400, "echo must be true or false", param="echo")
+    shape.echo = bool(echo)
+    if n is not None:
+        shape.logprobs = True
+        s.logprobs = min(n, 2**31)
+        if shape.echo:
+            s.prompt_logprobs = s.logprobs
+    return shape
+
+
+def _processing(body: dict, s: router_pb2.SamplingParams) -> None:
+    """Penalties, min_p, min_tokens and logit_bias (ranges: the router's validation)."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        v = number(body, name, float)
+        if v is not None:
+            setattr(s, name, v)
+    v = number(body, "min_tokens", int, lo=0)
+    if v is not None:
+        s.min_tokens = min(v, 2**32 - 1)
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise HTTPError(400, "logit_bias must be an object of token id -> bias", param="logit_bias")
+    for key, value in bias.items():
+        try:
+            token = int(key)                          # JSON keys are strings: "1234"
+        except ValueError:
+            token = -1
+        if token < 0 or token >= 2**32 or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise HTTPError(400, f"logit_bias: {key!r}: {value!r} is not a token id -> number", param="logit_bias")
+        s.logit_bias[token] = value
