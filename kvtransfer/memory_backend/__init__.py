@@ -126,3 +126,11 @@ class MemoryOutgoing(OutgoingTransfer):
 
     def abandon(self, reason: str) -> None:
         self.pending.fail(self.t.transfer_id, f"the prefill worker gave it up: {reason}", Code.ABORTED)
+
+
+def make_sender(ctx) -> MemoryKVSender:
+    return MemoryKVSender(ctx.address)
+
+
+def make_receiver(ctx) -> MemoryKVReceiver:
+    return MemoryKVReceiver(ctx.pending, ctx.layout, ctx.address)
