@@ -63,6 +63,9 @@ SPECS: dict[str, BackendSpec] = {s.name: s for s in (
                         "device-direct KV on GPUs: call NCCL directly, or through torch's ProcessGroupNCCL"))),
                     BackendFlag("--kv-fault-stall-s", dict(type=float, default=0.0, hidden=True, help=(
                         "TEST ONLY: hold each device-direct KV piece this long, as a stalled link would"))))),
+    BackendSpec("nixl", "NIXL (UCX picks the transport: shared memory, RDMA, CUDA IPC): the prefill worker writes "
+                "into the decode worker's registered memory", "baton.kvtransfer.nixl_backend", preference=10,
+                services=("baton.v1.KVNixl",), requires=("nixl", "nixl_cu13", "nixl_cu12"), auto=True),
     BackendSpec("memory", "prefill and decode in one process, pieces handed over",
                 "baton.kvtransfer.memory_backend", preference=30, in_process=True),
 )}
