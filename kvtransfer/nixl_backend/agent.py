@@ -40,7 +40,9 @@ def new_agent(role: str):
     api = nixl_api()
     name = f"baton-{role}-{uuid.uuid4().hex[:12]}"
     try:
-        agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        # no progress thread: NIXL's spins a whole core even when idle; our polling of transfer
+        # states (sender) and notifications (receiver), while transfers are open, drives UCX instead
+        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     except Exception as exc:
         raise KVTransferError(f"could not start a NIXL agent: {exc}", grpc.StatusCode.FAILED_PRECONDITION) from exc
     if "UCX" not in agent.backends:
