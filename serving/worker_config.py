@@ -30,7 +30,7 @@ class WorkerConfig:
     port: int = 0
     metrics_port: int | None = None
     grace_seconds: float = 30.0
-    kv_backend: str = "grpc"
+    kv_backend: str = registry.DEFAULT
     max_waiting: int = 1024             # queued requests beyond this are refused: RESOURCE_EXHAUSTED
     kv_advertise: str | None = None     # KV address prefill workers are told to push to (default: ours)
     advertise_host: str | None = None   # the host peers reach us at (default: serving/processes.reachable_host)
