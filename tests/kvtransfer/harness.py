@@ -143,18 +143,19 @@ class PrefillSide:
 
 
 @contextlib.asynccontextmanager
-async def decode_side(backend: str, max_staged_bytes: int = 1 << 30):
+async def decode_side(backend: str, max_staged_bytes: int = 1 << 30, auth=None):
     pending = PendingTransfers(max_staged_bytes=max_staged_bytes)
     server = grpc.aio.server(options=server_options())
     port = server.add_insecure_port("127.0.0.1:0")
     address = f"127.0.0.1:{port}"
-    ctx = registry.ReceiverContext(pending, layout(backend), CPU, address, "127.0.0.1")
+    ctx = registry.ReceiverContext(pending, layout(backend), CPU, address, "127.0.0.1", auth)
     receivers = registry.make_receivers(backend, ctx)
     for receiver in receivers:
         receiver.add_to_server(server)
     await server.start()
     side = DecodeSide(backend, pending, address, kv_cache(backend, None))
     side.stop = lambda: _stop(receivers, server)
+    side.receivers = receivers
     try:
         yield side
     finally:
@@ -168,9 +169,9 @@ async def _stop(receivers, server) -> None:
 
 
 @contextlib.asynccontextmanager
-async def prefill_side(backend: str, address: str, seed: int = 1):
+async def prefill_side(backend: str, address: str, seed: int = 1, auth=None):
     channel = grpc.aio.insecure_channel(address, options=channel_options())
-    sender = registry.make_sender(backend, registry.SenderContext(address, channel, CPU))
+    sender = registry.make_sender(backend, registry.SenderContext(address, channel, CPU, auth))
     side = PrefillSide(backend, sender, kv_cache(backend, seed))
     side.die = lambda: _die(sender, channel)
     try:

@@ -21,6 +21,7 @@ from harness import decode_side, prefill_side
 
 from baton.kvtransfer import registry
 from baton.kvtransfer.backend import KVTransferError
+from baton.kvtransfer.peer_auth import KVPeerAuth
 
 Code = grpc.StatusCode
 pytestmark = pytest.mark.timeout(60)
@@ -206,4 +207,20 @@ def test_concurrent_transfers_land_bit_exact(backend):
                 assert d.landed[tid][0] == int(tid[1:])
                 assert torch.equal(d.kv[:, :, before[tid]], p.kv[:, :, taken[tid]]), tid
             assert_all_freed_once(d, p, list(plan))
+    run(main())
+
+
+@pytest.mark.parametrize("backend", CROSS_PROCESS)
+def test_with_a_shared_secret_peers_transfer_and_a_stranger_is_refused_at_the_handshake(backend):
+    async def main():
+        async with decode_side(backend, auth=KVPeerAuth(b"s" * 32)) as d:
+            async with prefill_side(backend, d.address, auth=KVPeerAuth(b"s" * 32)) as p:
+                d.expect("t", 2)
+                await p.send("t", 2, [1, 1])
+                await d.wait_ended("t", 5)
+                assert "t" in d.landed
+            with pytest.raises(KVTransferError) as err:
+                async with prefill_side(backend, d.address, auth=KVPeerAuth(b"x" * 32)):
+                    pass
+            assert err.value.code == Code.UNAUTHENTICATED
     run(main())
