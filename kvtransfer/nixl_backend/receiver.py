@@ -109,7 +109,11 @@ class NixlKVReceiver(KVReceiver):
         inc = _Incoming(t, agent, nbytes // self.layout.block_nbytes)
         self.incoming[t.transfer_id] = inc
         await self.pending.stage(t, allocate=self._allocate)
-        inc.reg = self.agent.register_memory(t.buffer)
+        try:
+            inc.reg = self.agent.register_memory(t.buffer)
+        except Exception as exc:
+            raise TransferRejected(Code.UNAVAILABLE, f"NIXL could not register the {nbytes}-byte buffer of "
+                                   f"{t.transfer_id}: {exc}") from exc
         self._ensure_polling()
         return inc
 

@@ -7,6 +7,7 @@ notification carries the first token, and the decode worker's DONE ends the tran
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 
@@ -33,6 +34,10 @@ BACKEND = "nixl"
 POLL_S = 0.0005                # write completion polling
 DRAIN_S = 30.0                 # an abandoned transfer's writes get this long to finish before their memory goes
 FORGET_AFTER_LOADS = 256       # the peer's stale registrations are dropped (when idle) after this many loads
+# per decode worker's agent, over every sender of this process (they share one agent): its
+# metadata loads since its registrations were last forgotten, and its transfers open now
+_LOADS: collections.Counter = collections.Counter()
+_OPEN: collections.Counter = collections.Counter()
 
 
 class NixlKVSender(KVSender):
@@ -52,9 +57,6 @@ class NixlKVSender(KVSender):
         self._metadata: tuple[tuple[str, str], ...] = ()
         self.block_bytes = 0
         self.rows = 0
-        self.open_transfers = 0
-        self._loads = 0
-        self._peer_agent = ""
 
     async def handshake(self, layout: KVLayout, timeout: float = 10.0) -> KVLayout:
         done = await handshake(self.channel, self.address, layout, self.auth, timeout, backend=BACKEND)
@@ -99,24 +101,24 @@ class NixlKVSender(KVSender):
         except BaseException:
             call.cancel()
             raise
-        self.open_transfers += 1
+        _OPEN[peer] += 1
         return NixlOutgoing(self, call, transfer, peer, reply["ready"], deadline)
 
     def _load(self, metadata: bytes) -> str:
-        """Load the peer's agent metadata (its new registration); now and then, with nothing open,
-        forget its registrations first, so stale ones do not pile up."""
-        if self._peer_agent and not self.open_transfers and self._loads >= FORGET_AFTER_LOADS:
-            self.agent.remove_remote_agent(self._peer_agent)
-            self._loads = 0
+        """Load the peer's agent metadata (its new registration); now and then, with none of its
+        transfers open, forget its registrations first, so stale ones do not pile up."""
         try:
-            self._peer_agent = self.agent.add_remote_agent(metadata)
+            peer = self.agent.add_remote_agent(metadata)
+            peer = peer.decode() if isinstance(peer, bytes) else peer
+            if _LOADS[peer] >= FORGET_AFTER_LOADS and not _OPEN[peer]:
+                self.agent.remove_remote_agent(peer)
+                _LOADS[peer] = 0
+                self.agent.add_remote_agent(metadata)
         except Exception as exc:
             raise KVTransferError(f"NIXL could not load the metadata of the decode worker at {self.address}: {exc}",
                                   Code.UNAVAILABLE) from exc
-        if isinstance(self._peer_agent, bytes):
-            self._peer_agent = self._peer_agent.decode()
-        self._loads += 1
-        return self._peer_agent
+        _LOADS[peer] += 1
+        return peer
 
 
 class NixlOutgoing(OutgoingTransfer):
@@ -268,7 +270,7 @@ class NixlOutgoing(OutgoingTransfer):
     def _end(self) -> None:
         if not self.ended:
             self.ended = True
-            self.sender.open_transfers -= 1
+            _OPEN[self.peer] -= 1
             self.reply.cancel()
 
 

@@ -95,3 +95,18 @@ def _metadata_of(d) -> str:
 
 def test_the_layout_names_nixl_only_where_the_worker_speaks_it():
     assert layout("nixl").backends == ["nixl", "grpc"] and layout("grpc").backends == ["grpc"]
+
+
+def test_stale_registrations_of_the_peer_are_forgotten_between_transfers_and_later_ones_still_land(monkeypatch):
+    from baton.kvtransfer.nixl_backend import sender as nixl_sender
+    monkeypatch.setattr(nixl_sender, "FORGET_AFTER_LOADS", 2)
+
+    async def main():
+        async with decode_side("nixl") as d, prefill_side("nixl", d.address) as p:
+            for i in range(5):
+                d.expect(f"t{i}", 2)
+                await p.send(f"t{i}", 2, [1, 1])
+                await d.wait_ended(f"t{i}", 5)
+            peer = next(r for r in d.receivers if r.backend == "nixl").agent.name
+            assert len(d.landed) == 5 and nixl_sender._LOADS[peer] <= 2 and nixl_sender._OPEN[peer] == 0
+    run(main())
