@@ -90,7 +90,11 @@ class NixlKVSender(KVSender):
                 reply = await call.read()
                 if reply is grpc.aio.EOF or "ready" not in reply:
                     raise await _ended(call, reply, transfer.transfer_id)
-                peer = self._load(wire.unb64(reply["ready"]["md"]))
+                ready = reply["ready"]
+                if not isinstance(ready, dict) or not {"md", "addr", "dev", "mem"} <= set(ready):
+                    raise KVTransferError(f"the decode worker at {self.address} answered the open of "
+                                          f"{transfer.transfer_id} with a garbled READY", Code.INTERNAL)
+                peer = self._load(wire.unb64(ready["md"]))
         except TimeoutError:
             call.cancel()
             raise KVTransferError(f"KV transfer {transfer.transfer_id} to {self.address} could not open in time",
@@ -102,7 +106,7 @@ class NixlKVSender(KVSender):
             call.cancel()
             raise
         _OPEN[peer] += 1
-        return NixlOutgoing(self, call, transfer, peer, reply["ready"], deadline)
+        return NixlOutgoing(self, call, transfer, peer, ready, deadline)
 
     def _load(self, metadata: bytes) -> str:
         """Load the peer's agent metadata (its new registration); now and then, with none of its
