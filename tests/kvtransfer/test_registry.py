@@ -69,3 +69,10 @@ def test_backend_names_live_in_the_registry_not_in_the_router_or_the_services():
              for path in sorted((REPO / folder).rglob("*.py"))
              for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_every_backend_ships_in_the_wheel():
+    import tomllib
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    missing = [s.module for s in registry.SPECS.values() if s.module not in packages]
+    assert not missing, f"add {missing} to [tool.setuptools] packages in pyproject.toml"
