@@ -29,7 +29,8 @@ from baton.kvtransfer.receiver import PendingTransfers, Transfer, TransferReject
 log = logging.getLogger("baton.kvtransfer")
 Code = grpc.StatusCode
 OPEN_TIMEOUT_S = 10.0            # a stream must say which transfer it carries by then
-POLL_S = 0.0005                  # notification polling, only while transfers are open
+POLL_S = 0.0005                  # notification polling, only while transfers are open; the wait doubles
+POLL_MAX_S = 0.004               # while nothing comes, up to this (the engine thread wants the GIL too)
 QUARANTINE_S = 30.0              # how long the buffer of a transfer that ended early stays untouched
 
 
@@ -169,11 +170,14 @@ class NixlKVReceiver(KVReceiver):
             self._poller = asyncio.ensure_future(self._poll())
 
     async def _poll(self) -> None:
+        wait = POLL_S
         while self.incoming:
-            for agent, notes in self.agent.get_new_notifs().items():
+            news = self.agent.get_new_notifs()
+            for agent, notes in news.items():
                 for raw in notes:
                     self._notified(agent, raw)
-            await asyncio.sleep(POLL_S)
+            wait = POLL_S if news else min(2 * wait, POLL_MAX_S)
+            await asyncio.sleep(wait)
 
     def _notified(self, agent: str, raw: bytes) -> None:
         try:

@@ -31,7 +31,8 @@ from baton.kvtransfer.peer_auth import KVPeerAuth
 
 Code = grpc.StatusCode
 BACKEND = "nixl"
-POLL_S = 0.0005                # write completion polling
+POLL_S = 0.0005                # write completion polling; the wait doubles up to POLL_MAX_S
+POLL_MAX_S = 0.004
 DRAIN_S = 30.0                 # an abandoned transfer's writes get this long to finish before their memory goes
 FORGET_AFTER_LOADS = 256       # the peer's stale registrations are dropped (when idle) after this many loads
 # per decode worker's agent, over every sender of this process (they share one agent): its
@@ -203,10 +204,12 @@ class NixlOutgoing(OutgoingTransfer):
 
     async def _notify_when_written(self, note: bytes) -> None:
         """Once every write completed (the bytes are in the peer's memory), say so with the token."""
+        wait = POLL_S
         while (states := [self.agent.check_xfer_state(h) for h, _, _ in self.writes]).count("DONE") < len(states):
             if "ERR" in states:
                 raise KVTransferError(f"a NIXL write to {self.sender.address} failed", Code.UNAVAILABLE)
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, POLL_MAX_S)
         self._release_writes()
         self.agent.send_notif(self.peer, note)
 
