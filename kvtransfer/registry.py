@@ -4,7 +4,8 @@ A spec says what the router, the worker flags and the services need to decide wi
 importing torch or the backend: its preference, whether two workers on one accelerator may
 pair with it, the gRPC services its receiver adds, its flags, its failure policy, and the
 module that builds its two ends (`make_sender(SenderContext)`, `make_receiver(ReceiverContext)`),
-imported only when a worker uses it. Adding a backend = one folder + one entry in SPECS.
+imported only when a worker uses it. Adding a backend = one folder + one entry in SPECS
+(+ its package in pyproject.toml's explicit list; a test says so when it is missing).
 Torch-free and grpc-free: the router imports it.
 """
 from __future__ import annotations
