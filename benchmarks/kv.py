@@ -4,7 +4,8 @@ fraction of a reference measured in the same run: a plain loopback socket copy f
 grpc backend, the raw peer copy between the two devices for device-direct backends.
 
 Backends are pluggable (BACKENDS); `grpc` pushes between two processes on 127.0.0.1
-through baton.benchmarks.kv_loopback, on one warm connection, exactly as a prefill worker does.
+through baton.benchmarks.kv_loopback, on one warm connection, exactly as a prefill worker does;
+`direct` and `nixl` go between two processes on --device and --peer-device, measured alike.
 """
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ class DirectDevices:
         # the prefill making this KV: 2 FLOPs per weight per token (attention's share left out)
         r = measure_direct(nbytes, self.src, self.dst, repeats=iters, overlap=self.stand_in_prefill,
                            prefill_flops=2.0 * self.shape.params * tokens,
-                           chunks=max(1, math.ceil(tokens / self.chunk_tokens)))
+                           chunks=max(1, math.ceil(tokens / self.chunk_tokens)), backend=self.name)
         ref = ceilings.peer_copy_bandwidth(self.src, self.dst, nbytes)
         latency = {"p50": percentile(r["seconds"], 50), "p99": percentile(r["seconds"], 99), "best": r["best_s"],
                    "samples": r["seconds"]}
@@ -157,7 +158,14 @@ class DirectDevices:
                                          "streamed": st, "beside_unrelated_compute": ov}}
 
 
-BACKENDS = {"grpc": GrpcLoopback, "direct": DirectDevices}
+class NixlDevices(DirectDevices):
+    """The nixl backend from --device to --peer-device (NIXL over UCX: shared memory or CMA on
+    the CPU, CUDA IPC between GPUs), measured as the direct one, next to the same raw copy."""
+
+    name = "nixl"
+
+
+BACKENDS = {"grpc": GrpcLoopback, "direct": DirectDevices, "nixl": NixlDevices}
 
 
 # -- the run -------------------------------------------------------------------------------------

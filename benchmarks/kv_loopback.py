@@ -198,9 +198,10 @@ SUSTAINED_FACTOR = 4            # the sustained measure: this many windows' wort
 
 
 def measure_direct(total_bytes: int, src_device: str, dst_device: str, repeats: int = 3,
-                   overlap: bool = True, prefill_flops: float = 0.0, chunks: int = 1) -> dict:
-    """The direct backend from a sender process on `src_device` to a receiver process on
-    `dst_device` (KVTransfer + KVDirect on 127.0.0.1), as a prefill and a decode worker run it.
+                   overlap: bool = True, prefill_flops: float = 0.0, chunks: int = 1, backend: str = "direct") -> dict:
+    """A device backend (`backend`: direct, nixl; both ends built by the registry) from a sender
+    process on `src_device` to a receiver process on `dst_device` (KVTransfer + the backend's
+    services on 127.0.0.1), as a prefill and a decode worker run it.
     A transfer has landed when the receiver's registry hands its bytes over (on_complete);
     both processes read the host's monotonic clock. The first transfer's bytes are checked.
       - `seconds`: a lone transfer, open -> landed (its open round trip included);
@@ -223,10 +224,10 @@ def measure_direct(total_bytes: int, src_device: str, dst_device: str, repeats: 
     plan = {"repeats": repeats, "depth": depth, "overlap": overlap and accel,
             "prefill_flops": prefill_flops if overlap else 0.0, "chunks": chunks}
     tids = _direct_tids(plan)
-    sent, got = _run_pair(_direct_receiver, (dst_device, total_bytes, tids, total_bytes * depth),
-                          _direct_sender, (src_device, total_bytes, plan))
+    sent, got = _run_pair(_direct_receiver, (dst_device, total_bytes, tids, total_bytes * depth, backend),
+                          _direct_sender, (src_device, total_bytes, plan, backend))
     if got["failed"]:
-        raise RuntimeError(f"direct transfers failed: {got['failed']}")
+        raise RuntimeError(f"{backend} transfers failed: {got['failed']}")
     if not got["bytes_equal"]:
         raise RuntimeError("the received bytes differ from the sent bytes")
     landed = got["landed"]
@@ -240,7 +241,7 @@ def measure_direct(total_bytes: int, src_device: str, dst_device: str, repeats: 
               "done_seconds": sent["done_seconds"],
               "pipelined": {"transfers_in_flight": depth, "seconds": took, "bytes_per_s": depth * total_bytes / took},
               "sustained": {"transfers": n, "window": depth, "seconds": steady, "bytes_per_s": n * total_bytes / steady},
-              "collective": sent["collective"], "communicator": sent["communicator"], "src": src_device,
+              "collective": sent.get("collective"), "communicator": sent.get("communicator"), "src": src_device,
               "dst": dst_device, "processes": 2}
     if "overlap" in sent:
         result["overlap"] = sent["overlap"]
@@ -277,33 +278,39 @@ def _pattern(nbytes: int, device):
 
 
 @contextlib.asynccontextmanager
-async def _decode_side(dst_device: str, max_staged_bytes: int):
-    """KVTransfer (the handshake) and KVDirect on `dst_device`, on 127.0.0.1; yields
-    (pending, port, receiver)."""
+async def _decode_side(dst_device: str, max_staged_bytes: int, backend: str = "direct"):
+    """KVTransfer (the handshake) and `backend`'s services on `dst_device`, on 127.0.0.1;
+    yields (pending, port, receiver)."""
     import grpc
 
-    from baton.kvtransfer.direct_backend import DirectKVReceiver
-    from baton.kvtransfer.grpc_backend import KVTransferServicer
+    from baton.kvtransfer import registry
     from baton.kvtransfer.receiver import PendingTransfers
 
-    layout = _direct_layout()
     pending = PendingTransfers(max_staged_bytes=max_staged_bytes)
     server = grpc.aio.server()
-    KVTransferServicer(pending, layout).add_to_server(server)
-    receiver = DirectKVReceiver(pending, get_platform(dst_device), layout.payload_nbytes(1))
-    receiver.add_to_server(server)
     port = server.add_insecure_port("127.0.0.1:0")
+    receivers = registry.make_receivers(backend, registry.ReceiverContext(
+        pending, _direct_layout(backend), get_platform(dst_device), f"127.0.0.1:{port}", "127.0.0.1"))
+    for r in receivers:
+        r.add_to_server(server)
     await server.start()
     try:
-        yield pending, port, receiver
+        yield pending, port, receivers[-1]
     finally:
-        await receiver.close()
+        for r in receivers:
+            await r.close()
         await server.stop(0)
 
 
-def _direct_layout():
+def _direct_layout(backend: str = "direct"):
+    from baton.kvtransfer import registry
     from baton.kvtransfer.layout import KVLayout
-    return KVLayout(**BENCH_LAYOUT, backends=["direct", "grpc"])
+    return KVLayout(**BENCH_LAYOUT, backends=registry.spoken(backend))
+
+
+def _sender(backend: str, channel, port: int, device: str):
+    from baton.kvtransfer import registry
+    return registry.make_sender(backend, registry.SenderContext(f"127.0.0.1:{port}", channel, get_platform(device)))
 
 
 @contextlib.asynccontextmanager
@@ -325,12 +332,14 @@ async def direct_loopback(src_device: str, dst_device: str, max_staged_bytes: in
             await channel.close()
 
 
-def _direct_receiver(conn, device: str, total_bytes: int, tids: list[str], max_staged: int) -> None:
+def _direct_receiver(conn, device: str, total_bytes: int, tids: list[str], max_staged: int,
+                     backend: str = "direct") -> None:
     _bind(device)
-    asyncio.run(_direct_receive(conn, device, total_bytes, tids, max_staged))
+    asyncio.run(_direct_receive(conn, device, total_bytes, tids, max_staged, backend))
 
 
-async def _direct_receive(conn, device: str, total_bytes: int, tids: list[str], max_staged: int) -> None:
+async def _direct_receive(conn, device: str, total_bytes: int, tids: list[str], max_staged: int,
+                          backend: str) -> None:
     import torch
     landed: dict[str, float] = {}
     failed: dict[str, str] = {}
@@ -340,7 +349,8 @@ async def _direct_receive(conn, device: str, total_bytes: int, tids: list[str], 
     def on_complete(tid, payload, first_token, extra):
         landed[tid] = time.monotonic()
         if tid == tids[0]:               # off the clock: the warm-up is not timed
-            checked.append(torch.equal(payload, _pattern(total_bytes, payload.device)))
+            data = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(payload, dtype=torch.uint8)
+            checked.append(torch.equal(data, _pattern(total_bytes, data.device)))
         if len(landed) + len(failed) == len(tids):
             settled.set()
 
@@ -348,21 +358,21 @@ async def _direct_receive(conn, device: str, total_bytes: int, tids: list[str], 
         failed[tid] = why
         settled.set()
 
-    async with _decode_side(device, max_staged) as (pending, port, receiver):
+    async with _decode_side(device, max_staged, backend) as (pending, port, receiver):
         for tid in tids:
             pending.expect(tid, total_bytes, 600.0, on_complete, on_fail)
         conn.send(port)
         await asyncio.wait_for(settled.wait(), 600.0)
         for _ in range(600):                 # the last DONE goes out; the sender closes the pair
-            if not receiver.pairs:
+            if not getattr(receiver, "pairs", None):
                 break
             await asyncio.sleep(0.05)
     conn.send({"landed": landed, "failed": failed, "bytes_equal": all(checked) and bool(checked)})
 
 
-def _direct_sender(conn, port: int, device: str, total_bytes: int, plan: dict) -> None:
+def _direct_sender(conn, port: int, device: str, total_bytes: int, plan: dict, backend: str = "direct") -> None:
     _bind(device)
-    conn.send(asyncio.run(_direct_send(port, device, total_bytes, plan)))
+    conn.send(asyncio.run(_direct_send(port, device, total_bytes, plan, backend)))
 
 
 def _bind(device: str) -> None:
@@ -370,18 +380,17 @@ def _bind(device: str) -> None:
     get_platform(device).bind_thread()
 
 
-async def _direct_send(port: int, device: str, total_bytes: int, plan: dict) -> dict:
+async def _direct_send(port: int, device: str, total_bytes: int, plan: dict, backend: str) -> dict:
     import grpc
     import torch
 
     from baton.kvtransfer.backend import TransferDescriptor
-    from baton.kvtransfer.direct_backend import DirectKVSender
 
     src = torch.device(device)
     payload = _pattern(total_bytes, src)
     opened, ready, done_seconds, pipe_start, sustained_start = {}, {}, [], [], []
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    sender = DirectKVSender(channel, f"127.0.0.1:{port}", get_platform(device))
+    sender = _sender(backend, channel, port, device)
 
     def descriptor(tid: str) -> TransferDescriptor:
         return TransferDescriptor(tid, nbytes=total_bytes)
@@ -399,7 +408,7 @@ async def _direct_send(port: int, device: str, total_bytes: int, plan: dict) -> 
         await out.done()
 
     try:
-        await sender.handshake(_direct_layout())
+        await sender.handshake(_direct_layout(backend))
         await one("warm-up")                      # the pair's communicator connects here
         done_seconds = [await one(f"cold-{i}") for i in range(plan["repeats"])]
         for i in range(plan["repeats"]):
@@ -418,7 +427,8 @@ async def _direct_send(port: int, device: str, total_bytes: int, plan: dict) -> 
                                    for i in range(plan["depth"] * SUSTAINED_FACTOR)))
         result = {"opened": opened, "ready": ready, "done_seconds": done_seconds, "pipe_start": pipe_start,
                   "sustained_start": sustained_start,
-                  "collective": sender.collective, "communicator": sender.pair.comm.name}
+                  "collective": getattr(sender, "collective", None),
+                  "communicator": sender.pair.comm.name if getattr(sender, "pair", None) else None}
         if plan["overlap"]:
             result["overlap"] = await _overlap(one, src, statistics.median(done_seconds))
         if plan["prefill_flops"] > 0:

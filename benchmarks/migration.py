@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 
 from baton.benchmarks import deployment
+from baton.kvtransfer.registry import CROSS_PROCESS_BACKENDS
 from baton.v1 import router_pb2, router_pb2_grpc
 
 
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--devices", default="cpu", help="comma list: the device pool (one prefill + decode per device)")
-    p.add_argument("--kv-backend", default="grpc", choices=("grpc", "direct"))
+    p.add_argument("--kv-backend", default="grpc", choices=CROSS_PROCESS_BACKENDS)
     p.add_argument("--streams", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--kill-after", type=int, default=32, help="kill once every stream has this many tokens")

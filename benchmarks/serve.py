@@ -23,6 +23,7 @@ from baton.benchmarks import baseline, ceilings, datasets, deployment, loadgen, 
 from baton.benchmarks.model_shape import shape_of
 from baton.benchmarks.stats import GOODPUT_ATTAINMENT, attainment, goodput_rate, meets_slo, summarize
 from baton.engine.config import DEFAULT_MODEL
+from baton.kvtransfer.registry import CROSS_PROCESS_BACKENDS
 
 FULL = dict(request_rates="1,2,4,8,inf", num_prompts=200, worker_args="", prefix_len=datasets.DEFAULT_PREFIX_LEN)
 SMOKE = dict(request_rates="4,inf", num_prompts=3, worker_args="--num-kv-blocks 128 --max-num-seqs 16",
@@ -50,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "workers take them in order, then decode workers (default: --prefill-devices then --decode-devices)")
     t.add_argument("--prefill-devices", default="cpu", help="comma list; 1p1d's prefill, the first colocated")
     t.add_argument("--decode-devices", default="cpu", help="comma list; 1p1d's decode, the second colocated")
-    t.add_argument("--kv-backend", default=None, choices=("grpc", "direct"),
+    t.add_argument("--kv-backend", default=None, choices=CROSS_PROCESS_BACKENDS,
                    help="KV transport of launched disaggregated topologies (default: the workers' own, grpc)")
     t.add_argument("--worker-args", default=None, help="extra flags for every launched worker, e.g. "
                    "'--num-kv-blocks 4096 --max-num-seqs 128' (smoke: '--num-kv-blocks 128 --max-num-seqs 16')")

@@ -23,7 +23,7 @@ import grpc
 from baton.engine.kv_handoff import KVHandoff, KVState, KVTicket
 from baton.engine.output_processor import RequestOutput
 from baton.engine.sampling_params import SamplingParams
-from baton.kvtransfer.factory import make_receivers
+from baton.kvtransfer import registry
 from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.kvtransfer.receiver import PendingTransfers
 from baton.models.multimodal import ImageInput
@@ -79,13 +79,12 @@ class DecodeCore(EngineCore):
     # -- the KV plane --------------------------------------------------------------------------
     async def start_transport(self) -> None:
         cfg = self.cfg
-        names = ["baton.v1.KVTransfer"] + (["baton.v1.KVDirect"] if cfg.kv_backend == "direct" else [])
-        self.kv_server = Server(cfg.host, cfg.kv_port, names, tls=cfg.tls)
+        self.kv_server = Server(cfg.host, cfg.kv_port, registry.services(cfg.kv_backend), tls=cfg.tls)
         self.layout = self.kv_layout()
         auth = KVPeerAuth(cfg.kv_secret) if cfg.kv_secret else None
         store_host = (cfg.kv_advertise or "").rpartition(":")[0] or cfg.host   # direct pairs' rendezvous
-        self.receivers = make_receivers(cfg.kv_backend, self.pending, self.layout, self.llm.platform,
-                                        self.kv_address, store_host, auth=auth, nccl=cfg.kv_nccl)
+        self.receivers = registry.make_receivers(cfg.kv_backend, registry.ReceiverContext(
+            self.pending, self.layout, self.llm.platform, self.kv_address, store_host, auth, cfg.kv_options))
         for receiver in self.receivers:
             receiver.add_to_server(self.kv_server.server)
         await self.kv_server.start()

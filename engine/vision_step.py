@@ -1,5 +1,6 @@
 """The device half of a multimodal prefill step: encode a sequence's images (once, at its first
-chunk that holds image tokens) and pick the embeddings of the step's image rows."""
+chunk that holds image tokens) and pick the embeddings of the step's image rows. Any model
+keeping models/vision_language.py's `VisionLanguageModel` protocol will do."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,10 +9,10 @@ import torch
 from baton.engine.multimodal import ImageChunk, MultimodalPrompt
 from baton.models.layers.vision import preprocess_image
 from baton.models.multimodal import ImagePlaceholders
-from baton.models.qwen3_vl import MultimodalStep
+from baton.models.vision_language import MultimodalStep, VisionLanguageModel
 
 
-def multimodal_step(model, hf_config, chunks: list[ImageChunk], mrope: np.ndarray,
+def multimodal_step(model: VisionLanguageModel, hf_config, chunks: list[ImageChunk], mrope: np.ndarray,
                     device: torch.device) -> MultimodalStep:
     rows, embeds, deepstack = [], [], []
     for chunk in chunks:
@@ -26,7 +27,7 @@ def multimodal_step(model, hf_config, chunks: list[ImageChunk], mrope: np.ndarra
         deepstack.append([d.index_select(0, index) for d in deep])
         if chunk.end >= mm.image_end:              # the prompt's images are all computed: let go
             mm.encoded = None
-    hidden = model.config.text_config.hidden_size
+    hidden = model.image_embed_dim
     image_rows = torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, np.int64)).to(device)
     image_embeds = torch.cat(embeds) if embeds else torch.zeros(0, hidden, device=device)
     layers = len(deepstack[0]) if deepstack else 0
@@ -34,7 +35,7 @@ def multimodal_step(model, hf_config, chunks: list[ImageChunk], mrope: np.ndarra
     return MultimodalStep(torch.from_numpy(mrope).to(device), image_rows, image_embeds, deep)
 
 
-def _encode(model, hf_config, mm: MultimodalPrompt, device: torch.device):
+def _encode(model: VisionLanguageModel, hf_config, mm: MultimodalPrompt, device: torch.device):
     """(embeddings [image tokens, H], deepstack list, each token's prompt index) for all the
     sequence's images, in prompt order."""
     if not mm.images_available:

@@ -12,10 +12,12 @@ Receiving (decode side): a `KVReceiver` serves its backend's wire and reports in
 decode worker's `PendingTransfers` (receiver.py), which calls the decode worker back exactly
 once per transfer: complete (with the payload) or failed.
 
-Backends, one folder each, picked by `factory.py`:
+Backends, one folder each, listed in `registry.py`:
   grpc_backend/    portable: host-staged bytes in CRC-checked chunks with credit flow control
   direct_backend/  device to device over a two-rank NCCL / HCCL / gloo communicator per
                    worker pair; gRPC carries descriptors only
+  nixl_backend/    NIXL (UCX picks the transport): the prefill worker writes into the decode
+                   worker's registered memory; gRPC carries descriptors only
   memory_backend/  both ends in one process (tests, single-process tools): pieces handed over
 """
 from __future__ import annotations

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,17 +26,7 @@ from baton.models.forward_context import ForwardContext
 from baton.models.layers.embedding import ParallelLMHead
 from baton.models.layers.linear import TPInfo
 from baton.models.layers.vision import VisionTransformer
-
-
-@dataclass(slots=True)
-class MultimodalStep:
-    """A prefill step's multimodal inputs, on the device. `image_rows`: rows of the step's
-    flat token batch that hold image pads; `image_embeds` / each of `deepstack`: their
-    embeddings, row for row; `mrope_positions` [3, T]: every row's (t, h, w) position."""
-    mrope_positions: torch.Tensor
-    image_rows: torch.Tensor
-    image_embeds: torch.Tensor
-    deepstack: list[torch.Tensor] = field(default_factory=list)
+from baton.models.vision_language import MultimodalStep
 
 
 def mrope_columns(head_dim: int, section: list[int]) -> torch.Tensor:
@@ -91,6 +80,10 @@ class Qwen3VLForConditionalGeneration(nn.Module):
     @property
     def visual(self) -> VisionTransformer:
         return self.model.visual
+
+    @property
+    def image_embed_dim(self) -> int:
+        return self.config.text_config.hidden_size
 
     def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]
                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -24,6 +24,7 @@ from baton.engine.async_engine import EngineDead
 from baton.engine.kv_handoff import KVHandoff, KVPiece, KVState, KVTicket
 from baton.engine.output_processor import RequestOutput
 from baton.engine.sampling_params import SamplingParams
+from baton.kvtransfer import registry
 from baton.kvtransfer.backend import (
     KVSender,
     KVTransferError,
@@ -31,7 +32,6 @@ from baton.kvtransfer.backend import (
     SendStats,
     TransferDescriptor,
 )
-from baton.kvtransfer.factory import make_sender
 from baton.kvtransfer.grpc_options import channel_options
 from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.models.multimodal import ImageInput
@@ -174,8 +174,8 @@ class PrefillCore(EngineCore):
         sender = self.senders.get(key)
         if sender is None:       # over TLS (mutual, with our certificate) when this worker runs TLS
             channel = open_channel(address, self.cfg.tls, options=channel_options())
-            sender = make_sender(backend, address, channel, self.llm.platform, auth=self.kv_auth,
-                                 nccl=self.cfg.kv_nccl, stall_s=self.cfg.kv_fault_stall_s)
+            sender = registry.make_sender(backend, registry.SenderContext(
+                address, channel, self.llm.platform, self.kv_auth, self.cfg.kv_options))
             self.senders[key], self.channels[key] = sender, channel
             self.handshakes[key] = asyncio.ensure_future(sender.handshake(self.layout))
             self.handshakes[key].add_done_callback(_retrieve)
@@ -189,9 +189,9 @@ class PrefillCore(EngineCore):
 
     def _push_failed(self, address: str, backend: str, exc: KVTransferError) -> ServiceError:
         self.metrics.add("kv_transfer_failures", 1, "send")
-        # a grpc sender is dropped (the next request handshakes afresh); a direct one carries other
+        # most senders are dropped (the next request handshakes afresh); a direct one carries other
         # transfers on its pair, and closes and reconnects the pair by itself when it breaks
-        if backend != "direct" and (address, backend) in self.senders:
+        if registry.spec(backend).drop_sender_on_failure and (address, backend) in self.senders:
             asyncio.ensure_future(self._drop_sender((address, backend)))
         return ServiceError(getattr(exc, "code", None) or grpc.StatusCode.UNAVAILABLE,
                             f"KV push to {address} failed: {exc}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from baton.kvtransfer import registry as kv_registry
 from baton.models.multimodal import ImagePlaceholders
 from baton.router import validation
 from baton.router.admission import Admission
@@ -468,16 +469,10 @@ class RouterService:
             for w in self.registry.workers])
 
 
-KV_BACKEND_PREFERENCE = ("direct", "memory", "grpc")     # device to device first; grpc goes anywhere
-
-
 def kv_backend(prefill: Worker, decode: Worker) -> str:
-    """The best KV transport both workers speak ("": let the decode worker choose). Two workers
-    on one accelerator can't be the two ranks of a NCCL / HCCL pair: they use grpc."""
-    common = set(prefill.status.kv_backends) & set(decode.status.kv_backends)
-    if _same_accelerator(prefill, decode):
-        common.discard("direct")
-    return next((b for b in KV_BACKEND_PREFERENCE if b in common), "")
+    """The best KV transport both workers speak ("": let the decode worker choose); the rules
+    (preference, which backends two workers on one accelerator may use) are the registry's."""
+    return kv_registry.pick(prefill.status.kv_backends, decode.status.kv_backends, _same_accelerator(prefill, decode))
 
 
 def _same_accelerator(a: Worker, b: Worker) -> bool:

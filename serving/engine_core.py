@@ -33,7 +33,7 @@ from baton.engine.async_engine import AsyncEngine
 from baton.engine.kv_handoff import KVHandoff
 from baton.engine.llm_engine import LLMEngine, freeze_startup_objects
 from baton.engine.output_processor import RequestOutput
-from baton.kvtransfer.factory import accepted
+from baton.kvtransfer import registry
 from baton.kvtransfer.layout import KVLayout
 from baton.serving.core_protocol import (
     BEAT,
@@ -118,7 +118,7 @@ class EngineCore:
                 "kv_backends": self.kv_backends(), "device": self.cfg.engine.device, "stats": self.stats()}
 
     def kv_backends(self) -> list[str]:
-        return accepted(self.cfg.kv_backend)
+        return registry.spoken(self.cfg.kv_backend)
 
     def kv_layout(self) -> KVLayout:
         """This worker's KV layout, for the transfer handshake (both ends must agree)."""

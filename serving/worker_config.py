@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from baton.engine.config import DEFAULT_MODEL, NPU_GRAPH_MODES, EngineConfig
+from baton.kvtransfer import registry
 from baton.kvtransfer.peer_auth import load_secret
 from baton.models.presets import PRESETS
 from baton.serving.logs import add_log_args
@@ -18,7 +19,7 @@ from baton.serving.processes import WILDCARD_HOSTS
 from baton.serving.security import TLSConfig, add_tls_args, tls_from_args
 
 ROLES = ("prefill", "decode", "colocated")
-KV_BACKENDS = ("grpc", "direct", "memory")
+KV_BACKENDS = (*registry.NAMES, registry.AUTO)
 DEFAULT_PORTS = {"prefill": 50071, "decode": 50061, "colocated": 50061}
 
 
@@ -29,14 +30,13 @@ class WorkerConfig:
     port: int = 0
     metrics_port: int | None = None
     grace_seconds: float = 30.0
-    kv_backend: str = "grpc"
+    kv_backend: str = registry.DEFAULT
     max_waiting: int = 1024             # queued requests beyond this are refused: RESOURCE_EXHAUSTED
     kv_advertise: str | None = None     # KV address prefill workers are told to push to (default: ours)
     advertise_host: str | None = None   # the host peers reach us at (default: serving/processes.reachable_host)
     tls: TLSConfig = field(default_factory=TLSConfig)
     kv_secret: bytes | None = None      # KV peers must prove it in the handshake (kvtransfer/peer_auth.py)
-    kv_nccl: str = "direct"             # direct: call NCCL through ctypes; torch: through ProcessGroupNCCL
-    kv_fault_stall_s: float = 0.0       # fault injection: hold every device-direct piece this long
+    kv_options: dict = field(default_factory=dict)   # the KV backends' own flags, by dest (kvtransfer/registry.py)
     gil_switch_ms: float | None = None  # sys.setswitchinterval for the engine thread and event loop
     engine_process: bool | None = None  # the engine core in its own process (None: unless --kv-backend memory)
     engine_hang_timeout: float = 30.0   # a core silent this long (no step, no idle beat) is hung: the worker ends
@@ -55,20 +55,25 @@ class WorkerConfig:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.kv_backend not in KV_BACKENDS:
             raise ValueError(f"--kv-backend must be one of {', '.join(KV_BACKENDS)}, got {self.kv_backend!r}")
-        if self.kv_nccl not in ("direct", "torch"):
-            raise ValueError(f"--kv-nccl must be direct or torch, got {self.kv_nccl!r}")
-        if self.kv_fault_stall_s < 0 or (self.gil_switch_ms is not None and self.gil_switch_ms <= 0):
+        if self.kv_options.get("kv_fault_stall_s", 0.0) < 0 or (self.gil_switch_ms is not None
+                                                                and self.gil_switch_ms <= 0):
             raise ValueError("--kv-fault-stall-s must be >= 0 and --gil-switch-ms > 0")
         clash = port_clash([(self.port, "--port (gRPC)"), (self.metrics_port or 0, "--metrics-port"),
                             (self.kv_port, "--kv-port")])
         if clash:
             raise ValueError(clash)
+        kv = registry.SPECS.get(self.kv_backend)
+        if kv is not None and not kv.available():
+            raise ValueError(f"--kv-backend {self.kv_backend} needs the {kv.requires!r} package, which is not "
+                             f"installed here: pip install 'baton[{kv.name}]' (or pick another --kv-backend)")
         if self.engine_hang_timeout < 0 or not 0 <= self.kv_port < 65536:
             raise ValueError("--engine-hang-timeout must be >= 0 (0: never) and --kv-port in [0, 65535]")
+        in_process = kv is not None and kv.in_process
         if self.engine_process is None:
-            self.engine_process = self.kv_backend != "memory"
-        if self.engine_process and self.kv_backend == "memory":
-            raise ValueError("--kv-backend memory hands KV over inside one process: run it with --no-engine-process")
+            self.engine_process = not in_process
+        if self.engine_process and in_process:
+            raise ValueError(f"--kv-backend {self.kv_backend} hands KV over inside one process: run it with "
+                             "--no-engine-process")
         if self.engine.tp_size > 1 and self.role != "colocated":
             raise ValueError(f"--tp-size {self.engine.tp_size} on a {self.role} worker: KV transfer moves one "
                              "rank's cache, so disaggregated roles run with tp_size 1 for now (use --role colocated, "
@@ -164,10 +169,11 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     add_common_args(p, default_port)
     add_engine_args(p)
     g = p.add_argument_group("serving and KV transfer")
-    flag(g, "--kv-backend", default="grpc", choices=KV_BACKENDS,
-         help="KV transport: grpc (portable, through host memory), direct (device to device over NCCL "
-              "between GPUs, HCCL between NPUs, gloo on the CPU; a direct decode worker also takes grpc "
-              "pushes), memory (prefill and decode in one process)")
+    flag(g, "--kv-backend", default=registry.DEFAULT, choices=KV_BACKENDS,
+         help="KV transport: " + "; ".join(f"{s.name} ({s.summary})" for s in registry.SPECS.values())
+              + f"; {registry.AUTO} (every installed backend that needs no setup: "
+              + ", ".join(s.name for s in registry.SPECS.values() if s.auto) + "). A decode worker also takes "
+              "grpc pushes; the router picks the best backend both workers speak")
     flag(g, "--advertise-host", help="the host name or IP other machines and containers reach this worker at "
                                      "(unset: --host, or for a wildcard --host this machine's own address, the "
                                      "container's or pod's IP)")
@@ -179,8 +185,6 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     flag(g, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
     flag(g, "--max-waiting", type=int, default=1024, help="requests queued beyond this are refused "
                                                           "with RESOURCE_EXHAUSTED")
-    flag(g, "--kv-nccl", default="direct", choices=("direct", "torch"),
-         help="device-direct KV on GPUs: call NCCL directly, or through torch's ProcessGroupNCCL")
     flag(g, "--gil-switch-ms", type=float, help="Python's thread switch interval (unset: Python's 5 ms)")
     flag(g, "--engine-process", type=bool, help="run the engine core (step loop, device, KV cache and KV transfers) "
          "in a process of its own, apart from the RPCs and token streams (unset: yes, except with --kv-backend "
@@ -193,8 +197,8 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     flag(g, "--engine-core", default="", hidden=True,
          help="TEST ONLY: the engine core to run, module:Class (unset: the role's own; `baton bench relay` runs a "
               "synthetic token source here)")
-    flag(g, "--kv-fault-stall-s", type=float, default=0.0, hidden=True,
-         help="TEST ONLY: hold each device-direct KV piece this long, as a stalled link would")
+    for backend_flag in registry.all_flags():
+        flag(g, backend_flag.name, **backend_flag.kwargs)
 
 
 def build_parser(role: str) -> argparse.ArgumentParser:
@@ -226,7 +230,8 @@ def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig
                        grace_seconds=args.grace, kv_backend=args.kv_backend, max_waiting=args.max_waiting,
                        kv_advertise=args.kv_advertise, advertise_host=args.advertise_host, tls=tls_from_args(args),
                        kv_secret=load_secret(os.environ.get("BATON_KV_SECRET"), args.kv_secret_file),
-                       kv_nccl=args.kv_nccl, kv_fault_stall_s=args.kv_fault_stall_s, gil_switch_ms=args.gil_switch_ms,
+                       kv_options={f.dest: getattr(args, f.dest) for f in registry.all_flags()},
+                       gil_switch_ms=args.gil_switch_ms,
                        engine_process=args.engine_process, engine_hang_timeout=args.engine_hang_timeout,
                        kv_port=args.kv_port, engine_core=args.engine_core,
                        engine=engine_config_from_args(args), log_level=args.log_level, log_format=args.log_format)

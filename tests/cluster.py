@@ -136,6 +136,25 @@ class Cluster:
         c.router.wait_ready(tls)
         return c
 
+    @classmethod
+    def serve(cls, log_dir: Path, args: list[str] = ()) -> Cluster:
+        """`baton serve` (router, prefill and decode as the launcher starts them), one process
+        here: `c.router` is it; ready once it prints its ready line."""
+        c = cls(log_dir, env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        c.router = Proc("serve", [sys.executable, "-m", "baton", "serve", "--port", str(port), *args],
+                        f"127.0.0.1:{port}")
+        c.router.start(c.env, log_dir)
+        c.procs.append(c.router)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "is serving on" not in c.router.tail():
+            if not c.router.alive or time.monotonic() > deadline:
+                c.stop()
+                raise RuntimeError(f"baton serve did not come up\n--- its log ---\n{c.router.tail()}")
+            time.sleep(0.3)
+        return c
+
     def _worker(self, role: str, i: int, module: str, extra, port: int | None = None) -> Proc:
         port = port or free_port()
         p = Proc(f"{role}-{i}", [sys.executable, "-m", module, "--port", str(port), *extra], f"127.0.0.1:{port}")

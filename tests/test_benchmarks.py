@@ -304,10 +304,11 @@ def test_the_transformers_peer_of_a_moe_preset_holds_batons_weights():
     assert ours == hf_greedy(hf, [prompt], 8)[0]
 
 
-def test_kv_smoke_measures_grpc_and_direct_against_their_references(tmp_path):
-    data = _bench(tmp_path, "kv", "--smoke", "--tokens", "20", "--backends", "grpc,direct")   # each spawns processes
+def test_kv_smoke_measures_grpc_direct_and_nixl_against_their_references(tmp_path):
+    data = _bench(tmp_path, "kv", "--smoke", "--tokens", "20", "--backends", "grpc,direct,nixl")   # each spawns processes
     rows = data["results"]["transfers"]
-    assert [(t["backend"], t["tokens"], t["tokens_in_blocks"]) for t in rows] == [("grpc", 20, 32), ("direct", 20, 32)]
+    assert [(t["backend"], t["tokens"], t["tokens_in_blocks"]) for t in rows] == [
+        ("grpc", 20, 32), ("direct", 20, 32), ("nixl", 20, 32)]
     per_token = data["results"]["kv_bytes_per_token"]
     assert per_token == 30 * 2 * 3 * 64 * 2                   # SmolLM2-135M, bf16
     for t in rows:
@@ -326,6 +327,8 @@ def test_kv_smoke_measures_grpc_and_direct_against_their_references(tmp_path):
     steady = direct["sustained"]
     assert steady["transfers"] > steady["window"] >= 2 and steady["fraction_of_reference"] == pytest.approx(
         steady["bytes_per_s"] / direct["reference"]["bandwidth_bytes_per_s"])
+    nixl = rows[2]                   # NIXL over UCX between two processes, measured as direct is
+    assert nixl["backend_config"]["processes"] == 2 and nixl["sustained"]["bytes_per_s"] > 0
 
 
 def test_serve_smoke_launches_1p1d_and_reports_every_request(tmp_path):

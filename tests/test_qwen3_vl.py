@@ -218,3 +218,13 @@ def test_disaggregated_request_decodes_at_the_offset_and_a_preempted_one_ends_wi
 def prefill_offset(engine, ids, chat) -> int:
     _, images = split_content_parts(chat)
     return MultimodalPrompt.for_prompt(ids, images, engine.placeholders).position_offset
+
+
+def test_qwen3_vl_keeps_the_vision_language_protocol_the_engine_talks_to(llm):
+    from pathlib import Path
+
+    from baton.engine import vision_step
+    from baton.models.vision_language import VisionLanguageModel
+    model = llm.engine.runner.model
+    assert isinstance(model, VisionLanguageModel) and model.image_embed_dim == model.config.text_config.hidden_size
+    assert "qwen3_vl" not in Path(vision_step.__file__).read_text()      # the engine names no model

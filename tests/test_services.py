@@ -11,15 +11,24 @@ import pytest
 from cluster import Cluster
 
 from baton.engine import SamplingParams
-from baton.v1 import router_pb2
+from baton.kvtransfer import registry as kv_registry
+from baton.v1 import decode_pb2_grpc, prefill_pb2_grpc, router_pb2, worker_pb2
 
 pytestmark = pytest.mark.timeout(600)
 
 
 
-@pytest.fixture(scope="module")
-def cluster(pd_cluster):
-    return pd_cluster
+@pytest.fixture(scope="module", params=["grpc", pytest.param("nixl", marks=pytest.mark.skipif(
+    not kv_registry.spec("nixl").available(), reason="needs nixl-cu13 (make setup installs it)"))])
+def cluster(request, tmp_path_factory):
+    """grpc: the session's shared stack (separate processes); nixl: `baton serve --kv-backend nixl`."""
+    if request.param == "grpc":
+        yield request.getfixturevalue("pd_cluster")
+        return
+    c = Cluster.serve(tmp_path_factory.mktemp("serve-nixl"), ["--kv-backend", "nixl", "--num-kv-blocks", "256",
+                                                             "--max-num-seqs", "32"])
+    yield c
+    c.stop()
 
 
 def greedy(max_tokens: int, **kw) -> router_pb2.SamplingParams:
@@ -72,6 +81,17 @@ def test_model_and_server_info(cluster):
     assert info.vocab_size == 49152 and info.max_model_len > 0 and list(info.eos_token_ids)
     roles = sorted(w.role for w in cluster.server_info().workers)
     assert roles == ["decode", "prefill"]
+
+
+def test_both_workers_speak_the_stacks_kv_backend_and_the_router_picks_it(cluster, request):
+    backend = request.node.callspec.params["cluster"]
+    spoken = {}
+    for w in cluster.server_info().workers:
+        with grpc.insecure_channel(w.address) as ch:
+            stub = (prefill_pb2_grpc.PrefillStub if w.role == "prefill" else decode_pb2_grpc.DecodeStub)(ch)
+            spoken[w.role] = list(stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5).kv_backends)
+    assert spoken["prefill"] == spoken["decode"] == kv_registry.spoken(backend)
+    assert kv_registry.pick(spoken["prefill"], spoken["decode"], same_accelerator=False) == backend
 
 
 def _start_stream(stub, rid: str, max_tokens=400, timeout=120):

@@ -47,4 +47,15 @@ from baton.kvtransfer.direct_backend.pair import PairGroup
 from baton.kvtransfer.direct_backend.receiver import DirectKVReceiver
 from baton.kvtransfer.direct_backend.sender import DirectKVSender, DirectOutgoing
 
-__all__ = ["BACKEND", "DirectKVReceiver", "DirectKVSender", "DirectOutgoing", "PairGroup"]
+__all__ = ["BACKEND", "DirectKVReceiver", "DirectKVSender", "DirectOutgoing", "PairGroup", "make_receiver",
+           "make_sender"]
+
+
+def make_sender(ctx) -> DirectKVSender:
+    return DirectKVSender(ctx.channel, ctx.address, ctx.platform, auth=ctx.auth,
+                          nccl=ctx.options.get("kv_nccl", "direct"), stall_s=ctx.options.get("kv_fault_stall_s", 0.0))
+
+
+def make_receiver(ctx) -> DirectKVReceiver:
+    return DirectKVReceiver(ctx.pending, ctx.platform, ctx.layout.payload_nbytes(1), ctx.store_host, auth=ctx.auth,
+                            nccl=ctx.options.get("kv_nccl", "direct"))

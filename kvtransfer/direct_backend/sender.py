@@ -25,7 +25,7 @@ from baton.kvtransfer.backend import (
 from baton.kvtransfer.direct_backend.messages import BACKEND, Ack, Code, Msg, status_code, strings
 from baton.kvtransfer.direct_backend.outbox import Outbox
 from baton.kvtransfer.direct_backend.pair import JOIN_TIMEOUT_S, PairGroup
-from baton.kvtransfer.grpc_backend import GrpcKVSender
+from baton.kvtransfer.handshake import handshake
 from baton.kvtransfer.layout import KVLayout
 from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
@@ -300,7 +300,7 @@ class DirectKVSender(KVSender):
         self.collective = platform.dist_backend
         self.nccl = nccl
         self.stub = kvtransfer_pb2_grpc.KVDirectStub(channel)
-        self._handshaker = GrpcKVSender(channel, auth=auth)
+        self.auth = auth
         self.peer_layout: KVLayout | None = None
         self._layout: KVLayout | None = None
         self.block_bytes = 0
@@ -318,12 +318,9 @@ class DirectKVSender(KVSender):
 
     async def handshake(self, layout: KVLayout, timeout: float = 10.0) -> KVLayout:
         self._layout = layout
-        peer = await self._handshaker.handshake(layout, timeout)
-        if BACKEND not in peer.backends:
-            raise KVTransferError(f"the decode worker at {self.address} does not take device-direct KV "
-                                  f"(it speaks {peer.backends}); start both with --kv-backend direct",
-                                  Code.FAILED_PRECONDITION)
-        self._metadata = self._handshaker.session_metadata
+        done = await handshake(self.channel, self.address, layout, self.auth, timeout, backend=BACKEND)
+        peer = done.peer
+        self._metadata = done.metadata
         self.peer_layout = peer
         self.block_bytes = layout.payload_nbytes(1)
         return peer

@@ -5,4 +5,12 @@ the zero-copy framing of data chunks."""
 from baton.kvtransfer.grpc_backend.sender import GrpcKVSender, GrpcOutgoing
 from baton.kvtransfer.grpc_backend.servicer import KVTransferServicer
 
-__all__ = ["GrpcKVSender", "GrpcOutgoing", "KVTransferServicer"]
+__all__ = ["GrpcKVSender", "GrpcOutgoing", "KVTransferServicer", "make_receiver", "make_sender"]
+
+
+def make_sender(ctx) -> GrpcKVSender:
+    return GrpcKVSender(ctx.channel, auth=ctx.auth)
+
+
+def make_receiver(ctx) -> KVTransferServicer:
+    return KVTransferServicer(ctx.pending, ctx.layout, auth=ctx.auth)

@@ -36,8 +36,9 @@ from baton.kvtransfer.grpc_options import (
     MAX_CHUNK_BYTES,
     channel_options,
 )
-from baton.kvtransfer.layout import KVLayout, check_compatible
-from baton.kvtransfer.peer_auth import SESSION_KEY, KVPeerAuth, PeerAuthError
+from baton.kvtransfer.handshake import handshake
+from baton.kvtransfer.layout import KVLayout
+from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 Ack = kvtransfer_pb2.KVAck
@@ -78,30 +79,15 @@ class GrpcKVSender(KVSender):
         self._metadata: tuple[tuple[str, str], ...] = ()
 
     async def handshake(self, layout: KVLayout, timeout: float = 10.0) -> KVLayout:
-        request = kvtransfer_pb2.HandshakeRequest(layout=layout.to_proto())
-        if self.auth is not None:
-            request.nonce, request.unix_ms, request.proof = self.auth.hello(
-                request.layout.SerializeToString(deterministic=True))
-        try:
-            reply = await self.stub.Handshake(request, timeout=timeout)
-            if self.auth is not None:
-                self.auth.check_reply(request.nonce, reply.session, reply.proof)
-            peer = KVLayout.from_proto(reply.layout)
-            check_compatible(layout, peer, local_role="prefill", remote_role="decode")
-        except grpc.aio.AioRpcError as exc:
-            raise KVTransferError(f"KV handshake with {self.address} failed: {exc.details()}", exc.code()) from exc
-        except PeerAuthError as exc:
-            raise KVTransferError(f"KV handshake with {self.address}: {exc}", Code.UNAUTHENTICATED) from exc
-        except ValueError as exc:               # an unusable or mismatching layout in the reply
-            raise KVTransferError(f"KV handshake with {self.address}: {exc}", Code.FAILED_PRECONDITION) from exc
+        done = await handshake(self.channel, self.address, layout, self.auth, timeout)
         self._layout = layout
-        self._metadata = ((SESSION_KEY, reply.session.hex()),) if reply.session else ()
-        if reply.max_chunk_bytes:
-            self.chunk_bytes = min(self.chunk_bytes, reply.max_chunk_bytes)
-        if reply.max_window_bytes:
-            self.window_bytes = max(self.chunk_bytes, min(self.window_bytes, reply.max_window_bytes))
-        self.peer_layout = peer
-        return peer
+        self._metadata = done.metadata
+        if done.max_chunk_bytes:
+            self.chunk_bytes = min(self.chunk_bytes, done.max_chunk_bytes)
+        if done.max_window_bytes:
+            self.window_bytes = max(self.chunk_bytes, min(self.window_bytes, done.max_window_bytes))
+        self.peer_layout = done.peer
+        return done.peer
 
     @property
     def session_metadata(self) -> tuple[tuple[str, str], ...]:

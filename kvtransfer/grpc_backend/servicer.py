@@ -17,8 +17,9 @@ import numpy as np
 from baton.kvtransfer.backend import KVReceiver
 from baton.kvtransfer.grpc_backend.chunk_codec import decode_chunk
 from baton.kvtransfer.grpc_options import DEFAULT_WINDOW_BYTES, MAX_CHUNK_BYTES
-from baton.kvtransfer.layout import KVLayout, KVLayoutMismatch, check_compatible
-from baton.kvtransfer.peer_auth import KVPeerAuth, PeerAuthError, session_of
+from baton.kvtransfer.handshake import answer
+from baton.kvtransfer.layout import KVLayout
+from baton.kvtransfer.peer_auth import KVPeerAuth, session_of
 from baton.kvtransfer.receiver import PendingTransfers, Transfer, TransferRejected
 from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
@@ -67,23 +68,7 @@ class KVTransferServicer(kvtransfer_pb2_grpc.KVTransferServicer, KVReceiver):
         server.add_registered_method_handlers(SERVICE, handlers)
 
     async def Handshake(self, request, context):
-        try:
-            remote = KVLayout.from_proto(request.layout)
-        except ValueError as exc:
-            await context.abort(Code.INVALID_ARGUMENT, f"the prefill worker sent an unusable KV layout: {exc}")
-        session = proof = b""
-        if self.auth is not None:     # the secret first: a stranger learns nothing, not even our layout
-            try:
-                session, proof = self.auth.accept(request.nonce, request.unix_ms, request.proof,
-                                                  request.layout.SerializeToString(deterministic=True))
-            except PeerAuthError as exc:
-                await context.abort(Code.UNAUTHENTICATED, str(exc))
-        try:
-            check_compatible(self.layout, remote)
-        except KVLayoutMismatch as exc:
-            await context.abort(Code.FAILED_PRECONDITION, str(exc))
-        return kvtransfer_pb2.HandshakeResponse(layout=self.layout.to_proto(), max_chunk_bytes=self.max_chunk_bytes,
-                                                max_window_bytes=self.max_window_bytes, session=session, proof=proof)
+        return await answer(self.layout, self.auth, request, context, self.max_chunk_bytes, self.max_window_bytes)
 
     async def Push(self, request_iterator, context):
         push = _PushSession(self, context)

@@ -105,6 +105,16 @@ class MemoryOutgoing(OutgoingTransfer):
             self.abandon("pieces out of order")
             raise KVTransferError(f"transfer {self.t.transfer_id}: a piece from block {piece.first_block} where "
                                   f"block {self.next_block} was due", Code.INVALID_ARGUMENT)
+        if self.num_blocks and _nbytes(piece.data) != piece.num_blocks * self.t.nbytes // self.num_blocks:
+            self.abandon("payload mismatch")
+            raise KVTransferError(f"transfer {self.t.transfer_id}: a piece of {piece.num_blocks} blocks must hold "
+                                  f"{piece.num_blocks * self.t.nbytes // self.num_blocks} bytes, not "
+                                  f"{_nbytes(piece.data)}", Code.INVALID_ARGUMENT)
+        if piece.last and piece.first_block + piece.num_blocks != self.num_blocks and self.num_blocks:
+            self.abandon("the last piece came early")
+            raise KVTransferError(f"transfer {self.t.transfer_id}: the last piece ends at block "
+                                  f"{piece.first_block + piece.num_blocks} of {self.num_blocks} (a truncated payload)",
+                                  Code.INVALID_ARGUMENT)
         if piece.ready is not None:
             piece.ready.synchronize()
         self.t.buffer.append((piece.first_block, piece.num_blocks, piece.data))
@@ -126,3 +136,17 @@ class MemoryOutgoing(OutgoingTransfer):
 
     def abandon(self, reason: str) -> None:
         self.pending.fail(self.t.transfer_id, f"the prefill worker gave it up: {reason}", Code.ABORTED)
+
+
+def _nbytes(data) -> int:
+    if hasattr(data, "element_size"):                # a tensor
+        return data.numel() * data.element_size()
+    return memoryview(data).nbytes
+
+
+def make_sender(ctx) -> MemoryKVSender:
+    return MemoryKVSender(ctx.address)
+
+
+def make_receiver(ctx) -> MemoryKVReceiver:
+    return MemoryKVReceiver(ctx.pending, ctx.layout, ctx.address)

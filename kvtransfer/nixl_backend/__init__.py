@@ -1,0 +1,26 @@
+"""The NIXL KV backend ("nixl"): the prefill worker writes a request's KV straight into memory
+the decode worker staged and registered for it, through NIXL's UCX backend (UCX picks the
+transport: shared memory or CMA between processes of one host, RDMA between hosts, CUDA IPC
+or GPUDirect between GPUs). gRPC carries only the handshake and one small control stream per
+transfer (wire.py); a NIXL notification, sent once every write completed, carries the first
+token.
+
+Memory: on the CPU both ends register host memory (DRAM); on a GPU the decode worker stages
+in device memory (VRAM) and the prefill worker's pieces are device tensors, so no byte goes
+through the host. Ascend NPUs: NIXL has no Ascend memory type; use direct (HCCL) there.
+
+Files: agent.py (the NIXL package, agents, descriptors), wire.py (the control stream),
+receiver.py (decode side), sender.py (prefill side).
+"""
+from baton.kvtransfer.nixl_backend.receiver import NixlKVReceiver
+from baton.kvtransfer.nixl_backend.sender import BACKEND, NixlKVSender, NixlOutgoing
+
+__all__ = ["BACKEND", "NixlKVReceiver", "NixlKVSender", "NixlOutgoing", "make_receiver", "make_sender"]
+
+
+def make_sender(ctx) -> NixlKVSender:
+    return NixlKVSender(ctx.channel, ctx.address, auth=ctx.auth)
+
+
+def make_receiver(ctx) -> NixlKVReceiver:
+    return NixlKVReceiver(ctx.pending, ctx.layout, ctx.platform.device, auth=ctx.auth)

@@ -1,0 +1,218 @@
+"""The decode side of the nixl backend: the `baton.v1.KVNixl` service. Each transfer's stream
+claims it in `PendingTransfers`, stages a buffer (host memory on the CPU, device memory on a
+GPU), registers it with this worker's NIXL agent and tells the prefill worker where it lies;
+the prefill worker's NIXL writes land there, and its notification completes the transfer.
+
+A transfer that ends any other way (refused, abandoned, the stream broken, the deadline) is
+failed once, through the registry. Its buffer is not reused at once: a write the sender posted
+may still land (UCX's shared-memory and CMA paths write by address, registration or not), so it
+is kept, registered, for QUARANTINE_S before it is dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+import grpc
+import torch
+
+from baton.kvtransfer.backend import KVReceiver
+from baton.kvtransfer.layout import KVLayout
+from baton.kvtransfer.nixl_backend import wire
+from baton.kvtransfer.nixl_backend.agent import device_id, mem_type, new_agent
+from baton.kvtransfer.peer_auth import KVPeerAuth, session_of
+from baton.kvtransfer.receiver import PendingTransfers, Transfer, TransferRejected
+
+log = logging.getLogger("baton.kvtransfer")
+Code = grpc.StatusCode
+OPEN_TIMEOUT_S = 10.0            # a stream must say which transfer it carries by then
+POLL_S = 0.0005                  # notification polling, only while transfers are open; the wait doubles
+POLL_MAX_S = 0.004               # while nothing comes, up to this (the engine thread wants the GIL too)
+QUARANTINE_S = 30.0              # how long the buffer of a transfer that ended early stays untouched
+
+
+class _Incoming:
+    """One transfer being written into this worker's staged buffer."""
+
+    def __init__(self, t: Transfer, sender_agent: str, blocks: int):
+        self.t = t
+        self.sender_agent = sender_agent
+        self.blocks = blocks
+        self.reg = None                              # NIXL registration of t.buffer
+        self.landed: asyncio.Future = asyncio.get_running_loop().create_future()   # the notification
+
+
+class NixlKVReceiver(KVReceiver):
+    backend = "nixl"
+
+    def __init__(self, pending: PendingTransfers, layout: KVLayout, device: torch.device,
+                 auth: KVPeerAuth | None = None):
+        self.pending = pending
+        self.layout = layout
+        self.device = torch.device(device)
+        self.auth = auth
+        self.agent = new_agent("decode")
+        self.incoming: dict[str, _Incoming] = {}    # transfer id -> ...
+        self.quarantine: list[tuple[float, object, torch.Tensor]] = []
+        self._poller: asyncio.Task | None = None
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        handler = grpc.stream_stream_rpc_method_handler(self.Transfer, request_deserializer=wire.decode,
+                                                        response_serializer=wire.encode)
+        handlers = {"Transfer": handler}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE, handlers),))
+        server.add_registered_method_handlers(wire.SERVICE, handlers)
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        for tid in list(self.incoming):
+            self.pending.fail(tid, "the decode worker's KV receiver closed", Code.UNAVAILABLE)
+        self._release_quarantine(force=True)
+
+    # -- one stream, one transfer ----------------------------------------------------------------
+    async def Transfer(self, request_iterator, context):   # noqa: N802 - the RPC's name
+        if self.auth is not None and not self.auth.session_valid(session_of(context.invocation_metadata())):
+            await context.abort(Code.UNAUTHENTICATED, "KV transfer without a valid session: handshake with the "
+                                "shared KV secret first (a restarted decode worker forgets old sessions)")
+        inc = None
+        try:
+            inc = await self._open(context)
+            await context.write({"ready": self._where(inc)})
+            await self._until_landed(inc, context)
+            await context.write({"done": True})
+        except TransferRejected as exc:
+            if inc is not None:
+                self.pending.fail(inc.t.transfer_id, str(exc), exc.code)
+            with contextlib.suppress(Exception):
+                await context.write({"refused": str(exc), "code": exc.code.value[0]})
+            await context.abort(exc.code, str(exc))
+        finally:      # cancelled (the sender gave up or died), or any other way out
+            if inc is not None:
+                self._end(inc, "the prefill worker's stream ended before the transfer completed")
+
+    async def _open(self, context) -> _Incoming:
+        try:
+            msg = await asyncio.wait_for(context.read(), OPEN_TIMEOUT_S)
+        except TimeoutError:
+            raise TransferRejected(Code.DEADLINE_EXCEEDED, f"no open message within {OPEN_TIMEOUT_S:g}s") from None
+        if msg is grpc.aio.EOF or "open" not in msg:
+            raise TransferRejected(Code.INVALID_ARGUMENT, "a KVNixl stream must start with an open message")
+        t = self.pending.lookup(str(msg["open"]))
+        nbytes, agent = msg.get("nbytes"), msg.get("agent")
+        if not isinstance(nbytes, int) or not isinstance(agent, str) or not agent:
+            self.pending.fail(t.transfer_id, "its open message lacked nbytes or agent", Code.INVALID_ARGUMENT)
+            raise TransferRejected(Code.INVALID_ARGUMENT, f"the open of {t.transfer_id} must state nbytes and agent")
+        self.pending.claim(t, nbytes)                      # size checked; one stream per transfer
+        inc = _Incoming(t, agent, nbytes // self.layout.block_nbytes)
+        self.incoming[t.transfer_id] = inc
+        await self.pending.stage(t, allocate=self._allocate)
+        try:
+            inc.reg = self.agent.register_memory(t.buffer)
+        except Exception as exc:
+            raise TransferRejected(Code.UNAVAILABLE, f"NIXL could not register the {nbytes}-byte buffer of "
+                                   f"{t.transfer_id}: {exc}") from exc
+        self._ensure_polling()
+        return inc
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        self._release_quarantine()
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+
+    def _where(self, inc: _Incoming) -> dict:
+        buf = inc.t.buffer
+        md = self.agent.get_partial_agent_metadata(inc.reg, inc_conn_info=True)
+        return {"md": wire.b64(md), "addr": buf.data_ptr(), "dev": device_id(buf), "mem": mem_type(buf)}
+
+    async def _until_landed(self, inc: _Incoming, context) -> None:
+        """Until the notification completes the transfer; the stream may only abandon meanwhile."""
+        reader = asyncio.ensure_future(context.read())
+        try:
+            left = self.pending.time_left(inc.t)
+            done, _ = await asyncio.wait({reader, inc.landed}, timeout=max(0.0, left),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if inc.landed in done:
+                self._land(inc, inc.landed.result())
+                return
+            self.pending.check_active(inc.t)               # the reaper ended it: how, precisely
+            if not done:
+                raise TransferRejected(Code.DEADLINE_EXCEEDED, f"transfer {inc.t.transfer_id} missed its deadline")
+            msg = reader.result()
+            if msg is grpc.aio.EOF:
+                raise TransferRejected(Code.DATA_LOSS, f"the prefill worker closed the stream of "
+                                       f"{inc.t.transfer_id} before its KV landed")
+            if "abandon" in msg:
+                raise TransferRejected(Code.ABORTED, f"the prefill worker gave it up: {msg['abandon']}")
+            raise TransferRejected(Code.INVALID_ARGUMENT, f"unexpected message on the stream of "
+                                   f"{inc.t.transfer_id}: {sorted(msg)}")
+        finally:
+            reader.cancel()
+
+    def _land(self, inc: _Incoming, note: dict) -> None:
+        t = inc.t
+        if note.get("blocks") != inc.blocks:
+            raise TransferRejected(Code.DATA_LOSS, f"transfer {t.transfer_id} says it wrote {note.get('blocks')} "
+                                   f"blocks; {inc.blocks} were reserved (a truncated payload)")
+        first_token, extra = note.get("first_token"), note.get("extra") or {}
+        if not isinstance(first_token, int) or not isinstance(extra, dict):
+            raise TransferRejected(Code.INVALID_ARGUMENT, f"transfer {t.transfer_id}: a garbled notification")
+        buf = t.buffer
+        payload = memoryview(buf.numpy()) if buf.device.type == "cpu" else buf
+        self._deregister(inc)                              # every write is done: nothing more lands
+        self.pending.complete(t, first_token, {str(k): str(v) for k, v in extra.items()}, payload)
+
+    # -- notifications -----------------------------------------------------------------------------
+    def _ensure_polling(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.ensure_future(self._poll())
+
+    async def _poll(self) -> None:
+        wait = POLL_S
+        while self.incoming:
+            news = self.agent.get_new_notifs()
+            for agent, notes in news.items():
+                for raw in notes:
+                    self._notified(agent, raw)
+            wait = POLL_S if news else min(2 * wait, POLL_MAX_S)
+            await asyncio.sleep(wait)
+
+    def _notified(self, agent: str, raw: bytes) -> None:
+        try:
+            note = json.loads(raw)
+            inc = self.incoming.get(note["tid"])
+        except (ValueError, KeyError, TypeError):
+            log.warning("a NIXL notification from %s is not a Baton one; ignored", agent)
+            return
+        if inc is None or inc.sender_agent != agent or inc.landed.done():
+            log.warning("a NIXL notification from %s for a transfer it does not hold; ignored", agent)
+            return
+        inc.landed.set_result(note)
+
+    # -- the end of a transfer ---------------------------------------------------------------------
+    def _end(self, inc: _Incoming, reason: str) -> None:
+        self.incoming.pop(inc.t.transfer_id, None)
+        self.pending.fail(inc.t.transfer_id, reason, Code.CANCELLED)     # no-op once it ended
+        self._hold(inc)                                    # unless it landed, a write may still be on its way
+
+    def _hold(self, inc: _Incoming) -> None:
+        if inc.reg is not None:
+            self.quarantine.append((time.monotonic() + QUARANTINE_S, inc.reg, inc.t.buffer))
+            inc.reg = None
+
+    def _deregister(self, inc: _Incoming) -> None:
+        if inc.reg is not None:
+            self.agent.deregister_memory(inc.reg)
+            inc.reg = None
+
+    def _release_quarantine(self, force: bool = False) -> None:
+        now = time.monotonic()
+        keep = []
+        for until, reg, buf in self.quarantine:
+            if force or until <= now:
+                self.agent.deregister_memory(reg)
+            else:
+                keep.append((until, reg, buf))
+        self.quarantine = keep

@@ -1,0 +1,47 @@
+"""The nixl backend's control stream: one `baton.v1.KVNixl/Transfer` stream per transfer, small
+JSON messages (no proto: the bytes move through NIXL, the stream only says where and when).
+
+    prefill -> decode                          decode -> prefill
+    {"open": tid, "nbytes": n, "agent": name}  {"ready": {"md", "addr", "dev", "mem"}}: staged and
+                                               registered; md is the agent metadata to load
+    (bytes: NIXL writes; then a NIXL notification {"tid", "first_token", "extra", "blocks"})
+                                               {"done": true}: landed, the decode engine has it
+    {"abandon": reason}                        {"refused": reason, "code": n}, then the status
+
+Ending the stream early (a cancel, the sender's death) fails the transfer on the decode side.
+"""
+from __future__ import annotations
+
+import base64
+import json
+
+import grpc
+
+SERVICE = "baton.v1.KVNixl"
+TRANSFER_METHOD = f"/{SERVICE}/Transfer"
+Code = grpc.StatusCode
+
+
+def encode(msg: dict) -> bytes:
+    return json.dumps(msg, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes) -> dict:
+    """A control message; anything but a JSON object becomes {"garbled": ...}, which both ends refuse."""
+    try:
+        msg = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return {"garbled": str(exc)}
+    return msg if isinstance(msg, dict) else {"garbled": f"a {type(msg).__name__}, not an object"}
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def code_of(number: int) -> grpc.StatusCode:
+    return next((c for c in grpc.StatusCode if c.value[0] == number), Code.UNKNOWN)
