@@ -374,41 +374,37 @@ class ModelRunner:
         padded to k guesses (padding: token 0 at the last real position, KV slot -1, no logits)."""
         bs, q, items = self.block_size, 1 + self.pad_guesses_to, out.scheduled
         n = len(items)
+        lasts = np.fromiter((item.seq.num_tokens - 1 for item in items), np.int64, n)
+        reals = np.fromiter((1 + len(item.draft) for item in items), np.int64, n)
         # wide enough for the padding's positions, which may read block 0 (valid memory, never -1)
-        width = max(max(len(item.seq.block_table), -(-(item.seq.num_tokens - 1 + q) // bs)) for item in items)
+        width = max(max(len(item.seq.block_table) for item in items), int(-(-(lasts.max() + q) // bs)))
         tables = np.zeros((n, width), np.int32)
-        ids = np.zeros(n * q, np.int64)
-        positions = np.empty(n * q, np.int64)
-        slots = np.full(n * q, -1, np.int64)
-        logit_rows, sample_positions = [], []
+        ids = np.zeros((n, q), np.int64)
         for i, item in enumerate(items):
-            seq = item.seq
-            tables[i, :len(seq.block_table)] = seq.block_table
-            real = 1 + len(item.draft)
-            last = seq.num_tokens - 1
-            ids[i * q:i * q + real] = [seq.token_ids[-1], *item.draft]
-            pos = np.arange(last, last + real)
-            positions[i * q:(i + 1) * q] = last + real - 1
-            positions[i * q:i * q + real] = pos
-            slots[i * q:i * q + real] = tables[i, pos // bs].astype(np.int64) * bs + pos % bs
-            logit_rows.extend(range(i * q, i * q + real))
-            sample_positions.extend(range(seq.num_tokens, seq.num_tokens + real))
-        rows = np.repeat(np.arange(n), [1 + len(item.draft) for item in items])
+            table = item.seq.block_table
+            tables[i, :len(table)] = table
+            ids[i, :reals[i]] = [item.seq.token_ids[-1], *item.draft]
+        offsets = np.arange(q)[None, :]
+        real = offsets < reals[:, None]                                   # [n, q]
+        positions = lasts[:, None] + np.minimum(offsets, reals[:, None] - 1)
+        slots = np.where(real, tables[np.arange(n)[:, None], positions // bs].astype(np.int64) * bs + positions % bs, -1)
+        logit_rows = np.flatnonzero(real.reshape(-1))
+        sample_positions = (lasts[:, None] + 1 + offsets)[real]
+        rows = np.repeat(np.arange(n), reals)
         params = [items[r].seq.params for r in rows.tolist()]
         seqs = [items[r].seq for r in rows.tolist()]
         return StepInputs(
-            is_decode=False, input_ids=ids, positions=positions, slots=slots,
+            is_decode=False, input_ids=ids.reshape(-1), positions=positions.reshape(-1), slots=slots.reshape(-1),
             query_starts=(np.arange(n + 1) * q).astype(np.int32),
-            seq_lens=np.array([item.seq.num_tokens - 1 + q for item in items], np.int32), block_tables=tables,
+            seq_lens=(lasts + q).astype(np.int32), block_tables=tables,
             max_query_len=q, has_context=True, rows=rows, sample_items=rows.copy(), num_decode_rows=0,
             temperatures=np.array([p.temperature for p in params], np.float32),
             top_ks=np.array([p.top_k for p in params], np.int64),
             top_ps=np.array([p.top_p for p in params], np.float32),
             seeds=np.array([_signed64(s.sampling_seed or 0) for s in seqs], np.int64),
             has_seed=np.array([s.sampling_seed is not None for s in seqs], np.bool_),
-            sample_positions=np.array(sample_positions, np.int64),
-            pending_dst=np.zeros(0, np.int64), pending_src=np.zeros(0, np.int64),
-            logit_rows=np.array(logit_rows, np.int64), uniform_query_len=q)
+            sample_positions=sample_positions, pending_dst=np.zeros(0, np.int64), pending_src=np.zeros(0, np.int64),
+            logit_rows=logit_rows, uniform_query_len=q)
 
     def _device_inputs(self, h: StepInputs) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor, SamplingBatch]:
         """Everything to the device in one copy (HostUpload)."""

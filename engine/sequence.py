@@ -37,7 +37,7 @@ class Sequence:
         "num_cached_tokens", "block_table", "status", "params", "finish_reason", "max_model_len",
         "arrival", "num_preemptions", "sampling_seed", "num_hashed_blocks", "kv_ticket",
         "num_blocks_handed_off", "num_pending_tokens", "mm", "logprobs", "prompt_logprobs",
-        "prompt_token_set", "draft",
+        "prompt_token_set", "draft", "ngram_index",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -62,6 +62,7 @@ class Sequence:
         self.num_pending_tokens = 0         # trailing PENDING tokens (asynchronous scheduling)
         self.mm = None                      # MultimodalPrompt (engine/multimodal.py) of a prompt with images
         self.draft: list[int] = []          # guesses of its next tokens for this step (engine/speculative.py)
+        self.ngram_index = None             # ...and where its n-grams occur (speculative.NgramIndex)
         self.logprobs = None                # {token index: TokenLogprob} of sampled tokens (params.logprobs)
         self.prompt_logprobs = None         # {token index: TokenLogprob} of prompt tokens (params.prompt_logprobs)
         self.prompt_token_set = None        # the prompt's distinct tokens, once a repetition penalty needs them

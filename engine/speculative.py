@@ -26,31 +26,46 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from baton.engine.config import SPECULATIVE_METHODS as METHODS
 from baton.engine.sequence import Sequence
 
 
-class NgramProposer:
-    def __init__(self, k: int, max_ngram: int = 4, min_ngram: int = 1, window: int = 4096):
-        self.k, self.max_ngram, self.min_ngram, self.window = k, max_ngram, min_ngram, window
+class NgramIndex:
+    """Where each n-gram (n = 1..max_ngram) of one sequence last ended, kept up to date as tokens
+    arrive: a lookup per step instead of a scan of the whole sequence."""
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        """Up to min(k, limit) guesses of what follows `token_ids` (the last `window` tokens searched)."""
+    __slots__ = ("ends", "upto")
+
+    def __init__(self, max_ngram: int):
+        self.ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
+        self.upto = 0           # n-grams ending at positions <= upto are indexed (end = exclusive index)
+
+    def extend(self, token_ids: list[int], end: int) -> None:
+        """Index the n-grams ending at upto+1 .. end (exclusive ends: tokens[e-n:e])."""
+        for e in range(self.upto + 1, end + 1):
+            for n in range(1, min(e, len(self.ends) - 1) + 1):
+                self.ends[n][tuple(token_ids[e - n:e])] = e
+        self.upto = max(self.upto, end)
+
+
+class NgramProposer:
+    def __init__(self, k: int, max_ngram: int = 4, min_ngram: int = 1):
+        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+
+    def propose(self, token_ids: list[int], limit: int, index: NgramIndex | None = None) -> list[int]:
+        """Up to min(k, limit) guesses of what follows `token_ids`: the tokens after the latest
+        earlier occurrence of its longest repeated suffix. `index`: the sequence's own, reused
+        from step to step (a new one otherwise)."""
         limit = min(self.k, limit)
-        if limit <= 0 or len(token_ids) < self.min_ngram + 1:
+        length = len(token_ids)
+        if limit <= 0 or length < self.min_ngram + 1:
             return []
-        ids = np.asarray(token_ids[-self.window:], dtype=np.int64)
-        n_ids = len(ids)
-        for n in range(min(self.max_ngram, n_ids - 1), self.min_ngram - 1, -1):
-            pattern = ids[n_ids - n:]
-            # every earlier start i (i + n < n_ids, so something follows) where ids[i:i+n] == pattern
-            windows = np.lib.stride_tricks.sliding_window_view(ids[:n_ids - 1], n)
-            hits = np.flatnonzero((windows == pattern).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n              # the latest occurrence: the most local context
-                return ids[start:start + limit].tolist()
+        index = index or NgramIndex(self.max_ngram)
+        index.extend(token_ids, length - 1)           # every n-gram something follows
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            end = index.ends[n].get(tuple(token_ids[length - n:]))
+            if end is not None:
+                return token_ids[end:end + limit]
         return []
 
 
@@ -105,8 +120,10 @@ class Speculator:
                     or seq.kv_ticket is not None and seq.kv_ticket.side == "prefill":
                 continue
             # room left: max_tokens and the context both cap the tokens a step may add (guesses + 1)
-            left = min(seq.params.max_tokens - seq.num_completion_tokens, seq.max_model_len - seq.num_tokens) - 1
-            seq.draft = self.proposer.propose(seq.token_ids, left)
+            left = min(p.max_tokens - seq.num_completion_tokens, seq.max_model_len - seq.num_tokens) - 1
+            if seq.ngram_index is None:
+                seq.ngram_index = NgramIndex(self.proposer.max_ngram)
+            seq.draft = self.proposer.propose(seq.token_ids, left, seq.ngram_index)
 
 
 def accept(draft: list[int], sampled: list[int]) -> list[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,15 +25,16 @@ def proto_files() -> list[Path]:
 
 
 def run_protoc(out_root: Path) -> None:
-    """Write the stubs of every proto under out_root/baton/v1/."""
+    """Write the stubs of every proto under out_root/baton/v1/. protoc runs in a process of its own:
+    its compiled library must not meet other native libraries a caller has loaded (NIXL's bundled
+    ones crash it when a test process has both)."""
     import grpc_tools
-    from grpc_tools import protoc
 
     well_known = Path(grpc_tools.__file__).parent / "_proto"     # google/protobuf/*.proto
     (out_root / PACKAGE).mkdir(parents=True, exist_ok=True)
-    args = ["grpc_tools.protoc", f"-I{ROOT}", f"-I{well_known}", f"--python_out={out_root}",
+    args = [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT}", f"-I{well_known}", f"--python_out={out_root}",
             f"--grpc_python_out={out_root}", f"--pyi_out={out_root}", *map(str, proto_files())]
-    if protoc.main(args) != 0:
+    if subprocess.run(args, check=False).returncode != 0:
         raise SystemExit("protoc failed; its messages are above")
 
 

@@ -79,6 +79,23 @@ def test_tiny_architectures_decode_the_same_tokens_with_guesses(tmp_path, arch, 
     assert llm.engine.block_manager.num_free_blocks == 128
 
 
+def test_deterministic_mode_with_guesses_gives_its_plain_tokens(tmp_path):
+    """--deterministic computes a verified row as a decoded one: the same bits, so the same tokens
+    on any device (on a GPU without it, bf16 near-ties may flip)."""
+    from baton.models.source import resolve_model
+    tokenizer_dir = os.environ.get("BATON_TOKENIZER") or resolve_model(None).tokenizer_path
+    path = str(save_tiny_checkpoint("qwen3", tmp_path / "q", tokenizer_dir))
+    g = torch.Generator().manual_seed(6)
+    motif = torch.randint(3, 49152, (5,), generator=g).tolist()
+    prompts = [motif * 5, motif * 3 + [7]]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    common = dict(device=DEVICE, num_kv_blocks=64, deterministic=True)
+    want = [o.token_ids for o in LLM(path, **common).generate(prompts, params)]
+    llm = LLM(path, **common, **SPEC)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.speculator.stats.accepted > 0
+
+
 def test_stops_inside_the_guesses_end_where_plain_decoding_ends(embedded_llm, spec_llm, copy_prompts):
     """max_tokens, a stop token and a stop string met in the middle of kept guesses."""
     tok = embedded_llm.tokenizer
