@@ -86,7 +86,7 @@ def test_a_config_file_sits_between_the_flags_and_the_variables(tmp_path, monkey
     ("no-such-flag: 1\n", "'no-such-flag' is no setting of baton decode"),
     ("- max-num-seqs\n", "must map flag names to values"),
     ("max-num-seqs: [1\n", "not valid YAML"),
-    ("kv-backend: carrier-pigeon\n", "is not one of grpc, direct, memory"),
+    ("kv-backend: carrier-pigeon\n", "kv-backend='carrier-pigeon' is not one of grpc, direct"),
 ])
 def test_a_config_file_that_does_not_parse_says_where(tmp_path, capsys, text, says):
     path = _config(tmp_path, text)
