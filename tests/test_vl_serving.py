@@ -160,8 +160,9 @@ def test_the_last_pieces_meta_reaches_the_decode_side_over_the_memory_backend():
             sender = MemoryKVSender("vl-decode:1")
             await sender.handshake(layout)
             out = await sender.open(TransferDescriptor("t", nbytes=layout.payload_nbytes(2)))
-            await out.piece(KVPiece("r", 0, 1, b"first"))
-            await out.piece(KVPiece("r", 1, 1, b"last", None, 7, {"position_offset": "-42"}))
+            block = bytes(layout.payload_nbytes(1))        # a block's worth: the backends check sizes
+            await out.piece(KVPiece("r", 0, 1, block))
+            await out.piece(KVPiece("r", 1, 1, block, None, 7, {"position_offset": "-42"}))
             await out.done()
         finally:
             await receiver.close()
