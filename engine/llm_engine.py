@@ -52,6 +52,9 @@ class EngineStats:
     awaiting_kv: int
     kv_blocks_total: int
     kv_blocks_free: int
+    spec_draft_tokens: int = 0         # speculative decoding's totals (engine/speculative.py)
+    spec_accepted_tokens: int = 0
+    spec_verified: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,8 +214,10 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         awaiting = sum(s.seq.status is SequenceStatus.AWAITING_KV for s in list(self.states.values()))
+        spec = self.speculator.stats if self.speculator is not None else None
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), awaiting, bm.num_blocks,
-                           bm.num_free_blocks)
+                           bm.num_free_blocks,
+                           *((spec.proposed, spec.accepted, sum(spec.accepted_lengths)) if spec else ()))
 
     # -- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

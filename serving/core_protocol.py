@@ -46,6 +46,11 @@ class CoreStats:
     waiting: int = 0                   # queued in the engine, plus transfers not yet landed (decode)
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
+    # speculative decoding (engine/speculative.py), totals since start: guesses verified, guesses
+    # kept, and sequence-steps that verified guesses
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verified: int = 0
 
 
 class FrameWriter:

@@ -85,6 +85,14 @@ class Metrics:
                                      "health checks but sent them no token for their stall limit", ["role"],
                                      registry=r)
 
+        self.spec_draft_tokens = Counter("baton_spec_draft_tokens", "speculative decoding: guessed tokens "
+                                         "verified", registry=r)
+        self.spec_accepted_tokens = Counter("baton_spec_accepted_tokens", "speculative decoding: guessed tokens "
+                                            "kept (the model sampled the same)", registry=r)
+        self.spec_verified = Counter("baton_spec_verified_sequences", "speculative decoding: sequence-steps that "
+                                     "verified guesses (tokens per such step: accepted / verified + 1)", registry=r)
+        self._spec_seen = (0, 0, 0)
+
         if role == "router":
             r.register(VllmNames(self))
 
@@ -118,12 +126,20 @@ class Metrics:
             raise PortInUse(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; stop the other process "
                             "or pick another with --metrics-port") from None
 
-    def observe_engine(self, running: int, waiting: int, total: int, free: int) -> None:
+    def observe_engine(self, running: int, waiting: int, total: int, free: int,
+                       spec: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """The engine core's gauges, and its speculation totals `spec` (draft, accepted, verified):
+        the counters move by what they grew since the last call."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_blocks_total.set(total)
         self.kv_blocks_free.set(free)
         self.kv_usage.set((total - free) / total if total else 0.0)
+        for counter, now, seen in zip((self.spec_draft_tokens, self.spec_accepted_tokens, self.spec_verified),
+                                      spec, self._spec_seen, strict=True):
+            if now > seen:
+                counter.inc(now - seen)
+        self._spec_seen = tuple(max(a, b) for a, b in zip(spec, self._spec_seen, strict=True))
 
 
 def observe_many(histogram, value: float, count: int) -> None:
@@ -210,6 +226,9 @@ RECORDED_BY = {
     "baton_stream_stalls": "router", "baton_request_prompt_tokens": "router",
     "baton_request_generation_tokens": "router", "baton_prefix_cache_queries": "router",
     "baton_prefix_cache_hits": "router", "baton_router_kv_cache_usage_ratio": "router",
+    "baton_spec_draft_tokens": "decode, colocated (with --speculative-method)",
+    "baton_spec_accepted_tokens": "decode, colocated (with --speculative-method)",
+    "baton_spec_verified_sequences": "decode, colocated (with --speculative-method)",
 }
 
 

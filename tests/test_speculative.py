@@ -153,3 +153,28 @@ def test_unseeded_sampling_keeps_the_target_distribution(tmp_path):
     dof = len(obs) - 1
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
     assert p_value > 1e-4, (stat, dof, p_value)
+
+
+def test_worker_metrics_count_guesses_from_the_cores_totals():
+    """The front turns the engine core's running totals into Prometheus counters (by their growth)."""
+    from prometheus_client import generate_latest
+
+    from baton.serving.metrics import Metrics
+    m = Metrics("decode")
+    m.observe_engine(1, 0, 10, 5, (8, 5, 2))
+    m.observe_engine(1, 0, 10, 5, (8, 5, 2))           # no new step: no change
+    m.observe_engine(1, 0, 10, 5, (12, 6, 3))
+    text = generate_latest(m.registry).decode()
+    assert "baton_spec_draft_tokens_total 12.0" in text
+    assert "baton_spec_accepted_tokens_total 6.0" in text
+    assert "baton_spec_verified_sequences_total 3.0" in text
+
+
+def test_the_engine_core_reports_its_speculation_totals(spec_llm):
+    from baton.serving.engine_core import EngineCore
+    core = EngineCore.__new__(EngineCore)              # only what stats() reads
+    core.engine = spec_llm.engine
+    stats = core.stats()
+    spec = spec_llm.engine.speculator.stats
+    assert (stats.spec_draft_tokens, stats.spec_accepted_tokens, stats.spec_verified) == \
+        (spec.proposed, spec.accepted, sum(spec.accepted_lengths))
