@@ -292,6 +292,8 @@ class LLMEngine:
         """`_resolve` for a step with guesses (engine/speculative.py): each item keeps its guesses
         up to the first the model disagreed with, and the token sampled there."""
         lists = launched.token_lists()
+        if launched.step_logprobs is not None:      # (requests with logprobs never guess: one row each)
+            _record_logprobs(launched, [tokens[-1] if tokens else None for tokens in lists])
         kept = []
         for item, tokens in zip(launched.out.scheduled, lists, strict=True):
             if tokens is not None and item.draft:

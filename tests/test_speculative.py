@@ -96,6 +96,21 @@ def test_deterministic_mode_with_guesses_gives_its_plain_tokens(tmp_path):
     assert llm.engine.speculator.stats.accepted > 0
 
 
+def test_a_request_with_logprobs_beside_one_that_guesses_keeps_its_records(embedded_llm, spec_llm, copy_prompts):
+    """Requests with logprobs decode a token a step; in a step where another verifies guesses they
+    still get one record per token, the plain run's."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with_lp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = [copy_prompts[2], copy_prompts[2]]
+    want = embedded_llm.generate(prompts, [greedy, with_lp])
+    before = spec_llm.engine.speculator.stats.accepted
+    got = spec_llm.generate(prompts, [greedy, with_lp])
+    assert spec_llm.engine.speculator.stats.accepted > before
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [(e.token_id, round(e.logprob, 4)) for e in got[1].logprobs] == \
+        [(e.token_id, round(e.logprob, 4)) for e in want[1].logprobs]
+
+
 def test_stops_inside_the_guesses_end_where_plain_decoding_ends(embedded_llm, spec_llm, copy_prompts):
     """max_tokens, a stop token and a stop string met in the middle of kept guesses."""
     tok = embedded_llm.tokenizer
