@@ -275,35 +275,30 @@ class LLMEngine:
 
     def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
         """The step's tokens are back: hand off the prompt KV it finished, fill in its tokens,
-        finish what ended, and emit."""
-        if any(item.draft for item in launched.out.scheduled):
-            return self._resolve_verified(launched)
-        sampled = launched.tokens()
-        if launched.step_logprobs is not None:
-            _record_logprobs(launched, sampled)
-        failed = self._hand_off_kv(launched.out, sampled)   # before resolve frees a finished prefill's blocks
-        self.scheduler.resolve(launched.out, launched.slots, sampled)
-        outputs = [self._emit(item.seq.request_id) for item, token in zip(launched.out.scheduled, sampled, strict=True)
-                   if token is not None and item.seq.request_id not in failed and item.seq.request_id in self.states
-                   and self.states[item.seq.request_id].seq is item.seq]
-        return outputs + [self._fail(rid, why) for rid, why in failed.items()]
-
-    def _resolve_verified(self, launched: LaunchedStep) -> list[RequestOutput]:
-        """`_resolve` for a step with guesses (engine/speculative.py): each item keeps its guesses
-        up to the first the model disagreed with, and the token sampled there."""
-        lists = launched.token_lists()
+        finish what ended, and emit. An item with guesses (engine/speculative.py) keeps them up to
+        the first the model disagreed with, and the token sampled there."""
+        verified = any(item.draft for item in launched.out.scheduled)
+        if verified:
+            drawn = launched.token_lists()
+            sampled = [tokens[-1] if tokens else None for tokens in drawn]
+        else:
+            sampled = launched.tokens()
         if launched.step_logprobs is not None:      # (requests with logprobs never guess: one row each)
-            _record_logprobs(launched, [tokens[-1] if tokens else None for tokens in lists])
-        kept = []
-        for item, tokens in zip(launched.out.scheduled, lists, strict=True):
-            if tokens is not None and item.draft:
-                tokens = accept(item.draft, tokens)
-                self.speculator.stats.record(len(item.draft), len(tokens) - 1)
-            kept.append(tokens)
-        self.speculator.stats.steps += 1
-        sampled = [tokens[-1] if tokens else None for tokens in kept]
-        failed = self._hand_off_kv(launched.out, sampled)
-        self.scheduler.resolve_verified(launched.out, launched.slots, kept)
+            _record_logprobs(launched, sampled)
+        if verified:
+            kept = []
+            for item, tokens in zip(launched.out.scheduled, drawn, strict=True):
+                if tokens is not None and item.draft:
+                    tokens = accept(item.draft, tokens)
+                    self.speculator.stats.record(len(item.draft), len(tokens) - 1)
+                kept.append(tokens)
+            self.speculator.stats.steps += 1
+            sampled = [tokens[-1] if tokens else None for tokens in kept]
+        failed = self._hand_off_kv(launched.out, sampled)   # before resolve frees a finished prefill's blocks
+        if verified:
+            self.scheduler.resolve_many(launched.out, launched.slots, kept)
+        else:
+            self.scheduler.resolve(launched.out, launched.slots, sampled)
         outputs = [self._emit(item.seq.request_id) for item, token in zip(launched.out.scheduled, sampled, strict=True)
                    if token is not None and item.seq.request_id not in failed and item.seq.request_id in self.states
                    and self.states[item.seq.request_id].seq is item.seq]

@@ -171,7 +171,7 @@ class Scheduler:
         slots: list[int | None] = []
         for item in out.scheduled:
             samples = item.samples                   # (judged before the count moves)
-            # a verified step's guesses count as computed once they are kept (resolve_verified)
+            # a verified step's guesses count as computed once they are kept (resolve_many)
             item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
             slots.append(item.seq.append_pending() if samples else None)
         return slots
@@ -180,30 +180,14 @@ class Scheduler:
         """Once the step's tokens are back: fill in the placeholders, register the blocks they
         completed, finish sequences. A sequence that ended meanwhile drops its placeholders.
         Returns the sequences that finished."""
-        finished = []
-        for item, slot, token in zip(out.scheduled, slots, sampled, strict=True):
-            seq = item.seq
-            if seq.is_finished:
-                seq.drop_pending()
-                continue
-            if slot is not None:
-                seq.fill_pending(slot, token)
-            self.block_manager.register_full_blocks(seq)
-            if slot is None:
-                continue
-            reason = self.stop_reason(seq, token)
-            if reason is not None:
-                self.running.remove(seq)
-                self._finish(seq, reason)
-                finished.append(seq)
-        return finished
+        return self.resolve_many(out, slots, [None if token is None else [token] for token in sampled])
 
-    def resolve_verified(self, out: SchedulerOutput, slots: list[int | None],
-                         kept: list[list[int] | None]) -> list[Sequence]:
-        """`resolve` for a step whose items may carry guesses: `kept` has each item's tokens to
-        append (engine/speculative.accept: the guesses that held and the sampled token after them;
-        one token for an item without guesses). Their KV was computed this step, except the last
-        token's. A stop (EOS, a stop token, max_tokens) inside them ends the sequence there."""
+    def resolve_many(self, out: SchedulerOutput, slots: list[int | None],
+                     kept: list[list[int] | None]) -> list[Sequence]:
+        """`resolve` with each item's tokens to append: one, or for an item with guesses the ones
+        that held and the token sampled after them (engine/speculative.accept). Their KV was
+        computed this step, except the last token's. A stop (EOS, a stop token, max_tokens)
+        inside them ends the sequence there."""
         finished = []
         for item, slot, tokens in zip(out.scheduled, slots, kept, strict=True):
             seq = item.seq
