@@ -9,6 +9,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 SPECULATIVE_METHODS = ("ngram",)        # engine/speculative.py
 DETERMINISTIC_MAX_TP = 2                # engine/batch_invariant.py: an all-reduce of two is one addition
 NPU_GRAPH_MODES = ("aclgraph", "torchair")
+SCHEDULING_POLICIES = ("fcfs", "priority")   # engine/scheduling_policy.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ class EngineConfig:
     speculative_method: str | None = None   # ngram: guess tokens, verify them in one step (engine/speculative.py)
     num_speculative_tokens: int = 4     # guesses per sequence and step
     speculative_max_batch: int = 32     # speculate only while at most this many sequences run
+    scheduling_policy: str = "fcfs"     # fcfs | priority: which waiting request runs next (scheduling_policy.py)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -82,6 +84,9 @@ class EngineConfig:
             raise ValueError(f"--deterministic takes at most {DETERMINISTIC_MAX_TP} tensor-parallel ranks (an "
                              f"all-reduce of more sums in an order NCCL picks by message size), got "
                              f"--tensor-parallel-size {self.tp_size}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.npu_graph_mode not in NPU_GRAPH_MODES:
             raise ValueError(f"npu_graph_mode must be one of {', '.join(NPU_GRAPH_MODES)}, got {self.npu_graph_mode!r}")
 

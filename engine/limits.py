@@ -12,6 +12,7 @@ from baton.engine.sampling_params import SamplingParams
 class ModelLimits:
     vocab_size: int
     max_model_len: int
+    scheduling_policy: str = "fcfs"         # engine/scheduling_policy.py
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError saying what to fix."""
@@ -24,6 +25,9 @@ class ModelLimits:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         params.validate(self.vocab_size)
+        if params.priority and self.scheduling_policy != "priority":
+            raise ValueError(f"priority {params.priority} needs a deployment started with --scheduling-policy "
+                             f"priority (this one schedules {self.scheduling_policy}); send priority 0 or leave it unset")
         if params.prior_output_tokens >= len(token_ids):
             raise ValueError(f"prior_output_tokens ({params.prior_output_tokens}) must be less than the prompt's "
                              f"{len(token_ids)} tokens")

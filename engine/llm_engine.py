@@ -82,7 +82,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len,
+                            self.config.scheduling_policy),
             self.block_manager, set(self.eos_token_ids))
         self.states: dict[str, RequestState] = {}
         # streaming text costs two tokenizer calls per token per request (5 ms a step at batch
@@ -111,7 +112,7 @@ class LLMEngine:
 
     @property
     def limits(self) -> ModelLimits:
-        return ModelLimits(self.vocab_size, self.max_model_len)
+        return ModelLimits(self.vocab_size, self.max_model_len, self.config.scheduling_policy)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         self.limits.validate(token_ids, params)

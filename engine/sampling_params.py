@@ -38,6 +38,9 @@ class SamplingParams:
     # alternatives; of each prompt token after the first (for `echo`). None: none
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # scheduling (engine/scheduling_policy.py, --scheduling-policy priority): lower runs first, as
+    # vLLM's; ties in arrival order. Anything but 0 is refused where the policy is fcfs
+    priority: int = 0
 
     @property
     def processes_logits(self) -> bool:
@@ -97,6 +100,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (the number of alternatives), got {n}")
         if self.prior_output_tokens < 0:
             raise ValueError(f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
+        if not isinstance(self.priority, int) or not -2**31 <= self.priority < 2**31:
+            raise ValueError(f"priority must be a 32-bit integer (lower runs first), got {self.priority!r}")
 
 
 # generation_config.json field -> SamplingParams field: what `--generation-config auto` applies

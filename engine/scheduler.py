@@ -2,15 +2,16 @@
 
 Torch-free. Each step spends a token budget: running sequences first (one token for a
 decode, a chunk for an unfinished prefill), then new ones from the waiting queue, chunked
-to fit. When KV blocks run out, the most recently admitted running sequence is preempted
-by recompute (its blocks are freed; the prefix cache usually brings most of them back).
+to fit. When KV blocks run out, the running sequence the policy ranks last (fcfs: the most
+recently admitted) is preempted by recompute (its blocks are freed; the prefix cache usually
+brings most of them back). The policy (scheduling_policy.py) orders both queues.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from baton.engine.block_manager import BlockManager
+from baton.engine.scheduling_policy import make_queue
 from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -49,6 +50,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
+    policy: str = "fcfs"         # scheduling_policy.POLICIES
 
 
 class Scheduler:
@@ -56,7 +58,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = set(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = make_queue(config.policy)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -67,7 +69,7 @@ class Scheduler:
         if self.block_manager.blocks_needed(seq.num_tokens + 1) > self.block_manager.num_blocks:
             raise ValueError(f"prompt of {seq.num_tokens} tokens cannot fit the KV cache "
                              f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Join a sequence whose KV is already in its blocks (decode side of a handover)."""
@@ -93,12 +95,27 @@ class Scheduler:
         once its pending tokens are filled in gets no more steps."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.waiting.order_running(self.running)
+        if preempt:
+            self._make_room_for_urgent(out)
         budget = self._schedule_running(out, budget, preempt)
         if budget is None:
             return None
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
+
+    def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
+        """While the most urgent waiting sequence outranks the least urgent running one (priority
+        policy only) and cannot start for want of KV blocks or a batch slot, that one gives way."""
+        while self.waiting and self.running:
+            head, tail = self.waiting.peek(), self.running[-1]
+            if not self.waiting.outranks(head, tail):
+                return
+            n = min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+            if len(self.running) < self.config.max_num_seqs and self.block_manager.can_allocate(head, n):
+                return
+            self._preempt(tail, out)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, preempt: bool = True) -> int | None:
         i = 0
@@ -130,7 +147,7 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if not seq.block_table:
                 seq.num_computed_tokens = self.block_manager.match_prefix(seq)
                 if seq.num_preemptions == 0:        # usage reports the first admission's hits
@@ -140,9 +157,13 @@ class Scheduler:
                 if not self.running and not out.scheduled:
                     n = self._shrink_to_fit(seq, n)
                 if n == 0 or not self.block_manager.can_allocate(seq, n):
+                    # a waiting sequence holds no blocks: its prefix hits stay cached for its next
+                    # try, and another may be placed ahead of it meanwhile (a preempted or urgent one)
+                    self.block_manager.free_sequence(seq)
+                    seq.num_computed_tokens = 0
                     break
             self.block_manager.allocate(seq, n)
-            self.waiting.popleft()
+            self.waiting.pop()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
@@ -160,7 +181,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.readd(seq)
         out.preempted.append(seq)
 
     # -- after the model step ---------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Admission control: how many requests the router runs, queues and refuses.
 
 At most `max_inflight` requests are routed to workers at once; up to `max_queued` more wait
-(first come, first served) for a slot, each for no longer than `queue_timeout` or its own
+for a slot (lowest `priority` first, then first come, first served; the workers' own queues
+follow --scheduling-policy), each for no longer than `queue_timeout` or its own
 deadline. Beyond that a request is refused at once with RESOURCE_EXHAUSTED and a
 `retry-after-ms` hint, so overload costs a bounded amount of router memory. Each client
 (its bearer token's name, else its address) may also hold at most
@@ -10,8 +11,10 @@ deadline. Beyond that a request is refused at once with RESOURCE_EXHAUSTED and a
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
+import itertools
 import time
 
 import grpc
@@ -26,7 +29,8 @@ class Admission:
         self.queue_timeout = queue_timeout
         self.max_per_client = max_per_client
         self.inflight = 0
-        self.queue: collections.deque[asyncio.Future] = collections.deque()
+        self.queue: list[tuple[int, int, asyncio.Future]] = []    # (priority, arrival, waiter), sorted
+        self._arrivals = itertools.count()
         self.per_client: collections.Counter[str] = collections.Counter()
         self.refused = 0
         self.peak_inflight = 0
@@ -41,7 +45,7 @@ class Admission:
         return min(30.0, max(0.1, (len(self.queue) + 1) / max(rate, 1e-3)))
 
     @contextlib.asynccontextmanager
-    async def slot(self, client: str, deadline: float):
+    async def slot(self, client: str, deadline: float, priority: int = 0):
         """Hold one running slot for the body; raises ServiceError when refused."""
         if self.max_per_client and self.per_client[client] >= self.max_per_client:
             self.refused += 1
@@ -50,7 +54,7 @@ class Admission:
                                f"(limit {self.max_per_client}); wait for one to finish", retry_after=self.retry_after())
         self.per_client[client] += 1
         try:
-            await self._acquire(deadline)
+            await self._acquire(deadline, priority)
             try:
                 yield
             finally:
@@ -60,7 +64,7 @@ class Admission:
             if self.per_client[client] <= 0:
                 del self.per_client[client]
 
-    async def _acquire(self, deadline: float) -> None:
+    async def _acquire(self, deadline: float, priority: int) -> None:
         if self.inflight < self.max_inflight and not self.queue:
             self._take()
             return
@@ -71,7 +75,7 @@ class Admission:
                                "retry later", retry_after=self.retry_after())
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
-        self.queue.append(waiter)
+        bisect.insort(self.queue, (priority, next(self._arrivals), waiter), key=lambda e: e[:2])
         self.peak_queued = max(self.peak_queued, len(self.queue))
         wait = min(self.queue_timeout, deadline - loop.time())
         try:
@@ -92,8 +96,7 @@ class Admission:
             self._release()
         else:
             waiter.cancel()
-            with contextlib.suppress(ValueError):
-                self.queue.remove(waiter)
+            self.queue = [e for e in self.queue if e[2] is not waiter]
 
     def _take(self) -> None:
         self.inflight += 1
@@ -103,7 +106,7 @@ class Admission:
         self.inflight -= 1
         self._done.append(time.monotonic())
         while self.queue and self.inflight < self.max_inflight:
-            waiter = self.queue.popleft()
+            waiter = self.queue.pop(0)[2]
             if not waiter.done():
                 self._take()
                 waiter.set_result(None)

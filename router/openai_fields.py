@@ -14,7 +14,7 @@ COMMON_HONOURED = {
     "model", "stream", "stream_options", "temperature", "top_p", "max_tokens", "stop", "seed", "n",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     # vLLM's extras
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "priority",
 }
 HONOURED = {
     "completions": COMMON_HONOURED | {"prompt", "echo"},
@@ -40,7 +40,7 @@ COMMON_REFUSED: dict[str, tuple] = {
     "guided_json": _EMPTY, "guided_regex": _EMPTY, "guided_choice": _EMPTY, "guided_grammar": _EMPTY,
     "guided_decoding_backend": _EMPTY, "guided_whitespace_pattern": _EMPTY, "structural_tag": _EMPTY,
     "structured_outputs": _EMPTY, "response_format": (None, {"type": "text"}),
-    "priority": (None, 0), "request_id": _EMPTY, "logits_processors": _EMPTY,
+"request_id": _EMPTY, "logits_processors": _EMPTY,
     "return_tokens_as_token_ids": _OFF, "return_token_ids": _OFF, "cache_salt": _EMPTY,
     "kv_transfer_params": _EMPTY, "vllm_xargs": _EMPTY, "add_special_tokens": (None, True),
     "mm_processor_kwargs": _EMPTY, "min_tokens_per_choice": _NONE, "thinking_token_budget": _NONE,

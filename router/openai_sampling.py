@@ -94,6 +94,11 @@ def sampling(body: dict, chat: bool) -> tuple[router_pb2.SamplingParams, Shape]:
     if not isinstance(ignore, bool):
         raise HTTPError(400, "ignore_eos must be true or false", param="ignore_eos")
     s.ignore_eos = ignore
+    priority = number(body, "priority", int)           # vLLM's: lower first (--scheduling-policy priority)
+    if priority is not None:
+        if not -2**31 <= priority < 2**31:
+            raise HTTPError(400, f"priority must be a 32-bit integer, got {priority}", param="priority")
+        s.priority = priority
     _processing(body, s)
     return s, shape
 

@@ -192,7 +192,7 @@ class RouterService:
         self.active[rid] = active
         clock = RequestClock(self.metrics, len(ids)) if self.metrics else None
         try:
-            async with self.admission.slot(active.client, deadline):
+            async with self.admission.slot(active.client, deadline, params.priority):
                 if clock:
                     clock.admitted()
                 async for resp in self._route(active, ids, params, deadline):

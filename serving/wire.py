@@ -42,6 +42,7 @@ def sampling_from_proto(p: router_pb2.SamplingParams, defaults: dict | None = No
         prior_output_tokens=p.prior_output_tokens,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        priority=p.priority,
     )
 
 
@@ -50,7 +51,8 @@ def sampling_to_proto(s: SamplingParams) -> router_pb2.SamplingParams:
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
         stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, min_p=s.min_p,
-        min_tokens=s.min_tokens, logit_bias=s.logit_bias, prior_output_tokens=s.prior_output_tokens)
+        min_tokens=s.min_tokens, logit_bias=s.logit_bias, prior_output_tokens=s.prior_output_tokens,
+        priority=s.priority)
     if s.repetition_penalty != 1.0:
         p.repetition_penalty = s.repetition_penalty
     if s.logprobs is not None:

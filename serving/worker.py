@@ -58,7 +58,7 @@ class EngineWorker:
         self.core = start_core(self.cfg, self.cfg.engine_core or self.core_target, on_updates=self.on_updates,
                                on_metrics=self._record, on_death=self._core_died)
         self.info = info = await self.core.start()
-        self.limits = ModelLimits(info["vocab_size"], info["max_model_len"])
+        self.limits = ModelLimits(info["vocab_size"], info["max_model_len"], self.cfg.engine.scheduling_policy)
         self.metrics.serving_model(info["model"])
         self.prepare(info)
         self.add_services(self.server.server)

@@ -180,3 +180,12 @@ def test_the_first_token_sampled_on_the_prefill_worker_obeys_the_same_fields(pd_
     # two biased tokens; once the first is out (prefill), the penalty halves its logit (~100 -> ~50) and
     # the other (~60) wins on decode; once both are out, ~50 beats ~30 for good
     assert tokens(logit_bias={1234: 100.0, 4321: 60.0}, repetition_penalty=2.0) == [1234, 4321, 1234, 1234]
+
+
+def test_priority_needs_the_priority_policy(pd_cluster):
+    """`priority` is honoured (engine/scheduling_policy.py); this fcfs deployment refuses all but 0,
+    saying which flag would take it, and the refusal holds no block on any worker."""
+    r = post(pd_cluster, "completions", body("completions", priority=3))
+    assert r.status_code == 400 and "--scheduling-policy priority" in r.json()["error"]["message"], r.text
+    assert post(pd_cluster, "completions", body("completions", priority=0)).status_code == 200
+    pd_cluster.wait_blocks_free()
