@@ -3,16 +3,19 @@ read what a live Baton stack exports: known requests go through the OpenAI API o
 `baton serve`, then every query's selectors are matched against the router's /metrics on its HTTP
 port and the worker's --metrics-port, as Prometheus would scrape them.
 
-No maintained PromQL *evaluator* exists on PyPI (promql-parser, used here, parses only; evaluating
-rate() or histogram_quantile() takes a Prometheus server). So each query is parsed for real, and
-what it selects is checked: every vector selector (name and label matchers, Grafana's variables put
-in) picks series out of the scrape, every `by (...)` label is on them, and where the requests fix
-the answer (token counts, requests by finish reason, prefix-cache hits, histogram counts, running
-and waiting) the selected series sum to it."""
+Each query is checked twice. Its selectors: every vector selector (name and label matchers,
+Grafana's variables put in) picks series out of the scrape, every `by (...)` label is on them, and
+where the requests fix the answer the selected series sum to it. And its value: the query is
+evaluated (tests/promql_eval.py: no PromQL evaluator is on PyPI, and no Prometheus server can be
+fetched here) over a scrape before and one after the known requests, and gives what those requests
+make: token and request rates, finish reasons, prefix-cache hit ratio, token-count histograms bucket
+by bucket, latency quantiles and means inside what the client measured, idle gauges at 0, and no
+value for events that did not happen (migrations, lost workers, KV transfers of a colocated worker)."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 import time
 import urllib.request
@@ -21,8 +24,10 @@ import promql_parser
 import pytest
 from cluster import REPO
 from prometheus_client.parser import text_string_to_metric_families
+from promql_eval import Scrapes
 from tiny_hub import Serve, tiny_checkpoint
 
+from baton.serving.metrics import LATENCY_BUCKETS
 from baton.serving.processes import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -71,14 +76,23 @@ def stack(tmp_path_factory):
     serve = Serve([str(model), "--colocated", "--port", str(port), "--http-port", str(http), "--metrics-port",
                    str(metrics), "--cache-dir", str(tmp / "cache"), "--num-kv-blocks", "64", "--api-key", TOKEN],
                   {}, tmp / "serve.log")
+    router_url, worker_url = f"http://127.0.0.1:{http}/metrics", f"http://127.0.0.1:{metrics + 1}/metrics"
     try:
-        usages = [complete(http, prompt) for prompt in PROMPTS]
-        router = scrape_until(f"http://127.0.0.1:{http}/metrics", len(PROMPTS))
-        worker = scrape(f"http://127.0.0.1:{metrics + 1}/metrics")          # the worker: --metrics-port + 1
+        before = parse(scrape(router_url)) + parse(scrape(worker_url))     # the worker: --metrics-port + 1
+        t0 = time.monotonic()
+        usages, walls = [], []
+        for prompt in PROMPTS:
+            start = time.monotonic()
+            usages.append(complete(http, prompt))
+            walls.append(time.monotonic() - start)
+        router = scrape_until(router_url, len(PROMPTS))
+        worker = scrape(worker_url)
+        seconds = time.monotonic() - t0
     finally:
         serve.stop()
     return {"model": "tiny-model", "usages": usages, "series": parse(router) + parse(worker),
-            "families": families(router) | families(worker), "router_text": router, "router": parse(router)}
+            "families": families(router) | families(worker), "router_text": router, "router": parse(router),
+            "scrapes": Scrapes(before, parse(router) + parse(worker), seconds), "longest_request": max(walls)}
 
 
 def complete(http: int, prompt: str) -> dict:
@@ -245,3 +259,72 @@ def test_metrics_on_the_http_port_need_no_token_and_carry_both_names(stack):
 def test_the_check_refuses_what_baton_does_not_export(stack, expr, says):
     with pytest.raises(AssertionError, match=re.escape(says)):
         check_query(stack, expr)
+
+
+# what each evaluated query must give, by the first metric it reads (a prefix of its name)
+LATENCIES = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
+             "vllm:time_per_output_token_seconds", "vllm:request_queue_time_seconds", "baton_step_seconds")
+NEVER_HAPPENED = ("baton_requests_total", "baton_migrations_total", "baton_worker_losses_total",
+                  "baton_kv_transfer_bytes_total", "baton_kv_transfer_failures_total", "baton_handover_seconds",
+                  "baton_kv_landed_seconds")
+
+
+def check_value(stack, expr: str) -> None:
+    expr = grafana(expr, stack["model"])
+    scrapes = stack["scrapes"]
+    result = scrapes.evaluate(expr)
+    values = [result] if isinstance(result, float) else list(result.values())
+    metric = selectors(expr)[0][0].name
+    usages, n = stack["usages"], len(PROMPTS)
+    prompt = sum(u["prompt_tokens"] for u in usages)
+    per_second = 1 / scrapes.seconds if "rate(" in expr else 1.0      # rate(), or increase()
+    if metric.startswith(NEVER_HAPPENED):
+        assert all(v == 0 or math.isnan(v) for v in values), (expr, result)
+    elif metric.startswith(LATENCIES):
+        # every latency of these requests lies inside the client's longest wait (a quantile inside
+        # the bucket that holds it); queue time may be 0, the others are not
+        bound = min(b for b in BUCKET_BOUNDS if b >= stack["longest_request"])
+        low = 0 if "queue" in metric else 1e-9
+        assert values and all(low <= v <= bound for v in values), (expr, result, bound)
+    elif metric == "vllm:request_success_total":
+        assert result == {(("finished_reason", "length"),): pytest.approx(n * per_second)}, expr
+    elif metric == "vllm:prompt_tokens_total":
+        assert values == [pytest.approx(prompt * per_second)], expr
+    elif metric == "vllm:generation_tokens_total":
+        assert values == [pytest.approx(n * MAX_TOKENS * per_second)], expr
+    elif metric == "vllm:prefix_cache_hits_total":
+        cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+        assert values == [pytest.approx(cached / prompt)] and 0 < cached < prompt, expr
+    elif metric.startswith(("vllm:request_prompt_tokens", "vllm:request_generation_tokens")):
+        counts = [u["prompt_tokens"] for u in usages] if "prompt" in metric else [MAX_TOKENS] * n
+        for labels, v in result.items():          # each bucket: how many requests fell at or under it
+            le = float(dict(labels)["le"])
+            assert v == sum(c <= le for c in counts), (expr, labels, v)
+    elif metric.startswith(("vllm:num_requests", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")):
+        assert values == [0.0], (expr, result)    # idle once the requests are done
+    else:
+        raise AssertionError(f"no expectation for {expr}: add one")
+
+
+BUCKET_BOUNDS = (*LATENCY_BUCKETS, math.inf)
+
+
+@pytest.mark.parametrize("expr", dashboard_queries() + VLLM_PANELS)
+def test_each_query_evaluates_to_what_the_known_requests_make(stack, expr):
+    check_value(stack, expr)
+
+
+def test_the_evaluator_follows_prometheus_on_a_known_histogram():
+    """Prometheus's documented interpolation: rank 2 of 4 falls in (1, 2] holding counts 1..3 -> 1.5;
+    past the last finite bound -> that bound; an empty histogram -> NaN; sum / count is the mean."""
+    from promql_eval import histogram_quantile
+    from prometheus_client.samples import Sample
+
+    def bucket(le, v):
+        return Sample("h_bucket", {"le": le}, v)
+    after = [bucket("1.0", 1), bucket("2.0", 3), bucket("+Inf", 4), Sample("h_sum", {}, 6.0), Sample("h_count", {}, 4)]
+    scrapes = Scrapes([], after, 2.0)
+    assert scrapes.evaluate("histogram_quantile(0.5, sum by (le) (increase(h_bucket[1m])))") == {(): 1.5}
+    assert scrapes.evaluate("histogram_quantile(0.99, sum by (le) (rate(h_bucket[1m])))") == {(): 2.0}
+    assert scrapes.evaluate("sum(rate(h_sum[1m])) / sum(rate(h_count[1m]))") == {(): 1.5}
+    assert math.isnan(histogram_quantile(0.5, {(("le", "+Inf"),): 0.0})[()])
