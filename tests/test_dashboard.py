@@ -317,8 +317,8 @@ def test_each_query_evaluates_to_what_the_known_requests_make(stack, expr):
 def test_the_evaluator_follows_prometheus_on_a_known_histogram():
     """Prometheus's documented interpolation: rank 2 of 4 falls in (1, 2] holding counts 1..3 -> 1.5;
     past the last finite bound -> that bound; an empty histogram -> NaN; sum / count is the mean."""
-    from promql_eval import histogram_quantile
     from prometheus_client.samples import Sample
+    from promql_eval import histogram_quantile
 
     def bucket(le, v):
         return Sample("h_bucket", {"le": le}, v)
