@@ -21,7 +21,7 @@ __all__ = ["BACKEND", "NixlKVReceiver", "NixlKVSender", "NixlOutgoing", "make_re
 
 
 def make_sender(ctx) -> NixlKVSender:
-    return NixlKVSender(ctx.channel, ctx.address, auth=ctx.auth)
+    return NixlKVSender(ctx.channel, ctx.address, auth=ctx.auth, platform=ctx.platform)
 
 
 def make_receiver(ctx) -> NixlKVReceiver:

@@ -49,10 +49,11 @@ class NixlKVSender(KVSender):
 
     backend = BACKEND
 
-    def __init__(self, channel: grpc.aio.Channel, address: str, auth: KVPeerAuth | None = None):
+    def __init__(self, channel: grpc.aio.Channel, address: str, auth: KVPeerAuth | None = None, platform=None):
         self.channel = channel
         self.address = address
         self.auth = auth
+        self.platform = platform
         self.agent = sending_agent()
         self._call = channel.stream_stream(wire.TRANSFER_METHOD, request_serializer=wire.encode,
                                            response_deserializer=wire.decode)

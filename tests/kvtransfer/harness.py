@@ -5,13 +5,16 @@ pool, the backend's sender). Each side counts its block frees per transfer, so a
 "freed exactly once, on both sides" by block count. As the decode worker does, admission names
 the reserved blocks and the receivers get the KV cache (`pages=False`: they do not, so a
 backend that writes in place stages instead); blocks a failed in-place transfer leaves held
-are freed when the registry releases them (QUARANTINE_S here).
+are freed when the registry releases them (QUARANTINE_S here). BATON_TEST_DEVICE=cuda:0 puts both
+ends' KV caches and the pieces on that device (the grpc backend's pieces go through the host, as
+a prefill worker packs them for it).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import contextlib
+import os
 from dataclasses import dataclass, field
 
 import grpc
@@ -26,7 +29,8 @@ from baton.kvtransfer.grpc_options import channel_options, server_options
 from baton.kvtransfer.layout import KVLayout
 from baton.kvtransfer.receiver import PendingTransfers
 
-CPU = get_platform("cpu")
+DEVICE = os.environ.get("BATON_TEST_DEVICE", "cpu")
+PLATFORM = get_platform(DEVICE)
 NUM_BLOCKS = 32
 QUARANTINE_S = 0.5              # a backend's hold of a failed in-place transfer's blocks, in these tests
 
@@ -41,8 +45,8 @@ def kv_cache(backend: str, seed: int | None) -> torch.Tensor:
     lay = layout(backend)
     shape = (lay.num_layers, 2, NUM_BLOCKS, lay.block_size, lay.num_kv_heads, lay.head_dim)
     if seed is None:
-        return torch.zeros(shape, dtype=torch.bfloat16)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        return torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEVICE)
 
 
 class Blocks:
@@ -124,9 +128,13 @@ class PrefillSide:
         out, start = [], 0
         for i, n in enumerate(sizes):
             last = i == len(sizes) - 1
-            out.append(KVPiece("r", start, n, pack_blocks_on_device(self.kv, ids[start:start + n]), None,
-                               first_token if last else None, dict(extra or {}) if last else {}))
+            data = pack_blocks_on_device(self.kv, ids[start:start + n])
+            if self.backend == "grpc":
+                data = data.cpu()
+            out.append(KVPiece("r", start, n, data, None, first_token if last else None,
+                               dict(extra or {}) if last else {}))
             start += n
+        PLATFORM.synchronize()                           # final before they go (ready=None)
         return out
 
     def descriptor(self, tid: str, num_blocks: int) -> TransferDescriptor:
@@ -161,7 +169,7 @@ async def decode_side(backend: str, max_staged_bytes: int = 1 << 30, auth=None, 
     port = server.add_insecure_port("127.0.0.1:0")
     address = f"127.0.0.1:{port}"
     kv = kv_cache(backend, None)
-    ctx = registry.ReceiverContext(pending, layout(backend), CPU, address, "127.0.0.1", auth,
+    ctx = registry.ReceiverContext(pending, layout(backend), PLATFORM, address, "127.0.0.1", auth,
                                    kv_cache=kv if pages else None)
     receivers = registry.make_receivers(backend, ctx)
     for receiver in receivers:
@@ -187,7 +195,7 @@ async def _stop(receivers, server) -> None:
 @contextlib.asynccontextmanager
 async def prefill_side(backend: str, address: str, seed: int = 1, auth=None):
     channel = grpc.aio.insecure_channel(address, options=channel_options())
-    sender = registry.make_sender(backend, registry.SenderContext(address, channel, CPU, auth))
+    sender = registry.make_sender(backend, registry.SenderContext(address, channel, PLATFORM, auth))
     side = PrefillSide(backend, sender, kv_cache(backend, seed))
     side.die = lambda: _die(sender, channel)
     try:
