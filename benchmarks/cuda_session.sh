@@ -7,6 +7,9 @@
 #     --platform manylinux_2_28_x86_64 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
 #     grpcio-reflection==1.85.1 protobuf==7.36.2
 #   mkdir -p .carry/tokenizer && cp ~/.cache/baton/models/SmolLM2-*/tokenizer* .carry/tokenizer/
+# NIXL (the nixl KV backend; the image lacks it): its 56 MiB wheel does not fit the carry beside
+# .carry, so benchmarks/carry_nixl.sh keeps only what its UCX backend loads (12 MiB zip) in
+# .carry-nixl/ (gitignored; carry: [".carry", ".carry-nixl"]); unzipped into /tmp/site here.
 #   bash benchmarks/cuda_session.sh            # all steps
 #   STEPS="parity graphs" bash benchmarks/cuda_session.sh
 # Models wave 2 on one GPU: models (Qwen3-VL and MiniCPM4 on cuda:0: parity, decode graphs == eager)
@@ -19,6 +22,8 @@
 # count), b1det (B1 with --deterministic / without, same lease); migration with MIGRATION_DEVICES=cuda:0,cuda:0
 # MIGRATION_KV=grpc MIGRATION_ARGS=--deterministic: two decode workers on one GPU, bitwise after the kill
 # 1P1D served (two GPUs): STEPS=served SERVED_TOPOLOGY=1p1d SERVED_DEVICES=cuda:0,cuda:1 SERVED_KV=direct
+# KV transport on one GPU: kvcontract (the contract suite, tests/kvtransfer, with both ends on cuda:0),
+# b3 with B3_PEER=cuda:0 B3_BACKENDS="nixl direct" (two processes on one GPU: NIXL over CUDA IPC)
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 set -uo pipefail
@@ -30,6 +35,10 @@ if [ -d .carry/whl ]; then    # the stubs need the grpcio/protobuf they were gen
   export PYTHONPATH="/tmp/site"
   python3 -c "import grpc, google.protobuf as p; print('grpcio', grpc.__version__, 'protobuf', p.__version__)"
 fi
+for z in .carry-nixl/*.zip; do    # NIXL, trimmed to its UCX backend (benchmarks/carry_nixl.sh)
+  [ -f "$z" ] && python3 -m zipfile -e "$z" /tmp/site && export PYTHONPATH="/tmp/site" \
+    && python3 -c "import torch, nixl_cu13; print('nixl from', nixl_cu13.__file__)"
+done
 # the `baton` namespace maps the repo's folders (pyproject's package-dir): an editable install
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
 python3 -c "import baton.engine, baton.v1.router_pb2; print('baton', baton.__version__, 'from', baton.__path__[0])"
@@ -100,9 +109,11 @@ for step in $STEPS; do
               tests/test_platform_cuda.py -k "${TP_TESTS:-tp2}" 2>&1 | tail -60 | tee "$OUT/tp.txt" ;;
     direct) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \
               -k "${DIRECT_TESTS:-nccl or pieces}" 2>&1 | tail -30 | tee "$OUT/direct.txt" ;;
+    kvcontract) BATON_TEST_DEVICE=cuda:0 timeout ${KVC_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs \
+              tests/kvtransfer -k "${KVC_TESTS:-not direct}" 2>&1 | tail -25 | tee "$OUT/kvcontract.txt" ;;
     b3)     for b in ${B3_BACKENDS:-direct grpc}; do     # qwen3-8b KV: 147 KiB a token
-              if [ $b = direct ]; then sizes=512,2048,8192,32768 iters=10; else sizes=512,2048,8192 iters=5; fi
-              timeout 150 python3 -m baton bench kv --backends $b --device cuda:0 --peer-device cuda:1 \
+              if [ $b = grpc ]; then sizes=512,2048,8192 iters=5; else sizes=512,2048,8192,32768 iters=10; fi
+              timeout ${B3_TIMEOUT:-150} python3 -m baton bench kv --backends $b --device cuda:0 --peer-device ${B3_PEER:-cuda:1} \
                 --model qwen3-8b --tokens $sizes --iters $iters --output "$OUT/b3-$b${B3_TAG:-}.json" 2>&1 \
                 | tee "$OUT/b3-$b${B3_TAG:-}.log" \
                 | grep "^\[bench\] "

@@ -5,7 +5,11 @@ grpc backend, the raw peer copy between the two devices for device-direct backen
 
 Backends are pluggable (BACKENDS); `grpc` pushes between two processes on 127.0.0.1
 through baton.benchmarks.kv_loopback, on one warm connection, exactly as a prefill worker does;
-`direct` and `nixl` go between two processes on --device and --peer-device, measured alike.
+`direct` and `nixl` go between two processes on --device and --peer-device, measured alike
+(--peer-device may equal --device: two processes on one GPU). `nixl` writes straight into the
+receiver's paged KV cache (of --model's layout), as into a decode worker's pages; `nixl-staged`
+is its fallback, a buffer registered per transfer (the decode engine's copy into the blocks
+then comes after the landing, not timed here).
 """
 from __future__ import annotations
 
@@ -112,6 +116,9 @@ class DirectDevices:
     the CPU), next to a raw copy of the same bytes between the same two devices."""
 
     name = "direct"
+    backend = "direct"                  # the registry's name
+    model_layout = False                # payloads are whole blocks of the model's KV layout
+    in_place = False                    # ... and the receiver holds a paged KV cache of it
 
     def __init__(self, args: argparse.Namespace):
         self.src = args.device
@@ -122,6 +129,9 @@ class DirectDevices:
         self.stand_in_prefill = not args.smoke      # seconds of CPU matmuls: left out of the smoke run
         self.reference = (f"raw tensor copy {self.src} -> {self.dst} (peer copy between devices; "
                           "same bytes, same run)")
+        self.layout = dict(model=self.shape.name, architecture=self.shape.architecture, dtype=args.dtype,
+                           block_size=args.block_size, num_layers=self.shape.layers,
+                           num_kv_heads=self.shape.kv_heads, head_dim=self.shape.head_dim) if self.model_layout else None
 
     def measure(self, nbytes: int, iters: int) -> dict:
         from baton.benchmarks.kv_loopback import measure_direct
@@ -129,7 +139,8 @@ class DirectDevices:
         # the prefill making this KV: 2 FLOPs per weight per token (attention's share left out)
         r = measure_direct(nbytes, self.src, self.dst, repeats=iters, overlap=self.stand_in_prefill,
                            prefill_flops=2.0 * self.shape.params * tokens,
-                           chunks=max(1, math.ceil(tokens / self.chunk_tokens)), backend=self.name)
+                           chunks=max(1, math.ceil(tokens / self.chunk_tokens)), backend=self.backend,
+                           layout=self.layout, in_place=self.in_place)
         ref = ceilings.peer_copy_bandwidth(self.src, self.dst, nbytes)
         latency = {"p50": percentile(r["seconds"], 50), "p99": percentile(r["seconds"], 99), "best": r["best_s"],
                    "samples": r["seconds"]}
@@ -151,7 +162,7 @@ class DirectDevices:
                 "sustained": {**steady, "fraction_of_reference": steady["bytes_per_s"] / ref_bw},
                 "backend_config": {"collective": r["collective"], "communicator": r["communicator"],
                                    "src": self.src, "dst": self.dst,
-                                   "processes": r["processes"]},
+                                   "processes": r["processes"], "landed_in_place": r["landed_in_place"]},
                 "overlap_with_prefill": {"streams_during_prefill": True,
                                          "per": f"prefill chunk of {self.chunk_tokens} tokens",
                                          "hidden_fraction": st["hidden_fraction"] if st else None,
@@ -160,12 +171,21 @@ class DirectDevices:
 
 class NixlDevices(DirectDevices):
     """The nixl backend from --device to --peer-device (NIXL over UCX: shared memory or CMA on
-    the CPU, CUDA IPC between GPUs), measured as the direct one, next to the same raw copy."""
+    the CPU, CUDA IPC between GPUs), measured as the direct one, next to the same raw copy:
+    straight into the receiver's KV cache pages."""
 
-    name = "nixl"
+    name = backend = "nixl"
+    model_layout = in_place = True
 
 
-BACKENDS = {"grpc": GrpcLoopback, "direct": DirectDevices, "nixl": NixlDevices}
+class NixlStaged(NixlDevices):
+    """The nixl backend's fallback: into a buffer the receiver registers per transfer."""
+
+    name = "nixl-staged"
+    in_place = False
+
+
+BACKENDS = {"grpc": GrpcLoopback, "direct": DirectDevices, "nixl": NixlDevices, "nixl-staged": NixlStaged}
 
 
 # -- the run -------------------------------------------------------------------------------------

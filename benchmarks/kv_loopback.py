@@ -198,7 +198,8 @@ SUSTAINED_FACTOR = 4            # the sustained measure: this many windows' wort
 
 
 def measure_direct(total_bytes: int, src_device: str, dst_device: str, repeats: int = 3,
-                   overlap: bool = True, prefill_flops: float = 0.0, chunks: int = 1, backend: str = "direct") -> dict:
+                   overlap: bool = True, prefill_flops: float = 0.0, chunks: int = 1, backend: str = "direct",
+                   layout: dict | None = None, in_place: bool = False) -> dict:
     """A device backend (`backend`: direct, nixl; both ends built by the registry) from a sender
     process on `src_device` to a receiver process on `dst_device` (KVTransfer + the backend's
     services on 127.0.0.1), as a prefill and a decode worker run it.
@@ -217,15 +218,20 @@ def measure_direct(total_bytes: int, src_device: str, dst_device: str, repeats: 
         given `prefill_flops` (the prefill that makes this KV), `streamed`: that prefill as
         `chunks` chunks of bf16 matmuls, each chunk's piece announced once its compute is
         done (as the prefill worker does after each step), the next chunk computing meanwhile;
-        `exposed_s` = landed - the end of the last chunk's compute."""
+        `exposed_s` = landed - the end of the last chunk's compute.
+    `layout` (KVLayout fields; the payload is whole blocks of it), with `in_place`: the receiver
+    holds a paged KV cache of that layout and admission names each transfer's blocks, so a
+    backend that writes in place (nixl) lands the KV straight in the cache, as in a decode
+    worker (transfers in flight together get distinct blocks)."""
     import torch
     accel = torch.device(src_device).type != "cpu"
     depth = max(2, min(8, PIPELINE_BYTES // max(total_bytes, 1)))
     plan = {"repeats": repeats, "depth": depth, "overlap": overlap and accel,
             "prefill_flops": prefill_flops if overlap else 0.0, "chunks": chunks}
     tids = _direct_tids(plan)
-    sent, got = _run_pair(_direct_receiver, (dst_device, total_bytes, tids, total_bytes * depth, backend),
-                          _direct_sender, (src_device, total_bytes, plan, backend))
+    sent, got = _run_pair(_direct_receiver, (dst_device, total_bytes, tids, total_bytes * depth, backend, layout,
+                                             depth if in_place else 0),
+                          _direct_sender, (src_device, total_bytes, plan, backend, layout))
     if got["failed"]:
         raise RuntimeError(f"{backend} transfers failed: {got['failed']}")
     if not got["bytes_equal"]:
@@ -242,7 +248,7 @@ def measure_direct(total_bytes: int, src_device: str, dst_device: str, repeats: 
               "pipelined": {"transfers_in_flight": depth, "seconds": took, "bytes_per_s": depth * total_bytes / took},
               "sustained": {"transfers": n, "window": depth, "seconds": steady, "bytes_per_s": n * total_bytes / steady},
               "collective": sent.get("collective"), "communicator": sent.get("communicator"), "src": src_device,
-              "dst": dst_device, "processes": 2}
+              "dst": dst_device, "processes": 2, "landed_in_place": got["in_place"]}
     if "overlap" in sent:
         result["overlap"] = sent["overlap"]
     st = sent.get("streamed")
@@ -278,7 +284,8 @@ def _pattern(nbytes: int, device):
 
 
 @contextlib.asynccontextmanager
-async def _decode_side(dst_device: str, max_staged_bytes: int, backend: str = "direct"):
+async def _decode_side(dst_device: str, max_staged_bytes: int, backend: str = "direct", layout: dict | None = None,
+                       kv_cache=None):
     """KVTransfer (the handshake) and `backend`'s services on `dst_device`, on 127.0.0.1;
     yields (pending, port, receiver)."""
     import grpc
@@ -290,7 +297,8 @@ async def _decode_side(dst_device: str, max_staged_bytes: int, backend: str = "d
     server = grpc.aio.server()
     port = server.add_insecure_port("127.0.0.1:0")
     receivers = registry.make_receivers(backend, registry.ReceiverContext(
-        pending, _direct_layout(backend), get_platform(dst_device), f"127.0.0.1:{port}", "127.0.0.1"))
+        pending, _direct_layout(backend, layout), get_platform(dst_device), f"127.0.0.1:{port}", "127.0.0.1",
+        kv_cache=kv_cache))
     for r in receivers:
         r.add_to_server(server)
     await server.start()
@@ -302,10 +310,10 @@ async def _decode_side(dst_device: str, max_staged_bytes: int, backend: str = "d
         await server.stop(0)
 
 
-def _direct_layout(backend: str = "direct"):
+def _direct_layout(backend: str = "direct", layout: dict | None = None):
     from baton.kvtransfer import registry
     from baton.kvtransfer.layout import KVLayout
-    return KVLayout(**BENCH_LAYOUT, backends=registry.spoken(backend))
+    return KVLayout(**(layout or BENCH_LAYOUT), backends=registry.spoken(backend))
 
 
 def _sender(backend: str, channel, port: int, device: str):
@@ -333,23 +341,39 @@ async def direct_loopback(src_device: str, dst_device: str, max_staged_bytes: in
 
 
 def _direct_receiver(conn, device: str, total_bytes: int, tids: list[str], max_staged: int,
-                     backend: str = "direct") -> None:
+                     backend: str = "direct", layout: dict | None = None, slots: int = 0) -> None:
     _bind(device)
-    asyncio.run(_direct_receive(conn, device, total_bytes, tids, max_staged, backend))
+    asyncio.run(_direct_receive(conn, device, total_bytes, tids, max_staged, backend, layout, slots))
 
 
 async def _direct_receive(conn, device: str, total_bytes: int, tids: list[str], max_staged: int,
-                          backend: str) -> None:
+                          backend: str, layout: dict | None = None, slots: int = 0) -> None:
     import torch
+
+    from baton.engine.kv_blocks import pack_blocks_on_device
+    from baton.engine.kv_handoff import InPlace
     landed: dict[str, float] = {}
     failed: dict[str, str] = {}
     checked: list[bool] = []
+    in_place: list[str] = []
     settled = asyncio.Event()
+    kv, pages = None, {}
+    if slots:                          # a paged cache with `slots` transfers' blocks; transfer i gets slot i % slots
+        lay = _direct_layout(backend, layout)
+        n = total_bytes // lay.block_nbytes
+        kv = torch.empty((lay.num_layers, 2, n * slots, lay.block_size, lay.num_kv_heads, lay.head_dim),
+                         dtype=getattr(torch, lay.dtype), device=device)
+        pages = {tid: list(range((i % slots) * n, (i % slots + 1) * n)) for i, tid in enumerate(tids)}
 
     def on_complete(tid, payload, first_token, extra):
         landed[tid] = time.monotonic()
+        if isinstance(payload, InPlace):
+            in_place.append(tid)
         if tid == tids[0]:               # off the clock: the warm-up is not timed
-            data = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(payload, dtype=torch.uint8)
+            if isinstance(payload, InPlace):
+                data = pack_blocks_on_device(kv, list(payload.block_ids))
+            else:
+                data = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(payload, dtype=torch.uint8)
             checked.append(torch.equal(data, _pattern(total_bytes, data.device)))
         if len(landed) + len(failed) == len(tids):
             settled.set()
@@ -358,21 +382,24 @@ async def _direct_receive(conn, device: str, total_bytes: int, tids: list[str], 
         failed[tid] = why
         settled.set()
 
-    async with _decode_side(device, max_staged, backend) as (pending, port, receiver):
+    async with _decode_side(device, max_staged, backend, layout, kv) as (pending, port, receiver):
         for tid in tids:
-            pending.expect(tid, total_bytes, 600.0, on_complete, on_fail)
+            pending.expect(tid, total_bytes, 600.0, on_complete, on_fail, pages=pages.get(tid, ()),
+                           on_release=(lambda _: None) if kv is not None else None)
         conn.send(port)
         await asyncio.wait_for(settled.wait(), 600.0)
         for _ in range(600):                 # the last DONE goes out; the sender closes the pair
             if not getattr(receiver, "pairs", None):
                 break
             await asyncio.sleep(0.05)
-    conn.send({"landed": landed, "failed": failed, "bytes_equal": all(checked) and bool(checked)})
+    conn.send({"landed": landed, "failed": failed, "bytes_equal": all(checked) and bool(checked),
+               "in_place": len(in_place)})
 
 
-def _direct_sender(conn, port: int, device: str, total_bytes: int, plan: dict, backend: str = "direct") -> None:
+def _direct_sender(conn, port: int, device: str, total_bytes: int, plan: dict, backend: str = "direct",
+                   layout: dict | None = None) -> None:
     _bind(device)
-    conn.send(asyncio.run(_direct_send(port, device, total_bytes, plan, backend)))
+    conn.send(asyncio.run(_direct_send(port, device, total_bytes, plan, backend, layout)))
 
 
 def _bind(device: str) -> None:
@@ -380,7 +407,8 @@ def _bind(device: str) -> None:
     get_platform(device).bind_thread()
 
 
-async def _direct_send(port: int, device: str, total_bytes: int, plan: dict, backend: str) -> dict:
+async def _direct_send(port: int, device: str, total_bytes: int, plan: dict, backend: str,
+                       layout: dict | None = None) -> dict:
     import grpc
     import torch
 
@@ -408,7 +436,7 @@ async def _direct_send(port: int, device: str, total_bytes: int, plan: dict, bac
         await out.done()
 
     try:
-        await sender.handshake(_direct_layout(backend))
+        await sender.handshake(_direct_layout(backend, layout))
         await one("warm-up")                      # the pair's communicator connects here
         done_seconds = [await one(f"cold-{i}") for i in range(plan["repeats"])]
         for i in range(plan["repeats"]):

@@ -5,11 +5,13 @@ step, in one message (decode_service/server.py streams them).
 
 Per request, its `KVTicket` (engine/kv_handoff.py) says who owns its blocks: RESERVED at
 admission (the engine allocated them) -> RECEIVING (a sender claimed the transfer) -> LANDED
-(every byte staged; `DecodeHandoff` hands it to the engine) -> JOINED (the engine copied it
-into the blocks; the request decodes) -> FINISHED. Any failure, abort or deadline before
-that ends it FREED: the engine frees the blocks, and the transfer registry drops the staging
-buffer. The KV bytes never leave this process: the receivers land them here, next to the
-device they go to.
+(every byte staged, or written straight into the blocks; `DecodeHandoff` hands it to the
+engine) -> JOINED (the engine copied it into the blocks, unless it was written there; the
+request decodes) -> FINISHED. Any failure, abort or deadline before that ends it FREED: the
+engine frees the blocks, and the transfer registry drops the staging buffer -- or, where a
+backend handed the blocks to its sender to write into, the engine holds them until the
+registry releases them (no late write can land in another request's blocks). The KV bytes
+never leave this process: the receivers land them here, next to the device they go to.
 """
 from __future__ import annotations
 
@@ -83,8 +85,10 @@ class DecodeCore(EngineCore):
         self.layout = self.kv_layout()
         auth = KVPeerAuth(cfg.kv_secret) if cfg.kv_secret else None
         store_host = (cfg.kv_advertise or "").rpartition(":")[0] or cfg.host   # direct pairs' rendezvous
+        kv_cache = self.llm.runner.kv_cache if cfg.engine.tp_size == 1 else None    # (TP: one rank's heads here)
         self.receivers = registry.make_receivers(cfg.kv_backend, registry.ReceiverContext(
-            self.pending, self.layout, self.llm.platform, self.kv_address, store_host, auth, cfg.kv_options))
+            self.pending, self.layout, self.llm.platform, self.kv_address, store_host, auth, cfg.kv_options,
+            kv_cache=kv_cache))
         for receiver in self.receivers:
             receiver.add_to_server(self.kv_server.server)
         await self.kv_server.start()
@@ -121,7 +125,8 @@ class DecodeCore(EngineCore):
         num_blocks = -(-len(prompt) // self.llm.config.block_size)
         try:
             self.pending.expect(r.transfer_id, self.layout.payload_nbytes(num_blocks), timeout,
-                                self._on_kv_complete, self._on_kv_fail, self._on_kv_claimed)
+                                self._on_kv_complete, self._on_kv_fail, self._on_kv_claimed,
+                                pages=ticket.block_ids[:num_blocks], on_release=self.engine.release_held)
         except BaseException:
             await self.cmd_abort(rid)
             raise
@@ -133,11 +138,14 @@ class DecodeCore(EngineCore):
         await self.engine.call(lambda e: e.add_request(prompt, params, request_id=rid, images=images))
 
     async def cmd_abort(self, rid: str) -> bool:
-        """End the request wherever it is: its blocks are freed once, its transfer refused."""
-        self.engine.abort(rid)
+        """End the request wherever it is: its blocks are freed once (held first, where its
+        sender may still write into them), its transfer refused."""
         r = self.reservations.pop(rid, None)
+        held = None
         if r is not None and self.by_transfer.pop(r.transfer_id, None) is not None:
             self.pending.cancel(r.transfer_id)
+            held = r.transfer_id if self.pending.held(r.transfer_id) else None
+        self.engine.abort(rid, hold_as=held)
         return r is not None
 
     # -- the KV's arrival ----------------------------------------------------------------------
@@ -168,7 +176,7 @@ class DecodeCore(EngineCore):
             return
         self.reservations.pop(rid, None)
         self.metrics.add("kv_transfer_failures", 1, "receive")
-        self.engine.abort(rid)
+        self.engine.abort(rid, hold_as=transfer_id if self.pending.held(transfer_id) else None)
         error = ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV handover failed: {reason}")
         self.send_updates([(rid, [], None, 0, encode_error(error), 0.0)])
 

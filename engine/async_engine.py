@@ -73,9 +73,14 @@ class AsyncEngine:
             raise
         return ticket, queue
 
-    def abort(self, request_id: str) -> None:
-        """End the request wherever it is; its blocks are freed once (a no-op if it is over)."""
-        self.submit(lambda e: e.abort(request_id))
+    def abort(self, request_id: str, hold_as: str | None = None) -> None:
+        """End the request wherever it is; its blocks are freed once (a no-op if it is over), or,
+        with `hold_as`, held until `release_held(hold_as)` (LLMEngine.abort)."""
+        self.submit(lambda e: e.abort(request_id, hold_as))
+
+    def release_held(self, key: str) -> None:
+        """Free the blocks an abort held under `key` (once)."""
+        self.submit(lambda e: e.release_held(key))
 
     def wake(self) -> None:
         """Something arrived for the engine (landed KV): step now, not after the idle wait."""

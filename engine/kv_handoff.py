@@ -18,10 +18,15 @@ exactly once whatever ends the request, and whenever:
 On the prefill side the engine's sequence owns the blocks; they are freed (and stay in the
 prefix cache) when the sequence finishes or is aborted. Nothing is held past the step that
 made a block final: each `KVPiece` is a packed copy, ordered on the device after that step.
-On the decode side the sequence owns its blocks from `reserve` on; the transfer writes
-only into its own staging buffer, and the engine copies a landed payload into the blocks
-when it joins the request, so an abort in any state frees the blocks at once and a late
-payload is simply dropped.
+On the decode side the sequence owns its blocks from `reserve` on (fresh blocks, never
+shared through the prefix cache, listed in the ticket's `block_ids`). A staging transfer
+writes only into its own buffer, and the engine copies a landed payload into the blocks when
+it joins the request, so an abort in any state frees the blocks at once and a late payload is
+simply dropped. A backend that writes straight into the blocks (nixl) lands an `InPlace`
+payload instead: the join copies nothing. Until it lands, a write may still be on its way,
+so a request whose blocks were handed to a sender is aborted with its blocks *held*
+(`LLMEngine.abort(..., hold_as=)`) and they are freed by `release_held` once the sender can
+no longer write (kvtransfer/receiver.py's quarantine).
 
 Torch-free: payloads and device events are opaque here.
 """
@@ -73,7 +78,7 @@ class KVTicket:
     and the engine thread (join, finish, abort), so every move takes its lock."""
 
     __slots__ = ("request_id", "side", "state", "history", "payload", "first_token", "meta", "joined_at",
-                 "_lock", "_transitions")
+                 "block_ids", "_lock", "_transitions")
 
     def __init__(self, request_id: str, side: str):
         if side not in ("prefill", "decode"):
@@ -88,6 +93,7 @@ class KVTicket:
         self.first_token: int | None = None
         self.meta: dict[str, str] = {}
         self.joined_at: float | None = None     # decode side: time.time() of the join
+        self.block_ids: tuple[int, ...] = ()    # decode side: the blocks `reserve` gave it, in order
 
     @property
     def done(self) -> bool:
@@ -130,6 +136,19 @@ class KVTicket:
 
     def __repr__(self) -> str:
         return f"KVTicket({self.request_id!r}, {self.side}, {self.state.value})"
+
+
+@dataclass(frozen=True, slots=True)
+class InPlace:
+    """A landed payload a backend wrote straight into the request's reserved blocks: the join
+    checks they are the request's blocks and copies nothing."""
+
+    block_ids: tuple[int, ...]
+    nbytes: int
+
+    def __len__(self) -> int:
+        """Bytes in all, like a payload's len()."""
+        return self.nbytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from baton.engine.block_manager import BlockManager
 from baton.engine.config import EngineConfig
-from baton.engine.kv_handoff import KVHandoff, KVPiece, KVState, KVTicket
+from baton.engine.kv_handoff import InPlace, KVHandoff, KVPiece, KVState, KVTicket
 from baton.engine.limits import ModelLimits
 from baton.engine.logprobs import decode as decode_logprobs
 from baton.engine.logprobs import encode as encode_logprobs
@@ -55,6 +55,7 @@ class EngineStats:
     spec_draft_tokens: int = 0         # speculative decoding's totals (engine/speculative.py)
     spec_accepted_tokens: int = 0
     spec_verified: int = 0
+    kv_blocks_held: int = 0            # blocks of failed in-place transfers, until no late write can land
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,7 @@ class LLMEngine:
                             self.config.scheduling_policy),
             self.block_manager, set(self.eos_token_ids))
         self.states: dict[str, RequestState] = {}
+        self.held: dict[str, list[int]] = {}        # abort(hold_as=key): blocks kept out of the pool until released
         # streaming text costs two tokenizer calls per token per request (5 ms a step at batch
         # 256 on an H100 host); the offline API turns it off and decodes each output once
         self.stream_text = True
@@ -164,9 +166,12 @@ class LLMEngine:
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, prompt_token_ids, params, self.max_model_len, arrival=time.monotonic())
+        # fresh blocks only (no prefix match): a backend may write the KV straight into them, so
+        # none may be shared with another sequence until the join
         self.block_manager.allocate(seq, seq.num_prompt_tokens)
         seq.status = SequenceStatus.AWAITING_KV
         seq.kv_ticket = KVTicket(request_id, "decode")
+        seq.kv_ticket.block_ids = tuple(seq.block_table)
         self.states[request_id] = RequestState(seq, self._detokenizer_for(params))
         return seq.kv_ticket
 
@@ -174,18 +179,28 @@ class LLMEngine:
         state = self.states.get(request_id)
         return state.seq.kv_ticket if state is not None else None
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """End a request in whatever state it is; its blocks are freed (once). None: unknown here."""
+    def abort(self, request_id: str, hold_as: str | None = None) -> RequestOutput | None:
+        """End a request in whatever state it is; its blocks are freed (once). None: unknown here.
+        `hold_as`: a request still awaiting its KV keeps its blocks out of the pool under that key
+        until `release_held(key)` (a sender it handed them to may still write into them)."""
         state = self.states.pop(request_id, None)
         if state is None:
             return None
         seq = state.seq
         if seq.status is SequenceStatus.AWAITING_KV:
             seq.status = SequenceStatus.WAITING      # nowhere in the scheduler's queues: finish frees it
+            if hold_as is not None:
+                self.held[hold_as], seq.block_table = seq.block_table, []
         self.scheduler.abort(seq)
         if seq.kv_ticket is not None and not seq.kv_ticket.try_advance(KVState.FREED):
             seq.kv_ticket.try_advance(KVState.FINISHED)
         return state.update()
+
+    def release_held(self, key: str) -> int:
+        """Free the blocks `abort(..., hold_as=key)` held (once; 0 when none are held under key)."""
+        blocks = self.held.pop(key, [])
+        self.block_manager.free_blocks(blocks)
+        return len(blocks)
 
     def _detokenizer_for(self, params: SamplingParams):
         """The tokenizer when the request's text is needed while it runs, else None."""
@@ -218,7 +233,8 @@ class LLMEngine:
         spec = self.speculator.stats if self.speculator is not None else None
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), awaiting, bm.num_blocks,
                            bm.num_free_blocks,
-                           *((spec.proposed, spec.accepted, sum(spec.accepted_lengths)) if spec else ()))
+                           *((spec.proposed, spec.accepted, sum(spec.accepted_lengths)) if spec else ()),
+                           kv_blocks_held=sum(map(len, list(self.held.values()))))
 
     # -- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -343,15 +359,20 @@ class LLMEngine:
             ticket.advance(state)
 
     def _join_landed(self) -> list[RequestOutput]:
-        """Decode side: copy every landed payload into its request's reserved blocks and run the
-        request from the next step on; its first token is emitted now."""
+        """Decode side: copy every landed payload into its request's reserved blocks (unless a
+        backend wrote it there: InPlace) and run the request from the next step on; its first
+        token is emitted now."""
         outputs = []
         for ticket in self.handoff.take_landed():
             state = self.states.get(ticket.request_id)
             if state is None or state.seq.kv_ticket is not ticket or ticket.state is not KVState.LANDED:
                 continue                              # aborted meanwhile: its blocks are free already
             try:
-                self.runner.write_kv(state.seq.block_table, ticket.payload)
+                if not isinstance(ticket.payload, InPlace):
+                    self.runner.write_kv(state.seq.block_table, ticket.payload)
+                elif tuple(ticket.payload.block_ids) != tuple(state.seq.block_table):
+                    raise ValueError(f"the KV was written into blocks {list(ticket.payload.block_ids)[:8]}..., "
+                                     f"not the request's {state.seq.block_table[:8]}...")
             except Exception as exc:
                 log.warning("request %s: the landed KV could not be joined: %s", ticket.request_id, exc)
                 outputs.append(self._fail(ticket.request_id, f"could not join the transferred KV: {exc}"))

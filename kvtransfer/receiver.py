@@ -9,6 +9,14 @@ reserved. `cancel` (the decode side gave up, e.g. abort) ends a transfer with no
 Everything is bounded: staged bytes, remembered ids, and time. Callbacks must be quick
 (hand work to the engine thread) and should not raise.
 
+Writing in place: admission may name the blocks it reserved (`pages`, with `on_release`). A
+backend that writes straight into them (nixl) takes them with `write_in_place` instead of
+staging, and completes with an `InPlace` payload (nothing to copy). Should such a transfer end
+any other way (failed, cancelled), a write the sender posted may still land, so its blocks are
+*held*: `held(transfer_id)` is true (from before on_fail runs), the callee must keep them out
+of its pool, and `on_release(transfer_id)` runs once, when the sender can no longer write --
+after the backend's quarantine time, or sooner on the backend's word (`release`).
+
 Every method runs on the event loop thread.
 """
 from __future__ import annotations
@@ -23,6 +31,7 @@ from dataclasses import dataclass
 import grpc
 
 from baton.engine.block_manager import KVCacheFull
+from baton.engine.kv_handoff import InPlace
 
 log = logging.getLogger("baton.kvtransfer")
 
@@ -55,6 +64,9 @@ class Transfer:
     timer: asyncio.TimerHandle | None = None
     buffer: object | None = None         # staging (memoryview, or a device tensor), from `stage`
     claimed: bool = False                # a sender is pushing it
+    pages: tuple[int, ...] = ()          # the decode worker's reserved blocks (write_in_place)
+    on_release: Callable[[str], None] | None = None
+    quarantine_s: float = 0.0            # > 0 once a backend handed `pages` to a sender
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +76,8 @@ class RegistryStats:
     completed: int
     failed: int
     cancelled: int
+    in_place: int = 0                    # completed straight in the decode worker's blocks (no staging)
+    held: int = 0                        # ended transfers whose blocks wait out their quarantine
 
 
 class PendingTransfers:
@@ -74,10 +88,12 @@ class PendingTransfers:
         self._active: dict[str, Transfer] = {}
         self._ended: OrderedDict[str, tuple[grpc.StatusCode, str]] = OrderedDict()   # id -> what late messages get
         self._staging_freed: asyncio.Event | None = None    # set (and replaced) when room frees
+        self._held: dict[str, tuple[asyncio.TimerHandle, Callable[[str], None]]] = {}   # id -> release
         self.staged_bytes = 0
         self.completed = 0
         self.failed = 0
         self.cancelled = 0
+        self.in_place = 0
 
     def __len__(self) -> int:
         return len(self._active)
@@ -86,13 +102,19 @@ class PendingTransfers:
         return transfer_id in self._active
 
     def stats(self) -> RegistryStats:
-        return RegistryStats(len(self._active), self.staged_bytes, self.completed, self.failed, self.cancelled)
+        return RegistryStats(len(self._active), self.staged_bytes, self.completed, self.failed, self.cancelled,
+                             self.in_place, len(self._held))
 
     # -- the decode engine's side -------------------------------------------------------------
     def expect(self, transfer_id: str, nbytes: int, deadline_s: float, on_complete: OnComplete,
-               on_fail: OnFail, on_claim: Callable[[str], None] | None = None) -> None:
+               on_fail: OnFail, on_claim: Callable[[str], None] | None = None,
+               pages: tuple[int, ...] | list[int] = (), on_release: Callable[[str], None] | None = None) -> None:
         """Register a transfer of `nbytes`; unless it completes within `deadline_s`, on_fail runs.
-        `on_claim(transfer_id)`: a sender started pushing it (the bytes are on their way)."""
+        `on_claim(transfer_id)`: a sender started pushing it (the bytes are on their way).
+        `pages`: the blocks reserved for it, which a backend may write straight into; then
+        `on_release(transfer_id)` frees them after a hold (see the module's docstring)."""
+        if pages and on_release is None:
+            raise ValueError("pages need an on_release callback (blocks held after a failure are freed there)")
         if not transfer_id:
             raise ValueError("transfer_id must not be empty")
         if transfer_id in self._active or transfer_id in self._ended:
@@ -105,7 +127,8 @@ class PendingTransfers:
         if deadline_s <= 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s}")
         loop = asyncio.get_running_loop()
-        t = Transfer(transfer_id, nbytes, loop.time() + deadline_s, on_complete, on_fail, on_claim)
+        t = Transfer(transfer_id, nbytes, loop.time() + deadline_s, on_complete, on_fail, on_claim,
+                     pages=tuple(pages), on_release=on_release)
         t.timer = loop.call_later(deadline_s, self._reap, transfer_id, deadline_s)
         self._active[transfer_id] = t
 
@@ -130,6 +153,23 @@ class PendingTransfers:
             t.on_fail(transfer_id, reason)
         except Exception:
             log.exception("on_fail of KV transfer %s raised", transfer_id)
+        return True
+
+    def held(self, transfer_id: str) -> bool:
+        """Are the blocks of this ended transfer held (a late write may still land in them)?"""
+        return transfer_id in self._held
+
+    def release(self, transfer_id: str) -> bool:
+        """End a hold now (the backend knows no write can land any more): on_release runs once."""
+        held = self._held.pop(transfer_id, None)
+        if held is None:
+            return False
+        timer, on_release = held
+        timer.cancel()
+        try:
+            on_release(transfer_id)
+        except Exception:
+            log.exception("on_release of KV transfer %s raised", transfer_id)
         return True
 
     # -- the backends' side --------------------------------------------------------------------
@@ -183,12 +223,27 @@ class PendingTransfers:
         t.buffer = (allocate or staging_buffer)(t.nbytes)
         self.staged_bytes += t.nbytes
 
+    def write_in_place(self, t: Transfer, quarantine_s: float) -> tuple[int, ...]:
+        """A backend hands t's reserved blocks to its sender, to write straight into (no
+        staging); returns them. Should t end without completing, they are held for up to
+        `quarantine_s` (how long a write the sender posted may still land), or until `release`."""
+        self.check_active(t)
+        if not t.pages or quarantine_s <= 0:
+            raise ValueError(f"transfer {t.transfer_id} cannot be written in place (pages {len(t.pages)}, "
+                             f"quarantine {quarantine_s}s)")
+        t.quarantine_s = quarantine_s
+        return t.pages
+
     def complete(self, t: Transfer, first_token: int, extra: dict[str, str], payload: object = None) -> None:
         """Every byte is in `t.buffer`: hand it (or `payload`, a view of it in parts) and its
-        ownership to on_complete."""
+        ownership to on_complete. Written in place: on_complete gets an InPlace payload."""
         self.check_active(t)
-        self._end(t.transfer_id, (grpc.StatusCode.FAILED_PRECONDITION, f"transfer {t.transfer_id} already completed"))
+        self._end(t.transfer_id, (grpc.StatusCode.FAILED_PRECONDITION, f"transfer {t.transfer_id} already completed"),
+                  completed=True)
         self.completed += 1
+        if t.quarantine_s:
+            self.in_place += 1
+            payload = InPlace(t.pages, t.nbytes)
         if payload is None:
             payload = t.buffer if t.buffer is not None else memoryview(bytearray())
         try:
@@ -203,12 +258,15 @@ class PendingTransfers:
         self.fail(transfer_id, f"the KV of transfer {transfer_id} did not arrive within its {deadline_s:g}s "
                   "deadline", grpc.StatusCode.DEADLINE_EXCEEDED)
 
-    def _end(self, transfer_id: str, later: tuple[grpc.StatusCode, str]) -> Transfer | None:
+    def _end(self, transfer_id: str, later: tuple[grpc.StatusCode, str], completed: bool = False) -> Transfer | None:
         t = self._active.pop(transfer_id, None)
         if t is None:
             return None
         if t.timer is not None:
             t.timer.cancel()
+        if t.quarantine_s and not completed:       # its sender may still write into its blocks: hold them
+            timer = asyncio.get_running_loop().call_later(t.quarantine_s, self.release, transfer_id)
+            self._held[transfer_id] = (timer, t.on_release)
         if t.buffer is not None:
             self.staged_bytes -= t.nbytes
         self._notify_staging()

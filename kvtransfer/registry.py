@@ -65,7 +65,7 @@ SPECS: dict[str, BackendSpec] = {s.name: s for s in (
                     BackendFlag("--kv-fault-stall-s", dict(type=float, default=0.0, hidden=True, help=(
                         "TEST ONLY: hold each device-direct KV piece this long, as a stalled link would"))))),
     BackendSpec("nixl", "NIXL (UCX picks the transport: shared memory, RDMA, CUDA IPC): the prefill worker writes "
-                "into the decode worker's registered memory", "baton.kvtransfer.nixl_backend", preference=10,
+                "straight into the decode worker's KV cache pages", "baton.kvtransfer.nixl_backend", preference=10,
                 services=("baton.v1.KVNixl",), requires=("nixl", "nixl_cu13", "nixl_cu12"), auto=True),
     BackendSpec("memory", "prefill and decode in one process, pieces handed over",
                 "baton.kvtransfer.memory_backend", preference=30, in_process=True),
@@ -128,6 +128,8 @@ class ReceiverContext:
     store_host: str = ""              # where per-pair rendezvous listen (the KV network's host)
     auth: Any = None
     options: dict[str, Any] = field(default_factory=dict)
+    kv_cache: Any = None              # the engine's paged KV cache tensor, for backends that write into its
+                                      # blocks in place (admission then names them); None: they stage
 
 
 def make_sender(name: str, ctx: SenderContext):

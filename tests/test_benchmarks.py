@@ -327,8 +327,10 @@ def test_kv_smoke_measures_grpc_direct_and_nixl_against_their_references(tmp_pat
     steady = direct["sustained"]
     assert steady["transfers"] > steady["window"] >= 2 and steady["fraction_of_reference"] == pytest.approx(
         steady["bytes_per_s"] / direct["reference"]["bandwidth_bytes_per_s"])
-    nixl = rows[2]                   # NIXL over UCX between two processes, measured as direct is
+    nixl = rows[2]                   # NIXL over UCX between two processes, measured as direct is,
     assert nixl["backend_config"]["processes"] == 2 and nixl["sustained"]["bytes_per_s"] > 0
+    # ... written straight into the receiver's KV cache pages
+    assert nixl["backend_config"]["landed_in_place"] > 0 == direct["backend_config"]["landed_in_place"]
 
 
 def test_serve_smoke_launches_1p1d_and_reports_every_request(tmp_path):

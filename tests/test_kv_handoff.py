@@ -20,6 +20,7 @@ from baton.engine.kv_handoff import (
     DECODE_TRANSITIONS,
     PREFILL_TRANSITIONS,
     IllegalTransition,
+    InPlace,
     KVHandoff,
     KVPiece,
     KVState,
@@ -185,6 +186,37 @@ def test_a_payload_of_the_wrong_size_frees_the_blocks_and_says_why(engine, hook)
     (out,) = engine.step()
     assert out.finished and out.finish_reason == "abort" and "could not join" in out.error
     assert ticket.state is KVState.FREED
+
+
+def test_reserve_never_shares_cached_blocks_and_a_held_abort_frees_them_only_at_release(engine, hook):
+    prompt = fresh_prompt()
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id="c")
+    while engine.has_unfinished:
+        engine.step()                             # its 3 full blocks are now in the prefix cache
+    cached = set(engine.block_manager.cached.values())
+    ticket = engine.reserve("d", prompt, GREEDY)  # the same prompt: a backend may write into these blocks
+    assert len(ticket.block_ids) == 4 and not set(ticket.block_ids) & cached
+    assert all(engine.block_manager.blocks[b].ref_count == 1 for b in ticket.block_ids)
+    before = free(engine)
+    engine.abort("d", hold_as="t")                # its sender may still write: out of the pool, not freed
+    assert ticket.state is KVState.FREED and free(engine) == before and engine.stats().kv_blocks_held == 4
+    assert engine.release_held("t") == 4 and engine.release_held("t") == 0
+    assert free(engine) == before + 4 and engine.stats().kv_blocks_held == 0
+
+
+def test_kv_written_in_place_joins_without_a_copy_into_its_own_blocks_only(engine, hook, monkeypatch):
+    def no_copy(*_):
+        raise AssertionError("an in-place payload was copied")
+    monkeypatch.setattr(engine.runner, "write_kv", no_copy)
+    ticket = engine.reserve("d", fresh_prompt(), GREEDY)
+    hook.land(ticket, InPlace(ticket.block_ids, 4), first_token=5)
+    assert engine.step()[0].new_token_ids == [5] and ticket.state is KVState.JOINED
+    while engine.has_unfinished:
+        engine.step()
+    other = engine.reserve("e", fresh_prompt(), GREEDY)
+    hook.land(other, InPlace(ticket.block_ids, 4), first_token=5)     # blocks not its own
+    (out,) = engine.step()
+    assert out.finish_reason == "abort" and "not the request's" in out.error and other.state is KVState.FREED
 
 
 def test_prefill_pieces_walk_queued_prefilling_prefilled(engine, hook):

@@ -92,6 +92,8 @@ def test_both_workers_speak_the_stacks_kv_backend_and_the_router_picks_it(cluste
             spoken[w.role] = list(stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5).kv_backends)
     assert spoken["prefill"] == spoken["decode"] == kv_registry.spoken(backend)
     assert kv_registry.pick(spoken["prefill"], spoken["decode"], same_accelerator=False) == backend
+    if backend == "nixl":         # the decode worker registered its KV cache: transfers land in place
+        assert "nixl: KV lands in place" in cluster.router.log.read_text(errors="replace")
 
 
 def _start_stream(stub, rid: str, max_tokens=400, timeout=120):

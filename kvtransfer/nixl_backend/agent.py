@@ -3,7 +3,10 @@ and the descriptor lists that place a piece's bytes where they belong in the pee
 
 A payload of N blocks is kv[:, :, blocks]: 2 x layers rows, each holding the N blocks' bytes in
 turn. A piece of n blocks from block a is the same shape with n, so its row r goes to offset
-r*N*b + a*b of the payload (b: one block's bytes in one row): 2 x layers regions per piece.
+r*N*b + a*b of the payload (b: one block's bytes in one row): 2 x layers regions per piece
+(`piece_descs`, staged). Written in place into the decode worker's cache of S blocks, its row r,
+block i goes to r*S*b + pages[a+i]*b: one region per row and run of consecutive block ids
+(`page_descs`).
 """
 from __future__ import annotations
 
@@ -75,4 +78,23 @@ def piece_descs(src: torch.Tensor, dst_addr: int, dst_dev: int, rows: int, total
     local = np.stack([src.data_ptr() + r * row_bytes, np.full(rows, row_bytes), np.full(rows, device_id(src))], 1)
     remote = np.stack([dst_addr + r * total_blocks * block_row + first_block * block_row, np.full(rows, row_bytes),
                        np.full(rows, dst_dev)], 1)
+    return local, remote
+
+
+def page_descs(src: torch.Tensor, dst_addr: int, dst_dev: int, rows: int, stride: int, pages: list[int],
+               first_block: int, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(local, remote) Nx3 descriptor arrays writing the piece `src` (rows x num_blocks blocks,
+    contiguous; blocks [first_block, +num_blocks) of its transfer) straight into the peer's KV
+    cache at dst_addr ([rows, stride blocks] of block bytes): block i of the piece goes to block
+    pages[first_block + i]. Consecutive block ids coalesce into one region per row."""
+    ids = np.asarray(pages[first_block:first_block + num_blocks], dtype=np.int64)
+    block_row = src.numel() // rows // num_blocks                # one block's bytes in one row
+    starts = np.flatnonzero(np.r_[True, np.diff(ids) != 1])      # where each run of consecutive ids begins
+    lengths = np.diff(np.r_[starts, num_blocks])
+    r = np.arange(rows, dtype=np.int64)[:, None]                 # rows x runs
+    local_addr = src.data_ptr() + (r * num_blocks + starts) * block_row
+    remote_addr = dst_addr + (r * stride + ids[starts]) * block_row
+    size = np.broadcast_to(lengths * block_row, local_addr.shape)
+    local = np.stack([local_addr.ravel(), size.ravel(), np.full(size.size, device_id(src))], 1)
+    remote = np.stack([remote_addr.ravel(), size.ravel(), np.full(size.size, dst_dev)], 1)
     return local, remote

@@ -1,12 +1,23 @@
 """The decode side of the nixl backend: the `baton.v1.KVNixl` service. Each transfer's stream
-claims it in `PendingTransfers`, stages a buffer (host memory on the CPU, device memory on a
-GPU), registers it with this worker's NIXL agent and tells the prefill worker where it lies;
-the prefill worker's NIXL writes land there, and its notification completes the transfer.
+claims it in `PendingTransfers` and tells the prefill worker where to write; the prefill
+worker's NIXL writes land there, and its notification completes the transfer.
+
+Where the KV goes, decided per transfer:
+  - in place (the normal case): the worker's whole paged KV cache (host memory on the CPU,
+    VRAM on a GPU) is registered with this worker's NIXL agent once, at start; READY names the
+    transfer's reserved block ids, and the sender writes each piece's blocks straight into them
+    (agent.page_descs). The transfer completes with an InPlace payload: the engine's join copies nothing.
+  - staged (the fallback): a buffer registered per transfer, then copied into the blocks at the
+    join, as the grpc backend's. Used when this worker was given no KV cache (or NIXL could not
+    register it: a memory type it does not take, e.g. an NPU's), when admission named no
+    blocks, or when the sender does not offer to write pages (an older sender).
 
 A transfer that ends any other way (refused, abandoned, the stream broken, the deadline) is
-failed once, through the registry. Its buffer is not reused at once: a write the sender posted
-may still land (UCX's shared-memory and CMA paths write by address, registration or not), so it
-is kept, registered, for QUARANTINE_S before it is dropped.
+failed once, through the registry. A write the sender posted may still land (UCX's shared
+memory and CMA paths write by address, registration or not), so nothing it could write into is
+reused at once: in place, the registry holds the blocks (the engine keeps them out of its pool)
+for `quarantine_s`; staged, the buffer stays registered as long. Both end at once when the
+sender's abandon says it has no write in flight ("quiet").
 """
 from __future__ import annotations
 
@@ -14,7 +25,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import time
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -31,7 +44,16 @@ Code = grpc.StatusCode
 OPEN_TIMEOUT_S = 10.0            # a stream must say which transfer it carries by then
 POLL_S = 0.0005                  # notification polling, only while transfers are open; the wait doubles
 POLL_MAX_S = 0.004               # while nothing comes, up to this (the engine thread wants the GIL too)
-QUARANTINE_S = 30.0              # how long the buffer of a transfer that ended early stays untouched
+QUARANTINE_S = 30.0              # how long what a transfer that ended early could be written into stays untouched
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredCache:
+    """The decode worker's paged KV cache, registered with its NIXL agent for writes in place."""
+
+    kv: torch.Tensor                                 # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    reg: object                                      # its NIXL registration
+    md: str                                          # the agent metadata naming it, base64, for READY
 
 
 class _Incoming:
@@ -41,7 +63,9 @@ class _Incoming:
         self.t = t
         self.sender_agent = sender_agent
         self.blocks = blocks
-        self.reg = None                              # NIXL registration of t.buffer
+        self.reg = None                              # NIXL registration of t.buffer (staged)
+        self.pages: tuple[int, ...] = ()             # the reserved blocks it writes into (in place)
+        self.quiet = False                           # the sender said no write of it is in flight
         self.landed: asyncio.Future = asyncio.get_running_loop().create_future()   # the notification
 
 
@@ -49,15 +73,35 @@ class NixlKVReceiver(KVReceiver):
     backend = "nixl"
 
     def __init__(self, pending: PendingTransfers, layout: KVLayout, device: torch.device,
-                 auth: KVPeerAuth | None = None):
+                 auth: KVPeerAuth | None = None, kv_cache: torch.Tensor | None = None,
+                 quarantine_s: float = QUARANTINE_S):
         self.pending = pending
         self.layout = layout
         self.device = torch.device(device)
         self.auth = auth
+        self.quarantine_s = quarantine_s
         self.agent = new_agent("decode")
         self.incoming: dict[str, _Incoming] = {}    # transfer id -> ...
         self.quarantine: list[tuple[float, object, torch.Tensor]] = []
         self._poller: asyncio.Task | None = None
+        self.cache = self._register_cache(kv_cache) if kv_cache is not None else None
+
+    def _register_cache(self, kv: torch.Tensor) -> RegisteredCache | None:
+        """The paged KV cache, registered once for writes in place; None (staging) where it cannot be."""
+        lay = self.layout
+        expected = (lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        if kv.dim() != 6 or (*kv.shape[:2], *kv.shape[3:]) != expected or not kv.is_contiguous():
+            log.warning("nixl: the KV cache %s is not the layout's %s: transfers are staged", tuple(kv.shape), expected)
+            return None
+        try:
+            reg = self.agent.register_memory(kv)
+            md = wire.b64(self.agent.get_partial_agent_metadata(reg, inc_conn_info=True))
+        except Exception as exc:
+            log.warning("nixl: could not register the %s KV cache (%s): transfers are staged", kv.device, exc)
+            return None
+        print(f"[baton] nixl: KV lands in place, in the {kv.nbytes >> 20} MiB KV cache registered in "
+              f"{mem_type(kv)} ({kv.device})", file=sys.stderr, flush=True)
+        return RegisteredCache(kv, reg, md)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         handler = grpc.stream_stream_rpc_method_handler(self.Transfer, request_deserializer=wire.decode,
@@ -72,6 +116,9 @@ class NixlKVReceiver(KVReceiver):
         for tid in list(self.incoming):
             self.pending.fail(tid, "the decode worker's KV receiver closed", Code.UNAVAILABLE)
         self._release_quarantine(force=True)
+        if self.cache is not None:
+            self.agent.deregister_memory(self.cache.reg)
+            self.cache = None
 
     # -- one stream, one transfer ----------------------------------------------------------------
     async def Transfer(self, request_iterator, context):   # noqa: N802 - the RPC's name
@@ -109,6 +156,10 @@ class NixlKVReceiver(KVReceiver):
         self.pending.claim(t, nbytes)                      # size checked; one stream per transfer
         inc = _Incoming(t, agent, nbytes // self.layout.block_nbytes)
         self.incoming[t.transfer_id] = inc
+        if msg.get("pages") is True and self._can_write_in_place(t, inc.blocks):
+            inc.pages = self.pending.write_in_place(t, self.quarantine_s)
+            self._ensure_polling()
+            return inc
         await self.pending.stage(t, allocate=self._allocate)
         try:
             inc.reg = self.agent.register_memory(t.buffer)
@@ -122,7 +173,21 @@ class NixlKVReceiver(KVReceiver):
         self._release_quarantine()
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
 
+    def _can_write_in_place(self, t: Transfer, blocks: int) -> bool:
+        if self.cache is None or not t.pages:
+            return False
+        n = self.cache.kv.shape[2]
+        if len(t.pages) != blocks or len(set(t.pages)) != blocks or not all(0 <= b < n for b in t.pages):
+            log.warning("nixl: transfer %s reserved blocks that do not fit its %d-block payload in a %d-block "
+                        "cache: staged", t.transfer_id, blocks, n)
+            return False
+        return True
+
     def _where(self, inc: _Incoming) -> dict:
+        if inc.pages:
+            kv = self.cache.kv
+            return {"md": self.cache.md, "addr": kv.data_ptr(), "dev": device_id(kv), "mem": mem_type(kv),
+                    "pages": list(inc.pages), "stride": kv.shape[2]}
         buf = inc.t.buffer
         md = self.agent.get_partial_agent_metadata(inc.reg, inc_conn_info=True)
         return {"md": wire.b64(md), "addr": buf.data_ptr(), "dev": device_id(buf), "mem": mem_type(buf)}
@@ -145,6 +210,7 @@ class NixlKVReceiver(KVReceiver):
                 raise TransferRejected(Code.DATA_LOSS, f"the prefill worker closed the stream of "
                                        f"{inc.t.transfer_id} before its KV landed")
             if "abandon" in msg:
+                inc.quiet = msg.get("quiet") is True
                 raise TransferRejected(Code.ABORTED, f"the prefill worker gave it up: {msg['abandon']}")
             raise TransferRejected(Code.INVALID_ARGUMENT, f"unexpected message on the stream of "
                                    f"{inc.t.transfer_id}: {sorted(msg)}")
@@ -160,7 +226,7 @@ class NixlKVReceiver(KVReceiver):
         if not isinstance(first_token, int) or not isinstance(extra, dict):
             raise TransferRejected(Code.INVALID_ARGUMENT, f"transfer {t.transfer_id}: a garbled notification")
         buf = t.buffer
-        payload = memoryview(buf.numpy()) if buf.device.type == "cpu" else buf
+        payload = None if inc.pages else memoryview(buf.numpy()) if buf.device.type == "cpu" else buf
         self._deregister(inc)                              # every write is done: nothing more lands
         self.pending.complete(t, first_token, {str(k): str(v) for k, v in extra.items()}, payload)
 
@@ -195,11 +261,14 @@ class NixlKVReceiver(KVReceiver):
     def _end(self, inc: _Incoming, reason: str) -> None:
         self.incoming.pop(inc.t.transfer_id, None)
         self.pending.fail(inc.t.transfer_id, reason, Code.CANCELLED)     # no-op once it ended
+        if inc.quiet:                                      # the sender has no write in flight
+            self.pending.release(inc.t.transfer_id)
+            self._deregister(inc)
         self._hold(inc)                                    # unless it landed, a write may still be on its way
 
     def _hold(self, inc: _Incoming) -> None:
         if inc.reg is not None:
-            self.quarantine.append((time.monotonic() + QUARANTINE_S, inc.reg, inc.t.buffer))
+            self.quarantine.append((time.monotonic() + self.quarantine_s, inc.reg, inc.t.buffer))
             inc.reg = None
 
     def _deregister(self, inc: _Incoming) -> None:

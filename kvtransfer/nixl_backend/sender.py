@@ -1,8 +1,10 @@
 """The prefill side of the nixl backend: the shared handshake, then one control stream per
-transfer. `open` learns where the decode worker staged the transfer (its agent metadata and the
-buffer's address); each piece is one NIXL WRITE of 2 x layers regions straight into that
-buffer, posted as the piece is final; after the last piece's writes complete, a NIXL
-notification carries the first token, and the decode worker's DONE ends the transfer.
+transfer. `open` offers to write pages and learns where the KV goes: the decode worker's KV
+cache and the transfer's reserved block ids (in place), or a buffer it staged for the transfer;
+with its agent metadata. Each piece is one NIXL WRITE posted as the piece is final: one region
+per row and run of consecutive block ids straight into the cache's pages, or 2 x layers
+regions into the staged buffer. After the last piece's writes complete, a NIXL notification
+carries the first token, and the decode worker's DONE ends the transfer.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from baton.kvtransfer.backend import (
 from baton.kvtransfer.handshake import handshake
 from baton.kvtransfer.layout import KVLayout
 from baton.kvtransfer.nixl_backend import wire
-from baton.kvtransfer.nixl_backend.agent import mem_type, piece_descs, sending_agent
+from baton.kvtransfer.nixl_backend.agent import mem_type, page_descs, piece_descs, sending_agent
 from baton.kvtransfer.peer_auth import KVPeerAuth
 
 Code = grpc.StatusCode
@@ -39,6 +41,7 @@ FORGET_AFTER_LOADS = 256       # the peer's stale registrations are dropped (whe
 # metadata loads since its registrations were last forgotten, and its transfers open now
 _LOADS: collections.Counter = collections.Counter()
 _OPEN: collections.Counter = collections.Counter()
+_KNOWN: dict[str, str] = {}    # metadata of a peer's registered KV cache (base64) -> the peer, while loaded
 
 
 class NixlKVSender(KVSender):
@@ -46,10 +49,11 @@ class NixlKVSender(KVSender):
 
     backend = BACKEND
 
-    def __init__(self, channel: grpc.aio.Channel, address: str, auth: KVPeerAuth | None = None):
+    def __init__(self, channel: grpc.aio.Channel, address: str, auth: KVPeerAuth | None = None, platform=None):
         self.channel = channel
         self.address = address
         self.auth = auth
+        self.platform = platform
         self.agent = sending_agent()
         self._call = channel.stream_stream(wire.TRANSFER_METHOD, request_serializer=wire.encode,
                                            response_deserializer=wire.decode)
@@ -87,15 +91,17 @@ class NixlKVSender(KVSender):
         call = self._call(timeout=max(0.0, deadline - loop.time()), metadata=self._metadata)
         try:
             async with asyncio.timeout_at(deadline):
-                await call.write({"open": transfer.transfer_id, "nbytes": transfer.nbytes, "agent": self.agent.name})
+                await call.write({"open": transfer.transfer_id, "nbytes": transfer.nbytes, "agent": self.agent.name,
+                                  "pages": True})
                 reply = await call.read()
                 if reply is grpc.aio.EOF or "ready" not in reply:
                     raise await _ended(call, reply, transfer.transfer_id)
                 ready = reply["ready"]
-                if not isinstance(ready, dict) or not {"md", "addr", "dev", "mem"} <= set(ready):
+                if not _ready_ok(ready, transfer.nbytes // self.block_bytes):
                     raise KVTransferError(f"the decode worker at {self.address} answered the open of "
                                           f"{transfer.transfer_id} with a garbled READY", Code.INTERNAL)
-                peer = self._load(wire.unb64(ready["md"]))
+                peer = _KNOWN.get(ready["md"]) if "pages" in ready else None
+                peer = peer or self._load(ready["md"], keep="pages" in ready)
         except TimeoutError:
             call.cancel()
             raise KVTransferError(f"KV transfer {transfer.transfer_id} to {self.address} could not open in time",
@@ -109,16 +115,22 @@ class NixlKVSender(KVSender):
         _OPEN[peer] += 1
         return NixlOutgoing(self, call, transfer, peer, ready, deadline)
 
-    def _load(self, metadata: bytes) -> str:
-        """Load the peer's agent metadata (its new registration); now and then, with none of its
-        transfers open, forget its registrations first, so stale ones do not pile up."""
+    def _load(self, md: str, keep: bool) -> str:
+        """Load the peer's agent metadata (its new registration; `keep`: its KV cache's, remembered
+        while loaded); now and then, with none of its transfers open, forget its registrations
+        first, so stale staged ones do not pile up."""
+        metadata = wire.unb64(md)
         try:
             peer = self.agent.add_remote_agent(metadata)
             peer = peer.decode() if isinstance(peer, bytes) else peer
             if _LOADS[peer] >= FORGET_AFTER_LOADS and not _OPEN[peer]:
                 self.agent.remove_remote_agent(peer)
+                for known in [k for k, p in _KNOWN.items() if p == peer]:
+                    del _KNOWN[known]
                 _LOADS[peer] = 0
                 self.agent.add_remote_agent(metadata)
+            if keep:
+                _KNOWN[md] = peer
         except Exception as exc:
             raise KVTransferError(f"NIXL could not load the metadata of the decode worker at {self.address}: {exc}",
                                   Code.UNAVAILABLE) from exc
@@ -137,6 +149,8 @@ class NixlOutgoing(OutgoingTransfer):
         self.transfer = transfer
         self.peer = peer
         self.dst = (int(ready["addr"]), int(ready["dev"]), str(ready["mem"]))
+        self.pages = ready.get("pages")                                # in place: the reserved block ids
+        self.stride = ready.get("stride", 0)                           # ... of a cache of this many blocks
         self.deadline = deadline
         self.num_blocks = transfer.nbytes // sender.block_bytes
         self.next_block = 0
@@ -189,8 +203,12 @@ class NixlOutgoing(OutgoingTransfer):
         reg = None
         try:
             reg = self.agent.register_memory(data)
-            local, remote = piece_descs(data, self.dst[0], self.dst[1], self.sender.rows, self.num_blocks,
-                                        first_block, num_blocks)
+            if self.pages is not None:
+                local, remote = page_descs(data, self.dst[0], self.dst[1], self.sender.rows, self.stride,
+                                           self.pages, first_block, num_blocks)
+            else:
+                local, remote = piece_descs(data, self.dst[0], self.dst[1], self.sender.rows, self.num_blocks,
+                                            first_block, num_blocks)
             handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, mem_type(data)),
                                                 self.agent.get_xfer_descs(remote, self.dst[2]), self.peer)
             state = self.agent.transfer(handle)
@@ -245,13 +263,20 @@ class NixlOutgoing(OutgoingTransfer):
         self._end()
         if self.finishing is not None:
             self.finishing.cancel()
-        asyncio.ensure_future(self._say_abandon(reason))
+        quiet = not self._in_flight()                  # the decode worker may reuse what we wrote into at once
+        asyncio.ensure_future(self._say_abandon(reason, quiet))
         if self.writes:
             asyncio.ensure_future(self._drain())
 
-    async def _say_abandon(self, reason: str) -> None:
+    def _in_flight(self) -> bool:
         try:
-            await asyncio.wait_for(self.call.write({"abandon": reason}), 1.0)
+            return any(self.agent.check_xfer_state(h) == "PROC" for h, _, _ in self.writes)
+        except Exception:
+            return True
+
+    async def _say_abandon(self, reason: str, quiet: bool) -> None:
+        try:
+            await asyncio.wait_for(self.call.write({"abandon": reason, "quiet": quiet}), 1.0)
             await asyncio.wait_for(self.call.done_writing(), 1.0)
         except Exception:
             pass
@@ -279,6 +304,17 @@ class NixlOutgoing(OutgoingTransfer):
             self.ended = True
             _OPEN[self.peer] -= 1
             self.reply.cancel()
+
+
+def _ready_ok(ready, num_blocks: int) -> bool:
+    """A READY we can act on: where to write, and, in place, one block id per block of ours."""
+    if not isinstance(ready, dict) or not {"md", "addr", "dev", "mem"} <= set(ready):
+        return False
+    if "pages" not in ready:
+        return True
+    pages, stride = ready["pages"], ready.get("stride")
+    return (isinstance(pages, list) and len(pages) == num_blocks and isinstance(stride, int)
+            and all(isinstance(b, int) and 0 <= b < stride for b in pages))
 
 
 async def _ended(call, reply, tid: str) -> KVTransferError:

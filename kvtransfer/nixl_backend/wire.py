@@ -2,11 +2,15 @@
 JSON messages (no proto: the bytes move through NIXL, the stream only says where and when).
 
     prefill -> decode                          decode -> prefill
-    {"open": tid, "nbytes": n, "agent": name}  {"ready": {"md", "addr", "dev", "mem"}}: staged and
-                                               registered; md is the agent metadata to load
+    {"open": tid, "nbytes": n, "agent": name,  {"ready": {"md", "addr", "dev", "mem"[, "pages",
+     "pages": true (it can write in place)}      "stride"]}}: md is the agent metadata to load; with
+                                               pages, addr is the KV cache of `stride` blocks and
+                                               pages the transfer's block ids (write in place);
+                                               without, addr is a buffer staged for the transfer
     (bytes: NIXL writes; then a NIXL notification {"tid", "first_token", "extra", "blocks"})
                                                {"done": true}: landed, the decode engine has it
-    {"abandon": reason}                        {"refused": reason, "code": n}, then the status
+    {"abandon": reason, "quiet": bool}         {"refused": reason, "code": n}, then the status
+    (quiet: none of its writes is in flight, so what they went into may be reused at once)
 
 Ending the stream early (a cancel, the sender's death) fails the transfer on the decode side.
 """

@@ -2,20 +2,26 @@
 build them: a decode side (a real grpc.aio server on loopback with the backend's receivers, a
 PendingTransfers, a KV cache and its block pool) and a prefill side (a KV cache, its block
 pool, the backend's sender). Each side counts its block frees per transfer, so a test can say
-"freed exactly once, on both sides" by block count.
+"freed exactly once, on both sides" by block count. As the decode worker does, admission names
+the reserved blocks and the receivers get the KV cache (`pages=False`: they do not, so a
+backend that writes in place stages instead); blocks a failed in-place transfer leaves held
+are freed when the registry releases them (QUARANTINE_S here). BATON_TEST_DEVICE=cuda:0 puts both
+ends' KV caches and the pieces on that device (the grpc backend's pieces go through the host, as
+a prefill worker packs them for it).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import contextlib
+import os
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
 from baton.engine.kv_blocks import pack_blocks_on_device, unpack_blocks
-from baton.engine.kv_handoff import KVPiece
+from baton.engine.kv_handoff import InPlace, KVPiece
 from baton.engine.platforms import get_platform
 from baton.kvtransfer import registry
 from baton.kvtransfer.backend import TransferDescriptor
@@ -23,8 +29,10 @@ from baton.kvtransfer.grpc_options import channel_options, server_options
 from baton.kvtransfer.layout import KVLayout
 from baton.kvtransfer.receiver import PendingTransfers
 
-CPU = get_platform("cpu")
+DEVICE = os.environ.get("BATON_TEST_DEVICE", "cpu")
+PLATFORM = get_platform(DEVICE)
 NUM_BLOCKS = 32
+QUARANTINE_S = 0.5              # a backend's hold of a failed in-place transfer's blocks, in these tests
 
 
 def layout(backend: str) -> KVLayout:
@@ -37,8 +45,8 @@ def kv_cache(backend: str, seed: int | None) -> torch.Tensor:
     lay = layout(backend)
     shape = (lay.num_layers, 2, NUM_BLOCKS, lay.block_size, lay.num_kv_heads, lay.head_dim)
     if seed is None:
-        return torch.zeros(shape, dtype=torch.bfloat16)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        return torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEVICE)
 
 
 class Blocks:
@@ -75,22 +83,30 @@ class DecodeSide:
     failed: dict = field(default_factory=dict)      # tid -> reason
     ended: dict = field(default_factory=dict)       # tid -> asyncio.Event
     held: dict = field(default_factory=dict)        # tid -> block ids reserved
+    unpacked: int = 0                               # joins that copied a staged payload into the blocks
+    in_place: int = 0                               # joins of KV written straight into the blocks
 
     def expect(self, tid: str, num_blocks: int, deadline_s: float = 20.0) -> None:
         """Admission: reserve the blocks, expect the KV."""
         self.held[tid] = self.blocks.take(num_blocks)
         self.ended[tid] = asyncio.Event()
         self.pending.expect(tid, layout(self.backend).payload_nbytes(num_blocks), deadline_s,
-                            self._complete, self._fail)
+                            self._complete, self._fail, pages=self.held[tid], on_release=self._free)
 
     def _complete(self, tid, payload, first_token, extra) -> None:
-        unpack_blocks(self.kv, self.held[tid], payload)    # the engine's join
+        if isinstance(payload, InPlace):                   # the engine's join: nothing to copy
+            assert list(payload.block_ids) == self.held[tid]
+            self.in_place += 1
+        else:
+            unpack_blocks(self.kv, self.held[tid], payload)
+            self.unpacked += 1
         self.landed[tid] = (first_token, extra)
         self._free(tid)                                    # ... and, here, the request finishing at once
 
     def _fail(self, tid, reason) -> None:
         self.failed[tid] = reason
-        self._free(tid)
+        if not self.pending.held(tid):                     # held: freed when the registry releases them
+            self._free(tid)
 
     def _free(self, tid: str) -> None:
         self.blocks.give(tid, self.held[tid])
@@ -112,9 +128,13 @@ class PrefillSide:
         out, start = [], 0
         for i, n in enumerate(sizes):
             last = i == len(sizes) - 1
-            out.append(KVPiece("r", start, n, pack_blocks_on_device(self.kv, ids[start:start + n]), None,
-                               first_token if last else None, dict(extra or {}) if last else {}))
+            data = pack_blocks_on_device(self.kv, ids[start:start + n])
+            if self.backend == "grpc":
+                data = data.cpu()
+            out.append(KVPiece("r", start, n, data, None, first_token if last else None,
+                               dict(extra or {}) if last else {}))
             start += n
+        PLATFORM.synchronize()                           # final before they go (ready=None)
         return out
 
     def descriptor(self, tid: str, num_blocks: int) -> TransferDescriptor:
@@ -143,17 +163,21 @@ class PrefillSide:
 
 
 @contextlib.asynccontextmanager
-async def decode_side(backend: str, max_staged_bytes: int = 1 << 30, auth=None):
+async def decode_side(backend: str, max_staged_bytes: int = 1 << 30, auth=None, pages: bool = True):
     pending = PendingTransfers(max_staged_bytes=max_staged_bytes)
     server = grpc.aio.server(options=server_options())
     port = server.add_insecure_port("127.0.0.1:0")
     address = f"127.0.0.1:{port}"
-    ctx = registry.ReceiverContext(pending, layout(backend), CPU, address, "127.0.0.1", auth)
+    kv = kv_cache(backend, None)
+    ctx = registry.ReceiverContext(pending, layout(backend), PLATFORM, address, "127.0.0.1", auth,
+                                   kv_cache=kv if pages else None)
     receivers = registry.make_receivers(backend, ctx)
     for receiver in receivers:
+        if hasattr(receiver, "quarantine_s"):
+            receiver.quarantine_s = QUARANTINE_S
         receiver.add_to_server(server)
     await server.start()
-    side = DecodeSide(backend, pending, address, kv_cache(backend, None))
+    side = DecodeSide(backend, pending, address, kv)
     side.stop = lambda: _stop(receivers, server)
     side.receivers = receivers
     try:
@@ -171,7 +195,7 @@ async def _stop(receivers, server) -> None:
 @contextlib.asynccontextmanager
 async def prefill_side(backend: str, address: str, seed: int = 1, auth=None):
     channel = grpc.aio.insecure_channel(address, options=channel_options())
-    sender = registry.make_sender(backend, registry.SenderContext(address, channel, CPU, auth))
+    sender = registry.make_sender(backend, registry.SenderContext(address, channel, PLATFORM, auth))
     side = PrefillSide(backend, sender, kv_cache(backend, seed))
     side.die = lambda: _die(sender, channel)
     try:

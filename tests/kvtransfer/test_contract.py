@@ -40,6 +40,7 @@ def _backends(cross_process_only: bool = False) -> list:
 
 BACKENDS = _backends()
 CROSS_PROCESS = _backends(cross_process_only=True)
+IN_PLACE = ("nixl",)          # backends that write the KV straight into the decode side's reserved blocks
 
 
 def run(coro, timeout: float = 40.0):
@@ -66,6 +67,8 @@ def test_pieces_in_order_land_bit_exact_with_the_first_token(backend, sizes):
             sent = p.kv[:, :, p.blocks.free[-4:]]            # the prefill's 4 blocks, given back last
             assert torch.equal(d.kv[:, :, d.blocks.free[-4:]], sent)
             assert_all_freed_once(d, p, ["t"])
+            if backend in IN_PLACE:                          # written straight into the blocks: no staging copy
+                assert (d.in_place, d.unpacked, d.pending.stats().in_place) == (1, 0, 1)
     run(main())
 
 
@@ -166,6 +169,7 @@ def test_the_decode_worker_dying_mid_transfer_fails_the_sender_within_its_timeou
                     await out.piece(last)
                     await out.done()
                 assert time.monotonic() - started < 6
+            await d.wait_ended("t", 2)                       # (blocks written in place: after their hold)
             assert d.blocks.frees["t"] == 1 and p.blocks.frees["t"] == 1
     run(main())
 

@@ -8,12 +8,13 @@ import json
 
 import grpc
 import pytest
+import torch
 from harness import decode_side, layout, prefill_side
 
 from baton.kvtransfer import registry
 from baton.kvtransfer.grpc_options import channel_options
 from baton.kvtransfer.nixl_backend import wire
-from baton.kvtransfer.nixl_backend.agent import new_agent
+from baton.kvtransfer.nixl_backend.agent import new_agent, page_descs
 from baton.kvtransfer.peer_auth import KVPeerAuth
 
 Code = grpc.StatusCode
@@ -97,16 +98,50 @@ def test_the_layout_names_nixl_only_where_the_worker_speaks_it():
     assert layout("nixl").backends == ["nixl", "grpc"] and layout("grpc").backends == ["grpc"]
 
 
-def test_stale_registrations_of_the_peer_are_forgotten_between_transfers_and_later_ones_still_land(monkeypatch):
+def test_without_a_kv_cache_transfers_are_staged_and_stale_registrations_are_forgotten(monkeypatch):
+    """The fallback (no cache to write into): a buffer registered per transfer, copied at the join."""
     from baton.kvtransfer.nixl_backend import sender as nixl_sender
     monkeypatch.setattr(nixl_sender, "FORGET_AFTER_LOADS", 2)
 
     async def main():
-        async with decode_side("nixl") as d, prefill_side("nixl", d.address) as p:
+        async with decode_side("nixl", pages=False) as d, prefill_side("nixl", d.address) as p:
             for i in range(5):
                 d.expect(f"t{i}", 2)
                 await p.send(f"t{i}", 2, [1, 1])
                 await d.wait_ended(f"t{i}", 5)
+                assert torch.equal(d.kv[:, :, d.held[f"t{i}"]], p.kv[:, :, p.blocks.free[-2:]])
             peer = next(r for r in d.receivers if r.backend == "nixl").agent.name
             assert len(d.landed) == 5 and nixl_sender._LOADS[peer] <= 2 and nixl_sender._OPEN[peer] == 0
+            assert (d.unpacked, d.in_place) == (5, 0)
     run(main())
+
+
+def test_blocks_a_dead_sender_wrote_into_are_held_for_the_quarantine_then_freed_once():
+    async def main():
+        async with decode_side("nixl") as d, prefill_side("nixl", d.address) as p:
+            d.expect("t", 3)
+            async with p.request("t", 3) as ids:
+                out = await p.sender.open(p.descriptor("t", 3), 20)
+                await out.piece(p.pieces(ids, [1, 2])[0])
+                await p.die()                                    # no abandon: its writes may still land
+            for _ in range(100):
+                if "t" in d.failed:
+                    break
+                await asyncio.sleep(0.02)
+            assert d.pending.held("t") and len(d.blocks.free) == d.blocks.total - 3
+            await d.wait_ended("t", 2)                           # the quarantine (0.5 s here) ends the hold
+            assert d.blocks.all_free and d.blocks.frees["t"] == 1 and not d.pending.held("t")
+    run(main())
+
+
+def test_page_descriptors_coalesce_consecutive_block_ids_per_row():
+    rows, block_row = 4, 8
+    src = torch.zeros(rows * 5 * block_row, dtype=torch.uint8)       # a piece of 5 blocks
+    pages = [9, 5, 6, 7, 2, 3, 1]                                    # its blocks are the transfer's 2..6
+    local, remote = page_descs(src, 1000, 0, rows, 10, pages, 2, 5)
+    base = src.data_ptr()
+    # runs: blocks 6,7 (piece 0..1) and 2,3 (piece 2..3) and 1 (piece 4), in each of 4 rows of a 10-block cache
+    assert local[:3].tolist() == [[base, 16, 0], [base + 16, 16, 0], [base + 32, 8, 0]]
+    assert remote[:3].tolist() == [[1000 + 6 * 8, 16, 0], [1000 + 2 * 8, 16, 0], [1000 + 8, 8, 0]]
+    assert remote[3].tolist() == [1000 + 80 + 6 * 8, 16, 0] and local[3].tolist() == [base + 40, 16, 0]
+    assert len(local) == len(remote) == rows * 3
