@@ -91,7 +91,7 @@ class ToolCalls:
                 content.append(self.buf[:start])
                 self.buf, self.state = self.buf[start + len(CALL_OPEN):], "head"
             elif self.state == "head":
-                if not self._head(deltas, content, final):
+                if not self._head(deltas, content):
                     break
             elif self.state == "arguments":
                 self._arguments(deltas)
@@ -106,7 +106,7 @@ class ToolCalls:
             self.buf = ""
         return "".join(content), deltas
 
-    def _head(self, deltas, content, final: bool) -> bool:
+    def _head(self, deltas, content) -> bool:
         """Read a call's opening; False: wait for more text."""
         m = _HEAD.match(self.buf)
         if m is not None:

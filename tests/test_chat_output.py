@@ -139,3 +139,13 @@ def test_required_forces_one_call_of_any_tool():
 def test_bad_tools_are_refused_with_what_to_fix(bad, message):
     with pytest.raises(ValueError, match=message):
         tool_calls.check(bad)
+
+
+def test_a_template_that_cannot_render_tools_is_refused_rather_than_dropping_them(embedded_source):
+    from baton.engine.tokenizer import load_tokenizer, render_chat
+    tokenizer = load_tokenizer(embedded_source)                 # SmolLM2's template takes no tools
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    with pytest.raises(ValueError, match="does not render tools.*--chat-template"):
+        render_chat(tokenizer, [{"role": "user", "content": "Hi"}], tools=tools)
+    with pytest.raises(ValueError, match="may not set.*tools"):
+        render_chat(tokenizer, [{"role": "user", "content": "Hi"}], template_kwargs={"tools": tools})

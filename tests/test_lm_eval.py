@@ -6,11 +6,10 @@ echo) and a generate-until task through `local-chat-completions`; then the same 
 `--model hf` on the embedded model's converted checkpoint. The scores must be equal."""
 from __future__ import annotations
 
-
 import pytest
 from cluster import REPO, Cluster
 
-lm_eval = pytest.importorskip("lm_eval")
+lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is the eval extra: pip install '.[eval]'")
 
 TASKS = REPO / "tests" / "lm_eval"
 MODEL = "smollm2-135m-instruct"
