@@ -21,7 +21,7 @@ from pathlib import Path
 
 from baton import preflight
 from baton.client import baton_command
-from baton.router.config import add_auth_and_limits, add_generation_config, add_http_api
+from baton.router.config import add_auth_and_limits, add_chat, add_generation_config, add_http_api
 from baton.router.config import build_parser as router_parser
 from baton.serving.grpc_server import port_is_free
 from baton.serving.logs import setup_logging
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag(t, "--decode-devices", help="comma list, one per decode instance (unset: --device)")
     add_generation_config(p)
     add_http_api(p)
+    add_chat(p)
     add_auth_and_limits(p)
     flag(p, "--policy", default="least_loaded", choices=("round_robin", "least_loaded", "prefix_aware"),
          help="how the router picks a worker for a request")

@@ -63,17 +63,21 @@ class LLM:
                 self.engine.abort(rid)
         return [results[r] for r in order]
 
-    def chat(self, conversations, sampling_params=None, progress: bool = False) -> list[CompletionOutput]:
+    def chat(self, conversations, sampling_params=None, progress: bool = False, tools: list[dict] | None = None,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[CompletionOutput]:
         """One conversation ([{"role", "content"}, ...]) or a list of them. `content`: a string,
         or OpenAI-style parts: {"type": "text", "text"}, {"type": "image_url", "image_url":
         {"url": "data:image/png;base64,..."}} or {"type": "image", "image": <encoded bytes>}
-        (images: vision-language models only)."""
+        (images: vision-language models only). `tools`: OpenAI-style function tools the template
+        renders (messages may hold an assistant's `tool_calls` and `tool` results);
+        `chat_template`: a template of your own; `chat_template_kwargs`: its extra variables,
+        e.g. {"enable_thinking": False}. The output is the model's text, as vLLM's LLM.chat."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         token_lists, images = [], []
         for c in conversations:
             messages, imgs = split_content_parts(c)
-            ids = render_chat(self.tokenizer, messages)
+            ids = render_chat(self.tokenizer, messages, tools, chat_template, chat_template_kwargs)
             if imgs or (self.engine.placeholders is not None
                         and self.engine.placeholders.image_token_id in ids):
                 ids = self._placeholders().expand(ids, imgs)        # one pad per image -> the image's count

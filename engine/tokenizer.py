@@ -63,24 +63,38 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
-def render_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat messages through the model's chat template, ready for the assistant's turn."""
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None, template: str | None = None,
+                template_kwargs: dict | None = None) -> list[int]:
+    """Chat messages through the model's chat template (or `template`), ready for the assistant's
+    turn. `tools`: OpenAI-style function tools, for a template that renders them (a ValueError if
+    it would drop them); `template_kwargs`: extra template variables ({"enable_thinking": False})."""
     if not messages:
         raise ValueError("chat has no messages: give at least one {role, content}")
     for i, m in enumerate(messages):
         if m.get("role") not in CHAT_ROLES:
             raise ValueError(f"chat message {i} has role {m.get('role')!r}; use one of {CHAT_ROLES}")
         _check_content(i, m.get("content"))
-    if getattr(tokenizer, "chat_template", None) is None:
+    source = template or getattr(tokenizer, "chat_template", None)
+    if source is None:
         raise ValueError("this model's tokenizer has no chat template; send text or tokens instead")
+    if tools and "tools" not in (source if isinstance(source, str) else source.get("tool_use", "")):
+        raise ValueError("this model's chat template does not render tools, so the model would never see them: "
+                         "serve it with --chat-template FILE naming a template that does (Hermes / Qwen3 style)")
+    kwargs = dict(template_kwargs or {})
+    clash = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template"})
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {clash}: they are the request's own fields")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except (TypeError, jinja2.TemplateError) as e:        # a text-only template meeting image parts
-        if not any(isinstance(m.get("content"), list) for m in messages):
+        ids = tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=template,
+                                            add_generation_prompt=True, tokenize=True, **kwargs)
+    except (TypeError, jinja2.TemplateError) as e:
+        if any(isinstance(m.get("content"), list) for m in messages):      # a text-only template meeting images
+            raise ValueError(f"this model's chat template cannot render image parts ({e}): images need a "
+                             "vision-language model's own tokenizer files (a Qwen3-VL checkpoint directory); "
+                             "the random-weight presets use SmolLM2's tokenizer, which has no image tokens") from e
+        if isinstance(e, TypeError):
             raise
-        raise ValueError(f"this model's chat template cannot render image parts ({e}): images need a "
-                         "vision-language model's own tokenizer files (a Qwen3-VL checkpoint directory); "
-                         "the random-weight presets use SmolLM2's tokenizer, which has no image tokens") from e
+        raise ValueError(f"the chat template failed on this chat: {e}") from e
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

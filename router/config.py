@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from baton.router.chat_output import REASONING_PARSERS
 from baton.router.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES, check_limits
 from baton.router.policies import POLICIES
 from baton.router.registry import split_target
@@ -47,6 +49,9 @@ class RouterConfig:
     request_timeout: float = 0.0        # a deadline for requests whose client set none (0: none)
     stream_message_rate: float = 10_000.0   # messages/s written to all client streams at most (0: no pacing)
     generation_config: str = "auto"     # where unset sampling fields come from (engine/sampling_params.py)
+    chat_template: str | None = None    # a Jinja file rendering chats instead of the model's own template
+    trust_request_chat_template: bool = False   # a request may bring its own chat template
+    reasoning_parser: str | None = None # "qwen3" or "deepseek_r1": <think>...</think> -> reasoning (chats)
     log_level: str = "info"
     log_format: str = "text"
 
@@ -73,6 +78,10 @@ class RouterConfig:
             raise ValueError("--resolve-interval must be >= 0 seconds (0 = resolve worker names once)")
         for address in self.prefill + self.decode + self.colocated:
             split_target(address)
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ValueError(f"--chat-template {self.chat_template}: no such file (give a Jinja chat template)")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"--reasoning-parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {POLICIES}, got {self.policy!r}")
         if not (self.prefill or self.decode or self.colocated):
@@ -105,8 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
     flag(p, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
     add_generation_config(p)
     add_http_api(p)
+    add_chat(p)
     add_auth_and_limits(p)
     return p
+
+
+def add_chat(p: argparse.ArgumentParser) -> None:
+    """How chats are rendered and their output read (also `baton serve`'s, passed on to its router)."""
+    c = p.add_argument_group("chats")
+    flag(c, "--chat-template", help="a Jinja chat template file to render chats with, instead of the model's own "
+                                    "(for tools: one that renders them, Hermes / Qwen3 style)")
+    flag(c, "--trust-request-chat-template", type=bool, default=False,
+         help="let a request bring its own chat template (chat_template); off: such a request is refused")
+    flag(c, "--reasoning-parser", choices=REASONING_PARSERS,
+         help="return a chat answer's <think>...</think> as reasoning_content (qwen3: when the answer opens "
+              "with <think>; deepseek_r1: the answer starts thinking, up to </think>)")
 
 
 def add_http_api(p: argparse.ArgumentParser) -> None:
@@ -175,7 +197,9 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
                        max_migrations=args.max_migrations, http_port=args.http_port,
                        served_model_name=_names(args.served_model_name), request_timeout=args.request_timeout,
                        stream_message_rate=args.stream_message_rate,
-                       generation_config=args.generation_config, log_level=args.log_level,
+                       generation_config=args.generation_config, chat_template=args.chat_template,
+                       trust_request_chat_template=args.trust_request_chat_template,
+                       reasoning_parser=args.reasoning_parser, log_level=args.log_level,
                        log_format=args.log_format)
     cfg.validate()
     return cfg

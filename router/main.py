@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from baton.engine.sampling_params import sampling_defaults
 from baton.engine.tokenizer import eos_token_ids, load_tokenizer
@@ -40,6 +41,8 @@ async def serve(cfg: RouterConfig) -> None:
         http = OpenAIServer(None, cfg, "", metrics.registry)
         await http.start()
     source, tokenizer = load_model(cfg)
+    if cfg.chat_template:                     # every chat renders with it: gRPC, HTTP, /tokenize
+        tokenizer.chat_template = Path(cfg.chat_template).read_text()
     hf = source.hf_config
     info = router_pb2.ModelInfo(name=source.name, architecture=source.architecture,
                                 max_model_len=getattr(hf, "max_position_embeddings", 0), vocab_size=hf.vocab_size,

@@ -25,9 +25,12 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from baton import __version__
 from baton.engine.tokenizer import encode_text
 from baton.models.multimodal import decode_data_url
+from baton.router import tokens
 from baton.router.config import RouterConfig
+from baton.router.openai_chat import Calls, chat_delta, chat_fields, chat_message, message_fields
 from baton.router.openai_errors import HTTPError, from_service_error
 from baton.router.openai_fields import HONOURED, refusal
 from baton.router.openai_logprobs import (
@@ -46,6 +49,7 @@ from baton.v1 import router_pb2
 log = logging.getLogger("baton.router.http")
 
 FINISH = {router_pb2.FINISH_REASON_STOP: "stop", router_pb2.FINISH_REASON_LENGTH: "length",
+          router_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
           router_pb2.FINISH_REASON_ABORT: "abort"}
 
 
@@ -60,6 +64,8 @@ class Result:
     usage: router_pb2.Usage = field(default_factory=router_pb2.Usage)
     logprobs: list[Entry] = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)     # TokenLogprob messages
+    reasoning: str = ""                                      # a chat's, with --reasoning-parser
+    calls: Calls = field(default_factory=Calls)              # a chat's tool calls
 
 
 @dataclass(slots=True)
@@ -123,6 +129,9 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
         return app
 
     async def start(self) -> None:
@@ -231,22 +240,38 @@ class OpenAIServer:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request, "chat")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise HTTPError(400, "messages must be a non-empty list of {role, content}", param="messages")
-        req = router_pb2.GenerateRequest()
-        images = 0
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise HTTPError(400, f"messages[{i}] must be an object with a string role", param="messages")
-            content = m.get("content")
-            if _has_images(content):
-                parts = _parts(content, i, images)
-                images += sum(p.HasField("image") for p in parts)
-                req.chat.messages.add(role=m["role"], parts=parts)
-            else:
-                req.chat.messages.add(role=m["role"], content=_content(content, i))
+        req = _chat_request(body)
         return await self._serve(request, body, [req], chat=True)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: {prompt} or {messages, tools, chat_template_kwargs...} -> {count, tokens...}."""
+        body = await _json(request, "tokenize")
+        self._model(body)
+        req = router_pb2.TokenizeRequest()
+        if "messages" in body:
+            req.chat.CopyFrom(_chat_request(body).chat)
+        elif isinstance(body.get("prompt"), str):
+            req.text = body["prompt"]
+        else:
+            raise HTTPError(400, "give prompt (a string) or messages", param="prompt")
+        svc = self.svc
+        out = tokens.tokenize(req, svc.tokenizer, svc.max_model_len, svc.cfg.trust_request_chat_template)
+        strs = body.get("return_token_strs", False)
+        return web.json_response({"count": len(out.ids), "max_model_len": out.max_model_len, "tokens": list(out.ids),
+                                  "token_strs": list(out.tokens) if strs else None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await _json(request, "detokenize")
+        self._model(body)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise HTTPError(400, "tokens must be a list of token ids", param="tokens")
+        out = tokens.detokenize(router_pb2.DetokenizeRequest(ids=ids), self.svc.tokenizer,
+                                self.svc.model_info.vocab_size)
+        return web.json_response({"prompt": out.text})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
 
     # -- the shared path ----------------------------------------------------------------------
     async def _serve(self, request, body: dict, prompts: list, chat: bool) -> web.StreamResponse:
@@ -279,7 +304,7 @@ class OpenAIServer:
         cached = 0
         for c, result in zip(choices, results, strict=True):
             if chat:
-                out.append({"index": c.index, "message": {"role": "assistant", "content": result.text},
+                out.append({"index": c.index, "message": chat_message(result.text, result.reasoning, result.calls),
                             "finish_reason": result.reason,
                             "logprobs": chat_logprobs(result.logprobs, self.texts) if shape.logprobs else None})
             else:
@@ -333,15 +358,18 @@ class OpenAIServer:
 
     async def _whole(self, request, c: Choice) -> Result:
         result = Result()
-        text = []
+        text, reasoning = [], []
         async for resp in self._responses(request, c):
             text.append(resp.text)
+            reasoning.append(resp.reasoning_text)
+            result.calls.add(resp.tool_calls)
             result.logprobs += entries(resp.logprobs)
             result.prompt_logprobs += resp.prompt_logprobs
             if resp.finish_reason:
                 result.reason = FINISH.get(resp.finish_reason, "stop")
                 result.usage = resp.usage
         result.text = "".join(text)
+        result.reasoning = "".join(reasoning)
         return result
 
     async def _stream(self, request, choices: list[Choice], rid: str, model: str, chat: bool, shape: Shape,
@@ -381,10 +409,14 @@ class OpenAIServer:
             await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
         def chunk(i: int, text: str | None, reason: str | None, items: list[Entry] | None = None,
-                  role: bool = False) -> dict:
+                  role: bool = False, parsed: dict | None = None) -> dict:
             logprobs = None
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+                if parsed:                             # reasoning and tool calls (openai_chat.delta)
+                    if not text:
+                        delta.pop("content", None)
+                    delta.update(parsed)
                 if shape.logprobs and not role:
                     logprobs = chat_logprobs(items or [], self.texts)
                 choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
@@ -436,7 +468,7 @@ class OpenAIServer:
         # a gRPC client does, and a token's time is when it came, not when its text did
         if item.text or item.token_ids or reason:
             await send(chunk(c.index, item.text if item.text or item.token_ids else None, reason,
-                             entries(item.logprobs)))
+                             entries(item.logprobs), parsed=chat_delta(item)))
         if reason:
             u = item.usage
             if c.first:
@@ -456,7 +488,7 @@ class OpenAIServer:
 
 def _field_named(message: str) -> str | None:
     """The request field a validation message starts with ("min_p must be in [0, 1]..."), if any."""
-    word = message.split(" ", 1)[0].rstrip(":")
+    word = message.split(" ", 1)[0].split("[", 1)[0].rstrip(":")        # "tools[0] (f): ..." names tools
     return word if word in HONOURED["completions"] | HONOURED["chat"] else None
 
 
@@ -499,6 +531,28 @@ async def _json(request: web.Request, endpoint: str) -> dict:
     if refused is not None:
         raise HTTPError(400, refused[1], param=refused[0])
     return body
+
+
+def _chat_request(body: dict) -> router_pb2.GenerateRequest:
+    """A chat body's messages (text, images, tool calls) and tools as a gRPC chat request."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "messages must be a non-empty list of {role, content}", param="messages")
+    req = router_pb2.GenerateRequest()
+    images = 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise HTTPError(400, f"messages[{i}] must be an object with a string role", param="messages")
+        content = m.get("content")
+        if _has_images(content):
+            parts = _parts(content, i, images)
+            images += sum(p.HasField("image") for p in parts)
+            message = req.chat.messages.add(role=m["role"], parts=parts)
+        else:
+            message = req.chat.messages.add(role=m["role"], content=_content(content, i))
+        message_fields(m, i, message)
+    chat_fields(body, req.chat)
+    return req
 
 
 def _content(content, i: int) -> str:

@@ -18,7 +18,12 @@ COMMON_HONOURED = {
 }
 HONOURED = {
     "completions": COMMON_HONOURED | {"prompt", "echo"},
-    "chat": COMMON_HONOURED | {"messages", "max_completion_tokens", "top_logprobs"},
+    "chat": COMMON_HONOURED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "chat_template", "chat_template_kwargs"},
+    # vLLM's /tokenize and /detokenize
+    "tokenize": {"model", "prompt", "messages", "tools", "tool_choice", "chat_template", "chat_template_kwargs",
+                 "return_token_strs"},
+    "detokenize": {"model", "tokens"},
 }
 
 # no effect on any output, on OpenAI's servers either (end-user ids, cache routing hints, and
@@ -27,6 +32,7 @@ INFORMATIONAL = {
     "completions": {"user"},
     "chat": {"user", "metadata", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
              "safety_identifier"},
+    "tokenize": set(), "detokenize": set(),
 }
 
 _NONE = (None,)
@@ -50,21 +56,29 @@ REFUSED: dict[str, dict[str, tuple]] = {
         "best_of": (None, 1), "suffix": (None, ""),
     },
     "chat": COMMON_REFUSED | {
-        "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+        "parallel_tool_calls": (None, True, False),
         "functions": (None, []), "function_call": (None, "none"),
         "audio": _NONE, "modalities": (None, ["text"]), "prediction": _NONE,
         "reasoning_effort": _NONE, "verbosity": _NONE, "web_search_options": _NONE, "moderation": _NONE,
         "store": _OFF, "service_tier": (None, "auto", "default"),
         # vLLM's chat extras
         "echo": _OFF, "add_generation_prompt": (None, True), "continue_final_message": _OFF,
-        "documents": _EMPTY, "chat_template": _EMPTY, "chat_template_kwargs": _EMPTY,
-        "tool_parser": _EMPTY, "reasoning_parser": _EMPTY,
+        "documents": _EMPTY, "tool_parser": _EMPTY, "reasoning_parser": _EMPTY,
     },
+    "tokenize": {"add_special_tokens": _NONE, "add_generation_prompt": (None, True), "continue_final_message": _OFF,
+                 "mm_processor_kwargs": _EMPTY},
+    "detokenize": {},
 }
 
 WHY = {
+    "tool_parser": "tool_parser is the server's: Baton reads Hermes / Qwen3 <tool_call> blocks whenever tools are given",
+    "reasoning_parser": "reasoning_parser is the server's: start it with --reasoning-parser",
     "response_format": "only the text response_format is supported (structured output is not built yet)",
 }
+
+
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "tokenize": "/tokenize",
+         "detokenize": "/detokenize"}
 
 
 def refusal(endpoint: str, body: Mapping) -> tuple[str, str] | None:
@@ -77,8 +91,7 @@ def refusal(endpoint: str, body: Mapping) -> tuple[str, str] | None:
             if _is_noop(value, refused[name]):
                 continue
             return name, WHY.get(name, f"{name} is not supported by Baton; leave it unset (got {value!r:.60})")
-        return name, (f"unknown field {name!r} for /v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
-                      "; Baton refuses fields it would otherwise ignore")
+        return name, (f"unknown field {name!r} for {PATHS[endpoint]}; Baton refuses fields it would otherwise ignore")
     return None
 
 

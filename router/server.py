@@ -19,8 +19,9 @@ import grpc
 
 from baton.kvtransfer import registry as kv_registry
 from baton.models.multimodal import ImagePlaceholders
-from baton.router import validation
+from baton.router import tokens, tool_calls, validation
 from baton.router.admission import Admission
+from baton.router.chat_output import ChatOutput
 from baton.router.config import RouterConfig
 from baton.router.images import ImagePolicy
 from baton.router.migration import Ledger
@@ -175,10 +176,12 @@ class RouterService:
         images = self.images.collect(req)
         if images:                          # decoding takes a while: not on the event loop
             await asyncio.to_thread(self.images.measure, images)
-        ids = validation.prompt_ids(req, self.tokenizer, self.model_info.vocab_size, images, self.images)
+        ids = validation.prompt_ids(req, self.tokenizer, self.model_info.vocab_size, images, self.images,
+                                    self.cfg.trust_request_chat_template)
         validation.check_limits(req, len(ids), self.cfg.max_prompt_tokens, self.cfg.max_new_tokens)
         params = validation.sampling(req, len(ids), self.max_model_len, self.model_info.vocab_size,
                                      self.cfg.max_new_tokens, self.sampling_defaults)
+        output = self._chat_output(req, params)
         rid = req.request_id or uuid.uuid4().hex
         if rid in self.active:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running")
@@ -198,7 +201,7 @@ class RouterService:
                 async for resp in self._route(active, ids, params, deadline):
                     if clock:
                         clock.sent(resp)
-                    yield resp
+                    yield resp if output is None else output.relay(resp)
         except (ServiceError, TimeoutError) as exc:
             timed_out = isinstance(exc, TimeoutError) or exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
             if clock:
@@ -224,6 +227,19 @@ class RouterService:
                 w.inflight -= 1
             if not active.finished:
                 await self._abort_on_workers(active.calls)
+
+    def _chat_output(self, req: router_pb2.GenerateRequest, params) -> ChatOutput | None:
+        """A chat's output parsers (thinking: --reasoning-parser; tool calls: the chat's tools), if any.
+        A forced call ends with its closing tag (a stop string: what follows is no part of it)."""
+        if req.WhichOneof("input") != "chat":
+            return None
+        tools = tool_calls.template_tools(req.chat) is not None
+        forced = tool_calls.forced_call(req.chat)
+        if forced is not None:
+            params.stop.append(tool_calls.CALL_CLOSE)
+        if not tools and not self.cfg.reasoning_parser:
+            return None
+        return ChatOutput(self.cfg.reasoning_parser, tools, forced)
 
     async def _route(self, active: Active, ids: list[int], params, deadline: float):
         """Stream the request to the client; if its worker dies mid-stream, migrate it and go on."""
@@ -543,3 +559,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def GetServerInfo(self, request, context):
         return self.svc.server_info()
+
+    async def Tokenize(self, request, context):
+        svc = self.svc
+        return tokens.tokenize(request, svc.tokenizer, svc.max_model_len, svc.cfg.trust_request_chat_template)
+
+    async def Detokenize(self, request, context):
+        return tokens.detokenize(request, self.svc.tokenizer, self.svc.model_info.vocab_size)

@@ -5,12 +5,14 @@ to fix. Nothing reaches a worker unless it passes.
 """
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import encode_text, render_chat
 from baton.models.multimodal import split_content_parts
+from baton.router import tool_calls
 from baton.router.images import ChatImage, ImagePolicy
 from baton.serving.wire import sampling_from_proto
 from baton.v1 import router_pb2
@@ -25,9 +27,10 @@ def check_request_id(rid: str) -> None:
 
 
 def prompt_ids(req: router_pb2.GenerateRequest, tokenizer, vocab_size: int, images: Sequence[ChatImage] = (),
-               policy: ImagePolicy | None = None) -> list[int]:
+               policy: ImagePolicy | None = None, own_templates: bool = False) -> list[int]:
     """The prompt's token ids; with `policy` (the router's images rules), each image placeholder of
-    the rendered chat expanded to the token count of its image in `images` (ImagePolicy.collect)."""
+    the rendered chat expanded to the token count of its image in `images` (ImagePolicy.collect).
+    `own_templates`: a chat may bring its own template (--trust-request-chat-template)."""
     kind = req.WhichOneof("input")
     if kind is None:
         raise ValueError("no input: set one of text, tokens or chat")
@@ -41,24 +44,60 @@ def prompt_ids(req: router_pb2.GenerateRequest, tokenizer, vocab_size: int, imag
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     else:
-        ids = render_chat(tokenizer, chat_messages(req.chat))
+        ids = chat_ids(req.chat, tokenizer, own_templates)
     if not ids:
         raise ValueError("prompt is empty: give at least one token")
     return policy.expand(ids, list(images)) if policy is not None else ids
 
 
+def chat_ids(chat: router_pb2.Chat, tokenizer, own_templates: bool = False) -> list[int]:
+    """A chat through its template, with its tools and template variables; when a tool call is
+    forced, the assistant's turn opens with the call (tool_calls.forced_call)."""
+    tool_calls.check(chat)
+    if chat.template and not own_templates:
+        raise ValueError("chat_template: this router does not take a request's own chat template (start it with "
+                         "--trust-request-chat-template to allow it); leave it unset for the model's, or the "
+                         "router's --chat-template")
+    ids = render_chat(tokenizer, chat_messages(chat), tool_calls.template_tools(chat), chat.template or None,
+                      template_kwargs(chat))
+    forced = tool_calls.forced_call(chat)
+    if forced is not None:
+        ids += tokenizer.encode(forced.prefix, add_special_tokens=False)
+    return ids
+
+
+def template_kwargs(chat: router_pb2.Chat) -> dict:
+    if not chat.template_kwargs:
+        return {}
+    try:
+        kwargs = json.loads(chat.template_kwargs)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"chat_template_kwargs is not JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("chat_template_kwargs must be a JSON object of template variables")
+    return kwargs
+
+
 def chat_messages(chat: router_pb2.Chat) -> list[dict]:
     """The chat as its template renders it. Content parts go the way the offline `LLM.chat` takes
-    OpenAI-style parts (split_content_parts): images as {"type": "image"}, text-only parts joined."""
+    OpenAI-style parts (split_content_parts): images as {"type": "image"}, text-only parts joined;
+    an assistant's earlier tool calls and a tool message's call id as transformers' templates take them."""
     messages: list[dict] = []
     for i, m in enumerate(chat.messages):
         if not m.parts:
-            messages.append({"role": m.role, "content": m.content})
-            continue
-        if m.content:
+            message = {"role": m.role, "content": m.content}
+        elif m.content:
             raise ValueError(f"chat.messages[{i}] sets both content and parts: put its text in a text part")
-        messages.append({"role": m.role, "content": [_part(p, f"chat.messages[{i}].parts[{j}]")
-                                                     for j, p in enumerate(m.parts)]})
+        else:
+            message = {"role": m.role, "content": [_part(p, f"chat.messages[{i}].parts[{j}]")
+                                                   for j, p in enumerate(m.parts)]}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise ValueError(f"chat.messages[{i}]: only an assistant's message has tool_calls")
+            message["tool_calls"] = tool_calls.history_calls(m)
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
     return split_content_parts(messages)[0]
 
 

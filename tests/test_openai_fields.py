@@ -38,11 +38,9 @@ REAL_REFUSALS = {
     "completions": {"best_of": 3, "suffix": "end", "use_beam_search": True,
                     "guided_json": {"type": "object"}, "guided_regex": "[0-9]+", "prompt_logprobs": 1,
                     "include_stop_str_in_output": True, "allowed_token_ids": [1, 2], "bad_words": ["no"]},
-    "chat": {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
-             "response_format": {"type": "json_object"}, "reasoning_effort": "low", "echo": True,
-             "chat_template_kwargs": {"enable_thinking": False},
+    "chat": {"response_format": {"type": "json_object"}, "reasoning_effort": "low", "echo": True,
              "guided_choice": ["a", "b"], "store": True, "audio": {"voice": "alloy", "format": "mp3"},
-             "modalities": ["text", "audio"], "chat_template": "{{ messages }}", "add_generation_prompt": False},
+             "modalities": ["text", "audio"], "add_generation_prompt": False, "reasoning_parser": "qwen3"},
 }
 
 

@@ -54,6 +54,16 @@ class RouterStub:
                 request_serializer=baton_dot_v1_dot_router__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_router__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/baton.v1.Router/Tokenize',
+                request_serializer=baton_dot_v1_dot_router__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_router__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/baton.v1.Router/Detokenize',
+                request_serializer=baton_dot_v1_dot_router__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_router__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -85,6 +95,19 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """A prompt's token ids as Generate would make them (text, or a chat through the template).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +130,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=baton_dot_v1_dot_router__pb2.GetServerInfoRequest.FromString,
                     response_serializer=baton_dot_v1_dot_router__pb2.ServerInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=baton_dot_v1_dot_router__pb2.TokenizeRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_router__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=baton_dot_v1_dot_router__pb2.DetokenizeRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_router__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +250,60 @@ class Router:
             '/baton.v1.Router/GetServerInfo',
             baton_dot_v1_dot_router__pb2.GetServerInfoRequest.SerializeToString,
             baton_dot_v1_dot_router__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Router/Tokenize',
+            baton_dot_v1_dot_router__pb2.TokenizeRequest.SerializeToString,
+            baton_dot_v1_dot_router__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Router/Detokenize',
+            baton_dot_v1_dot_router__pb2.DetokenizeRequest.SerializeToString,
+            baton_dot_v1_dot_router__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
