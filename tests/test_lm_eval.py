@@ -7,22 +7,15 @@ echo) and a generate-until task through `local-chat-completions`; then the same 
 from __future__ import annotations
 
 import pytest
-from cluster import REPO, Cluster
+from cluster import REPO
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is the eval extra: pip install '.[eval]'")
+lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the test extra (and the eval extra): "
+                              "pip install '.[eval]'")
 
 TASKS = REPO / "tests" / "lm_eval"
 MODEL = "smollm2-135m-instruct"
 CHOICE, ANSWER = "baton_capitals_choice", "baton_capitals_answer"
 SCORES = {CHOICE: ("acc,none", "acc_norm,none"), ANSWER: ("exact_match,strip",)}
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    c = Cluster.launch(tmp_path_factory.mktemp("lm-eval-logs"), prefill=1, decode=1, http=True,
-                       worker_args=["--num-kv-blocks", "256", "--max-num-seqs", "16"])
-    yield c
-    c.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -44,12 +37,13 @@ def evaluate(model, task: str, **kw) -> tuple[dict, list]:
     return {k: float(out["results"][task][k]) for k in SCORES[task]}, answers
 
 
-def test_served_scores_equal_the_hf_models(stack, embedded_source):
+def test_served_scores_equal_the_hf_models(pd_cluster, embedded_source):
+    """Served by the session's router + prefill + decode stack (separate processes)."""
     from lm_eval.models.huggingface import HFLM
     path = embedded_source.tokenizer_dir()              # the converted checkpoint: weights and tokenizer
     api = dict(model=MODEL, tokenizer_backend="huggingface", tokenizer=path, num_concurrent=4, max_retries=1,
                tokenized_requests=True)
-    base = stack.http_url
+    base = pd_cluster.http_url
     served = {
         CHOICE: evaluate("local-completions", CHOICE, model_args=dict(api, base_url=base + "/completions")),
         ANSWER: evaluate("local-chat-completions", ANSWER, apply_chat_template=True,
