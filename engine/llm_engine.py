@@ -56,6 +56,7 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_verified: int = 0
     kv_blocks_held: int = 0            # blocks of failed in-place transfers, until no late write can land
+    spec_accepted_lengths: tuple[int, ...] = ()   # verified sequence-steps by guesses kept (index 0..k)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +235,8 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), awaiting, bm.num_blocks,
                            bm.num_free_blocks,
                            *((spec.proposed, spec.accepted, sum(spec.accepted_lengths)) if spec else ()),
-                           kv_blocks_held=sum(map(len, list(self.held.values()))))
+                           kv_blocks_held=sum(map(len, list(self.held.values()))),
+                           spec_accepted_lengths=tuple(spec.accepted_lengths) if spec else ())
 
     # -- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -15,6 +15,8 @@ COMMON_HONOURED = {
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     # vLLM's extras
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "priority",
+    # Baton's own: false opts a request out of speculative decoding (--speculative-method)
+    "speculative",
 }
 HONOURED = {
     "completions": COMMON_HONOURED | {"prompt", "echo"},

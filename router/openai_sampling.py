@@ -94,6 +94,11 @@ def sampling(body: dict, chat: bool) -> tuple[router_pb2.SamplingParams, Shape]:
     if not isinstance(ignore, bool):
         raise HTTPError(400, "ignore_eos must be true or false", param="ignore_eos")
     s.ignore_eos = ignore
+    speculative = body.get("speculative")               # Baton's: false opts out of --speculative-method
+    if speculative is not None:
+        if not isinstance(speculative, bool):
+            raise HTTPError(400, "speculative must be true or false", param="speculative")
+        s.speculative = speculative
     priority = number(body, "priority", int)           # vLLM's: lower first (--scheduling-policy priority)
     if priority is not None:
         if not -2**31 <= priority < 2**31:

@@ -51,6 +51,7 @@ class CoreStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verified: int = 0
+    spec_accepted_lengths: tuple[int, ...] = ()   # ...and those sequence-steps by guesses kept (0..k)
 
 
 class FrameWriter:

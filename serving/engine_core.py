@@ -150,7 +150,7 @@ class EngineCore:
     def stats(self) -> CoreStats:
         s = self.engine.stats()
         return CoreStats(s.running, s.waiting + self.num_pending(), s.kv_blocks_total, s.kv_blocks_free,
-                         s.spec_draft_tokens, s.spec_accepted_tokens, s.spec_verified)
+                         s.spec_draft_tokens, s.spec_accepted_tokens, s.spec_verified, s.spec_accepted_lengths)
 
     def update_of(self, out: RequestOutput) -> tuple:
         error = encode_error(self.failure(out)) if out.error else None

@@ -9,6 +9,7 @@ time, so the two can never disagree.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -21,6 +22,7 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
 # the handover is compared with one decode step (a few ms): finer where it lives
 HANDOVER_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02,
                     0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+SPEC_LENGTH_BUCKETS = tuple(range(1, 18))   # tokens per verified step: 1 .. --num-speculative-tokens (<= 16) + 1
 
 
 class Metrics:
@@ -91,7 +93,11 @@ class Metrics:
                                             "kept (the model sampled the same)", registry=r)
         self.spec_verified = Counter("baton_spec_verified_sequences", "speculative decoding: sequence-steps that "
                                      "verified guesses (tokens per such step: accepted / verified + 1)", registry=r)
+        self.spec_acceptance_length = Histogram(
+            "baton_spec_acceptance_length", "speculative decoding: tokens a sequence-step that verified guesses "
+            "gained (guesses kept + the one sampled after them)", buckets=SPEC_LENGTH_BUCKETS, registry=r)
         self._spec_seen = (0, 0, 0)
+        self._spec_lengths_seen: tuple[int, ...] = ()
 
         if role == "router":
             r.register(VllmNames(self))
@@ -127,9 +133,10 @@ class Metrics:
                             "or pick another with --metrics-port") from None
 
     def observe_engine(self, running: int, waiting: int, total: int, free: int,
-                       spec: tuple[int, int, int] = (0, 0, 0)) -> None:
-        """The engine core's gauges, and its speculation totals `spec` (draft, accepted, verified):
-        the counters move by what they grew since the last call."""
+                       spec: tuple[int, int, int] = (0, 0, 0), spec_lengths: tuple[int, ...] = ()) -> None:
+        """The engine core's gauges, and its speculation totals `spec` (draft, accepted, verified)
+        and `spec_lengths` (verified sequence-steps by guesses kept): counters and histogram move by
+        what they grew since the last call."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_blocks_total.set(total)
@@ -140,6 +147,10 @@ class Metrics:
             if now > seen:
                 counter.inc(now - seen)
         self._spec_seen = tuple(max(a, b) for a, b in zip(spec, self._spec_seen, strict=True))
+        seen = self._spec_lengths_seen
+        for kept, count in enumerate(spec_lengths):
+            observe_many(self.spec_acceptance_length, kept + 1, count - (seen[kept] if kept < len(seen) else 0))
+        self._spec_lengths_seen = tuple(max(a, b) for a, b in itertools.zip_longest(spec_lengths, seen, fillvalue=0))
 
 
 def observe_many(histogram, value: float, count: int) -> None:
@@ -229,6 +240,7 @@ RECORDED_BY = {
     "baton_spec_draft_tokens": "decode, colocated (with --speculative-method)",
     "baton_spec_accepted_tokens": "decode, colocated (with --speculative-method)",
     "baton_spec_verified_sequences": "decode, colocated (with --speculative-method)",
+    "baton_spec_acceptance_length": "decode, colocated (with --speculative-method)",
 }
 
 

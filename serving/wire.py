@@ -43,6 +43,7 @@ def sampling_from_proto(p: router_pb2.SamplingParams, defaults: dict | None = No
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         priority=p.priority,
+        speculative=p.speculative if p.HasField("speculative") else True,
     )
 
 
@@ -61,6 +62,8 @@ def sampling_to_proto(s: SamplingParams) -> router_pb2.SamplingParams:
         p.prompt_logprobs = s.prompt_logprobs
     if s.seed is not None:
         p.seed = s.seed
+    if not s.speculative:
+        p.speculative = False
     return p
 
 

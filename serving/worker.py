@@ -165,4 +165,5 @@ class EngineWorker:
     def _observe(self) -> None:
         s = self.core.stats
         self.metrics.observe_engine(s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_free,
-                                    (s.spec_draft_tokens, s.spec_accepted_tokens, s.spec_verified))
+                                    (s.spec_draft_tokens, s.spec_accepted_tokens, s.spec_verified),
+                                    s.spec_accepted_lengths)

@@ -171,18 +171,21 @@ def test_unseeded_sampling_keeps_the_target_distribution(tmp_path):
 
 
 def test_worker_metrics_count_guesses_from_the_cores_totals():
-    """The front turns the engine core's running totals into Prometheus counters (by their growth)."""
+    """The front turns the engine core's running totals into Prometheus counters and the histogram of
+    tokens per verified step (by their growth)."""
     from prometheus_client import generate_latest
 
     from baton.serving.metrics import Metrics
     m = Metrics("decode")
-    m.observe_engine(1, 0, 10, 5, (8, 5, 2))
-    m.observe_engine(1, 0, 10, 5, (8, 5, 2))           # no new step: no change
-    m.observe_engine(1, 0, 10, 5, (12, 6, 3))
+    m.observe_engine(1, 0, 10, 5, (8, 5, 2), (1, 0, 0, 0, 1))      # one step kept no guess, one kept 4
+    m.observe_engine(1, 0, 10, 5, (8, 5, 2), (1, 0, 0, 0, 1))      # no new step: no change
+    m.observe_engine(1, 0, 10, 5, (12, 6, 3), (1, 1, 0, 0, 1))     # one more, which kept 1
     text = generate_latest(m.registry).decode()
     assert "baton_spec_draft_tokens_total 12.0" in text
     assert "baton_spec_accepted_tokens_total 6.0" in text
     assert "baton_spec_verified_sequences_total 3.0" in text
+    assert "baton_spec_acceptance_length_count 3.0" in text and "baton_spec_acceptance_length_sum 8.0" in text
+    assert 'baton_spec_acceptance_length_bucket{le="2.0"} 2.0' in text
 
 
 def test_the_engine_core_reports_its_speculation_totals(spec_llm):
@@ -193,3 +196,26 @@ def test_the_engine_core_reports_its_speculation_totals(spec_llm):
     spec = spec_llm.engine.speculator.stats
     assert (stats.spec_draft_tokens, stats.spec_accepted_tokens, stats.spec_verified) == \
         (spec.proposed, spec.accepted, sum(spec.accepted_lengths))
+    assert stats.spec_accepted_lengths == tuple(spec.accepted_lengths)
+
+
+def test_the_per_request_opt_out_travels_the_openai_api_and_the_wire():
+    """`speculative: false` (OpenAI body, or baton.v1 sampling.speculative) reaches the engine's
+    SamplingParams on every worker; unset means true; anything but a boolean is a 400."""
+    from baton.router.openai_errors import HTTPError
+    from baton.router.openai_sampling import sampling
+    from baton.serving.wire import sampling_from_proto, sampling_to_proto
+    from baton.v1 import router_pb2
+    proto, _ = sampling({"speculative": False}, chat=True)
+    assert sampling_from_proto(proto).speculative is False
+    assert sampling_from_proto(router_pb2.SamplingParams()).speculative is True
+    assert sampling_from_proto(sampling_to_proto(SamplingParams(speculative=False))).speculative is False
+    with pytest.raises(HTTPError, match="speculative"):
+        sampling({"speculative": "no"}, chat=True)
+
+
+def test_a_request_that_opts_out_is_never_given_guesses(spec_llm, copy_prompts):
+    before = spec_llm.engine.speculator.stats.proposed
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, speculative=False)
+    plain = spec_llm.generate(copy_prompts[:1], params)[0].token_ids
+    assert spec_llm.engine.speculator.stats.proposed == before and len(plain) == 12
