@@ -109,7 +109,7 @@ for step in $STEPS; do
               tests/test_platform_cuda.py -k "${TP_TESTS:-tp2}" 2>&1 | tail -60 | tee "$OUT/tp.txt" ;;
     direct) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \
               -k "${DIRECT_TESTS:-nccl or pieces}" 2>&1 | tail -30 | tee "$OUT/direct.txt" ;;
-    kvcontract) BATON_TEST_DEVICE=cuda:0 timeout ${KVC_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs \
+    kvcontract) BATON_TEST_DEVICE=cuda:0 BATON_TEST_PEER_DEVICE=${KVC_PEER:-cuda:0} timeout ${KVC_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs \
               tests/kvtransfer -k "${KVC_TESTS:-not direct}" 2>&1 | tail -25 | tee "$OUT/kvcontract.txt" ;;
     b3)     for b in ${B3_BACKENDS:-direct grpc}; do     # qwen3-8b KV: 147 KiB a token
               if [ $b = grpc ]; then sizes=512,2048,8192 iters=5; else sizes=512,2048,8192,32768 iters=10; fi

@@ -7,7 +7,8 @@ the reserved blocks and the receivers get the KV cache (`pages=False`: they do n
 backend that writes in place stages instead); blocks a failed in-place transfer leaves held
 are freed when the registry releases them (QUARANTINE_S here). BATON_TEST_DEVICE=cuda:0 puts both
 ends' KV caches and the pieces on that device (the grpc backend's pieces go through the host, as
-a prefill worker packs them for it).
+a prefill worker packs them for it); BATON_TEST_PEER_DEVICE=cuda:1 puts the prefill side's on
+another (the direct backend pairs two devices: NCCL refuses two ranks on one).
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from baton.kvtransfer.receiver import PendingTransfers
 
 DEVICE = os.environ.get("BATON_TEST_DEVICE", "cpu")
 PLATFORM = get_platform(DEVICE)
+PEER_DEVICE = os.environ.get("BATON_TEST_PEER_DEVICE", DEVICE)     # the prefill side's
+PEER_PLATFORM = get_platform(PEER_DEVICE)
 NUM_BLOCKS = 32
 QUARANTINE_S = 0.5              # a backend's hold of a failed in-place transfer's blocks, in these tests
 
@@ -41,12 +44,12 @@ def layout(backend: str) -> KVLayout:
                     num_kv_heads=2, head_dim=32, backends=registry.spoken(backend))
 
 
-def kv_cache(backend: str, seed: int | None) -> torch.Tensor:
+def kv_cache(backend: str, seed: int | None, device: str = DEVICE) -> torch.Tensor:
     lay = layout(backend)
     shape = (lay.num_layers, 2, NUM_BLOCKS, lay.block_size, lay.num_kv_heads, lay.head_dim)
     if seed is None:
-        return torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEVICE)
+        return torch.zeros(shape, dtype=torch.bfloat16, device=device)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(device)
 
 
 class Blocks:
@@ -134,7 +137,7 @@ class PrefillSide:
             out.append(KVPiece("r", start, n, data, None, first_token if last else None,
                                dict(extra or {}) if last else {}))
             start += n
-        PLATFORM.synchronize()                           # final before they go (ready=None)
+        PEER_PLATFORM.synchronize()                      # final before they go (ready=None)
         return out
 
     def descriptor(self, tid: str, num_blocks: int) -> TransferDescriptor:
@@ -195,8 +198,8 @@ async def _stop(receivers, server) -> None:
 @contextlib.asynccontextmanager
 async def prefill_side(backend: str, address: str, seed: int = 1, auth=None):
     channel = grpc.aio.insecure_channel(address, options=channel_options())
-    sender = registry.make_sender(backend, registry.SenderContext(address, channel, PLATFORM, auth))
-    side = PrefillSide(backend, sender, kv_cache(backend, seed))
+    sender = registry.make_sender(backend, registry.SenderContext(address, channel, PEER_PLATFORM, auth))
+    side = PrefillSide(backend, sender, kv_cache(backend, seed, PEER_DEVICE))
     side.die = lambda: _die(sender, channel)
     try:
         await sender.handshake(layout(backend))

@@ -65,7 +65,7 @@ def test_pieces_in_order_land_bit_exact_with_the_first_token(backend, sizes):
             await d.wait_ended("t", 5)
             assert stats.nbytes == 4 * 8192 and d.landed["t"] == (42, {"prefill_done_unix": "1.5"})
             sent = p.kv[:, :, p.blocks.free[-4:]]            # the prefill's 4 blocks, given back last
-            assert torch.equal(d.kv[:, :, d.blocks.free[-4:]], sent)
+            assert torch.equal(d.kv[:, :, d.blocks.free[-4:]], sent.to(d.kv.device))
             assert_all_freed_once(d, p, ["t"])
             if backend in IN_PLACE:                          # written straight into the blocks: no staging copy
                 assert (d.in_place, d.unpacked, d.pending.stats().in_place) == (1, 0, 1)
@@ -209,7 +209,7 @@ def test_concurrent_transfers_land_bit_exact(backend):
             await asyncio.gather(*(d.wait_ended(tid, 5) for tid in plan))
             for tid in plan:
                 assert d.landed[tid][0] == int(tid[1:])
-                assert torch.equal(d.kv[:, :, before[tid]], p.kv[:, :, taken[tid]]), tid
+                assert torch.equal(d.kv[:, :, before[tid]], p.kv[:, :, taken[tid]].to(d.kv.device)), tid
             assert_all_freed_once(d, p, list(plan))
     run(main())
 
