@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from baton.engine.structured_output import StructuredOutput
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20                   # top alternatives per token, as vLLM's default --max-logprobs
@@ -38,6 +40,9 @@ class SamplingParams:
     # alternatives; of each prompt token after the first (for `echo`). None: none
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # structured output (engine/structured_output.py): a JSON schema, regex, choice or grammar the
+    # output must match; e.g. SamplingParams(structured=StructuredOutput.json(schema))
+    structured: StructuredOutput | None = None
 
     @property
     def processes_logits(self) -> bool:
@@ -97,6 +102,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (the number of alternatives), got {n}")
         if self.prior_output_tokens < 0:
             raise ValueError(f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+            self.structured.validate()
 
 
 # generation_config.json field -> SamplingParams field: what `--generation-config auto` applies

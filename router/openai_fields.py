@@ -15,6 +15,8 @@ COMMON_HONOURED = {
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     # vLLM's extras
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+    # structured output (router/openai_structured.py)
+    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
 }
 HONOURED = {
     "completions": COMMON_HONOURED | {"prompt", "echo"},
@@ -37,9 +39,7 @@ COMMON_REFUSED: dict[str, tuple] = {
     "use_beam_search": _OFF, "length_penalty": (None, 1, 1.0), "include_stop_str_in_output": _OFF,
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": _NONE, "allowed_token_ids": _NONE, "bad_words": _EMPTY, "prompt_logprobs": _NONE,
-    "guided_json": _EMPTY, "guided_regex": _EMPTY, "guided_choice": _EMPTY, "guided_grammar": _EMPTY,
     "guided_decoding_backend": _EMPTY, "guided_whitespace_pattern": _EMPTY, "structural_tag": _EMPTY,
-    "structured_outputs": _EMPTY, "response_format": (None, {"type": "text"}),
     "priority": (None, 0), "request_id": _EMPTY, "logits_processors": _EMPTY,
     "return_tokens_as_token_ids": _OFF, "return_token_ids": _OFF, "cache_salt": _EMPTY,
     "kv_transfer_params": _EMPTY, "vllm_xargs": _EMPTY, "add_special_tokens": (None, True),
@@ -63,7 +63,7 @@ REFUSED: dict[str, dict[str, tuple]] = {
 }
 
 WHY = {
-    "response_format": "only the text response_format is supported (structured output is not built yet)",
+    "guided_decoding_backend": "Baton has one grammar engine (llguidance); leave guided_decoding_backend unset",
 }
 
 

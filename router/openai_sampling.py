@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton.router.openai_errors import HTTPError
+from baton.router.openai_structured import structured
 from baton.v1 import router_pb2
 
 
@@ -95,6 +96,9 @@ def sampling(body: dict, chat: bool) -> tuple[router_pb2.SamplingParams, Shape]:
         raise HTTPError(400, "ignore_eos must be true or false", param="ignore_eos")
     s.ignore_eos = ignore
     _processing(body, s)
+    spec = structured(body)
+    if spec is not None:
+        s.structured.CopyFrom(spec)
     return s, shape
 
 

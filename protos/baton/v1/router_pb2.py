@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/router.proto\x12\x08\x62\x61ton.v1\"\xb0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12$\n\x06tokens\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12\x1e\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0e.baton.v1.ChatH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"/\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"V\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\x05parts\x18\x03 \x03(\x0b\x32\x19.baton.v1.ChatContentPart\"K\n\x0f\x43hatContentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12 \n\x05image\x18\x02 \x01(\x0b\x32\x0f.baton.v1.ImageH\x00\x42\x06\n\x04part\"(\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\"\xe6\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12;\n\nlogit_bias\x18\x0e \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x1b\n\x13prior_output_tokens\x18\x0f \x01(\r\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.baton.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xf1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"q\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\"\x16\n\x14GetServerInfoRequest\"3\n\nServerInfo\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.baton.v1.WorkerInfo\"\x8f\x01\n\nWorkerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x92\x02\n\x06Router\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12\x42\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x13.baton.v1.ModelInfo\x12\x45\n\rGetServerInfo\x12\x1e.baton.v1.GetServerInfoRequest\x1a\x14.baton.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/router.proto\x12\x08\x62\x61ton.v1\"\xb0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12$\n\x06tokens\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12\x1e\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x0e.baton.v1.ChatH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"/\n\x04\x43hat\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"V\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\x05parts\x18\x03 \x03(\x0b\x32\x19.baton.v1.ChatContentPart\"K\n\x0f\x43hatContentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12 \n\x05image\x18\x02 \x01(\x0b\x32\x0f.baton.v1.ImageH\x00\x42\x06\n\x04part\"(\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\"\x96\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12;\n\nlogit_bias\x18\x0e \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x1b\n\x13prior_output_tokens\x18\x0f \x01(\r\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x07\x88\x01\x01\x12.\n\nstructured\x18\x12 \x01(\x0b\x32\x1a.baton.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xb7\x01\n\x10StructuredOutput\x12+\n\x0bjson_object\x18\x01 \x01(\x0b\x32\x14.baton.v1.JsonObjectH\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x11.baton.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x0e\n\x06strict\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x0c\n\nJsonObject\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.baton.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xf1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"q\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\"\x16\n\x14GetServerInfoRequest\"3\n\nServerInfo\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.baton.v1.WorkerInfo\"\x8f\x01\n\nWorkerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x92\x02\n\x06Router\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12\x42\n\x0cGetModelInfo\x12\x1d.baton.v1.GetModelInfoRequest\x1a\x13.baton.v1.ModelInfo\x12\x45\n\rGetServerInfo\x12\x1e.baton.v1.GetServerInfoRequest\x1a\x14.baton.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2009
-  _globals['_FINISHREASON']._serialized_end=2129
+  _globals['_FINISHREASON']._serialized_start=2285
+  _globals['_FINISHREASON']._serialized_end=2405
   _globals['_GENERATEREQUEST']._serialized_start=36
   _globals['_GENERATEREQUEST']._serialized_end=212
   _globals['_TOKENIDS']._serialized_start=214
@@ -48,31 +48,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_IMAGE']._serialized_start=453
   _globals['_IMAGE']._serialized_end=493
   _globals['_SAMPLINGPARAMS']._serialized_start=496
-  _globals['_SAMPLINGPARAMS']._serialized_end=1110
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=946
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=994
-  _globals['_TOKENLOGPROB']._serialized_start=1112
-  _globals['_TOKENLOGPROB']._serialized_end=1196
-  _globals['_TOPLOGPROB']._serialized_start=1198
-  _globals['_TOPLOGPROB']._serialized_end=1245
-  _globals['_GENERATERESPONSE']._serialized_start=1248
-  _globals['_GENERATERESPONSE']._serialized_end=1489
-  _globals['_USAGE']._serialized_start=1491
-  _globals['_USAGE']._serialized_end=1578
-  _globals['_ABORTREQUEST']._serialized_start=1580
-  _globals['_ABORTREQUEST']._serialized_end=1614
-  _globals['_ABORTRESPONSE']._serialized_start=1616
-  _globals['_ABORTRESPONSE']._serialized_end=1646
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1648
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1669
-  _globals['_MODELINFO']._serialized_start=1671
-  _globals['_MODELINFO']._serialized_end=1784
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1786
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1808
-  _globals['_SERVERINFO']._serialized_start=1810
-  _globals['_SERVERINFO']._serialized_end=1861
-  _globals['_WORKERINFO']._serialized_start=1864
-  _globals['_WORKERINFO']._serialized_end=2007
-  _globals['_ROUTER']._serialized_start=2132
-  _globals['_ROUTER']._serialized_end=2406
+  _globals['_SAMPLINGPARAMS']._serialized_end=1158
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=994
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1042
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1161
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1344
+  _globals['_JSONOBJECT']._serialized_start=1346
+  _globals['_JSONOBJECT']._serialized_end=1358
+  _globals['_CHOICES']._serialized_start=1360
+  _globals['_CHOICES']._serialized_end=1386
+  _globals['_TOKENLOGPROB']._serialized_start=1388
+  _globals['_TOKENLOGPROB']._serialized_end=1472
+  _globals['_TOPLOGPROB']._serialized_start=1474
+  _globals['_TOPLOGPROB']._serialized_end=1521
+  _globals['_GENERATERESPONSE']._serialized_start=1524
+  _globals['_GENERATERESPONSE']._serialized_end=1765
+  _globals['_USAGE']._serialized_start=1767
+  _globals['_USAGE']._serialized_end=1854
+  _globals['_ABORTREQUEST']._serialized_start=1856
+  _globals['_ABORTREQUEST']._serialized_end=1890
+  _globals['_ABORTRESPONSE']._serialized_start=1892
+  _globals['_ABORTRESPONSE']._serialized_end=1922
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1924
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1945
+  _globals['_MODELINFO']._serialized_start=1947
+  _globals['_MODELINFO']._serialized_end=2060
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2062
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2084
+  _globals['_SERVERINFO']._serialized_start=2086
+  _globals['_SERVERINFO']._serialized_end=2137
+  _globals['_WORKERINFO']._serialized_start=2140
+  _globals['_WORKERINFO']._serialized_end=2283
+  _globals['_ROUTER']._serialized_start=2408
+  _globals['_ROUTER']._serialized_end=2682
 # @@protoc_insertion_point(module_scope)
