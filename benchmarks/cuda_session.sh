@@ -6,6 +6,8 @@
 #   pip download -d .carry/whl --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_28_x86_64 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
 #     grpcio-reflection==1.85.1 protobuf==7.36.2
+#   pip download -d .carry/whl --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_31_x86_64 llguidance==1.9.1        # structured output (not in the image)
 #   mkdir -p .carry/tokenizer && cp ~/.cache/baton/models/SmolLM2-*/tokenizer* .carry/tokenizer/
 #   bash benchmarks/cuda_session.sh            # all steps
 #   STEPS="parity graphs" bash benchmarks/cuda_session.sh
@@ -19,6 +21,7 @@
 # count), b1det (B1 with --deterministic / without, same lease); migration with MIGRATION_DEVICES=cuda:0,cuda:0
 # MIGRATION_KV=grpc MIGRATION_ARGS=--deterministic: two decode workers on one GPU, bitwise after the kill
 # 1P1D served (two GPUs): STEPS=served SERVED_TOPOLOGY=1p1d SERVED_DEVICES=cuda:0,cuda:1 SERVED_KV=direct
+# Structured output (one GPU): structured (a JSON-schema-constrained batch of 64 vs the same batch plain, qwen3-0.6b)
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 set -uo pipefail
@@ -29,6 +32,9 @@ if [ -d .carry/whl ]; then    # the stubs need the grpcio/protobuf they were gen
     grpcio-health-checking grpcio-reflection protobuf 2>&1 | tail -3
   export PYTHONPATH="/tmp/site"
   python3 -c "import grpc, google.protobuf as p; print('grpcio', grpc.__version__, 'protobuf', p.__version__)"
+  if ls .carry/whl/llguidance-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-deps --no-index --find-links .carry/whl --target /tmp/site llguidance 2>&1 | tail -3
+  fi
 fi
 # the `baton` namespace maps the repo's folders (pyproject's package-dir): an editable install
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
@@ -68,6 +74,8 @@ for step in $STEPS; do
             done ;;
     b1)     timeout 200 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 ${B1_ARGS:-} \
               --output "$OUT/b1-qwen3-0.6b-baton${B1_TAG:-}.json" 2>&1 | tail -15 ;;
+    structured) timeout 300 python3 -m baton.benchmarks.structured --model qwen3-0.6b --device cuda:0 --batch 64 \
+              --output "$OUT/structured-qwen3-0.6b.json" 2>&1 | grep -v "^\[baton\]" | tail -8 ;;   # JSON schema vs plain
     b1s)    timeout 120 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 --num-seqs 64 \
               --output "$OUT/b1-qwen3-0.6b-baton-64.json" 2>&1 | tail -15 ;;
     b1hf)   timeout 240 python3 -m baton bench offline --engine transformers --model qwen3-0.6b \
