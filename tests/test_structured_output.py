@@ -81,6 +81,20 @@ def test_json_schema_outputs_validate_for_every_schema_and_plain_greedy_tokens_a
         jsonschema.validate(json.loads(out.text), schema)
 
 
+def test_with_asynchronous_scheduling_the_masks_see_every_token_before_the_step(embedded_llm):
+    """Look-ahead (the accelerators' default): step N+1's forward is launched before step N's tokens
+    are back; its sampling waits for the masks built from them. Same outputs as stepping in lockstep."""
+    questions = [q for q, _ in SCHEMAS[:3]]
+    params = [greedy(StructuredOutput.json(s), 40) for _, s in SCHEMAS[:3]] + [greedy(max_tokens=12)]
+    convs = [ask(q) for q in questions] + [ask("Hi.")]
+    sync = [o.token_ids for o in embedded_llm.chat(convs, params)]
+    embedded_llm.engine.look_ahead = True
+    try:
+        assert [o.token_ids for o in embedded_llm.chat(convs, params)] == sync
+    finally:
+        embedded_llm.engine.look_ahead = False
+
+
 def test_json_object_regex_choice_and_grammar_outputs_match(embedded_llm):
     specs = [StructuredOutput.json_object(), StructuredOutput.regex(r"[0-9]{3}-[0-9]{4}"),
              StructuredOutput.choice(["yes", "no", "maybe"]),
