@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -79,13 +80,15 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--tokenizer", default=os.environ.get("BATON_TOKENIZER"),
+                   help="tokenizer directory (default: $BATON_TOKENIZER, else the model's; presets: the embedded model's)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--min-items", type=int, default=64, help="the schema's minimum array length (keeps it open)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
-    llm = LLM(args.model, device=args.device, max_num_seqs=args.batch)
+    llm = LLM(args.model, device=args.device, tokenizer=args.tokenizer, max_num_seqs=args.batch)
     spec = StructuredOutput.json(schema(args.min_items))
     prompts = [llm.tokenizer.encode(f"Request {i}: list the users of team {i} as JSON.") for i in range(args.batch)]
 

@@ -1,10 +1,11 @@
 """Structured output: a request's JSON schema, regex, choice list or grammar, enforced token by token.
 
 The grammar engine is llguidance (Rust, no dependencies, no torch: the router validates specs with
-it too). Picked over xgrammar by measurement (docs/benchmarks.md, "Structured output"): on
-SmolLM2's tokenizer a JSON schema compiles in ~0.5 ms against xgrammar's 5-14 ms (a request's TTFT
-pays it), masks cost ~30 µs a token (xgrammar ~4 µs: it precomputes them at compile time), both
-far under a decode step; xgrammar also needs torch, triton and a TVM runtime.
+it too). Picked over xgrammar by measurement (`python -m baton.benchmarks.grammar_engines`,
+docs/benchmarks.md "Structured output"): on SmolLM2's tokenizer a JSON schema compiles in 0.4-0.7 ms
+against xgrammar's 3-10 ms (a request's TTFT pays it); a mask costs ~30 µs (xgrammar ~4 µs: it
+precomputes at compile time), a batch of 64 masks 0.6 ms (xgrammar 0.2 ms), both hidden behind a
+decode step's forward; xgrammar also needs torch, triton and a TVM runtime.
 
 Each constrained sequence holds a `GrammarState` (an llguidance matcher and how far it has read
 the sequence). Before a step samples, `StructuredOutputs.bitmask` brings every matcher up to the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +28,7 @@ log = logging.getLogger("baton.engine")
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 200_000
 MAX_CHOICES = 1024
+TEMPLATES = 64          # compiled matchers kept per engine, most recently used: a spec seen again is copied
 # one line of JSON with the separators models were trained on; flexible whitespace lets a small
 # model run on newlines until max_tokens (vLLM added `disable_any_whitespace` for that)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -144,6 +147,9 @@ class StructuredOutputs:
         self.words = (vocab_size + 31) // 32
         self._tokenizer = None          # llguidance's view of the vocabulary (~0.3 s to build: on first use)
         self._executor = None
+        # spec -> a matcher in its start state; new requests get copies, which share its lexer's
+        # states (the mask of a state some request has reached is cheap for the next one)
+        self._templates: OrderedDict[StructuredOutput, object] = OrderedDict()
 
     @property
     def tokenizer(self):
@@ -155,12 +161,17 @@ class StructuredOutputs:
 
     def state(self, spec: StructuredOutput, first_output: int) -> GrammarState:
         """A fresh matcher for a request whose output starts at token `first_output`; ValueError for a bad spec."""
-        import llguidance
+        template = self._templates.pop(spec, None)
+        if template is None:
+            import llguidance
 
-        matcher = llguidance.LLMatcher(self.tokenizer, compiled(spec), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured output ({spec.kind}): {matcher.get_error().strip()[:500]}")
-        return GrammarState(matcher, first_output)
+            template = llguidance.LLMatcher(self.tokenizer, compiled(spec), log_level=0)
+            if template.is_error():
+                raise ValueError(f"structured output ({spec.kind}): {template.get_error().strip()[:500]}")
+        self._templates[spec] = template
+        while len(self._templates) > TEMPLATES:
+            self._templates.popitem(last=False)
+        return GrammarState(template.deep_copy(), first_output)
 
     def bitmask(self, seqs: list) -> np.ndarray | None:
         """[N, ceil(vocab / 32)] int32, bit t of row i: token t allowed for sampling row i (sequence
