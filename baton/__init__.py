@@ -24,7 +24,10 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from baton.engine.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutput":
+        from baton.engine.structured_output import StructuredOutput
+        return StructuredOutput
     raise AttributeError(f"module 'baton' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "__version__"]

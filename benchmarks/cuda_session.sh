@@ -6,6 +6,8 @@
 #   pip download -d .carry/whl --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     --platform manylinux_2_28_x86_64 grpcio==1.85.1 grpcio-health-checking==1.85.1 \
 #     grpcio-reflection==1.85.1 protobuf==7.36.2
+#   pip download -d .carry/whl --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_31_x86_64 llguidance==1.9.1        # structured output (not in the image)
 #   mkdir -p .carry/tokenizer && cp ~/.cache/baton/models/SmolLM2-*/tokenizer* .carry/tokenizer/
 # NIXL (the nixl KV backend; the image lacks it): its 56 MiB wheel does not fit the carry beside
 # .carry, so benchmarks/carry_nixl.sh keeps only what its UCX backend loads (12 MiB zip) in
@@ -24,6 +26,7 @@
 # 1P1D served (two GPUs): STEPS=served SERVED_TOPOLOGY=1p1d SERVED_DEVICES=cuda:0,cuda:1 SERVED_KV=direct
 # KV transport on one GPU: kvcontract (the contract suite, tests/kvtransfer, with both ends on cuda:0),
 # b3 with B3_PEER=cuda:0 B3_BACKENDS="nixl direct" (two processes on one GPU: NIXL over CUDA IPC)
+# Structured output (one GPU): structured (a JSON-schema-constrained batch of 64 vs the same batch plain, qwen3-0.6b)
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 set -uo pipefail
@@ -34,6 +37,9 @@ if [ -d .carry/whl ]; then    # the stubs need the grpcio/protobuf they were gen
     grpcio-health-checking grpcio-reflection protobuf 2>&1 | tail -3
   export PYTHONPATH="/tmp/site"
   python3 -c "import grpc, google.protobuf as p; print('grpcio', grpc.__version__, 'protobuf', p.__version__)"
+  if ls .carry/whl/llguidance-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-deps --no-index --find-links .carry/whl --target /tmp/site llguidance 2>&1 | tail -3
+  fi
 fi
 for z in .carry-nixl/*.zip; do    # NIXL, trimmed to its UCX backend (benchmarks/carry_nixl.sh)
   [ -f "$z" ] && python3 -m zipfile -e "$z" /tmp/site && export PYTHONPATH="/tmp/site" \
@@ -77,6 +83,8 @@ for step in $STEPS; do
             done ;;
     b1)     timeout 200 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 ${B1_ARGS:-} \
               --output "$OUT/b1-qwen3-0.6b-baton${B1_TAG:-}.json" 2>&1 | tail -15 ;;
+    structured) timeout 300 python3 -m baton.benchmarks.structured --model qwen3-0.6b --device cuda:0 --batch 64 \
+              --output "$OUT/structured-qwen3-0.6b.json" 2>&1 | grep -v "^\[baton\]" | tail -8 ;;   # JSON schema vs plain
     b1s)    timeout 120 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 --num-seqs 64 \
               --output "$OUT/b1-qwen3-0.6b-baton-64.json" 2>&1 | tail -15 ;;
     b1hf)   timeout 240 python3 -m baton bench offline --engine transformers --model qwen3-0.6b \

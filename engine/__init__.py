@@ -2,6 +2,7 @@
 platforms, and the offline `LLM` API."""
 from baton.engine.config import DEFAULT_MODEL, EngineConfig
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.structured_output import StructuredOutput
 
 
 def __getattr__(name):
@@ -15,4 +16,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["DEFAULT_MODEL", "EngineConfig", "LLM", "LLMEngine", "SamplingParams"]
+__all__ = ["DEFAULT_MODEL", "EngineConfig", "LLM", "LLMEngine", "SamplingParams", "StructuredOutput"]

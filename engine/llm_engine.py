@@ -29,6 +29,7 @@ from baton.engine.sampling_params import SamplingParams, sampling_defaults
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
 from baton.engine.speculative import Speculator, accept
+from baton.engine.structured_output import StructuredOutputs
 from baton.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from baton.models.multimodal import ImageInput, ImagePlaceholders
 
@@ -80,6 +81,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_token_ids(self.source, self.tokenizer)
         self.runner.eos_token_ids = list(self.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.sampling_defaults = sampling_defaults(self.source.generation_config(self.config.generation_config))
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
@@ -137,6 +139,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, token_ids, params, self.max_model_len, arrival=time.monotonic())
         seq.mm = mm
+        self._constrain(seq)
         if hand_off_kv:
             seq.kv_ticket = KVTicket(request_id, "prefill")
         self.scheduler.add(seq)
@@ -167,6 +170,7 @@ class LLMEngine:
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, prompt_token_ids, params, self.max_model_len, arrival=time.monotonic())
+        self._constrain(seq)
         # fresh blocks only (no prefix match): a backend may write the KV straight into them, so
         # none may be shared with another sequence until the join
         self.block_manager.allocate(seq, seq.num_prompt_tokens)
@@ -175,6 +179,14 @@ class LLMEngine:
         seq.kv_ticket.block_ids = tuple(seq.block_table)
         self.states[request_id] = RequestState(seq, self._detokenizer_for(params))
         return seq.kv_ticket
+
+    def _constrain(self, seq: Sequence) -> None:
+        """A structured-output request's matcher (ValueError for a bad spec). Its output starts after
+        the prompt, or at a resumed request's earlier output, which the matcher reads first; a decode
+        worker's reads the prefill worker's first token too (structured_output.GrammarState)."""
+        spec = seq.params.structured
+        if spec is not None:
+            seq.grammar = self.structured.state(spec, seq.num_prompt_tokens - seq.params.prior_output_tokens)
 
     def kv_ticket(self, request_id: str) -> KVTicket | None:
         state = self.states.get(request_id)
@@ -270,6 +282,8 @@ class LLMEngine:
         launched.slots = self.scheduler.advance(out)
         if prev is not None:
             outputs += self._resolve(prev)
+        if launched.deferred is not None:     # structured output: masks from every token before this step's
+            self.runner.sample(launched, self.structured.bitmask(launched.sampling_seqs()))
         self.in_flight = launched
         if not self.look_ahead or any(item.draft for item in out.scheduled):
             outputs += self._resolve(launched)

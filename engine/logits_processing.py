@@ -130,6 +130,15 @@ def apply_logits_processing(logits: torch.Tensor, proc: LogitsProcessing, temper
     return _apply_min_p(x, proc.min_p, temperatures)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured output's masks (engine/structured_output.py): [N, ceil(vocab / 32)] int32, bit t of
+    row i set where row i may sample token t; every other logit becomes -inf."""
+    n, vocab = logits.shape
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).view(n, -1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def _apply_min_p(x: torch.Tensor, min_p: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """Drop tokens whose probability at the row's temperature is under min_p x the top one's."""
     top = x.max(dim=-1, keepdim=True).values

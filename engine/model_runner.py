@@ -18,6 +18,7 @@ from baton.engine.logits_processing import (
     LogitsProcessing,
     ProcessingInputs,
     apply_logits_processing,
+    apply_token_bitmask,
     host_inputs,
     to_device,
 )
@@ -87,6 +88,7 @@ class ModelRunner:
         self.sampler = Sampler(self.platform.fused_sample, per_row=config.deterministic)
         self.eos_token_ids: list[int] = []     # min_tokens masks them (the engine sets them)
         self.upload = HostUpload(self.device)
+        self.mask_upload = HostUpload(self.device)     # structured output's bitmasks (own pinned buffers)
         self._token_buffers: list[torch.Tensor | None] = [None, None]   # pinned copies of sampled tokens
         self._turn = 0
         self.max_model_len = self._max_model_len()
@@ -235,9 +237,29 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.send(inputs)                       # the other ranks run the same step
         sampled = self.run(inputs, prev.device_tokens if prev is not None else None)
-        host, event = self._copy_back(sampled)
-        return LaunchedStep(out, inputs.sample_items.tolist(), [item.seq.seq_id for item in out.scheduled], sampled,
-                            host, event, step_logprobs=inputs.logprobs_dev, wanted_logprobs=inputs.wanted_logprobs)
+        launched = LaunchedStep(out, inputs.sample_items.tolist(), [item.seq.seq_id for item in out.scheduled],
+                                None, None, None, wanted_logprobs=inputs.wanted_logprobs)
+        if inputs.deferred is not None:                # structured output: sampled once its masks are known
+            launched.deferred = inputs
+        else:
+            self._sampled(launched, inputs, sampled)
+        return launched
+
+    @torch.inference_mode()
+    def sample(self, launched: LaunchedStep, bitmask: np.ndarray | None) -> None:
+        """Sample a step launched with structured-output rows (`launched.deferred`), under `bitmask`
+        ([N, ceil(vocab / 32)] int32, one row per sampling row; None: nothing masked). The host
+        builds the masks while the device runs the step's forward, which never needs them."""
+        inputs, launched.deferred = launched.deferred, None
+        logits, sampling, input_ids = inputs.deferred
+        inputs.deferred = None
+        mask = self.mask_upload(bitmask)[0] if bitmask is not None else None
+        self._sampled(launched, inputs, self._sample(inputs, logits, sampling, input_ids, mask))
+
+    def _sampled(self, launched: LaunchedStep, inputs: StepInputs, sampled: torch.Tensor | None) -> None:
+        launched.device_tokens = sampled
+        launched.host_tokens, launched.event = self._copy_back(sampled)
+        launched.step_logprobs = inputs.logprobs_dev
 
     def _copy_back(self, sampled: torch.Tensor | None):
         """A host copy of the sampled tokens, under way (pinned buffers alternate: a step's copy is
@@ -284,15 +306,24 @@ class ModelRunner:
         step_lp = StepLogprobs() if inputs.num_logprobs >= 0 or inputs.prompt_logprob_rows else None
         if inputs.prompt_logprob_rows:                 # (every rank: the LM head may gather across them)
             prompt_logprobs(hidden, self.model.compute_logits, inputs.prompt_logprob_rows, step_lp)
+        inputs.logprobs_dev = step_lp
         if self.tp_rank != 0:                          # the LM head's gather was the last collective
             return None
+        if inputs.constrained:                         # the engine calls sample() with the masks
+            inputs.deferred = (logits, sampling, input_ids)
+            return None
+        return self._sample(inputs, logits, sampling, input_ids)
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, sampling: SamplingBatch, input_ids: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         raw = log_softmax(logits) if inputs.num_logprobs >= 0 else None     # of the raw logits, as vLLM
+        if mask is not None:                           # structured output's allowed tokens
+            logits = apply_token_bitmask(logits, mask)
         if inputs.processing_dev is not None:          # penalties, biases, min_tokens, min_p
             logits = apply_logits_processing(logits, inputs.processing_dev, sampling.temperatures, input_ids)
         sampled = self.sampler(logits, sampling)
         if raw is not None:
-            sampled_logprobs(raw, sampled, inputs.num_logprobs, step_lp)
-        inputs.logprobs_dev = step_lp
+            sampled_logprobs(raw, sampled, inputs.num_logprobs, inputs.logprobs_dev)
         return sampled
 
     def step_inputs(self, out: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
@@ -356,6 +387,7 @@ class ModelRunner:
             mrope_positions=mrope, image_chunks=image_chunks, logit_rows=logit_rows,
             processing=host_inputs(seqs, [int(starts[r] - begins[r]) for r in rows.tolist()], self.eos_token_ids),
             num_logprobs=max((n for n in wanted if n is not None), default=-1), wanted_logprobs=wanted,
+            constrained=any(p.structured is not None for p in params),
             prompt_logprob_rows=None if out.is_decode else _prompt_logprob_rows(items, order, begins, ends, starts),
         )
 
@@ -365,6 +397,7 @@ class ModelRunner:
         q = 1 + self.pad_guesses_to
         return (any(item.draft for item in out.scheduled) and len(out.scheduled) <= self.verify_max_bs
                 and all(not item.seq.params.processes_logits and item.seq.params.logprobs is None
+                        and item.seq.params.structured is None
                         and item.num_new_tokens == 1 + len(item.draft) and not item.seq.num_pending_tokens
                         and item.seq.num_computed_tokens == item.seq.num_tokens - 1
                         and item.seq.num_tokens - 1 + q <= self.max_model_len for item in out.scheduled))
@@ -466,6 +499,8 @@ class StepInputs:
     wanted_logprobs: list | None = None              # [N]: each sampling row's own (None: none)
     prompt_logprob_rows: list | None = None          # [PromptLogprobRows] of the prompt chunks to score
     logprobs_dev: StepLogprobs | None = None         # (the device results, set by run)
+    constrained: bool = False                        # some sampling row has structured output: sampled later
+    deferred: tuple | None = None                    # ...(logits, SamplingBatch, input ids) until then
 
 
 @dataclass(slots=True)
@@ -482,6 +517,11 @@ class LaunchedStep:
     slots: list[int | None] | None = None
     step_logprobs: StepLogprobs | None = None
     wanted_logprobs: list | None = None
+    deferred: StepInputs | None = None   # launched, not sampled yet: ModelRunner.sample takes its masks
+
+    def sampling_seqs(self) -> list:
+        """The sequence of each sampling row."""
+        return [self.out.scheduled[item].seq for item in self.rows]
 
     def token_logprobs(self, tokens: list[int | None]) -> list[TokenLogprob | None]:
         """Each scheduled item's sampled token's record (None: none asked); after `tokens()`."""

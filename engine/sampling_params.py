@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from baton.engine.structured_output import StructuredOutput
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20                   # top alternatives per token, as vLLM's default --max-logprobs
@@ -41,6 +43,9 @@ class SamplingParams:
     # scheduling (engine/scheduling_policy.py, --scheduling-policy priority): lower runs first, as
     # vLLM's; ties in arrival order. Anything but 0 is refused where the policy is fcfs
     priority: int = 0
+    # structured output (engine/structured_output.py): a JSON schema, regex, choice or grammar the
+    # output must match; e.g. SamplingParams(structured=StructuredOutput.json(schema))
+    structured: StructuredOutput | None = None
 
     @property
     def processes_logits(self) -> bool:
@@ -102,6 +107,10 @@ class SamplingParams:
             raise ValueError(f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
         if not isinstance(self.priority, int) or not -2**31 <= self.priority < 2**31:
             raise ValueError(f"priority must be a 32-bit integer (lower runs first), got {self.priority!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+            self.structured.validate()
 
 
 # generation_config.json field -> SamplingParams field: what `--generation-config auto` applies

@@ -37,7 +37,7 @@ class Sequence:
         "num_cached_tokens", "block_table", "status", "params", "finish_reason", "max_model_len",
         "arrival", "num_preemptions", "sampling_seed", "num_hashed_blocks", "kv_ticket",
         "num_blocks_handed_off", "num_pending_tokens", "mm", "logprobs", "prompt_logprobs",
-        "prompt_token_set", "draft", "ngram_index",
+        "prompt_token_set", "draft", "ngram_index", "grammar",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -66,6 +66,7 @@ class Sequence:
         self.logprobs = None                # {token index: TokenLogprob} of sampled tokens (params.logprobs)
         self.prompt_logprobs = None         # {token index: TokenLogprob} of prompt tokens (params.prompt_logprobs)
         self.prompt_token_set = None        # the prompt's distinct tokens, once a repetition penalty needs them
+        self.grammar = None                 # GrammarState of structured output (engine/structured_output.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -113,10 +113,10 @@ class Speculator:
         for seq in running:
             seq.draft = []
             p = seq.params
-            # penalties count the tokens before each row and logprobs are per sampled token: such
-            # requests decode one token a step (their rows would need the guesses counted in)
+            # penalties count the tokens before each row, logprobs are per sampled token and a grammar's
+            # mask needs the token before: such requests decode one token a step
             if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens or not p.speculative \
-                    or p.processes_logits or p.logprobs is not None \
+                    or p.processes_logits or p.logprobs is not None or p.structured is not None \
                     or seq.kv_ticket is not None and seq.kv_ticket.side == "prefill":
                 continue
             # room left: max_tokens and the context both cap the tokens a step may add (guesses + 1)

@@ -15,6 +15,8 @@ COMMON_HONOURED = {
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     # vLLM's extras
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "priority",
+    # structured output (router/openai_structured.py)
+    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     # Baton's own: false opts a request out of speculative decoding (--speculative-method)
     "speculative",
 }
@@ -45,10 +47,8 @@ COMMON_REFUSED: dict[str, tuple] = {
     "use_beam_search": _OFF, "length_penalty": (None, 1, 1.0), "include_stop_str_in_output": _OFF,
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "truncate_prompt_tokens": _NONE, "allowed_token_ids": _NONE, "bad_words": _EMPTY, "prompt_logprobs": _NONE,
-    "guided_json": _EMPTY, "guided_regex": _EMPTY, "guided_choice": _EMPTY, "guided_grammar": _EMPTY,
     "guided_decoding_backend": _EMPTY, "guided_whitespace_pattern": _EMPTY, "structural_tag": _EMPTY,
-    "structured_outputs": _EMPTY, "response_format": (None, {"type": "text"}),
-"request_id": _EMPTY, "logits_processors": _EMPTY,
+    "request_id": _EMPTY, "logits_processors": _EMPTY,
     "return_tokens_as_token_ids": _OFF, "return_token_ids": _OFF, "cache_salt": _EMPTY,
     "kv_transfer_params": _EMPTY, "vllm_xargs": _EMPTY, "add_special_tokens": (None, True),
     "mm_processor_kwargs": _EMPTY, "min_tokens_per_choice": _NONE, "thinking_token_budget": _NONE,
@@ -75,7 +75,7 @@ REFUSED: dict[str, dict[str, tuple]] = {
 WHY = {
     "tool_parser": "tool_parser is the server's: Baton reads Hermes / Qwen3 <tool_call> blocks whenever tools are given",
     "reasoning_parser": "reasoning_parser is the server's: start it with --reasoning-parser",
-    "response_format": "only the text response_format is supported (structured output is not built yet)",
+    "guided_decoding_backend": "Baton has one grammar engine (llguidance); leave guided_decoding_backend unset",
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton.router.openai_errors import HTTPError
+from baton.router.openai_structured import structured
 from baton.v1 import router_pb2
 
 
@@ -105,6 +106,9 @@ def sampling(body: dict, chat: bool) -> tuple[router_pb2.SamplingParams, Shape]:
             raise HTTPError(400, f"priority must be a 32-bit integer, got {priority}", param="priority")
         s.priority = priority
     _processing(body, s)
+    spec = structured(body)
+    if spec is not None:
+        s.structured.CopyFrom(spec)
     return s, shape
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from baton.engine.structured_output import StructuredOutput
 from baton.kvtransfer import registry as kv_registry
 from baton.models.multimodal import ImagePlaceholders
 from baton.router import tokens, tool_calls, validation
@@ -235,7 +236,12 @@ class RouterService:
             return None
         tools = tool_calls.template_tools(req.chat) is not None
         forced = tool_calls.forced_call(req.chat)
-        if forced is not None:
+        if forced is not None:                # structured output holds the call to its tool's schema
+            if params.structured is not None:
+                raise ValueError("tool_choice forces a tool call, whose arguments follow the tool's parameters "
+                                 "schema: drop the structured output (response_format, guided_*) or the tool_choice")
+            params.structured = StructuredOutput.json(forced.schema, strict=forced.strict)
+            params.structured.validate()
             params.stop.append(tool_calls.CALL_CLOSE)
         if not tools and not self.cfg.reasoning_parser:
             return None

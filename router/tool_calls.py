@@ -5,8 +5,8 @@ Calls are written the Hermes / Qwen3 way, which those models' templates teach:
 A forced call (tool_choice "required" or a named tool) starts the assistant's turn with the
 call's opening (`forced_call`): the model writes what follows it, the arguments of the named tool
 (or the whole {name, arguments} object for "required"), which `call_schema` describes as a JSON
-Schema: structured output holds the model to it; without that, the arguments are the model's own
-(as OpenAI's non-strict functions, which a client validates), and `strict` tools are refused.
+Schema that structured output holds the model to (router/server.py). A call the model makes on its
+own (`auto`) is not constrained, so a `strict` tool is refused unless every call of it is forced.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ MODES = ("auto", "none", "required")
 class ForcedCall:
     prefix: str          # appended to the rendered prompt: the assistant's turn starts with it
     schema: dict         # what the model's output after `prefix` must match (call_schema)
+    strict: bool = False # the forced tools are strict: schema keywords the engine cannot enforce are refused
 
 
 def check(chat: router_pb2.Chat) -> None:
@@ -36,10 +37,13 @@ def check(chat: router_pb2.Chat) -> None:
         schema = parameters(tool)
         if not isinstance(schema, dict):
             raise ValueError(f"tools[{i}] ({tool.name}): parameters must be a JSON Schema object")
-        if tool.strict:
-            raise ValueError(f"tools[{i}] ({tool.name}): strict is not supported yet (it needs structured output "
-                             "to hold the arguments to the schema); leave it unset and validate the arguments")
     choice = chat.tool_choice
+    forced = bool(choice.function) or choice.mode == "required"
+    for i, tool in enumerate(chat.tools):
+        if tool.strict and not forced:
+            raise ValueError(f"tools[{i}] ({tool.name}): strict holds only where the call is forced (tool_choice "
+                             f"'required' or naming a tool): Baton does not constrain calls the model makes on its "
+                             f"own; force the call, or leave strict unset and validate the arguments")
     if choice.mode and choice.function:
         raise ValueError("tool_choice: set its mode or its function, not both")
     if choice.mode and choice.mode not in MODES:
@@ -90,7 +94,8 @@ def forced_call(chat: router_pb2.Chat) -> ForcedCall | None:
     prefix = CALL_OPEN + "\n"
     if chat.tool_choice.function:
         prefix += '{"name": ' + json.dumps(chat.tool_choice.function) + ', "arguments": '
-    return ForcedCall(prefix, schema)
+    callable_ = [t for t in chat.tools if chat.tool_choice.mode == "required" or t.name == chat.tool_choice.function]
+    return ForcedCall(prefix, schema, strict=all(t.strict for t in callable_))
 
 
 def history_calls(message: router_pb2.ChatMessage) -> list[dict]:

@@ -7,6 +7,7 @@ import grpc
 
 from baton.engine.output_processor import RequestOutput
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.structured_output import StructuredOutput
 from baton.models.multimodal import ImageInput
 from baton.v1 import decode_pb2, router_pb2
 
@@ -44,7 +45,28 @@ def sampling_from_proto(p: router_pb2.SamplingParams, defaults: dict | None = No
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         priority=p.priority,
         speculative=p.speculative if p.HasField("speculative") else True,
+        structured=structured_from_proto(p.structured) if p.HasField("structured") else None,
     )
+
+
+def structured_from_proto(p: router_pb2.StructuredOutput) -> StructuredOutput:
+    kind = p.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured is set but empty: set one of json_object, json_schema, regex, choice, grammar")
+    if kind == "choice":
+        return StructuredOutput.choice(p.choice.choices)
+    return StructuredOutput(kind, "" if kind == "json_object" else getattr(p, kind), strict=p.strict)
+
+
+def structured_to_proto(s: StructuredOutput) -> router_pb2.StructuredOutput:
+    p = router_pb2.StructuredOutput(strict=s.strict)
+    if s.kind == "json_object":
+        p.json_object.SetInParent()
+    elif s.kind == "choice":
+        p.choice.choices.extend(s.choices)
+    else:
+        setattr(p, s.kind, s.spec)
+    return p
 
 
 def sampling_to_proto(s: SamplingParams) -> router_pb2.SamplingParams:
@@ -64,6 +86,8 @@ def sampling_to_proto(s: SamplingParams) -> router_pb2.SamplingParams:
         p.seed = s.seed
     if not s.speculative:
         p.speculative = False
+    if s.structured is not None:
+        p.structured.CopyFrom(structured_to_proto(s.structured))
     return p
 
 

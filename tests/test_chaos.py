@@ -11,6 +11,7 @@ bigger loads by hand.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -177,6 +178,51 @@ def test_restarted_decode_worker_returns_to_rotation(cluster, known):
     known_load(cluster, known, 4).wait().assert_clean()
     assert victim.status().requests_served > before
     assert settle(cluster) == 0
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                          "city": {"type": "string", "maxLength": 40},
+                                          "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                                                      "maxItems": 3}},
+          "required": ["name", "city", "hobbies"], "additionalProperties": False}
+PEOPLE = [f"Describe a person who lives in {city}, in JSON." for city in ("Paris", "Oslo", "Lima", "Cairo", "Quito", "Hanoi")]
+
+
+@pytest.fixture(scope="module")
+def known_json(embedded_llm):
+    """The fault-free greedy JSON of each question (each a complete, valid instance)."""
+    from baton.engine import StructuredOutput
+    outs = embedded_llm.chat([[{"role": "user", "content": q}] for q in PEOPLE],
+                             SamplingParams(temperature=0, max_tokens=96, structured=StructuredOutput.json(PERSON)))
+    assert all(o.finish_reason == "stop" for o in outs)
+    return {q: o.token_ids for q, o in zip(PEOPLE, outs, strict=True)}
+
+
+def test_json_schema_streams_keep_their_grammar_across_a_migration(cluster, known_json, reliability):
+    """12 JSON-schema streams, decode-1 killed under them: the survivor re-prefills prompt + output so
+    far and its matcher replays that output, so every client gets the fault-free JSON, token for token
+    (a matcher started afresh would force `{"` again mid-object)."""
+    victim = cluster.worker("decode-1")
+    load = Load(cluster.stub(), workers=12)
+    schema = router_pb2.StructuredOutput(json_schema=json.dumps(PERSON))
+    for i in range(12):
+        q = PEOPLE[i % len(PEOPLE)]
+        chat = router_pb2.Chat(messages=[router_pb2.ChatMessage(role="user", content=q)])
+        load.submit(router_pb2.GenerateRequest(chat=chat, sampling=router_pb2.SamplingParams(
+            temperature=0, max_tokens=96, structured=schema)), known_json[q], 120)
+    load.wait_streaming(3)
+    on_victim = victim.status().running
+    victim.kill()
+    out = load.wait()
+    out.assert_clean()
+    assert out.completed == out.sent == 12, out
+    assert on_victim > 0
+    leaked = settle(cluster)
+    reliability.record("SIGKILL decode under 12 JSON-schema streams", out, leaked_blocks=leaked, migrated=on_victim)
+    victim.start(cluster.env, cluster.log_dir)
+    victim.wait_ready()
+    cluster.wait_health(victim.address, healthy=True)
+    assert leaked == 0
 
 
 # -- hung workers: alive, ports open, no progress ----------------------------------------------------

@@ -129,7 +129,7 @@ def test_required_forces_one_call_of_any_tool():
 @pytest.mark.parametrize("bad, message", [
     (router_pb2.Chat(tools=[router_pb2.Tool(name="f", parameters="{oops")]), "not JSON"),
     (router_pb2.Chat(tools=[router_pb2.Tool(name="f"), router_pb2.Tool(name="f")]), "given twice"),
-    (router_pb2.Chat(tools=[router_pb2.Tool(name="f", strict=True)]), "strict is not supported"),
+    (router_pb2.Chat(tools=[router_pb2.Tool(name="f", strict=True)]), "strict holds only where the call is forced"),
     (router_pb2.Chat(tools=[router_pb2.Tool(name="f")], tool_choice=router_pb2.ToolChoice(function="g")),
      "not among the tools"),
     (router_pb2.Chat(tool_choice=router_pb2.ToolChoice(mode="required")), "needs tools"),

@@ -35,11 +35,10 @@ SCHEMAS = {"completions": completion_create_params.CompletionCreateParamsBase,
            "chat": chat_create_params.CompletionCreateParamsBase}
 # what people send to get what Baton does not do (yet): each a 400 naming it
 REAL_REFUSALS = {
-    "completions": {"best_of": 3, "suffix": "end", "use_beam_search": True,
-                    "guided_json": {"type": "object"}, "guided_regex": "[0-9]+", "prompt_logprobs": 1,
+    "completions": {"best_of": 3, "suffix": "end", "use_beam_search": True, "prompt_logprobs": 1,
+                    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
                     "include_stop_str_in_output": True, "allowed_token_ids": [1, 2], "bad_words": ["no"]},
-    "chat": {"response_format": {"type": "json_object"}, "reasoning_effort": "low", "echo": True,
-             "guided_choice": ["a", "b"], "store": True, "audio": {"voice": "alloy", "format": "mp3"},
+    "chat": {"reasoning_effort": "low", "echo": True, "store": True, "audio": {"voice": "alloy", "format": "mp3"},
              "modalities": ["text", "audio"], "add_generation_prompt": False, "reasoning_parser": "qwen3"},
 }
 

@@ -12,6 +12,7 @@ import json
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 from cluster import REPO, Cluster
@@ -55,8 +56,8 @@ def test_a_named_tool_choice_calls_that_tool_whole_and_streamed(client):
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
-    # no structured output yet: the arguments are the model's own JSON, not held to the schema
-    assert isinstance(json.loads(call.function.arguments), dict)
+    # structured output holds the forced call to the tool's parameters schema
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     s = streamed(client, messages=QUESTION, tools=[WEATHER], tool_choice=NAMED, **GREEDY)
     assert s.finish_reason == "tool_calls"
     assert [(c.function.name, c.function.arguments) for c in s.message.tool_calls] == \
@@ -159,8 +160,20 @@ def test_grpc_chats_carry_tools_and_give_tool_call_deltas(stack):
     assert "".join(c.text for c in chunks) == ""
 
 
+def test_required_and_strict_calls_follow_the_schema(client):
+    """tool_choice 'required' over two tools, one strict: the call is one of them, its arguments valid."""
+    clock = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}}
+    r = client.chat.completions.create(messages=QUESTION, tools=[WEATHER, clock], tool_choice="required", **GREEDY)
+    (call,) = r.choices[0].message.tool_calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, clock)}
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [dict(WEATHER, function=dict(WEATHER["function"], strict=True))], "tool_choice": NAMED}, "tools"),
+    ({"tools": [dict(WEATHER, function=dict(WEATHER["function"], strict=True))], "tool_choice": "auto"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "json_object"}}, None),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),          # not started with --trust-request-chat-template
@@ -169,4 +182,4 @@ def test_grpc_chats_carry_tools_and_give_tool_call_deltas(stack):
 def test_bad_tool_and_template_fields_are_400(client, fields, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(messages=QUESTION, extra_body=fields, **GREEDY)
-    assert err.value.body["param"] == param, err.value.body
+    assert param is None or err.value.body["param"] == param, err.value.body

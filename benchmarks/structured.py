@@ -1,0 +1,124 @@
+"""Structured output's cost: a batch decoding under a JSON schema against the same batch unconstrained.
+
+    python -m baton.benchmarks.structured --model qwen3-0.6b --device cuda:0 --batch 64 --output structured.json
+
+One engine; the same prompts, seeds and token budget decode with and without a JSON schema (an array
+of at least `--min-items` records: no output completes it within the budget, so every measured token
+is sampled under a live grammar), in alternating rounds. Decode tok/s counts the tokens after each
+request's first, over the steps after every request has its first token. Also reported: the host
+time per step spent filling the masks (engine/structured_output.py), which the device's forward hides.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from baton.engine import LLM, SamplingParams, StructuredOutput
+
+
+def schema(min_items: int) -> dict:
+    record = {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "name": {"type": "string", "maxLength": 24},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "score": {"type": "number"},
+        "active": {"type": "boolean"}},
+        "required": ["id", "name", "role", "score", "active"], "additionalProperties": False}
+    return {"type": "object", "properties": {"users": {"type": "array", "items": record, "minItems": min_items}},
+            "required": ["users"], "additionalProperties": False}
+
+
+class MaskTimer:
+    """Wall time of the engine's mask fills (host), per step."""
+
+    def __init__(self, engine):
+        self.seconds: list[float] = []
+        inner = engine.structured.bitmask
+
+        def timed(seqs):
+            t0 = time.perf_counter()
+            out = inner(seqs)
+            self.seconds.append(time.perf_counter() - t0)
+            return out
+        engine.structured.bitmask = timed
+
+
+def decode(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int, list[list[int]]]:
+    """(decode tok/s, tokens counted, each output's tokens): from the step after every request has a
+    token to the end."""
+    engine = llm.engine
+    for ids, p in zip(prompts, params, strict=True):
+        engine.add_request(ids, p)
+    counts: dict[str, int] = {}
+    texts: dict[str, list[int]] = {}
+    t0 = first = None
+    while engine.has_unfinished:
+        for out in engine.step():
+            texts.setdefault(out.request_id, []).extend(out.new_token_ids)
+            counts[out.request_id] = len(texts[out.request_id])
+        if t0 is None and len(counts) == len(prompts):
+            t0, first = time.perf_counter(), sum(counts.values())
+    seconds = time.perf_counter() - t0
+    while engine.has_work:             # the row still in flight after the last request ended
+        engine.step()
+    tokens = sum(counts.values()) - first
+    return tokens / seconds, tokens, list(texts.values())
+
+
+def obeyed(llm: LLM, spec: StructuredOutput, outputs: list[list[int]]) -> bool:
+    """Whether every output token was one the grammar allowed (a fresh matcher reads them all)."""
+    return all(llm.engine.structured.state(spec, 0).matcher.consume_tokens(ids) for ids in outputs)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--tokenizer", default=os.environ.get("BATON_TOKENIZER"),
+                   help="tokenizer directory (default: $BATON_TOKENIZER, else the model's; presets: the embedded model's)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--min-items", type=int, default=64, help="the schema's minimum array length (keeps it open)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--output", default=None)
+    args = p.parse_args(argv)
+    llm = LLM(args.model, device=args.device, tokenizer=args.tokenizer, max_num_seqs=args.batch)
+    spec = StructuredOutput.json(schema(args.min_items))
+    prompts = [llm.tokenizer.encode(f"Request {i}: list the users of team {i} as JSON.") for i in range(args.batch)]
+
+    def params(structured):
+        return [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens, ignore_eos=True,
+                               structured=structured) for i in range(args.batch)]
+    decode(llm, prompts[:4], [SamplingParams(temperature=1.0, max_tokens=8, structured=spec)] * 4)  # warm: vocabulary
+    timer = MaskTimer(llm.engine)
+    plain, constrained, texts = [], [], []
+    for r in range(args.rounds):
+        plain.append(decode(llm, prompts, params(None))[0])
+        n_masks = len(timer.seconds)
+        tok_s, tokens, texts = decode(llm, prompts, params(spec))
+        constrained.append(tok_s)
+        print(f"[structured] round {r}: plain {plain[-1]:.0f} tok/s, json_schema {tok_s:.0f} tok/s "
+              f"({tokens} tokens), masks {1e3 * statistics.mean(timer.seconds[n_masks:]):.2f} ms a step",
+              file=sys.stderr, flush=True)
+    ok = obeyed(llm, spec, texts)
+    row = {"model": args.model, "device": args.device,
+           "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+           "batch": args.batch, "max_tokens": args.max_tokens, "rounds": args.rounds,
+           "plain_tok_s": round(statistics.median(plain), 1), "json_schema_tok_s": round(statistics.median(constrained), 1),
+           "ratio": round(statistics.median(constrained) / statistics.median(plain), 3),
+           "mask_ms_per_step": round(1e3 * statistics.median(timer.seconds), 3),
+           "outputs_follow_the_schema": ok, "sample_output": llm.tokenizer.decode(texts[0])[:160]}
+    print(json.dumps(row), flush=True)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(row, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
