@@ -155,8 +155,12 @@ class StructuredOutputs:
     def tokenizer(self):
         if self._tokenizer is None:
             import llguidance.hf
+
+            # the model's eos ids that the tokenizer has (a preset borrowing another model's tokenizer
+            # may name none: then the tokenizer's own eos ends a match)
+            eos = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)]
             self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos_token_ids or None)
+                                                           eos_token=eos or None)
         return self._tokenizer
 
     def state(self, spec: StructuredOutput, first_output: int) -> GrammarState:
