@@ -9,6 +9,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 SPECULATIVE_METHODS = ("ngram",)        # engine/speculative.py
 DETERMINISTIC_MAX_TP = 2                # engine/batch_invariant.py: an all-reduce of two is one addition
 NPU_GRAPH_MODES = ("aclgraph", "torchair")
+QUANTIZATION_METHODS = ("fp8",)         # models/layers/quantization.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ class EngineConfig:
     speculative_method: str | None = None   # ngram: guess tokens, verify them in one step (engine/speculative.py)
     num_speculative_tokens: int = 4     # guesses per sequence and step
     speculative_max_batch: int = 32     # speculate only while at most this many sequences run
+    quantization: str | None = None     # fp8: e4m3 weights per channel, tokens per row; None = the checkpoint's
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -82,6 +84,14 @@ class EngineConfig:
             raise ValueError(f"--deterministic takes at most {DETERMINISTIC_MAX_TP} tensor-parallel ranks (an "
                              f"all-reduce of more sums in an order NCCL picks by message size), got "
                              f"--tensor-parallel-size {self.tp_size}")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), "
+                                 f"got {self.quantization!r}")
+            if self.deterministic:
+                raise ValueError("--deterministic does not cover quantized matmuls (their per-token scales are "
+                                 "batch-independent, but the scaled GEMM's tiling is not fixed): serve without one "
+                                 "of --deterministic, --quantization")
         if self.npu_graph_mode not in NPU_GRAPH_MODES:
             raise ValueError(f"npu_graph_mode must be one of {', '.join(NPU_GRAPH_MODES)}, got {self.npu_graph_mode!r}")
 

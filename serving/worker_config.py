@@ -9,7 +9,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from baton.engine.config import DEFAULT_MODEL, NPU_GRAPH_MODES, EngineConfig
+from baton.engine.config import DEFAULT_MODEL, NPU_GRAPH_MODES, QUANTIZATION_METHODS, EngineConfig
 from baton.kvtransfer import registry
 from baton.kvtransfer.peer_auth import load_secret
 from baton.models.presets import PRESETS
@@ -150,6 +150,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="guesses per sequence and step")
     flag(g, "--speculative-max-batch", type=int, default=e.speculative_max_batch,
          help="speculate only while at most this many sequences run (a full batch has no compute to spare)")
+    flag(g, "--quantization", "-q", choices=QUANTIZATION_METHODS,
+         help="fp8: the linear layers' weights quantized to float8 e4m3 at load, one scale per output channel, "
+              "activations per token, scaled FP8 GEMMs (CUDA compute capability 8.9+; the CPU runs the same "
+              "numbers; not on Ascend). Unset: what the checkpoint's quantization_config says (fp8 and "
+              "compressed-tensors FP8 checkpoints), else none")
 
 
 DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -222,7 +227,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         npu_graph_mode=args.npu_graph_mode, npu_emulation=args.npu_emulation,
         async_scheduling=args.async_scheduling, deterministic=args.deterministic,
         speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-        speculative_max_batch=args.speculative_max_batch)
+        speculative_max_batch=args.speculative_max_batch, quantization=args.quantization)
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from baton.models.layers import quantization
+
 if TYPE_CHECKING:
     from baton.models.attention_metadata import AttnMetadata
 
@@ -71,6 +73,10 @@ class LayerOps:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def quantize_fp8_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 weights' activations: each row of 2-D x as e4m3 with a float32 scale [M, 1]."""
+        return quantization.quantize_rows(x)
 
     def moe_route(self, router_logits: torch.Tensor, top_k: int,
                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,6 +182,12 @@ class Platform(ABC):
     def can_pin_memory(self) -> bool:
         """Page-locked host buffers make device <-> host copies asynchronous and faster."""
         return self.runtime is not None
+
+    def fp8_linear(self) -> str:
+        """How FP8 weights multiply here (models/layers/quantization.py): "scaled_mm" (a scaled
+        FP8 GEMM) or "dequant" (the weights widened per call: a reference, not faster); a
+        platform without either raises ValueError saying why."""
+        raise ValueError(f"FP8 weights are not supported on {self.name}")
 
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:  # noqa: B027
         """Raise ValueError naming the constraint if the KV layout is unsupported here."""

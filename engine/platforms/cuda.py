@@ -38,6 +38,10 @@ class TritonLayerOps(LayerOps):
         from baton.engine.platforms.triton_kernels import layer_ops
         return layer_ops.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, positions)
 
+    def quantize_fp8_rows(self, x):
+        from baton.engine.platforms.triton_kernels import quant
+        return quant.quantize_fp8_rows(x)
+
     moe_invariant = False      # False: tiles by rows per expert; deterministic mode fixes them
 
     def moe_experts(self, x, w13, w2, ids, weights):
@@ -84,6 +88,14 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def fp8_linear(self) -> str:
+        """FP8 tensor cores: Ada and Hopper (compute capability 8.9) and newer."""
+        major, minor = torch.cuda.get_device_capability(self.device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"FP8 weights need an FP8 tensor-core GPU (compute capability 8.9+: Ada, Hopper, "
+                             f"Blackwell); {torch.cuda.get_device_name(self.device)} is {major}.{minor}")
+        return "scaled_mm"
 
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
         if dtype not in SUPPORTED_DTYPES:

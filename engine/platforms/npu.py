@@ -200,6 +200,10 @@ class NpuPlatform(Platform):
     def bind_thread(self) -> None:
         self.npu.npu.set_device(self.device)     # the current npu is per thread, as on CUDA
 
+    def fp8_linear(self) -> str:
+        raise ValueError("FP8 weights are not supported on Ascend NPUs (torch_npu's quantized matmul takes int8, "
+                         "Atlas A2/A3 have no FP8 matmul units); serve bf16 weights there")
+
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"npu fused attention takes float16 or bfloat16, not {dtype}; use --dtype bfloat16")
