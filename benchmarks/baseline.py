@@ -25,7 +25,7 @@ ENGINE_FLAGS = {"--block-size": True, "--max-num-seqs": True, "--max-num-batched
                 "--tokenizer": True, "--enforce-eager": False, "--async-scheduling": False,
                 "--no-async-scheduling": False, "--no-prefix-caching": False, "--deterministic": False,
                 "--speculative-method": True, "--num-speculative-tokens": True, "--speculative-max-batch": True,
-                "--quantization": True}
+                "--quantization": True, "--kv-cache-dtype": True}
 TIMEOUT_S = 1800
 
 

@@ -17,7 +17,7 @@ from baton.benchmarks.model_shape import DTYPE_BYTES, shape_of
 from baton.benchmarks.roofline import Ceilings, CostModel, StepShape, roofline_report
 from baton.benchmarks.stats import summarize
 from baton.benchmarks.workload import OfflineWorkload, nano_vllm_workload, warmup_workload
-from baton.engine.config import DEFAULT_MODEL, QUANTIZATION_METHODS, EngineConfig
+from baton.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
 from baton.serving.options import flag
 
 FULL = dict(model="qwen3-0.6b", num_seqs=256, min_input_len=100, max_input_len=1024, min_output_len=100,
@@ -27,7 +27,7 @@ SMOKE = dict(model=DEFAULT_MODEL, num_seqs=8, min_input_len=16, max_input_len=64
 ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                 "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "tp_size", "tp_devices", "tokenizer",
                 "async_scheduling", "deterministic", "speculative_method", "num_speculative_tokens",
-                "speculative_max_batch", "quantization")
+                "speculative_max_batch", "quantization", "kv_cache_dtype")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch)
     e.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                    help="fp8: FP8 weights (unset: the checkpoint's)")
+    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="fp8: the KV cache in float8 e4m3")
     e.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels (engine/batch_invariant.py): what the mode costs")
     e.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one device each")

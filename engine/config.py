@@ -10,6 +10,7 @@ SPECULATIVE_METHODS = ("ngram",)        # engine/speculative.py
 DETERMINISTIC_MAX_TP = 2                # engine/batch_invariant.py: an all-reduce of two is one addition
 NPU_GRAPH_MODES = ("aclgraph", "torchair")
 QUANTIZATION_METHODS = ("fp8",)         # models/layers/quantization.py
+KV_CACHE_DTYPES = ("auto", "fp8")       # auto: the model dtype; fp8: float8 e4m3 (engine/platforms/base.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4     # guesses per sequence and step
     speculative_max_batch: int = 32     # speculate only while at most this many sequences run
     quantization: str | None = None     # fp8: e4m3 weights per channel, tokens per row; None = the checkpoint's
+    kv_cache_dtype: str = "auto"        # auto: the model dtype; fp8: e4m3, half the bytes of bf16 per token
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -92,6 +94,8 @@ class EngineConfig:
                 raise ValueError("--deterministic does not cover quantized matmuls (their per-token scales are "
                                  "batch-independent, but the scaled GEMM's tiling is not fixed): serve without one "
                                  "of --deterministic, --quantization")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.npu_graph_mode not in NPU_GRAPH_MODES:
             raise ValueError(f"npu_graph_mode must be one of {', '.join(NPU_GRAPH_MODES)}, got {self.npu_graph_mode!r}")
 

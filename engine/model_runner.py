@@ -78,11 +78,13 @@ class ModelRunner:
             make_batch_invariant(self.model, self.platform.ops, self.platform.invariant_rows)
             self.attention = RowAttention(self.platform)
         self.block_size = config.block_size
-        self.platform.check_kv_layout(self.block_size, self.model.head_dim, self.dtype)
+        # the KV cache's dtype: the model's, or float8 e4m3 (--kv-cache-dtype fp8)
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
+        self.platform.check_kv_layout(self.block_size, self.model.head_dim, self.kv_dtype)
         self.num_blocks = self._size_kv_cache()
         self.kv_cache = self.platform.allocate_kv_cache(
             self.model.num_layers, self.num_blocks, self.block_size, self.model.num_kv_heads,
-            self.model.head_dim, self.dtype)
+            self.model.head_dim, self.kv_dtype)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.model.num_layers)]
         self.scale = self.model.head_dim ** -0.5
         self.sampler = Sampler(self.platform.fused_sample, per_row=config.deterministic)
@@ -197,7 +199,7 @@ class ModelRunner:
 
     def block_bytes(self) -> int:
         m = self.model
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
 
     def _size_kv_cache(self) -> int:
         if self.config.num_kv_blocks is not None:

@@ -144,3 +144,183 @@ def test_what_cannot_run_fp8_is_refused_clearly(tiny, tmp_path):
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     with pytest.raises(ValueError, match="checkpoint quantization 'awq' is not supported"):
         quantization.checkpoint_method(type("C", (), config)())
+
+
+# -- FP8 KV cache (--kv-cache-dtype fp8) -------------------------------------------------------------
+
+def test_fp8_kv_cache_serves_close_to_full_precision_and_halves_nothing_else(tiny):
+    """The cache holds float8 e4m3 (a quarter of float32's bytes per token, half of bf16's), prefill
+    (chunked: later chunks read earlier ones back from the cache) and decode agree with full
+    precision where the model is decided, and the KV spec the workers compare says float8."""
+    from baton.engine import LLM, SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    full = LLM(str(tiny["bf16"]), num_kv_blocks=32, max_model_len=128, max_num_batched_tokens=16)
+    kv8 = LLM(str(tiny["bf16"]), num_kv_blocks=32, max_model_len=128, max_num_batched_tokens=16,
+              kv_cache_dtype="fp8")
+    assert kv8.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert kv8.engine.kv_spec.dtype == "float8_e4m3fn"
+    assert kv8.engine.runner.block_bytes() * 4 == full.engine.runner.block_bytes()
+    a, b = full.generate(PROMPTS, sp), kv8.generate(PROMPTS, sp)
+    for x, y in zip(a, b, strict=True):
+        lx = torch.tensor([e.logprob for e in x.prompt_logprobs[1:]])
+        ly = torch.tensor([e.logprob for e in y.prompt_logprobs[1:]])
+        assert float((lx - ly).abs().max()) < 0.1          # the prompt's own tokens: nearly the same logprobs
+        assert x.token_ids[:2] == y.token_ids[:2]
+
+
+def test_the_npu_refuses_an_fp8_kv_cache_clearly():
+    from baton.engine.config import PlatformOptions
+    from baton.engine.platforms import get_platform
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is not supported on Ascend"):
+        get_platform("npu:0", PlatformOptions(npu_emulation=True)).check_kv_layout(128, 64, torch.float8_e4m3fn)
+
+
+def _workers(prefill_kv: str, decode_kv: str):
+    """A decode and a prefill worker (tiny-llama, CPU, in-memory KV backend) in this process."""
+    import contextlib
+
+    from baton.decode_service.server import DecodeWorker
+    from baton.prefill_service.server import PrefillWorker
+    from baton.serving.worker_config import parse_worker_args
+    common = ["--model", "tiny-llama", "--port", "0", "--kv-backend", "memory", "--num-kv-blocks", "32",
+              "--max-num-batched-tokens", "16"]
+
+    @contextlib.asynccontextmanager
+    async def both():
+        decode = DecodeWorker(parse_worker_args("decode", [*common, "--kv-cache-dtype", decode_kv]))
+        prefill = PrefillWorker(parse_worker_args("prefill", [*common, "--kv-cache-dtype", prefill_kv]))
+        await decode.start()
+        await prefill.start()
+        try:
+            yield prefill, decode
+        finally:
+            for w in (prefill, decode):
+                await w.server.drain_and_stop(0)
+                await w.stop()
+    return both()
+
+
+PD_PROMPT = list(range(1000, 1050))
+
+
+async def _handoff(prefill_kv: str, decode_kv: str):
+    """Admit on decode, prefill with a hand-off, collect the decode stream: (tokens, decode layout)."""
+    import asyncio
+
+    from baton.engine import SamplingParams
+    from baton.serving.wire import sampling_to_proto
+    from baton.v1 import decode_pb2, prefill_pb2
+    async with _workers(prefill_kv, decode_kv) as (prefill, decode):
+        sampling = sampling_to_proto(SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        admitted = await decode.admit(decode_pb2.AdmitRequest(request_id="r", prompt_token_ids=PD_PROMPT,
+                                                              sampling=sampling, timeout_ms=20_000))
+
+        async def collect():
+            return [t async for chunk in decode.stream("r", 20_000) for t in chunk.token_ids]
+        stream = asyncio.ensure_future(collect())
+        try:
+            await prefill.prefill(prefill_pb2.PrefillRequest(
+                request_id="r", prompt_token_ids=PD_PROMPT, handoff=prefill_pb2.Handoff(
+                    decode_address=admitted.kv_address, transfer_id=admitted.transfer_id, backend=admitted.backend)))
+            return await asyncio.wait_for(stream, 30), decode.core.core.layout
+        finally:
+            stream.cancel()
+
+
+def test_fp8_kv_moves_between_workers_and_a_dtype_mismatch_is_refused():
+    """Prefill and decode both at --kv-cache-dtype fp8: the float8 bytes move (a quarter of float32's
+    here) and decode continues from them as it does from full-precision KV. A prefill at fp8 and a decode
+    at auto: the hand-off is refused naming the dtypes."""
+    import asyncio
+
+    from baton.kvtransfer.layout import KVLayout
+    tokens, layout = asyncio.run(_handoff("fp8", "fp8"))
+    assert layout.dtype == "float8_e4m3fn"
+    full = KVLayout(layout.model, layout.architecture, "float32", layout.block_size, layout.num_layers,
+                    layout.num_kv_heads, layout.head_dim)
+    assert layout.block_nbytes * 4 == full.block_nbytes
+    want, full_layout = asyncio.run(_handoff("auto", "auto"))
+    assert tokens == want and full_layout.dtype == "float32"
+    with pytest.raises(Exception, match="dtype: prefill has 'float8_e4m3fn', decode has 'float32'") as err:
+        asyncio.run(_handoff("fp8", "auto"))
+    assert "--kv-cache-dtype" in str(err.value)
+
+
+# -- CUDA: the Triton quantizer, the scaled GEMM, attention over a float8 cache, graphs -----------------
+def on_gpu(test):
+    from test_platform_cuda import on_gpu as mark
+    return mark(test)
+
+
+@on_gpu
+def test_triton_row_quantizer_matches_torch_and_the_scaled_gemm_the_widened_one():
+    from baton.engine.platforms.triton_kernels import quant
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 4100, generator=g) * torch.logspace(-3, 2, 37)[:, None]).to(torch.bfloat16).cuda()
+    x[5] = 0
+    q, s = quant.quantize_fp8_rows(x)
+    q_ref, s_ref = quantization.quantize_rows(x)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    differ = (q.float() != q_ref.float()).float().mean().item()
+    assert differ < 1e-3                              # a division's last bit may round a tie the other way
+    w = (torch.randn(3072, 4100, generator=g) * 0.02).to(torch.bfloat16).cuda()[:, :4096]
+    wq, ws = quantization.quantize_rows(w)
+    from baton.engine.platforms.cuda import TritonLayerOps
+    y = quantization.Fp8Matmul(ws.reshape(1, -1).contiguous(), TritonLayerOps(), "scaled_mm")(x[:, :4096], wq)
+    ref = x[:, :4096].float() @ (wq.float() * ws).t()
+    assert y.dtype == torch.bfloat16 and not y.isnan().any()
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    assert err < 0.05, err                              # e4m3 activations: ~3 % of the output's norm
+
+
+@on_gpu
+def test_attention_over_a_float8_cache_matches_the_widened_reference():
+    """Store, decode and prefill-with-context on a float8 e4m3 cache against the CPU reference run
+    on the same cache widened to float64."""
+    from test_platform_cuda import cuda_platform, make_batch, rel_err
+    fp8 = torch.float8_e4m3fn
+    platform, cpu = cuda_platform(), CpuPlatform(torch.device("cpu"))
+    for ctx, qlen in (([16, 600, 4100, 32], [1, 1, 1, 1]), ([0, 40, 300], [19, 7, 64])):
+        batch = make_batch(ctx, qlen, 4, 128, 16, torch.bfloat16, seed=len(ctx))
+        k8, v8 = (c.float().clamp(-448, 448).to(fp8) for c in (batch.k_cache, batch.v_cache))
+        k_new, v_new = batch.k * 3, batch.v * 500                        # v beyond +-448: saturates, no NaN
+        platform.store_kv(k_new, v_new, k8, v8, batch.meta.slot_mapping)
+        slots = batch.meta.slot_mapping
+        assert torch.equal(k8.view(-1, 2, 128)[slots].float(), k_new.float().to(fp8).float())
+        assert not v8.float().isnan().any() and v8.float().abs().max() == 448
+        scale = 128 ** -0.5
+        q = batch.q.double().cpu()
+        wide = k8.double().cpu(), v8.double().cpu()
+        meta = batch.meta
+        if meta.is_decode:
+            out = platform.decode_attention(batch.q, k8, v8, meta, scale)
+            ref = cpu.decode_attention(q, *wide, _on_cpu(meta), scale)
+        else:
+            out = platform.prefill_attention(batch.q, k_new, v_new, k8, v8, meta, scale)
+            ref = cpu.prefill_attention(q, k_new.double().cpu(), v_new.double().cpu(), *wide, _on_cpu(meta), scale)
+        assert rel_err(out.cpu(), ref) < 1e-2
+
+
+def _on_cpu(meta: AttnMetadata) -> AttnMetadata:
+    import dataclasses
+    return dataclasses.replace(meta, **{n: getattr(meta, n).cpu() for n in
+                                        ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
+
+
+@on_gpu
+def test_fp8_weights_and_kv_on_cuda_replay_graphs_as_eager_and_track_the_cpu(tiny):
+    """A tiny Qwen3 on cuda:0 with FP8 weights and an FP8 KV cache: captured decode graphs give the
+    eager tokens, and the logprobs of the prompt stay near the CPU's FP8 ones."""
+    from baton.engine import LLM, SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+    kw = dict(num_kv_blocks=64, max_model_len=256, quantization="fp8", kv_cache_dtype="fp8", dtype="bfloat16")
+    graphs = LLM(str(tiny["bf16"]), device="cuda:0", **kw)
+    assert graphs.engine.runner.graphs is not None
+    eager = LLM(str(tiny["bf16"]), device="cuda:0", enforce_eager=True, **kw)
+    cpu = LLM(str(tiny["bf16"]), **kw)
+    a, b, c = (m.generate(PROMPTS, sp) for m in (graphs, eager, cpu))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(a, c, strict=True):
+        lx = torch.tensor([e.logprob for e in x.prompt_logprobs[1:]])
+        ly = torch.tensor([e.logprob for e in y.prompt_logprobs[1:]])
+        assert float((lx - ly).abs().mean()) < 0.1

@@ -114,6 +114,24 @@ class LayerOps:
         return out
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == quantization.FP8
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the KV cache stores it: float8 e4m3 (--kv-cache-dtype fp8, per-tensor scale 1) saturates
+    at +-448 instead of overflowing to NaN; any other dtype is a plain cast."""
+    if is_fp8(dtype):
+        return x.clamp(-quantization.FP8_MAX, quantization.FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x rounded as the cache would hold it, in x's dtype: a prefill's own keys and values take
+    the same rounding as those a later step reads back, so prefill and decode see one model."""
+    return to_cache_dtype(x, cache_dtype).to(x.dtype) if is_fp8(cache_dtype) else x
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

@@ -205,6 +205,9 @@ class NpuPlatform(Platform):
                          "Atlas A2/A3 have no FP8 matmul units); serve bf16 weights there")
 
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+        if dtype == torch.float8_e4m3fn:
+            raise ValueError("--kv-cache-dtype fp8 is not supported on Ascend NPUs (fused attention reads a "
+                             "float16/bfloat16 or int8 cache, no float8); use --kv-cache-dtype auto")
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"npu fused attention takes float16 or bfloat16, not {dtype}; use --dtype bfloat16")
         if block_size % PAGED_PREFILL_BLOCK or not PAGED_PREFILL_BLOCK <= block_size <= 512:
