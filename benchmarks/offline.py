@@ -108,12 +108,16 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     from baton.engine.tensor_parallel import rank_devices
     rec["device"] = record.device_info(rank_devices(args.device, args.tp_size, args.tp_devices)
                                        if args.engine == "baton" else [args.device])
-    rec["ceilings"] = ceilings.measure(args.device, getattr(torch, args.dtype), quick=args.smoke)
+    fp8 = args.engine == "baton" and (args.quantization == "fp8" or shape_is_fp8(args.model))
+    rec["ceilings"] = ceilings.measure(args.device, getattr(torch, args.dtype), quick=args.smoke, fp8=fp8)
     # tensor parallel: the ranks' devices together, at best tp_size times one device's rates
     ranks = args.tp_size if args.engine == "baton" else 1
-    ceil = Ceilings(ranks * rec["ceilings"]["copy"]["bytes_per_s"], ranks * rec["ceilings"]["matmul"]["flops_per_s"])
+    fp8_rate = rec["ceilings"].get("matmul_fp8", {}).get("flops_per_s")
+    ceil = Ceilings(ranks * rec["ceilings"]["copy"]["bytes_per_s"], ranks * rec["ceilings"]["matmul"]["flops_per_s"],
+                    ranks * fp8_rate if fp8_rate else None)
     rec["ceilings"]["devices_in_roofline"] = ranks
-    cost = CostModel(shape, DTYPE_BYTES[args.dtype])
+    cost = CostModel(shape, DTYPE_BYTES[args.dtype], fp8_weights=fp8,
+                     kv_bytes=1 if args.engine == "baton" and args.kv_cache_dtype == "fp8" else None)
     if args.engine == "baton":
         results, steps, step_seconds = run_baton(args, workload)
         results["roofline"] = {"schedule": "measured (every executed step)",
@@ -129,6 +133,16 @@ def run(args: argparse.Namespace, rec: dict) -> None:
                                **roofline_report(cost, ceil, steps, results["wall_seconds"])}
     rec["results"] = {"workload": workload.describe(), **results}
     _print_summary(rec["results"])
+
+
+def shape_is_fp8(model: str) -> bool:
+    """Whether the model's checkpoint is quantized (FP8 weights without --quantization)."""
+    from baton.models.layers.quantization import checkpoint_method
+    from baton.models.source import resolve_model
+    try:
+        return checkpoint_method(resolve_model(model).hf_config) is not None
+    except ValueError:
+        return False
 
 
 def requests_workload(path: str, temperature: float) -> OfflineWorkload:

@@ -19,11 +19,15 @@ PROMPTS = [[5, 70, 80, 90, 100, 7, 300, 12], [3, 4, 200, 201, 202, 203, 50, 9, 9
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, embedded_source):
+def tiny(tmp_path_factory, request):
     """A tiny random Qwen3 checkpoint (bf16 source of every variant) and its two FP8 re-writes."""
+    import os
+
     from helpers import save_fp8_checkpoint, save_tiny_checkpoint
+    # the GPU machine carries the embedded tokenizer (BATON_TOKENIZER), not the model
+    tokenizer = os.environ.get("BATON_TOKENIZER") or request.getfixturevalue("embedded_source").tokenizer_path
     root = tmp_path_factory.mktemp("quant")
-    src = save_tiny_checkpoint("qwen3", root / "bf16", embedded_source.tokenizer_path, intermediate_size=192)
+    src = save_tiny_checkpoint("qwen3", root / "bf16", tokenizer, intermediate_size=192)
     return {"bf16": src,
             # 48-wide blocks: the 64-wide hidden and 192-wide MLP end in partial blocks, as real ones may
             "fp8-block": save_fp8_checkpoint(src, root / "fp8-block", "fp8-block", block=48),
