@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
     e.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch)
     e.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
-                   help="fp8: FP8 weights (unset: the checkpoint's)")
+                   help="fp8: FP8 weights; w8a8: int8 weights and tokens (unset: the checkpoint's)")
     e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="fp8: the KV cache in float8 e4m3")
     e.add_argument("--deterministic", action="store_true",
@@ -108,7 +108,8 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     from baton.engine.tensor_parallel import rank_devices
     rec["device"] = record.device_info(rank_devices(args.device, args.tp_size, args.tp_devices)
                                        if args.engine == "baton" else [args.device])
-    fp8 = args.engine == "baton" and (args.quantization == "fp8" or shape_is_fp8(args.model))
+    # one-byte projection weights: FP8, or w8a8's int8 (its GEMM rate is measured on CUDA only, where w8a8 is refused)
+    fp8 = args.engine == "baton" and (args.quantization in ("fp8", "w8a8") or shape_is_fp8(args.model))
     rec["ceilings"] = ceilings.measure(args.device, getattr(torch, args.dtype), quick=args.smoke, fp8=fp8)
     # tensor parallel: the ranks' devices together, at best tp_size times one device's rates
     ranks = args.tp_size if args.engine == "baton" else 1

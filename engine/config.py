@@ -9,7 +9,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 SPECULATIVE_METHODS = ("ngram",)        # engine/speculative.py
 DETERMINISTIC_MAX_TP = 2                # engine/batch_invariant.py: an all-reduce of two is one addition
 NPU_GRAPH_MODES = ("aclgraph", "torchair")
-QUANTIZATION_METHODS = ("fp8",)         # models/layers/quantization.py
+QUANTIZATION_METHODS = ("fp8", "w8a8")  # models/layers/quantization.py
 KV_CACHE_DTYPES = ("auto", "fp8")       # auto: the model dtype; fp8: float8 e4m3 (engine/platforms/base.py)
 
 
@@ -52,7 +52,7 @@ class EngineConfig:
     speculative_method: str | None = None   # ngram: guess tokens, verify them in one step (engine/speculative.py)
     num_speculative_tokens: int = 4     # guesses per sequence and step
     speculative_max_batch: int = 32     # speculate only while at most this many sequences run
-    quantization: str | None = None     # fp8: e4m3 weights per channel, tokens per row; None = the checkpoint's
+    quantization: str | None = None     # fp8 | w8a8 (int8, Ascend and CPU); None = the checkpoint's
     kv_cache_dtype: str = "auto"        # auto: the model dtype; fp8: e4m3, half the bytes of bf16 per token
 
     def validate(self) -> None:

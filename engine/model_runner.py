@@ -39,7 +39,7 @@ from baton.engine.sequence import PENDING
 from baton.engine.tensor_parallel import TensorParallel
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.forward_context import ForwardContext
-from baton.models.layers.quantization import checkpoint_method, quantize_fp8
+from baton.models.layers.quantization import checkpoint_method, quantize_fp8, quantize_w8a8
 from baton.models.loader import build_model, init_random_weights, load_weights
 from baton.models.source import ModelSource, resolve_model
 
@@ -145,15 +145,19 @@ class ModelRunner:
 
     def _quantize(self, model: torch.nn.Module) -> str | None:
         """--quantization, else what the checkpoint was quantized with: the linear layers' weights
-        to FP8 (models/layers/quantization.py); their bf16 copies go back to the device first."""
+        to FP8 or int8 (models/layers/quantization.py); their bf16 copies go back to the device first."""
         method = self.config.quantization or checkpoint_method(self.source.hf_config)
         if method is None:
             return None
         if self.config.deterministic:
             raise ValueError(f"--deterministic does not cover quantized matmuls, and this checkpoint is {method}: "
                              "serve it without --deterministic")
-        mode = self.platform.fp8_linear()            # ValueError where the platform has no FP8 matmul
-        quantize_fp8(model, self.platform.ops, mode)
+        if method == "w8a8":
+            self.platform.int8_linear()               # ValueError where the platform has no int8 GEMM path
+            quantize_w8a8(model, self.platform)
+        else:
+            mode = self.platform.fp8_linear()          # ValueError where the platform has no FP8 matmul
+            quantize_fp8(model, self.platform.ops, mode)
         if self.platform.runtime is not None and hasattr(self.platform.runtime, "empty_cache"):
             self.platform.runtime.empty_cache()      # the KV cache is sized from what is free now
         return method

@@ -160,7 +160,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="fp8: the linear layers' weights quantized to float8 e4m3 at load, one scale per output channel, "
               "activations per token, scaled FP8 GEMMs (CUDA compute capability 8.9+; the CPU runs the same "
               "numbers; not on Ascend). Unset: what the checkpoint's quantization_config says (fp8 and "
-              "compressed-tensors FP8 checkpoints), else none")
+              "compressed-tensors FP8 checkpoints), else none. w8a8: int8 weights per output channel and int8 "
+              "tokens (per-token dynamic scales), int32 accumulation: torch_npu's npu_dynamic_quant + "
+              "npu_quant_matmul on Ascend, torch._int_mm on the CPU (not CUDA)")
     flag(g, "--kv-cache-dtype", default=e.kv_cache_dtype, choices=KV_CACHE_DTYPES,
          help="auto: the KV cache in the model dtype; fp8: float8 e4m3 (per-tensor scale 1, saturating), half "
               "of bf16's bytes per token in memory and on the wire (CUDA 8.9+ and the CPU; not on Ascend). "

@@ -329,3 +329,70 @@ def test_fp8_weights_and_kv_on_cuda_replay_graphs_as_eager_and_track_the_cpu(tin
         lx = torch.tensor([e.logprob for e in x.prompt_logprobs[1:]])
         ly = torch.tensor([e.logprob for e in y.prompt_logprobs[1:]])
         assert float((lx - ly).abs().mean()) < 0.1
+
+
+# -- W8A8 INT8 (--quantization w8a8): torch_npu's documented ops (emulated), the CPU's torch._int_mm ---------
+def test_emulated_w8a8_ops_compute_what_their_documents_say():
+    from baton.engine.platforms.npu_emulation import NpuEmulationError, emulated_torch_npu
+    npu = emulated_torch_npu()
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 96, generator=g) * 3).to(torch.bfloat16)
+    x[2] = 0
+    y, scale = npu.npu_dynamic_quant(x)
+    assert y.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (6,)
+    torch.testing.assert_close(scale, x.float().abs().amax(-1) / 127)
+    assert torch.equal(y[2], torch.zeros(96, dtype=torch.int8)) and int(y.abs().max()) == 127
+    q, s = quantization.quantize_rows_int8(x)                   # the CPU path's quantizer: the same numbers
+    assert torch.equal(q, y) and torch.equal(s[:, 0], scale)
+    w = torch.randint(-127, 128, (96, 40), generator=g, dtype=torch.int8)      # x2 [K, N]
+    ws = torch.rand(40, generator=g) / 100
+    out = npu.npu_quant_matmul(y, w, ws, pertoken_scale=scale, output_dtype=torch.bfloat16)
+    ref = (y.long() @ w.long()).double() * ws.double() * scale.double()[:, None]
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-6)
+    with pytest.raises(NpuEmulationError, match="x dtype must be float16 or bfloat16"):
+        npu.npu_dynamic_quant(x.float())
+    with pytest.raises(NpuEmulationError, match="pertoken_scale must be float32"):
+        npu.npu_quant_matmul(y, w, ws, pertoken_scale=scale[:5], output_dtype=torch.bfloat16)
+    with pytest.raises(NpuEmulationError, match="disagree on K"):
+        npu.npu_quant_matmul(y, w[:64], ws, output_dtype=torch.bfloat16)
+
+
+def test_w8a8_on_the_cpu_stays_close_to_full_precision(tiny):
+    """int8 weights per channel and int8 tokens through torch._int_mm: logits close (int8 keeps
+    more bits than e4m3), the same argmax where full precision decides."""
+    from baton.engine.platforms.cpu import CpuPlatform as Cpu
+    model, platform = _model(tiny["bf16"])
+    w8 = copy.deepcopy(model)
+    assert quantization.quantize_w8a8(w8, Cpu(torch.device("cpu"))) == 2 * 4
+    assert w8.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.int8
+    decided = [_compare(_logits(model, platform, ids), _logits(w8, platform, ids)) for ids in PROMPTS]
+    decided, agree, total = (sum(c) for c in zip(*decided, strict=True))
+    assert agree >= 0.9 * total, (decided, agree, total)
+
+
+def test_w8a8_on_the_emulated_npu_gives_the_cpu_w8a8_model_under_graphs(tiny):
+    """--quantization w8a8 on npu:0 (emulated torch_npu: npu_dynamic_quant + npu_quant_matmul, K-major
+    int8 weights), decode captured in graphs: the prompt's logprobs match the CPU's w8a8 run (same
+    int8 numbers; the scales multiply in another order) and the greedy tokens agree."""
+    from baton.engine import LLM, SamplingParams
+    kw = dict(dtype="bfloat16", block_size=128, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=128,
+              quantization="w8a8")           # (test_npu_models.ENGINE: what the emulated FIA takes)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    cpu = LLM(str(tiny["bf16"]), **kw).generate(PROMPTS, sp)
+    llm = LLM(str(tiny["bf16"]), device="npu:0", npu_emulation=True, fused_ops=False, **kw)
+    assert llm.engine.runner.graphs is not None
+    w = llm.engine.runner.model.model.layers[0].self_attn.o_proj.weight
+    assert w.dtype == torch.int8 and w.t().is_contiguous()
+    npu = llm.generate(PROMPTS, sp)
+    for a, b in zip(cpu, npu, strict=True):
+        la = torch.tensor([e.logprob for e in a.prompt_logprobs[1:]])
+        lb = torch.tensor([e.logprob for e in b.prompt_logprobs[1:]])
+        assert float((la - lb).abs().max()) < 0.05
+        assert a.token_ids[:4] == b.token_ids[:4]
+
+
+def test_w8a8_is_refused_where_it_has_no_path():
+    from baton.engine.platforms.cuda import CudaPlatform
+    with pytest.raises(ValueError, match="on CUDA use --quantization fp8"):
+        CudaPlatform(torch.device("cuda")).int8_linear()

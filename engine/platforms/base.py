@@ -207,6 +207,22 @@ class Platform(ABC):
         platform without either raises ValueError saying why."""
         raise ValueError(f"FP8 weights are not supported on {self.name}")
 
+    def int8_linear(self) -> None:
+        """Raise ValueError where W8A8 (`--quantization w8a8`) cannot run; the CPU's torch._int_mm
+        is this base's w8a8_matmul."""
+        return None
+
+    def int8_weight_layout(self, weight: torch.Tensor) -> torch.Tensor:
+        """An int8 weight [N, K] laid out as this platform's int8 GEMM reads it (same shape)."""
+        return weight
+
+    def w8a8_matmul(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (float) times int8 weight [N, K] with per-channel scales [N] -> [M, N] in x's
+        dtype: x's rows to int8 per token, an int8 GEMM accumulating in int32, then both scales."""
+        xq, xs = quantization.quantize_rows_int8(x)
+        acc = torch._int_mm(xq, weight.t())
+        return (acc.float() * xs * scale).to(x.dtype)
+
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:  # noqa: B027
         """Raise ValueError naming the constraint if the KV layout is unsupported here."""
         return None

@@ -97,6 +97,9 @@ class CudaPlatform(Platform):
                              f"Blackwell); {torch.cuda.get_device_name(self.device)} is {major}.{minor}")
         return "scaled_mm"
 
+    def int8_linear(self) -> None:
+        raise ValueError("--quantization w8a8 is the Ascend (and CPU) path; on CUDA use --quantization fp8")
+
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
         if is_fp8(dtype):
             major, minor = torch.cuda.get_device_capability(self.device)

@@ -1,4 +1,6 @@
-"""FP8 weights (`--quantization fp8`): e4m3 weights with one scale per output channel, activations
+"""Quantized linear layers: FP8 weights (`--quantization fp8`) and W8A8 INT8 (`--quantization w8a8`).
+
+FP8 (`--quantization fp8`): e4m3 weights with one scale per output channel, activations
 quantized per token on the fly, matmuls as scaled FP8 GEMMs (`torch._scaled_mm`).
 
 A bf16 checkpoint is quantized at load, after its weights went through the usual weight
@@ -15,6 +17,12 @@ gate). The embedding, the LM head, norms and the MoE experts stay in the model d
 How the platform runs it (`Platform.fp8_linear`): "scaled_mm" (CUDA on compute capability 8.9+,
 the CPU where torch has float8 `_scaled_mm`), "dequant" (a CPU torch without it: the weights
 widened per call, same numbers as a reference, none of the speed) or a refusal (NPU).
+
+W8A8 (`--quantization w8a8`, Ascend's production scheme, vllm-ascend's w8a8 dynamic): int8 weights
+with one symmetric scale per output channel (amax / 127), activations quantized per token to int8
+at run time, an int8 GEMM accumulating in int32, then both scales. The platform runs it
+(`Platform.w8a8_matmul`): torch_npu's npu_dynamic_quant + npu_quant_matmul on Ascend, torch._int_mm
+on the CPU; CUDA refuses (FP8 is its path). Quantized at load from bf16 checkpoints only.
 """
 from __future__ import annotations
 
@@ -23,7 +31,8 @@ from torch import nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max             # 448
-QUANTIZATION_METHODS = ("fp8",)
+QUANTIZATION_METHODS = ("fp8", "w8a8")
+INT8_MAX = 127
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
 SCALE_EPS = 1e-12
 
@@ -81,6 +90,47 @@ def quantize_fp8(model: nn.Module, ops, mode: str) -> int:
         module.weight_scale = scale.reshape(1, -1).contiguous()       # a plain attribute: never loaded
         module.matmul = Fp8Matmul(module.weight_scale, ops, mode)
         del w
+        n += 1
+    return n
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of 2-D x as symmetric int8 with its own float32 scale amax / 127 (round half to
+    even, as torch.round): (x_int8 [M, K], scales [M, 1]); an all-zero row stays zero."""
+    x32 = x.float()
+    scale = x32.abs().amax(dim=-1, keepdim=True) / INT8_MAX
+    q = torch.round(x32 / scale.clamp(min=SCALE_EPS)).clamp(-INT8_MAX - 1, INT8_MAX)
+    return q.to(torch.int8), scale
+
+
+class Int8Matmul:
+    """LinearBase's matmul for an int8 weight [N, K] with per-output-channel scales [N] (float32):
+    the platform quantizes x per token and runs the int8 GEMM (`Platform.w8a8_matmul`)."""
+
+    def __init__(self, scale: torch.Tensor, platform):
+        self.scale = scale
+        self.platform = platform
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        y = self.platform.w8a8_matmul(x.reshape(-1, k), weight, self.scale)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, weight.shape[0])
+
+
+@torch.no_grad()
+def quantize_w8a8(model: nn.Module, platform) -> int:
+    """Every quantizable linear layer's weight to int8 per output channel (laid out as the
+    platform's GEMM reads it), its matmul to Int8Matmul; returns how many layers."""
+    n = 0
+    for module in model.modules():
+        if not quantizable(module):
+            continue
+        wq, scale = quantize_rows_int8(module.weight.data)
+        module.weight = nn.Parameter(platform.int8_weight_layout(wq), requires_grad=False)
+        module.weight_scale = scale.reshape(-1).contiguous()
+        module.matmul = Int8Matmul(module.weight_scale, platform)
         n += 1
     return n
 
