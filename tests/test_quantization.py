@@ -396,3 +396,21 @@ def test_w8a8_is_refused_where_it_has_no_path():
     from baton.engine.platforms.cuda import CudaPlatform
     with pytest.raises(ValueError, match="on CUDA use --quantization fp8"):
         CudaPlatform(torch.device("cuda")).int8_linear()
+
+
+def test_fp8_under_tensor_parallelism_tracks_one_rank(tiny):
+    """Two CPU ranks (gloo), FP8 weights and an FP8 KV cache: each rank quantizes its own shard (its
+    rows' scales), and the prompt's logprobs stay near one rank's."""
+    from baton.engine import LLM, SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    kw = dict(num_kv_blocks=32, max_model_len=128, quantization="fp8", kv_cache_dtype="fp8")
+    one = LLM(str(tiny["bf16"]), **kw).generate(PROMPTS, sp)
+    llm = LLM(str(tiny["bf16"]), tp_size=2, **kw)
+    try:
+        two = llm.generate(PROMPTS, sp)
+    finally:
+        llm.engine.runner.close()
+    for a, b in zip(one, two, strict=True):
+        la = torch.tensor([e.logprob for e in a.prompt_logprobs[1:]])
+        lb = torch.tensor([e.logprob for e in b.prompt_logprobs[1:]])
+        assert float((la - lb).abs().mean()) < 0.05
