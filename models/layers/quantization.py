@@ -5,18 +5,18 @@ quantized per token on the fly, matmuls as scaled FP8 GEMMs (`torch._scaled_mm`)
 
 A bf16 checkpoint is quantized at load, after its weights went through the usual weight
 loaders (so every tensor-parallel shard gets the scales of its own rows). A pre-quantized
-checkpoint (a `quantization_config` in its config.json) is read through `dequantize_checkpoint`:
+checkpoint (a `quantization_config` in its config.json) is read widened (models/loader.py, `dequantize`):
 its FP8 tensors times their scales (the `fp8` method's 128x128 blocks of `weight_scale_inv`,
 Qwen3-FP8 and DeepSeek-V3 style; compressed-tensors' per-channel or per-tensor `weight_scale`),
 then quantized per channel like a bf16 checkpoint. The matmul is per-channel either way; a
-block-scaled GEMM is not built (see docs/quantization.md).
+block-scaled GEMM is not built (docs/benchmarks.md, "Quantized serving").
 
 What is quantized: the attention and MLP projections (every `LinearBase` but a MoE router's
 gate). The embedding, the LM head, norms and the MoE experts stay in the model dtype.
 
 How the platform runs it (`Platform.fp8_linear`): "scaled_mm" (CUDA on compute capability 8.9+,
 the CPU where torch has float8 `_scaled_mm`), "dequant" (a CPU torch without it: the weights
-widened per call, same numbers as a reference, none of the speed) or a refusal (NPU).
+widened per call, activations left as they are: a reference, not a speed path) or a refusal (NPU).
 
 W8A8 (`--quantization w8a8`, Ascend's production scheme, vllm-ascend's w8a8 dynamic): int8 weights
 with one symmetric scale per output channel (amax / 127), activations quantized per token to int8
@@ -31,7 +31,6 @@ from torch import nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max             # 448
-QUANTIZATION_METHODS = ("fp8", "w8a8")
 INT8_MAX = 127
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
 SCALE_EPS = 1e-12
