@@ -24,7 +24,8 @@ ENGINE_FLAGS = {"--block-size": True, "--max-num-seqs": True, "--max-num-batched
                 "--max-model-len": True, "--num-kv-blocks": True, "--gpu-memory-utilization": True, "--dtype": True,
                 "--tokenizer": True, "--enforce-eager": False, "--async-scheduling": False,
                 "--no-async-scheduling": False, "--no-prefix-caching": False, "--deterministic": False,
-                "--speculative-method": True, "--num-speculative-tokens": True, "--speculative-max-batch": True}
+                "--speculative-method": True, "--num-speculative-tokens": True, "--speculative-max-batch": True,
+                "--quantization": True, "--kv-cache-dtype": True}
 TIMEOUT_S = 1800
 
 

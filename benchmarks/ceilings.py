@@ -64,6 +64,18 @@ def matmul_rate(device: str, n: int, dtype: torch.dtype, reps: int = 3) -> dict:
             "best_seconds": t}
 
 
+def fp8_matmul_rate(device: str, n: int, reps: int = 3) -> dict:
+    """A scaled e4m3 GEMM with row-wise scales, as FP8 weights run (models/layers/quantization.py)."""
+    dev = _device(device)
+    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(n, 1, device=dev), torch.ones(1, n, device=dev)
+    t = _best_seconds(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), [dev],
+                      reps)
+    return {"flops_per_s": 2 * n ** 3 / t, "shape": [n, n, n], "dtype": "float8_e4m3fn (row-wise scaled)",
+            "best_seconds": t}
+
+
 def peer_copy_bandwidth(src_device: str, dst_device: str, nbytes: int, reps: int = 5) -> dict:
     src_dev, dst_dev = _device(src_device), _device(dst_device)
     src = torch.empty(nbytes, dtype=torch.uint8, device=src_dev).fill_(1)
@@ -77,7 +89,7 @@ def peer_copy_bandwidth(src_device: str, dst_device: str, nbytes: int, reps: int
 
 
 def measure(device: str, matmul_dtype: torch.dtype | None = None, peer_device: str | None = None,
-            quick: bool = False) -> dict:
+            quick: bool = False, fp8: bool = False) -> dict:
     """All ceilings of `device` (and of its link to `peer_device`, when another device)."""
     dev = _device(device)
     kind = "cpu" if dev.type == "cpu" else "accel"
@@ -86,6 +98,8 @@ def measure(device: str, matmul_dtype: torch.dtype | None = None, peer_device: s
     print(f"[bench] measuring ceilings of {device} ...", file=sys.stderr, flush=True)
     out = {"device": device, "copy": copy_bandwidth(device, nbytes), "matmul": matmul_rate(device, n, dtype),
            "peer_copy": None}
+    if fp8 and dev.type == "cuda":
+        out["matmul_fp8"] = fp8_matmul_rate(device, n)
     if dev.type == "cpu":
         out["threads"] = torch.get_num_threads()
     if peer_device and peer_device != device and dev.type != "cpu":

@@ -27,6 +27,9 @@
 # KV transport on one GPU: kvcontract (the contract suite, tests/kvtransfer, with both ends on cuda:0),
 # b3 with B3_PEER=cuda:0 B3_BACKENDS="nixl direct" (two processes on one GPU: NIXL over CUDA IPC)
 # Structured output (one GPU): structured (a JSON-schema-constrained batch of 64 vs the same batch plain, qwen3-0.6b)
+# Quantized serving (issue 33, one GPU): quant (FP8 tests: the Triton quantizer, the scaled GEMM, attention
+# over a float8 cache, tiny-model graphs == eager; then the attention kernels' own tests), b1quant (B1 on
+# QUANT_MODELS, default qwen3-8b: bf16, --quantization fp8, fp8 + --kv-cache-dtype fp8, same lease)
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 set -uo pipefail
@@ -95,6 +98,16 @@ for step in $STEPS; do
               | tail -30 | tee "$OUT/moe.txt"      # the fused experts vs the base ops, graphs vs eager
             timeout 240 python3 -m baton.benchmarks.moe_kernel --out "$OUT" 2>"$OUT/moe_kernel.log" \
               | tee "$OUT/moe_kernel.txt" ;;     # Qwen3-30B-A3B's expert step vs its floor, per tile config
+    quant)  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py tests/test_platform_cuda.py \
+              -k "${QUANT_TESTS:-triton_row or float8_cache or on_cuda or ((store_kv or decode_matches or prefill_without or chunked_and) and gqa4)}" \
+              2>&1 | tail -30 | tee "$OUT/quant-tests.txt" ;;
+    b1quant) for m in ${QUANT_MODELS:-qwen3-8b}; do
+              for v in ${QUANT_VARIANTS:-bf16 fp8 fp8kv8}; do
+                case $v in bf16) a="" ;; fp8) a="--quantization fp8" ;; fp8kv8) a="--quantization fp8 --kv-cache-dtype fp8" ;; esac
+                timeout ${QUANT_TIMEOUT:-240} python3 -m baton bench offline --model $m --device cuda:0 $a ${B1_ARGS:-} \
+                  --output "$OUT/b1-$m-$v.json" 2>&1 | grep "^\[bench\] baton:" | sed "s/^/$v /"
+              done
+            done ;;
     b1moe)  timeout 580 python3 -m baton bench offline --model qwen3-30b-a3b --device cuda:0 ${B1_ARGS:-} \
               --output "$OUT/b1-qwen3-30b-a3b-baton${B1_TAG:-}.json" 2>&1 | tail -15 ;;
     b1moes) timeout 300 python3 -m baton bench offline --model qwen3-30b-a3b --device cuda:0 --num-seqs 16 \

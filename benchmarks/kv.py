@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="whose KV shape sizes the payloads (default qwen3-0.6b; "
                    f"smoke: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPE_BYTES), help="KV cache dtype")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="as the workers' flag: fp8 sizes the payloads as a float8 e4m3 cache (--dtype float8_e4m3fn)")
     p.add_argument("--block-size", type=int, default=16, help="payloads are whole KV blocks")
     p.add_argument("--tokens", default=None, help="comma list of request sizes in tokens "
                    "(default 512,2048,8192,32768; smoke 16,128)")
@@ -190,6 +192,8 @@ BACKENDS = {"grpc": GrpcLoopback, "direct": DirectDevices, "nixl": NixlDevices, 
 
 # -- the run -------------------------------------------------------------------------------------
 def run(args: argparse.Namespace, rec: dict) -> None:
+    if args.kv_cache_dtype == "fp8":
+        args.dtype = "float8_e4m3fn"
     shape = shape_of(args.model)
     rec["model"] = shape.to_json()
     rec["dtype"] = args.dtype

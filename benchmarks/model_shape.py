@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,6 +82,12 @@ class ModelShape:
         attention = self.layer_matmul_params - mlp
         return (self.layers * attention + (self.layers - self.moe_layers) * mlp
                 + self.moe_layers * self.hidden * self.num_experts)
+
+    @property
+    def fp8_matmul_params(self) -> int:
+        """The weights --quantization fp8 stores in one byte: the attention and dense MLP projections
+        (the routers and the routed experts stay in the model dtype)."""
+        return self.shared_matmul_params - self.moe_layers * self.hidden * self.num_experts
 
     @property
     def active_matmul_params(self) -> int:

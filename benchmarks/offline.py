@@ -17,7 +17,7 @@ from baton.benchmarks.model_shape import DTYPE_BYTES, shape_of
 from baton.benchmarks.roofline import Ceilings, CostModel, StepShape, roofline_report
 from baton.benchmarks.stats import summarize
 from baton.benchmarks.workload import OfflineWorkload, nano_vllm_workload, warmup_workload
-from baton.engine.config import DEFAULT_MODEL, EngineConfig
+from baton.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
 from baton.serving.options import flag
 
 FULL = dict(model="qwen3-0.6b", num_seqs=256, min_input_len=100, max_input_len=1024, min_output_len=100,
@@ -27,7 +27,7 @@ SMOKE = dict(model=DEFAULT_MODEL, num_seqs=8, min_input_len=16, max_input_len=64
 ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                 "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "tp_size", "tp_devices", "tokenizer",
                 "async_scheduling", "deterministic", "speculative_method", "num_speculative_tokens",
-                "speculative_max_batch")
+                "speculative_max_batch", "quantization", "kv_cache_dtype")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--speculative-method", choices=("ngram",), default=None, help="speculative decoding")
     e.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
     e.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch)
+    e.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+                   help="fp8: FP8 weights; w8a8: int8 weights and tokens (unset: the checkpoint's)")
+    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                   help="fp8: the KV cache in float8 e4m3")
     e.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels (engine/batch_invariant.py): what the mode costs")
     e.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one device each")
@@ -104,12 +108,17 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     from baton.engine.tensor_parallel import rank_devices
     rec["device"] = record.device_info(rank_devices(args.device, args.tp_size, args.tp_devices)
                                        if args.engine == "baton" else [args.device])
-    rec["ceilings"] = ceilings.measure(args.device, getattr(torch, args.dtype), quick=args.smoke)
+    # one-byte projection weights: FP8, or w8a8's int8 (its GEMM rate is measured on CUDA only, where w8a8 is refused)
+    fp8 = args.engine == "baton" and (args.quantization in ("fp8", "w8a8") or shape_is_fp8(args.model))
+    rec["ceilings"] = ceilings.measure(args.device, getattr(torch, args.dtype), quick=args.smoke, fp8=fp8)
     # tensor parallel: the ranks' devices together, at best tp_size times one device's rates
     ranks = args.tp_size if args.engine == "baton" else 1
-    ceil = Ceilings(ranks * rec["ceilings"]["copy"]["bytes_per_s"], ranks * rec["ceilings"]["matmul"]["flops_per_s"])
+    fp8_rate = rec["ceilings"].get("matmul_fp8", {}).get("flops_per_s")
+    ceil = Ceilings(ranks * rec["ceilings"]["copy"]["bytes_per_s"], ranks * rec["ceilings"]["matmul"]["flops_per_s"],
+                    ranks * fp8_rate if fp8_rate else None)
     rec["ceilings"]["devices_in_roofline"] = ranks
-    cost = CostModel(shape, DTYPE_BYTES[args.dtype])
+    cost = CostModel(shape, DTYPE_BYTES[args.dtype], fp8_weights=fp8,
+                     kv_bytes=1 if args.engine == "baton" and args.kv_cache_dtype == "fp8" else None)
     if args.engine == "baton":
         results, steps, step_seconds = run_baton(args, workload)
         results["roofline"] = {"schedule": "measured (every executed step)",
@@ -125,6 +134,16 @@ def run(args: argparse.Namespace, rec: dict) -> None:
                                **roofline_report(cost, ceil, steps, results["wall_seconds"])}
     rec["results"] = {"workload": workload.describe(), **results}
     _print_summary(rec["results"])
+
+
+def shape_is_fp8(model: str) -> bool:
+    """Whether the model's checkpoint is quantized (FP8 weights without --quantization)."""
+    from baton.models.layers.quantization import checkpoint_method
+    from baton.models.source import resolve_model
+    try:
+        return checkpoint_method(resolve_model(model).hf_config) is not None
+    except ValueError:
+        return False
 
 
 def requests_workload(path: str, temperature: float) -> OfflineWorkload:

@@ -16,6 +16,10 @@ to report it): the count is the expectation under uniform routing, E * (1 - (1 -
 (ModelShape.expected_experts_hit); random-weight presets route near-uniformly, trained routers
 are skewed and hit fewer, so there the floor is a little high.
 
+FP8 weights (--quantization fp8): the projections FP8 stores (ModelShape.fp8_matmul_params) count
+one byte each and their FLOPs run at the measured FP8 GEMM rate; an FP8 KV cache counts one byte
+per element of K and V.
+
 Activations are left out: they are what a perfect kernel keeps on chip.
 `roofline_fraction` = sum of least times / measured wall time.
 """
@@ -47,13 +51,15 @@ class StepShape:
 class Ceilings:
     copy_bytes_per_s: float          # bytes read + written per second
     matmul_flops_per_s: float
+    fp8_matmul_flops_per_s: float | None = None    # a scaled FP8 GEMM's rate (FP8 weights' runs)
 
 
 class CostModel:
-    def __init__(self, shape: ModelShape, dtype_bytes: int):
+    def __init__(self, shape: ModelShape, dtype_bytes: int, fp8_weights: bool = False, kv_bytes: int | None = None):
         self.shape = shape
         self.dtype_bytes = dtype_bytes
-        self.kv_per_token = shape.kv_bytes_per_token(dtype_bytes)
+        self.fp8_params = shape.fp8_matmul_params if fp8_weights else 0
+        self.kv_per_token = shape.kv_bytes_per_token(kv_bytes or dtype_bytes)
 
     def step_bytes(self, step: StepShape) -> int:
         s = self.shape
@@ -61,7 +67,8 @@ class CostModel:
         embedding_rows = step.tokens * s.hidden
         kv_read = sum(c for c, _ in step.contexts) * self.kv_per_token
         kv_written = step.tokens * self.kv_per_token
-        return round((weights + embedding_rows) * self.dtype_bytes) + kv_read + kv_written
+        wide = weights - self.fp8_params + embedding_rows
+        return round(wide * self.dtype_bytes) + self.fp8_params + kv_read + kv_written
 
     def step_flops(self, step: StepShape) -> int:
         s = self.shape
@@ -73,7 +80,9 @@ class CostModel:
     def least_seconds(self, step: StepShape, ceilings: Ceilings) -> tuple[float, str]:
         """(least time, "memory" or "compute": which ceiling binds)."""
         t_mem = self.step_bytes(step) / ceilings.copy_bytes_per_s
-        t_flop = self.step_flops(step) / ceilings.matmul_flops_per_s
+        fp8_flops = 2 * self.fp8_params * step.tokens if ceilings.fp8_matmul_flops_per_s else 0
+        t_flop = ((self.step_flops(step) - fp8_flops) / ceilings.matmul_flops_per_s
+                  + (fp8_flops / ceilings.fp8_matmul_flops_per_s if fp8_flops else 0.0))
         return (t_mem, "memory") if t_mem >= t_flop else (t_flop, "compute")
 
 
@@ -94,7 +103,9 @@ def roofline_report(cost: CostModel, ceilings: Ceilings, steps: Sequence[StepSha
         "bytes": total_bytes, "flops": total_flops,
         "memory_bound_steps": bound["memory"], "compute_bound_steps": bound["compute"],
         "ceilings": {"copy_bytes_per_s": ceilings.copy_bytes_per_s,
-                     "matmul_flops_per_s": ceilings.matmul_flops_per_s},
+                     "matmul_flops_per_s": ceilings.matmul_flops_per_s,
+                     "fp8_matmul_flops_per_s": ceilings.fp8_matmul_flops_per_s},
+        "fp8_weight_params": cost.fp8_params, "kv_bytes_per_token": cost.kv_per_token,
     }
     if cost.shape.moe_layers:
         report["moe"] = moe_accounting(cost.shape)

@@ -10,6 +10,8 @@ SPECULATIVE_METHODS = ("ngram",)        # engine/speculative.py
 DETERMINISTIC_MAX_TP = 2                # engine/batch_invariant.py: an all-reduce of two is one addition
 NPU_GRAPH_MODES = ("aclgraph", "torchair")
 SCHEDULING_POLICIES = ("fcfs", "priority")   # engine/scheduling_policy.py
+QUANTIZATION_METHODS = ("fp8", "w8a8")  # models/layers/quantization.py
+KV_CACHE_DTYPES = ("auto", "fp8")       # auto: the model dtype; fp8: float8 e4m3 (engine/platforms/base.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4     # guesses per sequence and step
     speculative_max_batch: int = 32     # speculate only while at most this many sequences run
     scheduling_policy: str = "fcfs"     # fcfs | priority: which waiting request runs next (scheduling_policy.py)
+    quantization: str | None = None     # fp8 | w8a8 (int8, Ascend and CPU); None = the checkpoint's
+    kv_cache_dtype: str = "auto"        # auto: the model dtype; fp8: e4m3, half the bytes of bf16 per token
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -87,6 +91,16 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), "
+                                 f"got {self.quantization!r}")
+            if self.deterministic:
+                raise ValueError("--deterministic does not cover quantized matmuls (their per-token scales are "
+                                 "batch-independent, but the scaled GEMM's tiling is not fixed): serve without one "
+                                 "of --deterministic, --quantization")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.npu_graph_mode not in NPU_GRAPH_MODES:
             raise ValueError(f"npu_graph_mode must be one of {', '.join(NPU_GRAPH_MODES)}, got {self.npu_graph_mode!r}")
 

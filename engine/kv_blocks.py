@@ -79,6 +79,8 @@ def unpack_blocks(kv: torch.Tensor, block_ids: Sequence[int], payload) -> None:
         raise ValueError(f"KV payload has {data.numel()} bytes but {len(block_ids)} blocks of "
                          f"{tuple(kv.shape[3:])} {kv.dtype} per layer need {expected} "
                          f"({kv.shape[0]} layers x K,V): were both ends started with the same layout?")
+    if kv.element_size() == 1:      # float8 has no index_copy_ kernel everywhere: copy its bytes
+        kv = kv.view(torch.uint8)
     values = data.view(kv.dtype).view(payload_shape(kv, len(block_ids)))
     kv.index_copy_(2, index, values.to(kv.device))
 

@@ -237,7 +237,7 @@ class LLMEngine:
     def kv_spec(self) -> KVSpec:
         """The paged cache's shape, what a KV transfer's two ends must agree on."""
         m = self.runner.model
-        return KVSpec(str(self.runner.dtype).removeprefix("torch."), self.config.block_size, m.num_layers,
+        return KVSpec(str(self.runner.kv_dtype).removeprefix("torch."), self.config.block_size, m.num_layers,
                       m.num_kv_heads, m.head_dim)
 
     def stats(self) -> EngineStats:

@@ -40,6 +40,7 @@ from baton.engine.sequence import PENDING
 from baton.engine.tensor_parallel import TensorParallel
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.forward_context import ForwardContext
+from baton.models.layers.quantization import checkpoint_method, quantize_fp8, quantize_w8a8
 from baton.models.loader import build_model, init_random_weights, load_weights
 from baton.models.source import ModelSource, resolve_model
 
@@ -78,11 +79,13 @@ class ModelRunner:
             make_batch_invariant(self.model, self.platform.ops, self.platform.invariant_rows)
             self.attention = RowAttention(self.platform)
         self.block_size = config.block_size
-        self.platform.check_kv_layout(self.block_size, self.model.head_dim, self.dtype)
+        # the KV cache's dtype: the model's, or float8 e4m3 (--kv-cache-dtype fp8)
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
+        self.platform.check_kv_layout(self.block_size, self.model.head_dim, self.kv_dtype)
         self.num_blocks = self._size_kv_cache()
         self.kv_cache = self.platform.allocate_kv_cache(
             self.model.num_layers, self.num_blocks, self.block_size, self.model.num_kv_heads,
-            self.model.head_dim, self.dtype)
+            self.model.head_dim, self.kv_dtype)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.model.num_layers)]
         self.scale = self.model.head_dim ** -0.5
         self.sampler = Sampler(self.platform.fused_sample, per_row=config.deterministic)
@@ -137,9 +140,29 @@ class ModelRunner:
         else:
             load_weights(model, self.source.weights_path)
         model.eval()
+        self.quantization = self._quantize(model)
         if time.perf_counter() - t0 > 5:
             print(f"[baton] model {self.source.name} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         return model
+
+    def _quantize(self, model: torch.nn.Module) -> str | None:
+        """--quantization, else what the checkpoint was quantized with: the linear layers' weights
+        to FP8 or int8 (models/layers/quantization.py); their bf16 copies go back to the device first."""
+        method = self.config.quantization or checkpoint_method(self.source.hf_config)
+        if method is None:
+            return None
+        if self.config.deterministic:
+            raise ValueError(f"--deterministic does not cover quantized matmuls, and this checkpoint is {method}: "
+                             "serve it without --deterministic")
+        if method == "w8a8":
+            self.platform.int8_linear()               # ValueError where the platform has no int8 GEMM path
+            quantize_w8a8(model, self.platform)
+        else:
+            mode = self.platform.fp8_linear()          # ValueError where the platform has no FP8 matmul
+            quantize_fp8(model, self.platform.ops, mode)
+        if self.platform.runtime is not None and hasattr(self.platform.runtime, "empty_cache"):
+            self.platform.runtime.empty_cache()      # the KV cache is sized from what is free now
+        return method
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -182,7 +205,7 @@ class ModelRunner:
 
     def block_bytes(self) -> int:
         m = self.model
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
 
     def _size_kv_cache(self) -> int:
         if self.config.num_kv_blocks is not None:

@@ -94,4 +94,4 @@ def check_compatible(local: KVLayout, remote: KVLayout, local_role: str = "decod
         raise KVLayoutMismatch(f"incompatible KV layouts ({len(diffs)} field{'s' * (len(diffs) > 1)} differ): "
                                + "; ".join(diffs)
                                + f". Start the {remote_role} and {local_role} workers with the same model, "
-                               "dtype, block size and parallelism.")
+                               "dtype (--dtype and --kv-cache-dtype), block size and parallelism.")

@@ -2,6 +2,7 @@
 deterministic random weights for presets."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from baton.models.layers import quantization
 from baton.models.layers.linear import TPInfo
 from baton.models.layers.moe import is_moe_layer
 from baton.models.registry import model_class
@@ -25,22 +27,39 @@ def build_model(hf_config, dtype: torch.dtype, device, ops, tp_rank: int = 0, tp
 
 
 def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Every tensor of the checkpoint into its parameter. A pre-quantized checkpoint's FP8
+    tensors arrive widened (times their scales, which may sit in another file); their
+    scales and static input scales are consumed, not loaded (models/layers/quantization.py)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {path}")
+    quantized = quantization.checkpoint_method(model.config) is not None
+    block = quantization.block_size(model.config)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for i, f in enumerate(files):
-        if len(files) > 1:
-            print(f"\r[baton] loading weights: {i + 1}/{len(files)} files", end="", file=sys.stderr)
-        with safe_open(f, framework="pt") as st:
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(f, framework="pt")) for f in files]
+        where = {name: st for st in handles for name in st.keys()}
+        for i, st in enumerate(handles):
+            if len(files) > 1:
+                print(f"\r[baton] loading weights: {i + 1}/{len(files)} files", end="", file=sys.stderr)
             for name in st.keys():
-                if any(name.endswith(s) for s in IGNORED):
+                if any(name.endswith(s) for s in IGNORED) or (quantized and quantization.is_scale(name)):
                     continue
-                loaded.add(_load_one(model, params, name, st.get_tensor(name)))
+                loaded.add(_load_one(model, params, name, _read(st, name, where, quantized, block)))
     if len(files) > 1:
         print(file=sys.stderr)
     _check_complete(model, params, loaded)
+
+
+def _read(st, name: str, where: dict, quantized: bool, block) -> torch.Tensor:
+    tensor = st.get_tensor(name)
+    if not quantized or tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return tensor
+    scale = quantization.scale_name(name, where)
+    if scale is None:
+        raise ValueError(f"checkpoint tensor {name!r} is float8 but has no {name}_scale_inv or {name}_scale")
+    return quantization.dequantize(tensor, where[scale].get_tensor(scale), block)
 
 
 def _load_one(model, params: dict, name: str, tensor: torch.Tensor) -> str:

@@ -9,7 +9,14 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from baton.engine.config import DEFAULT_MODEL, NPU_GRAPH_MODES, SCHEDULING_POLICIES, EngineConfig
+from baton.engine.config import (
+    DEFAULT_MODEL,
+    KV_CACHE_DTYPES,
+    NPU_GRAPH_MODES,
+    QUANTIZATION_METHODS,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
 from baton.kvtransfer import registry
 from baton.kvtransfer.peer_auth import load_secret
 from baton.models.presets import PRESETS
@@ -154,6 +161,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="which waiting request runs next: fcfs (arrival order), or priority (each request's priority, "
               "lower first, as vLLM's; a waiting request may preempt running ones of lower priority). Set it on "
               "every worker; fcfs refuses requests whose priority is not 0")
+    flag(g, "--quantization", "-q", choices=QUANTIZATION_METHODS,
+         help="fp8: the linear layers' weights quantized to float8 e4m3 at load, one scale per output channel, "
+              "activations per token, scaled FP8 GEMMs (CUDA compute capability 8.9+; the CPU runs the same "
+              "numbers; not on Ascend). Unset: what the checkpoint's quantization_config says (fp8 and "
+              "compressed-tensors FP8 checkpoints), else none. w8a8: int8 weights per output channel and int8 "
+              "tokens (per-token dynamic scales), int32 accumulation: torch_npu's npu_dynamic_quant + "
+              "npu_quant_matmul on Ascend, torch._int_mm on the CPU (not CUDA)")
+    flag(g, "--kv-cache-dtype", default=e.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+         help="auto: the KV cache in the model dtype; fp8: float8 e4m3 (per-tensor scale 1, saturating), half "
+              "of bf16's bytes per token in memory and on the wire (CUDA 8.9+ and the CPU; not on Ascend). "
+              "Prefill and decode workers must agree: the KV handshake refuses a mismatch")
 
 
 DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -226,7 +244,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         npu_graph_mode=args.npu_graph_mode, npu_emulation=args.npu_emulation,
         async_scheduling=args.async_scheduling, deterministic=args.deterministic,
         speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
-        speculative_max_batch=args.speculative_max_batch, scheduling_policy=args.scheduling_policy)
+        speculative_max_batch=args.speculative_max_batch, scheduling_policy=args.scheduling_policy,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:

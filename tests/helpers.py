@@ -60,3 +60,53 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
                 x = torch.tensor([[out[-1]]], device=device)
         outs.append(out)
     return outs
+
+
+def save_fp8_checkpoint(src: Path, dst: Path, fmt: str, block: int = 128) -> Path:
+    """A pre-quantized copy of HF checkpoint `src`, as the Hub's FP8 releases lay them out: every
+    projection weight (attention, MLP, experts; not the embedding, LM head, norms or router) in
+    float8 e4m3 with its scales beside it, and a quantization_config in config.json.
+    fmt "fp8-block": the `fp8` method's block-wise `weight_scale_inv` (Qwen3-FP8, DeepSeek-V3);
+    fmt "compressed-tensors": per-output-channel `weight_scale` [N, 1] (llm-compressor's FP8_DYNAMIC)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    fp8, top = torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for f in sorted(Path(src).glob("*.safetensors")):
+        for name, w in load_file(f).items():
+            if w.dim() != 2 or not name.endswith("proj.weight"):
+                tensors[name] = w
+                continue
+            w = w.float()
+            if fmt == "fp8-block":
+                n, k = w.shape
+                rows, cols = -(-n // block), -(-k // block)
+                pad = torch.zeros(rows * block, cols * block)
+                pad[:n, :k] = w
+                tiles = pad.reshape(rows, block, cols, block).abs().amax(dim=(1, 3)) / top      # [rows, cols]
+                scale = tiles.clamp(min=1e-12)
+                full = scale.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+                tensors[name], tensors[name + "_scale_inv"] = (w / full).to(fp8), scale
+            else:
+                scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / top                # [N, 1]
+                tensors[name], tensors[name + "_scale"] = (w / scale).to(fp8), scale
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((Path(src) / "config.json").read_text())
+    if fmt == "fp8-block":
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [block, block]}
+    else:
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                                          "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                                      "symmetric": True, "dynamic": False},
+                                          "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                                "symmetric": True, "dynamic": True}}}}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for p in Path(src).iterdir():
+        if p.suffix != ".safetensors" and p.name != "config.json" and p.is_file():
+            shutil.copy(p, dst / p.name)
+    return dst

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from baton.models.layers import quantization
+
 if TYPE_CHECKING:
     from baton.models.attention_metadata import AttnMetadata
 
@@ -72,6 +74,10 @@ class LayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def quantize_fp8_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 weights' activations: each row of 2-D x as e4m3 with a float32 scale [M, 1]."""
+        return quantization.quantize_rows(x)
+
     def moe_route(self, router_logits: torch.Tensor, top_k: int,
                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3-MoE's gating: softmax over all experts in float32, the top-k, renormalised to
@@ -106,6 +112,24 @@ class LayerOps:
             h = self.linear(h, w2[expert]) * flat_weights[slots, None]
             out.index_add_(0, tokens, h)
         return out
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == quantization.FP8
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the KV cache stores it: float8 e4m3 (--kv-cache-dtype fp8, per-tensor scale 1) saturates
+    at +-448 instead of overflowing to NaN; any other dtype is a plain cast."""
+    if is_fp8(dtype):
+        return x.clamp(-quantization.FP8_MAX, quantization.FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x rounded as the cache would hold it, in x's dtype: a prefill's own keys and values take
+    the same rounding as those a later step reads back, so prefill and decode see one model."""
+    return to_cache_dtype(x, cache_dtype).to(x.dtype) if is_fp8(cache_dtype) else x
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -176,6 +200,28 @@ class Platform(ABC):
     def can_pin_memory(self) -> bool:
         """Page-locked host buffers make device <-> host copies asynchronous and faster."""
         return self.runtime is not None
+
+    def fp8_linear(self) -> str:
+        """How FP8 weights multiply here (models/layers/quantization.py): "scaled_mm" (a scaled
+        FP8 GEMM) or "dequant" (the weights widened per call: a reference, not faster); a
+        platform without either raises ValueError saying why."""
+        raise ValueError(f"FP8 weights are not supported on {self.name}")
+
+    def int8_linear(self) -> None:
+        """Raise ValueError where W8A8 (`--quantization w8a8`) cannot run; the CPU's torch._int_mm
+        is this base's w8a8_matmul."""
+        return None
+
+    def int8_weight_layout(self, weight: torch.Tensor) -> torch.Tensor:
+        """An int8 weight [N, K] laid out as this platform's int8 GEMM reads it (same shape)."""
+        return weight
+
+    def w8a8_matmul(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (float) times int8 weight [N, K] with per-channel scales [N] -> [M, N] in x's
+        dtype: x's rows to int8 per token, an int8 GEMM accumulating in int32, then both scales."""
+        xq, xs = quantization.quantize_rows_int8(x)
+        acc = torch._int_mm(xq, weight.t())
+        return (acc.float() * xs * scale).to(x.dtype)
 
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:  # noqa: B027
         """Raise ValueError naming the constraint if the KV layout is unsupported here."""

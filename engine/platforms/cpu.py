@@ -10,7 +10,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from baton.engine.platforms.base import Platform
+from baton.engine.platforms.base import Platform, as_cached, is_fp8, to_cache_dtype
 from baton.models.attention_metadata import AttnMetadata
 
 
@@ -28,16 +28,24 @@ class CpuPlatform(Platform):
         free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         return free, total
 
+    def fp8_linear(self) -> str:
+        """torch's CPU build has a float8 `_scaled_mm` (row-wise scales) since 2.7 or so; where it
+        does not, the weights are widened per call: the same numbers, slower."""
+        return "scaled_mm" if _cpu_scaled_mm() else "dequant"
+
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-        flat_k = k_cache.view(-1, *k_cache.shape[2:])
-        flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-        flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+        key, value = to_cache_dtype(key, k_cache.dtype), to_cache_dtype(value, v_cache.dtype)
+        if is_fp8(k_cache.dtype):       # index_copy_ has no float8 kernel on the CPU: copy the bytes
+            k_cache, v_cache, key, value = (t.view(torch.uint8) for t in (k_cache, v_cache, key, value))
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
     def prefill_attention(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float):
+        if k_cache is not None:
+            k, v = as_cached(k, k_cache.dtype), as_cached(v, v_cache.dtype)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -45,7 +53,7 @@ class CpuPlatform(Platform):
             if qe == qs:
                 continue
             if meta.has_context and k_cache is not None:
-                keys, values = gather_sequence_kv(k_cache, v_cache, meta.block_tables[i], seq_len)
+                keys, values = gather_sequence_kv(k_cache, v_cache, meta.block_tables[i], seq_len, q.dtype)
             else:
                 keys, values = k[qs:qe], v[qs:qe]
             out[qs:qe] = _causal_attention(q[qs:qe], keys, values, scale)
@@ -57,8 +65,8 @@ class CpuPlatform(Platform):
         max_blocks = (meta.max_seq_len + block_size - 1) // block_size
         tables = tables[:, :max_blocks]
         b = tables.shape[0]
-        keys = k_cache[tables].reshape(b, max_blocks * block_size, *k_cache.shape[2:])
-        values = v_cache[tables].reshape(b, max_blocks * block_size, *v_cache.shape[2:])
+        keys = _widened(k_cache[tables], q.dtype).reshape(b, max_blocks * block_size, *k_cache.shape[2:])
+        values = _widened(v_cache[tables], q.dtype).reshape(b, max_blocks * block_size, *v_cache.shape[2:])
         positions = torch.arange(keys.shape[1], device=q.device)
         mask = positions[None, :] < meta.seq_lens[:, None].to(positions.dtype)     # [B, S]
         out = F.scaled_dot_product_attention(
@@ -77,7 +85,7 @@ class CpuPlatform(Platform):
         hkv, d = k_cache.shape[2], k_cache.shape[3]
         group = q.shape[1] // hkv
         for r, seq_len in enumerate(rows.seq_lens_cpu):
-            keys, values = gather_sequence_kv(k_cache, v_cache, rows.block_tables[r], seq_len)
+            keys, values = gather_sequence_kv(k_cache, v_cache, rows.block_tables[r], seq_len, q.dtype)
             k_t = keys.permute(1, 2, 0).contiguous()           # [Hkv, D, L]
             v_r = values.permute(1, 0, 2).contiguous()         # [Hkv, L, D]
             q_r = q[r].reshape(hkv, group, d).to(k_t.dtype)
@@ -86,14 +94,29 @@ class CpuPlatform(Platform):
         return out
 
 
-def gather_sequence_kv(k_cache, v_cache, block_table, seq_len: int):
-    """The first seq_len cached tokens of one sequence, [seq_len, Hkv, D] each."""
+def _widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float8 cache's entries in the queries' dtype (attention does not run in float8 here)."""
+    return x.to(dtype) if is_fp8(x.dtype) and dtype is not None else x
+
+
+def _cpu_scaled_mm() -> bool:
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def gather_sequence_kv(k_cache, v_cache, block_table, seq_len: int, dtype: torch.dtype | None = None):
+    """The first seq_len cached tokens of one sequence, [seq_len, Hkv, D] each (a float8 cache's
+    widened to `dtype`)."""
     block_size = k_cache.shape[1]
     n = (seq_len + block_size - 1) // block_size
     blocks = block_table[:n].long()
     keys = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:seq_len]
     values = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:seq_len]
-    return keys, values
+    return _widened(keys, dtype), _widened(values, dtype)
 
 
 def _causal_attention(q, keys, values, scale):

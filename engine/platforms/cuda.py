@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.engine.platforms.base import LayerOps, Platform
+from baton.engine.platforms.base import LayerOps, Platform, as_cached, is_fp8
 from baton.models.attention_metadata import AttnMetadata
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -37,6 +37,10 @@ class TritonLayerOps(LayerOps):
     def qk_norm_rotary(self, q, k, q_weight, k_weight, eps, cos, sin, positions):
         from baton.engine.platforms.triton_kernels import layer_ops
         return layer_ops.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, positions)
+
+    def quantize_fp8_rows(self, x):
+        from baton.engine.platforms.triton_kernels import quant
+        return quant.quantize_fp8_rows(x)
 
     moe_invariant = False      # False: tiles by rows per expert; deterministic mode fixes them
 
@@ -85,8 +89,24 @@ class CudaPlatform(Platform):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def fp8_linear(self) -> str:
+        """FP8 tensor cores: Ada and Hopper (compute capability 8.9) and newer."""
+        major, minor = torch.cuda.get_device_capability(self.device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"FP8 weights need an FP8 tensor-core GPU (compute capability 8.9+: Ada, Hopper, "
+                             f"Blackwell); {torch.cuda.get_device_name(self.device)} is {major}.{minor}")
+        return "scaled_mm"
+
+    def int8_linear(self) -> None:
+        raise ValueError("--quantization w8a8 is the Ascend (and CPU) path; on CUDA use --quantization fp8")
+
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
-        if dtype not in SUPPORTED_DTYPES:
+        if is_fp8(dtype):
+            major, minor = torch.cuda.get_device_capability(self.device)
+            if (major, minor) < (8, 9):
+                raise ValueError(f"--kv-cache-dtype fp8 needs compute capability 8.9+ (Ada, Hopper, Blackwell): "
+                                 f"Triton converts float8 e4m3 there; this GPU is {major}.{minor}")
+        elif dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"cuda attention kernels take float16, bfloat16 or float32, not {dtype}")
         if head_dim < 16 or head_dim > MAX_HEAD_DIM or head_dim & (head_dim - 1):
             raise ValueError(f"cuda attention kernels need head_dim a power of two in [16, {MAX_HEAD_DIM}] "
@@ -129,6 +149,8 @@ class CudaPlatform(Platform):
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float):
         from baton.engine.platforms.triton_kernels import prefill_attention
+        if k_cache is not None:       # a float8 cache: this step's own keys rounded as the cache holds them
+            k, v = as_cached(k, k_cache.dtype), as_cached(v, v_cache.dtype)
         if meta.has_context and k_cache is not None:
             return prefill_attention.varlen_prefill(
                 q, k, v, meta.query_start_loc, meta.max_query_len, scale, seq_lens=meta.seq_lens,

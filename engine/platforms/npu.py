@@ -200,7 +200,26 @@ class NpuPlatform(Platform):
     def bind_thread(self) -> None:
         self.npu.npu.set_device(self.device)     # the current npu is per thread, as on CUDA
 
+    def fp8_linear(self) -> str:
+        raise ValueError("FP8 weights are not supported on Ascend NPUs (torch_npu's quantized matmul takes int8, "
+                         "Atlas A2/A3 have no FP8 matmul units); serve bf16 weights there")
+
+    def int8_weight_layout(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] with K-major storage: its .t() is the contiguous [K, N] ND weight npu_quant_matmul
+        takes as x2 (what vllm-ascend stores)."""
+        return weight.t().contiguous().t()
+
+    def w8a8_matmul(self, x, weight, scale):
+        """npu_dynamic_quant (per token: scale = row_max(|x|) / 127, y = round(x / scale)), then
+        npu_quant_matmul(x1 int8 [M, K], x2 int8 [K, N], scale [N] float32, pertoken_scale [M] float32,
+        output_dtype x's dtype) = x1 @ x2 * scale * pertoken_scale (docs/npu.md, "W8A8")."""
+        xq, xs = self.npu.npu_dynamic_quant(x)
+        return self.npu.npu_quant_matmul(xq, weight.t(), scale, pertoken_scale=xs, output_dtype=x.dtype)
+
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
+        if dtype == torch.float8_e4m3fn:
+            raise ValueError("--kv-cache-dtype fp8 is not supported on Ascend NPUs (fused attention reads a "
+                             "float16/bfloat16 or int8 cache, no float8); use --kv-cache-dtype auto")
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"npu fused attention takes float16 or bfloat16, not {dtype}; use --dtype bfloat16")
         if block_size % PAGED_PREFILL_BLOCK or not PAGED_PREFILL_BLOCK <= block_size <= 512:

@@ -58,6 +58,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", False))
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False, dtype=dtype)
+        self.gate.keep_dtype = True         # the router stays in the model dtype under --quantization
         self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp, dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,6 +56,7 @@ from baton.engine.platforms.npu_emulation.moe import (
     npu_moe_init_routing_v2,
     npu_moe_token_unpermute,
 )
+from baton.engine.platforms.npu_emulation.quant import npu_dynamic_quant, npu_quant_matmul
 
 
 def emulated_torch_npu() -> SimpleNamespace:
@@ -85,6 +86,8 @@ def emulated_torch_npu() -> SimpleNamespace:
         npu_moe_init_routing_v2=_kernel(npu_moe_init_routing_v2),
         npu_grouped_matmul=_kernel(npu_grouped_matmul),
         npu_moe_token_unpermute=_kernel(npu_moe_token_unpermute),
+        npu_dynamic_quant=_kernel(npu_dynamic_quant),
+        npu_quant_matmul=_kernel(npu_quant_matmul),
         npu=runtime,
         device=_device,
     )

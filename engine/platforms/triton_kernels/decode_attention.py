@@ -75,7 +75,7 @@ def _decode_kernel(
     stride_bt, stride_ob, stride_oh,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     BLOCK_SIZE: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -88,7 +88,8 @@ def _decode_kernel(
     heads = kv_head * group + g
     g_mask = g < group
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not KV_FP8:            # a float8 cache is widened to q's dtype instead (--kv-cache-dtype fp8)
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
@@ -103,6 +104,7 @@ def _decode_kernel(
                     mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + (block * stride_vb + row * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
                     mask=valid[:, None], other=0.0)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -173,6 +175,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         *part_strides,
         BLOCK_SIZE=block_size, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split_tokens, SPLIT=splits > 1, DOT_PRECISION=dot_precision,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

@@ -16,6 +16,7 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -28,6 +29,9 @@ def _store_kv_kernel(
     mask = (h[:, None] < NUM_HEADS) & valid
     k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    if KV_FP8:                # float8 e4m3 (per-tensor scale 1) saturates at +-448 (base.to_cache_dtype)
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0)
     kc = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h[:, None] * stride_kch + d[None, :]
     vc = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch + d[None, :]
     tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -47,7 +51,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=heads, HEADS_P=triton.next_power_of_2(heads), HEAD_DIM=dim, BLOCK_SIZE=k_cache.shape[1],
-        num_warps=4 if heads * dim >= 1024 else 1,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4 if heads * dim >= 1024 else 1,
     )
 
 

@@ -68,7 +68,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     head = tl.program_id(0)
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M    # longest (lowest) tiles first
@@ -88,7 +88,8 @@ def _prefill_kernel(
     d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if not KV_FP8:            # a float8 cache is widened to q's dtype instead (--kv-cache-dtype fp8)
+        q = q.to(k_ptr.dtype.element_ty)
     pos_m = context + offs_m
 
     # keys below the tile's first query position are visible to every row: no mask there
@@ -103,6 +104,7 @@ def _prefill_kernel(
         pos = n + tl.arange(0, BLOCK_N)
         k, v = _kv_tile(k_ptr, v_ptr, table, q_start, pos, pos < kv_len, d, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_kb, stride_vb, kv_head, PAGED, BLOCK_SIZE, False)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -115,6 +117,7 @@ def _prefill_kernel(
         valid = pos < kv_len
         k, v = _kv_tile(k_ptr, v_ptr, table, q_start, pos, valid, d, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_kb, stride_vb, kv_head, PAGED, BLOCK_SIZE, True)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(valid[None, :] & (pos[None, :] <= pos_m[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -159,7 +162,7 @@ def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_star
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
         HEAD_DIM=dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size, PAGED=paged,
         DOT_PRECISION="ieee" if keys.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=keys.dtype == torch.float8_e4m3fn, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

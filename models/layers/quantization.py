@@ -1,0 +1,199 @@
+"""Quantized linear layers: FP8 weights (`--quantization fp8`) and W8A8 INT8 (`--quantization w8a8`).
+
+FP8 (`--quantization fp8`): e4m3 weights with one scale per output channel, activations
+quantized per token on the fly, matmuls as scaled FP8 GEMMs (`torch._scaled_mm`).
+
+A bf16 checkpoint is quantized at load, after its weights went through the usual weight
+loaders (so every tensor-parallel shard gets the scales of its own rows). A pre-quantized
+checkpoint (a `quantization_config` in its config.json) is read widened (models/loader.py, `dequantize`):
+its FP8 tensors times their scales (the `fp8` method's 128x128 blocks of `weight_scale_inv`,
+Qwen3-FP8 and DeepSeek-V3 style; compressed-tensors' per-channel or per-tensor `weight_scale`),
+then quantized per channel like a bf16 checkpoint. The matmul is per-channel either way; a
+block-scaled GEMM is not built (docs/benchmarks.md, "Quantized serving").
+
+What is quantized: the attention and MLP projections (every `LinearBase` but a MoE router's
+gate). The embedding, the LM head, norms and the MoE experts stay in the model dtype.
+
+How the platform runs it (`Platform.fp8_linear`): "scaled_mm" (CUDA on compute capability 8.9+,
+the CPU where torch has float8 `_scaled_mm`), "dequant" (a CPU torch without it: the weights
+widened per call, activations left as they are: a reference, not a speed path) or a refusal (NPU).
+
+W8A8 (`--quantization w8a8`, Ascend's production scheme, vllm-ascend's w8a8 dynamic): int8 weights
+with one symmetric scale per output channel (amax / 127), activations quantized per token to int8
+at run time, an int8 GEMM accumulating in int32, then both scales. The platform runs it
+(`Platform.w8a8_matmul`): torch_npu's npu_dynamic_quant + npu_quant_matmul on Ascend, torch._int_mm
+on the CPU; CUDA refuses (FP8 is its path). Quantized at load from bf16 checkpoints only.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max             # 448
+INT8_MAX = 127
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
+SCALE_EPS = 1e-12
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of 2-D x as e4m3 with its own float32 scale: (x_fp8 [M, K], scales [M, 1]),
+    x ~= x_fp8 * scales. The plain-torch form of `LayerOps.quantize_fp8_rows`."""
+    x32 = x.float()
+    scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=SCALE_EPS) / FP8_MAX
+    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class Fp8Matmul:
+    """LinearBase's matmul (`self.matmul(x, weight, bias)`) for an e4m3 weight [N, K] with
+    per-output-channel scales [1, N]: x's rows quantized by `ops`, one scaled GEMM."""
+
+    def __init__(self, scale: torch.Tensor, ops, mode: str):
+        self.scale = scale                 # float32 [1, N]
+        self.ops, self.mode = ops, mode
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, k)
+        if self.mode == "dequant":
+            y = torch.nn.functional.linear(flat, (weight.float() * self.scale.t()).to(x.dtype))
+        else:
+            xq, xs = self.ops.quantize_fp8_rows(flat)
+            # CUDA's row-wise scaled GEMM writes bf16 only; bias is added after, in x's dtype
+            out = torch.bfloat16 if x.device.type == "cuda" else x.dtype
+            y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=out).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, weight.shape[0])
+
+
+def quantizable(module: nn.Module) -> bool:
+    from baton.models.layers.linear import LinearBase
+    if not isinstance(module, LinearBase) or getattr(module, "keep_dtype", False):
+        return False
+    n, k = module.weight.shape
+    return n % 16 == 0 and k % 16 == 0          # the scaled GEMM's shape rule (CUDA)
+
+
+@torch.no_grad()
+def quantize_fp8(model: nn.Module, ops, mode: str) -> int:
+    """Every quantizable linear layer's weight to e4m3 per output channel, its matmul to
+    Fp8Matmul; returns how many layers. The bf16 weight is freed layer by layer."""
+    n = 0
+    for module in model.modules():
+        if not quantizable(module):
+            continue
+        w = module.weight.data
+        wq, scale = quantize_rows(w)
+        module.weight = nn.Parameter(wq, requires_grad=False)
+        module.weight_scale = scale.reshape(1, -1).contiguous()       # a plain attribute: never loaded
+        module.matmul = Fp8Matmul(module.weight_scale, ops, mode)
+        del w
+        n += 1
+    return n
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of 2-D x as symmetric int8 with its own float32 scale amax / 127 (round half to
+    even, as torch.round): (x_int8 [M, K], scales [M, 1]); an all-zero row stays zero."""
+    x32 = x.float()
+    scale = x32.abs().amax(dim=-1, keepdim=True) / INT8_MAX
+    q = torch.round(x32 / scale.clamp(min=SCALE_EPS)).clamp(-INT8_MAX - 1, INT8_MAX)
+    return q.to(torch.int8), scale
+
+
+class Int8Matmul:
+    """LinearBase's matmul for an int8 weight [N, K] with per-output-channel scales [N] (float32):
+    the platform quantizes x per token and runs the int8 GEMM (`Platform.w8a8_matmul`)."""
+
+    def __init__(self, scale: torch.Tensor, platform):
+        self.scale = scale
+        self.platform = platform
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        y = self.platform.w8a8_matmul(x.reshape(-1, k), weight, self.scale)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, weight.shape[0])
+
+
+@torch.no_grad()
+def quantize_w8a8(model: nn.Module, platform) -> int:
+    """Every quantizable linear layer's weight to int8 per output channel (laid out as the
+    platform's GEMM reads it), its matmul to Int8Matmul; returns how many layers."""
+    n = 0
+    for module in model.modules():
+        if not quantizable(module):
+            continue
+        wq, scale = quantize_rows_int8(module.weight.data)
+        module.weight = nn.Parameter(platform.int8_weight_layout(wq), requires_grad=False)
+        module.weight_scale = scale.reshape(-1).contiguous()
+        module.matmul = Int8Matmul(module.weight_scale, platform)
+        n += 1
+    return n
+
+
+# -- pre-quantized checkpoints -----------------------------------------------------------------
+
+def checkpoint_method(hf_config) -> str | None:
+    """The quantization a checkpoint's config.json declares (None: plain weights); ValueError
+    for one Baton cannot read."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = qc.get("quant_method")
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(f"checkpoint quantization {method!r} is not supported (supported: "
+                         f"{', '.join(CHECKPOINT_METHODS)} with float8 e4m3 weights)")
+    if method == "fp8" and qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"fp8 checkpoints with activation_scheme {qc['activation_scheme']!r} are not supported "
+                         "(supported: dynamic)")
+    if method == "compressed-tensors":
+        _check_compressed_tensors(qc)
+    return "fp8"
+
+
+def _check_compressed_tensors(qc: dict) -> None:
+    for name, group in (qc.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        if w.get("num_bits") != 8 or w.get("type") != "float" or w.get("strategy") not in ("channel", "tensor"):
+            raise ValueError(f"compressed-tensors group {name!r}: only 8-bit float weights per channel or per "
+                             f"tensor are supported, got {w}")
+
+
+def scale_name(name: str, keys) -> str | None:
+    """The checkpoint tensor holding the scales of FP8 tensor `name`, or None."""
+    for suffix in ("_scale_inv", "_scale"):
+        if name + suffix in keys:
+            return name + suffix
+    return None
+
+
+def is_scale(name: str) -> bool:
+    return name.endswith(("weight_scale_inv", "weight_scale", "input_scale"))
+
+
+def block_size(hf_config) -> tuple[int, int] | None:
+    """The `fp8` method's weight_block_size ([128, 128] in Qwen3-FP8), None if per channel/tensor."""
+    qc = getattr(hf_config, "quantization_config", None) or {}
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    block = qc.get("weight_block_size")
+    return (int(block[0]), int(block[1])) if block else None
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """An FP8 checkpoint tensor widened to float32. With `block` (the `fp8` method's
+    weight_block_size), a 2-D `weight_scale_inv` holds one scale per block of rows x columns,
+    the last ones partial; otherwise `weight_scale` is per channel ([N] or [N, 1]) or per tensor.
+    Both multiply (`_inv`: the inverse of the quantizer's divisor, which the dequantizer multiplies by)."""
+    w = weight.float()
+    s = scale.float()
+    if block is not None and s.dim() == 2 and w.dim() == 2 and s.numel() > 1:
+        if s.shape != (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])):
+            raise ValueError(f"block scales {tuple(s.shape)} do not tile a {tuple(w.shape)} weight in {block} blocks")
+        s = s.repeat_interleave(block[0], 0)[:w.shape[0]].repeat_interleave(block[1], 1)[:, :w.shape[1]]
+    elif s.dim() == 1 and s.numel() == w.shape[0] and w.dim() == 2:
+        s = s[:, None]
+    return w * s

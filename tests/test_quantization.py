@@ -1,0 +1,416 @@
+"""FP8 weights (--quantization fp8, models/layers/quantization.py): close to full precision, the same
+greedy tokens where the margin is clear, pre-quantized checkpoints of both Hub layouts load, and
+the platforms that cannot run FP8 say so."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from baton.engine.platforms.cpu import CpuPlatform
+from baton.models import loader
+from baton.models.attention_metadata import AttnMetadata
+from baton.models.forward_context import ForwardContext
+from baton.models.layers import quantization
+
+PROMPTS = [[5, 70, 80, 90, 100, 7, 300, 12], [3, 4, 200, 201, 202, 203, 50, 9, 9, 1000, 77],
+           torch.randint(10, 40000, (40,), generator=torch.Generator().manual_seed(1)).tolist()]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, request):
+    """A tiny random Qwen3 checkpoint (bf16 source of every variant) and its two FP8 re-writes."""
+    import os
+
+    from helpers import save_fp8_checkpoint, save_tiny_checkpoint
+    # the GPU machine carries the embedded tokenizer (BATON_TOKENIZER), not the model
+    tokenizer = os.environ.get("BATON_TOKENIZER") or request.getfixturevalue("embedded_source").tokenizer_path
+    root = tmp_path_factory.mktemp("quant")
+    src = save_tiny_checkpoint("qwen3", root / "bf16", tokenizer, intermediate_size=192)
+    return {"bf16": src,
+            # 48-wide blocks: the 64-wide hidden and 192-wide MLP end in partial blocks, as real ones may
+            "fp8-block": save_fp8_checkpoint(src, root / "fp8-block", "fp8-block", block=48),
+            "compressed-tensors": save_fp8_checkpoint(src, root / "ct", "compressed-tensors")}
+
+
+def _model(path):
+    from transformers import AutoConfig
+    platform = CpuPlatform(torch.device("cpu"))
+    model = loader.build_model(AutoConfig.from_pretrained(path), torch.float32, "cpu", platform.ops)
+    loader.load_weights(model, path)
+    return model.eval(), platform
+
+
+def _logits(model, platform, ids):
+    n = len(ids)
+    meta = AttnMetadata(is_decode=False, slot_mapping=torch.full((n,), -1), query_start_loc=torch.tensor([0, n]),
+                        seq_lens=torch.tensor([n]), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                        max_query_len=n, max_seq_len=n, has_context=False, query_start_loc_cpu=[0, n],
+                        seq_lens_cpu=[n])
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), ForwardContext(meta, None, platform,
+                                                                                             model.head_dim ** -0.5)))
+
+
+def _compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[int, int]:
+    """Logits within 15 % (RMS: random weights, e4m3 weights and activations each ~4 %) of full precision's; the same argmax at every position where full
+    precision's top two are further apart than twice the largest error seen there (where it is
+    decided). Returns (positions decided, argmax agreeing, positions)."""
+    assert float((got - ref).norm() / ref.norm()) < 0.15
+    err = (got - ref).abs().max(dim=-1).values
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * err
+    assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+    return int(clear.sum()), int((got.argmax(-1) == ref.argmax(-1)).sum()), ref.shape[0]
+
+
+def test_rows_quantize_within_e4m3_rounding_and_scaled_mm_matches_dequantized():
+    torch.manual_seed(0)
+    x = torch.randn(5, 96) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 5.0])[:, None]
+    q, s = quantization.quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 1)
+    back = q.float() * s
+    assert torch.all((back - x).abs() <= x.abs().amax(-1, keepdim=True) * 2 ** -4 + 1e-30)
+    assert torch.all(back[3] == 0)                        # an all-zero row stays zero (no 0/0)
+    w = torch.randn(48, 96)
+    layer = torch.nn.Linear(96, 48, bias=False)
+    layer.weight.data.copy_(w)
+    wq, ws = quantization.quantize_rows(w)
+    ops = CpuPlatform(torch.device("cpu")).ops
+    fast = quantization.Fp8Matmul(ws.reshape(1, -1), ops, "scaled_mm")(x, wq)
+    widened = torch.nn.functional.linear(back, wq.float() * ws)
+    torch.testing.assert_close(fast, widened, rtol=1e-5, atol=1e-5)
+    slow = quantization.Fp8Matmul(ws.reshape(1, -1), ops, "dequant")(x, wq)       # weights only: near, not equal
+    torch.testing.assert_close(slow, x @ (wq.float() * ws).t(), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_weights_stay_close_to_full_precision(tiny):
+    """Quantized at load (--quantization fp8): the projections become e4m3 with per-row scales,
+    the embedding, LM head and norms do not, and the logits stay close."""
+    model, platform = _model(tiny["bf16"])
+    fp8 = copy.deepcopy(model)
+    n = quantization.quantize_fp8(fp8, platform.ops, platform.fp8_linear())
+    assert n == 2 * 4                                     # qkv, o, gate_up, down per layer
+    layer = fp8.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    assert fp8.model.embed_tokens.weight.dtype == torch.float32 and fp8.lm_head.weight.dtype == torch.float32
+    decided = [_compare(_logits(model, platform, ids), _logits(fp8, platform, ids)) for ids in PROMPTS]
+    decided, agree, total = (sum(c) for c in zip(*decided, strict=True))
+    assert decided >= 2 and agree >= 0.75 * total, (decided, agree, total)    # random weights: small margins
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "compressed-tensors"])
+def test_prequantized_checkpoints_load_and_serve_fp8(tiny, fmt):
+    """A checkpoint with a quantization_config (the `fp8` method's 128x128-style blocks of
+    weight_scale_inv, or compressed-tensors' per-channel weight_scale) is read without a flag:
+    its weights widened by their scales match the source, and the engine serves it in FP8."""
+    from baton.engine import LLM, SamplingParams
+    model, platform = _model(tiny["bf16"])
+    widened, _ = _model(tiny[fmt])
+    for name, p in widened.named_parameters():
+        ref = dict(model.named_parameters())[name]
+        torch.testing.assert_close(p, ref, rtol=0.07, atol=1e-6)     # e4m3 keeps 3 mantissa bits
+    llm = LLM(str(tiny[fmt]), num_kv_blocks=32, max_model_len=128)
+    assert llm.engine.runner.quantization == "fp8"
+    assert llm.engine.runner.model.model.layers[1].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert all(len(o.token_ids) == 6 for o in outs)
+
+
+def test_fp8_serving_keeps_prefix_cache_and_speculation_exact(tiny):
+    """With FP8 weights, a prefix-cache hit and ngram speculation give the tokens plain decoding
+    gives (the matmul changes, the engine around it does not)."""
+    from baton.engine import LLM, SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = [PROMPTS[0] * 4]
+    plain = LLM(str(tiny["bf16"]), quantization="fp8", num_kv_blocks=64, max_model_len=256)
+    first = plain.generate(prompt, sp)[0].token_ids
+    again = plain.generate(prompt, sp)[0]
+    assert again.cached_tokens >= 16 and again.token_ids == first          # a prefix-cache hit, same tokens
+    spec = LLM(str(tiny["bf16"]), quantization="fp8", num_kv_blocks=64, max_model_len=256,
+               speculative_method="ngram", num_speculative_tokens=3)
+    assert spec.generate(prompt, sp)[0].token_ids == first
+
+
+def test_what_cannot_run_fp8_is_refused_clearly(tiny, tmp_path):
+    import json
+
+    from baton.engine.config import EngineConfig, PlatformOptions
+    from baton.engine.platforms import get_platform
+    with pytest.raises(ValueError, match="not supported on Ascend"):
+        get_platform("npu:0", PlatformOptions(npu_emulation=True)).fp8_linear()
+    with pytest.raises(ValueError, match="--deterministic does not cover quantized"):
+        EngineConfig(quantization="fp8", deterministic=True).validate()
+    with pytest.raises(ValueError, match="quantization must be one of fp8"):
+        EngineConfig(quantization="int4").validate()
+    config = json.loads((tiny["bf16"] / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    with pytest.raises(ValueError, match="checkpoint quantization 'awq' is not supported"):
+        quantization.checkpoint_method(type("C", (), config)())
+
+
+# -- FP8 KV cache (--kv-cache-dtype fp8) -------------------------------------------------------------
+
+def test_fp8_kv_cache_serves_close_to_full_precision_and_halves_nothing_else(tiny):
+    """The cache holds float8 e4m3 (a quarter of float32's bytes per token, half of bf16's), prefill
+    (chunked: later chunks read earlier ones back from the cache) and decode agree with full
+    precision where the model is decided, and the KV spec the workers compare says float8."""
+    from baton.engine import LLM, SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    full = LLM(str(tiny["bf16"]), num_kv_blocks=32, max_model_len=128, max_num_batched_tokens=16)
+    kv8 = LLM(str(tiny["bf16"]), num_kv_blocks=32, max_model_len=128, max_num_batched_tokens=16,
+              kv_cache_dtype="fp8")
+    assert kv8.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert kv8.engine.kv_spec.dtype == "float8_e4m3fn"
+    assert kv8.engine.runner.block_bytes() * 4 == full.engine.runner.block_bytes()
+    a, b = full.generate(PROMPTS, sp), kv8.generate(PROMPTS, sp)
+    for x, y in zip(a, b, strict=True):
+        lx = torch.tensor([e.logprob for e in x.prompt_logprobs[1:]])
+        ly = torch.tensor([e.logprob for e in y.prompt_logprobs[1:]])
+        assert float((lx - ly).abs().max()) < 0.1          # the prompt's own tokens: nearly the same logprobs
+        assert x.token_ids[:2] == y.token_ids[:2]
+
+
+def test_the_npu_refuses_an_fp8_kv_cache_clearly():
+    from baton.engine.config import PlatformOptions
+    from baton.engine.platforms import get_platform
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is not supported on Ascend"):
+        get_platform("npu:0", PlatformOptions(npu_emulation=True)).check_kv_layout(128, 64, torch.float8_e4m3fn)
+
+
+def _workers(prefill_kv: str, decode_kv: str):
+    """A decode and a prefill worker (tiny-llama, CPU, in-memory KV backend) in this process."""
+    import contextlib
+
+    from baton.decode_service.server import DecodeWorker
+    from baton.prefill_service.server import PrefillWorker
+    from baton.serving.worker_config import parse_worker_args
+    common = ["--model", "tiny-llama", "--port", "0", "--kv-backend", "memory", "--num-kv-blocks", "32",
+              "--max-num-batched-tokens", "16"]
+
+    @contextlib.asynccontextmanager
+    async def both():
+        decode = DecodeWorker(parse_worker_args("decode", [*common, "--kv-cache-dtype", decode_kv]))
+        prefill = PrefillWorker(parse_worker_args("prefill", [*common, "--kv-cache-dtype", prefill_kv]))
+        await decode.start()
+        await prefill.start()
+        try:
+            yield prefill, decode
+        finally:
+            for w in (prefill, decode):
+                await w.server.drain_and_stop(0)
+                await w.stop()
+    return both()
+
+
+PD_PROMPT = list(range(1000, 1050))
+
+
+async def _handoff(prefill_kv: str, decode_kv: str):
+    """Admit on decode, prefill with a hand-off, collect the decode stream: (tokens, decode layout)."""
+    import asyncio
+
+    from baton.engine import SamplingParams
+    from baton.serving.wire import sampling_to_proto
+    from baton.v1 import decode_pb2, prefill_pb2
+    async with _workers(prefill_kv, decode_kv) as (prefill, decode):
+        sampling = sampling_to_proto(SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        admitted = await decode.admit(decode_pb2.AdmitRequest(request_id="r", prompt_token_ids=PD_PROMPT,
+                                                              sampling=sampling, timeout_ms=20_000))
+
+        async def collect():
+            return [t async for chunk in decode.stream("r", 20_000) for t in chunk.token_ids]
+        stream = asyncio.ensure_future(collect())
+        try:
+            await prefill.prefill(prefill_pb2.PrefillRequest(
+                request_id="r", prompt_token_ids=PD_PROMPT, handoff=prefill_pb2.Handoff(
+                    decode_address=admitted.kv_address, transfer_id=admitted.transfer_id, backend=admitted.backend)))
+            return await asyncio.wait_for(stream, 30), decode.core.core.layout
+        finally:
+            stream.cancel()
+
+
+def test_fp8_kv_moves_between_workers_and_a_dtype_mismatch_is_refused():
+    """Prefill and decode both at --kv-cache-dtype fp8: the float8 bytes move (a quarter of float32's
+    here) and decode continues from them as it does from full-precision KV. A prefill at fp8 and a decode
+    at auto: the hand-off is refused naming the dtypes."""
+    import asyncio
+
+    from baton.kvtransfer.layout import KVLayout
+    tokens, layout = asyncio.run(_handoff("fp8", "fp8"))
+    assert layout.dtype == "float8_e4m3fn"
+    full = KVLayout(layout.model, layout.architecture, "float32", layout.block_size, layout.num_layers,
+                    layout.num_kv_heads, layout.head_dim)
+    assert layout.block_nbytes * 4 == full.block_nbytes
+    want, full_layout = asyncio.run(_handoff("auto", "auto"))
+    assert tokens == want and full_layout.dtype == "float32"
+    with pytest.raises(Exception, match="dtype: prefill has 'float8_e4m3fn', decode has 'float32'") as err:
+        asyncio.run(_handoff("fp8", "auto"))
+    assert "--kv-cache-dtype" in str(err.value)
+
+
+# -- CUDA: the Triton quantizer, the scaled GEMM, attention over a float8 cache, graphs -----------------
+def on_gpu(test):
+    from test_platform_cuda import on_gpu as mark
+    return mark(test)
+
+
+@on_gpu
+def test_triton_row_quantizer_matches_torch_and_the_scaled_gemm_the_widened_one():
+    from baton.engine.platforms.triton_kernels import quant
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 4100, generator=g) * torch.logspace(-3, 2, 37)[:, None]).to(torch.bfloat16).cuda()
+    x[5] = 0
+    q, s = quant.quantize_fp8_rows(x)
+    q_ref, s_ref = quantization.quantize_rows(x)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    differ = (q.float() != q_ref.float()).float().mean().item()
+    assert differ < 1e-3                              # a division's last bit may round a tie the other way
+    w = (torch.randn(3072, 4100, generator=g) * 0.02).to(torch.bfloat16).cuda()[:, :4096]
+    wq, ws = quantization.quantize_rows(w)
+    from baton.engine.platforms.cuda import TritonLayerOps
+    y = quantization.Fp8Matmul(ws.reshape(1, -1).contiguous(), TritonLayerOps(), "scaled_mm")(x[:, :4096], wq)
+    ref = x[:, :4096].float() @ (wq.float() * ws).t()
+    assert y.dtype == torch.bfloat16 and not y.isnan().any()
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    assert err < 0.05, err                              # e4m3 activations: ~3 % of the output's norm
+
+
+@on_gpu
+def test_attention_over_a_float8_cache_matches_the_widened_reference():
+    """Store, decode and prefill-with-context on a float8 e4m3 cache against the CPU reference run
+    on the same cache widened to float64."""
+    from test_platform_cuda import cuda_platform, make_batch, rel_err
+    fp8 = torch.float8_e4m3fn
+    platform, cpu = cuda_platform(), CpuPlatform(torch.device("cpu"))
+    for ctx, qlen in (([16, 600, 4100, 32], [1, 1, 1, 1]), ([0, 40, 300], [19, 7, 64])):
+        batch = make_batch(ctx, qlen, 4, 128, 16, torch.bfloat16, seed=len(ctx))
+        k8, v8 = (c.float().clamp(-448, 448).to(fp8) for c in (batch.k_cache, batch.v_cache))
+        k_new, v_new = batch.k * 3, batch.v * 500                        # v beyond +-448: saturates, no NaN
+        platform.store_kv(k_new, v_new, k8, v8, batch.meta.slot_mapping)
+        slots = batch.meta.slot_mapping
+        stored = k8.view(torch.uint8).view(-1, 2, 128)[slots]           # the bytes: float8 indexing varies by build
+        assert torch.equal(stored, k_new.float().clamp(-448, 448).to(fp8).view(torch.uint8))
+        assert not v8.float().isnan().any() and v8.float().abs().max() == 448
+        scale = 128 ** -0.5
+        q = batch.q.double().cpu()
+        wide = k8.double().cpu(), v8.double().cpu()
+        meta = batch.meta
+        if meta.is_decode:
+            out = platform.decode_attention(batch.q, k8, v8, meta, scale)
+            ref = cpu.decode_attention(q, *wide, _on_cpu(meta), scale)
+        else:
+            out = platform.prefill_attention(batch.q, k_new, v_new, k8, v8, meta, scale)
+            ref = cpu.prefill_attention(q, k_new.double().cpu(), v_new.double().cpu(), *wide, _on_cpu(meta), scale)
+        assert rel_err(out.cpu(), ref) < 1e-2
+
+
+def _on_cpu(meta: AttnMetadata) -> AttnMetadata:
+    import dataclasses
+    return dataclasses.replace(meta, **{n: getattr(meta, n).cpu() for n in
+                                        ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
+
+
+@on_gpu
+def test_fp8_weights_and_kv_on_cuda_replay_graphs_as_eager_and_track_the_cpu(tiny):
+    """A tiny Qwen3 on cuda:0 with FP8 weights and an FP8 KV cache: captured decode graphs give the
+    eager tokens, and the logprobs of the prompt stay near the CPU's FP8 ones."""
+    from baton.engine import LLM, SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+    kw = dict(num_kv_blocks=64, max_model_len=256, quantization="fp8", kv_cache_dtype="fp8", dtype="bfloat16")
+    graphs = LLM(str(tiny["bf16"]), device="cuda:0", **kw)
+    assert graphs.engine.runner.graphs is not None
+    eager = LLM(str(tiny["bf16"]), device="cuda:0", enforce_eager=True, **kw)
+    cpu = LLM(str(tiny["bf16"]), **kw)
+    a, b, c = (m.generate(PROMPTS, sp) for m in (graphs, eager, cpu))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(a, c, strict=True):
+        lx = torch.tensor([e.logprob for e in x.prompt_logprobs[1:]])
+        ly = torch.tensor([e.logprob for e in y.prompt_logprobs[1:]])
+        assert float((lx - ly).abs().mean()) < 0.1
+
+
+# -- W8A8 INT8 (--quantization w8a8): torch_npu's documented ops (emulated), the CPU's torch._int_mm ---------
+def test_emulated_w8a8_ops_compute_what_their_documents_say():
+    from baton.engine.platforms.npu_emulation import NpuEmulationError, emulated_torch_npu
+    npu = emulated_torch_npu()
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 96, generator=g) * 3).to(torch.bfloat16)
+    x[2] = 0
+    y, scale = npu.npu_dynamic_quant(x)
+    assert y.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (6,)
+    torch.testing.assert_close(scale, x.float().abs().amax(-1) / 127)
+    assert torch.equal(y[2], torch.zeros(96, dtype=torch.int8)) and int(y.abs().max()) == 127
+    q, s = quantization.quantize_rows_int8(x)                   # the CPU path's quantizer: the same numbers
+    assert torch.equal(q, y) and torch.equal(s[:, 0], scale)
+    w = torch.randint(-127, 128, (96, 40), generator=g, dtype=torch.int8)      # x2 [K, N]
+    ws = torch.rand(40, generator=g) / 100
+    out = npu.npu_quant_matmul(y, w, ws, pertoken_scale=scale, output_dtype=torch.bfloat16)
+    ref = (y.long() @ w.long()).double() * ws.double() * scale.double()[:, None]
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-6)
+    with pytest.raises(NpuEmulationError, match="x dtype must be float16 or bfloat16"):
+        npu.npu_dynamic_quant(x.float())
+    with pytest.raises(NpuEmulationError, match="pertoken_scale must be float32"):
+        npu.npu_quant_matmul(y, w, ws, pertoken_scale=scale[:5], output_dtype=torch.bfloat16)
+    with pytest.raises(NpuEmulationError, match="disagree on K"):
+        npu.npu_quant_matmul(y, w[:64], ws, output_dtype=torch.bfloat16)
+
+
+def test_w8a8_on_the_cpu_stays_close_to_full_precision(tiny):
+    """int8 weights per channel and int8 tokens through torch._int_mm: logits close (int8 keeps
+    more bits than e4m3), the same argmax where full precision decides."""
+    from baton.engine.platforms.cpu import CpuPlatform as Cpu
+    model, platform = _model(tiny["bf16"])
+    w8 = copy.deepcopy(model)
+    assert quantization.quantize_w8a8(w8, Cpu(torch.device("cpu"))) == 2 * 4
+    assert w8.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.int8
+    decided = [_compare(_logits(model, platform, ids), _logits(w8, platform, ids)) for ids in PROMPTS]
+    decided, agree, total = (sum(c) for c in zip(*decided, strict=True))
+    assert agree >= 0.9 * total, (decided, agree, total)
+
+
+def test_w8a8_on_the_emulated_npu_gives_the_cpu_w8a8_model_under_graphs(tiny):
+    """--quantization w8a8 on npu:0 (emulated torch_npu: npu_dynamic_quant + npu_quant_matmul, K-major
+    int8 weights), decode captured in graphs: the prompt's logprobs match the CPU's w8a8 run (same
+    int8 numbers; the scales multiply in another order) and the greedy tokens agree."""
+    from baton.engine import LLM, SamplingParams
+    kw = dict(dtype="bfloat16", block_size=128, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=128,
+              quantization="w8a8")           # (test_npu_models.ENGINE: what the emulated FIA takes)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    cpu = LLM(str(tiny["bf16"]), **kw).generate(PROMPTS, sp)
+    llm = LLM(str(tiny["bf16"]), device="npu:0", npu_emulation=True, fused_ops=False, **kw)
+    assert llm.engine.runner.graphs is not None
+    w = llm.engine.runner.model.model.layers[0].self_attn.o_proj.weight
+    assert w.dtype == torch.int8 and w.t().is_contiguous()
+    npu = llm.generate(PROMPTS, sp)
+    for a, b in zip(cpu, npu, strict=True):
+        la = torch.tensor([e.logprob for e in a.prompt_logprobs[1:]])
+        lb = torch.tensor([e.logprob for e in b.prompt_logprobs[1:]])
+        assert float((la - lb).abs().max()) < 0.05
+        assert a.token_ids[:4] == b.token_ids[:4]
+
+
+def test_w8a8_is_refused_where_it_has_no_path():
+    from baton.engine.platforms.cuda import CudaPlatform
+    with pytest.raises(ValueError, match="on CUDA use --quantization fp8"):
+        CudaPlatform(torch.device("cuda")).int8_linear()
+
+
+def test_fp8_under_tensor_parallelism_tracks_one_rank(tiny):
+    """Two CPU ranks (gloo), FP8 weights and an FP8 KV cache: each rank quantizes its own shard (its
+    rows' scales), and the prompt's logprobs stay near one rank's."""
+    from baton.engine import LLM, SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    kw = dict(num_kv_blocks=32, max_model_len=128, quantization="fp8", kv_cache_dtype="fp8")
+    one = LLM(str(tiny["bf16"]), **kw).generate(PROMPTS, sp)
+    llm = LLM(str(tiny["bf16"]), tp_size=2, **kw)
+    try:
+        two = llm.generate(PROMPTS, sp)
+    finally:
+        llm.engine.runner.close()
+    for a, b in zip(one, two, strict=True):
+        la = torch.tensor([e.logprob for e in a.prompt_logprobs[1:]])
+        lb = torch.tensor([e.logprob for e in b.prompt_logprobs[1:]])
+        assert float((la - lb).abs().mean()) < 0.05
