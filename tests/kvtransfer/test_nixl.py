@@ -109,7 +109,7 @@ def test_without_a_kv_cache_transfers_are_staged_and_stale_registrations_are_for
                 d.expect(f"t{i}", 2)
                 await p.send(f"t{i}", 2, [1, 1])
                 await d.wait_ended(f"t{i}", 5)
-                assert torch.equal(d.kv[:, :, d.held[f"t{i}"]], p.kv[:, :, p.blocks.free[-2:]])
+                assert torch.equal(d.kv[:, :, d.held[f"t{i}"]], p.kv[:, :, p.blocks.free[-2:]].to(d.kv.device))
             peer = next(r for r in d.receivers if r.backend == "nixl").agent.name
             assert len(d.landed) == 5 and nixl_sender._LOADS[peer] <= 2 and nixl_sender._OPEN[peer] == 0
             assert (d.unpacked, d.in_place) == (5, 0)
