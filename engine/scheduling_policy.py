@@ -24,11 +24,10 @@ from baton.engine.sequence import Sequence
 POLICIES = ("fcfs", "priority")
 
 
-class FCFSQueue:
-    name = "fcfs"
+class _Queue:
+    """What both policies' waiting queues answer alike (`_q`: the sequences, first to run first)."""
 
-    def __init__(self):
-        self._q: deque[Sequence] = deque()
+    _q: deque[Sequence] | list[Sequence]
 
     def __len__(self) -> int:
         return len(self._q)
@@ -39,6 +38,19 @@ class FCFSQueue:
     def __contains__(self, seq: Sequence) -> bool:
         return seq in self._q
 
+    def peek(self) -> Sequence:
+        return self._q[0]
+
+    def remove(self, seq: Sequence) -> None:
+        self._q.remove(seq)
+
+
+class FCFSQueue(_Queue):
+    name = "fcfs"
+
+    def __init__(self):
+        self._q = deque()
+
     def add(self, seq: Sequence) -> None:
         self._q.append(seq)
 
@@ -46,14 +58,8 @@ class FCFSQueue:
         """A preempted sequence: it was admitted before every waiting one, so it goes first."""
         self._q.appendleft(seq)
 
-    def peek(self) -> Sequence:
-        return self._q[0]
-
     def pop(self) -> Sequence:
         return self._q.popleft()
-
-    def remove(self, seq: Sequence) -> None:
-        self._q.remove(seq)
 
     def order_running(self, running: list[Sequence]) -> None:
         """Admission order already: the last admitted is the first preempted."""
@@ -63,23 +69,14 @@ class FCFSQueue:
         return False
 
 
-class PriorityQueue:
+class PriorityQueue(_Queue):
     """Sorted by (priority, arrival): seq_id counts up as sequences are made, so it is arrival
     order, kept across preemptions."""
 
     name = "priority"
 
     def __init__(self):
-        self._q: list[Sequence] = []
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[Sequence]:
-        return iter(self._q)
-
-    def __contains__(self, seq: Sequence) -> bool:
-        return seq in self._q
+        self._q = []
 
     @staticmethod
     def _key(seq: Sequence) -> tuple[int, int]:
@@ -90,14 +87,8 @@ class PriorityQueue:
 
     readd = add
 
-    def peek(self) -> Sequence:
-        return self._q[0]
-
     def pop(self) -> Sequence:
         return self._q.pop(0)
-
-    def remove(self, seq: Sequence) -> None:
-        self._q.remove(seq)
 
     def order_running(self, running: list[Sequence]) -> None:
         """Most urgent first: they get the step's token budget first, and the last is preempted first."""
