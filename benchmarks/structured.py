@@ -35,18 +35,18 @@ def schema(min_items: int) -> dict:
 
 
 class MaskTimer:
-    """Wall time of the engine's mask fills (host), per step."""
+    """Wall time of the engine's mask fills (host, on their own thread: the engine thread schedules
+    and builds the next step meanwhile), per step."""
 
     def __init__(self, engine):
         self.seconds: list[float] = []
-        inner = engine.structured.bitmask
+        inner = engine.structured.fill
 
-        def timed(seqs):
+        def timed(mask, work):
             t0 = time.perf_counter()
-            out = inner(seqs)
+            inner(mask, work)
             self.seconds.append(time.perf_counter() - t0)
-            return out
-        engine.structured.bitmask = timed
+        engine.structured.fill = timed
 
 
 def decode(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int, list[list[int]]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -257,6 +258,8 @@ class ModelRunner:
         the host asynchronously (`LaunchedStep.tokens`). Input tokens still pending (sampled by
         `prev`, not yet back) are taken from `prev`'s tokens on the device."""
         inputs = self.step_inputs(out, prev)
+        if prev is not None:
+            prev.complete()                            # its sampling queued before this step needs its tokens
         if self.tp is not None:
             self.tp.send(inputs)                       # the other ranks run the same step
         sampled = self.run(inputs, prev.device_tokens if prev is not None else None)
@@ -541,6 +544,14 @@ class LaunchedStep:
     step_logprobs: StepLogprobs | None = None
     wanted_logprobs: list | None = None
     deferred: StepInputs | None = None   # launched, not sampled yet: ModelRunner.sample takes its masks
+    finish: Callable[[], None] | None = None   # ...which `complete` then runs (the engine sets it)
+
+    def complete(self) -> None:
+        """Queue the deferred sampling, if any (masks being filled meanwhile: engine/llm_engine.py);
+        whatever reads this step's tokens, or feeds them to the next step, calls this first."""
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
 
     def sampling_seqs(self) -> list:
         """The sequence of each sampling row."""
@@ -567,6 +578,7 @@ class LaunchedStep:
     def tokens(self) -> list[int | None]:
         """The sampled token of each scheduled item (None: it did not sample); waits for this
         step only."""
+        self.complete()
         if self.event is not None:
             self.event.synchronize()
         values = self.host_tokens.tolist() if self.host_tokens is not None else []
@@ -578,6 +590,7 @@ class LaunchedStep:
     def token_lists(self) -> list[list[int] | None]:
         """Every token sampled for each scheduled item, in order (several for an item with
         guesses: one after its last token and one after each guess); None: it did not sample."""
+        self.complete()
         if self.event is not None:
             self.event.synchronize()
         values = self.host_tokens.tolist() if self.host_tokens is not None else []

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,6 +149,7 @@ class StructuredOutputs:
         self.words = (vocab_size + 31) // 32
         self._tokenizer = None          # llguidance's view of the vocabulary (~0.3 s to build: on first use)
         self._executor = None
+        self._filler: ThreadPoolExecutor | None = None     # bitmask_async's one thread
         # spec -> its compiled grammar, checked once; each request gets a matcher of its own. (Copies
         # of one matcher share its lexer, so a batch's masks, filled in parallel, would take turns
         # on it: measured on an H100 host, 64 rows took 2.5 ms on 12 threads that way, 0.76 ms with
@@ -182,12 +185,48 @@ class StructuredOutputs:
         """[N, ceil(vocab / 32)] int32, bit t of row i: token t allowed for sampling row i (sequence
         seqs[i]); None when no row is constrained. Rows of finished sequences (a row in flight
         after its request ended) and unconstrained ones allow everything."""
-        rows = [(i, s) for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
-        if not rows:
-            return None
+        mask, work = self._prepare(seqs)
+        if work:
+            self.fill(mask, work)
+        return mask
+
+    def bitmask_async(self, seqs: list) -> Future:
+        """`bitmask`, its matchers read up to the tokens known now, and the masks filled on a thread
+        of their own: llguidance releases the GIL while it fills, so the engine thread meanwhile
+        schedules and builds the next step. Nothing may touch these matchers until the result is
+        taken (the engine takes it before it reads the next tokens)."""
+        mask, work = self._prepare(seqs)
+        if not work:
+            done: Future = Future()
+            done.set_result(mask)
+            return done
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="baton-grammar")
+        started = threading.Event()
+
+        def fill():
+            started.set()
+            self.fill(mask, work)
+            return mask
+        future = self._filler.submit(fill)
+        started.wait(1.0)          # let it into llguidance (which drops the GIL) before going on
+        return future
+
+    def fill(self, mask: np.ndarray, work: list) -> None:
+        """The allowed tokens of each (matcher, row) into its row of `mask`, across llguidance's threads."""
         import llguidance
         import llguidance.numpy
 
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, work, mask)
+
+    def _prepare(self, seqs: list) -> tuple[np.ndarray | None, list]:
+        """The mask (every token allowed where a row is unconstrained; eos alone where its output
+        left the grammar) and the (matcher, row) pairs still to fill, each matcher caught up."""
+        rows = [(i, s) for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
+        if not rows:
+            return None, []
         mask = np.full((len(seqs), self.words), -1, np.int32)
         work = []
         for i, seq in rows:
@@ -200,8 +239,4 @@ class StructuredOutputs:
                     words[t // 32] |= np.uint32(1 << (t % 32))
             else:
                 work.append((g.matcher, i))
-        if work:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, work, mask)
-        return mask
+        return mask, work
