@@ -256,15 +256,16 @@ def core(worker):
 
 
 @contextlib.asynccontextmanager
-async def workers():
-    """A decode and a prefill worker (tiny-llama, CPU) serving on loopback, in this process."""
+async def workers(prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = ()):
+    """A decode and a prefill worker (tiny-llama, CPU) serving on loopback, in this process; each
+    role's extra flags after the common ones."""
     from baton.decode_service.server import DecodeWorker
     from baton.prefill_service.server import PrefillWorker
     from baton.serving.worker_config import parse_worker_args
     common = ["--model", "tiny-llama", "--port", "0", "--kv-backend", "memory", "--num-kv-blocks", "32",
               "--max-num-batched-tokens", "16"]
-    decode = DecodeWorker(parse_worker_args("decode", common))
-    prefill = PrefillWorker(parse_worker_args("prefill", common))
+    decode = DecodeWorker(parse_worker_args("decode", [*common, *decode_args]))
+    prefill = PrefillWorker(parse_worker_args("prefill", [*common, *prefill_args]))
     await decode.start()
     await prefill.start()
     try:

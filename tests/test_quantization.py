@@ -181,27 +181,8 @@ def test_the_npu_refuses_an_fp8_kv_cache_clearly():
 
 def _workers(prefill_kv: str, decode_kv: str):
     """A decode and a prefill worker (tiny-llama, CPU, in-memory KV backend) in this process."""
-    import contextlib
-
-    from baton.decode_service.server import DecodeWorker
-    from baton.prefill_service.server import PrefillWorker
-    from baton.serving.worker_config import parse_worker_args
-    common = ["--model", "tiny-llama", "--port", "0", "--kv-backend", "memory", "--num-kv-blocks", "32",
-              "--max-num-batched-tokens", "16"]
-
-    @contextlib.asynccontextmanager
-    async def both():
-        decode = DecodeWorker(parse_worker_args("decode", [*common, "--kv-cache-dtype", decode_kv]))
-        prefill = PrefillWorker(parse_worker_args("prefill", [*common, "--kv-cache-dtype", prefill_kv]))
-        await decode.start()
-        await prefill.start()
-        try:
-            yield prefill, decode
-        finally:
-            for w in (prefill, decode):
-                await w.server.drain_and_stop(0)
-                await w.stop()
-    return both()
+    from test_kv_handoff import workers
+    return workers(("--kv-cache-dtype", prefill_kv), ("--kv-cache-dtype", decode_kv))
 
 
 PD_PROMPT = list(range(1000, 1050))
