@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -142,18 +143,28 @@ def _run_pair(receiver, receiver_args: tuple, sender, sender_args: tuple) -> tup
         port = r_parent.recv()
         sp = ctx.Process(target=sender, args=(s_child, port, *sender_args), daemon=True)
         sp.start()
-        if not s_parent.poll(600.0):
-            raise TimeoutError("the sender process did not finish")
-        sent = s_parent.recv()
-        if not r_parent.poll(60.0):
-            raise TimeoutError("the receiver process did not report")
-        return sent, r_parent.recv()
+        sent = _result_of(sp, s_parent, 600.0, "sender", rp)
+        return sent, _result_of(rp, r_parent, 60.0, "receiver")
     finally:
         for p in (sp, rp):
             if p is not None:
                 p.join(10.0)
                 if p.is_alive():
                     p.kill()
+
+
+def _result_of(proc, conn, timeout: float, role: str, peer=None):
+    """What `proc` sends back; fails at once, saying how, if it (or its peer) dies first."""
+    until = time.monotonic() + timeout
+    while not conn.poll(0.5):
+        for p, name in ((proc, role), (peer, "receiver")):
+            if p is not None and not p.is_alive() and not conn.poll(0):
+                raise RuntimeError(f"the {name} process died (exit code {p.exitcode}) before the {role} reported; "
+                                   "its stack, if it crashed, is above")
+        if time.monotonic() > until:
+            raise TimeoutError(f"the {role} process did not report within {timeout:g}s "
+                               "(BATON_BENCH_STACKS_S=N prints every process's stacks after N seconds)")
+    return conn.recv()
 
 
 def _summary(total_bytes: int, sent: dict, received: dict) -> dict:
@@ -342,6 +353,7 @@ async def direct_loopback(src_device: str, dst_device: str, max_staged_bytes: in
 
 def _direct_receiver(conn, device: str, total_bytes: int, tids: list[str], max_staged: int,
                      backend: str = "direct", layout: dict | None = None, slots: int = 0) -> None:
+    _report_if_stuck()
     _bind(device)
     asyncio.run(_direct_receive(conn, device, total_bytes, tids, max_staged, backend, layout, slots))
 
@@ -398,8 +410,19 @@ async def _direct_receive(conn, device: str, total_bytes: int, tids: list[str], 
 
 def _direct_sender(conn, port: int, device: str, total_bytes: int, plan: dict, backend: str = "direct",
                    layout: dict | None = None) -> None:
+    _report_if_stuck()
     _bind(device)
     conn.send(asyncio.run(_direct_send(port, device, total_bytes, plan, backend, layout)))
+
+
+def _report_if_stuck() -> None:
+    """A benchmark process that crashes prints its Python stack; one still running after
+    BATON_BENCH_STACKS_S seconds prints every thread's (and again each as many seconds): where
+    a stuck transfer waits."""
+    faulthandler.enable(file=sys.stderr)
+    after = float(os.environ.get("BATON_BENCH_STACKS_S", "0") or 0)
+    if after > 0:
+        faulthandler.dump_traceback_later(after, repeat=True, file=sys.stderr)
 
 
 def _bind(device: str) -> None:

@@ -44,6 +44,7 @@ Code = grpc.StatusCode
 OPEN_TIMEOUT_S = 10.0            # a stream must say which transfer it carries by then
 POLL_S = 0.0005                  # notification polling, only while transfers are open; the wait doubles
 POLL_MAX_S = 0.004               # while nothing comes, up to this (the engine thread wants the GIL too)
+EAGER_POLL_S = 2.0               # after the sender's "written" hint, poll closely for this long at most
 QUARANTINE_S = 30.0              # how long what a transfer that ended early could be written into stays untouched
 
 
@@ -193,19 +194,25 @@ class NixlKVReceiver(KVReceiver):
         return {"md": wire.b64(md), "addr": buf.data_ptr(), "dev": device_id(buf), "mem": mem_type(buf)}
 
     async def _until_landed(self, inc: _Incoming, context) -> None:
-        """Until the notification completes the transfer; the stream may only abandon meanwhile."""
+        """Until the notification completes the transfer; the stream may only hint that it was
+        sent ("written": then poll for it closely) or abandon meanwhile."""
         reader = asyncio.ensure_future(context.read())
         try:
-            left = self.pending.time_left(inc.t)
-            done, _ = await asyncio.wait({reader, inc.landed}, timeout=max(0.0, left),
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if inc.landed in done:
-                self._land(inc, inc.landed.result())
-                return
-            self.pending.check_active(inc.t)               # the reaper ended it: how, precisely
-            if not done:
-                raise TransferRejected(Code.DEADLINE_EXCEEDED, f"transfer {inc.t.transfer_id} missed its deadline")
-            msg = reader.result()
+            while True:
+                left = self.pending.time_left(inc.t)
+                done, _ = await asyncio.wait({reader, inc.landed}, timeout=max(0.0, left),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if inc.landed in done:
+                    self._land(inc, inc.landed.result())
+                    return
+                self.pending.check_active(inc.t)           # the reaper ended it: how, precisely
+                if not done:
+                    raise TransferRejected(Code.DEADLINE_EXCEEDED, f"transfer {inc.t.transfer_id} missed its deadline")
+                msg = reader.result()
+                if not (isinstance(msg, dict) and msg.get("written") is True):
+                    break
+                reader = asyncio.ensure_future(context.read())
+                await self._poll_closely(inc)
             if msg is grpc.aio.EOF:
                 raise TransferRejected(Code.DATA_LOSS, f"the prefill worker closed the stream of "
                                        f"{inc.t.transfer_id} before its KV landed")
@@ -244,6 +251,18 @@ class NixlKVReceiver(KVReceiver):
                     self._notified(agent, raw)
             wait = POLL_S if news else min(2 * wait, POLL_MAX_S)
             await asyncio.sleep(wait)
+
+    async def _poll_closely(self, inc: _Incoming) -> None:
+        """The sender says the notification is out: fetch it now (it arrives within microseconds
+        to a millisecond), yielding to the loop between looks, not sleeping the idle poll's backoff."""
+        until = time.monotonic() + EAGER_POLL_S
+        looks = 0
+        while not inc.landed.done() and time.monotonic() < until:
+            for agent, notes in self.agent.get_new_notifs().items():
+                for raw in notes:
+                    self._notified(agent, raw)
+            looks += 1
+            await asyncio.sleep(0 if looks < 64 else POLL_S)
 
     def _notified(self, agent: str, raw: bytes) -> None:
         try:

@@ -33,8 +33,8 @@ from baton.kvtransfer.peer_auth import KVPeerAuth
 
 Code = grpc.StatusCode
 BACKEND = "nixl"
-POLL_S = 0.0005                # write completion polling; the wait doubles up to POLL_MAX_S
-POLL_MAX_S = 0.004
+POLL_S = 0.00005               # write completion polling, after a first look at once; the wait doubles
+POLL_MAX_S = 0.001             # up to this (a piece's bytes take ~0.1 ms a GB over CUDA IPC)
 DRAIN_S = 30.0                 # an abandoned transfer's writes get this long to finish before their memory goes
 FORGET_AFTER_LOADS = 256       # the peer's stale registrations are dropped (when idle) after this many loads
 # per decode worker's agent, over every sender of this process (they share one agent): its
@@ -42,6 +42,36 @@ FORGET_AFTER_LOADS = 256       # the peer's stale registrations are dropped (whe
 _LOADS: collections.Counter = collections.Counter()
 _OPEN: collections.Counter = collections.Counter()
 _KNOWN: dict[str, str] = {}    # metadata of a peer's registered KV cache (base64) -> the peer, while loaded
+
+
+class _Registrations:
+    """The process agent's registrations of pieces' memory, one per region however many writes
+    use it at once: NIXL keeps one entry per registered region, so registering a region a second
+    time and deregistering it once would pull it from under a write still using it (a crash in a
+    later post, seen with one payload sent through eight transfers at once)."""
+
+    def __init__(self):
+        self._held: dict[tuple[int, int, str], list] = {}     # (address, bytes, device) -> [registration, users]
+
+    def acquire(self, agent, data: torch.Tensor):
+        key = (data.data_ptr(), data.numel() * data.element_size(), str(data.device))
+        held = self._held.get(key)
+        if held is None:
+            held = self._held[key] = [agent.register_memory(data), 0]
+        held[1] += 1
+        return key
+
+    def release(self, agent, key) -> None:
+        held = self._held.get(key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] <= 0:
+            del self._held[key]
+            agent.deregister_memory(held[0])
+
+
+_REGISTERED = _Registrations()
 
 
 class NixlKVSender(KVSender):
@@ -157,7 +187,7 @@ class NixlOutgoing(OutgoingTransfer):
         self.token_sent = False
         self.ended = False
         self.pieces = 0
-        self.writes: list[tuple[object, object, torch.Tensor]] = []   # (xfer handle, registration, piece)
+        self.writes: list[tuple[object, tuple, torch.Tensor]] = []    # (xfer handle, registration's key, piece)
         self.finishing: asyncio.Future | None = None
         self.reply = asyncio.ensure_future(call.read())                # DONE, or why the receiver ended it
         self.reply.add_done_callback(_retrieve)
@@ -202,7 +232,7 @@ class NixlOutgoing(OutgoingTransfer):
         """Post one WRITE of the piece's rows into their places in the peer's buffer."""
         reg = None
         try:
-            reg = self.agent.register_memory(data)
+            reg = _REGISTERED.acquire(self.agent, data)
             if self.pages is not None:
                 local, remote = page_descs(data, self.dst[0], self.dst[1], self.sender.rows, self.stride,
                                            self.pages, first_block, num_blocks)
@@ -214,14 +244,15 @@ class NixlOutgoing(OutgoingTransfer):
             state = self.agent.transfer(handle)
         except Exception as exc:
             if reg is not None:
-                self.agent.deregister_memory(reg)
+                _REGISTERED.release(self.agent, reg)
             raise KVTransferError(f"NIXL write to {self.sender.address} failed: {exc}", Code.UNAVAILABLE) from exc
         self.writes.append((handle, reg, data))
         if state == "ERR":
             raise KVTransferError(f"NIXL write to {self.sender.address} failed at posting", Code.UNAVAILABLE)
 
     async def _notify_when_written(self, note: bytes) -> None:
-        """Once every write completed (the bytes are in the peer's memory), say so with the token."""
+        """Once every write completed (the bytes are in the peer's memory), say so with the token,
+        and hint the decode side over the stream that the notification is on its way."""
         wait = POLL_S
         while (states := [self.agent.check_xfer_state(h) for h, _, _ in self.writes]).count("DONE") < len(states):
             if "ERR" in states:
@@ -230,6 +261,10 @@ class NixlOutgoing(OutgoingTransfer):
             wait = min(2 * wait, POLL_MAX_S)
         self._release_writes()
         self.agent.send_notif(self.peer, note)
+        try:
+            await self.call.write({"written": True})
+        except Exception:       # the decode side already polled the notification and closed the stream:
+            pass                # its DONE (or the stream's status) decides, in done()
 
     async def done(self) -> SendStats:
         tid = self.transfer.transfer_id
@@ -295,7 +330,7 @@ class NixlOutgoing(OutgoingTransfer):
         for handle, reg, _ in writes:
             try:
                 handle.release()
-                self.agent.deregister_memory(reg)
+                _REGISTERED.release(self.agent, reg)
             except Exception:           # a write still in flight after DRAIN_S: its memory is leaked, not reused
                 pass
 

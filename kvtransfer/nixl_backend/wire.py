@@ -8,7 +8,9 @@ JSON messages (no proto: the bytes move through NIXL, the stream only says where
                                                pages the transfer's block ids (write in place);
                                                without, addr is a buffer staged for the transfer
     (bytes: NIXL writes; then a NIXL notification {"tid", "first_token", "extra", "blocks"})
-                                               {"done": true}: landed, the decode engine has it
+    {"written": true}: the notification is out  {"done": true}: landed, the decode engine has it
+    (a hint: the decode side polls for it now,
+     rather than at its idle polling's pace)
     {"abandon": reason, "quiet": bool}         {"refused": reason, "code": n}, then the status
     (quiet: none of its writes is in flight, so what they went into may be reused at once)
 

@@ -145,3 +145,30 @@ def test_page_descriptors_coalesce_consecutive_block_ids_per_row():
     assert remote[:3].tolist() == [[1000 + 6 * 8, 16, 0], [1000 + 2 * 8, 16, 0], [1000 + 8, 8, 0]]
     assert remote[3].tolist() == [1000 + 80 + 6 * 8, 16, 0] and local[3].tolist() == [base + 40, 16, 0]
     assert len(local) == len(remote) == rows * 3
+
+
+def test_one_payload_in_several_transfers_at_once_is_registered_once_and_released():
+    """The same piece memory written by four transfers at once (as when one prefill's KV goes to
+    several decode workers): NIXL holds one registration of it while any write uses it (a second
+    registration, deregistered first, crashed a later post on the GPU), none once all landed."""
+    from baton.kvtransfer.nixl_backend.sender import _REGISTERED
+    tids = [f"same-{i}" for i in range(4)]
+
+    async def main():
+        async with decode_side("nixl") as d, prefill_side("nixl", d.address) as p:
+            for tid in tids:
+                d.expect(tid, 2)
+            blocks = {tid: list(d.held[tid]) for tid in tids}
+            async with p.request("src", 2) as ids:
+                piece = p.pieces(ids, [2], first_token=5)[0]
+                outs = [await p.sender.open(p.descriptor(tid, 2), 20) for tid in tids]
+                for out in outs:
+                    await out.piece(piece)
+                assert list(_REGISTERED._held.values())[0][1] >= 1 and len(_REGISTERED._held) == 1
+                await asyncio.gather(*(out.done() for out in outs))
+                await asyncio.gather(*(d.wait_ended(tid, 5) for tid in tids))
+                for tid in tids:
+                    assert d.landed[tid][0] == 5
+                    assert torch.equal(d.kv[:, :, blocks[tid]], p.kv[:, :, ids].to(d.kv.device))
+            assert not _REGISTERED._held
+    run(main())
