@@ -70,8 +70,11 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False, tp=tp,
                                            dtype=dtype)
 
+    fp8_act = False     # down_proj is FP8: the activation comes quantized (quantization.fuse_fp8_inputs)
+
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        return self.down_proj(self.ops.silu_and_mul_fp8(h) if self.fp8_act else self.ops.silu_and_mul(h))
 
 
 class DecoderLayer(nn.Module):
