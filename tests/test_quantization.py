@@ -101,11 +101,13 @@ def test_fp8_weights_stay_close_to_full_precision(tiny):
 
 
 def test_fp8_inputs_quantized_by_the_op_before_change_no_number(tiny):
-    """fuse_fp8_inputs: the RMSNorms before qkv_proj and gate_up_proj and the SiLU-and-mul before
+    """decoder.fuse_fp8_inputs (the engine's, after quantize_fp8): the RMSNorms before qkv_proj and gate_up_proj and the SiLU-and-mul before
     down_proj hand their projection its e4m3 input (Fp8Rows) instead of a tensor it quantizes;
     the final norm does not, and the logits are the unfused ones bit for bit."""
+    from baton.models.decoder import fuse_fp8_inputs
     model, platform = _model(tiny["bf16"])
     quantization.quantize_fp8(model, platform.ops, platform.fp8_linear())
+    assert fuse_fp8_inputs(model) == 3 * 2
     layer = model.model.layers[1]
     assert layer.input_layernorm.fp8_out and layer.post_attention_layernorm.fp8_out and layer.mlp.fp8_act
     assert not model.model.norm.fp8_out

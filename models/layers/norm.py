@@ -6,7 +6,7 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    fp8_out = False     # feeds only an FP8 projection: returns its quantized input (quantization.fuse_fp8_inputs)
+    fp8_out = False     # feeds only an FP8 projection: returns its quantized input (decoder.fuse_fp8_inputs)
 
     def __init__(self, size: int, eps: float, ops, dtype=None):
         super().__init__()

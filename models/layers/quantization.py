@@ -48,8 +48,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Fp8Rows(NamedTuple):
     """An FP8 linear's input already quantized per token, by the op that produced it (the RMSNorm
-    or SiLU-and-mul before the projection: `fuse_fp8_inputs`), so the projection skips its own
-    quantizer launch. `shape` is the activation's, as the modules between read it."""
+    or SiLU-and-mul before the projection: models/decoder.py, `fuse_fp8_inputs`), so the projection
+    skips its own quantizer launch. `shape` is the activation's, as the modules between read it."""
     values: torch.Tensor       # e4m3 [T, K]
     scales: torch.Tensor       # float32 [T, 1]
 
@@ -73,7 +73,7 @@ class Fp8Matmul:
         if self.mode == "dequant":
             y = torch.nn.functional.linear(x.reshape(-1, k), (weight.float() * self.scale.t()).to(x.dtype))
         else:
-            # quantized here, or by the op before (fuse_fp8_inputs)
+            # quantized here, or by the op before (decoder.fuse_fp8_inputs)
             xq, xs = x if isinstance(x, Fp8Rows) else self.ops.quantize_fp8_rows(x.reshape(-1, k))
             # CUDA's row-wise scaled GEMM writes bf16 only; bias is added after, in the model's dtype
             out = torch.bfloat16 if xq.device.type == "cuda" else dtype
@@ -106,29 +106,6 @@ def quantize_fp8(model: nn.Module, ops, mode: str) -> int:
         module.matmul = Fp8Matmul(module.weight_scale, ops, mode, w.dtype)
         del w
         n += 1
-    if mode == "scaled_mm":
-        fuse_fp8_inputs(model)
-    return n
-
-
-def fuse_fp8_inputs(model: nn.Module) -> int:
-    """Where an RMSNorm or the MLP's SiLU-and-mul feeds nothing but an FP8 projection (a decoder
-    layer's qkv_proj, gate_up_proj, down_proj), that op writes the projection's e4m3 input and
-    scales itself (`LayerOps.rms_norm_fp8`, `silu_and_mul_fp8`: on CUDA one kernel instead of
-    two); the o_proj keeps its own quantizer. The numbers do not change. Returns how many ops."""
-    from baton.models.decoder import MLP, DecoderLayer
-    n = 0
-    for layer in model.modules():
-        if isinstance(layer, DecoderLayer):
-            if isinstance(layer.self_attn.qkv_proj.matmul, Fp8Matmul):
-                layer.input_layernorm.fp8_out = True
-                n += 1
-            if type(layer.mlp) is MLP and isinstance(layer.mlp.gate_up_proj.matmul, Fp8Matmul):
-                layer.post_attention_layernorm.fp8_out = True
-                n += 1
-        elif type(layer) is MLP and isinstance(layer.down_proj.matmul, Fp8Matmul):
-            layer.fp8_act = True
-            n += 1
     return n
 
 
