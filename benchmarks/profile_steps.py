@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     prof, wall = _profiled(engine, args.steps)
     kernel_ms, top = _kernels(prof, args.steps, args.top)
     print(json.dumps({"phase": "decode", **tag, "batch": args.batch, "context": args.context,
+                      "running": len(engine.scheduler.running), "kv_blocks": engine.runner.num_blocks,
                       "wall_ms": round(1000 * wall, 2), "kernel_ms": round(kernel_ms, 2), "top": top}), flush=True)
     # a mixed step: the running batch decodes while one long prompt fills the rest of the token budget
     timer = PhaseTimer(engine)
