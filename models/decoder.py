@@ -61,6 +61,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fp8_act = False     # down_proj is FP8: the activation comes quantized (fuse_fp8_inputs)
+
     def __init__(self, config, ops, tp: TPInfo, dtype):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -70,8 +72,6 @@ class MLP(nn.Module):
                                                        bias=False, tp=tp, dtype=dtype)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False, tp=tp,
                                            dtype=dtype)
-
-    fp8_act = False     # down_proj is FP8: the activation comes quantized (fuse_fp8_inputs)
 
     def forward(self, x):
         h = self.gate_up_proj(x)
