@@ -29,7 +29,8 @@
 # Structured output (one GPU): structured (a JSON-schema-constrained batch of 64 vs the same batch plain, qwen3-0.6b)
 # Quantized serving (issue 33, one GPU): quant (FP8 tests: the Triton quantizer, the scaled GEMM, attention
 # over a float8 cache, tiny-model graphs == eager; then the attention kernels' own tests), b1quant (B1 on
-# QUANT_MODELS, default qwen3-8b: bf16, --quantization fp8, fp8 + --kv-cache-dtype fp8, same lease)
+# QUANT_MODELS, default qwen3-8b: bf16, --quantization fp8, fp8 + --kv-cache-dtype fp8, same lease), qprofile
+# (profile_steps' decode step of qwen3-8b at 256 x 1k per variant), qkernels (benchmarks/quant_kernels.py)
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 set -uo pipefail
@@ -108,6 +109,13 @@ for step in $STEPS; do
                   --output "$OUT/b1-$m-$v.json" 2>&1 | grep "^\[bench\] baton:" | sed "s/^/$v /"
               done
             done ;;
+    qprofile) for v in ${QPROFILE_VARIANTS:-bf16 fp8 fp8kv8}; do    # where a decode step's time goes, per variant
+              case $v in bf16) a="" ;; fp8) a="--quantization fp8" ;; fp8kv8) a="--quantization fp8 --kv-cache-dtype fp8" ;; esac
+              timeout ${QPROFILE_TIMEOUT:-60} python3 -m baton.benchmarks.profile_steps --model ${QPROFILE_MODEL:-qwen3-8b} \
+                --batch 256 --context 1024 --steps 5 --top 16 --skip-prefill $a 2>>"$OUT/qprofile.log" | tee -a "$OUT/qprofile.jsonl"
+            done ;;
+    qkernels) timeout ${QKERNELS_TIMEOUT:-120} python3 -m baton.benchmarks.quant_kernels --out "$OUT" ${QKERNELS_ARGS:-} \
+              2>"$OUT/qkernels.log" | grep -v skip ;;    # FP8 GEMMs and float8 decode attention at decode sizes
     b1moe)  timeout 580 python3 -m baton bench offline --model qwen3-30b-a3b --device cuda:0 ${B1_ARGS:-} \
               --output "$OUT/b1-qwen3-30b-a3b-baton${B1_TAG:-}.json" 2>&1 | tail -15 ;;
     b1moes) timeout 300 python3 -m baton bench offline --model qwen3-30b-a3b --device cuda:0 --num-seqs 16 \

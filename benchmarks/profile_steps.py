@@ -56,10 +56,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-tokens", type=int, default=4096)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--quantization", default=None, help="fp8 | w8a8 (unset: the checkpoint's)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
+    p.add_argument("--skip-prefill", action="store_true", help="decode only (and the mixed step)")
     args = p.parse_args(argv)
     cfg = EngineConfig(model=args.model, tokenizer=args.tokenizer, device=args.device, enforce_eager=True, max_num_seqs=args.batch,
                        max_model_len=max(args.context, args.prefill_tokens) + 4 * args.steps + 64,
-                       max_num_batched_tokens=max(args.prefill_tokens, args.context))
+                       max_num_batched_tokens=max(args.prefill_tokens, args.context),
+                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine = LLMEngine(cfg)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.6, max_tokens=4 * args.steps + 16, ignore_eos=True)
@@ -74,14 +78,15 @@ def main(argv: list[str] | None = None) -> None:
         engine.step()
     for rid in ids:
         engine.abort(rid)
-    # one full-budget prefill step
-    ids = add(max(1, args.prefill_tokens // args.context))
-    prof, wall = _profiled(engine, 1)
-    kernel_ms, top = _kernels(prof, 1, args.top)
-    print(json.dumps({"phase": "prefill", "tokens": args.prefill_tokens, "wall_ms": round(1000 * wall, 2),
-                      "kernel_ms": round(kernel_ms, 2), "top": top}), flush=True)
-    for rid in ids:
-        engine.abort(rid)
+    tag = {"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+    if not args.skip_prefill:    # one full-budget prefill step
+        ids = add(max(1, args.prefill_tokens // args.context))
+        prof, wall = _profiled(engine, 1)
+        kernel_ms, top = _kernels(prof, 1, args.top)
+        print(json.dumps({"phase": "prefill", **tag, "tokens": args.prefill_tokens, "wall_ms": round(1000 * wall, 2),
+                          "kernel_ms": round(kernel_ms, 2), "top": top}), flush=True)
+        for rid in ids:
+            engine.abort(rid)
     # decode at the batch
     ids = add(args.batch)
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
@@ -91,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.step()
     prof, wall = _profiled(engine, args.steps)
     kernel_ms, top = _kernels(prof, args.steps, args.top)
-    print(json.dumps({"phase": "decode", "batch": args.batch, "context": args.context,
+    print(json.dumps({"phase": "decode", **tag, "batch": args.batch, "context": args.context,
+                      "running": len(engine.scheduler.running), "kv_blocks": engine.runner.num_blocks,
                       "wall_ms": round(1000 * wall, 2), "kernel_ms": round(kernel_ms, 2), "top": top}), flush=True)
     # a mixed step: the running batch decodes while one long prompt fills the rest of the token budget
     timer = PhaseTimer(engine)
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    print(json.dumps({"phase": "mixed", "decode_rows": args.batch, "tokens": args.prefill_tokens,
+    print(json.dumps({"phase": "mixed", **tag, "decode_rows": args.batch, "tokens": args.prefill_tokens,
                       "wall_ms": round(1000 * wall, 2),
                       "phases_ms": {k: round(1000 * v, 2) for k, v in timer.totals.items()}}), flush=True)
     for rid in ids:

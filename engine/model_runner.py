@@ -40,6 +40,7 @@ from baton.engine.scheduler import SchedulerOutput
 from baton.engine.sequence import PENDING
 from baton.engine.tensor_parallel import TensorParallel
 from baton.models.attention_metadata import AttnMetadata
+from baton.models.decoder import fuse_fp8_inputs
 from baton.models.forward_context import ForwardContext
 from baton.models.layers.quantization import checkpoint_method, quantize_fp8, quantize_w8a8
 from baton.models.loader import build_model, init_random_weights, load_weights
@@ -161,6 +162,7 @@ class ModelRunner:
         else:
             mode = self.platform.fp8_linear()          # ValueError where the platform has no FP8 matmul
             quantize_fp8(model, self.platform.ops, mode)
+            fuse_fp8_inputs(model)                     # the norms and SiLU-and-mul before them quantize
         if self.platform.runtime is not None and hasattr(self.platform.runtime, "empty_cache"):
             self.platform.runtime.empty_cache()      # the KV cache is sized from what is free now
         return method

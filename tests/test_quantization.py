@@ -100,6 +100,25 @@ def test_fp8_weights_stay_close_to_full_precision(tiny):
     assert decided >= 2 and agree >= 0.75 * total, (decided, agree, total)    # random weights: small margins
 
 
+def test_fp8_inputs_quantized_by_the_op_before_change_no_number(tiny):
+    """decoder.fuse_fp8_inputs (the engine's, after quantize_fp8): the RMSNorms before qkv_proj and gate_up_proj and the SiLU-and-mul before
+    down_proj hand their projection its e4m3 input (Fp8Rows) instead of a tensor it quantizes;
+    the final norm does not, and the logits are the unfused ones bit for bit."""
+    from baton.models.decoder import fuse_fp8_inputs
+    model, platform = _model(tiny["bf16"])
+    quantization.quantize_fp8(model, platform.ops, platform.fp8_linear())
+    assert fuse_fp8_inputs(model) == 3 * 2
+    layer = model.model.layers[1]
+    assert layer.input_layernorm.fp8_out and layer.post_attention_layernorm.fp8_out and layer.mlp.fp8_act
+    assert not model.model.norm.fp8_out
+    fused = [_logits(model, platform, ids) for ids in PROMPTS[:2]]
+    for m in model.modules():
+        m.__dict__.pop("fp8_out", None), m.__dict__.pop("fp8_act", None)
+    assert not layer.input_layernorm.fp8_out
+    for ids, got in zip(PROMPTS[:2], fused, strict=True):
+        assert torch.equal(got, _logits(model, platform, ids))
+
+
 @pytest.mark.parametrize("fmt", ["fp8-block", "compressed-tensors"])
 def test_prequantized_checkpoints_load_and_serve_fp8(tiny, fmt):
     """A checkpoint with a quantization_config (the `fp8` method's 128x128-style blocks of
@@ -256,6 +275,32 @@ def test_triton_row_quantizer_matches_torch_and_the_scaled_gemm_the_widened_one(
     assert y.dtype == torch.bfloat16 and not y.isnan().any()
     err = ((y.float() - ref).norm() / ref.norm()).item()
     assert err < 0.05, err                              # e4m3 activations: ~3 % of the output's norm
+
+
+@on_gpu
+def test_triton_norm_and_silu_write_the_quantizers_fp8_input_on_cuda():
+    """The fused RMSNorm / add-RMSNorm / SiLU-and-mul with e4m3 outputs give what the op followed
+    by the per-token quantizer gives (rows wider than one program takes: the two kernels)."""
+    from baton.engine.platforms.triton_kernels import layer_ops, quant
+    g = torch.Generator().manual_seed(0)
+
+    def same(fused, values, scales):
+        torch.testing.assert_close(fused.scales, scales, rtol=0, atol=0)
+        differ = (fused.values.view(torch.uint8) != values.view(torch.uint8)).float().mean().item()
+        assert differ < 1e-3, differ                   # a division's last bit may round a tie the other way
+
+    x = (torch.randn(37, 4096, generator=g) * torch.logspace(-2, 1, 37)[:, None]).to(torch.bfloat16).cuda()
+    x[5] = 0
+    res = torch.randn(37, 4096, generator=g).to(torch.bfloat16).cuda()
+    w = (1 + 0.2 * torch.randn(4096, generator=g)).to(torch.bfloat16).cuda()
+    same(layer_ops.rms_norm_fp8(x, w, 1e-6), *quant.quantize_fp8_rows(layer_ops.rms_norm(x, w, 1e-6)))
+    fused, total = layer_ops.add_rms_norm_fp8(x, res, w, 1e-6)
+    normed, total_ref = layer_ops.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(total, total_ref)
+    same(fused, *quant.quantize_fp8_rows(normed))
+    for width in (12288, 20000):                         # qwen3-8b's intermediate size; one past 16384
+        h = (torch.randn(9, 2 * width, generator=g) * 3).to(torch.bfloat16).cuda()
+        same(layer_ops.silu_and_mul_fp8(h), *quant.quantize_fp8_rows(layer_ops.silu_and_mul(h)))
 
 
 @on_gpu

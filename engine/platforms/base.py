@@ -78,6 +78,22 @@ class LayerOps:
         """FP8 weights' activations: each row of 2-D x as e4m3 with a float32 scale [M, 1]."""
         return quantization.quantize_rows(x)
 
+    def _fp8_rows(self, x: torch.Tensor) -> quantization.Fp8Rows:
+        return quantization.Fp8Rows(*self.quantize_fp8_rows(x.reshape(-1, x.shape[-1])))
+
+    def rms_norm_fp8(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> quantization.Fp8Rows:
+        """rms_norm, then quantize_fp8_rows: the input of an FP8 projection (one kernel on CUDA)."""
+        return self._fp8_rows(self.rms_norm(x, weight, eps))
+
+    def add_rms_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[quantization.Fp8Rows, torch.Tensor]:
+        normed, total = self.add_rms_norm(x, residual, weight, eps)
+        return self._fp8_rows(normed), total
+
+    def silu_and_mul_fp8(self, x: torch.Tensor) -> quantization.Fp8Rows:
+        """silu_and_mul, then quantize_fp8_rows (one kernel on CUDA)."""
+        return self._fp8_rows(self.silu_and_mul(x))
+
     def moe_route(self, router_logits: torch.Tensor, top_k: int,
                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3-MoE's gating: softmax over all experts in float32, the top-k, renormalised to

@@ -34,6 +34,22 @@ class TritonLayerOps(LayerOps):
         from baton.engine.platforms.triton_kernels import layer_ops
         return layer_ops.silu_and_mul(x)
 
+    def rms_norm_fp8(self, x, weight, eps):
+        from baton.engine.platforms.triton_kernels import layer_ops
+        if weight.dtype != x.dtype:        # the fused kernel rounds to x's dtype, as rms_norm does when they agree
+            return super().rms_norm_fp8(x, weight, eps)
+        return layer_ops.rms_norm_fp8(x, weight, eps)
+
+    def add_rms_norm_fp8(self, x, residual, weight, eps):
+        from baton.engine.platforms.triton_kernels import layer_ops
+        if weight.dtype != x.dtype:
+            return super().add_rms_norm_fp8(x, residual, weight, eps)
+        return layer_ops.add_rms_norm_fp8(x, residual, weight, eps)
+
+    def silu_and_mul_fp8(self, x):
+        from baton.engine.platforms.triton_kernels import layer_ops
+        return layer_ops.silu_and_mul_fp8(x)
+
     def qk_norm_rotary(self, q, k, q_weight, k_weight, eps, cos, sin, positions):
         from baton.engine.platforms.triton_kernels import layer_ops
         return layer_ops.qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, positions)

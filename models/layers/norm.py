@@ -6,6 +6,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    fp8_out = False     # feeds only an FP8 projection: returns its quantized input (decoder.fuse_fp8_inputs)
+
     def __init__(self, size: int, eps: float, ops, dtype=None):
         super().__init__()
         self.eps = eps
@@ -13,7 +15,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
+        """Without residual: norm(x). With it: (norm(x + residual), x + residual). With fp8_out
+        the norm comes as quantization.Fp8Rows."""
+        if self.fp8_out:
+            if residual is None:
+                return self.ops.rms_norm_fp8(x, self.weight, self.eps)
+            return self.ops.add_rms_norm_fp8(x, residual, self.weight, self.eps)
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

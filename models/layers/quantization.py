@@ -26,6 +26,8 @@ on the CPU; CUDA refuses (FP8 is its path). Quantized at load from bf16 checkpoi
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -44,24 +46,38 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+class Fp8Rows(NamedTuple):
+    """An FP8 linear's input already quantized per token, by the op that produced it (the RMSNorm
+    or SiLU-and-mul before the projection: models/decoder.py, `fuse_fp8_inputs`), so the projection
+    skips its own quantizer launch. `shape` is the activation's, as the modules between read it."""
+    values: torch.Tensor       # e4m3 [T, K]
+    scales: torch.Tensor       # float32 [T, 1]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+
 class Fp8Matmul:
     """LinearBase's matmul (`self.matmul(x, weight, bias)`) for an e4m3 weight [N, K] with
     per-output-channel scales [1, N]: x's rows quantized by `ops`, one scaled GEMM."""
 
-    def __init__(self, scale: torch.Tensor, ops, mode: str):
+    def __init__(self, scale: torch.Tensor, ops, mode: str, dtype: torch.dtype | None = None):
         self.scale = scale                 # float32 [1, N]
         self.ops, self.mode = ops, mode
+        self.dtype = dtype                 # what the layer returns (None: x's dtype; an Fp8Rows x needs it)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
-        flat = x.reshape(-1, k)
+        dtype = self.dtype or x.dtype
         if self.mode == "dequant":
-            y = torch.nn.functional.linear(flat, (weight.float() * self.scale.t()).to(x.dtype))
+            y = torch.nn.functional.linear(x.reshape(-1, k), (weight.float() * self.scale.t()).to(x.dtype))
         else:
-            xq, xs = self.ops.quantize_fp8_rows(flat)
-            # CUDA's row-wise scaled GEMM writes bf16 only; bias is added after, in x's dtype
-            out = torch.bfloat16 if x.device.type == "cuda" else x.dtype
-            y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=out).to(x.dtype)
+            # quantized here, or by the op before (decoder.fuse_fp8_inputs)
+            xq, xs = x if isinstance(x, Fp8Rows) else self.ops.quantize_fp8_rows(x.reshape(-1, k))
+            # CUDA's row-wise scaled GEMM writes bf16 only; bias is added after, in the model's dtype
+            out = torch.bfloat16 if xq.device.type == "cuda" else dtype
+            y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=out).to(dtype)
         if bias is not None:
             y = y + bias
         return y.reshape(*lead, weight.shape[0])
@@ -87,7 +103,7 @@ def quantize_fp8(model: nn.Module, ops, mode: str) -> int:
         wq, scale = quantize_rows(w)
         module.weight = nn.Parameter(wq, requires_grad=False)
         module.weight_scale = scale.reshape(1, -1).contiguous()       # a plain attribute: never loaded
-        module.matmul = Fp8Matmul(module.weight_scale, ops, mode)
+        module.matmul = Fp8Matmul(module.weight_scale, ops, mode, w.dtype)
         del w
         n += 1
     return n

@@ -30,11 +30,14 @@ class DecodeConfig:
     min_split_tokens: int = 128      # a split covers at least this much context, so splits amortise the merge
     programs_per_sm: int = 2         # split until batch * kv_heads * splits reaches this many per SM
     max_splits: int = 64
+    v_in_registers: bool = True      # a float8 cache: V widened where it was loaded (widen_fp8)
 
 
 def default_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
     if dtype == torch.float32 or head_dim > 128:
         return DecodeConfig(block_n=32, num_stages=2)
+    if dtype == torch.float8_e4m3fn:      # half the bytes a token: twice the tokens a tile
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=3)
     return DecodeConfig()
 
 
@@ -65,6 +68,30 @@ def _split_range(seq_len, pid_s, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: t
     return start, end, used
 
 
+@triton.jit
+def dot_query(q, k_ptr, KV_FP8: tl.constexpr):
+    """q in the dtype the dots run in. A float8 cache (--kv-cache-dtype fp8) runs them in fp16:
+    e4m3 widens to fp16 exactly in one packed instruction per pair (to bf16 it takes a second
+    conversion per element), and q and the probabilities keep more mantissa in fp16 than in
+    bf16; q is saturated to fp16's range (+-65504)."""
+    if KV_FP8:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+    return q
+
+
+@triton.jit
+def widen_fp8(x):
+    """e4m3 -> fp16 in registers, right where the tile was loaded. Triton's own `.to(tl.float16)`
+    of a tile that feeds a dot is moved past the shared-memory staging, so V (the second dot's B
+    operand, read down its rows) comes back from shared memory a byte at a time; the same packed
+    cvt as inline asm with side effects stays where it is written, and V is staged as fp16 and read
+    with ldmatrix (docs/benchmarks.md, "Quantized serving")."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x], dtype=tl.float16,
+                                     is_pure=False, pack=2)
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])   # they vary in eager steps: one binary
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
@@ -76,6 +103,7 @@ def _decode_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     BLOCK_SIZE: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    V_IN_REGISTERS: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -88,8 +116,7 @@ def _decode_kernel(
     heads = kv_head * group + g
     g_mask = g < group
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
-    if not KV_FP8:            # a float8 cache is widened to q's dtype instead (--kv-cache-dtype fp8)
-        q = q.to(k_cache_ptr.dtype.element_ty)
+    q = dot_query(q, k_cache_ptr, KV_FP8)
 
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
@@ -104,7 +131,10 @@ def _decode_kernel(
                     mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + (block * stride_vb + row * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
                     mask=valid[:, None], other=0.0)
-        k, v = k.to(q.dtype), v.to(q.dtype)
+        if V_IN_REGISTERS:     # only with KV_FP8
+            k, v = k.to(q.dtype), widen_fp8(v)
+        else:
+            k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -165,6 +195,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_out = part_lse = out   # unused by the single-split kernel
         part_strides = (0, 0, 0, 0, 0)
     dot_precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     _decode_kernel[(kv_heads, batch, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * LOG2E, splits, group,
@@ -175,7 +206,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         *part_strides,
         BLOCK_SIZE=block_size, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split_tokens, SPLIT=splits > 1, DOT_PRECISION=dot_precision,
-        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        KV_FP8=kv_fp8, V_IN_REGISTERS=kv_fp8 and cfg.v_in_registers,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

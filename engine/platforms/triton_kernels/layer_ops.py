@@ -1,5 +1,6 @@
 """Fused RMSNorm, add-RMSNorm and SiLU-and-mul: one pass over the activations instead of the
-half-dozen elementwise kernels plain torch launches.
+half-dozen elementwise kernels plain torch launches. The `_fp8` forms write an FP8 projection's
+input (e4m3 rows and per-row scales, the per-token quantizer's numbers) in the same pass.
 
 Rounding follows `LayerOps` step for step (normalise in fp32, round to the input dtype, then
 multiply by the weight and round again; the residual sum rounded before the norm; SiLU rounded
@@ -11,10 +12,25 @@ import torch
 import triton
 import triton.language as tl
 
+from baton.engine.platforms.triton_kernels import quant
+from baton.models.layers.quantization import FP8, FP8_MAX, SCALE_EPS, Fp8Rows
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n, eps, stride_x, stride_r, stride_o, stride_s,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _store_row(out_ptr, scale_ptr, row, cols, mask, y, fp8_max, scale_eps, FP8_OUT: tl.constexpr):
+    """y (fp32, already rounded to the model dtype) as the output row; with FP8_OUT as e4m3 with
+    the row's scale amax / 448, the numbers of triton_kernels/quant.py's quantizer."""
+    if FP8_OUT:
+        scale = tl.maximum(tl.max(tl.abs(y), 0), scale_eps) / fp8_max
+        tl.store(scale_ptr + row, scale)
+        y = tl.minimum(tl.maximum(y / scale, -fp8_max), fp8_max)
+    tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, scale_ptr, n, eps, stride_x, stride_r, stride_o,
+                     stride_s, fp8_max, scale_eps, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr,
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -26,19 +42,30 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n, eps, stride_x, 
     rstd = tl.rsqrt(tl.sum(h * h, 0) / n + eps)
     normed = (h * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    y = w * normed
+    if FP8_OUT:          # quantized from the output as rms_norm writes it (the weight has x's dtype)
+        y = y.to(x.dtype).to(tl.float32)
+    _store_row(out_ptr + row * stride_o, scale_ptr, row, cols, mask, y, fp8_max, scale_eps, FP8_OUT)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_mul(x_row, cols, mask, n):
+    gate = tl.load(x_row + cols, mask=mask, other=0.0)
+    up = tl.load(x_row + n + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, n, stride_x, stride_o, fp8_max, scale_eps,
+                         FP8_OUT: tl.constexpr, BLOCK: tl.constexpr):
+    """FP8_OUT: one program per row (the row's scale needs all of it), BLOCK >= n."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _silu_mul(x_ptr + row * stride_x, cols, mask, n)
+    _store_row(out_ptr + row * stride_o, scale_ptr, row, cols, mask, y, fp8_max, scale_eps, FP8_OUT)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -50,30 +77,49 @@ def _norm_warps(block: int) -> int:
     return min(16, max(1, block // 256))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _fp8_outputs(rows: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 output rows [M, n] and their float32 scales [M, 1]."""
+    return (torch.empty(rows.shape[0], n, dtype=FP8, device=rows.device),
+            torch.empty(rows.shape[0], 1, dtype=torch.float32, device=rows.device))
+
+
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fp8: bool):
     rows = _rows(x)
+    res = _rows(residual) if residual is not None else rows
     n = rows.shape[1]
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    if fp8:
+        out, scale = _fp8_outputs(rows, n)
+    else:
+        out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+        scale = out
+    total = torch.empty_like(rows) if residual is not None else out
     if rows.shape[0]:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, n, eps, rows.stride(0), 0, out.stride(0), 0,
-                                           HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block))
-    return out.view(*x.shape[:-1], n)
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, res, weight, out, total, scale, n, eps, rows.stride(0), res.stride(0) if residual is not None else 0,
+            out.stride(0), total.stride(0) if residual is not None else 0, FP8_MAX, SCALE_EPS,
+            HAS_RESIDUAL=residual is not None, FP8_OUT=fp8, BLOCK=block, num_warps=_norm_warps(block))
+    normed = Fp8Rows(out, scale) if fp8 else out.view(*x.shape[:-1], n)
+    return normed, (total.view(*x.shape[:-1], n) if residual is not None else None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _norm(x, None, weight, eps, False)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, res = _rows(x), _rows(residual)
-    n = rows.shape[1]
-    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    total = torch.empty_like(rows)
-    if rows.shape[0]:
-        block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, total, n, eps, rows.stride(0), res.stride(0),
-                                           out.stride(0), total.stride(0), HAS_RESIDUAL=True, BLOCK=block,
-                                           num_warps=_norm_warps(block))
-    return out.view(*x.shape[:-1], n), total.view(*x.shape[:-1], n)
+    return _norm(x, residual, weight, eps, False)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Rows:
+    """rms_norm whose output is written as an FP8 projection's input: e4m3 rows and scales."""
+    return _norm(x, None, weight, eps, True)[0]
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[Fp8Rows, torch.Tensor]:
+    return _norm(x, residual, weight, eps, True)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -82,9 +128,29 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         block = min(4096, triton.next_power_of_2(n))
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, n, rows.stride(0), out.stride(0),
+        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, out, n, rows.stride(0), out.stride(0),
+                                                                     FP8_MAX, SCALE_EPS, FP8_OUT=False,
                                                                      BLOCK=block, num_warps=4)
     return out.view(*x.shape[:-1], n)
+
+
+SILU_FP8_MAX_BLOCK = 16384      # one program holds a whole row (its scale needs all of it): 32 warps,
+                                # 54 registers a thread at 16384 (ptxas, sm_90), no spills
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
+    """silu_and_mul whose output is written as an FP8 projection's input; rows wider than
+    SILU_FP8_MAX_BLOCK take the two-kernel path."""
+    rows = _rows(x)
+    n = rows.shape[1] // 2
+    block = triton.next_power_of_2(n)
+    if block > SILU_FP8_MAX_BLOCK:
+        return Fp8Rows(*quant.quantize_fp8_rows(silu_and_mul(rows)))
+    out, scale = _fp8_outputs(rows, n)
+    if rows.shape[0]:
+        _silu_and_mul_kernel[(rows.shape[0], 1)](rows, out, scale, n, rows.stride(0), out.stride(0), FP8_MAX, SCALE_EPS,
+                                                 FP8_OUT=True, BLOCK=block, num_warps=max(4, min(32, block // 512)))
+    return Fp8Rows(out, scale)
 
 
 @triton.jit

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from baton.engine.platforms.triton_kernels.decode_attention import dot_query
+
 LOG2E = 1.4426950408889634
 
 
@@ -88,8 +90,7 @@ def _prefill_kernel(
     d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    if not KV_FP8:            # a float8 cache is widened to q's dtype instead (--kv-cache-dtype fp8)
-        q = q.to(k_ptr.dtype.element_ty)
+    q = dot_query(q, k_ptr, KV_FP8)     # a float8 cache: the dots run in fp16 (decode_attention)
     pos_m = context + offs_m
 
     # keys below the tile's first query position are visible to every row: no mask there
