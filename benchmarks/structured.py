@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -32,6 +33,95 @@ def schema(min_items: int) -> dict:
         "required": ["id", "name", "role", "score", "active"], "additionalProperties": False}
     return {"type": "object", "properties": {"users": {"type": "array", "items": record, "minItems": min_items}},
             "required": ["users"], "additionalProperties": False}
+
+
+class HostTimes:
+    """Where a constrained step's host time goes, per step (ms): on the masks' thread, waiting for
+    the previous step's tokens, the matchers reading them, the fill, queueing the sampling; on the
+    engine thread, waiting for that sampling to be queued before the next launch."""
+
+    def __init__(self, engine):
+        from baton.engine.model_runner import LaunchedStep
+        from baton.engine.structured_output import GrammarState
+
+        self.totals = {"wait_tokens": 0.0, "read": 0.0, "sample_launch": 0.0, "engine_waits": 0.0}
+        self.steps = 0
+        totals = self.totals
+
+        def timed(key, fn, only_off_main=False):
+            def wrapper(*a, **k):
+                if only_off_main and threading.current_thread() is threading.main_thread():
+                    return fn(*a, **k)
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    totals[key] += time.perf_counter() - t0
+            return wrapper
+        GrammarState.read = timed("read", GrammarState.read)
+        LaunchedStep.row_tokens = timed("wait_tokens", LaunchedStep.row_tokens, only_off_main=True)
+        inner_complete = LaunchedStep.complete
+
+        def complete(step):
+            if step.finish is None:
+                return
+            t0 = time.perf_counter()
+            inner_complete(step)
+            totals["engine_waits"] += time.perf_counter() - t0
+        LaunchedStep.complete = complete
+        inner_sample = engine.runner.sample
+
+        def sample(*a):
+            self.steps += 1
+            return inner_sample(*a)
+        engine.runner.sample = timed("sample_launch", sample)
+
+    def snapshot(self) -> tuple[dict, int]:
+        return dict(self.totals), self.steps
+
+    def per_step(self, since: tuple[dict, int]) -> dict:
+        before, steps = since
+        n = max(1, self.steps - steps)
+        return {k: round(1e3 * (v - before[k]) / n, 3) for k, v in self.totals.items()}
+
+
+def gpu_idle(llm: LLM, prompts, params, skip: int = 40, steps: int = 40) -> dict:
+    """A torch profiler trace (device activity only) of `steps` engine steps after `skip`: the
+    device's busy and idle time per step (kernels and copies, overlaps counted once)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    for ids, p in zip(prompts, params, strict=True):
+        engine.add_request(ids, p)
+    for _ in range(skip):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    while engine.has_work:
+        engine.step()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end, gaps = 0.0, None, []
+    for a, b in spans:
+        if end is None or a > end:
+            if end is not None:
+                gaps.append(a - end)
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    span = spans[-1][1] - spans[0][0] if spans else 0.0
+    gaps.sort(reverse=True)
+    return {"steps": steps, "wall_ms_per_step": round(1e3 * wall / steps, 3),
+            "device_busy_ms_per_step": round(busy / 1e3 / steps, 3),
+            "device_idle_ms_per_step": round((span - busy) / 1e3 / steps, 3),
+            "largest_gaps_ms": [round(g / 1e3, 3) for g in gaps[:steps:max(1, steps // 8)]]}
 
 
 class MaskTimer:
@@ -87,7 +177,12 @@ def main(argv=None) -> None:
     p.add_argument("--min-items", type=int, default=64, help="the schema's minimum array length (keeps it open)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output", default=None)
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval (s) for the run: how soon a thread waiting for the GIL gets it")
+    p.add_argument("--profile", action="store_true", help="also trace the device (torch profiler): idle per step")
     args = p.parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     llm = LLM(args.model, device=args.device, tokenizer=args.tokenizer, max_num_seqs=args.batch)
     spec = StructuredOutput.json(schema(args.min_items))
     prompts = [llm.tokenizer.encode(f"Request {i}: list the users of team {i} as JSON.") for i in range(args.batch)]
@@ -97,15 +192,25 @@ def main(argv=None) -> None:
                                structured=structured) for i in range(args.batch)]
     decode(llm, prompts[:4], [SamplingParams(temperature=1.0, max_tokens=8, structured=spec)] * 4)  # warm: vocabulary
     timer = MaskTimer(llm.engine)
-    plain, constrained, texts = [], [], []
+    host = HostTimes(llm.engine)
+    plain, constrained, texts, hosts = [], [], [], []
     for r in range(args.rounds):
         plain.append(decode(llm, prompts, params(None))[0])
-        n_masks = len(timer.seconds)
+        n_masks, since = len(timer.seconds), host.snapshot()
         tok_s, tokens, texts = decode(llm, prompts, params(spec))
         constrained.append(tok_s)
+        hosts.append(host.per_step(since))
         print(f"[structured] round {r}: plain {plain[-1]:.0f} tok/s, json_schema {tok_s:.0f} tok/s "
-              f"({tokens} tokens), masks {1e3 * statistics.mean(timer.seconds[n_masks:]):.2f} ms a step",
-              file=sys.stderr, flush=True)
+              f"({tokens} tokens), masks {1e3 * statistics.mean(timer.seconds[n_masks:]):.2f} ms a step, "
+              f"host ms a step {hosts[-1]}", file=sys.stderr, flush=True)
+    profiled = {}
+    if args.profile and torch.cuda.is_available():
+        try:
+            profiled = {"plain": gpu_idle(llm, prompts, params(None)),
+                        "json_schema": gpu_idle(llm, prompts, params(spec))}
+        except Exception as exc:          # (the figures above stand without it)
+            profiled = {"error": repr(exc)}
+        print(f"[structured] device trace: {profiled}", file=sys.stderr, flush=True)
     ok = obeyed(llm, spec, texts)
     row = {"model": args.model, "device": args.device,
            "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -113,6 +218,8 @@ def main(argv=None) -> None:
            "plain_tok_s": round(statistics.median(plain), 1), "json_schema_tok_s": round(statistics.median(constrained), 1),
            "ratio": round(statistics.median(constrained) / statistics.median(plain), 3),
            "mask_ms_per_step": round(1e3 * statistics.median(timer.seconds), 3),
+           "host_ms_per_constrained_step": hosts[-1], "switch_interval_s": sys.getswitchinterval(),
+           **({"device_trace": profiled} if profiled else {}),
            "outputs_follow_the_schema": ok, "sample_output": llm.tokenizer.decode(texts[0])[:160]}
     print(json.dumps(row), flush=True)
     if args.output:

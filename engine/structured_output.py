@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, TimeoutError
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +30,7 @@ log = logging.getLogger("baton.engine")
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 200_000
 MAX_CHOICES = 1024
+FILL_TIMEOUT = 120.0    # seconds a step's masks may take (llguidance bounds each mask's work; this bounds the wait)
 TEMPLATES = 64          # compiled grammars kept per engine, most recently used: a spec seen again skips compiling
 # one line of JSON with the separators models were trained on; flexible whitespace lets a small
 # model run on newlines until max_tokens (vLLM added `disable_any_whitespace` for that)
@@ -125,9 +126,8 @@ class GrammarState:
         self.consumed = 0
         self.failed = False
 
-    def catch_up(self, token_ids: list[int], known: int, request_id: str) -> None:
-        """Read the tokens it has not seen among the sequence's first `known`."""
-        new = token_ids[self.start + self.consumed:known]
+    def read(self, new: list[int], request_id: str) -> None:
+        """Read the sequence's next tokens (those after the ones it has read)."""
         if not new or self.failed:
             return
         self.consumed += len(new)
@@ -142,14 +142,15 @@ class GrammarState:
 class StructuredOutputs:
     """The engine's grammar side: matchers for new requests, bitmasks for each step's sampling rows."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int], bind_thread: Callable = lambda: None):
+        self.bind_thread = bind_thread          # sample_async's thread launches on the engine's device
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.words = (vocab_size + 31) // 32
         self._tokenizer = None          # llguidance's view of the vocabulary (~0.3 s to build: on first use)
         self._executor = None
-        self._filler: ThreadPoolExecutor | None = None     # bitmask_async's one thread
+        self._filler: ThreadPoolExecutor | None = None     # sample_async's one thread
         # spec -> its compiled grammar, checked once; each request gets a matcher of its own. (Copies
         # of one matcher share its lexer, so a batch's masks, filled in parallel, would take turns
         # on it: measured on an H100 host, 64 rows took 2.5 ms on 12 threads that way, 0.76 ms with
@@ -183,34 +184,76 @@ class StructuredOutputs:
 
     def bitmask(self, seqs: list) -> np.ndarray | None:
         """[N, ceil(vocab / 32)] int32, bit t of row i: token t allowed for sampling row i (sequence
-        seqs[i]); None when no row is constrained. Rows of finished sequences (a row in flight
-        after its request ended) and unconstrained ones allow everything."""
-        mask, work = self._prepare(seqs)
+        seqs[i]), each matcher first caught up to its sequence's known tokens; None when no row is
+        constrained. Rows of finished sequences (a row in flight after its request ended) and
+        unconstrained ones allow everything."""
+        rows = [(i, s.grammar, s.token_ids[s.grammar.start + s.grammar.consumed:s.num_known_tokens], s.request_id)
+                for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
+        return self._masks(len(seqs), rows) if rows else None
+
+    def sample_async(self, launched, prev, sample: Callable) -> Callable[[], None]:
+        """Sample step `launched` (its forward queued, its sampling deferred: engine/model_runner.py)
+        under its masks, on a thread of its own: it waits for the tokens of `prev` (the step before,
+        still in flight) that the masks need, catches the matchers up, fills the masks (llguidance
+        drops the GIL) and calls `sample(launched, masks)`, which queues the sampling on the device.
+        Meanwhile the engine thread resolves `prev` and schedules and builds the next step.
+
+        Returns what waits for that (LaunchedStep.finish: whatever launches the next step or reads
+        this step's tokens calls it first). Nothing else touches these matchers until it has run."""
+        # (sequence.py imports what imports this module)
+        from baton.engine.sequence import PENDING
+
+        rows, pending = [], False
+        where = prev.row_of() if prev is not None else {}
+        for i, item in enumerate(launched.rows):
+            seq = launched.out.scheduled[item].seq
+            g = seq.grammar
+            if g is None or seq.is_finished:
+                continue
+            new = seq.token_ids[g.start + g.consumed:launched.slots[item]]    # up to this step's own token
+            row = None
+            if new and new[-1] == PENDING:        # sampled by `prev`: its value comes on the thread
+                new.pop()
+                row = where.get(seq.seq_id)
+                if row is None or PENDING in new:
+                    raise RuntimeError(f"request {seq.request_id}: a pending token no step in flight samples")
+                pending = True
+            rows.append((i, g, new, row, seq.request_id))
+        n = len(launched.rows)
+
+        def run():
+            known = prev.row_tokens() if pending else None
+            work = [(i, g, new if row is None else [*new, known[row]], rid) for i, g, new, row, rid in rows]
+            sample(launched, self._masks(n, work) if work else None)
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="baton-grammar", initializer=self.bind_thread)
+        future = self._filler.submit(run)
+
+        def wait() -> None:
+            try:
+                future.result(timeout=FILL_TIMEOUT)
+            except TimeoutError:
+                raise RuntimeError(f"structured output: a step's masks took over {FILL_TIMEOUT} s") from None
+        return wait
+
+    def _masks(self, n: int, rows: list) -> np.ndarray:
+        """The masks of `n` sampling rows, `rows` [(row, GrammarState, tokens it has not read, request
+        id)] constrained: each matcher reads its tokens, then fills its row (every token allowed in
+        the other rows; eos alone where an output left the grammar)."""
+        mask = np.full((n, self.words), -1, np.int32)
+        work = []
+        for i, g, tokens, request_id in rows:
+            g.read(tokens, request_id)
+            if g.failed:
+                words = mask[i].view(np.uint32)
+                words[:] = 0
+                for t in self.eos_token_ids:
+                    words[t // 32] |= np.uint32(1 << (t % 32))
+            else:
+                work.append((g.matcher, i))
         if work:
             self.fill(mask, work)
         return mask
-
-    def bitmask_async(self, seqs: list) -> Future:
-        """`bitmask`, its matchers read up to the tokens known now, and the masks filled on a thread
-        of their own: llguidance releases the GIL while it fills, so the engine thread meanwhile
-        schedules and builds the next step. Nothing may touch these matchers until the result is
-        taken (the engine takes it before it reads the next tokens)."""
-        mask, work = self._prepare(seqs)
-        if not work:
-            done: Future = Future()
-            done.set_result(mask)
-            return done
-        if self._filler is None:
-            self._filler = ThreadPoolExecutor(1, thread_name_prefix="baton-grammar")
-        started = threading.Event()
-
-        def fill():
-            started.set()
-            self.fill(mask, work)
-            return mask
-        future = self._filler.submit(fill)
-        started.wait(1.0)          # let it into llguidance (which drops the GIL) before going on
-        return future
 
     def fill(self, mask: np.ndarray, work: list) -> None:
         """The allowed tokens of each (matcher, row) into its row of `mask`, across llguidance's threads."""
@@ -220,23 +263,3 @@ class StructuredOutputs:
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, work, mask)
-
-    def _prepare(self, seqs: list) -> tuple[np.ndarray | None, list]:
-        """The mask (every token allowed where a row is unconstrained; eos alone where its output
-        left the grammar) and the (matcher, row) pairs still to fill, each matcher caught up."""
-        rows = [(i, s) for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
-        if not rows:
-            return None, []
-        mask = np.full((len(seqs), self.words), -1, np.int32)
-        work = []
-        for i, seq in rows:
-            g = seq.grammar
-            g.catch_up(seq.token_ids, seq.num_known_tokens, seq.request_id)
-            if g.failed:
-                words = mask[i].view(np.uint32)
-                words[:] = 0
-                for t in self.eos_token_ids:
-                    words[t // 32] |= np.uint32(1 << (t % 32))
-            else:
-                work.append((g.matcher, i))
-        return mask, work
