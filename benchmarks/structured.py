@@ -15,7 +15,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 import torch
@@ -36,30 +35,49 @@ def schema(min_items: int) -> dict:
 
 
 class HostTimes:
-    """Where a constrained step's host time goes, per step (ms): on the masks' thread, waiting for
-    the previous step's tokens, the matchers reading them, the fill, queueing the sampling; on the
-    engine thread, waiting for that sampling to be queued before the next launch."""
+    """Where a constrained step's host time goes on the engine thread, per step (ms): the masks'
+    start (`masks_async`: waiting for the previous step's tokens, the matchers reading them, the
+    fill handed to its thread), of which the wait and the reads; then, before the next launch, waiting
+    for the fill and queueing the sampling (`complete`), of which the sampling's upload and launch."""
 
     def __init__(self, engine):
         from baton.engine.model_runner import LaunchedStep
-        from baton.engine.structured_output import GrammarState
 
-        self.totals = {"wait_tokens": 0.0, "read": 0.0, "sample_launch": 0.0, "engine_waits": 0.0}
+        self.totals = {"masks_start": 0.0, "wait_tokens": 0.0, "read": 0.0, "complete": 0.0, "sample_launch": 0.0}
         self.steps = 0
         totals = self.totals
 
-        def timed(key, fn, only_off_main=False):
+        def timed(key, fn):
             def wrapper(*a, **k):
-                if only_off_main and threading.current_thread() is threading.main_thread():
-                    return fn(*a, **k)
                 t0 = time.perf_counter()
                 try:
                     return fn(*a, **k)
                 finally:
                     totals[key] += time.perf_counter() - t0
             return wrapper
-        GrammarState.read = timed("read", GrammarState.read)
-        LaunchedStep.row_tokens = timed("wait_tokens", LaunchedStep.row_tokens, only_off_main=True)
+        structured = engine.structured
+        structured._catch_up = timed("read", structured._catch_up)
+        structured.masks_async = timed("masks_start", structured.masks_async)
+        inner_tokens = LaunchedStep.row_tokens
+
+        def row_tokens(step):               # (the masks' wait: the engine's own read finds them back)
+            t0 = time.perf_counter()
+            try:
+                return inner_tokens(step)
+            finally:
+                if step.finish is None and self.in_masks:
+                    totals["wait_tokens"] += time.perf_counter() - t0
+        LaunchedStep.row_tokens = row_tokens
+        self.in_masks = False
+        inner_start = structured.masks_async
+
+        def masks_async(*a):
+            self.in_masks = True
+            try:
+                return inner_start(*a)
+            finally:
+                self.in_masks = False
+        structured.masks_async = masks_async
         inner_complete = LaunchedStep.complete
 
         def complete(step):
@@ -67,7 +85,7 @@ class HostTimes:
                 return
             t0 = time.perf_counter()
             inner_complete(step)
-            totals["engine_waits"] += time.perf_counter() - t0
+            totals["complete"] += time.perf_counter() - t0
         LaunchedStep.complete = complete
         inner_sample = engine.runner.sample
 
@@ -180,10 +198,12 @@ def main(argv=None) -> None:
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval (s) for the run: how soon a thread waiting for the GIL gets it")
     p.add_argument("--profile", action="store_true", help="also trace the device (torch profiler): idle per step")
+    p.add_argument("--parallel-read", action="store_true", help="matchers read their new tokens across llguidance's threads")
     args = p.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     llm = LLM(args.model, device=args.device, tokenizer=args.tokenizer, max_num_seqs=args.batch)
+    llm.engine.structured.parallel_read = args.parallel_read
     spec = StructuredOutput.json(schema(args.min_items))
     prompts = [llm.tokenizer.encode(f"Request {i}: list the users of team {i} as JSON.") for i in range(args.batch)]
 
@@ -219,6 +239,7 @@ def main(argv=None) -> None:
            "ratio": round(statistics.median(constrained) / statistics.median(plain), 3),
            "mask_ms_per_step": round(1e3 * statistics.median(timer.seconds), 3),
            "host_ms_per_constrained_step": hosts[-1], "switch_interval_s": sys.getswitchinterval(),
+           "parallel_read": args.parallel_read,
            **({"device_trace": profiled} if profiled else {}),
            "outputs_follow_the_schema": ok, "sample_output": llm.tokenizer.decode(texts[0])[:160]}
     print(json.dumps(row), flush=True)

@@ -81,8 +81,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_token_ids(self.source, self.tokenizer)
         self.runner.eos_token_ids = list(self.eos_token_ids)
-        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                            self.runner.platform.bind_thread)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.sampling_defaults = sampling_defaults(self.source.generation_config(self.config.generation_config))
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
@@ -281,11 +280,12 @@ class LLMEngine:
             return outputs
         launched = self.runner.launch(out, prev)
         launched.slots = self.scheduler.advance(out)
-        if launched.deferred is not None:     # structured output: the masks need every token before this
-            # step's, `prev`'s included; a thread of their own waits for those, fills the masks and queues
-            # the sampling while this thread resolves `prev` and schedules and builds the next step (which
-            # waits for that sampling before it launches: LaunchedStep.complete)
-            launched.finish = self.structured.sample_async(launched, prev, self.runner.sample)
+        if launched.deferred is not None:     # structured output: masks from every token before this step's
+            # (`prev`'s are the first thing back), filled on a thread while this thread resolves `prev` and
+            # schedules and builds the next step; its sampling is queued when the next step is launched or
+            # its tokens are read (LaunchedStep.complete)
+            masks = self.structured.masks_async(launched, prev, self.runner.masks.take)
+            launched.finish = lambda step=launched: self.runner.sample(step, masks())
         if prev is not None:
             outputs += self._resolve(prev)
         self.in_flight = launched

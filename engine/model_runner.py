@@ -92,8 +92,7 @@ class ModelRunner:
         self.sampler = Sampler(self.platform.fused_sample, per_row=config.deterministic)
         self.eos_token_ids: list[int] = []     # min_tokens masks them (the engine sets them)
         self.upload = HostUpload(self.device)
-        self.mask_upload = HostUpload(self.device)     # structured output's bitmasks (own pinned buffers)
-        self.mask_stream = self.platform.new_stream()  # ...and their copies
+        self.masks = MaskBuffers(self.device)          # structured output's bitmasks
         self._token_buffers: list[torch.Tensor | None] = [None, None]   # pinned copies of sampled tokens
         self._turn = 0
         self.max_model_len = self._max_model_len()
@@ -273,24 +272,15 @@ class ModelRunner:
         return launched
 
     @torch.inference_mode()
-    def sample(self, launched: LaunchedStep, bitmask: np.ndarray | None) -> None:
+    def sample(self, launched: LaunchedStep, bitmask: torch.Tensor | np.ndarray | None) -> None:
         """Sample a step launched with structured-output rows (`launched.deferred`), under `bitmask`
-        ([N, ceil(vocab / 32)] int32, one row per sampling row; None: nothing masked). The host
-        builds the masks while the device runs the step's forward, which never needs them; the
-        masks' thread calls this (engine/structured_output.sample_async), on the engine's stream."""
+        ([N, ceil(vocab / 32)] int32 on the host, one row per sampling row, best one of `masks.take`;
+        None: nothing masked). The host builds the masks while the device runs the step's forward,
+        which never needs them."""
         inputs, launched.deferred = launched.deferred, None
         logits, sampling, input_ids = inputs.deferred
         inputs.deferred = None
-        mask = None
-        if bitmask is not None:
-            # copied on a stream of its own, so it need not wait behind the forward still running
-            with self.platform.on_stream(self.mask_stream):
-                mask = self.mask_upload(bitmask)[0]
-                ready = self.platform.record_event()
-            if ready is not None:
-                stream = self.platform.runtime.current_stream(self.device)
-                stream.wait_event(ready)
-                mask.record_stream(stream)      # (the allocator keeps it until the sampling has read it)
+        mask = self.masks.upload(bitmask) if bitmask is not None else None
         self._sampled(launched, inputs, self._sample(inputs, logits, sampling, input_ids, mask))
 
     def _sampled(self, launched: LaunchedStep, inputs: StepInputs, sampled: torch.Tensor | None) -> None:
@@ -653,6 +643,42 @@ class HostUpload:
             dtype = _TORCH_OF[a.dtype.type]
             out.append(dev[off:off + a.nbytes].view(dtype).view(a.shape))
         return out
+
+
+class MaskBuffers:
+    """Structured output's bitmasks: the grammar engine fills them in place on the host (`take`),
+    pinned where the device can copy from pinned memory, and each goes to the device in one copy
+    (`upload`). Two buffers alternate; a buffer is refilled only after its last copy has completed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pinned = device.type != "cpu"
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.events: list = [None, None]
+        self.turn = 0
+
+    def take(self, rows: int, words: int) -> torch.Tensor:
+        """A [rows, words] int32 host tensor to fill (its .numpy() shares its memory)."""
+        i, self.turn = self.turn, self.turn ^ 1
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        buf = self.buffers[i]
+        if buf is None or buf.numel() < rows * words:
+            buf = self.buffers[i] = torch.empty(rows * words, dtype=torch.int32, pin_memory=self.pinned)
+        return buf[:rows * words].view(rows, words)
+
+    def upload(self, host: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """The bitmask on the device (a copy under way, ordered before what is queued next)."""
+        if isinstance(host, np.ndarray):
+            host = torch.from_numpy(host)
+        if not self.pinned:
+            return host
+        dev = host.to(self.device, non_blocking=True)
+        for i, buf in enumerate(self.buffers):
+            if buf is not None and buf.untyped_storage().data_ptr() == host.untyped_storage().data_ptr():
+                event = self.events[i] = self.events[i] or torch.Event(self.device)
+                event.record()
+        return dev
 
 
 ALIGN = 64

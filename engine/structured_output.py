@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, TimeoutError
@@ -132,25 +133,28 @@ class GrammarState:
             return
         self.consumed += len(new)
         if not self.matcher.consume_tokens(new):
-            # only a bug (or a resumed output that never obeyed) gets here: the mask then allows eos
-            # alone, so the request ends rather than run unconstrained
-            self.failed = True
-            log.warning("request %s: its output left the grammar: %s", request_id,
-                        self.matcher.get_error().split("\n")[0])
+            self.fail(request_id)
+
+    def fail(self, request_id: str) -> None:
+        """Its output left the grammar: only a bug (or a resumed output that never obeyed) gets here;
+        the mask then allows eos alone, so the request ends rather than run unconstrained."""
+        self.failed = True
+        log.warning("request %s: its output left the grammar: %s", request_id, self.matcher.get_error().split("\n")[0])
 
 
 class StructuredOutputs:
     """The engine's grammar side: matchers for new requests, bitmasks for each step's sampling rows."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int], bind_thread: Callable = lambda: None):
-        self.bind_thread = bind_thread          # sample_async's thread launches on the engine's device
+    parallel_read = False       # matchers read one new token each across llguidance's threads (consume_token_par)
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.words = (vocab_size + 31) // 32
         self._tokenizer = None          # llguidance's view of the vocabulary (~0.3 s to build: on first use)
         self._executor = None
-        self._filler: ThreadPoolExecutor | None = None     # sample_async's one thread
+        self._filler: ThreadPoolExecutor | None = None     # masks_async's one thread
         # spec -> its compiled grammar, checked once; each request gets a matcher of its own. (Copies
         # of one matcher share its lexer, so a batch's masks, filled in parallel, would take turns
         # on it: measured on an H100 host, 64 rows took 2.5 ms on 12 threads that way, 0.76 ms with
@@ -189,21 +193,27 @@ class StructuredOutputs:
         unconstrained ones allow everything."""
         rows = [(i, s.grammar, s.token_ids[s.grammar.start + s.grammar.consumed:s.num_known_tokens], s.request_id)
                 for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
-        return self._masks(len(seqs), rows) if rows else None
+        if not rows:
+            return None
+        mask = np.empty((len(seqs), self.words), np.int32)
+        work = self._catch_up(mask, rows)
+        if work:
+            self.fill(mask, work)
+        return mask
 
-    def sample_async(self, launched, prev, sample: Callable) -> Callable[[], None]:
-        """Sample step `launched` (its forward queued, its sampling deferred: engine/model_runner.py)
-        under its masks, on a thread of its own: it waits for the tokens of `prev` (the step before,
-        still in flight) that the masks need, catches the matchers up, fills the masks (llguidance
-        drops the GIL) and calls `sample(launched, masks)`, which queues the sampling on the device.
-        Meanwhile the engine thread resolves `prev` and schedules and builds the next step.
-
-        Returns what waits for that (LaunchedStep.finish: whatever launches the next step or reads
-        this step's tokens calls it first). Nothing else touches these matchers until it has run."""
+    def masks_async(self, launched, prev, buffer: Callable) -> Callable:
+        """The masks of step `launched` (its forward queued, its sampling deferred: engine/model_runner.py),
+        from every token before its own. Called right after the launch: it waits for the tokens of
+        `prev` (the step before, still in flight: its sampling is queued before this step's forward, so
+        they come first), catches the matchers up, and fills the masks into `buffer(rows, words)` (a host
+        tensor, pinned where the device has pinned memory) on a thread of its own: llguidance drops the
+        GIL while it fills, so the engine thread meanwhile resolves `prev` and schedules and builds the
+        next step. Returns what waits for the fill and gives that tensor (None: nothing constrained);
+        nothing may touch these matchers until it has returned."""
         # (sequence.py imports what imports this module)
         from baton.engine.sequence import PENDING
 
-        rows, pending = [], False
+        rows, pending = [], []
         where = prev.row_of() if prev is not None else {}
         for i, item in enumerate(launched.rows):
             seq = launched.out.scheduled[item].seq
@@ -211,39 +221,59 @@ class StructuredOutputs:
             if g is None or seq.is_finished:
                 continue
             new = seq.token_ids[g.start + g.consumed:launched.slots[item]]    # up to this step's own token
-            row = None
-            if new and new[-1] == PENDING:        # sampled by `prev`: its value comes on the thread
-                new.pop()
+            if new and new[-1] == PENDING:         # sampled by `prev`, whose tokens are on their way
                 row = where.get(seq.seq_id)
-                if row is None or PENDING in new:
+                if row is None or new.count(PENDING) > 1:
                     raise RuntimeError(f"request {seq.request_id}: a pending token no step in flight samples")
-                pending = True
-            rows.append((i, g, new, row, seq.request_id))
-        n = len(launched.rows)
-
-        def run():
-            known = prev.row_tokens() if pending else None
-            work = [(i, g, new if row is None else [*new, known[row]], rid) for i, g, new, row, rid in rows]
-            sample(launched, self._masks(n, work) if work else None)
+                pending.append((len(rows), row))
+            rows.append((i, g, new, seq.request_id))
+        if not rows:
+            return lambda: None
+        if pending:
+            known = prev.row_tokens()
+            for k, row in pending:
+                rows[k][2][-1] = known[row]
+        host = buffer(len(launched.rows), self.words)
+        mask = host.numpy()
+        work = self._catch_up(mask, rows)
+        if not work:
+            return lambda: host
         if self._filler is None:
-            self._filler = ThreadPoolExecutor(1, thread_name_prefix="baton-grammar", initializer=self.bind_thread)
-        future = self._filler.submit(run)
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="baton-grammar")
+        started = threading.Event()
 
-        def wait() -> None:
+        def fill():
+            started.set()
+            self.fill(mask, work)
+        future = self._filler.submit(fill)
+        started.wait(1.0)          # let it into llguidance (which drops the GIL) before going on
+
+        def wait():
             try:
                 future.result(timeout=FILL_TIMEOUT)
             except TimeoutError:
                 raise RuntimeError(f"structured output: a step's masks took over {FILL_TIMEOUT} s") from None
+            return host
         return wait
 
-    def _masks(self, n: int, rows: list) -> np.ndarray:
-        """The masks of `n` sampling rows, `rows` [(row, GrammarState, tokens it has not read, request
-        id)] constrained: each matcher reads its tokens, then fills its row (every token allowed in
-        the other rows; eos alone where an output left the grammar)."""
-        mask = np.full((n, self.words), -1, np.int32)
+    def _catch_up(self, mask: np.ndarray, rows: list) -> list:
+        """Each of `rows` [(row, GrammarState, tokens it has not read, request id)] reads its tokens;
+        returns the (matcher, row) pairs to fill. The other rows of `mask` are set: every token
+        allowed where a row is unconstrained, eos alone where its output left the grammar."""
+        constrained = np.zeros(len(mask), np.bool_)
+        if self.parallel_read and all(len(t) == 1 for _, g, t, _ in rows if not g.failed):
+            live = [(g, t[0], rid) for _, g, t, rid in rows if not g.failed]
+            for (g, _, rid), ok in zip(live, self.executor.consume_token_par([(g.matcher, t) for g, t, _ in live]),
+                                       strict=True):
+                g.consumed += 1
+                if not ok:
+                    g.fail(rid)
+        else:
+            for _, g, tokens, request_id in rows:
+                g.read(tokens, request_id)
         work = []
-        for i, g, tokens, request_id in rows:
-            g.read(tokens, request_id)
+        for i, g, _, _ in rows:
+            constrained[i] = True
             if g.failed:
                 words = mask[i].view(np.uint32)
                 words[:] = 0
@@ -251,15 +281,20 @@ class StructuredOutputs:
                     words[t // 32] |= np.uint32(1 << (t % 32))
             else:
                 work.append((g.matcher, i))
-        if work:
-            self.fill(mask, work)
-        return mask
+        if not constrained.all():
+            mask[~constrained] = -1
+        return work
+
+    @property
+    def executor(self):
+        """llguidance's thread pool (masks, and reads in parallel)."""
+        if self._executor is None:
+            import llguidance
+            self._executor = llguidance.LLExecutor()
+        return self._executor
 
     def fill(self, mask: np.ndarray, work: list) -> None:
         """The allowed tokens of each (matcher, row) into its row of `mask`, across llguidance's threads."""
-        import llguidance
         import llguidance.numpy
 
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, work, mask)
+        llguidance.numpy.fill_next_token_bitmask_par(self.executor, work, mask)
