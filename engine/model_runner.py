@@ -274,9 +274,9 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, launched: LaunchedStep, bitmask: torch.Tensor | np.ndarray | None) -> None:
         """Sample a step launched with structured-output rows (`launched.deferred`), under `bitmask`
-        ([N, ceil(vocab / 32)] int32 on the host, one row per sampling row, best one of `masks.take`;
-        None: nothing masked). The host builds the masks while the device runs the step's forward,
-        which never needs them."""
+        ([N, ceil(vocab / 32)] int32 on the host, one row per sampling row, filled in place in one of
+        `masks.take`'s pinned buffers; None: nothing masked). The host builds the masks while the
+        device runs the step's forward, which never needs them."""
         inputs, launched.deferred = launched.deferred, None
         logits, sampling, input_ids = inputs.deferred
         inputs.deferred = None
@@ -545,11 +545,11 @@ class LaunchedStep:
     step_logprobs: StepLogprobs | None = None
     wanted_logprobs: list | None = None
     deferred: StepInputs | None = None   # launched, not sampled yet: ModelRunner.sample takes its masks
-    finish: Callable[[], None] | None = None   # ...which `complete` waits for (the engine sets it)
+    finish: Callable[[], None] | None = None   # ...which `complete` then runs (the engine sets it)
 
     def complete(self) -> None:
-        """Wait until the deferred sampling, if any, is queued (structured output: the masks' thread
-        queues it, engine/structured_output.py); whatever reads this step's tokens, or feeds them to
+        """Queue the deferred sampling, if any, once its masks are filled (structured output: they
+        fill meanwhile, engine/llm_engine.py); whatever reads this step's tokens, or feeds them to
         the next step, calls this first."""
         if self.finish is not None:
             finish, self.finish = self.finish, None

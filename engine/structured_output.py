@@ -8,11 +8,13 @@ precomputes at compile time), a batch of 64 masks 0.6 ms (xgrammar 0.2 ms), both
 decode step's forward; xgrammar also needs torch, triton and a TVM runtime.
 
 Each constrained sequence holds a `GrammarState` (an llguidance matcher and how far it has read
-the sequence). Before a step samples, `StructuredOutputs.bitmask` brings every matcher up to the
-sequence's known tokens -- whatever came before: the first token from the prefill worker, the
-output a migrated request replays as `prior_output_tokens` of its prompt -- and fills one bitmask
-row per sampling row (all ones for unconstrained rows). The device applies it before sampling
-(engine/logits_processing.apply_token_bitmask). eos is allowed exactly where the grammar may end.
+the sequence). Before a step samples, `StructuredOutputs.masks_async` (the engine's steps;
+`bitmask`, the same at once) brings every matcher up to the tokens before the step's own --
+whatever came before: the first token from the prefill worker, the output a migrated request
+replays as `prior_output_tokens` of its prompt, the token the step still in flight sampled -- and
+fills one bitmask row per sampling row (all ones for unconstrained rows). The sampling kernel reads
+it in its one pass (triton_kernels/sampling.py; elsewhere engine/logits_processing.apply_token_bitmask
+masks the logits first). eos is allowed exactly where the grammar may end.
 """
 from __future__ import annotations
 
