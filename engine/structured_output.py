@@ -212,9 +212,6 @@ class StructuredOutputs:
         GIL while it fills, so the engine thread meanwhile resolves `prev` and schedules and builds the
         next step. Returns what waits for the fill and gives that tensor (None: nothing constrained);
         nothing may touch these matchers until it has returned."""
-        # (sequence.py imports what imports this module)
-        from baton.engine.sequence import PENDING
-
         rows, pending = [], []
         where = prev.row_of() if prev is not None else {}
         for i, item in enumerate(launched.rows):
@@ -223,9 +220,9 @@ class StructuredOutputs:
             if g is None or seq.is_finished:
                 continue
             new = seq.token_ids[g.start + g.consumed:launched.slots[item]]    # up to this step's own token
-            if new and new[-1] == PENDING:         # sampled by `prev`, whose tokens are on their way
+            if seq.num_pending_tokens > 1:         # the last one sampled by `prev`, its value on its way
                 row = where.get(seq.seq_id)
-                if row is None or new.count(PENDING) > 1:
+                if row is None or seq.num_pending_tokens > 2 or not new:
                     raise RuntimeError(f"request {seq.request_id}: a pending token no step in flight samples")
                 pending.append((len(rows), row))
             rows.append((i, g, new, seq.request_id))
