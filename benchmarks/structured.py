@@ -6,7 +6,9 @@ One engine; the same prompts, seeds and token budget decode with and without a J
 of at least `--min-items` records: no output completes it within the budget, so every measured token
 is sampled under a live grammar), in alternating rounds. Decode tok/s counts the tokens after each
 request's first, over the steps after every request has its first token. Also reported: the host
-time per step spent filling the masks (engine/structured_output.py), which the device's forward hides.
+time per step spent filling the masks (engine/structured_output.py, on their own thread), and where a
+constrained step's engine-thread time goes (HostTimes); `--profile` adds a torch profiler trace of
+each batch's device busy and idle time per step. docs/benchmarks.md "Structured output" has the figures.
 """
 from __future__ import annotations
 
@@ -32,6 +34,117 @@ def schema(min_items: int) -> dict:
         "required": ["id", "name", "role", "score", "active"], "additionalProperties": False}
     return {"type": "object", "properties": {"users": {"type": "array", "items": record, "minItems": min_items}},
             "required": ["users"], "additionalProperties": False}
+
+
+class HostTimes:
+    """Where a constrained step's host time goes on the engine thread, per step (ms): the masks'
+    start (`masks_async`: waiting for the previous step's tokens, the matchers reading them, the
+    fill handed to its thread), of which the wait and the reads; then, before the next launch, waiting
+    for the fill and queueing the sampling (`complete`), of which the sampling's upload and launch,
+    of which the masks' copy (`upload`)."""
+
+    def __init__(self, engine):
+        from baton.engine.model_runner import LaunchedStep
+
+        self.totals = {"masks_start": 0.0, "wait_tokens": 0.0, "read": 0.0, "complete": 0.0, "sample_launch": 0.0,
+                       "upload": 0.0}
+        self.steps = 0
+        totals = self.totals
+
+        def timed(key, fn):
+            def wrapper(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    totals[key] += time.perf_counter() - t0
+            return wrapper
+        structured = engine.structured
+        structured._catch_up = timed("read", structured._catch_up)
+        structured.masks_async = timed("masks_start", structured.masks_async)
+        inner_tokens = LaunchedStep.row_tokens
+
+        def row_tokens(step):               # (the masks' wait: the engine's own read finds them back)
+            t0 = time.perf_counter()
+            try:
+                return inner_tokens(step)
+            finally:
+                if step.finish is None and self.in_masks:
+                    totals["wait_tokens"] += time.perf_counter() - t0
+        LaunchedStep.row_tokens = row_tokens
+        self.in_masks = False
+        inner_start = structured.masks_async
+
+        def masks_async(*a):
+            self.in_masks = True
+            try:
+                return inner_start(*a)
+            finally:
+                self.in_masks = False
+        structured.masks_async = masks_async
+        inner_complete = LaunchedStep.complete
+
+        def complete(step):
+            if step.finish is None:
+                return
+            t0 = time.perf_counter()
+            inner_complete(step)
+            totals["complete"] += time.perf_counter() - t0
+        LaunchedStep.complete = complete
+        engine.runner.masks.upload = timed("upload", engine.runner.masks.upload)
+        inner_sample = engine.runner.sample
+
+        def sample(*a):
+            self.steps += 1
+            return inner_sample(*a)
+        engine.runner.sample = timed("sample_launch", sample)
+
+    def snapshot(self) -> tuple[dict, int]:
+        return dict(self.totals), self.steps
+
+    def per_step(self, since: tuple[dict, int]) -> dict:
+        before, steps = since
+        n = max(1, self.steps - steps)
+        return {k: round(1e3 * (v - before[k]) / n, 3) for k, v in self.totals.items()}
+
+
+def gpu_idle(llm: LLM, prompts, params, skip: int = 40, steps: int = 40) -> dict:
+    """A torch profiler trace (device activity only) of `steps` engine steps after `skip`: the
+    device's busy and idle time per step (kernels and copies, overlaps counted once)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    for ids, p in zip(prompts, params, strict=True):
+        engine.add_request(ids, p)
+    for _ in range(skip):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    while engine.has_work:
+        engine.step()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end, gaps = 0.0, None, []
+    for a, b in spans:
+        if end is None or a > end:
+            if end is not None:
+                gaps.append(a - end)
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    span = spans[-1][1] - spans[0][0] if spans else 0.0
+    gaps.sort(reverse=True)
+    return {"steps": steps, "wall_ms_per_step": round(1e3 * wall / steps, 3),
+            "device_busy_ms_per_step": round(busy / 1e3 / steps, 3),
+            "device_idle_ms_per_step": round((span - busy) / 1e3 / steps, 3),
+            "largest_gaps_ms": [round(g / 1e3, 3) for g in gaps[:steps:max(1, steps // 8)]]}
 
 
 class MaskTimer:
@@ -87,8 +200,19 @@ def main(argv=None) -> None:
     p.add_argument("--min-items", type=int, default=64, help="the schema's minimum array length (keeps it open)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output", default=None)
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval (s) for the run: how soon a thread waiting for the GIL gets it")
+    p.add_argument("--profile", action="store_true", help="also trace the device (torch profiler): idle per step")
+    p.add_argument("--parallel-read", action="store_true", help="matchers read their new tokens across llguidance's threads")
+    p.add_argument("--fill-threads", type=int, default=None, help="llguidance's threads (default: its own, 80%% of the cores)")
     args = p.parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     llm = LLM(args.model, device=args.device, tokenizer=args.tokenizer, max_num_seqs=args.batch)
+    llm.engine.structured.parallel_read = args.parallel_read
+    if args.fill_threads:
+        import llguidance
+        llm.engine.structured._executor = llguidance.LLExecutor(args.fill_threads)
     spec = StructuredOutput.json(schema(args.min_items))
     prompts = [llm.tokenizer.encode(f"Request {i}: list the users of team {i} as JSON.") for i in range(args.batch)]
 
@@ -97,15 +221,25 @@ def main(argv=None) -> None:
                                structured=structured) for i in range(args.batch)]
     decode(llm, prompts[:4], [SamplingParams(temperature=1.0, max_tokens=8, structured=spec)] * 4)  # warm: vocabulary
     timer = MaskTimer(llm.engine)
-    plain, constrained, texts = [], [], []
+    host = HostTimes(llm.engine)
+    plain, constrained, texts, hosts = [], [], [], []
     for r in range(args.rounds):
         plain.append(decode(llm, prompts, params(None))[0])
-        n_masks = len(timer.seconds)
+        n_masks, since = len(timer.seconds), host.snapshot()
         tok_s, tokens, texts = decode(llm, prompts, params(spec))
         constrained.append(tok_s)
+        hosts.append(host.per_step(since))
         print(f"[structured] round {r}: plain {plain[-1]:.0f} tok/s, json_schema {tok_s:.0f} tok/s "
-              f"({tokens} tokens), masks {1e3 * statistics.mean(timer.seconds[n_masks:]):.2f} ms a step",
-              file=sys.stderr, flush=True)
+              f"({tokens} tokens), masks {1e3 * statistics.mean(timer.seconds[n_masks:]):.2f} ms a step, "
+              f"host ms a step {hosts[-1]}", file=sys.stderr, flush=True)
+    profiled = {}
+    if args.profile and torch.cuda.is_available():
+        try:
+            profiled = {"plain": gpu_idle(llm, prompts, params(None)),
+                        "json_schema": gpu_idle(llm, prompts, params(spec))}
+        except Exception as exc:          # (the figures above stand without it)
+            profiled = {"error": repr(exc)}
+        print(f"[structured] device trace: {profiled}", file=sys.stderr, flush=True)
     ok = obeyed(llm, spec, texts)
     row = {"model": args.model, "device": args.device,
            "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -113,6 +247,9 @@ def main(argv=None) -> None:
            "plain_tok_s": round(statistics.median(plain), 1), "json_schema_tok_s": round(statistics.median(constrained), 1),
            "ratio": round(statistics.median(constrained) / statistics.median(plain), 3),
            "mask_ms_per_step": round(1e3 * statistics.median(timer.seconds), 3),
+           "host_ms_per_constrained_step": hosts[-1], "switch_interval_s": sys.getswitchinterval(),
+           "parallel_read": args.parallel_read, "fill_threads": args.fill_threads,
+           **({"device_trace": profiled} if profiled else {}),
            "outputs_follow_the_schema": ok, "sample_output": llm.tokenizer.decode(texts[0])[:160]}
     print(json.dumps(row), flush=True)
     if args.output:

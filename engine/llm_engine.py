@@ -280,13 +280,14 @@ class LLMEngine:
             return outputs
         launched = self.runner.launch(out, prev)
         launched.slots = self.scheduler.advance(out)
+        if launched.deferred is not None:     # structured output: masks from every token before this step's
+            # (`prev`'s are the first thing back), filled on a thread while this thread resolves `prev` and
+            # schedules and builds the next step; its sampling is queued when the next step is launched or
+            # its tokens are read (LaunchedStep.complete)
+            masks = self.structured.masks_async(launched, prev, self.runner.masks.take)
+            launched.finish = lambda step=launched: self.runner.sample(step, masks())
         if prev is not None:
             outputs += self._resolve(prev)
-        if launched.deferred is not None:     # structured output: masks from every token before this step's,
-            # filled on a thread while this thread schedules and builds the next step; its sampling is
-            # queued when the next step is launched or its tokens are read (LaunchedStep.complete)
-            masks = self.structured.bitmask_async(launched.sampling_seqs())
-            launched.finish = lambda step=launched: self.runner.sample(step, masks.result())
         self.in_flight = launched
         if not self.look_ahead or any(item.draft for item in out.scheduled):
             outputs += self._resolve(launched)

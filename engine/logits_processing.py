@@ -139,6 +139,42 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+class MaskBuffers:
+    """Structured output's bitmasks: the grammar engine fills them in place on the host (`take`),
+    pinned where the device can copy from pinned memory, and each goes to the device in one copy
+    (`upload`). Two buffers alternate; a buffer is refilled only after its last copy has completed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pinned = device.type != "cpu"
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.events: list = [None, None]
+        self.turn = 0
+
+    def take(self, rows: int, words: int) -> torch.Tensor:
+        """A [rows, words] int32 host tensor to fill (its .numpy() shares its memory)."""
+        i, self.turn = self.turn, self.turn ^ 1
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        buf = self.buffers[i]
+        if buf is None or buf.numel() < rows * words:
+            buf = self.buffers[i] = torch.empty(rows * words, dtype=torch.int32, pin_memory=self.pinned)
+        return buf[:rows * words].view(rows, words)
+
+    def upload(self, host: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """The bitmask on the device (a copy under way, ordered before what is queued next)."""
+        if isinstance(host, np.ndarray):
+            host = torch.from_numpy(host)
+        if not self.pinned:
+            return host
+        dev = host.to(self.device, non_blocking=True)
+        for i, buf in enumerate(self.buffers):
+            if buf is not None and buf.untyped_storage().data_ptr() == host.untyped_storage().data_ptr():
+                event = self.events[i] = self.events[i] or torch.Event(self.device)
+                event.record()
+        return dev
+
+
 def _apply_min_p(x: torch.Tensor, min_p: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """Drop tokens whose probability at the row's temperature is under min_p x the top one's."""
     top = x.max(dim=-1, keepdim=True).values

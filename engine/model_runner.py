@@ -17,6 +17,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.kv_blocks import pack_blocks_on_device, unpack_blocks
 from baton.engine.logits_processing import (
     LogitsProcessing,
+    MaskBuffers,
     ProcessingInputs,
     apply_logits_processing,
     apply_token_bitmask,
@@ -93,7 +94,7 @@ class ModelRunner:
         self.sampler = Sampler(self.platform.fused_sample, per_row=config.deterministic)
         self.eos_token_ids: list[int] = []     # min_tokens masks them (the engine sets them)
         self.upload = HostUpload(self.device)
-        self.mask_upload = HostUpload(self.device)     # structured output's bitmasks (own pinned buffers)
+        self.masks = MaskBuffers(self.device)          # structured output's bitmasks
         self._token_buffers: list[torch.Tensor | None] = [None, None]   # pinned copies of sampled tokens
         self._turn = 0
         self.max_model_len = self._max_model_len()
@@ -274,14 +275,15 @@ class ModelRunner:
         return launched
 
     @torch.inference_mode()
-    def sample(self, launched: LaunchedStep, bitmask: np.ndarray | None) -> None:
+    def sample(self, launched: LaunchedStep, bitmask: torch.Tensor | np.ndarray | None) -> None:
         """Sample a step launched with structured-output rows (`launched.deferred`), under `bitmask`
-        ([N, ceil(vocab / 32)] int32, one row per sampling row; None: nothing masked). The host
-        builds the masks while the device runs the step's forward, which never needs them."""
+        ([N, ceil(vocab / 32)] int32 on the host, one row per sampling row, filled in place in one of
+        `masks.take`'s pinned buffers; None: nothing masked). The host builds the masks while the
+        device runs the step's forward, which never needs them."""
         inputs, launched.deferred = launched.deferred, None
         logits, sampling, input_ids = inputs.deferred
         inputs.deferred = None
-        mask = self.mask_upload(bitmask)[0] if bitmask is not None else None
+        mask = self.masks.upload(bitmask) if bitmask is not None else None
         self._sampled(launched, inputs, self._sample(inputs, logits, sampling, input_ids, mask))
 
     def _sampled(self, launched: LaunchedStep, inputs: StepInputs, sampled: torch.Tensor | None) -> None:
@@ -345,11 +347,11 @@ class ModelRunner:
     def _sample(self, inputs: StepInputs, logits: torch.Tensor, sampling: SamplingBatch, input_ids: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         raw = log_softmax(logits) if inputs.num_logprobs >= 0 else None     # of the raw logits, as vLLM
-        if mask is not None:                           # structured output's allowed tokens
-            logits = apply_token_bitmask(logits, mask)
         if inputs.processing_dev is not None:          # penalties, biases, min_tokens, min_p
+            if mask is not None:                       # (of the allowed tokens: structured output's mask first)
+                logits, mask = apply_token_bitmask(logits, mask), None
             logits = apply_logits_processing(logits, inputs.processing_dev, sampling.temperatures, input_ids)
-        sampled = self.sampler(logits, sampling)
+        sampled = self.sampler(logits, sampling, mask)     # (the mask, if any, read in the sampling pass)
         if raw is not None:
             sampled_logprobs(raw, sampled, inputs.num_logprobs, inputs.logprobs_dev)
         return sampled
@@ -549,15 +551,12 @@ class LaunchedStep:
     finish: Callable[[], None] | None = None   # ...which `complete` then runs (the engine sets it)
 
     def complete(self) -> None:
-        """Queue the deferred sampling, if any (masks being filled meanwhile: engine/llm_engine.py);
-        whatever reads this step's tokens, or feeds them to the next step, calls this first."""
+        """Queue the deferred sampling, if any, once its masks are filled (structured output: they
+        fill meanwhile, engine/llm_engine.py); whatever reads this step's tokens, or feeds them to
+        the next step, calls this first."""
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
-
-    def sampling_seqs(self) -> list:
-        """The sequence of each sampling row."""
-        return [self.out.scheduled[item].seq for item in self.rows]
 
     def token_logprobs(self, tokens: list[int | None]) -> list[TokenLogprob | None]:
         """Each scheduled item's sampled token's record (None: none asked); after `tokens()`."""
@@ -577,13 +576,17 @@ class LaunchedStep:
         """seq_id -> its row among the sampled tokens."""
         return {self.seq_ids[item]: k for k, item in enumerate(self.rows)}
 
-    def tokens(self) -> list[int | None]:
-        """The sampled token of each scheduled item (None: it did not sample); waits for this
-        step only."""
+    def row_tokens(self) -> list[int]:
+        """The sampled token of each sampling row; waits for this step only."""
         self.complete()
         if self.event is not None:
             self.event.synchronize()
-        values = self.host_tokens.tolist() if self.host_tokens is not None else []
+        return self.host_tokens.tolist() if self.host_tokens is not None else []
+
+    def tokens(self) -> list[int | None]:
+        """The sampled token of each scheduled item (None: it did not sample); waits for this
+        step only."""
+        values = self.row_tokens()
         result: list[int | None] = [None] * len(self.out.scheduled)
         for item, token in zip(self.rows, values, strict=True):
             result[item] = token
@@ -592,10 +595,7 @@ class LaunchedStep:
     def token_lists(self) -> list[list[int] | None]:
         """Every token sampled for each scheduled item, in order (several for an item with
         guesses: one after its last token and one after each guess); None: it did not sample."""
-        self.complete()
-        if self.event is not None:
-            self.event.synchronize()
-        values = self.host_tokens.tolist() if self.host_tokens is not None else []
+        values = self.row_tokens()
         result: list[list[int] | None] = [None] * len(self.out.scheduled)
         for item, token in zip(self.rows, values, strict=True):
             if result[item] is None:

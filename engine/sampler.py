@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.engine.logits_processing import apply_token_bitmask
+
 _M64 = (1 << 64) - 1
 
 
@@ -66,20 +68,25 @@ class Sampler:
         self.per_row = per_row
         self._steps = random.Random(0x5EED)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """`bitmask`: structured output's allowed tokens ([N, words] int32, engine/logits_processing.py's
+        apply_token_bitmask); the fused kernel reads it in its one pass, other paths mask a copy first."""
+        fused = self.fused is not None and not (batch.all_greedy or batch.any_top_k or batch.any_top_p)
+        if bitmask is not None and not fused:
+            logits, bitmask = apply_token_bitmask(logits, bitmask), None
         if batch.all_greedy:
             return logits.argmax(dim=-1)
-        if self.fused is not None and not (batch.any_top_k or batch.any_top_p):
-            return self._fused(logits, batch)
+        if fused:
+            return self._fused(logits, batch, bitmask)
         sampled = self._plain(logits, batch)
         if self.per_row and self.fused is not None:
             filtered = (batch.top_ks > 0) | (batch.top_ps < 1)
             return torch.where(filtered, sampled, self._fused(logits, batch))
         return sampled
 
-    def _fused(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        return self.fused(logits, batch.temperatures, batch.seeds, batch.has_seed, batch.positions,
-                          self._steps.getrandbits(31))
+    def _fused(self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        args = (logits, batch.temperatures, batch.seeds, batch.has_seed, batch.positions, self._steps.getrandbits(31))
+        return self.fused(*args) if bitmask is None else self.fused(*args, bitmask)
 
     def _plain(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits.float()

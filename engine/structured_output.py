@@ -8,11 +8,13 @@ precomputes at compile time), a batch of 64 masks 0.6 ms (xgrammar 0.2 ms), both
 decode step's forward; xgrammar also needs torch, triton and a TVM runtime.
 
 Each constrained sequence holds a `GrammarState` (an llguidance matcher and how far it has read
-the sequence). Before a step samples, `StructuredOutputs.bitmask` brings every matcher up to the
-sequence's known tokens -- whatever came before: the first token from the prefill worker, the
-output a migrated request replays as `prior_output_tokens` of its prompt -- and fills one bitmask
-row per sampling row (all ones for unconstrained rows). The device applies it before sampling
-(engine/logits_processing.apply_token_bitmask). eos is allowed exactly where the grammar may end.
+the sequence). Before a step samples, `StructuredOutputs.masks_async` (the engine's steps;
+`bitmask`, the same at once) brings every matcher up to the tokens before the step's own --
+whatever came before: the first token from the prefill worker, the output a migrated request
+replays as `prior_output_tokens` of its prompt, the token the step still in flight sampled -- and
+fills one bitmask row per sampling row (all ones for unconstrained rows). The sampling kernel reads
+it in its one pass (triton_kernels/sampling.py; elsewhere engine/logits_processing.apply_token_bitmask
+masks the logits first). eos is allowed exactly where the grammar may end.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, TimeoutError
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +33,7 @@ log = logging.getLogger("baton.engine")
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 200_000
 MAX_CHOICES = 1024
+FILL_TIMEOUT = 120.0    # seconds a step's masks may take (llguidance bounds each mask's work; this bounds the wait)
 TEMPLATES = 64          # compiled grammars kept per engine, most recently used: a spec seen again skips compiling
 # one line of JSON with the separators models were trained on; flexible whitespace lets a small
 # model run on newlines until max_tokens (vLLM added `disable_any_whitespace` for that)
@@ -125,22 +129,25 @@ class GrammarState:
         self.consumed = 0
         self.failed = False
 
-    def catch_up(self, token_ids: list[int], known: int, request_id: str) -> None:
-        """Read the tokens it has not seen among the sequence's first `known`."""
-        new = token_ids[self.start + self.consumed:known]
+    def read(self, new: list[int], request_id: str) -> None:
+        """Read the sequence's next tokens (those after the ones it has read)."""
         if not new or self.failed:
             return
         self.consumed += len(new)
         if not self.matcher.consume_tokens(new):
-            # only a bug (or a resumed output that never obeyed) gets here: the mask then allows eos
-            # alone, so the request ends rather than run unconstrained
-            self.failed = True
-            log.warning("request %s: its output left the grammar: %s", request_id,
-                        self.matcher.get_error().split("\n")[0])
+            self.fail(request_id)
+
+    def fail(self, request_id: str) -> None:
+        """Its output left the grammar: only a bug (or a resumed output that never obeyed) gets here;
+        the mask then allows eos alone, so the request ends rather than run unconstrained."""
+        self.failed = True
+        log.warning("request %s: its output left the grammar: %s", request_id, self.matcher.get_error().split("\n")[0])
 
 
 class StructuredOutputs:
     """The engine's grammar side: matchers for new requests, bitmasks for each step's sampling rows."""
+
+    parallel_read = False       # matchers read one new token each across llguidance's threads (consume_token_par)
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self.hf_tokenizer = hf_tokenizer
@@ -149,7 +156,7 @@ class StructuredOutputs:
         self.words = (vocab_size + 31) // 32
         self._tokenizer = None          # llguidance's view of the vocabulary (~0.3 s to build: on first use)
         self._executor = None
-        self._filler: ThreadPoolExecutor | None = None     # bitmask_async's one thread
+        self._filler: ThreadPoolExecutor | None = None     # masks_async's one thread
         # spec -> its compiled grammar, checked once; each request gets a matcher of its own. (Copies
         # of one matcher share its lexer, so a batch's masks, filled in parallel, would take turns
         # on it: measured on an H100 host, 64 rows took 2.5 ms on 12 threads that way, 0.76 ms with
@@ -183,23 +190,53 @@ class StructuredOutputs:
 
     def bitmask(self, seqs: list) -> np.ndarray | None:
         """[N, ceil(vocab / 32)] int32, bit t of row i: token t allowed for sampling row i (sequence
-        seqs[i]); None when no row is constrained. Rows of finished sequences (a row in flight
-        after its request ended) and unconstrained ones allow everything."""
-        mask, work = self._prepare(seqs)
+        seqs[i]), each matcher first caught up to its sequence's known tokens; None when no row is
+        constrained. Rows of finished sequences (a row in flight after its request ended) and
+        unconstrained ones allow everything."""
+        rows = [(i, s.grammar, s.token_ids[s.grammar.start + s.grammar.consumed:s.num_known_tokens], s.request_id)
+                for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
+        if not rows:
+            return None
+        mask = np.empty((len(seqs), self.words), np.int32)
+        work = self._catch_up(mask, rows)
         if work:
             self.fill(mask, work)
         return mask
 
-    def bitmask_async(self, seqs: list) -> Future:
-        """`bitmask`, its matchers read up to the tokens known now, and the masks filled on a thread
-        of their own: llguidance releases the GIL while it fills, so the engine thread meanwhile
-        schedules and builds the next step. Nothing may touch these matchers until the result is
-        taken (the engine takes it before it reads the next tokens)."""
-        mask, work = self._prepare(seqs)
+    def masks_async(self, launched, prev, buffer: Callable) -> Callable:
+        """The masks of step `launched` (its forward queued, its sampling deferred: engine/model_runner.py),
+        from every token before its own. Called right after the launch: it waits for the tokens of
+        `prev` (the step before, still in flight: its sampling is queued before this step's forward, so
+        they come first), catches the matchers up, and fills the masks into `buffer(rows, words)` (a host
+        tensor, pinned where the device has pinned memory) on a thread of its own: llguidance drops the
+        GIL while it fills, so the engine thread meanwhile resolves `prev` and schedules and builds the
+        next step. Returns what waits for the fill and gives that tensor (None: nothing constrained);
+        nothing may touch these matchers until it has returned."""
+        rows, pending = [], []
+        where = prev.row_of() if prev is not None else {}
+        for i, item in enumerate(launched.rows):
+            seq = launched.out.scheduled[item].seq
+            g = seq.grammar
+            if g is None or seq.is_finished:
+                continue
+            new = seq.token_ids[g.start + g.consumed:launched.slots[item]]    # up to this step's own token
+            if seq.num_pending_tokens > 1:         # the last one sampled by `prev`, its value on its way
+                row = where.get(seq.seq_id)
+                if row is None or seq.num_pending_tokens > 2 or not new:
+                    raise RuntimeError(f"request {seq.request_id}: a pending token no step in flight samples")
+                pending.append((len(rows), row))
+            rows.append((i, g, new, seq.request_id))
+        if not rows:
+            return lambda: None
+        if pending:
+            known = prev.row_tokens()
+            for k, row in pending:
+                rows[k][2][-1] = known[row]
+        host = buffer(len(launched.rows), self.words)
+        mask = host.numpy()
+        work = self._catch_up(mask, rows)
         if not work:
-            done: Future = Future()
-            done.set_result(mask)
-            return done
+            return lambda: host
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="baton-grammar")
         started = threading.Event()
@@ -207,31 +244,35 @@ class StructuredOutputs:
         def fill():
             started.set()
             self.fill(mask, work)
-            return mask
         future = self._filler.submit(fill)
         started.wait(1.0)          # let it into llguidance (which drops the GIL) before going on
-        return future
 
-    def fill(self, mask: np.ndarray, work: list) -> None:
-        """The allowed tokens of each (matcher, row) into its row of `mask`, across llguidance's threads."""
-        import llguidance
-        import llguidance.numpy
+        def wait():
+            try:
+                future.result(timeout=FILL_TIMEOUT)
+            except TimeoutError:
+                raise RuntimeError(f"structured output: a step's masks took over {FILL_TIMEOUT} s") from None
+            return host
+        return wait
 
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, work, mask)
-
-    def _prepare(self, seqs: list) -> tuple[np.ndarray | None, list]:
-        """The mask (every token allowed where a row is unconstrained; eos alone where its output
-        left the grammar) and the (matcher, row) pairs still to fill, each matcher caught up."""
-        rows = [(i, s) for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
-        if not rows:
-            return None, []
-        mask = np.full((len(seqs), self.words), -1, np.int32)
+    def _catch_up(self, mask: np.ndarray, rows: list) -> list:
+        """Each of `rows` [(row, GrammarState, tokens it has not read, request id)] reads its tokens;
+        returns the (matcher, row) pairs to fill. The other rows of `mask` are set: every token
+        allowed where a row is unconstrained, eos alone where its output left the grammar."""
+        constrained = np.zeros(len(mask), np.bool_)
+        if self.parallel_read and all(len(t) == 1 for _, g, t, _ in rows if not g.failed):
+            live = [(g, t[0], rid) for _, g, t, rid in rows if not g.failed]
+            for (g, _, rid), ok in zip(live, self.executor.consume_token_par([(g.matcher, t) for g, t, _ in live]),
+                                       strict=True):
+                g.consumed += 1
+                if not ok:
+                    g.fail(rid)
+        else:
+            for _, g, tokens, request_id in rows:
+                g.read(tokens, request_id)
         work = []
-        for i, seq in rows:
-            g = seq.grammar
-            g.catch_up(seq.token_ids, seq.num_known_tokens, seq.request_id)
+        for i, g, _, _ in rows:
+            constrained[i] = True
             if g.failed:
                 words = mask[i].view(np.uint32)
                 words[:] = 0
@@ -239,4 +280,20 @@ class StructuredOutputs:
                     words[t // 32] |= np.uint32(1 << (t % 32))
             else:
                 work.append((g.matcher, i))
-        return mask, work
+        if not constrained.all():
+            mask[~constrained] = -1
+        return work
+
+    @property
+    def executor(self):
+        """llguidance's thread pool (masks, and reads in parallel)."""
+        if self._executor is None:
+            import llguidance
+            self._executor = llguidance.LLExecutor()
+        return self._executor
+
+    def fill(self, mask: np.ndarray, work: list) -> None:
+        """The allowed tokens of each (matcher, row) into its row of `mask`, across llguidance's threads."""
+        import llguidance.numpy
+
+        llguidance.numpy.fill_next_token_bitmask_par(self.executor, work, mask)

@@ -523,6 +523,34 @@ def test_the_one_pass_sampler_draws_what_the_torch_sampler_draws():
     assert torch.allclose(freq, torch.softmax(small[0], -1), atol=0.015), freq
 
 
+@pytest.mark.device
+@pytest.mark.skipif(not (HAS_GPU and HAS_TRITON), reason="needs a CUDA GPU and triton")
+def test_the_one_pass_sampler_reads_a_token_bitmask_as_the_masked_logits():
+    """Structured output's mask read inside the sampling kernel draws exactly what the kernel draws
+    from logits masked first (engine/logits_processing.apply_token_bitmask), greedy rows included,
+    and never a disallowed token; a row of one allowed token draws it."""
+    from baton.engine.logits_processing import apply_token_bitmask
+    from baton.engine.platforms.triton_kernels.sampling import sample
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n, vocab = 64, 151936
+    words = (vocab + 31) // 32
+    logits = (torch.randn(n, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    bits = torch.rand(n, words * 32, device="cuda", generator=g) < 0.02
+    bits[3] = False
+    bits[3, 12345] = True
+    packed = (bits.view(n, words, 32).int() << torch.arange(32, device="cuda", dtype=torch.int32)).sum(-1)
+    mask = packed.to(torch.int64).where(packed < 2 ** 31, packed.to(torch.int64) - 2 ** 32).to(torch.int32)
+    temps = torch.where(torch.arange(n, device="cuda") % 4 == 0, 0.0, 1.0).float()
+    seeds = torch.arange(n, device="cuda", dtype=torch.int64) + 11
+    has_seed = torch.arange(n, device="cuda") % 2 == 0
+    positions = torch.arange(n, device="cuda", dtype=torch.int64)
+    got = sample(logits, temps, seeds, has_seed, positions, 7, mask)
+    want = sample(apply_token_bitmask(logits, mask), temps, seeds, has_seed, positions, 7)
+    assert torch.equal(got, want)
+    assert bits[torch.arange(n, device="cuda"), got].all()
+    assert got[3].item() == 12345
+
+
 # -- fused MoE experts (issue 21) -------------------------------------------------------------
 # (tokens, experts, top_k, hidden, intermediate): each tile bucket of pick_tiles, T=1, an
 # intermediate size that is no power of two, experts no token picks, and both alignments (one

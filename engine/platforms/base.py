@@ -209,8 +209,9 @@ class Platform(ABC):
         event.record(stream if stream is not None else self.runtime.current_stream(self.device))
         return event
 
-    # (a platform may offer `fused_sample(logits, temperatures, seeds, has_seed, positions,
-    # step_seed)`: one-pass temperature sampling; engine/sampler.py falls back to plain torch)
+    # (a platform may offer `fused_sample(logits, temperatures, seeds, has_seed, positions, step_seed,
+    # bitmask=None)`: one-pass temperature sampling, structured output's token mask read in the same
+    # pass; engine/sampler.py falls back to plain torch)
     fused_sample = None
 
     def can_pin_memory(self) -> bool:

@@ -7,6 +7,8 @@ the running argmax. Greedy rows (T = 0) take the plain argmax. Seeded rows draw 
 from the same splitmix64 hash of (seed, position, token id) as `engine/sampler.py`, so a
 request's tokens depend on its seed and history only; unseeded rows use Philox (`tl.rand`)
 keyed by a per-step seed. Rows with top-k or top-p are left to the plain-torch sampler.
+Structured output's token bitmask (one bit per token, [N, words] int32) is read in the same
+pass: a disallowed token's logit counts as -inf, with no masked copy of the logits.
 
 Measured against the torch path on the H100/H200 it replaces ~10 passes over a
 [batch, vocab] float32 tensor (logits.float(), softmax, noise, division, argmax).
@@ -32,7 +34,7 @@ def _hashed_uniform(seed, position, ids):
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride, temps_ptr, seeds_ptr, has_seed_ptr, positions_ptr, out_ptr, vocab,
-                   step_seed, BLOCK: tl.constexpr):
+                   step_seed, mask_ptr, words, BLOCK: tl.constexpr, MASKED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     temp = tl.load(temps_ptr + row)
     seeded = tl.load(has_seed_ptr + row) != 0
@@ -45,6 +47,9 @@ def _sample_kernel(logits_ptr, stride, temps_ptr, seeds_ptr, has_seed_ptr, posit
         ids = start + tl.arange(0, BLOCK)
         mask = ids < vocab
         x = tl.load(logits_ptr + row * stride + ids, mask=mask, other=float("-inf")).to(tl.float32)
+        if MASKED:                                                  # tokens past the words: not allowed
+            word = tl.load(mask_ptr + row * words + ids // 32, mask=mask & (ids // 32 < words), other=0)
+            x = tl.where(((word >> (ids % 32)) & 1) != 0, x, float("-inf"))
         if temp > 0:
             if seeded:
                 u = _hashed_uniform(seed, position, ids)
@@ -62,13 +67,16 @@ def _sample_kernel(logits_ptr, stride, temps_ptr, seeds_ptr, has_seed_ptr, posit
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, has_seed: torch.Tensor,
-           positions: torch.Tensor, step_seed: int) -> torch.Tensor:
-    """One sampled token id per row of `logits` [N, vocab] (any float dtype, unit last stride)."""
+           positions: torch.Tensor, step_seed: int, bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """One sampled token id per row of `logits` [N, vocab] (any float dtype, unit last stride);
+    `bitmask` [N, words] int32: bit t of row i set where row i may draw token t."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     n, vocab = logits.shape
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n:
+        masked = bitmask is not None
         _sample_kernel[(n,)](logits, logits.stride(0), temperatures, seeds, has_seed, positions, out, vocab,
-                             step_seed, BLOCK=BLOCK, num_warps=8)
+                             step_seed, bitmask if masked else out, bitmask.shape[1] if masked else 0,
+                             BLOCK=BLOCK, MASKED=masked, num_warps=8)
     return out
