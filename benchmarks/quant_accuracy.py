@@ -12,7 +12,8 @@ counts. Perplexity = exp(mean negative log-likelihood). Agreement: the share of 
 whose most likely next token is the full-precision mode's.
 
 Modes: full (--dtype, weights and KV as is: the reference), fp8 (--quantization fp8), fp8+kv8
-(and --kv-cache-dtype fp8), kv8 (the cache alone). --dtype is the activations' dtype throughout
+(and --kv-cache-dtype fp8), kv8 (the cache alone); fp8+kv8 and kv8 scale K and V per layer and kv
+head (--kv-cache-scales calibrate, the default), fp8+kv8-one and kv8-one do not (scale 1). --dtype is the activations' dtype throughout
 (default: the platform's, float32 on the CPU, where bf16 matmuls are several times slower).
 """
 from __future__ import annotations
@@ -29,7 +30,10 @@ import time
 
 MODULES = ("argparse", "textwrap", "string")
 MODES = {"full": {}, "fp8": {"quantization": "fp8"}, "fp8+kv8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-         "kv8": {"kv_cache_dtype": "fp8"}}
+         "kv8": {"kv_cache_dtype": "fp8"},
+         # the float8 cache unscaled (--kv-cache-scales one), against the per-head scales the others use
+         "fp8+kv8-one": {"quantization": "fp8", "kv_cache_dtype": "fp8", "kv_cache_scales": "one"},
+         "kv8-one": {"kv_cache_dtype": "fp8", "kv_cache_scales": "one"}}
 TOLERANCE = 0.03        # the issue's acceptance: within 3 % of full precision's perplexity
 
 

@@ -107,21 +107,21 @@ class RowAttention:
         self.platform = platform
         self._rows: tuple[AttnMetadata, AttnMetadata] | None = None   # (step, its rows): every layer asks
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        self.platform.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, kv_scale=None) -> None:
+        self.platform.store_kv(key, value, k_cache, v_cache, slot_mapping, kv_scale)
 
     def _rows_of(self, meta: AttnMetadata) -> AttnMetadata:
         if self._rows is None or self._rows[0] is not meta:
             self._rows = (meta, row_metadata(meta))
         return self._rows[1]
 
-    def prefill_attention(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float):
+    def prefill_attention(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float, kv_scale=None):
         if k_cache is None:      # no cache (a bare forward in tests): nothing to be invariant with
             return self.platform.prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
-        return self.platform.row_attention(q, k_cache, v_cache, self._rows_of(meta), scale)
+        return self.platform.row_attention(q, k_cache, v_cache, self._rows_of(meta), scale, kv_scale)
 
-    def decode_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float):
-        return self.platform.row_attention(q, k_cache, v_cache, meta, scale)
+    def decode_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float, kv_scale=None):
+        return self.platform.row_attention(q, k_cache, v_cache, meta, scale, kv_scale)
 
 
 __all__ = ["RowAttention", "fixed_rows_linear", "make_batch_invariant", "row_metadata"]

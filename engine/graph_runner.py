@@ -65,7 +65,7 @@ class DecodeGraphs:
         r, q = self.runner, self.q
         what = "decode" if q == 1 else f"verify ({q - 1} guesses)"
         for i, bs in enumerate(reversed(self.buckets)):        # largest first: it sizes the pool
-            ctx = ForwardContext(self._meta(bs), r.kv_caches, r.attention, r.scale)
+            ctx = ForwardContext(self._meta(bs), r.kv_caches, r.attention, r.scale, r.kv_scales)
             args = (self.input_ids[:bs * q], self.positions[:bs * q], ctx)
             r.model(*args)                                     # warm-up: kernels compiled, workspaces sized
             self.platform.synchronize()

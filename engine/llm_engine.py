@@ -67,6 +67,7 @@ class KVSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    kv_scales: str = ""                # a float8 cache's scales, as a checksum (engine/kv_scales.py); "" = none
 
 
 class LLMEngine:
@@ -238,7 +239,7 @@ class LLMEngine:
         """The paged cache's shape, what a KV transfer's two ends must agree on."""
         m = self.runner.model
         return KVSpec(str(self.runner.kv_dtype).removeprefix("torch."), self.config.block_size, m.num_layers,
-                      m.num_kv_heads, m.head_dim)
+                      m.num_kv_heads, m.head_dim, self.runner.kv_scales_checksum)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

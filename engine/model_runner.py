@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from baton.engine import kv_scales
 from baton.engine.config import EngineConfig
 from baton.engine.kv_blocks import pack_blocks_on_device, unpack_blocks
 from baton.engine.logits_processing import (
@@ -36,6 +37,7 @@ from baton.engine.logprobs_device import (
 from baton.engine.logprobs_device import prompt as prompt_logprobs
 from baton.engine.multimodal import step_positions
 from baton.engine.platforms import Platform, get_platform
+from baton.engine.platforms.base import is_fp8
 from baton.engine.sampler import Sampler, SamplingBatch
 from baton.engine.scheduler import SchedulerOutput
 from baton.engine.sequence import PENDING
@@ -91,6 +93,9 @@ class ModelRunner:
             self.model.head_dim, self.kv_dtype)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.model.num_layers)]
         self.scale = self.model.head_dim ** -0.5
+        # a float8 cache's K and V scales per (layer, kv head), fixed from here on (graphs read them)
+        self.kv_scales = self._kv_scales()
+        self.kv_scales_checksum = kv_scales.checksum(self.kv_scales)     # what the KV handshake compares
         self.sampler = Sampler(self.platform.fused_sample, per_row=config.deterministic)
         self.eos_token_ids: list[int] = []     # min_tokens masks them (the engine sets them)
         self.upload = HostUpload(self.device)
@@ -168,6 +173,19 @@ class ModelRunner:
             self.platform.runtime.empty_cache()      # the KV cache is sized from what is free now
         return method
 
+    def _kv_scales(self) -> torch.Tensor | None:
+        """[layers, 2, kv_heads] float32: the checkpoint's K/V cache scales, else calibrated now
+        (engine/kv_scales.py); None without a float8 cache or with --kv-cache-scales one (1)."""
+        if not is_fp8(self.kv_dtype) or self.config.kv_cache_scales == "one":
+            return None
+        m = self.model
+        found = kv_scales.from_checkpoint(getattr(m, "checkpoint_kv_scales", {}), m.num_layers, m.num_kv_heads,
+                                          self.device)
+        if found is not None:
+            return found
+        positions = getattr(self.source.hf_config, "max_position_embeddings", kv_scales.CALIBRATION_TOKENS)
+        return kv_scales.calibrate(m, self.attention, self.scale, self.vocab_size, positions, self.device)
+
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """Run each prefill kernel variant once (long and short prompts, with and without cached
@@ -194,7 +212,7 @@ class ModelRunner:
         meta = AttnMetadata(is_decode=False, slot_mapping=slots, query_start_loc=starts_d, seq_lens=lens,
                             block_tables=tables, max_query_len=new, max_seq_len=seq_len, has_context=context > 0,
                             query_start_loc_cpu=[0, new], seq_lens_cpu=[seq_len])
-        hidden = self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.attention, self.scale))
+        hidden = self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.attention, self.scale, self.kv_scales))
         self.model.compute_logits(hidden[-1:])
 
     def pack_kv(self, block_ids: list[int]):
@@ -317,7 +335,7 @@ class ModelRunner:
         elif self.verify_graphs is not None and inputs.uniform_query_len == self.verify_graphs.q:
             hidden = self.verify_graphs.run(input_ids, positions, meta)
         else:
-            ctx = ForwardContext(meta, self.kv_caches, self.attention, self.scale)
+            ctx = ForwardContext(meta, self.kv_caches, self.attention, self.scale, self.kv_scales)
             extra = {}
             if inputs.mrope_positions is not None:    # images in the step: vision embeddings and MRoPE
                 from baton.engine.vision_step import multimodal_step  # (text models never load it)

@@ -17,7 +17,7 @@ DTYPE_BYTES = {
 # Fields whose values must be equal on both ends; `backends` needs one value in common instead.
 # tp_rank is included: rank r of a prefill group holds a different slice of heads than rank r+1.
 MATCHED_FIELDS = ("model", "architecture", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim",
-                  "tp_size", "tp_rank")
+                  "tp_size", "tp_rank", "kv_scales")
 _INT_FIELDS = ("block_size", "num_layers", "num_kv_heads", "head_dim", "tp_size")
 
 
@@ -37,6 +37,7 @@ class KVLayout:
     tp_size: int = 1
     tp_rank: int = 0
     backends: list[str] = field(default_factory=lambda: ["grpc"])
+    kv_scales: str = ""                  # a float8 cache's per-head K/V scales, as a checksum; "" = none (scale 1)
 
     def __post_init__(self) -> None:
         self.dtype = self.dtype.removeprefix("torch.")
@@ -65,14 +66,14 @@ class KVLayout:
         return kvtransfer_pb2.KVLayout(
             model=self.model, architecture=self.architecture, dtype=self.dtype, block_size=self.block_size,
             num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            tp_size=self.tp_size, tp_rank=self.tp_rank, backends=self.backends)
+            tp_size=self.tp_size, tp_rank=self.tp_rank, backends=self.backends, kv_scales=self.kv_scales)
 
     @classmethod
     def from_proto(cls, msg: kvtransfer_pb2.KVLayout) -> KVLayout:
         """Raises ValueError when the message does not describe a usable layout."""
         return cls(model=msg.model, architecture=msg.architecture, dtype=msg.dtype, block_size=msg.block_size,
                    num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim,
-                   tp_size=msg.tp_size, tp_rank=msg.tp_rank, backends=list(msg.backends))
+                   tp_size=msg.tp_size, tp_rank=msg.tp_rank, backends=list(msg.backends), kv_scales=msg.kv_scales)
 
 
 def layout_differences(local: KVLayout, remote: KVLayout, local_role: str = "decode",
@@ -94,4 +95,5 @@ def check_compatible(local: KVLayout, remote: KVLayout, local_role: str = "decod
         raise KVLayoutMismatch(f"incompatible KV layouts ({len(diffs)} field{'s' * (len(diffs) > 1)} differ): "
                                + "; ".join(diffs)
                                + f". Start the {remote_role} and {local_role} workers with the same model, "
-                               "dtype (--dtype and --kv-cache-dtype), block size and parallelism.")
+                               "dtype (--dtype and --kv-cache-dtype), KV cache scales (--kv-cache-scales), "
+                               "block size and parallelism.")

@@ -18,13 +18,14 @@ class AttentionBackend(Protocol):
     """The part of a platform (baton.engine.platforms) a forward pass calls."""
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None: ...
+                 slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None: ...
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
-                          v_cache: torch.Tensor | None, meta: AttnMetadata, scale: float) -> torch.Tensor: ...
+                          v_cache: torch.Tensor | None, meta: AttnMetadata, scale: float,
+                          kv_scale: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
-                         scale: float) -> torch.Tensor: ...
+                         scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -33,13 +34,16 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None   # per layer (k_cache, v_cache); None = no cache
     platform: AttentionBackend
     scale: float
+    # a float8 cache's K and V scales, [layers, 2, kv_heads] float32 (engine/kv_scales.py); None: 1
+    kv_scales: torch.Tensor | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> [T, Hq, D]."""
         if self.kv_caches is None:
             return self.platform.prefill_attention(q, k, v, None, None, self.meta, self.scale)
         k_cache, v_cache = self.kv_caches[layer_idx]
-        self.platform.store_kv(k, v, k_cache, v_cache, self.meta.slot_mapping)
+        kv_scale = None if self.kv_scales is None else self.kv_scales[layer_idx]
+        self.platform.store_kv(k, v, k_cache, v_cache, self.meta.slot_mapping, kv_scale)
         if self.meta.is_decode:
-            return self.platform.decode_attention(q, k_cache, v_cache, self.meta, self.scale)
-        return self.platform.prefill_attention(q, k, v, k_cache, v_cache, self.meta, self.scale)
+            return self.platform.decode_attention(q, k_cache, v_cache, self.meta, self.scale, kv_scale)
+        return self.platform.prefill_attention(q, k, v, k_cache, v_cache, self.meta, self.scale, kv_scale)

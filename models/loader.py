@@ -3,6 +3,7 @@ deterministic random weights for presets."""
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from baton.models.layers.moe import is_moe_layer
 from baton.models.registry import model_class
 
 IGNORED = ("rotary_emb.inv_freq",)
+# a float8 KV cache's scales in FP8 checkpoints (vLLM, compressed-tensors): one per layer, for K and V
+# (kv_scale: one for both); kept on the model as `checkpoint_kv_scales` (engine/kv_scales.py)
+KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(k|v|kv)_scale$")
 
 
 def build_model(hf_config, dtype: torch.dtype, device, ops, tp_rank: int = 0, tp_size: int = 1,
@@ -29,7 +33,8 @@ def build_model(hf_config, dtype: torch.dtype, device, ops, tp_rank: int = 0, tp
 def load_weights(model: nn.Module, path: str | Path) -> None:
     """Every tensor of the checkpoint into its parameter. A pre-quantized checkpoint's FP8
     tensors arrive widened (times their scales, which may sit in another file); their
-    scales and static input scales are consumed, not loaded (models/layers/quantization.py)."""
+    scales and static input scales are consumed, not loaded (models/layers/quantization.py).
+    KV cache scales go to `model.checkpoint_kv_scales` {layer: (k, v)}."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {path}")
@@ -37,6 +42,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     block = quantization.block_size(model.config)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    kv_scales: dict[int, dict[str, float]] = {}
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(safe_open(f, framework="pt")) for f in files]
         where = {name: st for st in handles for name in st.keys()}
@@ -46,10 +52,19 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
             for name in st.keys():
                 if any(name.endswith(s) for s in IGNORED) or (quantized and quantization.is_scale(name)):
                     continue
+                if hit := KV_SCALE.search(name):     # a scalar (or one per head: the largest serves)
+                    kv_scales.setdefault(int(hit[1]), {})[hit[2]] = float(st.get_tensor(name).float().max())
+                    continue
                 loaded.add(_load_one(model, params, name, _read(st, name, where, quantized, block)))
     if len(files) > 1:
         print(file=sys.stderr)
     _check_complete(model, params, loaded)
+    model.checkpoint_kv_scales = {}
+    for layer, found in kv_scales.items():
+        k, v = found.get("k", found.get("kv")), found.get("v", found.get("kv"))
+        if k is None or v is None:
+            raise ValueError(f"checkpoint layer {layer} has a KV cache scale for {'K' if v is None else 'V'} only")
+        model.checkpoint_kv_scales[layer] = (k, v)
 
 
 def _read(st, name: str, where: dict, quantized: bool, block) -> torch.Tensor:

@@ -125,7 +125,8 @@ class EngineCore:
         spec = self.llm.kv_spec
         return KVLayout(model=self.llm.source.name, architecture=self.llm.source.architecture, dtype=spec.dtype,
                         block_size=spec.block_size, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
-                        head_dim=spec.head_dim, tp_size=1, tp_rank=0, backends=self.kv_backends())
+                        head_dim=spec.head_dim, tp_size=1, tp_rank=0, backends=self.kv_backends(),
+                        kv_scales=spec.kv_scales)
 
     async def handle(self, method: str, args: tuple):
         fn = getattr(self, f"cmd_{method}", None)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from baton.engine.config import (
     DEFAULT_MODEL,
     KV_CACHE_DTYPES,
+    KV_CACHE_SCALES,
     NPU_GRAPH_MODES,
     QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
@@ -169,9 +170,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "tokens (per-token dynamic scales), int32 accumulation: torch_npu's npu_dynamic_quant + "
               "npu_quant_matmul on Ascend, torch._int_mm on the CPU (not CUDA)")
     flag(g, "--kv-cache-dtype", default=e.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-         help="auto: the KV cache in the model dtype; fp8: float8 e4m3 (per-tensor scale 1, saturating), half "
-              "of bf16's bytes per token in memory and on the wire (CUDA 8.9+ and the CPU; not on Ascend). "
-              "Prefill and decode workers must agree: the KV handshake refuses a mismatch")
+         help="auto: the KV cache in the model dtype; fp8: float8 e4m3 (K and V scaled per layer and kv head, "
+              "saturating), half of bf16's bytes per token in memory and on the wire (CUDA 8.9+ and the CPU; not "
+              "on Ascend). Prefill and decode workers must agree: the KV handshake refuses a mismatch")
+    flag(g, "--kv-cache-scales", default=e.kv_cache_scales, choices=KV_CACHE_SCALES,
+         help="an fp8 KV cache's scales, one for K and one for V per layer and kv head: calibrate (the "
+              "checkpoint's k_scale/v_scale where it carries them, else calibrated at load from one forward over "
+              "a fixed token sequence: each head's largest |K| and |V| to a quarter of e4m3's range, in powers of "
+              "two; the same on every worker of the same model), or one (no scaling). Prefill and decode workers "
+              "must agree: the KV handshake compares the scales")
 
 
 DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -245,7 +252,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling, deterministic=args.deterministic,
         speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_batch=args.speculative_max_batch, scheduling_policy=args.scheduling_policy,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, kv_cache_scales=args.kv_cache_scales)
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:

@@ -191,6 +191,82 @@ def test_fp8_kv_cache_serves_close_to_full_precision_and_halves_nothing_else(tin
         assert x.token_ids[:2] == y.token_ids[:2]
 
 
+def _rewrite(src, dst, edit):
+    """A copy of checkpoint `src` at `dst` whose tensors went through edit(dict) first."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    (path,) = dst.glob("*.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return dst
+
+
+def _prompt_logprobs(llm, sp):
+    return [torch.tensor([e.logprob for e in o.prompt_logprobs[1:]]) for o in llm.generate(PROMPTS, sp)]
+
+
+def test_kv_scales_per_head_keep_an_fp8_cache_close_where_scale_one_cannot(tiny, tmp_path):
+    """A model whose values e4m3 cannot hold at scale 1: V a thousandth of the usual (below e4m3's
+    smallest subnormal, 2^-9, mostly) and K three hundred times it (past +-448; q shrunk as much, so
+    the scores stay). Scales calibrated at load (engine/kv_scales.py) are powers of two, the same on
+    a second load (the checksum the KV handshake compares), land each head's calibrated largest |K|
+    and |V| in (448/8, 448/4], and keep the prompt's logprobs near full precision's, where scale 1
+    (--kv-cache-scales one) is far off."""
+    from baton.engine import LLM, SamplingParams
+    from baton.engine import kv_scales as ks
+
+    def skew(t):
+        for name in t:
+            if name.endswith("v_proj.weight"):
+                t[name] = t[name] * 1e-3
+            elif name.endswith("k_norm.weight"):
+                t[name] = t[name] * 300
+            elif name.endswith("q_norm.weight"):
+                t[name] = t[name] / 300
+    path = str(_rewrite(tiny["bf16"], tmp_path / "skewed", skew))
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
+    kw = dict(num_kv_blocks=32, max_model_len=128, max_num_batched_tokens=16)    # chunked: later chunks read the cache
+    full = _prompt_logprobs(LLM(path, **kw), sp)
+    cal = LLM(path, kv_cache_dtype="fp8", **kw)
+    runner = cal.engine.runner
+    scales = runner.kv_scales
+    assert scales.shape == (runner.model.num_layers, 2, runner.model.num_kv_heads)
+    assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))
+    assert float(scales[:, 0].min()) >= 0.5 and float(scales[:, 1].max()) <= 2 ** -8
+    again = LLM(path, kv_cache_dtype="fp8", **kw).engine
+    assert torch.equal(again.runner.kv_scales, scales)
+    assert again.kv_spec.kv_scales == cal.engine.kv_spec.kv_scales == ks.checksum(scales) != ""
+    one = LLM(path, kv_cache_dtype="fp8", kv_cache_scales="one", **kw)
+    assert one.engine.runner.kv_scales is None and one.engine.kv_spec.kv_scales == ""
+    err_cal = max(float((a - b).abs().max()) for a, b in zip(full, _prompt_logprobs(cal, sp), strict=True))
+    err_one = max(float((a - b).abs().max()) for a, b in zip(full, _prompt_logprobs(one, sp), strict=True))
+    assert err_cal < 0.1 and err_one > 5 * err_cal, (err_cal, err_one)
+
+
+def test_kv_scales_a_checkpoint_carries_are_used_and_a_partial_set_refused(tiny, tmp_path):
+    """vLLM's and compressed-tensors' FP8 checkpoints carry self_attn.k_scale / v_scale per layer:
+    an fp8 cache takes them (every kv head), a full-precision one ignores them, and scales for some
+    layers only are refused."""
+    from baton.engine import LLM
+
+    def carry(t, layers=(0, 1)):
+        for i in layers:
+            t[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.25 * (i + 1))
+            t[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.125)
+    path = str(_rewrite(tiny["bf16"], tmp_path / "scaled", carry))
+    kw = dict(num_kv_blocks=16, max_model_len=64)
+    scales = LLM(path, kv_cache_dtype="fp8", **kw).engine.runner.kv_scales
+    assert scales[:, 0, :].tolist() == [[0.25] * scales.shape[2], [0.5] * scales.shape[2]]
+    assert bool((scales[:, 1] == 0.125).all())
+    assert LLM(path, **kw).engine.runner.kv_scales is None
+    partial = str(_rewrite(tiny["bf16"], tmp_path / "partial", lambda t: carry(t, (1,))))
+    with pytest.raises(ValueError, match="KV cache scales for 1 of 2 layers"):
+        LLM(partial, kv_cache_dtype="fp8", **kw)
+
+
 def test_the_npu_refuses_an_fp8_kv_cache_clearly():
     from baton.engine.config import PlatformOptions
     from baton.engine.platforms import get_platform
@@ -198,23 +274,23 @@ def test_the_npu_refuses_an_fp8_kv_cache_clearly():
         get_platform("npu:0", PlatformOptions(npu_emulation=True)).check_kv_layout(128, 64, torch.float8_e4m3fn)
 
 
-def _workers(prefill_kv: str, decode_kv: str):
+def _workers(prefill_kv: str, decode_kv: str, prefill_extra: tuple[str, ...] = ()):
     """A decode and a prefill worker (tiny-llama, CPU, in-memory KV backend) in this process."""
     from test_kv_handoff import workers
-    return workers(("--kv-cache-dtype", prefill_kv), ("--kv-cache-dtype", decode_kv))
+    return workers(("--kv-cache-dtype", prefill_kv, *prefill_extra), ("--kv-cache-dtype", decode_kv))
 
 
 PD_PROMPT = list(range(1000, 1050))
 
 
-async def _handoff(prefill_kv: str, decode_kv: str):
+async def _handoff(prefill_kv: str, decode_kv: str, prefill_extra: tuple[str, ...] = ()):
     """Admit on decode, prefill with a hand-off, collect the decode stream: (tokens, decode layout)."""
     import asyncio
 
     from baton.engine import SamplingParams
     from baton.serving.wire import sampling_to_proto
     from baton.v1 import decode_pb2, prefill_pb2
-    async with _workers(prefill_kv, decode_kv) as (prefill, decode):
+    async with _workers(prefill_kv, decode_kv, prefill_extra) as (prefill, decode):
         sampling = sampling_to_proto(SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         admitted = await decode.admit(decode_pb2.AdmitRequest(request_id="r", prompt_token_ids=PD_PROMPT,
                                                               sampling=sampling, timeout_ms=20_000))
@@ -234,12 +310,13 @@ async def _handoff(prefill_kv: str, decode_kv: str):
 def test_fp8_kv_moves_between_workers_and_a_dtype_mismatch_is_refused():
     """Prefill and decode both at --kv-cache-dtype fp8: the float8 bytes move (a quarter of float32's
     here) and decode continues from them as it does from full-precision KV. A prefill at fp8 and a decode
-    at auto: the hand-off is refused naming the dtypes."""
+    at auto: the hand-off is refused naming the dtypes; both at fp8 but under other K/V scales (the
+    prefill's at 1, --kv-cache-scales one): refused naming the scales."""
     import asyncio
 
     from baton.kvtransfer.layout import KVLayout
     tokens, layout = asyncio.run(_handoff("fp8", "fp8"))
-    assert layout.dtype == "float8_e4m3fn"
+    assert layout.dtype == "float8_e4m3fn" and len(layout.kv_scales) == 16
     full = KVLayout(layout.model, layout.architecture, "float32", layout.block_size, layout.num_layers,
                     layout.num_kv_heads, layout.head_dim)
     assert layout.block_nbytes * 4 == full.block_nbytes
@@ -248,6 +325,9 @@ def test_fp8_kv_moves_between_workers_and_a_dtype_mismatch_is_refused():
     with pytest.raises(Exception, match="dtype: prefill has 'float8_e4m3fn', decode has 'float32'") as err:
         asyncio.run(_handoff("fp8", "auto"))
     assert "--kv-cache-dtype" in str(err.value)
+    with pytest.raises(Exception, match=f"kv_scales: prefill has '', decode has '{layout.kv_scales}'") as err:
+        asyncio.run(_handoff("fp8", "fp8", ("--kv-cache-scales", "one")))
+    assert "--kv-cache-scales" in str(err.value)
 
 
 # -- CUDA: the Triton quantizer, the scaled GEMM, attention over a float8 cache, graphs -----------------
@@ -330,6 +410,41 @@ def test_attention_over_a_float8_cache_matches_the_widened_reference():
             out = platform.prefill_attention(batch.q, k_new, v_new, k8, v8, meta, scale)
             ref = cpu.prefill_attention(q, k_new.double().cpu(), v_new.double().cpu(), *wide, _on_cpu(meta), scale)
         assert rel_err(out.cpu(), ref) < 1e-2
+
+
+@on_gpu
+def test_attention_over_a_float8_cache_with_per_head_scales_matches_the_cpu_reference():
+    """Per-(kv head) K and V scales (engine/kv_scales.py), powers of two from 2^-6 to 2^3: the Triton
+    store divides by them (the CPU's bytes), and decode, deterministic mode's rows, prefill with
+    context (every key from the cache) and without (this step's own keys rounded as cached) multiply
+    them back: the CPU reference's numbers on the same bytes, in float64."""
+    from test_platform_cuda import KV_HEADS, cuda_platform, make_batch, rel_err
+    fp8 = torch.float8_e4m3fn
+    platform, cpu = cuda_platform(), CpuPlatform(torch.device("cpu"))
+    spread = torch.exp2(torch.randint(-6, 4, (2, KV_HEADS), generator=torch.Generator().manual_seed(3)).float())
+    kv_scale = spread.cuda()
+    for ctx, qlen in (([16, 600, 4100, 32], [1, 1, 1, 1]), ([0, 40, 300], [19, 7, 64]), ([0, 0], [33, 5])):
+        batch = make_batch(ctx, qlen, 4, 128, 16, torch.bfloat16, seed=len(ctx))
+        k8, v8 = (c.float().clamp(-448, 448).to(fp8) for c in (batch.k_cache, batch.v_cache))
+        ck, cv = k8.cpu(), v8.cpu()
+        k_new = (batch.k.float() * 8 * spread[0, :, None].cuda()).to(torch.bfloat16)     # each head its own size
+        v_new = (batch.v.float() * spread[1, :, None].cuda()).to(torch.bfloat16)
+        platform.store_kv(k_new, v_new, k8, v8, batch.meta.slot_mapping, kv_scale)
+        meta, cmeta = batch.meta, _on_cpu(batch.meta)
+        cpu.store_kv(k_new.cpu(), v_new.cpu(), ck, cv, cmeta.slot_mapping, spread)
+        assert torch.equal(k8.view(torch.uint8).cpu(), ck.view(torch.uint8))
+        assert torch.equal(v8.view(torch.uint8).cpu(), cv.view(torch.uint8))
+        scale = 128 ** -0.5
+        q = batch.q.double().cpu()
+        if meta.is_decode:
+            ref = cpu.decode_attention(q, ck, cv, cmeta, scale, spread)
+            for out in (platform.decode_attention(batch.q, k8, v8, meta, scale, kv_scale),
+                        platform.row_attention(batch.q, k8, v8, meta, scale, kv_scale)):
+                assert rel_err(out.cpu(), ref) < 1e-2
+        else:
+            out = platform.prefill_attention(batch.q, k_new, v_new, k8, v8, meta, scale, kv_scale)
+            ref = cpu.prefill_attention(q, k_new.double().cpu(), v_new.double().cpu(), ck, cv, cmeta, scale, spread)
+            assert rel_err(out.cpu(), ref) < 1e-2
 
 
 def _on_cpu(meta: AttnMetadata) -> AttnMetadata:

@@ -134,18 +134,31 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype == quantization.FP8
 
 
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x as the KV cache stores it: float8 e4m3 (--kv-cache-dtype fp8, per-tensor scale 1) saturates
-    at +-448 instead of overflowing to NaN; any other dtype is a plain cast."""
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., Hkv, D] as the KV cache stores it: float8 e4m3 (--kv-cache-dtype fp8) holds x / scale
+    (one scale per kv head, engine/kv_scales.py; None: 1), saturating at +-448 instead of
+    overflowing to NaN; any other dtype is a plain cast."""
     if is_fp8(dtype):
+        if scale is not None:
+            x = x.float() / scale[:, None]
         return x.clamp(-quantization.FP8_MAX, quantization.FP8_MAX).to(dtype)
     return x.to(dtype)
 
 
-def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+def from_cache_dtype(x: torch.Tensor, dtype: torch.dtype | None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Cached entries [..., Hkv, D] in `dtype`: a float8 cache's widened and times its per-head
+    scale; any other cache's as they are."""
+    if not is_fp8(x.dtype) or dtype is None:
+        return x
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() * scale[:, None]).to(dtype)
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x rounded as the cache would hold it, in x's dtype: a prefill's own keys and values take
     the same rounding as those a later step reads back, so prefill and decode see one model."""
-    return to_cache_dtype(x, cache_dtype).to(x.dtype) if is_fp8(cache_dtype) else x
+    return from_cache_dtype(to_cache_dtype(x, cache_dtype, scale), x.dtype, scale) if is_fp8(cache_dtype) else x
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -268,13 +281,16 @@ class Platform(ABC):
 
     @abstractmethod
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write key/value [T, Hkv, D] into caches [blocks, block_size, Hkv, D]; slot -1 = skip."""
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+        """Write key/value [T, Hkv, D] into caches [blocks, block_size, Hkv, D]; slot -1 = skip.
+        kv_scale [2, Hkv] float32 (a float8 cache's K and V scales per kv head, engine/kv_scales.py;
+        None: 1): the cache holds key / kv_scale[0], value / kv_scale[1], and every attention
+        below multiplies them back."""
 
     @abstractmethod
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
-                          meta: AttnMetadata, scale: float) -> torch.Tensor:
+                          meta: AttnMetadata, scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of this step's tokens over each sequence's whole history.
 
         q [T, Hq, D]; k/v [T, Hkv, D] are this step's tokens (already stored in the cache).
@@ -283,11 +299,11 @@ class Platform(ABC):
 
     @abstractmethod
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttnMetadata, scale: float) -> torch.Tensor:
+                         meta: AttnMetadata, scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """One query token per sequence, q [B, Hq, D], over paged caches -> [B, Hq, D]."""
 
     def row_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      rows: AttnMetadata, scale: float) -> torch.Tensor:
+                      rows: AttnMetadata, scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Deterministic mode's attention (engine/batch_invariant.py): as decode_attention, one query
         row per entry of `rows`, but each row's reduction order must depend on its own length
         alone, never on the other rows (no split of the context by batch size)."""

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from baton.engine.platforms.base import Platform, as_cached, is_fp8, to_cache_dtype
+from baton.engine.platforms.base import Platform, as_cached, from_cache_dtype, is_fp8, to_cache_dtype
 from baton.models.attention_metadata import AttnMetadata
 
 
@@ -33,19 +33,21 @@ class CpuPlatform(Platform):
         does not, the weights are widened per call: the same numbers, slower."""
         return "scaled_mm" if _cpu_scaled_mm() else "dequant"
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, kv_scale=None) -> None:
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-        key, value = to_cache_dtype(key, k_cache.dtype), to_cache_dtype(value, v_cache.dtype)
+        ks, vs = _split(kv_scale)
+        key, value = to_cache_dtype(key, k_cache.dtype, ks), to_cache_dtype(value, v_cache.dtype, vs)
         if is_fp8(k_cache.dtype):       # index_copy_ has no float8 kernel on the CPU: copy the bytes
             k_cache, v_cache, key, value = (t.view(torch.uint8) for t in (k_cache, v_cache, key, value))
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
-    def prefill_attention(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float):
+    def prefill_attention(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float, kv_scale=None):
+        ks, vs = _split(kv_scale)
         if k_cache is not None:
-            k, v = as_cached(k, k_cache.dtype), as_cached(v, v_cache.dtype)
+            k, v = as_cached(k, k_cache.dtype, ks), as_cached(v, v_cache.dtype, vs)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -53,20 +55,21 @@ class CpuPlatform(Platform):
             if qe == qs:
                 continue
             if meta.has_context and k_cache is not None:
-                keys, values = gather_sequence_kv(k_cache, v_cache, meta.block_tables[i], seq_len, q.dtype)
+                keys, values = gather_sequence_kv(k_cache, v_cache, meta.block_tables[i], seq_len, q.dtype, kv_scale)
             else:
                 keys, values = k[qs:qe], v[qs:qe]
             out[qs:qe] = _causal_attention(q[qs:qe], keys, values, scale)
         return out
 
-    def decode_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float):
+    def decode_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float, kv_scale=None):
         block_size = k_cache.shape[1]
         tables = meta.block_tables.long().clamp(min=0)
         max_blocks = (meta.max_seq_len + block_size - 1) // block_size
         tables = tables[:, :max_blocks]
         b = tables.shape[0]
-        keys = _widened(k_cache[tables], q.dtype).reshape(b, max_blocks * block_size, *k_cache.shape[2:])
-        values = _widened(v_cache[tables], q.dtype).reshape(b, max_blocks * block_size, *v_cache.shape[2:])
+        ks, vs = _split(kv_scale)
+        keys = from_cache_dtype(k_cache[tables], q.dtype, ks).reshape(b, max_blocks * block_size, *k_cache.shape[2:])
+        values = from_cache_dtype(v_cache[tables], q.dtype, vs).reshape(b, max_blocks * block_size, *v_cache.shape[2:])
         positions = torch.arange(keys.shape[1], device=q.device)
         mask = positions[None, :] < meta.seq_lens[:, None].to(positions.dtype)     # [B, S]
         out = F.scaled_dot_product_attention(
@@ -77,7 +80,7 @@ class CpuPlatform(Platform):
         return out.squeeze(2).to(q.dtype)
 
 
-    def row_attention(self, q, k_cache, v_cache, rows: AttnMetadata, scale: float):
+    def row_attention(self, q, k_cache, v_cache, rows: AttnMetadata, scale: float, kv_scale=None):
         """Each row alone, in shapes fixed by its own length: its keys gathered and laid out the
         same way whatever the batch, the group's query heads times its keys as one batched
         matmul per kv head, softmax, times its values."""
@@ -85,7 +88,7 @@ class CpuPlatform(Platform):
         hkv, d = k_cache.shape[2], k_cache.shape[3]
         group = q.shape[1] // hkv
         for r, seq_len in enumerate(rows.seq_lens_cpu):
-            keys, values = gather_sequence_kv(k_cache, v_cache, rows.block_tables[r], seq_len, q.dtype)
+            keys, values = gather_sequence_kv(k_cache, v_cache, rows.block_tables[r], seq_len, q.dtype, kv_scale)
             k_t = keys.permute(1, 2, 0).contiguous()           # [Hkv, D, L]
             v_r = values.permute(1, 0, 2).contiguous()         # [Hkv, L, D]
             q_r = q[r].reshape(hkv, group, d).to(k_t.dtype)
@@ -94,9 +97,9 @@ class CpuPlatform(Platform):
         return out
 
 
-def _widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A float8 cache's entries in the queries' dtype (attention does not run in float8 here)."""
-    return x.to(dtype) if is_fp8(x.dtype) and dtype is not None else x
+def _split(kv_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A layer's [2, Hkv] K/V scales as (K's, V's); (None, None) without."""
+    return (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
 
 
 def _cpu_scaled_mm() -> bool:
@@ -108,15 +111,17 @@ def _cpu_scaled_mm() -> bool:
     return True
 
 
-def gather_sequence_kv(k_cache, v_cache, block_table, seq_len: int, dtype: torch.dtype | None = None):
+def gather_sequence_kv(k_cache, v_cache, block_table, seq_len: int, dtype: torch.dtype | None = None,
+                       kv_scale: torch.Tensor | None = None):
     """The first seq_len cached tokens of one sequence, [seq_len, Hkv, D] each (a float8 cache's
-    widened to `dtype`)."""
+    widened to `dtype`, times its per-head scales `kv_scale` [2, Hkv])."""
     block_size = k_cache.shape[1]
     n = (seq_len + block_size - 1) // block_size
     blocks = block_table[:n].long()
     keys = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:seq_len]
     values = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:seq_len]
-    return _widened(keys, dtype), _widened(values, dtype)
+    ks, vs = _split(kv_scale)
+    return from_cache_dtype(keys, dtype, ks), from_cache_dtype(values, dtype, vs)
 
 
 def _causal_attention(q, keys, values, scale):

@@ -146,11 +146,11 @@ class CudaPlatform(Platform):
         return graph, out
 
     # -- KV cache and attention -------------------------------------------------------------
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, kv_scale=None) -> None:
         from baton.engine.platforms.triton_kernels import kv_store
-        kv_store.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        kv_store.store_kv(key, value, k_cache, v_cache, slot_mapping, kv_scale)
 
-    def prefill_attention(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float):
+    def prefill_attention(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float, kv_scale=None):
         nd = meta.num_decode_rows
         if nd and k_cache is not None and nd < meta.num_seqs:
             # a mixed step: its decode rows through the decode kernel, which reads each KV head once
@@ -158,32 +158,33 @@ class CudaPlatform(Platform):
             # tiles of mostly padding for a one-token query)
             decode, prefill = meta.split_decodes()
             out = torch.empty_like(q)
-            out[:nd] = self.decode_attention(q[:nd], k_cache, v_cache, decode, scale)
-            out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, prefill, scale)
+            out[:nd] = self.decode_attention(q[:nd], k_cache, v_cache, decode, scale, kv_scale)
+            out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, prefill, scale, kv_scale)
             return out
-        return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
+        return self._prefill(q, k, v, k_cache, v_cache, meta, scale, kv_scale)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float):
+    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float, kv_scale=None):
         from baton.engine.platforms.triton_kernels import prefill_attention
-        if k_cache is not None:       # a float8 cache: this step's own keys rounded as the cache holds them
-            k, v = as_cached(k, k_cache.dtype), as_cached(v, v_cache.dtype)
-        if meta.has_context and k_cache is not None:
+        if meta.has_context and k_cache is not None:     # every key from the cache, times its scales
             return prefill_attention.varlen_prefill(
                 q, k, v, meta.query_start_loc, meta.max_query_len, scale, seq_lens=meta.seq_lens,
-                k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables)
+                k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables, kv_scale=kv_scale)
+        if k_cache is not None:       # a float8 cache: this step's own keys rounded as the cache holds them
+            ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+            k, v = as_cached(k, k_cache.dtype, ks), as_cached(v, v_cache.dtype, vs)
         return prefill_attention.varlen_prefill(q, k, v, meta.query_start_loc, meta.max_query_len, scale)
 
-    def row_attention(self, q, k_cache, v_cache, rows: AttnMetadata, scale: float):
+    def row_attention(self, q, k_cache, v_cache, rows: AttnMetadata, scale: float, kv_scale=None):
         """The decode kernel over every row with one split: a row's context is summed by one
         program in tiles of block_n from position 0, whatever the batch or the block-table width."""
         from baton.engine.platforms.triton_kernels import decode_attention
         cfg = decode_attention.invariant_config(q.shape[-1], k_cache.dtype)
         return decode_attention.paged_decode(q, k_cache, v_cache, rows.block_tables, rows.seq_lens, scale,
-                                             self.num_sms, cfg)
+                                             self.num_sms, cfg, kv_scale=kv_scale)
 
-    def decode_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float):
+    def decode_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float, kv_scale=None):
         """Splits derive from block_tables' width, fixed for a captured graph (the graph runner
         sizes it for max_model_len); each program reads its sequence length on the device."""
         from baton.engine.platforms.triton_kernels import decode_attention
         return decode_attention.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                             self.num_sms)
+                                             self.num_sms, kv_scale=kv_scale)

@@ -292,7 +292,8 @@ class NpuPlatform(Platform):
         return TorchairDecodeGraph(step, compiled, out), out
 
     # -- KV cache and attention -------------------------------------------------------------
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, kv_scale=None) -> None:
+        # (kv_scale: a float8 cache's; never here, check_kv_layout refuses one)
         # ATB ReshapeAndCache: k/v (T, KV_N, D), caches (nblk, bs, KV_N, D), int32 slots; graph
         # padding rows carry slot -1, which we rely on the op to skip (docs/npu.md: unverified)
         self.npu._npu_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping.to(torch.int32))
@@ -303,7 +304,7 @@ class NpuPlatform(Platform):
             self._mask = torch.triu(ones, diagonal=1)
         return self._mask
 
-    def prefill_attention(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float):
+    def prefill_attention(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float, kv_scale=None):
         """BSND over the paged cache for every prefill (with or without cached context): one
         path, any head_dim (TND would need head_dim 128); new tokens are already stored.
         Queries are padded to the longest; FIA's actual_seq_qlen marks each batch's real rows."""
@@ -326,7 +327,7 @@ class NpuPlatform(Platform):
             input_layout="BSND", sparse_mode=3, block_size=bs)
         return torch.cat([out[i, :q_lens[i]] for i in range(b)], dim=0)
 
-    def decode_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float):
+    def decode_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale: float, kv_scale=None):
         """One token per sequence: BSND q (B, 1, N, D) over the paged cache; no mask at Q_S = 1.
         kv lengths are a host list (meta.seq_lens_cpu, never read back from the device): under
         aclgraph capture the launch goes into a task group that before_replay refreshes; under
@@ -346,7 +347,7 @@ class NpuPlatform(Platform):
         return out.squeeze(1)
 
 
-    def row_attention(self, q, k_cache, v_cache, rows: AttnMetadata, scale: float):
+    def row_attention(self, q, k_cache, v_cache, rows: AttnMetadata, scale: float, kv_scale=None):
         """Deterministic mode: prefill rows too through the decode call (Q_S = 1 per row, its own
         kv length), so a token sees one reduction whichever step computes it. That FIA reduces a
         row by its own kv length only, not by the batch, is what its documentation's per-batch

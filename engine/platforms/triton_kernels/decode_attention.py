@@ -94,7 +94,7 @@ def widen_fp8(x):
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])   # they vary in eager steps: one binary
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, kv_scale_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2, num_splits, group,
     stride_qb, stride_qh,
@@ -103,9 +103,14 @@ def _decode_kernel(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     BLOCK_SIZE: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_SPLIT: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    V_IN_REGISTERS: tl.constexpr,
+    V_IN_REGISTERS: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
+    if KV_SCALED:             # a float8 cache holds K / k_scale, V / v_scale (kv_scale [2, kv heads])
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
+        v_scale = tl.load(kv_scale_ptr + tl.num_programs(0) + kv_head)
+    else:
+        v_scale = 1.0
     b = tl.program_id(1).to(tl.int64)
     pid_s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -147,11 +152,11 @@ def _decode_kernel(
     if SPLIT:
         live = g_mask & (pid_s < used)
         part = part_out_ptr + b * stride_pb + heads * stride_ph + pid_s * stride_ps
-        tl.store(part[:, None] + d[None, :], acc / l_i[:, None], mask=live[:, None])
+        tl.store(part[:, None] + d[None, :], acc * (v_scale / l_i)[:, None], mask=live[:, None])
         tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + pid_s, m_i + tl.log2(l_i), mask=live)
     else:
         o = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        tl.store(o, (acc * (v_scale / l_i)[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -177,8 +182,9 @@ def _merge_kernel(
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, num_sms: int, cfg: DecodeConfig | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, Hq, D] -> [B, Hq, D]; caches [blocks, block_size, Hkv, D]; block_tables [B, W] int32."""
+                 out: torch.Tensor | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, Hq, D]; caches [blocks, block_size, Hkv, D]; block_tables [B, W] int32;
+    kv_scale [2, Hkv] contiguous float32: a float8 cache's per-head K and V scales (None: 1)."""
     batch, q_heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     cfg = cfg or default_config(dim, k_cache.dtype)
@@ -197,7 +203,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     dot_precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     _decode_kernel[(kv_heads, batch, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, seq_lens if kv_scale is None else kv_scale,
+        out, part_out, part_lse,
         scale * LOG2E, splits, group,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -206,7 +213,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         *part_strides,
         BLOCK_SIZE=block_size, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split_tokens, SPLIT=splits > 1, DOT_PRECISION=dot_precision,
-        KV_FP8=kv_fp8, V_IN_REGISTERS=kv_fp8 and cfg.v_in_registers,
+        KV_FP8=kv_fp8, V_IN_REGISTERS=kv_fp8 and cfg.v_in_registers, KV_SCALED=kv_scale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

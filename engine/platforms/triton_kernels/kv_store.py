@@ -12,11 +12,11 @@ import triton.language as tl
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -29,9 +29,13 @@ def _store_kv_kernel(
     mask = (h[:, None] < NUM_HEADS) & valid
     k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    if KV_FP8:                # float8 e4m3 (per-tensor scale 1) saturates at +-448 (base.to_cache_dtype)
-        k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0)
-        v = tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0)
+    if KV_FP8:                # float8 e4m3 holds x / its kv head's scale, saturating at +-448 (base.to_cache_dtype)
+        k, v = k.to(tl.float32), v.to(tl.float32)
+        if KV_SCALED:         # kv_scale [2, heads]: K's row, then V's
+            k = k / tl.load(kv_scale_ptr + h, mask=h < NUM_HEADS, other=1.0)[:, None]
+            v = v / tl.load(kv_scale_ptr + NUM_HEADS + h, mask=h < NUM_HEADS, other=1.0)[:, None]
+        k = tl.minimum(tl.maximum(k, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     kc = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h[:, None] * stride_kch + d[None, :]
     vc = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch + d[None, :]
     tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -39,19 +43,20 @@ def _store_kv_kernel(
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """key/value [T, Hkv, D] (last dim contiguous) into caches [blocks, block_size, Hkv, D]."""
+             slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+    """key/value [T, Hkv, D] (last dim contiguous) into caches [blocks, block_size, Hkv, D];
+    a float8 cache's divided by kv_scale [2, Hkv] (contiguous float32) first, where given."""
     t, heads, dim = key.shape
     if t == 0:
         return
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     _store_kv_kernel[(t,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, slot_mapping if kv_scale is None else kv_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=heads, HEADS_P=triton.next_power_of_2(heads), HEAD_DIM=dim, BLOCK_SIZE=k_cache.shape[1],
-        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4 if heads * dim >= 1024 else 1,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn, KV_SCALED=kv_scale is not None, num_warps=4 if heads * dim >= 1024 else 1,
     )
 
 

@@ -65,12 +65,12 @@ def _kv_tile(k_ptr, v_ptr, table_ptr, kv_start, pos, valid, d, stride_kt, stride
 
 @triton.jit(do_not_specialize=["stride_bt"])   # the block-table width varies step to step: one binary
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, kv_scale_ptr,
     scale_log2, group,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KV_SCALED: tl.constexpr,
 ):
     head = tl.program_id(0)
     m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M    # longest (lowest) tiles first
@@ -83,6 +83,11 @@ def _prefill_kernel(
         kv_len = q_len
     context = kv_len - q_len
     kv_head = head // group
+    if KV_SCALED:             # a float8 cache holds K / k_scale, V / v_scale (kv_scale [2, kv heads])
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
+        v_scale = tl.load(kv_scale_ptr + tl.num_programs(0) // group + kv_head)
+    else:
+        v_scale = 1.0
     live = m_start < q_len
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -128,7 +133,7 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    o = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+    o = acc * (v_scale / tl.where(row_ok, l_i, 1.0))[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -137,9 +142,10 @@ def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_star
                    max_query_len: int, scale: float, *, seq_lens: torch.Tensor | None = None,
                    k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                    block_tables: torch.Tensor | None = None, cfg: PrefillConfig | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D]. With k_cache (+ seq_lens, block_tables) keys are read from the
-    paged cache; without, from k/v [T, Hkv, D] (each sequence attends to its own new tokens)."""
+    paged cache (a float8 one's times its per-head scales kv_scale [2, Hkv], contiguous float32,
+    where given); without, from k/v [T, Hkv, D] (each sequence attends to its own new tokens)."""
     t, q_heads, dim = q.shape
     out = torch.empty_like(q) if out is None else out
     batch = query_start_loc.shape[0] - 1
@@ -159,11 +165,11 @@ def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_star
     grid = (q_heads, triton.cdiv(max_query_len, cfg.block_m), batch)
     _prefill_kernel[grid](
         q, keys, values, out, query_start_loc, seq_lens, block_tables,
-        scale * LOG2E, q_heads // kv_heads,
+        kv_scale if paged and kv_scale is not None else query_start_loc, scale * LOG2E, q_heads // kv_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
         HEAD_DIM=dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size, PAGED=paged,
         DOT_PRECISION="ieee" if keys.dtype == torch.float32 else "tf32",
-        KV_FP8=keys.dtype == torch.float8_e4m3fn, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_FP8=keys.dtype == torch.float8_e4m3fn, KV_SCALED=paged and kv_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
