@@ -342,6 +342,10 @@ class ModelRunner:
                 extra["mm"] = multimodal_step(self.model, self.source.hf_config, inputs.image_chunks,
                                               inputs.mrope_positions, self.device)
             hidden = self.model(input_ids, positions, ctx, **extra)
+        step_lp = StepLogprobs() if inputs.num_logprobs >= 0 or inputs.prompt_logprob_rows else None
+        if inputs.prompt_logprob_rows:                 # (every rank: the LM head may gather across them;
+            prompt_logprobs(hidden, self.model.compute_logits, inputs.prompt_logprob_rows, step_lp)  # and a
+        inputs.logprobs_dev = step_lp                  # prompt's earlier chunks sample nothing)
         if not len(inputs.rows):
             return None
         if inputs.logit_rows is not None:
@@ -351,10 +355,6 @@ class ModelRunner:
             rows = inputs.rows.tolist()
             picked = hidden[last[rows]] if len(rows) < len(last) else hidden[last]
         logits = self.model.compute_logits(picked)
-        step_lp = StepLogprobs() if inputs.num_logprobs >= 0 or inputs.prompt_logprob_rows else None
-        if inputs.prompt_logprob_rows:                 # (every rank: the LM head may gather across them)
-            prompt_logprobs(hidden, self.model.compute_logits, inputs.prompt_logprob_rows, step_lp)
-        inputs.logprobs_dev = step_lp
         if self.tp_rank != 0:                          # the LM head's gather was the last collective
             return None
         if inputs.constrained:                         # the engine calls sample() with the masks

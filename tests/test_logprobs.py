@@ -16,7 +16,8 @@ from baton.engine.tokenizer import encode_text, render_chat
 from baton.v1 import router_pb2, router_pb2_grpc
 
 MODEL = "smollm2-135m-instruct"
-PROMPT = "The capital of France is Paris, and the capital of Italy is"     # several 16-token prefill chunks
+PROMPT = ("The capital of France is Paris, the capital of Germany is Berlin, the capital of Spain is Madrid, "
+          "and the capital of Italy is")        # 3 of the PD prefill worker's 16-token chunks: each chunk scored
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TOL = 2e-3
 
