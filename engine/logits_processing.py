@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from baton.engine.staging import StagingPair
+
 PAD = -1
 
 
@@ -139,23 +141,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-class MaskBuffers:
+class MaskBuffers(StagingPair):
     """Structured output's bitmasks: the grammar engine fills them in place on the host (`take`),
     pinned where the device can copy from pinned memory, and each goes to the device in one copy
-    (`upload`). Two buffers alternate; a buffer is refilled only after its last copy has completed."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.pinned = device.type != "cpu"
-        self.buffers: list[torch.Tensor | None] = [None, None]
-        self.events: list = [None, None]
-        self.turn = 0
+    (`upload`). Two buffers alternate (engine/staging.py)."""
 
     def take(self, rows: int, words: int) -> torch.Tensor:
         """A [rows, words] int32 host tensor to fill (its .numpy() shares its memory)."""
-        i, self.turn = self.turn, self.turn ^ 1
-        if self.events[i] is not None:
-            self.events[i].synchronize()
+        i = self.next_buffer()
         buf = self.buffers[i]
         if buf is None or buf.numel() < rows * words:
             buf = self.buffers[i] = torch.empty(rows * words, dtype=torch.int32, pin_memory=self.pinned)
@@ -170,8 +163,7 @@ class MaskBuffers:
         dev = host.to(self.device, non_blocking=True)
         for i, buf in enumerate(self.buffers):
             if buf is not None and buf.untyped_storage().data_ptr() == host.untyped_storage().data_ptr():
-                event = self.events[i] = self.events[i] or torch.Event(self.device)
-                event.record()
+                self.copy_queued(i)
         return dev
 
 

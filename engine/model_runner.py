@@ -41,6 +41,7 @@ from baton.engine.platforms.base import is_fp8
 from baton.engine.sampler import Sampler, SamplingBatch
 from baton.engine.scheduler import SchedulerOutput
 from baton.engine.sequence import PENDING
+from baton.engine.staging import StagingPair
 from baton.engine.tensor_parallel import TensorParallel
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.decoder import fuse_fp8_inputs
@@ -622,23 +623,16 @@ class LaunchedStep:
         return result
 
 
-class HostUpload:
+class HostUpload(StagingPair):
     """Moves a step's small host arrays to the device in one copy.
 
     Each array is packed, 64-byte aligned, into a pinned staging buffer (Triton specializes
     kernels on 16-byte pointer alignment: a view at an odd offset would compile a new variant); one non-blocking copy
     moves the lot; the device tensors are views of that one allocation. Two staging buffers
     alternate, and a buffer is rewritten only after its last copy has completed (an event),
-    so the host can prepare step N+1 while step N's copy is still in flight. On the CPU the
-    arrays are wrapped as they are.
+    so the host can prepare step N+1 while step N's copy is still in flight (engine/staging.py).
+    On the CPU the arrays are wrapped as they are.
     """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.pinned = device.type != "cpu"
-        self.buffers: list[torch.Tensor | None] = [None, None]
-        self.events: list = [None, None]
-        self.turn = 0
 
     def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         if not self.pinned:
@@ -647,9 +641,7 @@ class HostUpload:
         for a in arrays:
             offsets.append(total)
             total += -(-a.nbytes // ALIGN) * ALIGN
-        i, self.turn = self.turn, self.turn ^ 1
-        if self.events[i] is not None:
-            self.events[i].synchronize()                    # its previous copy has left the buffer
+        i = self.next_buffer()                              # its previous copy has left the buffer
         buf = self.buffers[i]
         if buf is None or buf.numel() < total:
             buf = self.buffers[i] = torch.empty(max(total, 1 << 16) * 2, dtype=torch.uint8, pin_memory=True)
@@ -657,8 +649,7 @@ class HostUpload:
         for a, off in zip(arrays, offsets, strict=True):
             host[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
         dev = buf[:max(total, ALIGN)].to(self.device, non_blocking=True)
-        event = self.events[i] = self.events[i] or torch.Event(self.device)
-        event.record()
+        self.copy_queued(i)
         out = []
         for a, off in zip(arrays, offsets, strict=True):
             dtype = _TORCH_OF[a.dtype.type]
