@@ -70,10 +70,13 @@ def main(argv=None) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--speculative-max-batch", type=int, default=32)
     p.add_argument("--num-kv-blocks", type=int, default=8192, help="each engine's KV cache (two engines share the GPU)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="end each answer at its EOS (default: ignore it, max-tokens each; past its EOS the model "
+                        "writes text of its own, where guesses mostly fail)")
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
     max_seqs = max(batches)
     rows, results = [], {}
     for spec in (False, True):
@@ -82,17 +85,19 @@ def main(argv=None) -> None:
         llm = LLM(device=args.device, max_num_seqs=max_seqs, num_kv_blocks=args.num_kv_blocks, **extra)
         for b in batches:
             reqs = prompts(llm, b * (args.waves if b == 1 else 1))
-            before = llm.engine.speculator.stats.accepted_lengths[:] if spec else None
+            st = llm.engine.speculator.stats if spec else None
+            before = (st.accepted_lengths[:], st.steps) if spec else None
             tok_s, outs = run(llm, b, reqs, params)
-            mean = None
+            mean = lengths = steps = None
             if spec:
-                st = llm.engine.speculator.stats
-                lengths = [a - (before[i] if i < len(before) else 0) for i, a in enumerate(st.accepted_lengths)]
+                lengths = [a - (before[0][i] if i < len(before[0]) else 0) for i, a in enumerate(st.accepted_lengths)]
                 n = sum(lengths)
                 mean = sum((i + 1) * c for i, c in enumerate(lengths)) / n if n else None
-            results[(spec, b)] = (tok_s, outs, mean)
+                steps = st.steps - before[1]
+            results[(spec, b)] = (tok_s, outs, mean, lengths, steps)
             print(f"[spec] {'ngram' if spec else 'plain'} batch {b}: {tok_s:.0f} tok/s"
-                  + (f", mean tokens per verified step {mean:.2f}" if mean else ""), file=sys.stderr, flush=True)
+                  + (f", mean tokens per verified step {mean:.2f}, kept-guess histogram {lengths}, verifying steps "
+                     f"{steps}" if mean else ""), file=sys.stderr, flush=True)
         del llm
         gc.collect()
         if torch.cuda.is_available():
@@ -101,13 +106,15 @@ def main(argv=None) -> None:
         plain, spec = results[(False, b)], results[(True, b)]
         rows.append({"batch": b, "plain_tok_s": round(plain[0], 1), "ngram_tok_s": round(spec[0], 1),
                      "speedup": round(spec[0] / plain[0], 3), "mean_tokens_per_verified_step": spec[2],
-                     "same_tokens": plain[1] == spec[1]})
+                     "kept_guesses_histogram": spec[3], "verifying_steps": spec[4],
+                     "output_tokens": sum(map(len, spec[1])), "same_tokens": plain[1] == spec[1]})
         print(json.dumps(rows[-1]), flush=True)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"model": "smollm2-135m-instruct (real weights)", "device": args.device,
                        "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                        "max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
+                       "stop_at_eos": args.stop_at_eos,
                        "rows": rows}, f, indent=1)
 
 

@@ -56,11 +56,13 @@ def test_greedy_and_seeded_tokens_are_plain_decodings_on_the_embedded_model(embe
     assert stats.accepted > 0 and stats.mean_accepted > 1.5, stats
 
 
-@pytest.mark.parametrize("arch,padded", [("qwen3", False), ("llama", False), ("qwen3_moe", False),
-                                         ("qwen3", True)])
-def test_tiny_architectures_decode_the_same_tokens_with_guesses(tmp_path, arch, padded):
+@pytest.mark.parametrize("arch,padded,ahead", [("qwen3", False, False), ("llama", False, False),
+                                               ("qwen3_moe", False, False), ("qwen3", True, True)])
+def test_tiny_architectures_decode_the_same_tokens_with_guesses(tmp_path, arch, padded, ahead):
     """padded: every sequence's guesses padded to k (padding rows: KV slot -1, no logits), the
-    shape CUDA's verify graphs replay -- here through the eager forward."""
+    shape CUDA's verify graphs replay -- here through the eager forward. ahead: asynchronous
+    scheduling, as on accelerators: a verifying step stays in flight until the next call settles
+    it, and while no sequence is due to guess (backing off) plain steps are scheduled ahead."""
     from baton.models.source import resolve_model
     tokenizer_dir = os.environ.get("BATON_TOKENIZER") or resolve_model(None).tokenizer_path
     path = str(save_tiny_checkpoint(arch, tmp_path / arch, tokenizer_dir))
@@ -68,7 +70,7 @@ def test_tiny_architectures_decode_the_same_tokens_with_guesses(tmp_path, arch, 
     motif = torch.randint(3, 49152, (6,), generator=g).tolist()
     prompts = [motif * 4, torch.randint(3, 49152, (30,), generator=g).tolist(), motif * 2 + [9, 9]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    common = dict(device=DEVICE, num_kv_blocks=128, block_size=16)
+    common = dict(device=DEVICE, num_kv_blocks=128, block_size=16, async_scheduling=ahead or None)
     want = [o.token_ids for o in LLM(path, **common).generate(prompts, params)]
     llm = LLM(path, **common, **SPEC)
     runner = llm.engine.runner
