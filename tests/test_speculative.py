@@ -129,6 +129,23 @@ def test_stops_inside_the_guesses_end_where_plain_decoding_ends(embedded_llm, sp
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_scheduled_ahead_the_tokens_and_stops_are_plain_decodings(embedded_llm, copy_prompts):
+    """With asynchronous scheduling (as on accelerators): a verifying step stays in flight until the
+    next call settles it and its outputs are emitted after the next step is queued, so a stop string
+    found then ends a sequence that step already holds; sequences backing off decode a step ahead."""
+    llm = LLM(embedded_llm.engine.source.name, async_scheduling=True, **SPEC)
+    plain = embedded_llm.generate(copy_prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    got = llm.generate(copy_prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    stop = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                          stop=[embedded_llm.tokenizer.decode(plain[2].token_ids[10:12]).strip()])
+    want, got = embedded_llm.generate(copy_prompts[2:], stop)[0], llm.generate(copy_prompts[2:], stop)[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    stats = llm.engine.speculator.stats
+    assert stats.steps > 0 and stats.mean_accepted > 1.5, stats
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
 def test_unseeded_sampling_keeps_the_target_distribution(tmp_path):
     """Three sampled tokens after a prompt that repeats itself (the first is sampled by the prefill,
     the next two by a step verifying an n-gram guess): their joint frequencies over 4000 runs
