@@ -146,6 +146,63 @@ def test_scheduled_ahead_the_tokens_and_stops_are_plain_decodings(embedded_llm, 
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_1p1d_and_after_a_migration_the_guessing_decode_worker_gives_the_plain_tokens(embedded_source):
+    """A decode worker with --speculative-method ngram (asynchronous scheduling on, as on accelerators)
+    guesses from its first step on KV a prefill worker handed off (tiny-llama, CPU, the in-memory
+    backend; n-gram guesses need only the tokens, so nothing more travels), and after a migration --
+    the router's ledger resubmits the prompt and the tokens streamed so far -- it guesses again from
+    those tokens: greedy tokens are plain decoding's (a request that opts out, on the same workers),
+    token for token, every block back. (tiny-llama's random weights repeat the last token, so its
+    guesses hold: this checks the hand-off, the seam and max_tokens inside kept guesses; the token
+    parity of real text is the embedded model's, above.)"""
+    import asyncio
+    import dataclasses
+
+    from test_kv_handoff import core, idle, workers
+
+    from baton.engine.tokenizer import load_tokenizer
+    from baton.router.migration import Ledger
+    from baton.serving.wire import sampling_to_proto
+    from baton.v1 import decode_pb2, prefill_pb2
+    prompt = list(range(2000, 2007)) * 5
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def pd(prefill, decode, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+        admitted = await decode.admit(decode_pb2.AdmitRequest(request_id=rid, prompt_token_ids=prompt,
+                                                              sampling=sampling_to_proto(params), timeout_ms=20_000))
+
+        async def collect():
+            return [t async for chunk in decode.stream(rid, 20_000) for t in chunk.token_ids]
+        stream = asyncio.ensure_future(collect())
+        try:
+            await prefill.prefill(prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+                                                             sampling=sampling_to_proto(params),
+                                                             handoff=prefill_pb2.Handoff(
+                decode_address=admitted.kv_address, transfer_id=admitted.transfer_id, backend=admitted.backend)))
+            return await asyncio.wait_for(stream, 30)
+        finally:
+            stream.cancel()
+
+    async def main():
+        async with workers(decode_args=("--speculative-method", "ngram", "--async-scheduling")) \
+                as (prefill, decode):
+            want = await pd(prefill, decode, "plain", prompt, dataclasses.replace(params, speculative=False))
+            before = core(decode).stats().spec_verified
+            first = await pd(prefill, decode, "a", prompt, params)
+            seam = 9                                   # the worker "died" after streaming 9 tokens
+            ledger = Ledger(prompt, params, load_tokenizer(embedded_source), limit=1)
+            for t in first[:seam]:
+                ledger.relay("a", decode_pb2.TokenChunk(token_ids=[t]))
+            ledger.migrate()
+            resumed, rest = ledger.request()
+            second = await pd(prefill, decode, "b", resumed, rest)
+            await idle(prefill, decode)
+            assert core(decode).stats().spec_verified > before
+            return want, first, first[:seam] + second
+    want, first, migrated = asyncio.run(main())
+    assert len(want) == 24 and first == want and migrated == want
+
+
 def test_unseeded_sampling_keeps_the_target_distribution(tmp_path):
     """Three sampled tokens after a prompt that repeats itself (the first is sampled by the prefill,
     the next two by a step verifying an n-gram guess): their joint frequencies over 4000 runs
