@@ -97,9 +97,9 @@ class SpeculationStats:
 # off resume together; while none is due, the engine decodes plainly, a step ahead (a verifying step
 # cannot be: its guesses need every token before them known, and its kept count sets the next positions).
 MAX_BACKOFF = 16
-# A verifying step runs only when the batch guesses at least this many tokens per running sequence: it
-# costs more than a plain step (k more rows each, and the host work that cannot overlap the device)
-MIN_GUESSES_PER_SEQ = 1.0
+# A verifying step runs only when at least this share of the decoding sequences guess: it costs more
+# than a plain step (more rows, and host work that cannot overlap the device)
+MIN_GUESSING_SHARE = 0.25
 
 
 class Speculator:
@@ -125,28 +125,30 @@ class Speculator:
         decoding sequences are due to guess (not backing off) for a step worth verifying."""
         if not self.active(running):
             return False
-        due = sum(1 for seq in running if seq.num_tokens > seq.num_prompt_tokens
-                  and seq.spec_resume_step <= self.clock and _may_guess(seq))
-        return due * self.k >= MIN_GUESSES_PER_SEQ * len(running)
+        decoding = [seq for seq in running if seq.num_tokens > seq.num_prompt_tokens]
+        due = sum(1 for seq in decoding if seq.spec_resume_step <= self.clock and _may_guess(seq))
+        return due > 0 and due >= MIN_GUESSING_SHARE * len(decoding)
 
     def propose(self, running: list[Sequence]) -> bool:
         """Set each decoding sequence's `draft` (cleared for the others). False, every draft
-        cleared, when the guesses are too few for a verifying step (the step decodes plainly)."""
-        guessed = 0
+        cleared, when too few guess for a verifying step (the step decodes plainly)."""
+        guessing = decoding = 0
         for seq in running:
             seq.draft = []
-            if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens or seq.spec_resume_step > self.clock \
-                    or not _may_guess(seq):
+            if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens:
+                continue
+            decoding += 1
+            if seq.spec_resume_step > self.clock or not _may_guess(seq):
                 continue
             # room left: max_tokens and the context both cap the tokens a step may add (guesses + 1)
             left = min(seq.params.max_tokens - seq.num_completion_tokens, seq.max_model_len - seq.num_tokens) - 1
             if seq.ngram_index is None:
                 seq.ngram_index = NgramIndex(self.proposer.max_ngram)
             seq.draft = self.proposer.propose(seq.token_ids, left, seq.ngram_index)
-            guessed += len(seq.draft)
+            guessing += bool(seq.draft)
             if not seq.draft and left > 0:
                 self._back_off(seq)                     # nothing repeats yet: as a failed guess
-        if guessed < MIN_GUESSES_PER_SEQ * len(running):
+        if guessing < MIN_GUESSING_SHARE * decoding:
             for seq in running:
                 if seq.draft:                           # due, but alone: wait for company a few steps
                     seq.draft = []
@@ -157,7 +159,6 @@ class Speculator:
     def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verified sequence kept `accepted` of its `proposed` guesses."""
         self.stats.record(proposed, accepted)
-        seq.spec_gain = accepted if seq.spec_gain < 0 else 0.5 * (accepted + seq.spec_gain)
         if accepted:
             seq.spec_misses = 0
         else:
