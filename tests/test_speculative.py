@@ -14,6 +14,7 @@ from baton.engine.speculative import NgramProposer, accept
 
 DEVICE = os.environ.get("BATON_TEST_DEVICE", "cpu")
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def test_ngram_proposer_finds_the_latest_longest_match():
@@ -42,14 +43,20 @@ def copy_prompts(embedded_llm):
 
 
 @pytest.fixture(scope="module")
+def plain_greedy(embedded_llm, copy_prompts):
+    """Plain decoding's greedy tokens of the copy prompts (computed once: the CPU is slow at it)."""
+    return [o.token_ids for o in embedded_llm.generate(copy_prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
 def spec_llm(embedded_llm):
     return LLM(embedded_llm.engine.source.name, **SPEC)
 
 
-def test_greedy_and_seeded_tokens_are_plain_decodings_on_the_embedded_model(embedded_llm, spec_llm, copy_prompts):
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=3, max_tokens=24, ignore_eos=True)]
-    plain = [[o.token_ids for o in embedded_llm.generate(copy_prompts, p)] for p in params]
+def test_greedy_and_seeded_tokens_are_plain_decodings_on_the_embedded_model(embedded_llm, spec_llm, copy_prompts,
+                                                                           plain_greedy):
+    params = [GREEDY, SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=3, max_tokens=24, ignore_eos=True)]
+    plain = [plain_greedy, [o.token_ids for o in embedded_llm.generate(copy_prompts, params[1])]]
     spec = [[o.token_ids for o in spec_llm.generate(copy_prompts, p)] for p in params]
     assert spec == plain
     stats = spec_llm.engine.speculator.stats
@@ -125,16 +132,14 @@ def test_stops_inside_the_guesses_end_where_plain_decoding_ends(embedded_llm, sp
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
-def test_scheduled_ahead_the_tokens_and_stops_are_plain_decodings(embedded_llm, copy_prompts):
+def test_scheduled_ahead_the_tokens_and_stops_are_plain_decodings(embedded_llm, copy_prompts, plain_greedy):
     """With asynchronous scheduling (as on accelerators): a verifying step stays in flight until the
     next call settles it and its outputs are emitted after the next step is queued, so a stop string
     found then ends a sequence that step already holds; sequences backing off decode a step ahead."""
     llm = LLM(embedded_llm.engine.source.name, async_scheduling=True, **SPEC)
-    plain = embedded_llm.generate(copy_prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    got = llm.generate(copy_prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in llm.generate(copy_prompts, GREEDY)] == plain_greedy
     stop = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                          stop=[embedded_llm.tokenizer.decode(plain[2].token_ids[10:12]).strip()])
+                          stop=[embedded_llm.tokenizer.decode(plain_greedy[2][10:12]).strip()])
     want, got = embedded_llm.generate(copy_prompts[2:], stop)[0], llm.generate(copy_prompts[2:], stop)[0]
     assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
     stats = llm.engine.speculator.stats
