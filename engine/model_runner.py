@@ -107,19 +107,9 @@ class ModelRunner:
         self.graphs = None
         if self.device.type != "cpu":
             self._warm_up()
-        # steps verifying guesses (engine/speculative.py): every sequence's guesses padded to k, so
-        # such a step has one shape per batch bucket and replays a graph too (CUDA, not in
-        # deterministic mode, whose row metadata is built on the host per step)
-        self.verify_graphs = None
-        self.pad_guesses_to = 0          # k: verifying steps padded to k guesses per sequence (0: not padded)
-        self.verify_max_bs = 0           # ...when at most this many sequences run
         if self.platform.supports_graphs and not config.enforce_eager and self._graph_safe():
             from baton.engine.graph_runner import DecodeGraphs
             self.graphs = DecodeGraphs(self)
-            if config.speculative_method and self.platform.name == "cuda" and not config.deterministic:
-                k = config.num_speculative_tokens
-                self.verify_graphs = DecodeGraphs(self, 1 + k, min(config.speculative_max_batch, config.max_num_seqs))
-                self.pad_guesses_to, self.verify_max_bs = k, self.verify_graphs.max_bs
         if self.tp is not None:
             self.tp.wait_ready()
 
@@ -333,8 +323,6 @@ class ModelRunner:
             input_ids.index_copy_(0, inputs.pending_dst_dev, prev_tokens.index_select(0, inputs.pending_src_dev))
         if self.graphs is not None and meta.is_decode and self.graphs.can_run(meta.num_seqs):
             hidden = self.graphs.run(input_ids, positions, meta)
-        elif self.verify_graphs is not None and inputs.uniform_query_len == self.verify_graphs.q:
-            hidden = self.verify_graphs.run(input_ids, positions, meta)
         else:
             ctx = ForwardContext(meta, self.kv_caches, self.attention, self.scale, self.kv_scales)
             extra = {}
@@ -380,7 +368,7 @@ class ModelRunner:
         sends to the other tensor-parallel ranks. Rows of one token (decodes) come first, so a
         mixed step's attention can run them through the decode kernel."""
         bs = self.block_size
-        if self.pad_guesses_to and self._all_verifying(out):
+        if self._all_verifying(out):
             return self._verify_inputs(out)
         order = list(range(len(out.scheduled))) if out.is_decode else \
             sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_new_tokens != 1)
@@ -441,52 +429,49 @@ class ModelRunner:
         )
 
     def _all_verifying(self, out: SchedulerOutput) -> bool:
-        """A step of decodes only, some with guesses, no token pending, few enough for the graphs, none
-        with penalties or logprobs (the generic path serves those)."""
-        q = 1 + self.pad_guesses_to
-        return (any(item.draft for item in out.scheduled) and len(out.scheduled) <= self.verify_max_bs
+        """A step of decodes only, some with guesses, no token pending, none with penalties, logprobs
+        or a grammar (the generic path serves those: a chunk of tokens per sequence)."""
+        return (any(item.draft for item in out.scheduled)
                 and all(not item.seq.params.processes_logits and item.seq.params.logprobs is None
                         and item.seq.params.structured is None
                         and item.num_new_tokens == 1 + len(item.draft) and not item.seq.num_pending_tokens
-                        and item.seq.num_computed_tokens == item.seq.num_tokens - 1
-                        and item.seq.num_tokens - 1 + q <= self.max_model_len for item in out.scheduled))
+                        and item.seq.num_computed_tokens == item.seq.num_tokens - 1 for item in out.scheduled))
 
     def _verify_inputs(self, out: SchedulerOutput) -> StepInputs:
-        """A verifying step in the verify graphs' shape: each sequence's last token and its guesses,
-        padded to k guesses (padding: token 0 at the last real position, KV slot -1, no logits)."""
-        bs, q, items = self.block_size, 1 + self.pad_guesses_to, out.scheduled
+        """A step verifying guesses as a decode step of one row per token: each sequence's last token
+        and its guesses, each row attending to its sequence's context up to itself (its own length
+        over the sequence's block table; the step's keys are stored before any row attends). So the
+        decode graphs and kernels serve it, with no padding, and every row is summed as a plain
+        decode step would sum it. Every row samples: after the last token and after each guess."""
+        bs, items = self.block_size, out.scheduled
         n = len(items)
         lasts = np.fromiter((item.seq.num_tokens - 1 for item in items), np.int64, n)
         reals = np.fromiter((1 + len(item.draft) for item in items), np.int64, n)
-        # wide enough for the padding's positions, which may read block 0 (valid memory, never -1)
-        width = max(max(len(item.seq.block_table) for item in items), int(-(-(lasts.max() + q) // bs)))
-        tables = np.zeros((n, width), np.int32)
-        ids = np.zeros((n, q), np.int64)
+        tables = np.full((n, max(len(item.seq.block_table) for item in items)), -1, np.int32)
+        ids: list[int] = []
         for i, item in enumerate(items):
-            table = item.seq.block_table
-            tables[i, :len(table)] = table
-            ids[i, :reals[i]] = [item.seq.token_ids[-1], *item.draft]
-        offsets = np.arange(q)[None, :]
-        real = offsets < reals[:, None]                                   # [n, q]
-        positions = lasts[:, None] + np.minimum(offsets, reals[:, None] - 1)
-        slots = np.where(real, tables[np.arange(n)[:, None], positions // bs].astype(np.int64) * bs + positions % bs, -1)
-        logit_rows = np.flatnonzero(real.reshape(-1))
-        sample_positions = (lasts[:, None] + 1 + offsets)[real]
-        rows = np.repeat(np.arange(n), reals)
-        params = [items[r].seq.params for r in rows.tolist()]
-        seqs = [items[r].seq for r in rows.tolist()]
+            tables[i, :len(item.seq.block_table)] = item.seq.block_table
+            ids += [item.seq.token_ids[-1], *item.draft]
+        seq_of = np.repeat(np.arange(n), reals)                       # each row's scheduled item
+        total = len(seq_of)
+        starts = np.zeros(n + 1, np.int64)
+        np.cumsum(reals, out=starts[1:])
+        positions = lasts[seq_of] + np.arange(total) - starts[seq_of]
+        row_tables = tables[seq_of]
+        slots = row_tables[np.arange(total), positions // bs].astype(np.int64) * bs + positions % bs
+        seqs = [items[r].seq for r in seq_of.tolist()]
+        params = [q.params for q in seqs]
         return StepInputs(
-            is_decode=False, input_ids=ids.reshape(-1), positions=positions.reshape(-1), slots=slots.reshape(-1),
-            query_starts=(np.arange(n + 1) * q).astype(np.int32),
-            seq_lens=(lasts + q).astype(np.int32), block_tables=tables,
-            max_query_len=q, has_context=True, rows=rows, sample_items=rows.copy(), num_decode_rows=0,
+            is_decode=True, input_ids=np.asarray(ids, np.int64), positions=positions, slots=slots,
+            query_starts=np.arange(total + 1, dtype=np.int32), seq_lens=(positions + 1).astype(np.int32),
+            block_tables=row_tables, max_query_len=1, has_context=True, rows=np.arange(total, dtype=np.int64),
+            sample_items=seq_of, num_decode_rows=total,
             temperatures=np.array([p.temperature for p in params], np.float32),
             top_ks=np.array([p.top_k for p in params], np.int64),
             top_ps=np.array([p.top_p for p in params], np.float32),
-            seeds=np.array([_signed64(s.sampling_seed or 0) for s in seqs], np.int64),
-            has_seed=np.array([s.sampling_seed is not None for s in seqs], np.bool_),
-            sample_positions=sample_positions, pending_dst=np.zeros(0, np.int64), pending_src=np.zeros(0, np.int64),
-            logit_rows=logit_rows, uniform_query_len=q)
+            seeds=np.array([_signed64(q.sampling_seed or 0) for q in seqs], np.int64),
+            has_seed=np.array([q.sampling_seed is not None for q in seqs], np.bool_),
+            sample_positions=positions + 1, pending_dst=np.zeros(0, np.int64), pending_src=np.zeros(0, np.int64))
 
     def _device_inputs(self, h: StepInputs) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor, SamplingBatch]:
         """Everything to the device in one copy (HostUpload)."""
@@ -541,7 +526,6 @@ class StepInputs:
     image_chunks: list | None = None                 # ...and its chunks that hold image tokens
     logit_rows: np.ndarray | None = None             # [N] int64: input token of each sampled row, when some
     #                                                  sequence samples several (guesses); else each row's last
-    uniform_query_len: int = 0                       # every sequence has this many rows (a verify graph's shape)
     processing: ProcessingInputs | None = None       # penalties / biases / masks of the sampling rows, if any
     processing_dev: LogitsProcessing | None = None   # (their device copies, set on upload)
     num_logprobs: int = -1                           # the most top logprobs a sampling row asked for (-1: none)

@@ -92,8 +92,19 @@ class SpeculationStats:
         return (self.accepted + n) / n if n else 0.0
 
 
+# Adaptivity: a sequence whose guesses keep failing (or that has nothing to guess from) backs off for
+# 1, 2, 4 ... MAX_BACKOFF engine steps, resuming at a multiple of its wait so that the sequences backing
+# off resume together; while none is due, the engine decodes plainly, a step ahead (a verifying step
+# cannot be: its guesses need every token before them known, and its kept count sets the next positions).
+MAX_BACKOFF = 16
+# A verifying step runs only when at least this share of the decoding sequences guess: it costs more
+# than a plain step (more rows, and host work that cannot overlap the device)
+MIN_GUESSING_SHARE = 0.25
+
+
 class Speculator:
-    """Decides, each step, which running sequences get guesses and how many."""
+    """Decides, each step, which running sequences get guesses and how many, and whether the step
+    verifies guesses at all (else the engine decodes plainly, scheduling ahead)."""
 
     def __init__(self, method: str, k: int, max_batch: int):
         if method not in METHODS:
@@ -102,28 +113,73 @@ class Speculator:
         self.k = k
         self.max_batch = max_batch
         self.stats = SpeculationStats()
+        self.clock = 0                      # engine steps launched (backing off counts them)
 
     def active(self, running: list[Sequence]) -> bool:
         """Speculate only while the batch is small: verifying k guesses costs k more rows of
         compute per sequence, which a large batch does not have to spare (it steps aside)."""
         return 0 < len(running) <= self.max_batch
 
-    def propose(self, running: list[Sequence]) -> None:
-        """Set each decoding sequence's `draft` (cleared for the others)."""
+    def wants(self, running: list[Sequence]) -> bool:
+        """Should the next step verify guesses: speculation is on for this batch size, and enough
+        decoding sequences are due to guess (not backing off) for a step worth verifying."""
+        if not self.active(running):
+            return False
+        decoding = [seq for seq in running if seq.num_tokens > seq.num_prompt_tokens]
+        due = sum(1 for seq in decoding if seq.spec_resume_step <= self.clock and _may_guess(seq))
+        return due > 0 and due >= MIN_GUESSING_SHARE * len(decoding)
+
+    def propose(self, running: list[Sequence]) -> bool:
+        """Set each decoding sequence's `draft` (cleared for the others). False, every draft
+        cleared, when too few guess for a verifying step (the step decodes plainly)."""
+        guessing = decoding = 0
         for seq in running:
             seq.draft = []
-            p = seq.params
-            # penalties count the tokens before each row, logprobs are per sampled token and a grammar's
-            # mask needs the token before: such requests decode one token a step
-            if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens or not p.speculative \
-                    or p.processes_logits or p.logprobs is not None or p.structured is not None \
-                    or seq.kv_ticket is not None and seq.kv_ticket.side == "prefill":
+            if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens:
+                continue
+            decoding += 1
+            if seq.spec_resume_step > self.clock or not _may_guess(seq):
                 continue
             # room left: max_tokens and the context both cap the tokens a step may add (guesses + 1)
-            left = min(p.max_tokens - seq.num_completion_tokens, seq.max_model_len - seq.num_tokens) - 1
+            left = min(seq.params.max_tokens - seq.num_completion_tokens, seq.max_model_len - seq.num_tokens) - 1
             if seq.ngram_index is None:
                 seq.ngram_index = NgramIndex(self.proposer.max_ngram)
             seq.draft = self.proposer.propose(seq.token_ids, left, seq.ngram_index)
+            guessing += bool(seq.draft)
+            if not seq.draft and left > 0:
+                self._back_off(seq)                     # nothing repeats yet: as a failed guess
+        if guessing < MIN_GUESSING_SHARE * decoding:
+            for seq in running:
+                if seq.draft:                           # due, but alone: wait for company a few steps
+                    seq.draft = []
+                    seq.spec_resume_step = self._after(4)
+            return False
+        return True
+
+    def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """A verified sequence kept `accepted` of its `proposed` guesses."""
+        self.stats.record(proposed, accepted)
+        if accepted:
+            seq.spec_misses = 0
+        else:
+            self._back_off(seq)
+
+    def _back_off(self, seq: Sequence) -> None:
+        seq.spec_misses += 1
+        seq.spec_resume_step = self._after(min(1 << (seq.spec_misses - 1), MAX_BACKOFF))
+
+    def _after(self, wait: int) -> int:
+        """The first engine step after this one that is a multiple of `wait`."""
+        return (self.clock // wait + 1) * wait
+
+
+def _may_guess(seq: Sequence) -> bool:
+    """Penalties count the tokens before each row, logprobs are per sampled token and a grammar's
+    mask needs the token before: such requests decode one token a step (and so does a prompt whose
+    KV is handed off, or a request that opted out)."""
+    p = seq.params
+    return p.speculative and not p.processes_logits and p.logprobs is None and p.structured is None \
+        and not (seq.kv_ticket is not None and seq.kv_ticket.side == "prefill")
 
 
 def accept(draft: list[int], sampled: list[int]) -> list[int]:

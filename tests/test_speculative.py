@@ -14,6 +14,7 @@ from baton.engine.speculative import NgramProposer, accept
 
 DEVICE = os.environ.get("BATON_TEST_DEVICE", "cpu")
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def test_ngram_proposer_finds_the_latest_longest_match():
@@ -42,25 +43,32 @@ def copy_prompts(embedded_llm):
 
 
 @pytest.fixture(scope="module")
+def plain_greedy(embedded_llm, copy_prompts):
+    """Plain decoding's greedy tokens of the copy prompts (computed once: the CPU is slow at it)."""
+    return [o.token_ids for o in embedded_llm.generate(copy_prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
 def spec_llm(embedded_llm):
     return LLM(embedded_llm.engine.source.name, **SPEC)
 
 
-def test_greedy_and_seeded_tokens_are_plain_decodings_on_the_embedded_model(embedded_llm, spec_llm, copy_prompts):
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=3, max_tokens=24, ignore_eos=True)]
-    plain = [[o.token_ids for o in embedded_llm.generate(copy_prompts, p)] for p in params]
+def test_greedy_and_seeded_tokens_are_plain_decodings_on_the_embedded_model(embedded_llm, spec_llm, copy_prompts,
+                                                                           plain_greedy):
+    params = [GREEDY, SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=3, max_tokens=24, ignore_eos=True)]
+    plain = [plain_greedy, [o.token_ids for o in embedded_llm.generate(copy_prompts, params[1])]]
     spec = [[o.token_ids for o in spec_llm.generate(copy_prompts, p)] for p in params]
     assert spec == plain
     stats = spec_llm.engine.speculator.stats
     assert stats.accepted > 0 and stats.mean_accepted > 1.5, stats
 
 
-@pytest.mark.parametrize("arch,padded", [("qwen3", False), ("llama", False), ("qwen3_moe", False),
-                                         ("qwen3", True)])
-def test_tiny_architectures_decode_the_same_tokens_with_guesses(tmp_path, arch, padded):
-    """padded: every sequence's guesses padded to k (padding rows: KV slot -1, no logits), the
-    shape CUDA's verify graphs replay -- here through the eager forward."""
+@pytest.mark.parametrize("arch,ahead", [("qwen3", False), ("llama", False), ("qwen3_moe", False), ("qwen3", True)])
+def test_tiny_architectures_decode_the_same_tokens_with_guesses(tmp_path, arch, ahead):
+    """A verifying step runs as a decode step of one row per token (each row its own context length
+    over its sequence's blocks: the shape the decode graphs replay on CUDA). ahead: asynchronous
+    scheduling, as on accelerators: a verifying step stays in flight until the next call settles
+    it, and while no sequence is due to guess (backing off) plain steps are scheduled ahead."""
     from baton.models.source import resolve_model
     tokenizer_dir = os.environ.get("BATON_TOKENIZER") or resolve_model(None).tokenizer_path
     path = str(save_tiny_checkpoint(arch, tmp_path / arch, tokenizer_dir))
@@ -68,12 +76,9 @@ def test_tiny_architectures_decode_the_same_tokens_with_guesses(tmp_path, arch, 
     motif = torch.randint(3, 49152, (6,), generator=g).tolist()
     prompts = [motif * 4, torch.randint(3, 49152, (30,), generator=g).tolist(), motif * 2 + [9, 9]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    common = dict(device=DEVICE, num_kv_blocks=128, block_size=16)
+    common = dict(device=DEVICE, num_kv_blocks=128, block_size=16, async_scheduling=ahead or None)
     want = [o.token_ids for o in LLM(path, **common).generate(prompts, params)]
     llm = LLM(path, **common, **SPEC)
-    runner = llm.engine.runner
-    if padded and runner.verify_graphs is None:
-        runner.pad_guesses_to, runner.verify_max_bs = SPEC["num_speculative_tokens"], 64
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.engine.speculator.stats.steps > 0
     assert llm.engine.block_manager.num_free_blocks == 128
@@ -125,6 +130,78 @@ def test_stops_inside_the_guesses_end_where_plain_decoding_ends(embedded_llm, sp
         got = llm.generate(copy_prompts[2:], params)[0]
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_scheduled_ahead_the_tokens_and_stops_are_plain_decodings(embedded_llm, copy_prompts, plain_greedy):
+    """With asynchronous scheduling (as on accelerators): a verifying step stays in flight until the
+    next call settles it and its outputs are emitted after the next step is queued, so a stop string
+    found then ends a sequence that step already holds; sequences backing off decode a step ahead."""
+    llm = LLM(embedded_llm.engine.source.name, async_scheduling=True, **SPEC)
+    assert [o.token_ids for o in llm.generate(copy_prompts, GREEDY)] == plain_greedy
+    stop = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                          stop=[embedded_llm.tokenizer.decode(plain_greedy[2][10:12]).strip()])
+    want, got = embedded_llm.generate(copy_prompts[2:], stop)[0], llm.generate(copy_prompts[2:], stop)[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    stats = llm.engine.speculator.stats
+    assert stats.steps > 0 and stats.mean_accepted > 1.5, stats
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_1p1d_and_after_a_migration_the_guessing_decode_worker_gives_the_plain_tokens(embedded_source):
+    """A decode worker with --speculative-method ngram (asynchronous scheduling on, as on accelerators)
+    guesses from its first step on KV a prefill worker handed off (tiny-llama, CPU, the in-memory
+    backend; n-gram guesses need only the tokens, so nothing more travels), and after a migration --
+    the router's ledger resubmits the prompt and the tokens streamed so far -- it guesses again from
+    those tokens: greedy tokens are plain decoding's (a request that opts out, on the same workers),
+    token for token, every block back. (tiny-llama's random weights repeat the last token, so its
+    guesses hold: this checks the hand-off, the seam and max_tokens inside kept guesses; the token
+    parity of real text is the embedded model's, above.)"""
+    import asyncio
+    import dataclasses
+
+    from test_kv_handoff import core, idle, workers
+
+    from baton.engine.tokenizer import load_tokenizer
+    from baton.router.migration import Ledger
+    from baton.serving.wire import sampling_to_proto
+    from baton.v1 import decode_pb2, prefill_pb2
+    prompt = list(range(2000, 2007)) * 5
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def pd(prefill, decode, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+        admitted = await decode.admit(decode_pb2.AdmitRequest(request_id=rid, prompt_token_ids=prompt,
+                                                              sampling=sampling_to_proto(params), timeout_ms=20_000))
+
+        async def collect():
+            return [t async for chunk in decode.stream(rid, 20_000) for t in chunk.token_ids]
+        stream = asyncio.ensure_future(collect())
+        try:
+            await prefill.prefill(prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+                                                             sampling=sampling_to_proto(params),
+                                                             handoff=prefill_pb2.Handoff(
+                decode_address=admitted.kv_address, transfer_id=admitted.transfer_id, backend=admitted.backend)))
+            return await asyncio.wait_for(stream, 30)
+        finally:
+            stream.cancel()
+
+    async def main():
+        async with workers(decode_args=("--speculative-method", "ngram", "--async-scheduling")) \
+                as (prefill, decode):
+            want = await pd(prefill, decode, "plain", prompt, dataclasses.replace(params, speculative=False))
+            before = core(decode).stats().spec_verified
+            first = await pd(prefill, decode, "a", prompt, params)
+            seam = 9                                   # the worker "died" after streaming 9 tokens
+            ledger = Ledger(prompt, params, load_tokenizer(embedded_source), limit=1)
+            for t in first[:seam]:
+                ledger.relay("a", decode_pb2.TokenChunk(token_ids=[t]))
+            ledger.migrate()
+            resumed, rest = ledger.request()
+            second = await pd(prefill, decode, "b", resumed, rest)
+            await idle(prefill, decode)
+            assert core(decode).stats().spec_verified > before
+            return want, first, first[:seam] + second
+    want, first, migrated = asyncio.run(main())
+    assert len(want) == 24 and first == want and migrated == want
 
 
 def test_unseeded_sampling_keeps_the_target_distribution(tmp_path):
