@@ -287,9 +287,13 @@ def admit(decode, rid: str, timeout_ms: int = 20_000, max_tokens: int = 4):
                                                 timeout_ms=timeout_ms))
 
 
-def prefill_request(rid: str, admitted):
+def prefill_request(rid: str, admitted, max_tokens: int = 4):
+    """The prefill of what `admit` admitted: the same prompt and (greedy) sampling, so the prefill
+    worker's first token is the one plain decoding gives."""
+    from baton.serving.wire import sampling_to_proto
     from baton.v1 import prefill_pb2
-    return prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=PROMPT, handoff=prefill_pb2.Handoff(
+    sampling = sampling_to_proto(SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return prefill_pb2.PrefillRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=sampling, handoff=prefill_pb2.Handoff(
         decode_address=admitted.kv_address, transfer_id=admitted.transfer_id, backend=admitted.backend))
 
 

@@ -300,7 +300,7 @@ async def _handoff(prefill_kv: str, decode_kv: str, prefill_extra: tuple[str, ..
         stream = asyncio.ensure_future(collect())
         try:
             await prefill.prefill(prefill_pb2.PrefillRequest(
-                request_id="r", prompt_token_ids=PD_PROMPT, handoff=prefill_pb2.Handoff(
+                request_id="r", prompt_token_ids=PD_PROMPT, sampling=sampling, handoff=prefill_pb2.Handoff(
                     decode_address=admitted.kv_address, transfer_id=admitted.transfer_id, backend=admitted.backend)))
             return await asyncio.wait_for(stream, 30), decode.core.core.layout
         finally:
