@@ -164,11 +164,12 @@ def test_one_payload_in_several_transfers_at_once_is_registered_once_and_release
                 outs = [await p.sender.open(p.descriptor(tid, 2), 20) for tid in tids]
                 for out in outs:
                     await out.piece(piece)
-                assert list(_REGISTERED._held.values())[0][1] >= 1 and len(_REGISTERED._held) == 1
+                key = (piece.data.data_ptr(), piece.data.numel(), str(piece.data.device))
+                assert _REGISTERED._held[key][1] >= 1      # one registration, however many writes use it
                 await asyncio.gather(*(out.done() for out in outs))
                 await asyncio.gather(*(d.wait_ended(tid, 5) for tid in tids))
                 for tid in tids:
                     assert d.landed[tid][0] == 5
                     assert torch.equal(d.kv[:, :, blocks[tid]], p.kv[:, :, ids].to(d.kv.device))
-            assert not _REGISTERED._held
+            assert key not in _REGISTERED._held             # (other tests' abandoned writes may still drain)
     run(main())
