@@ -129,9 +129,12 @@ class NixlKVReceiver(KVReceiver):
         inc = None
         try:
             inc = await self._open(context)
+            wire.trace("R opened", inc.t.transfer_id)
             await context.write({"ready": self._where(inc)})
+            wire.trace("R ready written", inc.t.transfer_id)
             await self._until_landed(inc, context)
             await context.write({"done": True})
+            wire.trace("R done written", inc.t.transfer_id)
         except TransferRejected as exc:
             if inc is not None:
                 self.pending.fail(inc.t.transfer_id, str(exc), exc.code)
@@ -203,7 +206,9 @@ class NixlKVReceiver(KVReceiver):
                 done, _ = await asyncio.wait({reader, inc.landed}, timeout=max(0.0, left),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if inc.landed in done:
+                    wire.trace("R landed seen", inc.t.transfer_id)
                     self._land(inc, inc.landed.result())
+                    wire.trace("R land done", inc.t.transfer_id)
                     return
                 self.pending.check_active(inc.t)           # the reaper ended it: how, precisely
                 if not done:
@@ -212,6 +217,7 @@ class NixlKVReceiver(KVReceiver):
                 if not (isinstance(msg, dict) and msg.get("written") is True):
                     break
                 reader = asyncio.ensure_future(context.read())
+                wire.trace("R written hint", inc.t.transfer_id)
                 await self._poll_closely(inc)
             if msg is grpc.aio.EOF:
                 raise TransferRejected(Code.DATA_LOSS, f"the prefill worker closed the stream of "
@@ -274,6 +280,7 @@ class NixlKVReceiver(KVReceiver):
         if inc is None or inc.sender_agent != agent or inc.landed.done():
             log.warning("a NIXL notification from %s for a transfer it does not hold; ignored", agent)
             return
+        wire.trace("R notif got", note.get("tid"))
         inc.landed.set_result(note)
 
     # -- the end of a transfer ---------------------------------------------------------------------

@@ -118,12 +118,14 @@ class NixlKVSender(KVSender):
 
     async def _open(self, transfer: TransferDescriptor, deadline: float) -> NixlOutgoing:
         loop = asyncio.get_running_loop()
+        wire.trace("S open start", transfer.transfer_id)
         call = self._call(timeout=max(0.0, deadline - loop.time()), metadata=self._metadata)
         try:
             async with asyncio.timeout_at(deadline):
                 await call.write({"open": transfer.transfer_id, "nbytes": transfer.nbytes, "agent": self.agent.name,
                                   "pages": True})
                 reply = await call.read()
+                wire.trace("S ready read", transfer.transfer_id)
                 if reply is grpc.aio.EOF or "ready" not in reply:
                     raise await _ended(call, reply, transfer.transfer_id)
                 ready = reply["ready"]
@@ -216,7 +218,9 @@ class NixlOutgoing(OutgoingTransfer):
         if piece.ready is not None:                                    # final on its device first
             await asyncio.get_running_loop().run_in_executor(None, piece.ready.synchronize)
         try:
+            wire.trace("S write start", tid)
             self._write(data, piece.first_block, piece.num_blocks)
+            wire.trace("S write posted", tid)
         except KVTransferError:
             self.abandon("a NIXL write failed")
             raise
@@ -259,8 +263,10 @@ class NixlOutgoing(OutgoingTransfer):
                 raise KVTransferError(f"a NIXL write to {self.sender.address} failed", Code.UNAVAILABLE)
             await asyncio.sleep(wait)
             wait = min(2 * wait, POLL_MAX_S)
+        wire.trace("S writes done", self.transfer.transfer_id)
         self._release_writes()
         self.agent.send_notif(self.peer, note)
+        wire.trace("S notif sent", self.transfer.transfer_id)
         try:
             await self.call.write({"written": True})
         except Exception:       # the decode side already polled the notification and closed the stream:
@@ -285,6 +291,7 @@ class NixlOutgoing(OutgoingTransfer):
         except grpc.aio.AioRpcError as exc:
             self.abandon("the stream broke")
             raise KVTransferError(f"KV transfer {tid} to {self.sender.address}: {exc.details()}", exc.code()) from exc
+        wire.trace("S done read", tid)
         if reply is grpc.aio.EOF or "done" not in reply:
             self.abandon("refused")
             raise await _ended(self.call, reply, tid)

@@ -20,12 +20,25 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import sys
+import time
 
 import grpc
 
 SERVICE = "baton.v1.KVNixl"
 TRANSFER_METHOD = f"/{SERVICE}/Transfer"
 Code = grpc.StatusCode
+
+
+TRACE = bool(os.environ.get("BATON_KV_TRACE"))     # each transfer's milestones on stderr, both sides
+
+
+def trace(what: str, tid: str) -> None:
+    """With BATON_KV_TRACE=1: `TRACE <monotonic ms> <side> <milestone> <transfer>`, the prefill (S)
+    and decode (R) sides on one clock, to see where a transfer's fixed cost goes."""
+    if TRACE:
+        print(f"TRACE {time.monotonic() * 1e3:.3f} {what} {tid}", file=sys.stderr, flush=True)
 
 
 def encode(msg: dict) -> bytes:
