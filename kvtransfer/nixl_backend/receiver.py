@@ -42,9 +42,13 @@ from baton.kvtransfer.receiver import PendingTransfers, Transfer, TransferReject
 log = logging.getLogger("baton.kvtransfer")
 Code = grpc.StatusCode
 OPEN_TIMEOUT_S = 10.0            # a stream must say which transfer it carries by then
-POLL_S = 0.0005                  # notification polling, only while transfers are open; the wait doubles
-POLL_MAX_S = 0.004               # while nothing comes, up to this (the engine thread wants the GIL too)
-EAGER_POLL_S = 2.0               # after the sender's "written" hint, poll closely for this long at most
+POLL_S = 0.0005                  # polling (notifications, and UCX's progress, which a write's completion
+POLL_MAX_S = 0.004               # may need on this side) only while transfers are open; the wait doubles
+                                 # while nothing comes, up to this (the engine thread wants the GIL too) ...
+CLOSE_POLL_S = 0.0001            # ... except while the sender says its writes are under way: this often
+WRITES_GB_S = 2.0                # for the piece's bytes at this rate (at least CLOSE_MIN_S); after "written",
+CLOSE_MIN_S = 0.002              # until the notification lands (EAGER_POLL_S at most)
+EAGER_POLL_S = 2.0
 QUARANTINE_S = 30.0              # how long what a transfer that ended early could be written into stays untouched
 
 
@@ -85,6 +89,8 @@ class NixlKVReceiver(KVReceiver):
         self.incoming: dict[str, _Incoming] = {}    # transfer id -> ...
         self.quarantine: list[tuple[float, object, torch.Tensor]] = []
         self._poller: asyncio.Task | None = None
+        self._hurry = asyncio.Event()                # a hint came: poll now, not after the wait
+        self._close_until = 0.0                      # poll every CLOSE_POLL_S until then
         self.cache = self._register_cache(kv_cache) if kv_cache is not None else None
 
     def _register_cache(self, kv: torch.Tensor) -> RegisteredCache | None:
@@ -214,11 +220,14 @@ class NixlKVReceiver(KVReceiver):
                 if not done:
                     raise TransferRejected(Code.DEADLINE_EXCEEDED, f"transfer {inc.t.transfer_id} missed its deadline")
                 msg = reader.result()
-                if not (isinstance(msg, dict) and msg.get("written") is True):
+                if isinstance(msg, dict) and isinstance(msg.get("writing"), int):      # a piece's writes posted
+                    self._poll_closely(max(CLOSE_MIN_S, msg["writing"] / (WRITES_GB_S * 1e9)))
+                elif isinstance(msg, dict) and msg.get("written") is True:            # the notification is out
+                    wire.trace("R written hint", inc.t.transfer_id)
+                    self._poll_closely(EAGER_POLL_S)
+                else:
                     break
                 reader = asyncio.ensure_future(context.read())
-                wire.trace("R written hint", inc.t.transfer_id)
-                await self._poll_closely(inc)
             if msg is grpc.aio.EOF:
                 raise TransferRejected(Code.DATA_LOSS, f"the prefill worker closed the stream of "
                                        f"{inc.t.transfer_id} before its KV landed")
@@ -248,6 +257,13 @@ class NixlKVReceiver(KVReceiver):
         if self._poller is None or self._poller.done():
             self._poller = asyncio.ensure_future(self._poll())
 
+    def _poll_closely(self, seconds: float) -> None:
+        """A sender's writes are under way (UCX may need this side's progress to complete them) or
+        its notification is out: poll every CLOSE_POLL_S for `seconds`, starting now."""
+        self._close_until = max(self._close_until, time.monotonic() + seconds)
+        self._hurry.set()
+        self._ensure_polling()
+
     async def _poll(self) -> None:
         wait = POLL_S
         while self.incoming:
@@ -255,20 +271,13 @@ class NixlKVReceiver(KVReceiver):
             for agent, notes in news.items():
                 for raw in notes:
                     self._notified(agent, raw)
-            wait = POLL_S if news else min(2 * wait, POLL_MAX_S)
-            await asyncio.sleep(wait)
-
-    async def _poll_closely(self, inc: _Incoming) -> None:
-        """The sender says the notification is out: fetch it now (it arrives within microseconds
-        to a millisecond), yielding to the loop between looks, not sleeping the idle poll's backoff."""
-        until = time.monotonic() + EAGER_POLL_S
-        looks = 0
-        while not inc.landed.done() and time.monotonic() < until:
-            for agent, notes in self.agent.get_new_notifs().items():
-                for raw in notes:
-                    self._notified(agent, raw)
-            looks += 1
-            await asyncio.sleep(0 if looks < 64 else POLL_S)
+            if time.monotonic() < self._close_until:
+                wait = CLOSE_POLL_S
+            else:
+                wait = POLL_S if news or wait == CLOSE_POLL_S else min(2 * wait, POLL_MAX_S)
+            self._hurry.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._hurry.wait(), wait)
 
     def _notified(self, agent: str, raw: bytes) -> None:
         try:

@@ -34,7 +34,8 @@ from baton.kvtransfer.peer_auth import KVPeerAuth
 Code = grpc.StatusCode
 BACKEND = "nixl"
 POLL_S = 0.00005               # write completion polling, after a first look at once; the wait doubles
-POLL_MAX_S = 0.001             # up to this (a piece's bytes take ~0.1 ms a GB over CUDA IPC)
+POLL_MAX_S = 0.001             # up to this (a piece's bytes take ~0.1 ms a GB over CUDA IPC) after
+CLOSE_POLL_S = 0.002           # looking every POLL_S for this long
 DRAIN_S = 30.0                 # an abandoned transfer's writes get this long to finish before their memory goes
 FORGET_AFTER_LOADS = 256       # the peer's stale registrations are dropped (when idle) after this many loads
 # per decode worker's agent, over every sender of this process (they share one agent): its
@@ -225,6 +226,7 @@ class NixlOutgoing(OutgoingTransfer):
             self.abandon("a NIXL write failed")
             raise
         self.next_block, self.pieces = end, self.pieces + 1
+        await self._hint({"writing": nbytes})           # (before "written": one write on the stream at a time)
         if piece.last:
             self.token_sent = True
             note = {"tid": tid, "first_token": piece.first_token, "blocks": self.num_blocks,
@@ -257,18 +259,24 @@ class NixlOutgoing(OutgoingTransfer):
     async def _notify_when_written(self, note: bytes) -> None:
         """Once every write completed (the bytes are in the peer's memory), say so with the token,
         and hint the decode side over the stream that the notification is on its way."""
-        wait = POLL_S
+        wait, close_until = POLL_S, time.monotonic() + CLOSE_POLL_S
         while (states := [self.agent.check_xfer_state(h) for h, _, _ in self.writes]).count("DONE") < len(states):
             if "ERR" in states:
                 raise KVTransferError(f"a NIXL write to {self.sender.address} failed", Code.UNAVAILABLE)
             await asyncio.sleep(wait)
-            wait = min(2 * wait, POLL_MAX_S)
+            if time.monotonic() > close_until:     # most writes finish within it: no backoff overshoot there
+                wait = min(2 * wait, POLL_MAX_S)
         wire.trace("S writes done", self.transfer.transfer_id)
         self._release_writes()
         self.agent.send_notif(self.peer, note)
         wire.trace("S notif sent", self.transfer.transfer_id)
+        await self._hint({"written": True})
+
+    async def _hint(self, msg: dict) -> None:
+        """Tell the decode side to poll closely now ("writing": a piece's writes are posted, and
+        UCX may need its progress to complete them; "written": the notification is out)."""
         try:
-            await self.call.write({"written": True})
+            await self.call.write(msg)
         except Exception:       # the decode side already polled the notification and closed the stream:
             pass                # its DONE (or the stream's status) decides, in done()
 

@@ -7,10 +7,11 @@ JSON messages (no proto: the bytes move through NIXL, the stream only says where
                                                pages, addr is the KV cache of `stride` blocks and
                                                pages the transfer's block ids (write in place);
                                                without, addr is a buffer staged for the transfer
-    (bytes: NIXL writes; then a NIXL notification {"tid", "first_token", "extra", "blocks"})
-    {"written": true}: the notification is out  {"done": true}: landed, the decode engine has it
-    (a hint: the decode side polls for it now,
-     rather than at its idle polling's pace)
+    (bytes: NIXL writes, each piece's then {"writing": its bytes}; then a NIXL notification
+     {"tid", "first_token", "extra", "blocks"}, then {"written": true})
+                                               {"done": true}: landed, the decode engine has it
+    (writing / written are hints: the decode side polls UCX closely for a while, not at its idle
+     polling's pace: a write's completion may need its progress, the notification its look)
     {"abandon": reason, "quiet": bool}         {"refused": reason, "code": n}, then the status
     (quiet: none of its writes is in flight, so what they went into may be reused at once)
 
