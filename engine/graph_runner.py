@@ -22,25 +22,22 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """`query_len` tokens per sequence (decode steps: 1; a step verifying guesses is one too, a row
-    per token: engine/model_runner.py `_verify_inputs`); more than 1 would run the prefill kernel
-    over the paged context with a fixed query length."""
+    """One token per row: decode steps, and steps verifying guesses, which are decode steps of
+    one row per token (engine/model_runner.py `_verify_inputs`)."""
 
-    def __init__(self, runner, query_len: int = 1, max_num_seqs: int | None = None):
+    def __init__(self, runner):
         self.runner = runner
         self.platform = runner.platform
-        self.q = query_len
-        self.buckets = batch_buckets(max_num_seqs or runner.config.max_num_seqs)
+        self.buckets = batch_buckets(runner.config.max_num_seqs)
         self.max_bs = self.buckets[-1]
         dev = runner.device
         max_blocks = (runner.max_model_len + runner.block_size - 1) // runner.block_size
-        rows = self.max_bs * query_len
-        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.full((self.max_bs,), query_len, dtype=torch.int32, device=dev)
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(self.max_bs, max_blocks, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev) * query_len
+        self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture()
@@ -49,45 +46,42 @@ class DecodeGraphs:
         return n <= self.max_bs
 
     def _meta(self, bs: int) -> AttnMetadata:
-        q = self.q
         return AttnMetadata(
-            is_decode=q == 1, slot_mapping=self.slot_mapping[:bs * q], query_start_loc=self.query_start_loc[:bs + 1],
-            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_query_len=q,
+            is_decode=True, slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_query_len=1,
             max_seq_len=self.runner.max_model_len, has_context=True,
-            query_start_loc_cpu=[i * q for i in range(bs + 1)], seq_lens_cpu=[q] * bs,
-            num_decode_rows=bs if q == 1 else 0)
+            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs, num_decode_rows=bs)
 
     @torch.inference_mode()
     def _capture(self) -> None:
         t0 = time.perf_counter()
         pool = None
-        r, q = self.runner, self.q
-        what = "decode" if q == 1 else f"verify ({q - 1} guesses)"
+        r = self.runner
         for i, bs in enumerate(reversed(self.buckets)):        # largest first: it sizes the pool
             ctx = ForwardContext(self._meta(bs), r.kv_caches, r.attention, r.scale, r.kv_scales)
-            args = (self.input_ids[:bs * q], self.positions[:bs * q], ctx)
+            args = (self.input_ids[:bs], self.positions[:bs], ctx)
             r.model(*args)                                     # warm-up: kernels compiled, workspaces sized
             self.platform.synchronize()
             graph, self.outputs[bs] = self.platform.capture_graph(lambda a=args: r.model(*a), pool)
             pool = graph.pool()
             self.graphs[bs] = graph
-            print(f"\r[baton] capturing {what} graphs: {i + 1}/{len(self.buckets)}", end="", file=sys.stderr)
+            print(f"\r[baton] capturing decode graphs: {i + 1}/{len(self.buckets)}", end="", file=sys.stderr)
         self.platform.synchronize()
-        print(f"\r[baton] captured {len(self.buckets)} {what} graphs (batch 1..{self.max_bs}) "
+        print(f"\r[baton] captured {len(self.buckets)} decode graphs (batch 1..{self.max_bs}) "
               f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        n, q = meta.num_seqs, self.q
+        n = meta.num_seqs
         bs = next(b for b in self.buckets if b >= n)
-        self.input_ids[:n * q].copy_(input_ids)
-        self.positions[:n * q].copy_(positions)
-        self.slot_mapping[:n * q].copy_(meta.slot_mapping)
-        self.slot_mapping[n * q:bs * q].fill_(-1)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.slot_mapping[n:bs].fill_(-1)
         self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:bs].fill_(q)
+        self.seq_lens[n:bs].fill_(1)
         width = meta.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(meta.block_tables)
         self.block_tables[n:bs, 0].fill_(0)
         self.platform.before_replay(self.graphs[bs], meta, bs)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n * q]
+        return self.outputs[bs][:n]
