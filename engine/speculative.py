@@ -129,9 +129,9 @@ class Speculator:
         due = sum(1 for seq in decoding if seq.spec_resume_step <= self.clock and _may_guess(seq))
         return due > 0 and due >= MIN_GUESSING_SHARE * len(decoding)
 
-    def propose(self, running: list[Sequence]) -> bool:
-        """Set each decoding sequence's `draft` (cleared for the others). False, every draft
-        cleared, when too few guess for a verifying step (the step decodes plainly)."""
+    def propose(self, running: list[Sequence]) -> None:
+        """Set each decoding sequence's `draft` (cleared for the others); every draft cleared when
+        too few guess for a verifying step (the step decodes plainly)."""
         guessing = decoding = 0
         for seq in running:
             seq.draft = []
@@ -153,8 +153,6 @@ class Speculator:
                 if seq.draft:                           # due, but alone: wait for company a few steps
                     seq.draft = []
                     seq.spec_resume_step = self._after(4)
-            return False
-        return True
 
     def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verified sequence kept `accepted` of its `proposed` guesses."""
