@@ -32,13 +32,16 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[N, vocab] uniforms in (0, 1) from splitmix64 of (seed, position, token id)."""
+    """[N, vocab] uniforms in (0, 1) from splitmix64 of (seed, position, token id): the top 23 bits
+    n, as (n + 0.5) / 2^23, exact in float32, so never 0 or 1. (With 24 bits, n = 2^24 - 1 rounded
+    to u = 1.0: noise -log(u) = 0, and the token won the draw whatever its probability; under a
+    structured-output mask, 0 / 0, a disallowed token won.)"""
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     x = seeds[:, None] * _GOLDEN + positions[:, None] * _POS + ids[None, :]
     x = (x ^ _shr(x, 30)) * _MIX1
     x = (x ^ _shr(x, 27)) * _MIX2
     x = x ^ _shr(x, 31)
-    return (_shr(x, 40).float() + 0.5) * (1.0 / (1 << 24))
+    return (_shr(x, 41).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass(slots=True)

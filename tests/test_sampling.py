@@ -32,6 +32,15 @@ def test_hashed_uniform_is_uniform_and_position_dependent():
     assert not torch.equal(u[0], u[1])
 
 
+def test_hashed_uniform_never_reaches_one():
+    """The largest hash rounds to 1 - 2^-24, not 1.0 (whose noise, -log 1 = 0, would make its token win
+    every draw: seeded sampling then emitted a token regardless of its probability, and under a
+    structured-output mask one the grammar forbids, ~0.3 % of rows a step on a 49k vocabulary)."""
+    u = hashed_uniform(torch.tensor([15]), torch.tensor([50]), 49_152)     # token 19504's hash is the largest
+    assert 0.0 < u.min().item() and u[0, 19504].item() == u.max().item() < 1.0
+    assert (-torch.log(u)).min().item() > 0.0
+
+
 def test_stop_string_is_cut_from_text_and_ends_with_stop(embedded_llm):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     base = embedded_llm.generate(["1, 2, 3, 4,"], params)[0]

@@ -24,12 +24,13 @@ BLOCK = 4096
 
 @triton.jit
 def _hashed_uniform(seed, position, ids):
-    """(0, 1) uniforms: splitmix64 of (seed, position, token id), as engine/sampler.py's."""
+    """(0, 1) uniforms: splitmix64 of (seed, position, token id), as engine/sampler.py's (23 bits:
+    exact in float32, never 1)."""
     x = seed.to(tl.uint64) * 0x9E3779B97F4A7C15 + position.to(tl.uint64) * 0xD6E8FEB86659FD93 + ids.to(tl.uint64)
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
     x = (x ^ (x >> 27)) * 0x94D049BB133111EB
     x = x ^ (x >> 31)
-    return ((x >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return ((x >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 @triton.jit
