@@ -39,15 +39,14 @@ def schema(min_items: int) -> dict:
 class HostTimes:
     """Where a constrained step's host time goes on the engine thread, per step (ms): the masks'
     start (`masks_async`: waiting for the previous step's tokens, the matchers reading them, the
-    fill handed to its thread), of which the wait and the reads; then, before the next launch, waiting
+    fill handed to its thread), of which the wait; then, before the next launch, waiting
     for the fill and queueing the sampling (`complete`), of which the sampling's upload and launch,
     of which the masks' copy (`upload`)."""
 
     def __init__(self, engine):
         from baton.engine.model_runner import LaunchedStep
 
-        self.totals = {"masks_start": 0.0, "wait_tokens": 0.0, "read": 0.0, "complete": 0.0, "sample_launch": 0.0,
-                       "upload": 0.0}
+        self.totals = {"masks_start": 0.0, "wait_tokens": 0.0, "complete": 0.0, "sample_launch": 0.0, "upload": 0.0}
         self.steps = 0
         totals = self.totals
 
@@ -60,7 +59,6 @@ class HostTimes:
                     totals[key] += time.perf_counter() - t0
             return wrapper
         structured = engine.structured
-        structured._catch_up = timed("read", structured._catch_up)
         structured.masks_async = timed("masks_start", structured.masks_async)
         inner_tokens = LaunchedStep.row_tokens
 
@@ -203,13 +201,11 @@ def main(argv=None) -> None:
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval (s) for the run: how soon a thread waiting for the GIL gets it")
     p.add_argument("--profile", action="store_true", help="also trace the device (torch profiler): idle per step")
-    p.add_argument("--parallel-read", action="store_true", help="matchers read their new tokens across llguidance's threads")
     p.add_argument("--fill-threads", type=int, default=None, help="llguidance's threads (default: its own, 80%% of the cores)")
     args = p.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     llm = LLM(args.model, device=args.device, tokenizer=args.tokenizer, max_num_seqs=args.batch)
-    llm.engine.structured.parallel_read = args.parallel_read
     if args.fill_threads:
         import llguidance
         llm.engine.structured._executor = llguidance.LLExecutor(args.fill_threads)
@@ -248,7 +244,7 @@ def main(argv=None) -> None:
            "ratio": round(statistics.median(constrained) / statistics.median(plain), 3),
            "mask_ms_per_step": round(1e3 * statistics.median(timer.seconds), 3),
            "host_ms_per_constrained_step": hosts[-1], "switch_interval_s": sys.getswitchinterval(),
-           "parallel_read": args.parallel_read, "fill_threads": args.fill_threads,
+           "fill_threads": args.fill_threads,
            **({"device_trace": profiled} if profiled else {}),
            "outputs_follow_the_schema": ok, "sample_output": llm.tokenizer.decode(texts[0])[:160]}
     print(json.dumps(row), flush=True)

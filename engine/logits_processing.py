@@ -144,7 +144,11 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 class MaskBuffers(StagingPair):
     """Structured output's bitmasks: the grammar engine fills them in place on the host (`take`),
     pinned where the device can copy from pinned memory, and each goes to the device in one copy
-    (`upload`). Two buffers alternate (engine/staging.py)."""
+    (`upload`) into one device buffer, reused (the copy is queued on the stream that runs the
+    sampling, after the previous step's sampling has read it). Two host buffers alternate
+    (engine/staging.py)."""
+
+    device_buffer: torch.Tensor | None = None
 
     def take(self, rows: int, words: int) -> torch.Tensor:
         """A [rows, words] int32 host tensor to fill (its .numpy() shares its memory)."""
@@ -160,9 +164,14 @@ class MaskBuffers(StagingPair):
             host = torch.from_numpy(host)
         if not self.pinned:
             return host
-        dev = host.to(self.device, non_blocking=True)
+        n = host.numel()
+        if self.device_buffer is None or self.device_buffer.numel() < n:
+            self.device_buffer = torch.empty(n, dtype=torch.int32, device=self.device)
+        dev = self.device_buffer[:n].view(host.shape)
+        dev.copy_(host, non_blocking=True)
+        ptr = host.untyped_storage().data_ptr()
         for i, buf in enumerate(self.buffers):
-            if buf is not None and buf.untyped_storage().data_ptr() == host.untyped_storage().data_ptr():
+            if buf is not None and buf.untyped_storage().data_ptr() == ptr:
                 self.copy_queued(i)
         return dev
 

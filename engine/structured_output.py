@@ -130,11 +130,11 @@ class GrammarState:
         self.failed = False
 
     def read(self, new: list[int], request_id: str) -> None:
-        """Read the sequence's next tokens (those after the ones it has read)."""
+        """Read the sequence's next tokens (those after the ones it has read; usually one)."""
         if not new or self.failed:
             return
         self.consumed += len(new)
-        if not self.matcher.consume_tokens(new):
+        if not (self.matcher.consume_token(new[0]) if len(new) == 1 else self.matcher.consume_tokens(new)):
             self.fail(request_id)
 
     def fail(self, request_id: str) -> None:
@@ -146,8 +146,6 @@ class GrammarState:
 
 class StructuredOutputs:
     """The engine's grammar side: matchers for new requests, bitmasks for each step's sampling rows."""
-
-    parallel_read = False       # matchers read one new token each across llguidance's threads (consume_token_par)
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self.hf_tokenizer = hf_tokenizer
@@ -192,13 +190,20 @@ class StructuredOutputs:
         """[N, ceil(vocab / 32)] int32, bit t of row i: token t allowed for sampling row i (sequence
         seqs[i]), each matcher first caught up to its sequence's known tokens; None when no row is
         constrained. Rows of finished sequences (a row in flight after its request ended) and
-        unconstrained ones allow everything."""
-        rows = [(i, s.grammar, s.token_ids[s.grammar.start + s.grammar.consumed:s.num_known_tokens], s.request_id)
-                for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
-        if not rows:
+        unconstrained ones allow everything. (The engine's steps use masks_async.)"""
+        live = [(i, s) for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished]
+        if not live:
             return None
         mask = np.empty((len(seqs), self.words), np.int32)
-        work = self._catch_up(mask, rows)
+        work, eos_only = [], []
+        for i, s in live:
+            g = s.grammar
+            g.read(s.token_ids[g.start + g.consumed:s.num_known_tokens], s.request_id)
+            if g.failed:
+                eos_only.append(i)
+            else:
+                work.append((g.matcher, i))
+        self._other_rows(mask, [i for i, _ in live], eos_only)
         if work:
             self.fill(mask, work)
         return mask
@@ -211,30 +216,43 @@ class StructuredOutputs:
         tensor, pinned where the device has pinned memory) on a thread of its own: llguidance drops the
         GIL while it fills, so the engine thread meanwhile resolves `prev` and schedules and builds the
         next step. Returns what waits for the fill and gives that tensor (None: nothing constrained);
-        nothing may touch these matchers until it has returned."""
-        rows, pending = [], []
-        where = prev.row_of() if prev is not None else {}
+        nothing may touch these matchers until it has returned.
+
+        Everything before the fill holds the GIL on the engine thread, whose time bounds a step at
+        this batch size (docs/benchmarks.md "Structured output"): one pass over the rows, each matcher
+        reading its one new token in place (the token `prev` sampled, once its values are back)."""
+        scheduled, slots = launched.out.scheduled, launched.slots
+        where = known = None
+        masked, work, eos_only = [], [], []
         for i, item in enumerate(launched.rows):
-            seq = launched.out.scheduled[item].seq
+            seq = scheduled[item].seq
             g = seq.grammar
             if g is None or seq.is_finished:
                 continue
-            new = seq.token_ids[g.start + g.consumed:launched.slots[item]]    # up to this step's own token
+            begin, end = g.start + g.consumed, slots[item]
             if seq.num_pending_tokens > 1:         # the last one sampled by `prev`, its value on its way
+                if where is None:
+                    where = prev.row_of() if prev is not None else {}
                 row = where.get(seq.seq_id)
-                if row is None or seq.num_pending_tokens > 2 or not new:
+                if row is None or seq.num_pending_tokens > 2 or end <= begin:
                     raise RuntimeError(f"request {seq.request_id}: a pending token no step in flight samples")
-                pending.append((len(rows), row))
-            rows.append((i, g, new, seq.request_id))
-        if not rows:
+                if known is None:
+                    known = prev.row_tokens()
+                new = seq.token_ids[begin:end - 1]
+                new.append(known[row])
+            else:
+                new = seq.token_ids[begin:end]
+            g.read(new, seq.request_id)
+            masked.append(i)
+            if g.failed:
+                eos_only.append(i)
+            else:
+                work.append((g.matcher, i))
+        if not masked:
             return lambda: None
-        if pending:
-            known = prev.row_tokens()
-            for k, row in pending:
-                rows[k][2][-1] = known[row]
         host = buffer(len(launched.rows), self.words)
         mask = host.numpy()
-        work = self._catch_up(mask, rows)
+        self._other_rows(mask, masked, eos_only)
         if not work:
             return lambda: host
         if self._filler is None:
@@ -255,34 +273,18 @@ class StructuredOutputs:
             return host
         return wait
 
-    def _catch_up(self, mask: np.ndarray, rows: list) -> list:
-        """Each of `rows` [(row, GrammarState, tokens it has not read, request id)] reads its tokens;
-        returns the (matcher, row) pairs to fill. The other rows of `mask` are set: every token
-        allowed where a row is unconstrained, eos alone where its output left the grammar."""
-        constrained = np.zeros(len(mask), np.bool_)
-        if self.parallel_read and all(len(t) == 1 for _, g, t, _ in rows if not g.failed):
-            live = [(g, t[0], rid) for _, g, t, rid in rows if not g.failed]
-            for (g, _, rid), ok in zip(live, self.executor.consume_token_par([(g.matcher, t) for g, t, _ in live]),
-                                       strict=True):
-                g.consumed += 1
-                if not ok:
-                    g.fail(rid)
-        else:
-            for _, g, tokens, request_id in rows:
-                g.read(tokens, request_id)
-        work = []
-        for i, g, _, _ in rows:
-            constrained[i] = True
-            if g.failed:
-                words = mask[i].view(np.uint32)
-                words[:] = 0
-                for t in self.eos_token_ids:
-                    words[t // 32] |= np.uint32(1 << (t % 32))
-            else:
-                work.append((g.matcher, i))
-        if not constrained.all():
-            mask[~constrained] = -1
-        return work
+    def _other_rows(self, mask: np.ndarray, masked: list[int], eos_only: list[int]) -> None:
+        """The rows no matcher fills: every token allowed where a row is unconstrained, eos alone where
+        its output left the grammar."""
+        if len(masked) < len(mask):
+            free = np.ones(len(mask), np.bool_)
+            free[masked] = False
+            mask[free] = -1
+        for i in eos_only:
+            words = mask[i].view(np.uint32)
+            words[:] = 0
+            for t in self.eos_token_ids:
+                words[t // 32] |= np.uint32(1 << (t % 32))
 
     @property
     def executor(self):

@@ -83,8 +83,7 @@ def test_json_schema_outputs_validate_for_every_schema_and_plain_greedy_tokens_a
 
 def test_with_asynchronous_scheduling_the_masks_see_every_token_before_the_step(embedded_llm):
     """Look-ahead (the accelerators' default): step N+1's forward is launched before step N's tokens
-    are back; its sampling waits for the masks built from them. Same outputs as stepping in lockstep,
-    with the matchers reading their tokens one after another or across llguidance's threads."""
+    are back; its sampling waits for the masks built from them. Same outputs as stepping in lockstep."""
     questions = [q for q, _ in SCHEMAS[:2]]
     params = [greedy(StructuredOutput.json(s), 24) for _, s in SCHEMAS[:2]] + [greedy(max_tokens=8)]
     convs = [ask(q) for q in questions] + [ask("Hi.")]
@@ -92,11 +91,8 @@ def test_with_asynchronous_scheduling_the_masks_see_every_token_before_the_step(
     embedded_llm.engine.look_ahead = True
     try:
         assert [o.token_ids for o in embedded_llm.chat(convs, params)] == sync
-        embedded_llm.engine.structured.parallel_read = True
-        assert [o.token_ids for o in embedded_llm.chat(convs, params)] == sync
     finally:
         embedded_llm.engine.look_ahead = False
-        embedded_llm.engine.structured.parallel_read = False
 
 
 def test_json_object_regex_choice_and_grammar_outputs_match(embedded_llm):
