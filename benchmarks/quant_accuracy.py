@@ -19,6 +19,7 @@ head (--kv-cache-scales calibrate, the default), fp8+kv8-one and kv8-one do not 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import importlib
 import inspect
@@ -50,15 +51,25 @@ def windows(ids: list[int], size: int, limit: int) -> list[list[int]]:
 
 def baton_scores(model: str, device: str, dtype: str, mode: dict, chunks: list[list[int]]) -> dict:
     """Per predicted position: (logprob of the actual token, the most likely token)."""
+    import torch
+
     from baton.engine import LLM, SamplingParams
     from baton.engine.config import EngineConfig
     if any(k not in EngineConfig.__dataclass_fields__ for k in mode):
         return {"skipped": f"this build has no {', '.join(k for k in mode if k not in EngineConfig.__dataclass_fields__)}"}
     width = max(len(c) for c in chunks)
+    # the KV the windows need, no more (one engine per mode in one process: each must leave room
+    # for the next, and gives its memory back when done)
+    block = EngineConfig.__dataclass_fields__["block_size"].default
+    blocks = len(chunks) * -(-(width + 16) // block) + 16
     llm = LLM(model, device=device, dtype=dtype, max_model_len=width + 16, enable_prefix_caching=False,
-              max_num_batched_tokens=max(4096, width), **mode)
+              max_num_batched_tokens=max(4096, width), num_kv_blocks=blocks, **mode)
     t0 = time.perf_counter()
     outs = llm.generate(chunks, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     lps, top = [], []
     for out in outs:
         for entry in out.prompt_logprobs[1:]:
