@@ -53,11 +53,27 @@ class DraftChecks:
         self.rows, self.tokens, self.q = rows, tokens, q
 
 
+def load_head(config, model, ops, dtype, device):
+    """--speculative-method eagle3: the head in --speculative-model, and the target set to hand it
+    the hidden states it reads (models/eagle3.py); None otherwise."""
+    if config.speculative_method != "eagle3":
+        return None
+    from baton.models.decoder import DecoderModel
+    from baton.models.eagle3 import build_head
+    if not isinstance(getattr(model, "model", None), DecoderModel):
+        raise ValueError(f"--speculative-method eagle3 needs a decoder-only target (Llama, Qwen2, Qwen3, "
+                         f"Qwen3-MoE), not {type(model).__name__}")
+    head = build_head(config.speculative_model, model, ops, dtype, device)
+    model.model.aux_layers = head.aux_layers
+    return head
+
+
 class DraftHead:
     def __init__(self, runner):
         self.runner = runner
         self.head = runner.head
-        self.targets = runner.head_targets        # [draft vocab]: each draft id's target id
+        # [draft vocab]: each draft id's target id
+        self.targets = self.head.target_ids(torch.arange(self.head.draft_vocab_size, device=runner.device))
 
     # -- the pass over each step -----------------------------------------------------------
     def pass_over_step(self, inputs, sampled: torch.Tensor | None) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from baton.engine import kv_scales
 from baton.engine.config import EngineConfig
-from baton.engine.draft_head import DraftHead
+from baton.engine.draft_head import DraftHead, load_head
 from baton.engine.kv_blocks import pack_blocks_on_device, unpack_blocks
 from baton.engine.logits_processing import (
     LogitsProcessing,
@@ -42,7 +42,7 @@ from baton.engine.platforms.base import is_fp8
 from baton.engine.sampler import Sampler, SamplingBatch
 from baton.engine.scheduler import SchedulerOutput
 from baton.engine.sequence import PENDING
-from baton.engine.staging import StagingPair
+from baton.engine.staging import HostUpload
 from baton.engine.tensor_parallel import TensorParallel
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.decoder import fuse_fp8_inputs
@@ -81,7 +81,7 @@ class ModelRunner:
         self.model = self._load_model(tp_rank, tp_group)
         # an EAGLE-3 draft head (engine/speculative.py): its KV is one more layer of the paged cache, and
         # the model hands it three of its hidden states with every step's output
-        self.head = self._load_head()
+        self.head = load_head(config, self.model, self.platform.ops, self.dtype, self.device)
         self.num_cache_layers = self.model.num_layers + (self.head is not None)
         self.drafts = DraftHead(self) if self.head is not None else None
         # what the model's attention layers call: the platform, or deterministic mode's row attention
@@ -149,21 +149,6 @@ class ModelRunner:
         if time.perf_counter() - t0 > 5:
             print(f"[baton] model {self.source.name} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         return model
-
-    def _load_head(self):
-        """--speculative-method eagle3: the head in --speculative-model, and the target set to hand it
-        the hidden states it reads (models/eagle3.py); None otherwise."""
-        if self.config.speculative_method != "eagle3":
-            return None
-        from baton.models.decoder import DecoderModel
-        from baton.models.eagle3 import build_head
-        if not isinstance(getattr(self.model, "model", None), DecoderModel):
-            raise ValueError(f"--speculative-method eagle3 needs a decoder-only target (Llama, Qwen2, Qwen3, "
-                             f"Qwen3-MoE), not {type(self.model).__name__}")
-        head = build_head(self.config.speculative_model, self.model, self.platform.ops, self.dtype, self.device)
-        self.model.model.aux_layers = head.aux_layers
-        self.head_targets = head.target_ids(torch.arange(head.draft_vocab_size, device=self.device))
-        return head
 
     def _split_aux(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the model's output, the hidden states the head reads: None without a head)."""
@@ -661,44 +646,6 @@ class LaunchedStep:
                 result[item] = []
             result[item].append(token)
         return result
-
-
-class HostUpload(StagingPair):
-    """Moves a step's small host arrays to the device in one copy.
-
-    Each array is packed, 64-byte aligned, into a pinned staging buffer (Triton specializes
-    kernels on 16-byte pointer alignment: a view at an odd offset would compile a new variant); one non-blocking copy
-    moves the lot; the device tensors are views of that one allocation. Two staging buffers
-    alternate, and a buffer is rewritten only after its last copy has completed (an event),
-    so the host can prepare step N+1 while step N's copy is still in flight (engine/staging.py).
-    On the CPU the arrays are wrapped as they are.
-    """
-
-    def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        if not self.pinned:
-            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        offsets, total = [], 0
-        for a in arrays:
-            offsets.append(total)
-            total += -(-a.nbytes // ALIGN) * ALIGN
-        i = self.next_buffer()                              # its previous copy has left the buffer
-        buf = self.buffers[i]
-        if buf is None or buf.numel() < total:
-            buf = self.buffers[i] = torch.empty(max(total, 1 << 16) * 2, dtype=torch.uint8, pin_memory=True)
-        host = buf.numpy()
-        for a, off in zip(arrays, offsets, strict=True):
-            host[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        dev = buf[:max(total, ALIGN)].to(self.device, non_blocking=True)
-        self.copy_queued(i)
-        out = []
-        for a, off in zip(arrays, offsets, strict=True):
-            dtype = _TORCH_OF[a.dtype.type]
-            out.append(dev[off:off + a.nbytes].view(dtype).view(a.shape))
-        return out
-
-
-ALIGN = 64
-_TORCH_OF = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32, np.bool_: torch.bool}
 
 
 def _rows_in(prev: LaunchedStep | None, seq_ids: list[int]) -> np.ndarray:

@@ -13,14 +13,16 @@ distribution given the tokens before it.
 For a proposer that guesses one token (a point mass, as n-gram lookup does), this comparison
 accepts a guess d with probability p(d), which is what rejection sampling's min(1, p(d)/q(d))
 gives with q(d) = 1; on a rejection it emits a token drawn from p given "not d", as rejection
-sampling's residual max(0, p - q) does. A draft model's proposals (a distribution q) would need
-the residual step; none ships here (docs/benchmarks.md).
+sampling's residual max(0, p - q) does. A draft head's proposals drawn from a distribution q take
+the exact rejection sampler instead (engine/draft_head.py).
 
 Proposers:
 - `ngram` (prompt lookup): the longest suffix of the sequence (up to `max_ngram` tokens) that
   occurred earlier in it; the guesses are the tokens that followed its latest earlier
   occurrence. No weights; strong where outputs copy spans of the input (editing, summaries,
   code, extraction).
+- `eagle3`: an EAGLE-3 draft head (models/eagle3.py, engine/draft_head.py) drafts k tokens from
+  the target's hidden states, one batch of head steps for every guessing sequence.
 """
 from __future__ import annotations
 
@@ -177,7 +179,8 @@ class Speculator:
             return 0
         heads = [(seq, n) for seq, n in heads if self._reserve(seq, n, running)]
         if heads:
-            for (seq, _), draft in zip(heads, self.drafter.draft(*map(list, zip(*heads))), strict=True):
+            seqs = [seq for seq, _ in heads]
+            for seq, draft in zip(seqs, self.drafter.draft(seqs, [n for _, n in heads]), strict=True):
                 seq.draft = draft
         return len(heads)
 

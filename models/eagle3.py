@@ -108,7 +108,9 @@ class Eagle3Head(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, None, dtype) if own_embedding else None
         self._target_embedding: list[nn.Module] = []      # (a list: not a submodule, not in the head's weights)
         theta, scaling = rope_parameters(config)
-        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
+        # (published heads may say a shorter context than their target serves: the table covers the target's)
+        positions = max(config.max_position_embeddings, target_config.max_position_embeddings)
+        rotary = RotaryEmbedding(head_dim_of(config), positions, theta, scaling)
         self.midlayer = Eagle3Layer(config, cache_layer, ops, dtype, rotary)
         self.norm = RMSNorm(h, config.rms_norm_eps, ops, dtype)
         self.lm_head = ParallelLMHead(self.draft_vocab_size, h, None, dtype)

@@ -154,8 +154,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "worker of a deployment. Costs speed (docs/benchmarks.md)")
     flag(g, "--speculative-method", choices=SPECULATIVE_METHODS,
          help="speculative decoding: ngram guesses the next tokens from earlier spans of the sequence, eagle3 "
-              "drafts them with an EAGLE-3 head (--speculative-model); either verifies them in one step and the "
-              "tokens are the ones plain decoding gives, or for sampling, draws from its distribution (unset: off)")
+              "drafts them with an EAGLE-3 head (--speculative-model); one step verifies them: greedy tokens are "
+              "the ones plain decoding gives, sampled ones keep the model's distribution (unset: off)")
     flag(g, "--speculative-model", metavar="DIR",
          help="eagle3: the draft head's directory (config.json + *.safetensors, as EAGLE-3 checkpoints lay it "
               "out). Give it to the prefill workers too: they run it over the prompt, and its KV and last "
