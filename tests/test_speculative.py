@@ -283,20 +283,22 @@ def test_1p1d_and_after_a_migration_the_guessing_decode_worker_gives_the_plain_t
         target = LLM("tiny-llama", num_kv_blocks=8).engine.runner.model.lm_head.weight
         head = save_tiny_eagle3_head(tmp_path / "head", PRESETS["tiny-llama"], [*range(3, 40), *prompt], mimic=target)
         head_args = ("--speculative-method", "eagle3", "--speculative-model", str(head))
-    first_draft: dict[str, int] = {}          # request -> its output tokens when the head first drafted for it
+    first_draft: dict[str, tuple[int, torch.Tensor]] = {}   # request -> (its output tokens, the head's KV
+    #                                                         of its prompt) when the head first drafted for it
 
     def spy(drafts):
-        draft = drafts.draft
+        draft, cache = drafts.draft, drafts.runner.kv_cache[-1]        # the head's cache layer
 
         def recording(seqs, counts):
             for seq in seqs:
-                first_draft.setdefault(seq.request_id, seq.num_completion_tokens)
+                kv = cache[:, seq.block_table].flatten(1, 2)[:, :len(prompt)].clone()
+                first_draft.setdefault(seq.request_id, (seq.num_completion_tokens, kv))
             return draft(seqs, counts)
         drafts.draft = recording
 
     async def main():
         async with workers(prefill_args=head_args,
-                           decode_args=head_args or ("--speculative-method", "ngram") + ("--async-scheduling",)) \
+                           decode_args=(head_args or ("--speculative-method", "ngram")) + ("--async-scheduling",)) \
                 as (prefill, decode):
             if method == "eagle3":
                 spy(core(decode).llm.runner.drafts)
@@ -319,8 +321,15 @@ def test_1p1d_and_after_a_migration_the_guessing_decode_worker_gives_the_plain_t
     want, first, migrated = asyncio.run(main())
     assert len(want) == 24 and first == want and migrated == want
     if method == "eagle3":       # from the first step: only the prefill worker's token before (b: its prompt
-        assert first_draft == {"a": 1, "b": 1}, first_draft     # is a's, with the 9 tokens streamed)
+        assert {rid: n for rid, (n, _) in first_draft.items()} == {"a": 1, "b": 1}     # is a's + 9 tokens)
         assert accepted > 0
+        # the head's KV the decode worker drafted over is the prompt's, as one engine computes it alone
+        offline = LLM("tiny-llama", num_kv_blocks=32, max_num_batched_tokens=16, speculative_method="eagle3",
+                      speculative_model=str(head))
+        spy(offline.engine.runner.drafts)
+        offline.generate([prompt], params)
+        local = first_draft["req-0"][1]
+        assert local.abs().amax() > 0 and torch.allclose(first_draft["a"][1], local, atol=1e-6)
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
