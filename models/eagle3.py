@@ -177,3 +177,47 @@ def build_head(path: str | Path, target: nn.Module, ops, dtype, device) -> Eagle
     head.set_embedding(target.model.embed_tokens)
     load_weights(head, path)
     return head.eval()
+
+
+def random_head(target, draft_tokens: list[int] | None = None, seed: int = 0,
+                std: float = 0.08) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, config.json) of a random-weight head for `target` (an HF config or a preset's dict),
+    named as published heads name them; its draft vocabulary `draft_tokens` (default: the whole
+    vocabulary). For tests and for costing a head in a real target's shapes: random weights guess
+    badly, so it never shows a speed-up (that needs a trained head)."""
+    get = target.get if isinstance(target, dict) else lambda key, default=None: getattr(target, key, default)
+    h, heads, kv, vocab, layers = (get("hidden_size"), get("num_attention_heads"), get("num_key_value_heads"),
+                                   get("vocab_size"), get("num_hidden_layers"))
+    hd = get("head_dim") or h // heads
+    inter = 2 * h
+    draft = sorted(draft_tokens) if draft_tokens is not None else list(range(vocab))
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * std
+    m = "midlayer."
+    tensors = {m + "self_attn.q_proj.weight": rand(heads * hd, 2 * h), m + "self_attn.k_proj.weight": rand(kv * hd, 2 * h),
+               m + "self_attn.v_proj.weight": rand(kv * hd, 2 * h), m + "self_attn.o_proj.weight": rand(h, heads * hd),
+               m + "mlp.gate_proj.weight": rand(inter, h), m + "mlp.up_proj.weight": rand(inter, h),
+               m + "mlp.down_proj.weight": rand(h, inter), m + "input_layernorm.weight": torch.ones(h),
+               m + "hidden_norm.weight": torch.ones(h), m + "post_attention_layernorm.weight": torch.ones(h),
+               "norm.weight": torch.ones(h), "fc.weight": rand(h, 3 * h), "lm_head.weight": rand(len(draft), h) * 10,
+               "d2t": torch.tensor(draft) - torch.arange(len(draft)),
+               "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, torch.tensor(draft), True)}
+    config = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=h, intermediate_size=inter,
+                  num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+                  vocab_size=vocab, draft_vocab_size=len(draft), rms_norm_eps=1e-6, hidden_act="silu",
+                  rope_theta=get("rope_theta", 10000.0), max_position_embeddings=get("max_position_embeddings"),
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": [0, max(1, layers // 2), layers]
+                                if layers < 6 else [2, layers // 2, layers - 3]})
+    return tensors, config
+
+
+def save_head(path: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+

@@ -114,47 +114,18 @@ def save_fp8_checkpoint(src: Path, dst: Path, fmt: str, block: int = 128) -> Pat
 
 def save_tiny_eagle3_head(path: Path, target, draft_tokens: list[int] | None = None, seed: int = 0,
                           std: float = 0.08, mimic: torch.Tensor | None = None) -> Path:
-    """A random-weight EAGLE-3 head for `target` (its HF config, or a preset's dict), laid out as the
-    published heads are (config.json + safetensors: midlayer.*, fc, norm, lm_head, d2t, t2d); its
-    draft vocabulary is `draft_tokens` (sorted; default the whole vocabulary). Random weights guess
-    badly: it tests the mechanics, never the speed (that needs a trained head). `mimic`: the target's
+    """A random-weight EAGLE-3 head for `target` (models/eagle3.save_random_head). `mimic`: the target's
     LM head weight; then fc passes the target's last hidden state through, the layer adds next to
     nothing and the head's LM head is the target's, so it guesses "the token the target drew at this
     position again": right where the target repeats itself, wrong elsewhere (a mix of both outcomes)."""
-    import json
-
-    from safetensors.torch import save_file
-    get = target.get if isinstance(target, dict) else lambda k, d=None: getattr(target, k, d)
-    h, heads, kv, vocab, layers = (get("hidden_size"), get("num_attention_heads"), get("num_key_value_heads"),
-                                   get("vocab_size"), get("num_hidden_layers"))
-    hd = get("head_dim") or h // heads
-    inter = 2 * h
-    draft = sorted(draft_tokens) if draft_tokens is not None else list(range(vocab))
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g) * std
-    m = "midlayer."
-    tensors = {m + "self_attn.q_proj.weight": rand(heads * hd, 2 * h), m + "self_attn.k_proj.weight": rand(kv * hd, 2 * h),
-               m + "self_attn.v_proj.weight": rand(kv * hd, 2 * h), m + "self_attn.o_proj.weight": rand(h, heads * hd),
-               m + "mlp.gate_proj.weight": rand(inter, h), m + "mlp.up_proj.weight": rand(inter, h),
-               m + "mlp.down_proj.weight": rand(h, inter), m + "input_layernorm.weight": torch.ones(h),
-               m + "hidden_norm.weight": torch.ones(h), m + "post_attention_layernorm.weight": torch.ones(h),
-               "norm.weight": torch.ones(h), "fc.weight": rand(h, 3 * h), "lm_head.weight": rand(len(draft), h) * 10,
-               "d2t": torch.tensor(draft) - torch.arange(len(draft)),
-               "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, torch.tensor(draft), True)}
-    config = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=h, intermediate_size=inter,
-                  num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
-                  vocab_size=vocab, draft_vocab_size=len(draft), rms_norm_eps=1e-6, hidden_act="silu",
-                  rope_theta=get("rope_theta", 10000.0), max_position_embeddings=get("max_position_embeddings"),
-                  eagle_config={"eagle_aux_hidden_state_layer_ids": [0, max(1, layers // 2), layers]})
+    from baton.models.eagle3 import random_head, save_head
+    tensors, config = random_head(target, draft_tokens, seed, std)
     if mimic is not None:
+        h = config["hidden_size"]
         for name in tensors:
-            if name.startswith(m) and not name.endswith("norm.weight"):
+            if name.startswith("midlayer.") and not name.endswith("norm.weight"):
                 tensors[name] *= 1e-3
         tensors["fc.weight"] = torch.cat([torch.zeros(h, 2 * h), torch.eye(h)], dim=1)
-        tensors["lm_head.weight"] = mimic.detach().float().cpu()[torch.tensor(draft)].clone()
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+        draft = tensors["d2t"] + torch.arange(len(tensors["d2t"]))
+        tensors["lm_head.weight"] = mimic.detach().float().cpu()[draft].clone()
+    return save_head(path, tensors, config)
