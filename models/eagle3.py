@@ -95,7 +95,7 @@ class Eagle3Head(nn.Module):
     ignored_weights = ("t2d",)       # the target-to-draft mask: d2t says all the head needs
     tie_word_embeddings = False
 
-    def __init__(self, config, target_config, cache_layer: int, ops, dtype, own_embedding: bool):
+    def __init__(self, config, target_config, cache_layer: int, ops, dtype, stored: set[str]):
         super().__init__()
         self.config = config
         h = config.hidden_size
@@ -105,6 +105,7 @@ class Eagle3Head(nn.Module):
         self.aux_layers = aux_layer_ids(config, target_config.num_hidden_layers)
         self.fc = ReplicatedLinear(3 * target_h, h, bias=False, dtype=dtype)
         # the embedding: the head's own where the checkpoint has one, else the target's (set_embedding)
+        own_embedding = "embed_tokens.weight" in stored
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, None, dtype) if own_embedding else None
         self._target_embedding: list[nn.Module] = []      # (a list: not a submodule, not in the head's weights)
         theta, scaling = rope_parameters(config)
@@ -114,8 +115,14 @@ class Eagle3Head(nn.Module):
         self.midlayer = Eagle3Layer(config, cache_layer, ops, dtype, rotary)
         self.norm = RMSNorm(h, config.rms_norm_eps, ops, dtype)
         self.lm_head = ParallelLMHead(self.draft_vocab_size, h, None, dtype)
-        self.d2t = nn.Parameter(torch.zeros(self.draft_vocab_size, dtype=torch.int64), requires_grad=False)
-        self.d2t.weight_loader = _copy_into
+        if "d2t" in stored:
+            self.d2t = nn.Parameter(torch.zeros(self.draft_vocab_size, dtype=torch.int64), requires_grad=False)
+            self.d2t.weight_loader = _copy_into
+        elif self.draft_vocab_size == self.vocab_size:      # no map: draft ids are target ids
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
+        else:
+            raise ValueError(f"the EAGLE-3 head's draft vocabulary ({self.draft_vocab_size}) is not the target's "
+                             f"({self.vocab_size}) and its checkpoint has no d2t map")
         self.num_kv_heads = self.midlayer.self_attn.num_kv_heads
         self.head_dim = self.midlayer.self_attn.head_dim
 
@@ -151,13 +158,14 @@ def _copy_into(param, loaded, shard_id=None) -> None:
     param.data.copy_(loaded.to(param.dtype))
 
 
-def has_own_embedding(path: str | Path) -> bool:
+def stored_names(path: str | Path) -> set[str]:
+    """The tensors the head's checkpoint holds, by the names the head gives them."""
     from safetensors import safe_open
+    names = set()
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(file, framework="pt") as st:
-            if any(name.endswith("embed_tokens.weight") for name in st.keys()):
-                return True
-    return False
+            names |= {Eagle3Head.checkpoint_name(name) for name in st.keys()}
+    return names
 
 
 def build_head(path: str | Path, target: nn.Module, ops, dtype, device) -> Eagle3Head:
@@ -167,7 +175,7 @@ def build_head(path: str | Path, target: nn.Module, ops, dtype, device) -> Eagle
     config = load_head_config(path)
     tc = target.config
     with torch.device(device):
-        head = Eagle3Head(config, tc, target.num_layers, ops, dtype, has_own_embedding(path))
+        head = Eagle3Head(config, tc, target.num_layers, ops, dtype, stored_names(path))
     if (head.num_kv_heads, head.head_dim) != (target.num_kv_heads, target.head_dim):
         raise ValueError(f"the EAGLE-3 head's attention ({head.num_kv_heads} KV heads of {head.head_dim}) differs "
                          f"from the target's ({target.num_kv_heads} of {target.head_dim}): its KV shares the target's "

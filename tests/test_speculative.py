@@ -126,11 +126,32 @@ def test_an_eagle3_head_that_does_not_fit_is_refused_with_the_reason(tmp_path):
         EngineConfig(model="tiny-llama", speculative_method="eagle3").validate()
     with pytest.raises(ValueError, match="only for"):
         EngineConfig(model="tiny-llama", speculative_method="ngram", speculative_model=str(tmp_path)).validate()
+    for refused in (dict(tp_size=2), dict(kv_cache_dtype="fp8")):
+        with pytest.raises(ValueError, match="for now"):
+            EngineConfig(model="tiny-llama", speculative_method="eagle3", speculative_model="x", **refused).validate()
     with pytest.raises(ValueError, match="no config.json"):
         LLM("tiny-llama", num_kv_blocks=8, speculative_method="eagle3", speculative_model=str(tmp_path))
     other = save_tiny_eagle3_head(tmp_path / "qwen3", tiny_hf_config("qwen3"), list(range(8)))
     with pytest.raises(ValueError, match="KV heads"):        # head_dim 32: tiny-llama's is 16
         LLM("tiny-llama", num_kv_blocks=8, speculative_method="eagle3", speculative_model=str(other))
+
+
+def test_an_eagle3_head_loads_as_its_trainers_store_it(tmp_path):
+    """Names under `model.layers.0.` (as some trainers write them) instead of `midlayer.`, the head's own
+    embedding, and no d2t / t2d where the draft vocabulary is the target's: it loads, and greedy tokens
+    are plain decoding's."""
+    from baton.models.eagle3 import random_head, save_head
+    from baton.models.presets import PRESETS
+    tensors, config = random_head(PRESETS["tiny-llama"])
+    tensors = {("model." + n.replace("midlayer.", "layers.0.")): t for n, t in tensors.items() if n not in ("d2t", "t2d")}
+    tensors["embed_tokens.weight"] = torch.randn(config["vocab_size"], config["hidden_size"]) * 0.1
+    head = save_head(tmp_path / "head", tensors, config)
+    prompts, params = [list(range(2000, 2006)) * 3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = LLM("tiny-llama", num_kv_blocks=16).generate(prompts, params)[0].token_ids
+    llm = LLM("tiny-llama", num_kv_blocks=16, speculative_method="eagle3", speculative_model=str(head))
+    assert llm.generate(prompts, params)[0].token_ids == want
+    loaded = llm.engine.runner.head
+    assert loaded.embed_tokens is not None and not loaded.d2t.any() and llm.engine.speculator.stats.proposed > 0
 
 
 def test_the_rejection_sampler_keeps_the_target_distribution():
