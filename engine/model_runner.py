@@ -79,7 +79,7 @@ class ModelRunner:
         self.dtype = _DTYPES[config.dtype] if config.dtype else self.platform.default_dtype()
         self.vocab_size = hf.vocab_size
         self.model = self._load_model(tp_rank, tp_group)
-        # an EAGLE-3 draft head (engine/speculative.py): its KV is one more layer of the paged cache, and
+        # an EAGLE-3 draft head (engine/draft_head.py): its KV is one more layer of the paged cache, and
         # the model hands it three of its hidden states with every step's output
         self.head = load_head(config, self.model, self.platform.ops, self.dtype, self.device)
         self.num_cache_layers = self.model.num_layers + (self.head is not None)
