@@ -1,7 +1,10 @@
-"""Speculative decoding (n-gram) against plain decoding on an input-grounded workload.
+"""Speculative decoding (n-gram, or an EAGLE-3 head) against plain decoding on an input-grounded workload.
 
     python -m baton.benchmarks.speculative --device cuda:0 --batches 1,16,256 \
         --workloads ignore-eos,stop-at-eos --output spec.json
+    # an EAGLE-3 head: a trained one's directory, or `random` (one in the model's shapes: what a head
+    # costs per step, never a speed-up)
+    python -m baton.benchmarks.speculative --device cuda:0 --speculative-method eagle3 --speculative-model random
 
 The embedded SmolLM2-135M-Instruct (real weights: speed-ups need a model that copies), asked to
 repeat a given passage with one word changed -- the answer copies spans of the prompt, as edits,
@@ -64,6 +67,19 @@ def run(llm: LLM, batch: int, reqs: list[list[int]], params: SamplingParams) -> 
     return tokens / (time.perf_counter() - t0), outs
 
 
+def _head(model: str | None) -> str:
+    """eagle3's head directory: as given, or a random head for the embedded model written to a temp dir."""
+    if model is None:
+        raise SystemExit("--speculative-method eagle3 needs --speculative-model DIR (or random)")
+    if model != "random":
+        return model
+    import tempfile
+
+    from baton.models.eagle3 import random_head, save_head
+    from baton.models.source import resolve_model
+    return str(save_head(tempfile.mkdtemp(prefix="baton-eagle3-"), *random_head(resolve_model(None).hf_config)))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda:0")
@@ -71,6 +87,9 @@ def main(argv=None) -> None:
     p.add_argument("--waves", type=int, default=4,
                    help="this many waves of `batch` requests, one after another (a batch of 16 is ~0.2 s a wave)")
     p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--speculative-method", default="ngram", choices=("ngram", "eagle3"))
+    p.add_argument("--speculative-model", default=None,
+                   help="eagle3: the head's directory, or `random` (a random head in the model's shapes)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--speculative-max-batch", type=int, default=32)
     p.add_argument("--num-kv-blocks", type=int, default=8192, help="each engine's KV cache (two engines share the GPU)")
@@ -85,8 +104,10 @@ def main(argv=None) -> None:
         p.error(f"--workloads: ignore-eos and/or stop-at-eos, not {args.workloads!r}")
     max_seqs = max(batches)
     rows, results = [], {}
+    method = args.speculative_method
+    head = _head(args.speculative_model) if method == "eagle3" else None
     for spec in (False, True):
-        extra = dict(speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens,
+        extra = dict(speculative_method=method, speculative_model=head, num_speculative_tokens=args.num_speculative_tokens,
                      speculative_max_batch=args.speculative_max_batch) if spec else {}
         llm = LLM(device=args.device, max_num_seqs=max_seqs, num_kv_blocks=args.num_kv_blocks, **extra)
         for workload in workloads:
@@ -103,7 +124,7 @@ def main(argv=None) -> None:
                     mean = sum((i + 1) * c for i, c in enumerate(lengths)) / n if n else None
                     steps = st.steps - before[1]
                 results[(spec, workload, b)] = (tok_s, outs, mean, lengths, steps)
-                print(f"[spec] {'ngram' if spec else 'plain'} {workload} batch {b}: {tok_s:.0f} tok/s"
+                print(f"[spec] {method if spec else 'plain'} {workload} batch {b}: {tok_s:.0f} tok/s"
                       + (f", mean tokens per verified step {mean:.2f}, kept-guess histogram {lengths}, verifying "
                          f"steps {steps}" if mean else ""), file=sys.stderr, flush=True)
         del llm
@@ -114,7 +135,7 @@ def main(argv=None) -> None:
         for b in batches:
             plain, spec = results[(False, workload, b)], results[(True, workload, b)]
             rows.append({"workload": workload, "batch": b, "plain_tok_s": round(plain[0], 1),
-                         "ngram_tok_s": round(spec[0], 1), "speedup": round(spec[0] / plain[0], 3),
+                         f"{method}_tok_s": round(spec[0], 1), "speedup": round(spec[0] / plain[0], 3),
                          "mean_tokens_per_verified_step": spec[2], "kept_guesses_histogram": spec[3],
                          "verifying_steps": spec[4], "output_tokens": sum(map(len, spec[1])),
                          "same_tokens": plain[1] == spec[1]})
@@ -124,6 +145,7 @@ def main(argv=None) -> None:
             json.dump({"model": "smollm2-135m-instruct (real weights)", "device": args.device,
                        "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                        "max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
+                       "method": method, "speculative_model": args.speculative_model,
                        "rows": rows}, f, indent=1)
 
 

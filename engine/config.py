@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from baton.models.cache import cache_root
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SPECULATIVE_METHODS = ("ngram",)        # engine/speculative.py
+SPECULATIVE_METHODS = ("ngram", "eagle3")   # engine/speculative.py
 DETERMINISTIC_MAX_TP = 2                # engine/batch_invariant.py: an all-reduce of two is one addition
 NPU_GRAPH_MODES = ("aclgraph", "torchair")
 SCHEDULING_POLICIES = ("fcfs", "priority")   # engine/scheduling_policy.py
@@ -51,13 +51,26 @@ class EngineConfig:
     async_scheduling: bool | None = None   # schedule step N+1 while step N runs; None: on accelerators
     generation_config: str = "auto"     # sampling defaults: auto (the model's generation_config.json) | none | DIR
     deterministic: bool = False         # a request's tokens independent of its batch (engine/batch_invariant.py)
-    speculative_method: str | None = None   # ngram: guess tokens, verify them in one step (engine/speculative.py)
+    speculative_method: str | None = None   # ngram | eagle3: guess tokens, verify them in one step (engine/speculative.py)
+    speculative_model: str | None = None    # eagle3: the draft head's directory (config.json + safetensors)
     num_speculative_tokens: int = 4     # guesses per sequence and step
     speculative_max_batch: int = 32     # speculate only while at most this many sequences run
     scheduling_policy: str = "fcfs"     # fcfs | priority: which waiting request runs next (scheduling_policy.py)
     quantization: str | None = None     # fp8 | w8a8 (int8, Ascend and CPU); None = the checkpoint's
     kv_cache_dtype: str = "auto"        # auto: the model dtype; fp8: e4m3, half the bytes of bf16 per token
     kv_cache_scales: str = "calibrate"  # fp8 cache: the checkpoint's k/v scales, else calibrated at load | one
+
+    def _validate_draft_head(self) -> None:
+        eagle = self.speculative_method == "eagle3"
+        if eagle != (self.speculative_model is not None):
+            raise ValueError("--speculative-model names the draft head of --speculative-method eagle3, and that "
+                             "method needs one" if eagle else
+                             "--speculative-model is only for --speculative-method eagle3")
+        if eagle and self.tp_size > 1:
+            raise ValueError("--speculative-method eagle3 runs on one rank for now (--tensor-parallel-size 1)")
+        if eagle and self.kv_cache_dtype != "auto":
+            raise ValueError("--speculative-method eagle3 keeps its head's KV in the model's dtype for now "
+                             "(--kv-cache-dtype auto)")
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -86,6 +99,7 @@ class EngineConfig:
                 raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
             if self.speculative_max_batch < 1:
                 raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        self._validate_draft_head()
         if self.deterministic and self.tp_size > DETERMINISTIC_MAX_TP:
             raise ValueError(f"--deterministic takes at most {DETERMINISTIC_MAX_TP} tensor-parallel ranks (an "
                              f"all-reduce of more sums in an order NCCL picks by message size), got "

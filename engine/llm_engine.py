@@ -28,7 +28,7 @@ from baton.engine.output_processor import RequestOutput, RequestState
 from baton.engine.sampling_params import SamplingParams, sampling_defaults
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
-from baton.engine.speculative import Speculator, accept
+from baton.engine.speculative import HEAD_STATE_META, Speculator, accept
 from baton.engine.structured_output import StructuredOutputs
 from baton.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from baton.models.multimodal import ImageInput, ImagePlaceholders
@@ -103,7 +103,8 @@ class LLMEngine:
         self.look_ahead = auto if self.config.async_scheduling is None else self.config.async_scheduling
         self.in_flight: LaunchedStep | None = None
         self.speculator = None if self.config.speculative_method is None else Speculator(
-            self.config.speculative_method, self.config.num_speculative_tokens, self.config.speculative_max_batch)
+            self.config.speculative_method, self.config.num_speculative_tokens, self.config.speculative_max_batch,
+            self.block_manager, self.runner.drafts)
         self._ids = itertools.count()
         self.last_step_seconds = 0.0
 
@@ -238,7 +239,8 @@ class LLMEngine:
     def kv_spec(self) -> KVSpec:
         """The paged cache's shape, what a KV transfer's two ends must agree on."""
         m = self.runner.model
-        return KVSpec(str(self.runner.kv_dtype).removeprefix("torch."), self.config.block_size, m.num_layers,
+        return KVSpec(str(self.runner.kv_dtype).removeprefix("torch."), self.config.block_size,
+                      self.runner.num_cache_layers,
                       m.num_kv_heads, m.head_dim, self.runner.kv_scales_checksum)
 
     def stats(self) -> EngineStats:
@@ -351,12 +353,24 @@ class LLMEngine:
                 kept.append(tokens)
             self.speculator.stats.steps += 1
             sampled = [tokens[-1] if tokens else None for tokens in kept]
+        if self.runner.drafts is not None:
+            self._keep_head_states(launched, kept if verified else None)
         failed = self._hand_off_kv(launched.out, sampled)   # before resolve frees a finished prefill's blocks
         if verified:
             self.scheduler.resolve_many(launched.out, launched.slots, kept)
         else:
             self.scheduler.resolve(launched.out, launched.slots, sampled)
         return launched, sampled, failed
+
+    def _keep_head_states(self, launched: LaunchedStep, kept: list[list[int] | None] | None) -> None:
+        """A draft head's output at each sampling sequence's last kept token (engine/draft_head.py):
+        its first sampled row, plus the guesses it kept."""
+        first: dict[int, int] = {}
+        for m, item in enumerate(launched.rows):
+            first.setdefault(item, m)
+        picks = [(launched.out.scheduled[item].seq, m + (len(kept[item]) - 1 if kept is not None else 0))
+                 for item, m in first.items()]
+        self.runner.drafts.keep_states(launched, picks)
 
     def _emit_settled(self, launched: LaunchedStep, sampled: list[int | None],
                       failed: dict[str, str]) -> list[RequestOutput]:
@@ -397,6 +411,8 @@ class LLMEngine:
             if seq.mm is not None and seq.mm.position_offset:      # generated tokens' rotary shift
                 meta[POSITION_OFFSET_META] = str(seq.mm.position_offset)
             meta.update(_logprobs_meta(seq))
+            if seq.spec_hidden is not None:       # a draft head's last state: the decode side drafts from it
+                meta[HEAD_STATE_META] = self.runner.drafts.encode_state(seq.spec_hidden)
         self.handoff.on_prompt_kv(KVPiece(seq.request_id, first, final - first, data, ready, token, meta))
         state = KVState.PREFILLED if token is not None else KVState.PREFILLING
         if ticket.state is not state:           # (pieces after the first leave it PREFILLING)
@@ -432,6 +448,8 @@ class LLMEngine:
                                              int(ticket.meta.get(POSITION_OFFSET_META) or 0))
         seq.append_token(ticket.first_token)
         _join_logprobs(seq, ticket.meta)
+        if self.runner.drafts is not None and HEAD_STATE_META in ticket.meta:
+            seq.spec_hidden = self.runner.drafts.decode_state(ticket.meta[HEAD_STATE_META])
         self.block_manager.register_full_blocks(seq)
         ticket.joined_at = time.time()
         ticket.advance(KVState.JOINED)

@@ -15,6 +15,7 @@ import torch
 
 from baton.engine import kv_scales
 from baton.engine.config import EngineConfig
+from baton.engine.draft_head import DraftHead, load_head
 from baton.engine.kv_blocks import pack_blocks_on_device, unpack_blocks
 from baton.engine.logits_processing import (
     LogitsProcessing,
@@ -41,7 +42,7 @@ from baton.engine.platforms.base import is_fp8
 from baton.engine.sampler import Sampler, SamplingBatch
 from baton.engine.scheduler import SchedulerOutput
 from baton.engine.sequence import PENDING
-from baton.engine.staging import StagingPair
+from baton.engine.staging import HostUpload
 from baton.engine.tensor_parallel import TensorParallel
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.decoder import fuse_fp8_inputs
@@ -78,6 +79,11 @@ class ModelRunner:
         self.dtype = _DTYPES[config.dtype] if config.dtype else self.platform.default_dtype()
         self.vocab_size = hf.vocab_size
         self.model = self._load_model(tp_rank, tp_group)
+        # an EAGLE-3 draft head (engine/draft_head.py): its KV is one more layer of the paged cache, and
+        # the model hands it three of its hidden states with every step's output
+        self.head = load_head(config, self.model, self.platform.ops, self.dtype, self.device)
+        self.num_cache_layers = self.model.num_layers + (self.head is not None)
+        self.drafts = DraftHead(self) if self.head is not None else None
         # what the model's attention layers call: the platform, or deterministic mode's row attention
         self.attention = self.platform
         if config.deterministic:
@@ -90,9 +96,9 @@ class ModelRunner:
         self.platform.check_kv_layout(self.block_size, self.model.head_dim, self.kv_dtype)
         self.num_blocks = self._size_kv_cache()
         self.kv_cache = self.platform.allocate_kv_cache(
-            self.model.num_layers, self.num_blocks, self.block_size, self.model.num_kv_heads,
+            self.num_cache_layers, self.num_blocks, self.block_size, self.model.num_kv_heads,
             self.model.head_dim, self.kv_dtype)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.model.num_layers)]
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_cache_layers)]
         self.scale = self.model.head_dim ** -0.5
         # a float8 cache's K and V scales per (layer, kv head), fixed from here on (graphs read them)
         self.kv_scales = self._kv_scales()
@@ -143,6 +149,13 @@ class ModelRunner:
         if time.perf_counter() - t0 > 5:
             print(f"[baton] model {self.source.name} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         return model
+
+    def _split_aux(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the model's output, the hidden states the head reads: None without a head)."""
+        if self.head is None:
+            return hidden, None
+        width = self.source.hf_config.hidden_size
+        return hidden[:, :width], hidden[:, width:]
 
     def _quantize(self, model: torch.nn.Module) -> str | None:
         """--quantization, else what the checkpoint was quantized with: the linear layers' weights
@@ -204,7 +217,7 @@ class ModelRunner:
                             block_tables=tables, max_query_len=new, max_seq_len=seq_len, has_context=context > 0,
                             query_start_loc_cpu=[0, new], seq_lens_cpu=[seq_len])
         hidden = self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.attention, self.scale, self.kv_scales))
-        self.model.compute_logits(hidden[-1:])
+        self.model.compute_logits(self._split_aux(hidden)[0][-1:])
 
     def pack_kv(self, block_ids: list[int]):
         """(a contiguous uint8 copy of these blocks on the device, the event after which it is
@@ -218,7 +231,7 @@ class ModelRunner:
 
     def block_bytes(self) -> int:
         m = self.model
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
+        return 2 * self.num_cache_layers * self.block_size * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
 
     def _size_kv_cache(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -296,6 +309,9 @@ class ModelRunner:
         self._sampled(launched, inputs, self._sample(inputs, logits, sampling, input_ids, mask))
 
     def _sampled(self, launched: LaunchedStep, inputs: StepInputs, sampled: torch.Tensor | None) -> None:
+        if inputs.head_args is not None:
+            launched.head_hidden = self.drafts.pass_over_step(inputs, sampled)
+            launched.head_rows = inputs.sample_logit_rows
         launched.device_tokens = sampled
         launched.host_tokens, launched.event = self._copy_back(sampled)
         launched.step_logprobs = inputs.logprobs_dev
@@ -331,6 +347,9 @@ class ModelRunner:
                 extra["mm"] = multimodal_step(self.model, self.source.hf_config, inputs.image_chunks,
                                               inputs.mrope_positions, self.device)
             hidden = self.model(input_ids, positions, ctx, **extra)
+        hidden, aux = self._split_aux(hidden)
+        if aux is not None:                            # the head's pass runs once the step's tokens are drawn
+            inputs.head_args = (meta, positions, aux)
         step_lp = StepLogprobs() if inputs.num_logprobs >= 0 or inputs.prompt_logprob_rows else None
         if inputs.prompt_logprob_rows:                 # (every rank: the LM head may gather across them;
             prompt_logprobs(hidden, self.model.compute_logits, inputs.prompt_logprob_rows, step_lp)  # and a
@@ -359,6 +378,8 @@ class ModelRunner:
                 logits, mask = apply_token_bitmask(logits, mask), None
             logits = apply_logits_processing(logits, inputs.processing_dev, sampling.temperatures, input_ids)
         sampled = self.sampler(logits, sampling, mask)     # (the mask, if any, read in the sampling pass)
+        if inputs.draft_checks is not None:           # drafts drawn from a distribution: rejection sampling
+            sampled = self.drafts.reject(logits, sampling, sampled, inputs.draft_checks)
         if raw is not None:
             sampled_logprobs(raw, sampled, inputs.num_logprobs, inputs.logprobs_dev)
         return sampled
@@ -367,9 +388,13 @@ class ModelRunner:
         """The step's inputs as small numpy arrays: what the device needs, and what rank 0
         sends to the other tensor-parallel ranks. Rows of one token (decodes) come first, so a
         mixed step's attention can run them through the decode kernel."""
+        inputs = self._verify_inputs(out) if self._all_verifying(out) else self._step_inputs(out, prev)
+        if self.drafts is not None:
+            inputs.draft_checks = self.drafts.checks(out, inputs.sample_items)
+        return inputs
+
+    def _step_inputs(self, out: SchedulerOutput, prev: LaunchedStep | None) -> StepInputs:
         bs = self.block_size
-        if self._all_verifying(out):
-            return self._verify_inputs(out)
         order = list(range(len(out.scheduled))) if out.is_decode else \
             sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_new_tokens != 1)
         items = [out.scheduled[i] for i in order]
@@ -408,6 +433,11 @@ class ModelRunner:
         seqs = [items[r].seq for r in rows.tolist()]
         params = [q.params for q in seqs]
         wanted = [p.logprobs for p in params]
+        if self.head is not None:       # the head's pass: each row's next token, and where tokens are drawn
+            next_ids = _next_ids(ids, starts, items, ends)
+            sample_logit_rows = logit_rows if logit_rows is not None else (starts[1:] - 1)[rows].astype(np.int64)
+        else:
+            next_ids = sample_logit_rows = None
         return StepInputs(
             is_decode=out.is_decode, input_ids=ids, positions=positions, slots=slots,
             query_starts=starts, seq_lens=ends.astype(np.int32), block_tables=tables,
@@ -426,6 +456,7 @@ class ModelRunner:
             num_logprobs=max((n for n in wanted if n is not None), default=-1), wanted_logprobs=wanted,
             constrained=any(p.structured is not None for p in params),
             prompt_logprob_rows=None if out.is_decode else _prompt_logprob_rows(items, order, begins, ends, starts),
+            next_ids=next_ids, sample_logit_rows=sample_logit_rows,
         )
 
     def _all_verifying(self, out: SchedulerOutput) -> bool:
@@ -471,7 +502,8 @@ class ModelRunner:
             top_ps=np.array([p.top_p for p in params], np.float32),
             seeds=np.array([_signed64(q.sampling_seed or 0) for q in seqs], np.int64),
             has_seed=np.array([q.sampling_seed is not None for q in seqs], np.bool_),
-            sample_positions=positions + 1, pending_dst=np.zeros(0, np.int64), pending_src=np.zeros(0, np.int64))
+            sample_positions=positions + 1, pending_dst=np.zeros(0, np.int64), pending_src=np.zeros(0, np.int64),
+            next_ids=np.zeros(total, np.int64), sample_logit_rows=np.arange(total, dtype=np.int64))
 
     def _device_inputs(self, h: StepInputs) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor, SamplingBatch]:
         """Everything to the device in one copy (HostUpload)."""
@@ -534,6 +566,13 @@ class StepInputs:
     logprobs_dev: StepLogprobs | None = None         # (the device results, set by run)
     constrained: bool = False                        # some sampling row has structured output: sampled later
     deferred: tuple | None = None                    # ...(logits, SamplingBatch, input ids) until then
+    # an EAGLE-3 head (engine/draft_head.py): the token after each input row (those drawn this step filled
+    # in on the device), the input row each sampled token is drawn at, the guesses drawn from q to test,
+    # and (meta, positions, the target's hidden states for the head) until the head's pass runs
+    next_ids: np.ndarray | None = None
+    sample_logit_rows: np.ndarray | None = None
+    draft_checks: object | None = None
+    head_args: tuple | None = None
 
 
 @dataclass(slots=True)
@@ -552,6 +591,8 @@ class LaunchedStep:
     wanted_logprobs: list | None = None
     deferred: StepInputs | None = None   # launched, not sampled yet: ModelRunner.sample takes its masks
     finish: Callable[[], None] | None = None   # ...which `complete` then runs (the engine sets it)
+    head_hidden: torch.Tensor | None = None    # an EAGLE-3 head's output at each input row (engine/draft_head.py)
+    head_rows: np.ndarray | None = None        # ...and the input row of each sampled token
 
     def complete(self) -> None:
         """Queue the deferred sampling, if any, once its masks are filled (structured output: they
@@ -607,44 +648,6 @@ class LaunchedStep:
         return result
 
 
-class HostUpload(StagingPair):
-    """Moves a step's small host arrays to the device in one copy.
-
-    Each array is packed, 64-byte aligned, into a pinned staging buffer (Triton specializes
-    kernels on 16-byte pointer alignment: a view at an odd offset would compile a new variant); one non-blocking copy
-    moves the lot; the device tensors are views of that one allocation. Two staging buffers
-    alternate, and a buffer is rewritten only after its last copy has completed (an event),
-    so the host can prepare step N+1 while step N's copy is still in flight (engine/staging.py).
-    On the CPU the arrays are wrapped as they are.
-    """
-
-    def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        if not self.pinned:
-            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        offsets, total = [], 0
-        for a in arrays:
-            offsets.append(total)
-            total += -(-a.nbytes // ALIGN) * ALIGN
-        i = self.next_buffer()                              # its previous copy has left the buffer
-        buf = self.buffers[i]
-        if buf is None or buf.numel() < total:
-            buf = self.buffers[i] = torch.empty(max(total, 1 << 16) * 2, dtype=torch.uint8, pin_memory=True)
-        host = buf.numpy()
-        for a, off in zip(arrays, offsets, strict=True):
-            host[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        dev = buf[:max(total, ALIGN)].to(self.device, non_blocking=True)
-        self.copy_queued(i)
-        out = []
-        for a, off in zip(arrays, offsets, strict=True):
-            dtype = _TORCH_OF[a.dtype.type]
-            out.append(dev[off:off + a.nbytes].view(dtype).view(a.shape))
-        return out
-
-
-ALIGN = 64
-_TORCH_OF = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32, np.bool_: torch.bool}
-
-
 def _rows_in(prev: LaunchedStep | None, seq_ids: list[int]) -> np.ndarray:
     """The rows of `prev`'s sampled tokens that hold these sequences' pending tokens."""
     if not seq_ids:
@@ -669,6 +672,16 @@ def _prompt_logprob_rows(items, order, begins, ends, starts) -> list[PromptLogpr
         rows.append(PromptLogprobRows(order[i], np.arange(starts[i], starts[i] + count, dtype=np.int64),
                                       np.asarray(seq.token_ids[begins[i] + 1:end + 1], np.int64), int(begins[i]) + 1, n))
     return rows
+
+
+def _next_ids(ids: np.ndarray, starts: np.ndarray, items, ends: np.ndarray) -> np.ndarray:
+    """The token after each input row: the next row's, at a chunk's end the next prompt token (0 where
+    the step draws it: filled in on the device)."""
+    nxt = np.zeros_like(ids)
+    nxt[:-1] = ids[1:]
+    for i, item in enumerate(items):
+        nxt[starts[i + 1] - 1] = 0 if item.samples else item.seq.token_ids[ends[i]]
+    return nxt
 
 
 def _signed64(x: int) -> int:

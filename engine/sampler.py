@@ -109,16 +109,31 @@ class Sampler:
         return sampled if greedy is None else torch.where(batch.temperatures > 0, sampled, greedy)
 
 
+def probabilities(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                  top_ps: torch.Tensor) -> torch.Tensor:
+    """[N, vocab] float32: the distribution a row with temperature > 0 draws from (the plain path's),
+    what speculative decoding's rejection sampler compares a draft's with (engine/draft_head.py)."""
+    logits = logits.float() / torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))[:, None]
+    any_top_p = bool((top_ps < 1).any())
+    if any_top_p or bool((top_ks > 0).any()):
+        logits = _top_k_top_p(logits, top_ks, top_ps, any_top_p)
+    return torch.softmax(logits, dim=-1)
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    return _top_k_top_p(logits, batch.top_ks, batch.top_ps, batch.any_top_p)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, any_top_p: bool) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(batch.top_ks > 0, batch.top_ks, torch.full_like(batch.top_ks, vocab))
+    k = torch.where(top_ks > 0, top_ks, torch.full_like(top_ks, vocab))
     drop = ranks >= k[:, None]
-    if batch.any_top_p:
+    if any_top_p:
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         before = probs.cumsum(dim=-1) - probs          # mass strictly above this token
         # always keeps the top token; rows without top-p keep all (a cumsum can reach 1.0 early)
-        drop |= (before >= batch.top_ps[:, None]) & (batch.top_ps < 1)[:, None]
+        drop |= (before >= top_ps[:, None]) & (top_ps < 1)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

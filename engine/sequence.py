@@ -37,7 +37,8 @@ class Sequence:
         "num_cached_tokens", "block_table", "status", "params", "finish_reason", "max_model_len",
         "arrival", "num_preemptions", "sampling_seed", "num_hashed_blocks", "kv_ticket",
         "num_blocks_handed_off", "num_pending_tokens", "mm", "logprobs", "prompt_logprobs",
-        "prompt_token_set", "draft", "ngram_index", "spec_misses", "spec_resume_step", "grammar",
+        "prompt_token_set", "draft", "ngram_index", "draft_probs", "spec_hidden", "spec_misses", "spec_resume_step",
+        "grammar",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -63,6 +64,8 @@ class Sequence:
         self.mm = None                      # MultimodalPrompt (engine/multimodal.py) of a prompt with images
         self.draft: list[int] = []          # guesses of its next tokens for this step (engine/speculative.py)
         self.ngram_index = None             # ...and where its n-grams occur (speculative.NgramIndex)
+        self.draft_probs = None             # ...a draft head's q of each sampled guess (engine/draft_head.py)
+        self.spec_hidden = None             # ...and the head's output at its last kept token: (tensor, row)
         self.spec_misses = 0                # ...guessing rounds in a row that kept nothing (it backs off)
         self.spec_resume_step = 0           # ...the engine step from which it guesses again
         self.logprobs = None                # {token index: TokenLogprob} of sampled tokens (params.logprobs)

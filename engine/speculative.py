@@ -13,14 +13,16 @@ distribution given the tokens before it.
 For a proposer that guesses one token (a point mass, as n-gram lookup does), this comparison
 accepts a guess d with probability p(d), which is what rejection sampling's min(1, p(d)/q(d))
 gives with q(d) = 1; on a rejection it emits a token drawn from p given "not d", as rejection
-sampling's residual max(0, p - q) does. A draft model's proposals (a distribution q) would need
-the residual step; none ships here (docs/benchmarks.md).
+sampling's residual max(0, p - q) does. A draft head's proposals drawn from a distribution q take
+the exact rejection sampler instead (engine/draft_head.py).
 
 Proposers:
 - `ngram` (prompt lookup): the longest suffix of the sequence (up to `max_ngram` tokens) that
   occurred earlier in it; the guesses are the tokens that followed its latest earlier
   occurrence. No weights; strong where outputs copy spans of the input (editing, summaries,
   code, extraction).
+- `eagle3`: an EAGLE-3 draft head (models/eagle3.py, engine/draft_head.py) drafts k tokens from
+  the target's hidden states, one batch of head steps for every guessing sequence.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from dataclasses import dataclass, field
 
 from baton.engine.config import SPECULATIVE_METHODS as METHODS
 from baton.engine.sequence import Sequence
+
+HEAD_STATE_META = "eagle3_hidden"       # KV hand-off metadata: a draft head's last state (engine/draft_head.py)
 
 
 class NgramIndex:
@@ -106,10 +110,14 @@ class Speculator:
     """Decides, each step, which running sequences get guesses and how many, and whether the step
     verifies guesses at all (else the engine decodes plainly, scheduling ahead)."""
 
-    def __init__(self, method: str, k: int, max_batch: int):
+    def __init__(self, method: str, k: int, max_batch: int, block_manager=None, drafter=None):
         if method not in METHODS:
             raise ValueError(f"unknown speculative method {method!r}: use one of {', '.join(METHODS)}")
+        if method == "eagle3" and (drafter is None or block_manager is None):
+            raise ValueError("speculative method eagle3 needs a draft head (--speculative-model)")
         self.proposer = NgramProposer(k)
+        self.drafter = drafter if method == "eagle3" else None     # engine/draft_head.DraftHead
+        self.block_manager = block_manager
         self.k = k
         self.max_batch = max_batch
         self.stats = SpeculationStats()
@@ -126,33 +134,69 @@ class Speculator:
         if not self.active(running):
             return False
         decoding = [seq for seq in running if seq.num_tokens > seq.num_prompt_tokens]
-        due = sum(1 for seq in decoding if seq.spec_resume_step <= self.clock and _may_guess(seq))
+        due = sum(1 for seq in decoding if seq.spec_resume_step <= self.clock and self._may_guess(seq))
         return due > 0 and due >= MIN_GUESSING_SHARE * len(decoding)
 
     def propose(self, running: list[Sequence]) -> None:
         """Set each decoding sequence's `draft` (cleared for the others); every draft cleared when
         too few guess for a verifying step (the step decodes plainly)."""
         guessing = decoding = 0
+        heads: list[tuple[Sequence, int]] = []          # (sequence, guesses) for the draft head
         for seq in running:
-            seq.draft = []
+            seq.draft, seq.draft_probs = [], None
             if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens:
                 continue
             decoding += 1
-            if seq.spec_resume_step > self.clock or not _may_guess(seq):
+            if seq.spec_resume_step > self.clock or not self._may_guess(seq):
                 continue
             # room left: max_tokens and the context both cap the tokens a step may add (guesses + 1)
             left = min(seq.params.max_tokens - seq.num_completion_tokens, seq.max_model_len - seq.num_tokens) - 1
+            if self.drafter is not None:
+                if left > 0:
+                    heads.append((seq, min(self.k, left)))
+                continue
             if seq.ngram_index is None:
                 seq.ngram_index = NgramIndex(self.proposer.max_ngram)
             seq.draft = self.proposer.propose(seq.token_ids, left, seq.ngram_index)
             guessing += bool(seq.draft)
             if not seq.draft and left > 0:
                 self._back_off(seq)                     # nothing repeats yet: as a failed guess
+        if heads:
+            guessing = self._draft(heads, decoding, len(running))
         if guessing < MIN_GUESSING_SHARE * decoding:
             for seq in running:
                 if seq.draft:                           # due, but alone: wait for company a few steps
-                    seq.draft = []
+                    seq.draft, seq.draft_probs = [], None
                     seq.spec_resume_step = self._after(4)
+
+    def _draft(self, heads: list[tuple[Sequence, int]], decoding: int, running: int) -> int:
+        """The draft head's guesses for these sequences, in one batch, when enough of them guess for a
+        verifying step and their blocks have room (the head writes its guesses' KV as it drafts).
+        Returns how many got guesses."""
+        if len(heads) < MIN_GUESSING_SHARE * decoding:
+            for seq, _ in heads:                        # due, but too few: wait for company a few steps
+                seq.spec_resume_step = self._after(4)
+            return 0
+        heads = [(seq, n) for seq, n in heads if self._reserve(seq, n, running)]
+        if heads:
+            seqs = [seq for seq, _ in heads]
+            for seq, draft in zip(seqs, self.drafter.draft(seqs, [n for _, n in heads]), strict=True):
+                seq.draft = draft
+        return len(heads)
+
+    def _reserve(self, seq: Sequence, guesses: int, running: int) -> bool:
+        """Blocks for the last token and its guesses, unless that would leave fewer free blocks than
+        running sequences (each may need one to decode: guesses never cost another its blocks)."""
+        bm = self.block_manager
+        need = bm.blocks_needed(seq.num_computed_tokens + 1 + guesses) - len(seq.block_table)
+        if need > 0 and bm.num_free_blocks - need < running:
+            return False
+        bm.allocate(seq, 1 + guesses)
+        return True
+
+    def _may_guess(self, seq: Sequence) -> bool:
+        """A draft head needs its state at the sequence's last token (a handed-off prompt brings it)."""
+        return _may_guess(seq) and (self.drafter is None or seq.spec_hidden is not None)
 
     def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verified sequence kept `accepted` of its `proposed` guesses."""

@@ -105,6 +105,8 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     embed_scale: float | None = None        # MiniCPM: token embeddings times this
+    # an EAGLE-3 head reads these layers' input hidden states (models/eagle3.py); () = none, no cost
+    aux_layers: tuple[int, ...] = ()
 
     def __init__(self, config, ops, tp, dtype, qkv_bias, qk_norm, make_mlp):
         super().__init__()
@@ -117,14 +119,21 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
 
     def forward(self, input_ids, positions, ctx):
+        """[T, hidden]; with `aux_layers` set, [T, hidden * (1 + len(aux_layers))]: the normed output,
+        then the residual stream entering each of those layers (the number of layers: after the last)."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         residual = None
-        for layer in self.layers:
+        aux = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux[i] = x if residual is None else x + residual
             x, residual = layer(positions, x, residual, ctx)
+        if len(self.layers) in self.aux_layers:
+            aux[len(self.layers)] = x + residual
         x, _ = self.norm(x, residual)
-        return x
+        return torch.cat([x, *(aux[i] for i in self.aux_layers)], dim=-1) if aux else x
 
 
 class DecoderForCausalLM(nn.Module):

@@ -43,19 +43,22 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     kv_scales: dict[int, dict[str, float]] = {}
+    ignored = IGNORED + getattr(model, "ignored_weights", ())
+    rename = getattr(model, "checkpoint_name", None)     # a model whose checkpoints spell names their own way
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(safe_open(f, framework="pt")) for f in files]
         where = {name: st for st in handles for name in st.keys()}
         for i, st in enumerate(handles):
             if len(files) > 1:
                 print(f"\r[baton] loading weights: {i + 1}/{len(files)} files", end="", file=sys.stderr)
-            for name in st.keys():
-                if any(name.endswith(s) for s in IGNORED) or (quantized and quantization.is_scale(name)):
+            for stored in st.keys():
+                name = rename(stored) if rename is not None else stored
+                if any(name.endswith(s) for s in ignored) or (quantized and quantization.is_scale(name)):
                     continue
                 if hit := KV_SCALE.search(name):     # a scalar (or one per head: the largest serves)
-                    kv_scales.setdefault(int(hit[1]), {})[hit[2]] = float(st.get_tensor(name).float().max())
+                    kv_scales.setdefault(int(hit[1]), {})[hit[2]] = float(st.get_tensor(stored).float().max())
                     continue
-                loaded.add(_load_one(model, params, name, _read(st, name, where, quantized, block)))
+                loaded.add(_load_one(model, params, name, _read(st, stored, where, quantized, block)))
     if len(files) > 1:
         print(file=sys.stderr)
     _check_complete(model, params, loaded)

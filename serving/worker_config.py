@@ -16,6 +16,7 @@ from baton.engine.config import (
     NPU_GRAPH_MODES,
     QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
     EngineConfig,
 )
 from baton.kvtransfer import registry
@@ -151,9 +152,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="a request's tokens do not depend on its batch, chunking, prefix-cache hits or which worker "
               "computes them (batch-invariant matmuls and attention; migration is bitwise); set it on every "
               "worker of a deployment. Costs speed (docs/benchmarks.md)")
-    flag(g, "--speculative-method", choices=("ngram",),
-         help="speculative decoding: ngram guesses the next tokens from earlier spans of the sequence and "
-              "verifies them in one step; the tokens are the ones plain decoding gives (unset: off)")
+    flag(g, "--speculative-method", choices=SPECULATIVE_METHODS,
+         help="speculative decoding: ngram guesses the next tokens from earlier spans of the sequence, eagle3 "
+              "drafts them with an EAGLE-3 head (--speculative-model); one step verifies them: greedy tokens are "
+              "the ones plain decoding gives, sampled ones keep the model's distribution (unset: off)")
+    flag(g, "--speculative-model", metavar="DIR",
+         help="eagle3: the draft head's directory (config.json + *.safetensors, as EAGLE-3 checkpoints lay it "
+              "out). Give it to the prefill workers too: they run it over the prompt, and its KV and last "
+              "hidden state travel with the prompt's")
     flag(g, "--num-speculative-tokens", type=int, default=e.num_speculative_tokens,
          help="guesses per sequence and step")
     flag(g, "--speculative-max-batch", type=int, default=e.speculative_max_batch,
@@ -250,7 +256,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tp_port=args.tp_port, tokenizer=args.tokenizer, cache_dir=args.cache_dir, fused_ops=args.fused_ops,
         npu_graph_mode=args.npu_graph_mode, npu_emulation=args.npu_emulation,
         async_scheduling=args.async_scheduling, deterministic=args.deterministic,
-        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        speculative_method=args.speculative_method, speculative_model=args.speculative_model,
+        num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_batch=args.speculative_max_batch, scheduling_policy=args.scheduling_policy,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, kv_cache_scales=args.kv_cache_scales)
 

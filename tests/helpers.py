@@ -110,3 +110,22 @@ def save_fp8_checkpoint(src: Path, dst: Path, fmt: str, block: int = 128) -> Pat
         if p.suffix != ".safetensors" and p.name != "config.json" and p.is_file():
             shutil.copy(p, dst / p.name)
     return dst
+
+
+def save_tiny_eagle3_head(path: Path, target, draft_tokens: list[int] | None = None, seed: int = 0,
+                          std: float = 0.08, mimic: torch.Tensor | None = None) -> Path:
+    """A random-weight EAGLE-3 head for `target` (models/eagle3.save_random_head). `mimic`: the target's
+    LM head weight; then fc passes the target's last hidden state through, the layer adds next to
+    nothing and the head's LM head is the target's, so it guesses "the token the target drew at this
+    position again": right where the target repeats itself, wrong elsewhere (a mix of both outcomes)."""
+    from baton.models.eagle3 import random_head, save_head
+    tensors, config = random_head(target, draft_tokens, seed, std)
+    if mimic is not None:
+        h = config["hidden_size"]
+        for name in tensors:
+            if name.startswith("midlayer.") and not name.endswith("norm.weight"):
+                tensors[name] *= 1e-3
+        tensors["fc.weight"] = torch.cat([torch.zeros(h, 2 * h), torch.eye(h)], dim=1)
+        draft = tensors["d2t"] + torch.arange(len(tensors["d2t"]))
+        tensors["lm_head.weight"] = mimic.detach().float().cpu()[draft].clone()
+    return save_head(path, tensors, config)

@@ -1,13 +1,16 @@
 """Speculative decoding (engine/speculative.py): n-gram guesses verified in one step give the
 tokens plain decoding gives -- greedy and seeded, token for token, on the embedded model and the
-tiny architectures -- and unseeded sampling keeps the target distribution (a chi-square test)."""
+tiny architectures -- and unseeded sampling keeps the target distribution (a chi-square test).
+An EAGLE-3 draft head (engine/draft_head.py, models/eagle3.py; random weights: no trained head
+ships here) gives plain decoding's greedy tokens too, offline, 1P1D and after a migration, and its
+rejection sampler keeps the target distribution."""
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
-from helpers import save_tiny_checkpoint
+from helpers import save_tiny_checkpoint, save_tiny_eagle3_head, tiny_hf_config
 
 from baton.engine import LLM, SamplingParams
 from baton.engine.speculative import NgramProposer, accept
@@ -84,6 +87,110 @@ def test_tiny_architectures_decode_the_same_tokens_with_guesses(tmp_path, arch, 
     assert llm.engine.block_manager.num_free_blocks == 128
 
 
+def _tokenizer_dir() -> str:
+    from baton.models.source import resolve_model
+    return os.environ.get("BATON_TOKENIZER") or resolve_model(None).tokenizer_path
+
+
+def _lm_head(path) -> torch.Tensor:
+    from safetensors.torch import load_file
+    weights = load_file(str(path / "model.safetensors"))
+    return weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
+
+
+@pytest.mark.parametrize("arch,ahead", [("llama", False), ("qwen3", True), ("qwen3_moe", False)])
+def test_tiny_architectures_decode_the_same_tokens_with_an_eagle3_head(tmp_path, arch, ahead):
+    """Guesses drafted by an EAGLE-3 head (its KV in one more cache layer, the target's hidden states of
+    three layers fed to it every step) are kept only where they are the target's argmax: greedy tokens
+    are plain decoding's, with guesses kept and guesses refused, every block back (the head guesses
+    "the target's token again" over a draft vocabulary of the tokens in play)."""
+    path = save_tiny_checkpoint(arch, tmp_path / arch, _tokenizer_dir())
+    g = torch.Generator().manual_seed(5)
+    motif = torch.randint(3, 49152, (6,), generator=g).tolist()
+    prompts = [motif * 4, torch.randint(3, 49152, (30,), generator=g).tolist(), motif * 2 + [9, 9]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = dict(device=DEVICE, num_kv_blocks=128, block_size=16, async_scheduling=ahead or None)
+    want = [o.token_ids for o in LLM(str(path), **common).generate(prompts, params)]
+    vocab = sorted({t for w in want for t in w} | set(range(3, 300)) | set(motif))
+    head = save_tiny_eagle3_head(tmp_path / "head", tiny_hf_config(arch), vocab, mimic=_lm_head(path))
+    llm = LLM(str(path), **common, speculative_method="eagle3", speculative_model=str(head))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    stats = llm.engine.speculator.stats
+    assert stats.steps > 0 and 0 < stats.accepted < stats.proposed, stats
+    assert llm.engine.block_manager.num_free_blocks == 128
+
+
+def test_an_eagle3_head_that_does_not_fit_is_refused_with_the_reason(tmp_path):
+    from baton.engine.config import EngineConfig
+    with pytest.raises(ValueError, match="needs one"):
+        EngineConfig(model="tiny-llama", speculative_method="eagle3").validate()
+    with pytest.raises(ValueError, match="only for"):
+        EngineConfig(model="tiny-llama", speculative_method="ngram", speculative_model=str(tmp_path)).validate()
+    for refused in (dict(tp_size=2), dict(kv_cache_dtype="fp8")):
+        with pytest.raises(ValueError, match="for now"):
+            EngineConfig(model="tiny-llama", speculative_method="eagle3", speculative_model="x", **refused).validate()
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM("tiny-llama", num_kv_blocks=8, speculative_method="eagle3", speculative_model=str(tmp_path))
+    other = save_tiny_eagle3_head(tmp_path / "qwen3", tiny_hf_config("qwen3"), list(range(8)))
+    with pytest.raises(ValueError, match="KV heads"):        # head_dim 32: tiny-llama's is 16
+        LLM("tiny-llama", num_kv_blocks=8, speculative_method="eagle3", speculative_model=str(other))
+
+
+def test_an_eagle3_head_loads_as_its_trainers_store_it(tmp_path):
+    """Names under `model.layers.0.` (as some trainers write them) instead of `midlayer.`, the head's own
+    embedding, and no d2t / t2d where the draft vocabulary is the target's: it loads, and greedy tokens
+    are plain decoding's."""
+    from baton.models.eagle3 import random_head, save_head
+    from baton.models.presets import PRESETS
+    tensors, config = random_head(PRESETS["tiny-llama"])
+    tensors = {("model." + n.replace("midlayer.", "layers.0.")): t for n, t in tensors.items() if n not in ("d2t", "t2d")}
+    tensors["embed_tokens.weight"] = torch.randn(config["vocab_size"], config["hidden_size"]) * 0.1
+    head = save_head(tmp_path / "head", tensors, config)
+    prompts, params = [list(range(2000, 2006)) * 3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = LLM("tiny-llama", num_kv_blocks=16).generate(prompts, params)[0].token_ids
+    llm = LLM("tiny-llama", num_kv_blocks=16, speculative_method="eagle3", speculative_model=str(head))
+    assert llm.generate(prompts, params)[0].token_ids == want
+    loaded = llm.engine.runner.head
+    assert loaded.embed_tokens is not None and not loaded.d2t.any() and llm.engine.speculator.stats.proposed > 0
+
+
+def test_the_rejection_sampler_keeps_the_target_distribution():
+    """Guesses d drawn from q over a draft vocabulary (4 of 6 ids, as `d2t` maps them), accepted with
+    probability min(1, p(d)/q(d)), else a draw from max(0, p - q): the tokens come out distributed
+    as p (temperature 0.7, top-k 5). 100k draws, chi-square; false-failure rate: the threshold is
+    p < 1e-4. A guess is never redrawn on rejection, and a seed gives the same tokens twice."""
+    from baton.engine.draft_head import DraftChecks, DraftHead
+    from baton.engine.sampler import SamplingBatch, probabilities
+    n, vocab = 100_000, 6
+    head = DraftHead.__new__(DraftHead)
+    head.targets = torch.tensor([0, 2, 3, 5])
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.9, 0.1, -2.0]).repeat(n, 1)
+    q_draft = torch.tensor([0.1, 0.5, 0.1, 0.3])
+    guesses = head.targets[torch.multinomial(q_draft, n, replacement=True, generator=torch.Generator().manual_seed(1))]
+
+    def batch(seeded: bool) -> SamplingBatch:
+        return SamplingBatch(temperatures=torch.full((n,), 0.7), top_ks=torch.full((n,), 5), top_ps=torch.ones(n),
+                             seeds=torch.arange(n), has_seed=torch.full((n,), seeded),
+                             positions=torch.full((n,), 40), all_greedy=False, any_greedy=False, any_top_k=True,
+                             any_top_p=False, any_seed=seeded)
+    checks = DraftChecks(torch.arange(n).numpy(), guesses.numpy(), q_draft.repeat(n, 1))
+    out = head.reject(logits, batch(False), torch.full((n,), -1), checks)
+    p = probabilities(logits[:1], torch.tensor([0.7]), torch.tensor([5]), torch.tensor([1.0]))[0].double()
+    counts = torch.bincount(out, minlength=vocab).double()
+    keep = p * n >= 5                               # (top-k 5 gives one id no mass: it must never come)
+    assert counts[~keep].sum() == 0
+    stat = float(((counts[keep] - p[keep] * n) ** 2 / (p[keep] * n)).sum())
+    dof = int(keep.sum()) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+    assert p_value > 1e-4, (stat, dof, p_value)
+    q_full = torch.zeros(vocab).index_put_((head.targets,), q_draft)
+    rejected = out != guesses
+    assert 0 < rejected.float().mean() < 1 and bool((out[rejected] != guesses[rejected]).all())
+    assert float(1 - rejected.double().mean()) == pytest.approx(float(torch.minimum(p, q_full.double()).sum()), abs=0.01)
+    seeded = [head.reject(logits, batch(True), torch.full((n,), -1), checks) for _ in range(2)]
+    assert torch.equal(seeded[0], seeded[1])
+
+
 def test_deterministic_mode_with_guesses_gives_its_plain_tokens(tmp_path):
     """--deterministic computes a verified row as a decoded one: the same bits, so the same tokens
     on any device (on a GPU without it, bf16 near-ties may flip)."""
@@ -147,7 +254,9 @@ def test_scheduled_ahead_the_tokens_and_stops_are_plain_decodings(embedded_llm, 
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
-def test_1p1d_and_after_a_migration_the_guessing_decode_worker_gives_the_plain_tokens(embedded_source):
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_1p1d_and_after_a_migration_the_guessing_decode_worker_gives_the_plain_tokens(embedded_source, tmp_path,
+                                                                                     method):
     """A decode worker with --speculative-method ngram (asynchronous scheduling on, as on accelerators)
     guesses from its first step on KV a prefill worker handed off (tiny-llama, CPU, the in-memory
     backend; n-gram guesses need only the tokens, so nothing more travels), and after a migration --
@@ -155,7 +264,12 @@ def test_1p1d_and_after_a_migration_the_guessing_decode_worker_gives_the_plain_t
     those tokens: greedy tokens are plain decoding's (a request that opts out, on the same workers),
     token for token, every block back. (tiny-llama's random weights repeat the last token, so its
     guesses hold: this checks the hand-off, the seam and max_tokens inside kept guesses; the token
-    parity of real text is the embedded model's, above.)"""
+    parity of real text is the embedded model's, above.)
+
+    eagle3: both workers run the head; the prefill worker's pass over the prompt writes the head's KV
+    into the prompt's blocks (one more cache layer), which travel as they are, and its last state rides
+    with the first token: the decode worker drafts at its first step, for the first request and for
+    the migrated one (the head guesses "the target's token again", a draft vocabulary with decoys)."""
     import asyncio
     import dataclasses
 
@@ -184,9 +298,31 @@ def test_1p1d_and_after_a_migration_the_guessing_decode_worker_gives_the_plain_t
         finally:
             stream.cancel()
 
+    head_args: tuple[str, ...] = ()
+    if method == "eagle3":
+        from baton.models.presets import PRESETS
+        target = LLM("tiny-llama", num_kv_blocks=8).engine.runner.model.lm_head.weight
+        head = save_tiny_eagle3_head(tmp_path / "head", PRESETS["tiny-llama"], [*range(3, 40), *prompt], mimic=target)
+        head_args = ("--speculative-method", "eagle3", "--speculative-model", str(head))
+    first_draft: dict[str, tuple[int, torch.Tensor]] = {}   # request -> (its output tokens, the head's KV
+    #                                                         of its prompt) when the head first drafted for it
+
+    def spy(drafts):
+        draft, cache = drafts.draft, drafts.runner.kv_cache[-1]        # the head's cache layer
+
+        def recording(seqs, counts):
+            for seq in seqs:
+                kv = cache[:, seq.block_table].flatten(1, 2)[:, :len(prompt)].clone()
+                first_draft.setdefault(seq.request_id, (seq.num_completion_tokens, kv))
+            return draft(seqs, counts)
+        drafts.draft = recording
+
     async def main():
-        async with workers(decode_args=("--speculative-method", "ngram", "--async-scheduling")) \
+        async with workers(prefill_args=head_args,
+                           decode_args=(head_args or ("--speculative-method", "ngram")) + ("--async-scheduling",)) \
                 as (prefill, decode):
+            if method == "eagle3":
+                spy(core(decode).llm.runner.drafts)
             want = await pd(prefill, decode, "plain", prompt, dataclasses.replace(params, speculative=False))
             before = core(decode).stats().spec_verified
             first = await pd(prefill, decode, "a", prompt, params)
@@ -199,14 +335,29 @@ def test_1p1d_and_after_a_migration_the_guessing_decode_worker_gives_the_plain_t
             second = await pd(prefill, decode, "b", resumed, rest)
             await idle(prefill, decode)
             assert core(decode).stats().spec_verified > before
+            nonlocal accepted
+            accepted = core(decode).stats().spec_accepted_tokens
             return want, first, first[:seam] + second
+    accepted = 0
     want, first, migrated = asyncio.run(main())
     assert len(want) == 24 and first == want and migrated == want
+    if method == "eagle3":       # from the first step: only the prefill worker's token before (b: its prompt
+        assert {rid: n for rid, (n, _) in first_draft.items()} == {"a": 1, "b": 1}     # is a's + 9 tokens)
+        assert accepted > 0
+        # the head's KV the decode worker drafted over is the prompt's, as one engine computes it alone
+        offline = LLM("tiny-llama", num_kv_blocks=32, max_num_batched_tokens=16, speculative_method="eagle3",
+                      speculative_model=str(head))
+        spy(offline.engine.runner.drafts)
+        offline.generate([prompt], params)
+        local = first_draft["req-0"][1]
+        assert local.abs().amax() > 0 and torch.allclose(first_draft["a"][1], local, atol=1e-6)
 
 
-def test_unseeded_sampling_keeps_the_target_distribution(tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_unseeded_sampling_keeps_the_target_distribution(tmp_path, method):
     """Three sampled tokens after a prompt that repeats itself (the first is sampled by the prefill,
-    the next two by a step verifying an n-gram guess): their joint frequencies over 4000 runs
+    the next two by a step verifying an n-gram guess, or guesses an EAGLE-3 head drew from its q over
+    a draft vocabulary of 4 of the 6 ids: rejection sampling): their joint frequencies over 4000 runs
     against p(t1) p(t2 | t1) p(t3 | t1 t2) from transformers, by chi-square with the rare cells
     pooled (expected counts >= 5). False-failure rate: the threshold is p < 1e-4."""
     from transformers import AutoModelForCausalLM
@@ -230,7 +381,10 @@ def test_unseeded_sampling_keeps_the_target_distribution(tmp_path):
         for b in range(vocab):
             joint[a, b] = p1[a] * p2[b] * probs(prompt + [a, b])
     n = 4000
-    llm = LLM(str(path), num_kv_blocks=2048, max_num_seqs=n, speculative_max_batch=n, **SPEC)
+    spec = SPEC if method == "ngram" else dict(
+        speculative_method="eagle3", num_speculative_tokens=2, speculative_model=str(save_tiny_eagle3_head(
+            tmp_path / "head", tiny_hf_config("qwen3", vocab_size=vocab), [0, 2, 3, 5], std=0.3)))
+    llm = LLM(str(path), num_kv_blocks=2048, max_num_seqs=n, speculative_max_batch=n, **spec)
     outs = llm.generate([prompt] * n, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
     assert llm.engine.speculator.stats.accepted > 100, llm.engine.speculator.stats
     counts = torch.zeros(vocab ** 3, dtype=torch.float64)
