@@ -83,24 +83,26 @@ def transformers_scores(path: str, device: str, dtype: str, chunks: list[list[in
     import torch
     from transformers import AutoModelForCausalLM
     kwargs = {"dtype": getattr(torch, dtype)}
-    if fp8:
-        try:
-            from transformers import FineGrainedFP8Config
-            kwargs["quantization_config"] = FineGrainedFP8Config()
-            model = AutoModelForCausalLM.from_pretrained(path, device_map=device, **kwargs).eval()
-        except Exception as exc:        # noqa: BLE001 (recorded: the reference may not exist here)
-            return {"skipped": f"transformers' FP8 path (FineGrainedFP8Config) does not load here: "
-                               f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
-    lps, top = [], []
-    with torch.inference_mode():
-        for c in chunks:
-            logits = model(torch.tensor([c], device=device)).logits[0, :-1].float()
-            logp = torch.log_softmax(logits, dim=-1)
-            lps += logp.gather(1, torch.tensor(c[1:], device=device)[:, None])[:, 0].tolist()
-            top += logits.argmax(-1).tolist()
-    return {"logprobs": lps, "top": top}
+
+    def score(model) -> dict:
+        lps, top = [], []
+        with torch.inference_mode():
+            for c in chunks:
+                logits = model(torch.tensor([c], device=device)).logits[0, :-1].float()
+                logp = torch.log_softmax(logits, dim=-1)
+                lps += logp.gather(1, torch.tensor(c[1:], device=device)[:, None])[:, 0].tolist()
+                top += logits.argmax(-1).tolist()
+        return {"logprobs": lps, "top": top}
+
+    if not fp8:
+        return score(AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval())
+    try:        # (loading or running: its kernel comes from the `kernels` package, which fetches it from the Hub)
+        from transformers import FineGrainedFP8Config
+        kwargs["quantization_config"] = FineGrainedFP8Config()
+        return score(AutoModelForCausalLM.from_pretrained(path, device_map=device, **kwargs).eval())
+    except Exception as exc:        # noqa: BLE001 (recorded: the reference may not exist here)
+        return {"skipped": f"transformers' FP8 path (FineGrainedFP8Config) does not run here: "
+                           f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
 
 
 def summarize(name: str, scores: dict, ref: dict | None) -> dict:
