@@ -144,7 +144,7 @@ for step in $STEPS; do
               for v in ${QUANT_VARIANTS:-bf16 fp8 fp8kv8}; do
                 case $v in bf16) a="" ;; fp8) a="--quantization fp8" ;; fp8kv8) a="--quantization fp8 --kv-cache-dtype fp8" ;; esac
                 timeout ${QUANT_TIMEOUT:-240} python3 -m baton bench offline --model $m --device cuda:0 $a ${B1_ARGS:-} \
-                  --output "$OUT/b1-$m-$v.json" 2>&1 | grep "^\[bench\] baton:" | sed "s/^/$v /"
+                  --output "$OUT/b1-$m-$v.json" 2>&1 | tee "$OUT/b1-$m-$v.log" | grep "^\[bench\] baton:" | sed "s/^/$v /"
               done
             done ;;
     qprofile) for v in ${QPROFILE_VARIANTS:-bf16 fp8 fp8kv8}; do    # where a decode step's time goes, per variant

@@ -733,7 +733,7 @@ def test_qwen3_moe_with_fp8_experts_under_graphs_gives_the_eager_tokens_and_trac
         torch.cuda.empty_cache()
     assert [o.token_ids for o in outs[False]] == [o.token_ids for o in outs[True]]
     cpu = LLM("tiny-qwen3-moe", **kw).generate(prompts, sp)
-    for x, y in zip(outs[False], cpu, strict=True):
+    for x, y in list(zip(outs[False], cpu, strict=True))[1:]:       # (the 1-token prompt has no logprobs to compare)
         lx = torch.tensor([e.logprob for e in x.prompt_logprobs[1:]])
         ly = torch.tensor([e.logprob for e in y.prompt_logprobs[1:]])
         assert float((lx - ly).abs().mean()) < 0.1
