@@ -714,25 +714,31 @@ def test_fused_moe_with_fp8_experts_replays_from_a_graph_with_new_routing():
 
 
 @on_gpu
-def test_qwen3_moe_with_fp8_experts_under_graphs_gives_the_eager_tokens_and_tracks_the_cpu():
-    """tiny-qwen3-moe with --quantization fp8 on cuda:0 in bf16: captured decode (the e4m3 experts
-    inside) gives eager's greedy tokens, and the prompt's logprobs stay near the CPU's FP8 run."""
+def test_qwen3_moe_with_fp8_experts_under_graphs_gives_the_eager_tokens_and_tracks_the_cpu(tmp_path):
+    """A tiny Qwen3-MoE checkpoint with --quantization fp8 on cuda:0 in bf16: captured decode (the
+    e4m3 experts inside) gives eager's greedy tokens, and the prompt's logprobs stay near the CPU's
+    FP8 run of the same weights. (A checkpoint, not a preset: a preset's random weights come from
+    the device's own generator, so cuda:0 and the CPU would hold different models.)"""
+    from helpers import save_tiny_checkpoint
+
     from baton.engine import LLM, SamplingParams
+    from baton.models.source import resolve_model
+    path = str(save_tiny_checkpoint("qwen3_moe", tmp_path / "moe", TOKENIZER or resolve_model(None).tokenizer_path,
+                                    seed=3))
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 9, 40, 17)]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
-    kw = dict(dtype="bfloat16", max_num_seqs=8, tokenizer=TOKENIZER, max_model_len=256, num_kv_blocks=64,
-              quantization="fp8")
+    kw = dict(dtype="bfloat16", max_num_seqs=8, max_model_len=256, num_kv_blocks=64, quantization="fp8")
     outs = {}
     for eager in (True, False):
-        llm = LLM("tiny-qwen3-moe", device="cuda:0", enforce_eager=eager, **kw)
+        llm = LLM(path, device="cuda:0", enforce_eager=eager, **kw)
         assert (llm.engine.runner.graphs is None) == eager
         assert llm.engine.runner.model.model.layers[0].mlp.experts.w13.dtype == torch.float8_e4m3fn
         outs[eager] = llm.generate(prompts, sp)
         del llm
         torch.cuda.empty_cache()
     assert [o.token_ids for o in outs[False]] == [o.token_ids for o in outs[True]]
-    cpu = LLM("tiny-qwen3-moe", **kw).generate(prompts, sp)
+    cpu = LLM(path, **kw).generate(prompts, sp)
     for x, y in list(zip(outs[False], cpu, strict=True))[1:]:       # (the 1-token prompt has no logprobs to compare)
         lx = torch.tensor([e.logprob for e in x.prompt_logprobs[1:]])
         ly = torch.tensor([e.logprob for e in y.prompt_logprobs[1:]])

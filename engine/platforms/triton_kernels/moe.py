@@ -44,9 +44,7 @@ ONE_PROGRAM_ALIGN_MAX_PAIRS = 128
 class MoeTiles:
     """Tile sizes of both GEMMs; block_m is also the alignment's padding unit. The w2_* fields,
     where nonzero, override block_n / block_k / num_warps / num_stages for the w2 GEMM alone (its
-    N is H and its K is I: the other way round from w13's). swap_ab (e4m3 weights only): each dot
-    computes out^T = w . x^T, the widened weight tile as the A operand, which Hopper's wgmma reads
-    from registers, where as B it would be written back to shared memory after the widening."""
+    N is H and its K is I: the other way round from w13's)."""
     block_m: int
     block_n: int
     block_k: int
@@ -56,22 +54,18 @@ class MoeTiles:
     w2_block_k: int = 0
     w2_num_warps: int = 0
     w2_num_stages: int = 0
-    swap_ab: bool = False
 
     def for_w2(self) -> MoeTiles:
         """The tiles the w2 GEMM runs with."""
         return MoeTiles(self.block_m, self.w2_block_n or self.block_n, self.w2_block_k or self.block_k,
-                        self.w2_num_warps or self.num_warps, self.w2_num_stages or self.num_stages,
-                        swap_ab=self.swap_ab)
+                        self.w2_num_warps or self.num_warps, self.w2_num_stages or self.num_stages)
 
 
-def pick_tiles(num_slots: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
-               fp8: bool = False) -> MoeTiles:
+def pick_tiles(num_slots: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> MoeTiles:
     """Per bucket of expected rows per expert (T*k/E under even routing). Decode (a few rows per
     expert) is a weight stream: the smallest BLOCK_M the tensor cores take, so one block per hit
     expert, and N tiles narrow enough that the hit experts' tiles cover every SM. Prefill is a
-    GEMM: larger tiles for reuse. `fp8` (e4m3 weights): the buckets whose BLOCK_M takes Hopper's
-    wgmma (64 and up) swap the dot's operands (MoeTiles.swap_ab)."""
+    GEMM: larger tiles for reuse."""
     per_expert = num_slots / num_experts
     if per_expert <= 4:               # buckets and tiles from benchmarks/moe_kernel.py on an H200
         tiles = MoeTiles(16, 32, 128, 4, 5)
@@ -88,16 +82,14 @@ def pick_tiles(num_slots: int, num_experts: int, hidden: int, intermediate: int,
     def fit(n: int) -> int:
         return n and max(16, min(n, smallest))
     return MoeTiles(tiles.block_m, fit(tiles.block_n), fit(tiles.block_k), tiles.num_warps, tiles.num_stages,
-                    fit(tiles.w2_block_n), fit(tiles.w2_block_k), tiles.w2_num_warps, tiles.w2_num_stages,
-                    swap_ab=fp8 and tiles.block_m >= 64)
+                    fit(tiles.w2_block_n), fit(tiles.w2_block_k), tiles.w2_num_warps, tiles.w2_num_stages)
 
 
-def invariant_tiles(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                    fp8: bool = False) -> MoeTiles:
+def invariant_tiles(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> MoeTiles:
     """Deterministic mode: one tile shape for every batch, a decode bucket's (BLOCK_K sets the
     pieces each output's sum is cut into, BLOCK_M the tensor-core instruction). Prefill pays for
     the small tiles."""
-    return pick_tiles(10 * num_experts, num_experts, hidden, intermediate, dtype, fp8)
+    return pick_tiles(10 * num_experts, num_experts, hidden, intermediate, dtype)
 
 
 @triton.jit
@@ -244,11 +236,10 @@ def _sum_pairs_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, K_PAD: tl.conste
 def _w13_silu_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, N, K,
                      top_k, stride_x, stride_we, stride_wn, stride_o,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr, FP8_W: tl.constexpr, SWAP_AB: tl.constexpr):
+                     PRECISION: tl.constexpr, FP8_W: tl.constexpr):
     """out[slot, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's rows.
     FP8_W: w is e4m3, widened to x's dtype in registers (exactly), and each output channel's
-    scale[e, n] (float32 [E, 2N]) multiplies the float32 sums before SiLU; SWAP_AB (FP8_W only):
-    the sums computed transposed, the widened weights as the dot's A operand (MoeTiles.swap_ab)."""
+    scale[e, n] (float32 [E, 2N]) multiplies the float32 sums before SiLU."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:        # past the last expert's group: nothing to do
@@ -259,28 +250,23 @@ def _w13_silu_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_p
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    if SWAP_AB:
-        gate, up = _swapped_pair_dots(x_ptr + tokens[None, :] * stride_x + offs_k[:, None], valid,
-                                      w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :],
-                                      n_ok, N * stride_wn, offs_k, K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-    else:
-        a_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
-        g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-        u_ptrs = g_ptrs + N * stride_wn
-        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            wu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if FP8_W:
-                wg, wu = wg.to(a.dtype), wu.to(a.dtype)
-            gate = tl.dot(a, wg, gate, input_precision=PRECISION)
-            up = tl.dot(a, wu, up, input_precision=PRECISION)
-            a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
+    a_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + N * stride_wn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        wu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8_W:
+            wg, wu = wg.to(a.dtype), wu.to(a.dtype)
+        gate = tl.dot(a, wg, gate, input_precision=PRECISION)
+        up = tl.dot(a, wu, up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
     if FP8_W:
         scales = scale_ptr + expert * 2 * N + offs_n
         gate *= tl.load(scales, mask=n_ok, other=0.0)[None, :]
@@ -291,31 +277,12 @@ def _w13_silu_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_p
 
 
 @triton.jit
-def _swapped_pair_dots(at_ptrs, valid, g_ptrs, n_ok, up_offset, offs_k, K, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """(x . gate^T, x . up^T) as [BLOCK_M, BLOCK_N] float32, computed as gate . x^T: the e4m3 tiles
-    [BLOCK_N, BLOCK_K] widened in registers are the dots' A operand; x^T [BLOCK_K, BLOCK_M] is B."""
-    gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        at = tl.load(at_ptrs, mask=k_ok[:, None] & valid[None, :], other=0.0)
-        wg = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(at.dtype)
-        wu = tl.load(g_ptrs + up_offset, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(at.dtype)
-        gate = tl.dot(wg, at, gate, input_precision=PRECISION)
-        up = tl.dot(wu, at, up, input_precision=PRECISION)
-        at_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-    return tl.trans(gate), tl.trans(up)
-
-
-@triton.jit
 def _w2_kernel(a_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, route_ptr, num_slots, num_experts, N,
                K, stride_a, stride_we, stride_wn, stride_o,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-               FP8_W: tl.constexpr, SWAP_AB: tl.constexpr):
+               FP8_W: tl.constexpr):
     """out[slot, n] = route[slot] * (a[slot] . w[e, n]), in float32 (FP8_W: times scale[e, n] too,
-    float32 [E, N], the e4m3 weights widened in registers; SWAP_AB: as in _w13_silu_kernel)."""
+    float32 [E, N], the e4m3 weights widened in registers)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:
@@ -325,31 +292,18 @@ def _w2_kernel(a_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, ro
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    if SWAP_AB:
-        at_ptrs = a_ptr + slots[None, :] * stride_a + offs_k[:, None]
-        w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k0
-            at = tl.load(at_ptrs, mask=k_ok[:, None] & valid[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(at.dtype)
-            acc_t = tl.dot(w, at, acc_t, input_precision=PRECISION)
-            at_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        acc = tl.trans(acc_t)
-    else:
-        a_ptrs = a_ptr + slots[:, None] * stride_a + offs_k[None, :]
-        w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if FP8_W:
-                w = w.to(a.dtype)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+    a_ptrs = a_ptr + slots[:, None] * stride_a + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8_W:
+            w = w.to(a.dtype)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     route = tl.load(route_ptr + slots, mask=valid, other=0.0).to(tl.float32)
     if FP8_W:
         acc *= tl.load(scale_ptr + expert * N + offs_n, mask=n_ok, other=0.0)[None, :]
@@ -396,9 +350,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     if t == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    fp8 = scales is not None
-    tiles = tiles or (invariant_tiles(e, h, inter, x.dtype, fp8) if invariant
-                      else pick_tiles(t * k, e, h, inter, x.dtype, fp8))
+    tiles = tiles or (invariant_tiles(e, h, inter, x.dtype) if invariant else pick_tiles(t * k, e, h, inter, x.dtype))
     blocks = align(ids, e, tiles.block_m)
     act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
     s13, s2 = (None, None) if scales is None else scales
@@ -424,8 +376,7 @@ def launch_w13(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, blocks: Ex
                            blocks.num_slots, blocks.num_experts, inter, w13.shape[2], top_k,
                            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
                            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                           PRECISION=_precision(x.dtype), FP8_W=scale is not None,
-                           SWAP_AB=scale is not None and tiles.swap_ab, num_warps=tiles.num_warps,
+                           PRECISION=_precision(x.dtype), FP8_W=scale is not None, num_warps=tiles.num_warps,
                            num_stages=tiles.num_stages)
 
 
@@ -439,8 +390,8 @@ def launch_w2(act: torch.Tensor, w2: torch.Tensor, per_pair: torch.Tensor, block
     _w2_kernel[grid](act, w2, w2 if scale is None else scale, per_pair, blocks.sorted_slots, blocks.block_expert,
                      route, blocks.num_slots, blocks.num_experts, h, w2.shape[2], act.stride(0), w2.stride(0),
                      w2.stride(1), per_pair.stride(0), BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k,
-                     PRECISION=_precision(act.dtype), FP8_W=scale is not None,
-                     SWAP_AB=scale is not None and w.swap_ab, num_warps=w.num_warps, num_stages=w.num_stages)
+                     PRECISION=_precision(act.dtype), FP8_W=scale is not None, num_warps=w.num_warps,
+                     num_stages=w.num_stages)
 
 
 def launch_sum(per_pair: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
