@@ -650,14 +650,19 @@ def test_w8a8_is_refused_where_it_has_no_path():
         CudaPlatform(torch.device("cuda")).int8_linear()
 
 
-def test_fp8_under_tensor_parallelism_tracks_one_rank(tiny):
+@pytest.mark.parametrize("model,bound", [("tiny", 0.05), ("tiny_moe", 0.1)])
+def test_fp8_under_tensor_parallelism_tracks_one_rank(model, bound, request):
     """Two CPU ranks (gloo), FP8 weights and an FP8 KV cache: each rank quantizes its own shard (its
-    rows' scales), and the prompt's logprobs stay near one rank's."""
+    rows' scales; a MoE's experts: its slice of every expert's intermediate dimension, w2's scales
+    over its half of each row), and the prompt's logprobs stay near one rank's. (The MoE model's
+    bound: FP8 itself moves its logprobs by 0.04-0.075 from full precision's, and two ranks round
+    other halves of the rows: measured 0.04-0.074 from one rank; full precision: 0.0.)"""
     from baton.engine import LLM, SamplingParams
+    path = str(request.getfixturevalue(model)["bf16"])
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
     kw = dict(num_kv_blocks=32, max_model_len=128, quantization="fp8", kv_cache_dtype="fp8")
-    one = LLM(str(tiny["bf16"]), **kw).generate(PROMPTS, sp)
-    llm = LLM(str(tiny["bf16"]), tp_size=2, **kw)
+    one = LLM(path, **kw).generate(PROMPTS, sp)
+    llm = LLM(path, tp_size=2, **kw)
     try:
         two = llm.generate(PROMPTS, sp)
     finally:
@@ -665,4 +670,4 @@ def test_fp8_under_tensor_parallelism_tracks_one_rank(tiny):
     for a, b in zip(one, two, strict=True):
         la = torch.tensor([e.logprob for e in a.prompt_logprobs[1:]])
         lb = torch.tensor([e.logprob for e in b.prompt_logprobs[1:]])
-        assert float((la - lb).abs().mean()) < 0.05
+        assert float((la - lb).abs().mean()) < bound

@@ -31,7 +31,8 @@ def is_moe_layer(config, layer: int) -> bool:
 
 
 class FusedExperts(nn.Module):
-    scales: ExpertScales | None = None      # set where w13 and w2 are e4m3 (quantize_experts)
+    stacked_experts = True                  # quantization.quantize_fp8 quantizes w13 and w2 (quantize_experts)
+    scales: ExpertScales | None = None      # set where w13 and w2 are e4m3
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPInfo, dtype):
         super().__init__()

@@ -131,10 +131,9 @@ def quantize_fp8(model: nn.Module, ops, mode: str) -> int:
     """Every quantizable linear layer's weight to e4m3 per output channel, its matmul to
     Fp8Matmul, and every routed experts' stacks (quantize_experts); returns how many layers and
     expert stacks (w13 and w2 count one each). The bf16 weight is freed layer by layer."""
-    from baton.models.layers.moe import FusedExperts
     n = 0
     for module in model.modules():
-        if isinstance(module, FusedExperts):
+        if getattr(module, "stacked_experts", False):         # moe.FusedExperts (which imports this module)
             quantize_experts(module)
             n += 2
             continue
