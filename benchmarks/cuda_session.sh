@@ -41,6 +41,9 @@
 # (the accuracy check on cuda:0 in bf16: Baton's modes, transformers bf16 and its FP8 path, on the embedded
 # SmolLM2; its 93 MB wheel exceeds one carry, so it travels in two halves, .carry-smol1 and .carry-smol2, over two
 # calls of one lease: a call carrying either half stashes it in bench-results/smol, quantacc runs once both are there)
+# FP8 experts (issue 33, one GPU): moefp8 (the fused-expert CUDA tests, bf16 and e4m3 experts; then moe_kernel --fp8:
+# Qwen3-30B-A3B's expert step, bf16 vs e4m3 weights, decode batch sizes); b1quant with QUANT_MODELS=qwen3-30b-a3b
+# QUANT_VARIANTS="bf16 fp8" B1_ARGS="--num-seqs 64" for B1 (61 GB of bf16 weights: an 80 GB H100 takes the short cut)
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 set -uo pipefail
@@ -124,6 +127,10 @@ for step in $STEPS; do
     quant)  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py tests/test_platform_cuda.py \
               -k "${QUANT_TESTS:-triton_row or float8_cache or on_cuda or ((store_kv or decode_matches or prefill_without or chunked_and) and gqa4)}" \
               2>&1 | tail -30 | tee "$OUT/quant-tests.txt" ;;
+    moefp8) timeout ${MOEFP8_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \
+              -k "${MOEFP8_TESTS:-fused_moe or qwen3_moe}" 2>&1 | tail -15 | tee "$OUT/moe-fp8-tests.txt"
+            timeout ${MOEFP8_TIMEOUT:-150} python3 -m baton.benchmarks.moe_kernel --fp8 --out "$OUT" ${MOEFP8_ARGS:-} \
+              2>"$OUT/moe_kernel_fp8.log" | tee "$OUT/moe_kernel_fp8.txt" ;;   # bf16 vs e4m3 experts per token count
     smolstash) mkdir -p bench-results/smol && cp .carry-smol1/* .carry-smol2/* bench-results/smol/ 2>/dev/null
               ls -la bench-results/smol ;;
     quantacc) mkdir -p bench-results/smol && cp .carry-smol1/* .carry-smol2/* bench-results/smol/ 2>/dev/null
@@ -141,7 +148,7 @@ for step in $STEPS; do
               for v in ${QUANT_VARIANTS:-bf16 fp8 fp8kv8}; do
                 case $v in bf16) a="" ;; fp8) a="--quantization fp8" ;; fp8kv8) a="--quantization fp8 --kv-cache-dtype fp8" ;; esac
                 timeout ${QUANT_TIMEOUT:-240} python3 -m baton bench offline --model $m --device cuda:0 $a ${B1_ARGS:-} \
-                  --output "$OUT/b1-$m-$v.json" 2>&1 | grep "^\[bench\] baton:" | sed "s/^/$v /"
+                  --output "$OUT/b1-$m-$v.json" 2>&1 | tee "$OUT/b1-$m-$v.log" | grep "^\[bench\] baton:" | sed "s/^/$v /"
               done
             done ;;
     qprofile) for v in ${QPROFILE_VARIANTS:-bf16 fp8 fp8kv8}; do    # where a decode step's time goes, per variant

@@ -85,8 +85,9 @@ class ModelShape:
 
     @property
     def fp8_matmul_params(self) -> int:
-        """The weights --quantization fp8 stores in one byte: the attention and dense MLP projections
-        (the routers and the routed experts stay in the model dtype)."""
+        """The shared weights --quantization fp8 stores in one byte: the attention and dense MLP
+        projections (the routers stay in the model dtype; the routed experts, e4m3 too, are counted
+        per step by the experts it hits: roofline.CostModel.fp8_experts)."""
         return self.shared_matmul_params - self.moe_layers * self.hidden * self.num_experts
 
     @property

@@ -3,6 +3,7 @@ whole expert step (alignment + both grouped GEMMs + the k-sum) on Qwen3-30B-A3B'
 its floor, for the default tiles and a few alternatives. Needs a CUDA GPU and triton:
 
     PYTHONUNBUFFERED=1 python3 -m baton.benchmarks.moe_kernel --out "$OUT"
+    PYTHONUNBUFFERED=1 python3 -m baton.benchmarks.moe_kernel --fp8 --out "$OUT"    # bf16 vs e4m3 experts
 
 floor = max(weight bytes of the distinct experts the routing hits (+ activations) / copy
 bandwidth, 2 * T * k * 3 * H * INTER / bf16 matmul rate), both ceilings measured here. Calls rotate
@@ -156,6 +157,73 @@ def bench_tokens(tokens: int, layers, copy_bw: float, rate: float) -> list[dict]
     return rows
 
 
+# --fp8: the same step with e4m3 experts (--quantization fp8: weight-only, bf16 activations) beside
+# bf16's, default tiles and a few alternatives per token count, rounds interleaved; floor = the hit
+# experts' e4m3 bytes (+ scales) / copy bandwidth, or the bf16 FLOPs (the dots stay bf16)
+FP8_TOKENS = (1, 8, 64, 256, 1024, 2048, 8192)
+
+
+def fp8_alternatives(tokens: int) -> list:
+    """Tiles to time beside the default per token count (decode shapes). (Swapping the dots'
+    operands so the widened e4m3 tile is wgmma's register A operand was timed too, at 562bb99:
+    slower at every size, 0.74x of bf16 at 2,048 tokens where the default gives 0.79x; not kept.)"""
+    from baton.engine.platforms.triton_kernels.moe import MoeTiles
+    if tokens <= 64:
+        return [MoeTiles(16, 32, 256, 4, 4), MoeTiles(16, 64, 128, 4, 4)]
+    return [MoeTiles(32, 64, 256, 4, 3)] if tokens == 256 else []
+
+
+def bench_fp8_tokens(tokens: int, layers, fp8_layers, copy_bw: float, rate: float) -> list[dict]:
+    from baton.engine.platforms.base import LayerOps
+    from baton.engine.platforms.triton_kernels.moe import fused_experts, pick_tiles
+    inputs, hit, floor_bf16 = make_inputs(tokens, layers, copy_bw, rate)
+    fp8_inputs = [(x, q13, q2, ids, w, scales) for (x, _, _, ids, w), (q13, q2, scales) in zip(inputs, fp8_layers, strict=True)]
+    expert_bytes = hit * (3 * H * INTER + 4 * (2 * INTER + H))     # e4m3 weights + their float32 scales
+    floor_fp8 = max((expert_bytes + 2 * tokens * H * 2) / copy_bw, 2 * tokens * K * 3 * H * INTER / rate)
+    default = pick_tiles(tokens * K, E, H, INTER, torch.bfloat16)
+    configs = [("bf16", default, False), ("fp8", default, True)]
+    configs += [("fp8-alt", t, True) for t in fp8_alternatives(tokens)]
+    x, w13, w2, ids, weights = inputs[0]
+    _, q13, q2, _, _, scales = fp8_inputs[0]
+    d = torch.float64
+    ref_bf16 = LayerOps().moe_experts(x.to(d), w13.to(d), w2.to(d), ids, weights.to(d))
+    ref_fp8 = LayerOps().moe_experts(x.to(d), q13, q2, ids, weights.to(d), scales=scales)
+
+    def call(args, tiles, fp8):
+        if fp8:
+            return fused_experts(*args[:5], tiles=tiles, scales=args[5])
+        return fused_experts(*args, tiles=tiles)
+    ok = []
+    for label, tiles, fp8 in configs:
+        try:
+            out = call((fp8_inputs if fp8 else inputs)[0], tiles, fp8).double()
+            torch.cuda.synchronize()
+        except Exception as e:      # noqa: BLE001  (a config over the shared memory: note it, go on)
+            print(f"[moe-fp8] T={tokens} {label} {tiles}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
+            continue
+        ref = ref_fp8 if fp8 else ref_bf16
+        ok.append((tiles, dict(tokens=tokens, label=label, tiles=list(dataclasses.astuple(tiles)), ms_rounds=[],
+                               rel_err=((out - ref).norm() / ref.norm()).item(),
+                               vs_bf16_weights=((out - ref_bf16).norm() / ref_bf16.norm()).item(), fp8=fp8)))
+    for _ in range(3):
+        for tiles, row in ok:
+            src = fp8_inputs if row["fp8"] else inputs
+            row["ms_rounds"].append(graph_ms([lambda a=a, t=tiles, f=row["fp8"]: call(a, t, f) for a in src]))
+    ok = [row for _, row in ok]
+    bf16_ms = None
+    for row in ok:
+        row["ms"] = statistics.median(row["ms_rounds"])
+        floor = floor_fp8 if row["fp8"] else floor_bf16
+        row.update(floor_ms=floor * 1e3, of_floor=floor * 1e3 / row["ms"], experts_hit=hit)
+        bf16_ms = row["ms"] if row["label"] == "bf16" else bf16_ms
+        row["speedup_vs_bf16"] = bf16_ms / row["ms"] if bf16_ms else None
+        print(f"[moe-fp8] T={tokens:5d} {row['label']:<8} tiles={row['tiles']} "
+              f"{' / '.join(f'{t * 1e3:.1f}' for t in row['ms_rounds'])} us  floor {floor * 1e6:7.1f} us "
+              f"({row['of_floor']:.2f})  x{row['speedup_vs_bf16'] or 0:.2f} vs bf16  hit {hit:.1f}  "
+              f"err {row['rel_err']:.1e} (vs bf16 weights {row['vs_bf16_weights']:.1e})", file=sys.stderr, flush=True)
+    return ok
+
+
 # --sweep: each GEMM alone per tile config (w13 as (block_n, block_k, warps, stages) per half, w2 likewise
 # over H), per block_m, then the best pair per block_m as a whole step against the previous tiles
 SWEEP_BM = {256: (16, 32), 2048: (64, 128), 8192: (64, 128), 16384: (128,)}
@@ -252,7 +320,10 @@ def main() -> None:
     p.add_argument("--out", default=".")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--sweep", action="store_true", help="time each GEMM alone per tile config (SWEEP_*)")
+    p.add_argument("--fp8", action="store_true", help="bf16 vs e4m3 experts (--quantization fp8), FP8_TOKENS")
     args = p.parse_args()
+    if args.fp8:
+        return main_fp8(args)
     copy_bw, rate = ceilings()
     print(f"[moe] copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", file=sys.stderr)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -283,6 +354,33 @@ def main() -> None:
         if "align" in r:
             print(f"{r['tokens']:5d} alignment alone, block_m {r['block_m']}: " + ", ".join(
                 f"{k} {r[k]:.1f} us" for k in ("align", "one_program", "chunked", "torch") if k in r))
+
+
+def main_fp8(args) -> None:
+    from baton.models.layers.quantization import ExpertScales, quantize_stacked
+    copy_bw, rate = ceilings()
+    print(f"[moe-fp8] copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", file=sys.stderr)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = [((torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * 0.02).to(torch.bfloat16),
+               (torch.randn(E, H, INTER, device="cuda", generator=g) * 0.02).to(torch.bfloat16)) for _ in range(LAYERS)]
+    fp8_layers = []
+    for w13, w2 in layers:
+        (q13, s13), (q2, s2) = quantize_stacked(w13), quantize_stacked(w2)
+        fp8_layers.append((q13, q2, ExpertScales(s13, s2)))
+    tokens = FP8_TOKENS if args.tokens == ",".join(map(str, TOKENS)) else tuple(map(int, args.tokens.split(",")))
+    rows = []
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    for t in tokens:
+        rows += bench_fp8_tokens(t, layers, fp8_layers, copy_bw, rate)
+        (Path(args.out) / "moe_kernel_fp8.json").write_text(json.dumps(
+            dict(copy_bytes_per_s=copy_bw, matmul_flops_per_s=rate, shape=dict(E=E, k=K, H=H, INTER=INTER), rows=rows),
+            indent=1))
+    print(f"{'T':>5} {'config':<8} {'tiles':<24} {'us':>8} {'rounds':>22} {'floor us':>8} {'of floor':>8} "
+          f"{'vs bf16':>7} {'err':>7}")
+    for r in rows:
+        print(f"{r['tokens']:5d} {r['label']:<8} {str(r['tiles'][:5]):<24} {r['ms'] * 1e3:8.1f} "
+              f"{' / '.join(f'{t * 1e3:.1f}' for t in r['ms_rounds']):>22} {r['floor_ms'] * 1e3:8.1f} "
+              f"{r['of_floor']:8.2f} {r['speedup_vs_bf16'] or 0:7.2f} {r['rel_err']:7.1e}")
 
 
 if __name__ == "__main__":

@@ -117,7 +117,8 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     ceil = Ceilings(ranks * rec["ceilings"]["copy"]["bytes_per_s"], ranks * rec["ceilings"]["matmul"]["flops_per_s"],
                     ranks * fp8_rate if fp8_rate else None)
     rec["ceilings"]["devices_in_roofline"] = ranks
-    cost = CostModel(shape, DTYPE_BYTES[args.dtype], fp8_weights=fp8,
+    fp8_experts = args.engine == "baton" and (args.quantization == "fp8" or (args.quantization is None and fp8))
+    cost = CostModel(shape, DTYPE_BYTES[args.dtype], fp8_weights=fp8, fp8_experts=fp8_experts,
                      kv_bytes=1 if args.engine == "baton" and args.kv_cache_dtype == "fp8" else None)
     if args.engine == "baton":
         results, steps, step_seconds = run_baton(args, workload)

@@ -17,8 +17,10 @@ to report it): the count is the expectation under uniform routing, E * (1 - (1 -
 are skewed and hit fewer, so there the floor is a little high.
 
 FP8 weights (--quantization fp8): the projections FP8 stores (ModelShape.fp8_matmul_params) count
-one byte each and their FLOPs run at the measured FP8 GEMM rate; an FP8 KV cache counts one byte
-per element of K and V.
+one byte each and their FLOPs run at the measured FP8 GEMM rate; the routed experts (fp8_experts:
+e4m3 under --quantization fp8, not under w8a8) count one byte per weight of the experts a step
+hits, their FLOPs at the bf16 rate (weight-only: the fused kernel's dots stay bf16); an FP8 KV
+cache counts one byte per element of K and V.
 
 Activations are left out: they are what a perfect kernel keeps on chip.
 `roofline_fraction` = sum of least times / measured wall time.
@@ -55,10 +57,12 @@ class Ceilings:
 
 
 class CostModel:
-    def __init__(self, shape: ModelShape, dtype_bytes: int, fp8_weights: bool = False, kv_bytes: int | None = None):
+    def __init__(self, shape: ModelShape, dtype_bytes: int, fp8_weights: bool = False, kv_bytes: int | None = None,
+                 fp8_experts: bool = False):
         self.shape = shape
         self.dtype_bytes = dtype_bytes
         self.fp8_params = shape.fp8_matmul_params if fp8_weights else 0
+        self.fp8_experts = fp8_experts and shape.moe_layers > 0
         self.kv_per_token = shape.kv_bytes_per_token(kv_bytes or dtype_bytes)
 
     def step_bytes(self, step: StepShape) -> int:
@@ -67,8 +71,14 @@ class CostModel:
         embedding_rows = step.tokens * s.hidden
         kv_read = sum(c for c, _ in step.contexts) * self.kv_per_token
         kv_written = step.tokens * self.kv_per_token
-        wide = weights - self.fp8_params + embedding_rows
-        return round(wide * self.dtype_bytes) + self.fp8_params + kv_read + kv_written
+        narrow = self.fp8_params + (self.streamed_expert_params(step.tokens) if self.fp8_experts else 0)
+        wide = weights - narrow + embedding_rows
+        return round(wide * self.dtype_bytes + narrow) + kv_read + kv_written
+
+    def streamed_expert_params(self, tokens: int) -> float:
+        """Routed-expert weights a step of `tokens` tokens reads (the expected experts hit)."""
+        s = self.shape
+        return s.moe_layers * s.expected_experts_hit(tokens) * s.expert_params
 
     def step_flops(self, step: StepShape) -> int:
         s = self.shape
@@ -105,7 +115,7 @@ def roofline_report(cost: CostModel, ceilings: Ceilings, steps: Sequence[StepSha
         "ceilings": {"copy_bytes_per_s": ceilings.copy_bytes_per_s,
                      "matmul_flops_per_s": ceilings.matmul_flops_per_s,
                      "fp8_matmul_flops_per_s": ceilings.fp8_matmul_flops_per_s},
-        "fp8_weight_params": cost.fp8_params, "kv_bytes_per_token": cost.kv_per_token,
+        "fp8_weight_params": cost.fp8_params, "fp8_experts": cost.fp8_experts, "kv_bytes_per_token": cost.kv_per_token,
     }
     if cost.shape.moe_layers:
         report["moe"] = moe_accounting(cost.shape)

@@ -170,6 +170,9 @@ def test_moe_roofline_reads_the_experts_hit_and_multiplies_the_active_ones():
     # shared 64 + 3 of 4 experts x 24 + norms 12 + head 40 + 2 embedding rows of 4; KV as for TINY
     assert cost.step_bytes(decode) == (64 + 72 + 12 + 40 + 8) * 2 + 8 * 8 + 2 * 8
     assert cost.step_flops(decode) == 2 * 112 * 2 + 160 + 160
+    # --quantization fp8: the attention (48) and the 3 experts hit (72) in one byte each; the router and the rest not
+    fp8 = CostModel(moe, dtype_bytes=2, fp8_weights=True, fp8_experts=True)
+    assert fp8.step_bytes(decode) == (64 + 72 + 12 + 40 + 8 - 48 - 72) * 2 + 48 + 72 + 8 * 8 + 2 * 8
     r = roofline_report(cost, Ceilings(200.0, 500.0), [decode], wall_seconds=10.0)
     assert r["moe"]["experts_hit_at"][1] == 2 and "uniform routing" in r["moe"]["expert_bytes"]
     assert "moe" not in roofline_report(CostModel(TINY, 2), Ceilings(200.0, 500.0), [decode], 10.0)

@@ -663,3 +663,83 @@ def test_qwen3_moe_decode_under_graphs_gives_the_eager_tokens():
         del llm
         torch.cuda.empty_cache()
     assert outs[False] == outs[True]
+
+
+# -- FP8 experts (--quantization fp8): e4m3 stacks, scales per (expert, output channel), bf16 activations --
+def fp8_experts(w13: torch.Tensor, w2: torch.Tensor):
+    from baton.models.layers.quantization import ExpertScales, quantize_stacked
+    q13, s13 = quantize_stacked(w13)
+    q2, s2 = quantize_stacked(w2)
+    return q13, q2, ExpertScales(s13, s2)
+
+
+@on_gpu
+@pytest.mark.parametrize("case", MOE_CASES, ids=lambda c: "T{}-E{}-k{}-H{}-I{}".format(*c))
+def test_fused_moe_with_fp8_experts_matches_the_base_ops_on_widened_weights(case):
+    """The kernels read e4m3 weights, widen them in registers and scale the sums per output
+    channel: the base ops' numbers (float64, the same e4m3 weights and scales), in every tile
+    bucket, deterministic; and half-quantized stacks or missing scales are refused."""
+    from baton.engine.platforms.triton_kernels.moe import fused_experts
+    x, w13, w2, ids, weights = moe_inputs(*case, torch.bfloat16, seed=case[0])
+    q13, q2, scales = fp8_experts(w13, w2)
+    ops = cuda_platform().ops
+    out = ops.moe_experts(x, q13, q2, ids, weights, scales=scales)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    d = torch.float64
+    ref = LayerOps().moe_experts(x.to(d), q13, q2, ids, weights.to(d), scales=scales)
+    assert_close(out, ref, torch.bfloat16)
+    assert torch.equal(ops.moe_experts(x, q13, q2, ids, weights, scales=scales), out)
+    with pytest.raises(ValueError, match="need both stacks in e4m3 and their scales"):
+        fused_experts(x, q13, q2, ids, weights)
+    with pytest.raises(ValueError, match="need both stacks in e4m3 and their scales"):
+        fused_experts(x, q13, w2, ids, weights, scales=scales)
+
+
+@on_gpu
+def test_fused_moe_with_fp8_experts_replays_from_a_graph_with_new_routing():
+    from baton.engine.platforms.triton_kernels.moe import fused_experts
+    shape = (48, 16, 4, 128, 64)
+    x, w13, w2, ids, weights = moe_inputs(*shape, torch.bfloat16, seed=1)
+    q13, q2, scales = fp8_experts(w13, w2)
+    fused_experts(x, q13, q2, ids, weights, scales=scales)
+    torch.cuda.synchronize()
+    graph, out = cuda_platform().capture_graph(lambda: fused_experts(x, q13, q2, ids, weights, scales=scales))
+    x2, _, _, ids2, weights2 = moe_inputs(*shape, torch.bfloat16, seed=2)
+    for dst, src in ((x, x2), (ids, ids2), (weights, weights2)):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_experts(x, q13, q2, ids, weights, scales=scales))
+
+
+@on_gpu
+def test_qwen3_moe_with_fp8_experts_under_graphs_gives_the_eager_tokens_and_tracks_the_cpu(tmp_path):
+    """A tiny Qwen3-MoE checkpoint with --quantization fp8 on cuda:0 in bf16: captured decode (the
+    e4m3 experts inside) gives eager's greedy tokens, and the prompt's logprobs stay near the CPU's
+    FP8 run of the same weights. (A checkpoint, not a preset: a preset's random weights come from
+    the device's own generator, so cuda:0 and the CPU would hold different models.)"""
+    from helpers import save_tiny_checkpoint
+
+    from baton.engine import LLM, SamplingParams
+    from baton.models.source import resolve_model
+    path = str(save_tiny_checkpoint("qwen3_moe", tmp_path / "moe", TOKENIZER or resolve_model(None).tokenizer_path,
+                                    seed=3))
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 9, 40, 17)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+    kw = dict(dtype="bfloat16", max_num_seqs=8, max_model_len=256, num_kv_blocks=64, quantization="fp8")
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(path, device="cuda:0", enforce_eager=eager, **kw)
+        assert (llm.engine.runner.graphs is None) == eager
+        assert llm.engine.runner.model.model.layers[0].mlp.experts.w13.dtype == torch.float8_e4m3fn
+        outs[eager] = llm.generate(prompts, sp)
+        del llm
+        torch.cuda.empty_cache()
+    assert [o.token_ids for o in outs[False]] == [o.token_ids for o in outs[True]]
+    cpu = LLM(path, **kw).generate(prompts, sp)
+    for x, y in list(zip(outs[False], cpu, strict=True))[1:]:       # (the 1-token prompt has no logprobs to compare)
+        lx = torch.tensor([e.logprob for e in x.prompt_logprobs[1:]])
+        ly = torch.tensor([e.logprob for e in y.prompt_logprobs[1:]])
+        assert float((lx - ly).abs().mean()) < 0.1

@@ -169,6 +169,117 @@ def test_what_cannot_run_fp8_is_refused_clearly(tiny, tmp_path):
         quantization.checkpoint_method(type("C", (), config)())
 
 
+# -- FP8 MoE experts (--quantization fp8 on the stacked experts) -----------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory, request):
+    """A tiny random Qwen3-MoE checkpoint (8 experts, top 2; layers 0 and 2 routed, 1 dense) and its
+    two FP8 re-writes (every expert's gate/up/down projection in e4m3 with its scales)."""
+    import os
+
+    from helpers import save_fp8_checkpoint, save_tiny_checkpoint
+    tokenizer = os.environ.get("BATON_TOKENIZER") or request.getfixturevalue("embedded_source").tokenizer_path
+    root = tmp_path_factory.mktemp("quant-moe")
+    src = save_tiny_checkpoint("qwen3_moe", root / "bf16", tokenizer, seed=3)
+    return {"bf16": src, "fp8-block": save_fp8_checkpoint(src, root / "fp8-block", "fp8-block", block=48),
+            "compressed-tensors": save_fp8_checkpoint(src, root / "ct", "compressed-tensors")}
+
+
+def _dequantized_experts(model):
+    """A copy of an FP8 model whose expert stacks are widened back (e4m3 times scales, float32) and
+    run unscaled: the reference the e4m3 experts' math must give."""
+    ref = copy.deepcopy(model)
+    for layer in ref.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            s13, s2 = experts.scales
+            experts.w13 = torch.nn.Parameter(experts.w13.float() * s13[..., None], requires_grad=False)
+            experts.w2 = torch.nn.Parameter(experts.w2.float() * s2[..., None], requires_grad=False)
+            experts.scales = None
+    return ref
+
+
+def test_fp8_experts_match_dequantized_weights_and_stay_close_to_full_precision(tiny_moe):
+    """--quantization fp8 on a MoE model: both expert stacks become e4m3 with one scale per (expert,
+    output channel), the router stays in the model dtype; the e4m3 experts give what their widened
+    weights give (float32 rounding apart). The experts alone in FP8 (weight-only: activations stay
+    float32) move the logits ~1 % (RMS) and keep the argmax at >= 95 % of positions (measured 58 of
+    59); the whole model in FP8 (its projections' activations in e4m3 too) stays within the dense
+    model's bounds (_compare: 15 %, the same argmax where full precision decides)."""
+    model, platform = _model(tiny_moe["bf16"])
+    fp8 = copy.deepcopy(model)
+    assert quantization.quantize_fp8(fp8, platform.ops, platform.fp8_linear()) == 3 * 2 + 2 + 2 * 2
+    block = fp8.model.layers[0].mlp
+    assert block.experts.w13.dtype == block.experts.w2.dtype == torch.float8_e4m3fn
+    assert block.experts.scales.w13.shape == (8, 64) and block.experts.scales.w2.shape == (8, 64)
+    assert block.gate.weight.dtype == torch.float32
+    assert fp8.model.layers[1].mlp.down_proj.weight.dtype == torch.float8_e4m3fn       # the dense layer
+    for e in range(8):       # per (expert, row): each row's largest |w| is e4m3's largest, 448, times its scale
+        wide = model.model.layers[0].mlp.experts.w2[e]
+        torch.testing.assert_close(block.experts.scales.w2[e], wide.abs().amax(-1) / 448)
+    experts_only = copy.deepcopy(model)
+    for layer in experts_only.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            quantization.quantize_experts(layer.mlp.experts)
+    ref = _dequantized_experts(fp8)
+    agree = total = 0
+    for ids in PROMPTS:
+        full, got = _logits(model, platform, ids), _logits(fp8, platform, ids)
+        torch.testing.assert_close(got, _logits(ref, platform, ids), rtol=1e-5, atol=1e-5)
+        _compare(full, got)
+        alone = _logits(experts_only, platform, ids)
+        assert float((alone - full).norm() / full.norm()) < 0.03
+        agree, total = agree + int((alone.argmax(-1) == full.argmax(-1)).sum()), total + len(ids)
+    assert agree >= 0.95 * total, (agree, total)
+
+
+def test_fp8_experts_serve_greedy_tokens_close_to_full_precision(tiny_moe):
+    """Served through the engine (chunked prefill, paged KV, decode, a prefix-cache hit): the FP8
+    model's greedy tokens are its own model's next-token argmax (teacher-forced offline, >= 90 %:
+    prefill and decode attention sum in other orders), and full precision's argmax on the same
+    sequences agrees with them at >= 50 % of the generated positions (random weights: small margins;
+    measured 24 of 24 and 18 of 24). A cache hit changes nothing."""
+    from baton.engine import LLM, SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(tiny_moe["bf16"]), quantization="fp8", num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    outs = llm.generate(PROMPTS, sp)
+    model, platform = _model(tiny_moe["bf16"])
+    fp8 = copy.deepcopy(model)
+    quantization.quantize_fp8(fp8, platform.ops, platform.fp8_linear())
+    own = full = 0
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        seq = ids + out.token_ids[:-1]
+        tokens = torch.tensor(out.token_ids)
+        own += int((_logits(fp8, platform, seq)[len(ids) - 1:].argmax(-1) == tokens).sum())
+        full += int((_logits(model, platform, seq)[len(ids) - 1:].argmax(-1) == tokens).sum())
+    n = 8 * len(PROMPTS)
+    print(f"[fp8-experts] next-token agreement: own model {own}/{n}, full precision {full}/{n}")
+    assert own >= 0.9 * n and full >= 0.5 * n, (own, full, n)
+    again = llm.generate([PROMPTS[2]], sp)[0]
+    assert again.cached_tokens >= 32 and again.token_ids == outs[2].token_ids
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "compressed-tensors"])
+def test_prequantized_moe_checkpoints_load_their_experts_in_fp8(tiny_moe, fmt):
+    """An FP8 MoE checkpoint (one e4m3 tensor per expert projection with its block or per-channel
+    scales) loads without a flag into the same form: widened per expert into the stacks (close to the
+    source), then e4m3 per (expert, output channel), and it serves."""
+    from baton.engine import LLM, SamplingParams
+    model, _ = _model(tiny_moe["bf16"])
+    widened, _ = _model(tiny_moe[fmt])
+    source = dict(model.named_parameters())
+    for name, p in widened.named_parameters():
+        torch.testing.assert_close(p, source[name], rtol=0.07, atol=1e-6)     # e4m3 keeps 3 mantissa bits
+    llm = LLM(str(tiny_moe[fmt]), num_kv_blocks=32, max_model_len=128)
+    runner = llm.engine.runner
+    experts = runner.model.model.layers[2].mlp.experts
+    assert runner.quantization == "fp8" and experts.w13.dtype == torch.float8_e4m3fn
+    wide = widened.model.layers[2].mlp.experts.w13
+    torch.testing.assert_close(experts.w13.float() * experts.scales.w13[..., None], wide, rtol=0.07, atol=1e-6)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert all(len(o.token_ids) == 4 for o in outs)
+
+
 # -- FP8 KV cache (--kv-cache-dtype fp8) -------------------------------------------------------------
 
 def test_fp8_kv_cache_serves_close_to_full_precision_and_halves_nothing_else(tiny):
@@ -539,14 +650,19 @@ def test_w8a8_is_refused_where_it_has_no_path():
         CudaPlatform(torch.device("cuda")).int8_linear()
 
 
-def test_fp8_under_tensor_parallelism_tracks_one_rank(tiny):
+@pytest.mark.parametrize("model,bound", [("tiny", 0.05), ("tiny_moe", 0.1)])
+def test_fp8_under_tensor_parallelism_tracks_one_rank(model, bound, request):
     """Two CPU ranks (gloo), FP8 weights and an FP8 KV cache: each rank quantizes its own shard (its
-    rows' scales), and the prompt's logprobs stay near one rank's."""
+    rows' scales; a MoE's experts: its slice of every expert's intermediate dimension, w2's scales
+    over its half of each row), and the prompt's logprobs stay near one rank's. (The MoE model's
+    bound: FP8 itself moves its logprobs by 0.04-0.075 from full precision's, and two ranks round
+    other halves of the rows: measured 0.04-0.074 from one rank; full precision: 0.0.)"""
     from baton.engine import LLM, SamplingParams
+    path = str(request.getfixturevalue(model)["bf16"])
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
     kw = dict(num_kv_blocks=32, max_model_len=128, quantization="fp8", kv_cache_dtype="fp8")
-    one = LLM(str(tiny["bf16"]), **kw).generate(PROMPTS, sp)
-    llm = LLM(str(tiny["bf16"]), tp_size=2, **kw)
+    one = LLM(path, **kw).generate(PROMPTS, sp)
+    llm = LLM(path, tp_size=2, **kw)
     try:
         two = llm.generate(PROMPTS, sp)
     finally:
@@ -554,4 +670,4 @@ def test_fp8_under_tensor_parallelism_tracks_one_rank(tiny):
     for a, b in zip(one, two, strict=True):
         la = torch.tensor([e.logprob for e in a.prompt_logprobs[1:]])
         lb = torch.tensor([e.logprob for e in b.prompt_logprobs[1:]])
-        assert float((la - lb).abs().mean()) < 0.05
+        assert float((la - lb).abs().mean()) < bound

@@ -60,9 +60,9 @@ class TritonLayerOps(LayerOps):
 
     moe_invariant = False      # False: tiles by rows per expert; deterministic mode fixes them
 
-    def moe_experts(self, x, w13, w2, ids, weights):
+    def moe_experts(self, x, w13, w2, ids, weights, scales=None):
         from baton.engine.platforms.triton_kernels import moe
-        return moe.fused_experts(x, w13, w2, ids, weights, invariant=self.moe_invariant)
+        return moe.fused_experts(x, w13, w2, ids, weights, invariant=self.moe_invariant, scales=scales)
 
     def make_batch_invariant(self, linear) -> None:
         """One tile shape whatever the batch: each output sums its K dimension in the same pieces

@@ -7,6 +7,10 @@ rows) and w2 [E, H, I], so a platform can run all experts in one grouped kernel
 (`LayerOps.moe_experts`). Tensor parallelism splits every expert's intermediate dimension, as
 for a dense MLP (column-parallel w13, row-parallel w2, one all-reduce): all ranks hold every
 expert, no token moves between ranks, and the gate runs replicated.
+
+Under --quantization fp8 both stacks hold e4m3 with one float32 scale per (expert, output
+channel) in `FusedExperts.scales` (models/layers/quantization.py, `quantize_experts`; each
+tensor-parallel rank's of its own slice).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 
 from baton.models.layers.linear import ReplicatedLinear, TPInfo, _divide
+from baton.models.layers.quantization import ExpertScales
 
 
 def is_moe_layer(config, layer: int) -> bool:
@@ -26,6 +31,9 @@ def is_moe_layer(config, layer: int) -> bool:
 
 
 class FusedExperts(nn.Module):
+    stacked_experts = True                  # quantization.quantize_fp8 quantizes w13 and w2 (quantize_experts)
+    scales: ExpertScales | None = None      # set where w13 and w2 are e4m3
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPInfo, dtype):
         super().__init__()
         self.tp = tp
@@ -68,5 +76,6 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        out = self.ops.moe_experts(x, self.experts.w13, self.experts.w2, ids, weights)
+        e = self.experts
+        out = self.ops.moe_experts(x, e.w13, e.w2, ids, weights, scales=e.scales)
         return self.tp.all_reduce(out)

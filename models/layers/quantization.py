@@ -12,7 +12,14 @@ then quantized per channel like a bf16 checkpoint. The matmul is per-channel eit
 block-scaled GEMM is not built (docs/benchmarks.md, "Quantized serving").
 
 What is quantized: the attention and MLP projections (every `LinearBase` but a MoE router's
-gate). The embedding, the LM head, norms and the MoE experts stay in the model dtype.
+gate), and the routed experts' stacked weights (models/layers/moe.py: w13 and w2 in e4m3, one scale
+per expert and output channel, `ExpertScales`; an FP8 checkpoint's experts, block-scaled or per
+channel, are widened and re-quantized the same way). The embedding, the LM head, norms and the
+routers stay in the model dtype. The experts run weight-only (`LayerOps.moe_experts` with scales:
+activations in the model dtype times the e4m3 weights, widened exactly, the scales applied to the
+sums): decode reads the hit experts' weights, so their bytes are what FP8 saves there, and the
+fused kernel widens a tile in registers where quantizing activations would cost a launch and a
+rounding per step (engine/platforms/triton_kernels/moe.py).
 
 How the platform runs it (`Platform.fp8_linear`): "scaled_mm" (CUDA on compute capability 8.9+,
 the CPU where torch has float8 `_scaled_mm`), "dequant" (a CPU torch without it: the weights
@@ -83,6 +90,34 @@ class Fp8Matmul:
         return y.reshape(*lead, weight.shape[0])
 
 
+class ExpertScales(NamedTuple):
+    """The float32 scales of e4m3 stacked experts: one per (expert, output channel)."""
+    w13: torch.Tensor          # [E, 2I]: gate rows, then up rows
+    w2: torch.Tensor           # [E, H]
+
+
+def quantize_stacked(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, N, K] as e4m3 with one scale per (expert, row): (w_fp8, scales
+    float32 [E, N]), an expert at a time (one expert's float32 copy at most, not the stack's)."""
+    wq = torch.empty(w.shape, dtype=FP8, device=w.device)
+    scales = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+    for e in range(w.shape[0]):
+        q, s = quantize_rows(w[e])
+        wq[e].copy_(q)
+        scales[e].copy_(s[:, 0])
+    return wq, scales
+
+
+@torch.no_grad()
+def quantize_experts(experts: nn.Module) -> None:
+    """A FusedExperts' w13 and w2 to e4m3 per (expert, output channel), their scales beside them."""
+    w13, s13 = quantize_stacked(experts.w13.data)
+    experts.w13 = nn.Parameter(w13, requires_grad=False)
+    w2, s2 = quantize_stacked(experts.w2.data)
+    experts.w2 = nn.Parameter(w2, requires_grad=False)
+    experts.scales = ExpertScales(s13, s2)         # a plain attribute: never loaded
+
+
 def quantizable(module: nn.Module) -> bool:
     from baton.models.layers.linear import LinearBase
     if not isinstance(module, LinearBase) or getattr(module, "keep_dtype", False):
@@ -94,9 +129,14 @@ def quantizable(module: nn.Module) -> bool:
 @torch.no_grad()
 def quantize_fp8(model: nn.Module, ops, mode: str) -> int:
     """Every quantizable linear layer's weight to e4m3 per output channel, its matmul to
-    Fp8Matmul; returns how many layers. The bf16 weight is freed layer by layer."""
+    Fp8Matmul, and every routed experts' stacks (quantize_experts); returns how many layers and
+    expert stacks (w13 and w2 count one each). The bf16 weight is freed layer by layer."""
     n = 0
     for module in model.modules():
+        if getattr(module, "stacked_experts", False):         # moe.FusedExperts (which imports this module)
+            quantize_experts(module)
+            n += 2
+            continue
         if not quantizable(module):
             continue
         w = module.weight.data

@@ -11,6 +11,12 @@
 4. The k pairs of each token are summed in a fixed order (a plain reduction: deterministic, no
    atomics), rounded once to the activations' dtype.
 
+FP8 experts (--quantization fp8): both stacks in e4m3 with one float32 scale per (expert, output
+channel). The activations stay in the model dtype: each weight tile is widened in registers after
+its load (e4m3 fits bf16 exactly) and the scales multiply the float32 sums in the epilogue, so
+decode, which streams the hit experts' weights, reads half the bytes, and no activation is
+quantized (no extra launch, no per-token rounding; the FLOPs stay bf16's, which prefill pays).
+
 Launch shapes depend on (T, k, E, H, I) only, never on the routing, so the step captures into
 a CUDA graph. Each block loads its expert's weight tiles once for its BLOCK_M rows; at decode
 (a few pairs per expert) one block per hit expert means each hit expert's weights are read once.
@@ -24,6 +30,7 @@ import triton
 import triton.language as tl
 
 from baton.engine.platforms.triton_kernels.moe_align import ExpertBlocks, max_blocks
+from baton.models.layers.quantization import FP8, ExpertScales
 
 # up to this many (token, choice) pairs the alignment runs as one Triton program (one launch);
 # its time grows with the pairs (one CTA walks them twice; on an H200: 7 us at 8 pairs, 8.6 at 64,
@@ -226,11 +233,13 @@ def _sum_pairs_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, K_PAD: tl.conste
 
 
 @triton.jit
-def _w13_silu_kernel(x_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, N, K, top_k,
-                     stride_x, stride_we, stride_wn, stride_o,
+def _w13_silu_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, N, K,
+                     top_k, stride_x, stride_we, stride_wn, stride_o,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    """out[slot, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's rows."""
+                     PRECISION: tl.constexpr, FP8_W: tl.constexpr):
+    """out[slot, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's rows.
+    FP8_W: w is e4m3, widened to x's dtype in registers (exactly), and each output channel's
+    scale[e, n] (float32 [E, 2N]) multiplies the float32 sums before SiLU."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:        # past the last expert's group: nothing to do
@@ -251,21 +260,29 @@ def _w13_silu_kernel(x_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, num_slo
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         wu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8_W:
+            wg, wu = wg.to(a.dtype), wu.to(a.dtype)
         gate = tl.dot(a, wg, gate, input_precision=PRECISION)
         up = tl.dot(a, wu, up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if FP8_W:
+        scales = scale_ptr + expert * 2 * N + offs_n
+        gate *= tl.load(scales, mask=n_ok, other=0.0)[None, :]
+        up *= tl.load(scales + N, mask=n_ok, other=0.0)[None, :]
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + slots[:, None] * stride_o + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _w2_kernel(a_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, route_ptr, num_slots, num_experts, N, K,
-               stride_a, stride_we, stride_wn, stride_o,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """out[slot, n] = route[slot] * (a[slot] . w[e, n]), in float32."""
+def _w2_kernel(a_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, route_ptr, num_slots, num_experts, N,
+               K, stride_a, stride_we, stride_wn, stride_o,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+               FP8_W: tl.constexpr):
+    """out[slot, n] = route[slot] * (a[slot] . w[e, n]), in float32 (FP8_W: times scale[e, n] too,
+    float32 [E, N], the e4m3 weights widened in registers)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:
@@ -282,15 +299,20 @@ def _w2_kernel(a_ptr, w_ptr, out_ptr, slots_ptr, block_expert_ptr, route_ptr, nu
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8_W:
+            w = w.to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     route = tl.load(route_ptr + slots, mask=valid, other=0.0).to(tl.float32)
+    if FP8_W:
+        acc *= tl.load(scale_ptr + expert * N + offs_n, mask=n_ok, other=0.0)[None, :]
     tl.store(out_ptr + slots[:, None] * stride_o + offs_n[None, :], acc * route[:, None],
              mask=valid[:, None] & n_ok[None, :])
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+           scales: ExpertScales | None) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"need x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -302,14 +324,26 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tens
                          f"{tuple(weights.shape)}")
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("stacked expert weights must be contiguous")
+    fp8 = (w13.dtype == FP8, w2.dtype == FP8)
+    if any(fp8) and not (all(fp8) and scales is not None):
+        raise ValueError(f"e4m3 expert weights need both stacks in e4m3 and their scales; got {w13.dtype}, "
+                         f"{w2.dtype}, scales {'given' if scales is not None else 'None'}")
+    if scales is not None:
+        want = ((e, two_i), (e, h))
+        got = (tuple(scales.w13.shape), tuple(scales.w2.shape))
+        if got != want or not all(s.dtype == torch.float32 and s.is_contiguous() for s in scales):
+            raise ValueError(f"expert scales must be contiguous float32 {want}, got {got}")
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  tiles: MoeTiles | None = None, invariant: bool = False) -> torch.Tensor:
+                  tiles: MoeTiles | None = None, invariant: bool = False,
+                  scales: ExpertScales | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for SwiGLU experts w13 [E, 2I, H], w2 [E, H, I];
     x [T, H] -> [T, H] in x's dtype. `tiles` overrides the bucket's choice (benchmarks); `invariant`:
-    the same tiles for every T (deterministic mode)."""
-    _check(x, w13, w2, ids, weights)
+    the same tiles for every T (deterministic mode). FP8 experts (--quantization fp8): w13 and w2
+    in e4m3 with `scales` per (expert, output channel); x stays in its dtype (weight-only: the
+    weights widen exactly in registers, the scales multiply the float32 sums)."""
+    _check(x, w13, w2, ids, weights, scales)
     t, k = ids.shape
     e, two_i, h = w13.shape
     inter = two_i // 2
@@ -319,9 +353,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     tiles = tiles or (invariant_tiles(e, h, inter, x.dtype) if invariant else pick_tiles(t * k, e, h, inter, x.dtype))
     blocks = align(ids, e, tiles.block_m)
     act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
-    launch_w13(x, w13, act, blocks, k, tiles)
+    s13, s2 = (None, None) if scales is None else scales
+    launch_w13(x, w13, act, blocks, k, tiles, s13)
     per_pair = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
-    launch_w2(act, w2, per_pair, blocks, weights.reshape(-1).contiguous(), tiles)
+    launch_w2(act, w2, per_pair, blocks, weights.reshape(-1).contiguous(), tiles, s2)
     out = torch.empty_like(x)
     launch_sum(per_pair, out, k)
     return out
@@ -332,27 +367,31 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def launch_w13(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, blocks: ExpertBlocks, top_k: int,
-               tiles: MoeTiles) -> None:
-    """act[pair] = SiLU(x[token] . gate) * (x[token] . up): step 2 of the module's docstring."""
+               tiles: MoeTiles, scale: torch.Tensor | None = None) -> None:
+    """act[pair] = SiLU(x[token] . gate) * (x[token] . up): step 2 of the module's docstring
+    (`scale` [E, 2I]: w13 is e4m3)."""
     inter = w13.shape[1] // 2
     grid = (blocks.max_blocks, triton.cdiv(inter, tiles.block_n))
-    _w13_silu_kernel[grid](x, w13, act, blocks.sorted_slots, blocks.block_expert, blocks.num_slots,
-                           blocks.num_experts, inter, w13.shape[2], top_k,
+    _w13_silu_kernel[grid](x, w13, w13 if scale is None else scale, act, blocks.sorted_slots, blocks.block_expert,
+                           blocks.num_slots, blocks.num_experts, inter, w13.shape[2], top_k,
                            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
                            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                           PRECISION=_precision(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                           PRECISION=_precision(x.dtype), FP8_W=scale is not None, num_warps=tiles.num_warps,
+                           num_stages=tiles.num_stages)
 
 
 def launch_w2(act: torch.Tensor, w2: torch.Tensor, per_pair: torch.Tensor, blocks: ExpertBlocks, route: torch.Tensor,
-              tiles: MoeTiles) -> None:
-    """per_pair[pair] = route[pair] * (act[pair] . w2[e]) in float32: step 3; tiles.for_w2()."""
+              tiles: MoeTiles, scale: torch.Tensor | None = None) -> None:
+    """per_pair[pair] = route[pair] * (act[pair] . w2[e]) in float32: step 3; tiles.for_w2()
+    (`scale` [E, H]: w2 is e4m3)."""
     w = tiles.for_w2()
     h = w2.shape[1]
     grid = (blocks.max_blocks, triton.cdiv(h, w.block_n))
-    _w2_kernel[grid](act, w2, per_pair, blocks.sorted_slots, blocks.block_expert, route, blocks.num_slots,
-                     blocks.num_experts, h, w2.shape[2], act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
-                     BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k, PRECISION=_precision(act.dtype),
-                     num_warps=w.num_warps, num_stages=w.num_stages)
+    _w2_kernel[grid](act, w2, w2 if scale is None else scale, per_pair, blocks.sorted_slots, blocks.block_expert,
+                     route, blocks.num_slots, blocks.num_experts, h, w2.shape[2], act.stride(0), w2.stride(0),
+                     w2.stride(1), per_pair.stride(0), BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k,
+                     PRECISION=_precision(act.dtype), FP8_W=scale is not None, num_warps=w.num_warps,
+                     num_stages=w.num_stages)
 
 
 def launch_sum(per_pair: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
