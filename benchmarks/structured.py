@@ -24,10 +24,12 @@ import torch
 from baton.engine import LLM, SamplingParams, StructuredOutput
 
 
-def schema(min_items: int) -> dict:
+def schema(min_items: int, name_length: int = 24) -> dict:
+    """An array of at least `min_items` user records; `name_length`: the names' maxLength (0: none)."""
+    name = {"type": "string", "maxLength": name_length} if name_length else {"type": "string"}
     record = {"type": "object", "properties": {
         "id": {"type": "integer", "minimum": 0, "maximum": 99999},
-        "name": {"type": "string", "maxLength": 24},
+        "name": name,
         "role": {"enum": ["admin", "editor", "viewer"]},
         "score": {"type": "number"},
         "active": {"type": "boolean"}},
@@ -196,6 +198,9 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--min-items", type=int, default=64, help="the schema's minimum array length (keeps it open)")
+    p.add_argument("--name-length", type=int, default=24,
+                   help="the names' maxLength (0: unbounded). Near the end of a bounded string llguidance's "
+                        "masks walk most of the token trie (docs/benchmarks.md): the costly case")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output", default=None)
     p.add_argument("--switch-interval", type=float, default=None,
@@ -209,7 +214,7 @@ def main(argv=None) -> None:
     if args.fill_threads:
         import llguidance
         llm.engine.structured._executor = llguidance.LLExecutor(args.fill_threads)
-    spec = StructuredOutput.json(schema(args.min_items))
+    spec = StructuredOutput.json(schema(args.min_items, args.name_length))
     prompts = [llm.tokenizer.encode(f"Request {i}: list the users of team {i} as JSON.") for i in range(args.batch)]
 
     def params(structured):
@@ -239,7 +244,7 @@ def main(argv=None) -> None:
     ok = obeyed(llm, spec, texts)
     row = {"model": args.model, "device": args.device,
            "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-           "batch": args.batch, "max_tokens": args.max_tokens, "rounds": args.rounds,
+           "batch": args.batch, "max_tokens": args.max_tokens, "rounds": args.rounds, "name_length": args.name_length,
            "plain_tok_s": round(statistics.median(plain), 1), "json_schema_tok_s": round(statistics.median(constrained), 1),
            "ratio": round(statistics.median(constrained) / statistics.median(plain), 3),
            "mask_ms_per_step": round(1e3 * statistics.median(timer.seconds), 3),
