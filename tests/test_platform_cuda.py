@@ -746,13 +746,15 @@ def test_fused_moe_with_fp8_dots_matches_float64_on_the_same_roundings(case):
 
 
 @on_gpu
-def test_fused_moe_with_fp8_dots_replays_from_a_graph_with_new_routing():
-    """A prefill-sized step (100 pairs an expert: the rule picks FP8 x FP8) captured once, replayed
-    on other tokens and routing: eager's result exactly (the two row quantizers captured too)."""
+def test_fused_moe_with_fp8_dots_replays_from_a_graph_with_new_routing(monkeypatch):
+    """A prefill-sized step (100 pairs an expert: the rule, at its meant bound of 24, picks FP8 x
+    FP8) captured once, replayed on other tokens and routing: eager's result exactly (the two row
+    quantizers captured too)."""
     from baton.engine.platforms.triton_kernels.moe import fused_experts
-    from baton.models.layers.quantization import fp8_expert_dots
+    from baton.models.layers import quantization
+    monkeypatch.setattr(quantization, "FP8_EXPERT_DOTS_ABOVE", 24)
     shape = (400, 8, 2, 128, 64)
-    assert fp8_expert_dots(400 * 2, 8)
+    assert quantization.fp8_expert_dots(400 * 2, 8)
     x, w13, w2, ids, weights = moe_inputs(*shape, torch.bfloat16, seed=1)
     q13, q2, scales = fp8_experts(w13, w2)
     fused_experts(x, q13, q2, ids, weights, scales=scales)
@@ -769,19 +771,24 @@ def test_fused_moe_with_fp8_dots_replays_from_a_graph_with_new_routing():
 
 
 @on_gpu
-def test_qwen3_moe_with_fp8_experts_under_graphs_gives_the_eager_tokens_and_tracks_the_cpu(tmp_path):
+@pytest.mark.parametrize("dots_above", [None, 24], ids=["weight-only", "fp8-dots-above-24"])
+def test_qwen3_moe_with_fp8_experts_under_graphs_gives_the_eager_tokens_and_tracks_the_cpu(tmp_path, monkeypatch,
+                                                                                           dots_above):
     """A tiny Qwen3-MoE checkpoint with --quantization fp8 on cuda:0 in bf16: captured decode (the
     e4m3 experts inside) gives eager's greedy tokens, and the prompt's logprobs stay near the CPU's
     FP8 run of the same weights. (A checkpoint, not a preset: a preset's random weights come from
-    the device's own generator, so cuda:0 and the CPU would hold different models.)"""
+    the device's own generator, so cuda:0 and the CPU would hold different models.) Both with the
+    default rule and with FP8 x FP8 dots above 24 pairs an expert (the prefill step's)."""
     from helpers import save_tiny_checkpoint
 
     from baton.engine import LLM, SamplingParams
+    from baton.models.layers import quantization
     from baton.models.source import resolve_model
+    monkeypatch.setattr(quantization, "FP8_EXPERT_DOTS_ABOVE", dots_above)
     path = str(save_tiny_checkpoint("qwen3_moe", tmp_path / "moe", TOKENIZER or resolve_model(None).tokenizer_path,
                                     seed=3))
     g = torch.Generator().manual_seed(6)
-    # (the prefill step's 187 tokens route 47 pairs an expert: FP8 x FP8 dots, on both devices)
+    # (the prefill step's 187 tokens route 47 pairs an expert: FP8 x FP8 dots above 24, on both devices)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 9, 40, 17, 120)]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
     kw = dict(dtype="bfloat16", max_num_seqs=8, max_model_len=256, num_kv_blocks=64, quantization="fp8")

@@ -16,7 +16,8 @@ gate), and the routed experts' stacked weights (models/layers/moe.py: w13 and w2
 per expert and output channel, `ExpertScales`; an FP8 checkpoint's experts, block-scaled or per
 channel, are widened and re-quantized the same way). The embedding, the LM head, norms and the
 routers stay in the model dtype. The experts run one of two ways, chosen by the step's shape
-(`fp8_expert_dots`, the same rule on every platform, so the CPU computes the numbers CUDA does):
+(`fp8_expert_dots`, the same rule on every platform, so the CPU computes the numbers CUDA does;
+weight-only at every size until FP8 x FP8 is measured on a GPU: FP8_EXPERT_DOTS_ABOVE):
 weight-only at decode sizes (`LayerOps.moe_experts` with scales: activations in the model dtype
 times the e4m3 weights, widened exactly, the scales applied to the sums; decode reads the hit
 experts' weights, so their bytes are what FP8 saves there), and FP8 x FP8 at prefill sizes (each
@@ -94,16 +95,19 @@ class Fp8Matmul:
 
 
 # FP8 experts: FP8 x FP8 dots (activations quantized per token) once a step routes more than this
-# many (token, choice) pairs per expert on average; weight-only up to it (docs/benchmarks.md, "FP8 x FP8
-# expert dots": on an H100, Qwen3-30B-A3B's shapes, ...)
-FP8_EXPERT_DOTS_ABOVE = 24
+# many (token, choice) pairs per expert on average, weight-only up to it; None: weight-only at every
+# size. None until the FP8 x FP8 kernels are measured on a GPU (they are built and tested on the CPU's
+# reference only: docs/benchmarks.md, "FP8 x FP8 expert dots"); the bound meant is 24, the fused
+# kernel's first tile bucket above decode sizes (Qwen3-30B-A3B: steps of more than 384 tokens), where
+# the weight-only kernel fell to 0.43 of its floor on an H100 and below bf16's speed from 2,048 tokens.
+FP8_EXPERT_DOTS_ABOVE: int | None = None
 
 
 def fp8_expert_dots(num_pairs: int, num_experts: int) -> bool:
     """Whether FP8 experts quantize their activations (FP8 x FP8) for a step of `num_pairs`
     (token, choice) pairs over `num_experts` experts: by the expected rows per expert, as the fused
-    kernel's tile buckets are."""
-    return num_pairs > FP8_EXPERT_DOTS_ABOVE * num_experts
+    kernel's tile buckets are (never while FP8_EXPERT_DOTS_ABOVE is None)."""
+    return FP8_EXPERT_DOTS_ABOVE is not None and num_pairs > FP8_EXPERT_DOTS_ABOVE * num_experts
 
 
 class ExpertScales(NamedTuple):

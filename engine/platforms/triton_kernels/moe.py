@@ -13,7 +13,7 @@
 
 FP8 experts (--quantization fp8): both stacks in e4m3 with one float32 scale per (expert, output
 channel), run one of two ways by the step's shape (quantization.fp8_expert_dots, which the CPU's
-reference follows too):
+reference follows too; weight-only at every size until FP8 x FP8 is measured on a GPU):
 - weight-only (decode sizes): the activations stay in the model dtype, each weight tile is widened
   in registers after its load (e4m3 fits bf16 exactly) and the scales multiply the float32 sums in
   the epilogue: decode, which streams the hit experts' weights, reads half the bytes, and no
