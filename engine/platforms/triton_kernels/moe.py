@@ -21,8 +21,9 @@ reference follows too; weight-only at every size until FP8 x FP8 is measured on 
   (wgmma's B operand), which bounds it once a step's FLOPs matter.
 - FP8 x FP8 (prefill sizes): x's rows quantized per token to e4m3 (quant.quantize_fp8_rows), the
   SiLU product likewise between the two GEMMs (its row scale needs the whole row, which the w13
-  kernel spreads over its N tiles: one small launch), e4m3 x e4m3 dots accumulating in float32,
-  and the epilogue multiplying by token scale x channel scale: the FP8 tensor cores' rate.
+  kernel spreads over its N tiles: one small launch), e4m3 x e4m3 dots into float32 accumulators
+  (on sm_90 at the FP8 tensor cores' own accumulation precision, Triton's default there), and the
+  epilogue multiplying by token scale x channel scale: the FP8 tensor cores' rate.
 
 Launch shapes depend on (T, k, E, H, I) only, never on the routing, so the step captures into
 a CUDA graph. Each block loads its expert's weight tiles once for its BLOCK_M rows; at decode
