@@ -43,7 +43,8 @@
 # calls of one lease: a call carrying either half stashes it in bench-results/smol, quantacc runs once both are there)
 # FP8 experts (issue 33, one GPU): moefp8 (the fused-expert CUDA tests, bf16 and e4m3 experts; then moe_kernel --fp8:
 # Qwen3-30B-A3B's expert step, bf16 vs e4m3 weights, decode batch sizes); b1quant with QUANT_MODELS=qwen3-30b-a3b
-# QUANT_VARIANTS="bf16 fp8" B1_ARGS="--num-seqs 64" for B1 (61 GB of bf16 weights: an 80 GB H100 takes the short cut)
+# QUANT_VARIANTS="bf16 fp8" B1_ARGS="--num-seqs 64" for B1 (61 GB of bf16 weights: an 80 GB H100 takes the short cut);
+# moedots: moefp8 with pytest -s, keeping the FP8 x FP8 tests' error lines ([fp8-dots]) and the failures
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 set -uo pipefail
@@ -131,6 +132,11 @@ for step in $STEPS; do
               -k "${MOEFP8_TESTS:-fused_moe or qwen3_moe}" 2>&1 | tail -15 | tee "$OUT/moe-fp8-tests.txt"
             timeout ${MOEFP8_TIMEOUT:-150} python3 -m baton.benchmarks.moe_kernel --fp8 --out "$OUT" ${MOEFP8_ARGS:-} \
               2>"$OUT/moe_kernel_fp8.log" | tee "$OUT/moe_kernel_fp8.txt" ;;   # bf16 vs e4m3 experts per token count
+    moedots) timeout ${MOEFP8_TEST_TIMEOUT:-150} python3 -m pytest -q -s -p no:cacheprovider tests/test_platform_cuda.py \
+              -k "${MOEFP8_TESTS:-fused_moe or qwen3_moe}" 2>&1 | grep -E "fp8-dots|passed|failed|Error|error|assert" \
+              | tail -40 | tee "$OUT/moe-dots-tests.txt"
+            timeout ${MOEFP8_TIMEOUT:-150} python3 -m baton.benchmarks.moe_kernel --fp8 --out "$OUT" ${MOEFP8_ARGS:-} \
+              2>"$OUT/moe_kernel_fp8.log" | tee "$OUT/moe_kernel_fp8.txt" ;;   # moefp8, the tests' error figures kept
     smolstash) mkdir -p bench-results/smol && cp .carry-smol1/* .carry-smol2/* bench-results/smol/ 2>/dev/null
               ls -la bench-results/smol ;;
     quantacc) mkdir -p bench-results/smol && cp .carry-smol1/* .carry-smol2/* bench-results/smol/ 2>/dev/null

@@ -157,10 +157,12 @@ def bench_tokens(tokens: int, layers, copy_bw: float, rate: float) -> list[dict]
     return rows
 
 
-# --fp8: the same step with e4m3 experts (--quantization fp8: weight-only, bf16 activations) beside
-# bf16's, default tiles and a few alternatives per token count, rounds interleaved; floor = the hit
-# experts' e4m3 bytes (+ scales) / copy bandwidth, or the bf16 FLOPs (the dots stay bf16)
-FP8_TOKENS = (1, 8, 64, 256, 1024, 2048, 8192)
+# --fp8: the same step with e4m3 experts (--quantization fp8) beside bf16's, both ways: weight-only
+# ("fp8": bf16 activations, the weights widened) and FP8 x FP8 ("dots": activations quantized per
+# token), default tiles and a few alternatives per token count, rounds interleaved; floor = the hit
+# experts' e4m3 bytes (+ scales) / copy bandwidth, or the FLOPs at the bf16 rate (weight-only) or
+# twice it (dots: FP8 tensor cores)
+FP8_TOKENS = (1, 8, 64, 256, 512, 1024, 2048, 8192)
 
 
 def fp8_alternatives(tokens: int) -> list:
@@ -169,57 +171,77 @@ def fp8_alternatives(tokens: int) -> list:
     slower at every size, 0.74x of bf16 at 2,048 tokens where the default gives 0.79x; not kept.)"""
     from baton.engine.platforms.triton_kernels.moe import MoeTiles
     if tokens <= 64:
-        return [MoeTiles(16, 32, 256, 4, 4), MoeTiles(16, 64, 128, 4, 4)]
+        return [MoeTiles(16, 32, 256, 4, 4)]
     return [MoeTiles(32, 64, 256, 4, 3)] if tokens == 256 else []
+
+
+def dots_alternatives(tokens: int) -> list:
+    """FP8 x FP8 tiles to time beside pick_tiles(..., FP8) at prefill sizes."""
+    from baton.engine.platforms.triton_kernels.moe import MoeTiles
+    if 256 < tokens <= 1024:
+        return [MoeTiles(64, 128, 128, 4, 3), MoeTiles(64, 64, 256, 4, 3), MoeTiles(128, 128, 128, 8, 3, 256, 128, 8, 3)]
+    if tokens > 1024:
+        return [MoeTiles(128, 128, 64, 8, 4, 256, 64, 8, 4), MoeTiles(128, 128, 128, 8, 4, 256, 128, 8, 4),
+                MoeTiles(64, 128, 128, 4, 3), MoeTiles(128, 64, 128, 4, 4, 128, 128, 8, 3)]
+    return []
 
 
 def bench_fp8_tokens(tokens: int, layers, fp8_layers, copy_bw: float, rate: float) -> list[dict]:
     from baton.engine.platforms.base import LayerOps
     from baton.engine.platforms.triton_kernels.moe import fused_experts, pick_tiles
+    from baton.models.layers.quantization import FP8
     inputs, hit, floor_bf16 = make_inputs(tokens, layers, copy_bw, rate)
     fp8_inputs = [(x, q13, q2, ids, w, scales) for (x, _, _, ids, w), (q13, q2, scales) in zip(inputs, fp8_layers, strict=True)]
     expert_bytes = hit * (3 * H * INTER + 4 * (2 * INTER + H))     # e4m3 weights + their float32 scales
     floor_fp8 = max((expert_bytes + 2 * tokens * H * 2) / copy_bw, 2 * tokens * K * 3 * H * INTER / rate)
+    floor_dots = max((expert_bytes + 2 * tokens * H * 2) / copy_bw, 2 * tokens * K * 3 * H * INTER / (2 * rate))
     default = pick_tiles(tokens * K, E, H, INTER, torch.bfloat16)
-    configs = [("bf16", default, False), ("fp8", default, True)]
-    configs += [("fp8-alt", t, True) for t in fp8_alternatives(tokens)]
+    configs = [("bf16", default, "bf16"), ("fp8", default, "fp8")]
+    configs += [("fp8-alt", t, "fp8") for t in fp8_alternatives(tokens)]
+    configs += [("dots", pick_tiles(tokens * K, E, H, INTER, FP8), "dots")]
+    configs += [("dots-alt", t, "dots") for t in dots_alternatives(tokens)]
     x, w13, w2, ids, weights = inputs[0]
     _, q13, q2, _, _, scales = fp8_inputs[0]
     d = torch.float64
     ref_bf16 = LayerOps().moe_experts(x.to(d), w13.to(d), w2.to(d), ids, weights.to(d))
-    ref_fp8 = LayerOps().moe_experts(x.to(d), q13, q2, ids, weights.to(d), scales=scales)
+    refs = {"bf16": ref_bf16,
+            "fp8": LayerOps().moe_experts(x.to(d), q13, q2, ids, weights.to(d), scales=scales, fp8_dots=False),
+            "dots": LayerOps().moe_experts(x.to(d), q13, q2, ids, weights.to(d), scales=scales, fp8_dots=True)}
 
-    def call(args, tiles, fp8):
-        if fp8:
-            return fused_experts(*args[:5], tiles=tiles, scales=args[5])
-        return fused_experts(*args, tiles=tiles)
+    def call(args, tiles, mode):
+        if mode == "bf16":
+            return fused_experts(*args, tiles=tiles)
+        return fused_experts(*args[:5], tiles=tiles, scales=args[5], fp8_dots=mode == "dots")
     ok = []
-    for label, tiles, fp8 in configs:
+    for label, tiles, mode in configs:
         try:
-            out = call((fp8_inputs if fp8 else inputs)[0], tiles, fp8).double()
+            out = call((inputs if mode == "bf16" else fp8_inputs)[0], tiles, mode).double()
             torch.cuda.synchronize()
         except Exception as e:      # noqa: BLE001  (a config over the shared memory: note it, go on)
             print(f"[moe-fp8] T={tokens} {label} {tiles}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
             continue
-        ref = ref_fp8 if fp8 else ref_bf16
-        ok.append((tiles, dict(tokens=tokens, label=label, tiles=list(dataclasses.astuple(tiles)), ms_rounds=[],
-                               rel_err=((out - ref).norm() / ref.norm()).item(),
-                               vs_bf16_weights=((out - ref_bf16).norm() / ref_bf16.norm()).item(), fp8=fp8)))
+        ref = refs[mode]
+        ok.append((tiles, dict(tokens=tokens, label=label, mode=mode, tiles=list(dataclasses.astuple(tiles)),
+                               ms_rounds=[], rel_err=((out - ref).norm() / ref.norm()).item(),
+                               vs_bf16_weights=((out - ref_bf16).norm() / ref_bf16.norm()).item(),
+                               fp8=mode != "bf16")))
     for _ in range(3):
         for tiles, row in ok:
-            src = fp8_inputs if row["fp8"] else inputs
-            row["ms_rounds"].append(graph_ms([lambda a=a, t=tiles, f=row["fp8"]: call(a, t, f) for a in src]))
+            src = inputs if row["mode"] == "bf16" else fp8_inputs
+            row["ms_rounds"].append(graph_ms([lambda a=a, t=tiles, m=row["mode"]: call(a, t, m) for a in src]))
     ok = [row for _, row in ok]
-    bf16_ms = None
+    base_ms = {}
     for row in ok:
         row["ms"] = statistics.median(row["ms_rounds"])
-        floor = floor_fp8 if row["fp8"] else floor_bf16
+        floor = {"bf16": floor_bf16, "fp8": floor_fp8, "dots": floor_dots}[row["mode"]]
         row.update(floor_ms=floor * 1e3, of_floor=floor * 1e3 / row["ms"], experts_hit=hit)
-        bf16_ms = row["ms"] if row["label"] == "bf16" else bf16_ms
-        row["speedup_vs_bf16"] = bf16_ms / row["ms"] if bf16_ms else None
+        base_ms.setdefault(row["label"], row["ms"])
+        row["speedup_vs_bf16"] = base_ms["bf16"] / row["ms"] if "bf16" in base_ms else None
+        row["speedup_vs_weight_only"] = base_ms["fp8"] / row["ms"] if "fp8" in base_ms else None
         print(f"[moe-fp8] T={tokens:5d} {row['label']:<8} tiles={row['tiles']} "
               f"{' / '.join(f'{t * 1e3:.1f}' for t in row['ms_rounds'])} us  floor {floor * 1e6:7.1f} us "
-              f"({row['of_floor']:.2f})  x{row['speedup_vs_bf16'] or 0:.2f} vs bf16  hit {hit:.1f}  "
+              f"({row['of_floor']:.2f})  x{row['speedup_vs_bf16'] or 0:.2f} vs bf16, "
+              f"x{row['speedup_vs_weight_only'] or 0:.2f} vs weight-only  hit {hit:.1f}  "
               f"err {row['rel_err']:.1e} (vs bf16 weights {row['vs_bf16_weights']:.1e})", file=sys.stderr, flush=True)
     return ok
 
@@ -375,12 +397,13 @@ def main_fp8(args) -> None:
         (Path(args.out) / "moe_kernel_fp8.json").write_text(json.dumps(
             dict(copy_bytes_per_s=copy_bw, matmul_flops_per_s=rate, shape=dict(E=E, k=K, H=H, INTER=INTER), rows=rows),
             indent=1))
-    print(f"{'T':>5} {'config':<8} {'tiles':<24} {'us':>8} {'rounds':>22} {'floor us':>8} {'of floor':>8} "
-          f"{'vs bf16':>7} {'err':>7}")
+    print(f"{'T':>5} {'config':<8} {'tiles':<36} {'us':>8} {'rounds':>22} {'floor us':>8} {'of floor':>8} "
+          f"{'vs bf16':>7} {'vs w-only':>9} {'err':>7}")
     for r in rows:
-        print(f"{r['tokens']:5d} {r['label']:<8} {str(r['tiles'][:5]):<24} {r['ms'] * 1e3:8.1f} "
+        print(f"{r['tokens']:5d} {r['label']:<8} {str(r['tiles']):<36} {r['ms'] * 1e3:8.1f} "
               f"{' / '.join(f'{t * 1e3:.1f}' for t in r['ms_rounds']):>22} {r['floor_ms'] * 1e3:8.1f} "
-              f"{r['of_floor']:8.2f} {r['speedup_vs_bf16'] or 0:7.2f} {r['rel_err']:7.1e}")
+              f"{r['of_floor']:8.2f} {r['speedup_vs_bf16'] or 0:7.2f} {r['speedup_vs_weight_only'] or 0:9.2f} "
+              f"{r['rel_err']:7.1e}")
 
 
 if __name__ == "__main__":

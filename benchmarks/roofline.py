@@ -19,8 +19,9 @@ are skewed and hit fewer, so there the floor is a little high.
 FP8 weights (--quantization fp8): the projections FP8 stores (ModelShape.fp8_matmul_params) count
 one byte each and their FLOPs run at the measured FP8 GEMM rate; the routed experts (fp8_experts:
 e4m3 under --quantization fp8, not under w8a8) count one byte per weight of the experts a step
-hits, their FLOPs at the bf16 rate (weight-only: the fused kernel's dots stay bf16); an FP8 KV
-cache counts one byte per element of K and V.
+hits, their FLOPs at the bf16 rate where they run weight-only (decode sizes: the fused kernel's
+dots stay bf16) and at the FP8 rate above quantization.FP8_EXPERT_DOTS_ABOVE pairs an expert (FP8 x
+FP8 dots); an FP8 KV cache counts one byte per element of K and V.
 
 Activations are left out: they are what a perfect kernel keeps on chip.
 `roofline_fraction` = sum of least times / measured wall time.
@@ -87,10 +88,21 @@ class CostModel:
         attention = 4 * s.layers * s.heads * s.head_dim * pairs
         return 2 * s.active_matmul_params * step.tokens + 2 * s.head_params * step.sampled + attention
 
+    def expert_dots_flops(self, step: StepShape) -> int:
+        """Routed-expert FLOPs a step runs FP8 x FP8 (FP8 experts above the dots' bound), else 0."""
+        if not self.fp8_experts:
+            return 0
+        from baton.models.layers.quantization import fp8_expert_dots
+        s = self.shape
+        if not fp8_expert_dots(step.tokens * s.experts_per_token, s.num_experts):
+            return 0
+        return 2 * s.moe_layers * s.experts_per_token * s.expert_params * step.tokens
+
     def least_seconds(self, step: StepShape, ceilings: Ceilings) -> tuple[float, str]:
         """(least time, "memory" or "compute": which ceiling binds)."""
         t_mem = self.step_bytes(step) / ceilings.copy_bytes_per_s
-        fp8_flops = 2 * self.fp8_params * step.tokens if ceilings.fp8_matmul_flops_per_s else 0
+        fp8_flops = (2 * self.fp8_params * step.tokens + self.expert_dots_flops(step)
+                     if ceilings.fp8_matmul_flops_per_s else 0)
         t_flop = ((self.step_flops(step) - fp8_flops) / ceilings.matmul_flops_per_s
                   + (fp8_flops / ceilings.fp8_matmul_flops_per_s if fp8_flops else 0.0))
         return (t_mem, "memory") if t_mem >= t_flop else (t_flop, "compute")

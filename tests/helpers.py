@@ -129,3 +129,24 @@ def save_tiny_eagle3_head(path: Path, target, draft_tokens: list[int] | None = N
         draft = tensors["d2t"] + torch.arange(len(tensors["d2t"]))
         tensors["lm_head.weight"] = mimic.detach().float().cpu()[draft].clone()
     return save_head(path, tensors, config)
+
+
+def fp8_expert_dots_mirror(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                           weights: torch.Tensor, scales) -> torch.Tensor:
+    """FP8 x FP8 experts (e4m3 stacks, `scales` per (expert, output channel)) in float64, rounding
+    where the fused kernels round: x's rows to e4m3 per token, the SiLU product to x's dtype (the
+    w13 kernel stores it so) and then to e4m3 per row; everything else exact. Returns float64 [T, H]."""
+    from baton.models.layers.quantization import quantize_rows
+    d = torch.float64
+    k = ids.shape[1]
+    xq, xs = quantize_rows(x)
+    flat, route = ids.reshape(-1), weights.reshape(-1).to(d)
+    out = torch.zeros(x.shape, dtype=d, device=x.device)
+    for expert in flat.unique().tolist():
+        slots = (flat == expert).nonzero()[:, 0]
+        tokens = slots // k
+        gate, up = ((xq[tokens].to(d) @ w13[expert].to(d).T) * xs[tokens].to(d) * scales.w13[expert].to(d)).chunk(2, -1)
+        aq, a_scale = quantize_rows((gate * torch.sigmoid(gate) * up).to(x.dtype))
+        y = (aq.to(d) @ w2[expert].to(d).T) * a_scale.to(d) * scales.w2[expert].to(d)
+        out.index_add_(0, tokens, y * route[slots, None])
+    return out

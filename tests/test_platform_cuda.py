@@ -713,20 +713,83 @@ def test_fused_moe_with_fp8_experts_replays_from_a_graph_with_new_routing():
     assert torch.equal(out, fused_experts(x, q13, q2, ids, weights, scales=scales))
 
 
+# -- FP8 x FP8 expert dots (prefill sizes: activations quantized per token, e4m3 x e4m3 tl.dot) --
 @on_gpu
-def test_qwen3_moe_with_fp8_experts_under_graphs_gives_the_eager_tokens_and_tracks_the_cpu(tmp_path):
+@pytest.mark.parametrize("case", MOE_CASES, ids=lambda c: "T{}-E{}-k{}-H{}-I{}".format(*c))
+def test_fused_moe_with_fp8_dots_matches_float64_on_the_same_roundings(case):
+    """FP8 x FP8 forced in every tile bucket (FP8 tiles; the rule would pick weight-only below 24
+    pairs an expert): within bf16's 1e-2 (relative L2) of a float64 mirror that rounds where the
+    kernels do (helpers.fp8_expert_dots_mirror), and within 2.5e-2 of the base ops' FP8 x FP8 in
+    float64 (which quantize the SiLU product unrounded: e4m3 steps flip where the kernel's bf16
+    copy of it crosses a rounding midpoint; ~1e-2 on the CPU's emulation), where weight-only is
+    3-5e-2 away. The default follows quantization.fp8_expert_dots; deterministic."""
+    from helpers import fp8_expert_dots_mirror
+
+    from baton.engine.platforms.triton_kernels.moe import fused_experts
+    from baton.models.layers.quantization import fp8_expert_dots
+    x, w13, w2, ids, weights = moe_inputs(*case, torch.bfloat16, seed=case[0])
+    q13, q2, scales = fp8_experts(w13, w2)
+    out = fused_experts(x, q13, q2, ids, weights, scales=scales, fp8_dots=True)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert_close(out, fp8_expert_dots_mirror(x, q13, q2, ids, weights, scales), torch.bfloat16)
+    d = torch.float64
+    base = LayerOps().moe_experts(x.to(d), q13, q2, ids, weights.to(d), scales=scales, fp8_dots=True)
+    weight_only = LayerOps().moe_experts(x.to(d), q13, q2, ids, weights.to(d), scales=scales, fp8_dots=False)
+    err, apart = rel_err(out, base), rel_err(weight_only, base)
+    print(f"[fp8-dots] {case}: {rel_err(out, fp8_expert_dots_mirror(x, q13, q2, ids, weights, scales)):.1e} "
+          f"from the mirror, {err:.1e} from the base ops (weight-only: {apart:.1e})")
+    assert err < 2.5e-2 and err < 0.6 * apart, (err, apart)
+    assert torch.equal(fused_experts(x, q13, q2, ids, weights, scales=scales, fp8_dots=True), out)
+    by_rule = fp8_expert_dots(ids.numel(), case[1])
+    assert torch.equal(cuda_platform().ops.moe_experts(x, q13, q2, ids, weights, scales=scales),
+                       fused_experts(x, q13, q2, ids, weights, scales=scales, fp8_dots=by_rule))
+
+
+@on_gpu
+def test_fused_moe_with_fp8_dots_replays_from_a_graph_with_new_routing(monkeypatch):
+    """A prefill-sized step (100 pairs an expert: the rule, at its meant bound of 24, picks FP8 x
+    FP8) captured once, replayed on other tokens and routing: eager's result exactly (the two row
+    quantizers captured too)."""
+    from baton.engine.platforms.triton_kernels.moe import fused_experts
+    from baton.models.layers import quantization
+    monkeypatch.setattr(quantization, "FP8_EXPERT_DOTS_ABOVE", 24)
+    shape = (400, 8, 2, 128, 64)
+    assert quantization.fp8_expert_dots(400 * 2, 8)
+    x, w13, w2, ids, weights = moe_inputs(*shape, torch.bfloat16, seed=1)
+    q13, q2, scales = fp8_experts(w13, w2)
+    fused_experts(x, q13, q2, ids, weights, scales=scales)
+    torch.cuda.synchronize()
+    graph, out = cuda_platform().capture_graph(lambda: fused_experts(x, q13, q2, ids, weights, scales=scales))
+    x2, _, _, ids2, weights2 = moe_inputs(*shape, torch.bfloat16, seed=2)
+    ids2[:200] = torch.tensor([3, 4], device=DEV)                   # two crowded experts: several blocks each
+    for dst, src in ((x, x2), (ids, ids2), (weights, weights2)):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_experts(x, q13, q2, ids, weights, scales=scales, fp8_dots=True))
+
+
+@on_gpu
+@pytest.mark.parametrize("dots_above", [None, 24], ids=["weight-only", "fp8-dots-above-24"])
+def test_qwen3_moe_with_fp8_experts_under_graphs_gives_the_eager_tokens_and_tracks_the_cpu(tmp_path, monkeypatch,
+                                                                                           dots_above):
     """A tiny Qwen3-MoE checkpoint with --quantization fp8 on cuda:0 in bf16: captured decode (the
     e4m3 experts inside) gives eager's greedy tokens, and the prompt's logprobs stay near the CPU's
     FP8 run of the same weights. (A checkpoint, not a preset: a preset's random weights come from
-    the device's own generator, so cuda:0 and the CPU would hold different models.)"""
+    the device's own generator, so cuda:0 and the CPU would hold different models.) Both with the
+    default rule and with FP8 x FP8 dots above 24 pairs an expert (the prefill step's)."""
     from helpers import save_tiny_checkpoint
 
     from baton.engine import LLM, SamplingParams
+    from baton.models.layers import quantization
     from baton.models.source import resolve_model
+    monkeypatch.setattr(quantization, "FP8_EXPERT_DOTS_ABOVE", dots_above)
     path = str(save_tiny_checkpoint("qwen3_moe", tmp_path / "moe", TOKENIZER or resolve_model(None).tokenizer_path,
                                     seed=3))
     g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 9, 40, 17)]
+    # (the prefill step's 187 tokens route 47 pairs an expert: FP8 x FP8 dots above 24, on both devices)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (1, 9, 40, 17, 120)]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
     kw = dict(dtype="bfloat16", max_num_seqs=8, max_model_len=256, num_kv_blocks=64, quantization="fp8")
     outs = {}

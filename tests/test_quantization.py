@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from baton.engine.platforms.base import LayerOps
 from baton.engine.platforms.cpu import CpuPlatform
 from baton.models import loader
 from baton.models.attention_metadata import AttnMetadata
@@ -257,6 +258,43 @@ def test_fp8_experts_serve_greedy_tokens_close_to_full_precision(tiny_moe):
     assert own >= 0.9 * n and full >= 0.5 * n, (own, full, n)
     again = llm.generate([PROMPTS[2]], sp)[0]
     assert again.cached_tokens >= 32 and again.token_ids == outs[2].token_ids
+
+
+def test_fp8_expert_dots_follow_the_step_shape_and_round_where_the_kernels_do(tiny_moe, monkeypatch):
+    """Above quantization.FP8_EXPERT_DOTS_ABOVE (token, choice) pairs an expert, FP8 experts run
+    FP8 x FP8 (the fused kernel's rule, on the CPU too): each GEMM's input rows rounded to e4m3 per
+    token, the products times token scale x channel scale: in float64 the numbers of the mirror of
+    the kernels' roundings (helpers.fp8_expert_dots_mirror), and apart from weight-only's by the
+    activations' e4m3 rounding (measured 3-5 %). A 200-token prompt through the tiny Qwen3-MoE
+    (400 pairs over 8 experts: FP8 x FP8) stays within the dense FP8 bounds of full precision.
+    (The default bound, 24, measured on an H100: docs/benchmarks.md.)"""
+    from helpers import fp8_expert_dots_mirror
+    assert quantization.FP8_EXPERT_DOTS_ABOVE == 24                   # the default
+    assert quantization.fp8_expert_dots(8 * 24 + 1, 8) and not quantization.fp8_expert_dots(8 * 24, 8)
+    monkeypatch.setattr(quantization, "FP8_EXPERT_DOTS_ABOVE", None)
+    assert not quantization.fp8_expert_dots(10 ** 9, 8)               # off: weight-only at every size
+    monkeypatch.setattr(quantization, "FP8_EXPERT_DOTS_ABOVE", 24)
+    g = torch.Generator().manual_seed(0)
+    t, e, k, h, i = 100, 8, 2, 64, 32
+    x = torch.randn(t, h, generator=g, dtype=torch.float64)
+    (q13, s13), (q2, s2) = (quantization.quantize_stacked(torch.randn(e, n, kk, generator=g) / kk ** 0.5)
+                            for n, kk in ((2 * i, h), (h, i)))
+    scales = quantization.ExpertScales(s13, s2)
+    ids, weights = LayerOps().moe_route(torch.randn(t, e, generator=g), k, renormalize=True)
+    weights = weights.double()
+    ops = LayerOps()
+    dots = ops.moe_experts(x, q13, q2, ids, weights, scales=scales)              # 200 pairs, 25 an expert: by rule
+    assert torch.equal(dots, ops.moe_experts(x, q13, q2, ids, weights, scales=scales, fp8_dots=True))
+    torch.testing.assert_close(dots, fp8_expert_dots_mirror(x, q13, q2, ids, weights, scales), rtol=1e-12, atol=1e-12)
+    weight_only = ops.moe_experts(x, q13, q2, ids, weights, scales=scales, fp8_dots=False)
+    below = ops.moe_experts(x[:96], q13, q2, ids[:96], weights[:96], scales=scales)    # 192 pairs: weight-only
+    torch.testing.assert_close(below, weight_only[:96], rtol=1e-12, atol=1e-12)
+    assert 0.01 < float((dots - weight_only).norm() / weight_only.norm()) < 0.1
+    model, platform = _model(tiny_moe["bf16"])
+    fp8 = copy.deepcopy(model)
+    quantization.quantize_fp8(fp8, platform.ops, platform.fp8_linear())
+    long = torch.randint(10, 40000, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+    _compare(_logits(model, platform, long), _logits(fp8, platform, long))
 
 
 @pytest.mark.parametrize("fmt", ["fp8-block", "compressed-tensors"])

@@ -105,15 +105,22 @@ class LayerOps:
         return ids, weights
 
     def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                    weights: torch.Tensor, scales: quantization.ExpertScales | None = None) -> torch.Tensor:
+                    weights: torch.Tensor, scales: quantization.ExpertScales | None = None,
+                    fp8_dots: bool | None = None) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), experts SwiGLU with stacked weights
         w13 [E, 2I, H], w2 [E, H, I]. Tokens are grouped by expert and each expert hit runs
         once, added in expert order (as transformers adds them, so fp32 sums match). The
         per-expert counts are read on the host, so this is not capturable (moe_graph_safe =
         False); the CUDA platform's fused path is (triton_kernels/moe.py). With `scales` the
         stacks are e4m3 (--quantization fp8): each expert's weights widened to x's dtype (exact),
-        its products times their output channels' scales in float32, as the fused kernel does."""
+        its products times their output channels' scales in float32, as the fused kernel does;
+        and where `fp8_dots` (None: quantization.fp8_expert_dots by the step's shape, the fused
+        kernel's rule) each GEMM's input rows are first rounded to e4m3 per token (quantize_rows)
+        and the products scaled by token scale x channel scale: FP8 x FP8, the same numbers."""
         k = ids.shape[1]
+        if fp8_dots is None:
+            fp8_dots = quantization.fp8_expert_dots(ids.numel(), w13.shape[0])
+        dots = scales is not None and fp8_dots
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
@@ -127,16 +134,22 @@ class LayerOps:
             slots = order[start:start + n]
             start += n
             tokens = slots // k
-            h = self.silu_and_mul(self._expert_matmul(x[tokens], w13, expert, s13))
-            h = self._expert_matmul(h, w2, expert, s2) * flat_weights[slots, None]
+            h = self.silu_and_mul(self._expert_matmul(x[tokens], w13, expert, s13, dots))
+            h = self._expert_matmul(h, w2, expert, s2, dots) * flat_weights[slots, None]
             out.index_add_(0, tokens, h)
         return out
 
-    def _expert_matmul(self, x: torch.Tensor, w: torch.Tensor, expert: int, scale: torch.Tensor | None) -> torch.Tensor:
+    def _expert_matmul(self, x: torch.Tensor, w: torch.Tensor, expert: int, scale: torch.Tensor | None,
+                       dots: bool = False) -> torch.Tensor:
         if scale is None:
             return self.linear(x, w[expert])
+        wide = torch.promote_types(x.dtype, torch.float32)
+        if dots:                 # FP8 x FP8: the rows in e4m3 first, their scales beside the channels'
+            xq, xs = quantization.quantize_rows(x)
+            y = self.linear(xq.to(x.dtype), w[expert].to(x.dtype))
+            return (y.to(wide) * xs.to(wide) * scale[expert]).to(x.dtype)
         y = self.linear(x, w[expert].to(x.dtype))             # e4m3 widens exactly; the scales in float32 (or wider)
-        return (y.to(torch.promote_types(x.dtype, torch.float32)) * scale[expert]).to(x.dtype)
+        return (y.to(wide) * scale[expert]).to(x.dtype)
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

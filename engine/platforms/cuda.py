@@ -60,9 +60,10 @@ class TritonLayerOps(LayerOps):
 
     moe_invariant = False      # False: tiles by rows per expert; deterministic mode fixes them
 
-    def moe_experts(self, x, w13, w2, ids, weights, scales=None):
+    def moe_experts(self, x, w13, w2, ids, weights, scales=None, fp8_dots=None):
         from baton.engine.platforms.triton_kernels import moe
-        return moe.fused_experts(x, w13, w2, ids, weights, invariant=self.moe_invariant, scales=scales)
+        return moe.fused_experts(x, w13, w2, ids, weights, invariant=self.moe_invariant, scales=scales,
+                                 fp8_dots=fp8_dots)
 
     def make_batch_invariant(self, linear) -> None:
         """One tile shape whatever the batch: each output sums its K dimension in the same pieces

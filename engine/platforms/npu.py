@@ -75,7 +75,7 @@ class NpuMoeOps(LayerOps):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids.long(), weights
 
-    def moe_experts(self, x, w13, w2, ids, weights, scales=None):
+    def moe_experts(self, x, w13, w2, ids, weights, scales=None, fp8_dots=None):
         """Sort the (token, slot) rows by expert, run every expert's SwiGLU MLP as two grouped
         matmuls over its rows, then gather each token's k rows back, weighted and summed."""
         if scales is not None:       # (the platform refuses --quantization fp8 before a model loads)

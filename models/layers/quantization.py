@@ -15,11 +15,15 @@ What is quantized: the attention and MLP projections (every `LinearBase` but a M
 gate), and the routed experts' stacked weights (models/layers/moe.py: w13 and w2 in e4m3, one scale
 per expert and output channel, `ExpertScales`; an FP8 checkpoint's experts, block-scaled or per
 channel, are widened and re-quantized the same way). The embedding, the LM head, norms and the
-routers stay in the model dtype. The experts run weight-only (`LayerOps.moe_experts` with scales:
-activations in the model dtype times the e4m3 weights, widened exactly, the scales applied to the
-sums): decode reads the hit experts' weights, so their bytes are what FP8 saves there, and the
-fused kernel widens a tile in registers where quantizing activations would cost a launch and a
-rounding per step (engine/platforms/triton_kernels/moe.py).
+routers stay in the model dtype. The experts run one of two ways, chosen by the step's shape
+(`fp8_expert_dots`, the same rule on every platform, so the CPU computes the numbers CUDA does;
+the bound: FP8_EXPERT_DOTS_ABOVE):
+weight-only at decode sizes (`LayerOps.moe_experts` with scales: activations in the model dtype
+times the e4m3 weights, widened exactly, the scales applied to the sums; decode reads the hit
+experts' weights, so their bytes are what FP8 saves there), and FP8 x FP8 at prefill sizes (each
+GEMM's input rows quantized per token to e4m3 with a float32 scale, as the dense projections'
+are, the products times token scale x channel scale: the FP8 tensor cores' rate, where the
+weight-only kernel is bound by widening the weights; engine/platforms/triton_kernels/moe.py).
 
 How the platform runs it (`Platform.fp8_linear`): "scaled_mm" (CUDA on compute capability 8.9+,
 the CPU where torch has float8 `_scaled_mm`), "dequant" (a CPU torch without it: the weights
@@ -88,6 +92,23 @@ class Fp8Matmul:
         if bias is not None:
             y = y + bias
         return y.reshape(*lead, weight.shape[0])
+
+
+# FP8 experts: FP8 x FP8 dots (activations quantized per token) once a step routes more than this
+# many (token, choice) pairs per expert on average, weight-only up to it; None: weight-only at every
+# size. 24 is the fused kernel's first tile bucket above decode sizes (Qwen3-30B-A3B: steps of more
+# than 384 tokens). Measured on an H100 (docs/benchmarks.md, "FP8 x FP8 expert dots"): above it the
+# dots run 1.4-1.95x weight-only (1,024-8,192 tokens; weight-only fell below bf16 from 2,048); at
+# decode sizes they gain only 4-7 % (Triton takes mma.sync below 64 rows: no FP8 tensor-core rate)
+# for 4-5x the error (the activations' rounding), so decode stays weight-only.
+FP8_EXPERT_DOTS_ABOVE: int | None = 24
+
+
+def fp8_expert_dots(num_pairs: int, num_experts: int) -> bool:
+    """Whether FP8 experts quantize their activations (FP8 x FP8) for a step of `num_pairs`
+    (token, choice) pairs over `num_experts` experts: by the expected rows per expert, as the fused
+    kernel's tile buckets are (never while FP8_EXPERT_DOTS_ABOVE is None)."""
+    return FP8_EXPERT_DOTS_ABOVE is not None and num_pairs > FP8_EXPERT_DOTS_ABOVE * num_experts
 
 
 class ExpertScales(NamedTuple):

@@ -12,10 +12,18 @@
    atomics), rounded once to the activations' dtype.
 
 FP8 experts (--quantization fp8): both stacks in e4m3 with one float32 scale per (expert, output
-channel). The activations stay in the model dtype: each weight tile is widened in registers after
-its load (e4m3 fits bf16 exactly) and the scales multiply the float32 sums in the epilogue, so
-decode, which streams the hit experts' weights, reads half the bytes, and no activation is
-quantized (no extra launch, no per-token rounding; the FLOPs stay bf16's, which prefill pays).
+channel), run one of two ways by the step's shape (quantization.fp8_expert_dots, which the CPU's
+reference follows too; FP8 x FP8 above 24 pairs an expert, measured on an H100):
+- weight-only (decode sizes): the activations stay in the model dtype, each weight tile is widened
+  in registers after its load (e4m3 fits bf16 exactly) and the scales multiply the float32 sums in
+  the epilogue: decode, which streams the hit experts' weights, reads half the bytes, and no
+  activation is quantized (no extra launch). Its widened tile goes back through shared memory
+  (wgmma's B operand), which bounds it once a step's FLOPs matter.
+- FP8 x FP8 (prefill sizes): x's rows quantized per token to e4m3 (quant.quantize_fp8_rows), the
+  SiLU product likewise between the two GEMMs (its row scale needs the whole row, which the w13
+  kernel spreads over its N tiles: one small launch), e4m3 x e4m3 dots into float32 accumulators
+  (on sm_90 at the FP8 tensor cores' own accumulation precision, Triton's default there), and the
+  epilogue multiplying by token scale x channel scale: the FP8 tensor cores' rate.
 
 Launch shapes depend on (T, k, E, H, I) only, never on the routing, so the step captures into
 a CUDA graph. Each block loads its expert's weight tiles once for its BLOCK_M rows; at decode
@@ -30,7 +38,8 @@ import triton
 import triton.language as tl
 
 from baton.engine.platforms.triton_kernels.moe_align import ExpertBlocks, max_blocks
-from baton.models.layers.quantization import FP8, ExpertScales
+from baton.engine.platforms.triton_kernels.quant import quantize_fp8_rows
+from baton.models.layers.quantization import FP8, ExpertScales, fp8_expert_dots
 
 # up to this many (token, choice) pairs the alignment runs as one Triton program (one launch);
 # its time grows with the pairs (one CTA walks them twice; on an H200: 7 us at 8 pairs, 8.6 at 64,
@@ -65,9 +74,14 @@ def pick_tiles(num_slots: int, num_experts: int, hidden: int, intermediate: int,
     """Per bucket of expected rows per expert (T*k/E under even routing). Decode (a few rows per
     expert) is a weight stream: the smallest BLOCK_M the tensor cores take, so one block per hit
     expert, and N tiles narrow enough that the hit experts' tiles cover every SM. Prefill is a
-    GEMM: larger tiles for reuse."""
+    GEMM: larger tiles for reuse. dtype FP8: the FP8 x FP8 dots' tiles (e4m3 activations: one byte
+    an element, so twice bf16's BLOCK_K in the same shared memory)."""
     per_expert = num_slots / num_experts
-    if per_expert <= 4:               # buckets and tiles from benchmarks/moe_kernel.py on an H200
+    if dtype == FP8 and per_expert > 96:
+        tiles = MoeTiles(128, 128, 128, 8, 3, 256, 128, 8, 3)
+    elif dtype == FP8 and per_expert > 24:
+        tiles = MoeTiles(64, 64, 128, 4, 3)
+    elif per_expert <= 4:               # buckets and tiles from benchmarks/moe_kernel.py on an H200
         tiles = MoeTiles(16, 32, 128, 4, 5)
     elif per_expert <= 24:
         tiles = MoeTiles(32, 64, 128, 4, 3)
@@ -233,13 +247,15 @@ def _sum_pairs_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, K_PAD: tl.conste
 
 
 @triton.jit
-def _w13_silu_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, num_slots, num_experts, N, K,
-                     top_k, stride_x, stride_we, stride_wn, stride_o,
+def _w13_silu_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, num_slots,
+                     num_experts, N, K, top_k, stride_x, stride_we, stride_wn, stride_o,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr, FP8_W: tl.constexpr):
+                     PRECISION: tl.constexpr, FP8_W: tl.constexpr, FP8_A: tl.constexpr):
     """out[slot, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's rows.
-    FP8_W: w is e4m3, widened to x's dtype in registers (exactly), and each output channel's
-    scale[e, n] (float32 [E, 2N]) multiplies the float32 sums before SiLU."""
+    FP8_W: w is e4m3, and each output channel's scale[e, n] (float32 [E, 2N]) multiplies the
+    float32 sums before SiLU; w is widened to x's dtype in registers (exactly), unless FP8_A: x
+    is e4m3 too, with a float32 scale per token (x_scale [T, 1]), the dots e4m3 x e4m3 and the
+    sums times x_scale[token] as well."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:        # past the last expert's group: nothing to do
@@ -260,7 +276,7 @@ def _w13_silu_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_p
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         wu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP8_W:
+        if FP8_W and not FP8_A:
             wg, wu = wg.to(a.dtype), wu.to(a.dtype)
         gate = tl.dot(a, wg, gate, input_precision=PRECISION)
         up = tl.dot(a, wu, up, input_precision=PRECISION)
@@ -271,18 +287,23 @@ def _w13_silu_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_p
         scales = scale_ptr + expert * 2 * N + offs_n
         gate *= tl.load(scales, mask=n_ok, other=0.0)[None, :]
         up *= tl.load(scales + N, mask=n_ok, other=0.0)[None, :]
+    if FP8_A:
+        token_scale = tl.load(x_scale_ptr + tokens, mask=valid, other=0.0)[:, None]
+        gate *= token_scale
+        up *= token_scale
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + slots[:, None] * stride_o + offs_n[None, :], act.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _w2_kernel(a_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, route_ptr, num_slots, num_experts, N,
-               K, stride_a, stride_we, stride_wn, stride_o,
+def _w2_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, route_ptr, num_slots,
+               num_experts, N, K, stride_a, stride_we, stride_wn, stride_o,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-               FP8_W: tl.constexpr):
+               FP8_W: tl.constexpr, FP8_A: tl.constexpr):
     """out[slot, n] = route[slot] * (a[slot] . w[e, n]), in float32 (FP8_W: times scale[e, n] too,
-    float32 [E, N], the e4m3 weights widened in registers)."""
+    float32 [E, N], the e4m3 weights widened in registers; FP8_A: a is e4m3 too, e4m3 x e4m3 dots,
+    times a_scale[slot] as well)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:
@@ -299,7 +320,7 @@ def _w2_kernel(a_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, ro
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP8_W:
+        if FP8_W and not FP8_A:
             w = w.to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
@@ -307,6 +328,8 @@ def _w2_kernel(a_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, ro
     route = tl.load(route_ptr + slots, mask=valid, other=0.0).to(tl.float32)
     if FP8_W:
         acc *= tl.load(scale_ptr + expert * N + offs_n, mask=n_ok, other=0.0)[None, :]
+    if FP8_A:
+        route *= tl.load(a_scale_ptr + slots, mask=valid, other=0.0)
     tl.store(out_ptr + slots[:, None] * stride_o + offs_n[None, :], acc * route[:, None],
              mask=valid[:, None] & n_ok[None, :])
 
@@ -337,12 +360,12 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tens
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                   tiles: MoeTiles | None = None, invariant: bool = False,
-                  scales: ExpertScales | None = None) -> torch.Tensor:
+                  scales: ExpertScales | None = None, fp8_dots: bool | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for SwiGLU experts w13 [E, 2I, H], w2 [E, H, I];
     x [T, H] -> [T, H] in x's dtype. `tiles` overrides the bucket's choice (benchmarks); `invariant`:
     the same tiles for every T (deterministic mode). FP8 experts (--quantization fp8): w13 and w2
-    in e4m3 with `scales` per (expert, output channel); x stays in its dtype (weight-only: the
-    weights widen exactly in registers, the scales multiply the float32 sums)."""
+    in e4m3 with `scales` per (expert, output channel), weight-only or FP8 x FP8 (`fp8_dots`; None:
+    quantization.fp8_expert_dots by the step's shape, weight-only under `invariant`)."""
     _check(x, w13, w2, ids, weights, scales)
     t, k = ids.shape
     e, two_i, h = w13.shape
@@ -350,13 +373,24 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     if t == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    tiles = tiles or (invariant_tiles(e, h, inter, x.dtype) if invariant else pick_tiles(t * k, e, h, inter, x.dtype))
+    if fp8_dots is None:
+        fp8_dots = not invariant and fp8_expert_dots(t * k, e)
+    dots = scales is not None and fp8_dots
+    dtype = FP8 if dots else x.dtype
+    tiles = tiles or (invariant_tiles(e, h, inter, dtype) if invariant else pick_tiles(t * k, e, h, inter, dtype))
     blocks = align(ids, e, tiles.block_m)
     act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
     s13, s2 = (None, None) if scales is None else scales
-    launch_w13(x, w13, act, blocks, k, tiles, s13)
     per_pair = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
-    launch_w2(act, w2, per_pair, blocks, weights.reshape(-1).contiguous(), tiles, s2)
+    route = weights.reshape(-1).contiguous()
+    if dots:                 # FP8 x FP8: x's rows, then the SiLU product's, quantized per token
+        xq, x_scale = quantize_fp8_rows(x)
+        launch_w13(xq, w13, act, blocks, k, tiles, s13, x_scale=x_scale)
+        aq, act_scale = quantize_fp8_rows(act)
+        launch_w2(aq, w2, per_pair, blocks, route, tiles, s2, act_scale=act_scale)
+    else:
+        launch_w13(x, w13, act, blocks, k, tiles, s13)
+        launch_w2(act, w2, per_pair, blocks, route, tiles, s2)
     out = torch.empty_like(x)
     launch_sum(per_pair, out, k)
     return out
@@ -367,30 +401,31 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def launch_w13(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, blocks: ExpertBlocks, top_k: int,
-               tiles: MoeTiles, scale: torch.Tensor | None = None) -> None:
+               tiles: MoeTiles, scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None) -> None:
     """act[pair] = SiLU(x[token] . gate) * (x[token] . up): step 2 of the module's docstring
-    (`scale` [E, 2I]: w13 is e4m3)."""
+    (`scale` [E, 2I]: w13 is e4m3; `x_scale` [T, 1]: x is e4m3 too, FP8 x FP8)."""
     inter = w13.shape[1] // 2
     grid = (blocks.max_blocks, triton.cdiv(inter, tiles.block_n))
-    _w13_silu_kernel[grid](x, w13, w13 if scale is None else scale, act, blocks.sorted_slots, blocks.block_expert,
-                           blocks.num_slots, blocks.num_experts, inter, w13.shape[2], top_k,
-                           x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+    _w13_silu_kernel[grid](x, x if x_scale is None else x_scale, w13, w13 if scale is None else scale, act,
+                           blocks.sorted_slots, blocks.block_expert, blocks.num_slots, blocks.num_experts, inter,
+                           w13.shape[2], top_k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
                            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                           PRECISION=_precision(x.dtype), FP8_W=scale is not None, num_warps=tiles.num_warps,
-                           num_stages=tiles.num_stages)
+                           PRECISION=_precision(x.dtype), FP8_W=scale is not None, FP8_A=x_scale is not None,
+                           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def launch_w2(act: torch.Tensor, w2: torch.Tensor, per_pair: torch.Tensor, blocks: ExpertBlocks, route: torch.Tensor,
-              tiles: MoeTiles, scale: torch.Tensor | None = None) -> None:
+              tiles: MoeTiles, scale: torch.Tensor | None = None, act_scale: torch.Tensor | None = None) -> None:
     """per_pair[pair] = route[pair] * (act[pair] . w2[e]) in float32: step 3; tiles.for_w2()
-    (`scale` [E, H]: w2 is e4m3)."""
+    (`scale` [E, H]: w2 is e4m3; `act_scale` [T*k, 1]: act is e4m3 too, FP8 x FP8)."""
     w = tiles.for_w2()
     h = w2.shape[1]
     grid = (blocks.max_blocks, triton.cdiv(h, w.block_n))
-    _w2_kernel[grid](act, w2, w2 if scale is None else scale, per_pair, blocks.sorted_slots, blocks.block_expert,
-                     route, blocks.num_slots, blocks.num_experts, h, w2.shape[2], act.stride(0), w2.stride(0),
-                     w2.stride(1), per_pair.stride(0), BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k,
-                     PRECISION=_precision(act.dtype), FP8_W=scale is not None, num_warps=w.num_warps,
+    _w2_kernel[grid](act, act if act_scale is None else act_scale, w2, w2 if scale is None else scale, per_pair,
+                     blocks.sorted_slots, blocks.block_expert, route, blocks.num_slots, blocks.num_experts, h,
+                     w2.shape[2], act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
+                     BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k, PRECISION=_precision(act.dtype),
+                     FP8_W=scale is not None, FP8_A=act_scale is not None, num_warps=w.num_warps,
                      num_stages=w.num_stages)
 
 
