@@ -171,7 +171,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(g, "--quantization", "-q", choices=QUANTIZATION_METHODS,
          help="fp8: the linear layers' weights quantized to float8 e4m3 at load, one scale per output channel, "
               "activations per token, scaled FP8 GEMMs; a MoE's routed experts too, one scale per expert and "
-              "output channel, activations left in the model dtype (weight-only, in the fused expert kernel) "
+              "output channel, in the fused expert kernel: weight-only at decode sizes (activations in the model "
+              "dtype), FP8 x FP8 (activations per token) in steps of more than 24 tokens an expert "
               "(CUDA compute capability 8.9+; the CPU runs the same numbers; not on Ascend). Unset: what the checkpoint's quantization_config says (fp8 and "
               "compressed-tensors FP8 checkpoints), else none. w8a8: int8 weights per output channel and int8 "
               "tokens (per-token dynamic scales), int32 accumulation: torch_npu's npu_dynamic_quant + "
