@@ -348,9 +348,7 @@ def main() -> None:
         return main_fp8(args)
     copy_bw, rate = ceilings()
     print(f"[moe] copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", file=sys.stderr)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    layers = [((torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * 0.02).to(torch.bfloat16),
-               (torch.randn(E, H, INTER, device="cuda", generator=g) * 0.02).to(torch.bfloat16)) for _ in range(LAYERS)]
+    layers = random_layers()
     rows = []
     Path(args.out).mkdir(parents=True, exist_ok=True)
     for t in map(int, args.tokens.split(",")):
@@ -378,13 +376,18 @@ def main() -> None:
                 f"{k} {r[k]:.1f} us" for k in ("align", "one_program", "chunked", "torch") if k in r))
 
 
+def random_layers() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """LAYERS layers of bf16 expert stacks (w13 [E, 2I, H], w2 [E, H, I]), seeded: rotated past the L2."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return [((torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * 0.02).to(torch.bfloat16),
+             (torch.randn(E, H, INTER, device="cuda", generator=g) * 0.02).to(torch.bfloat16)) for _ in range(LAYERS)]
+
+
 def main_fp8(args) -> None:
     from baton.models.layers.quantization import ExpertScales, quantize_stacked
     copy_bw, rate = ceilings()
     print(f"[moe-fp8] copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", file=sys.stderr)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    layers = [((torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * 0.02).to(torch.bfloat16),
-               (torch.randn(E, H, INTER, device="cuda", generator=g) * 0.02).to(torch.bfloat16)) for _ in range(LAYERS)]
+    layers = random_layers()
     fp8_layers = []
     for w13, w2 in layers:
         (q13, s13), (q2, s2) = quantize_stacked(w13), quantize_stacked(w2)

@@ -695,22 +695,32 @@ def test_fused_moe_with_fp8_experts_matches_the_base_ops_on_widened_weights(case
         fused_experts(x, q13, w2, ids, weights, scales=scales)
 
 
-@on_gpu
-def test_fused_moe_with_fp8_experts_replays_from_a_graph_with_new_routing():
+def replayed_fp8_experts(shape, crowd: bool = False, fp8_dots=None):
+    """(a capture of the FP8-experts step on seed-1 inputs, replayed on seed-2 tokens and routing;
+    eager's result on those). `crowd`: the first 200 tokens routed to two experts (several blocks
+    each); `fp8_dots`: the path eager is forced to (None: the rule's pick)."""
     from baton.engine.platforms.triton_kernels.moe import fused_experts
-    shape = (48, 16, 4, 128, 64)
     x, w13, w2, ids, weights = moe_inputs(*shape, torch.bfloat16, seed=1)
     q13, q2, scales = fp8_experts(w13, w2)
     fused_experts(x, q13, q2, ids, weights, scales=scales)
     torch.cuda.synchronize()
     graph, out = cuda_platform().capture_graph(lambda: fused_experts(x, q13, q2, ids, weights, scales=scales))
     x2, _, _, ids2, weights2 = moe_inputs(*shape, torch.bfloat16, seed=2)
+    if crowd:
+        ids2[:200] = torch.tensor([3, 4], device=DEV)
     for dst, src in ((x, x2), (ids, ids2), (weights, weights2)):
         dst.copy_(src)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, fused_experts(x, q13, q2, ids, weights, scales=scales))
+    return out, fused_experts(x, q13, q2, ids, weights, scales=scales, fp8_dots=fp8_dots)
+
+
+@on_gpu
+def test_fused_moe_with_fp8_experts_replays_from_a_graph_with_new_routing():
+    shape = (48, 16, 4, 128, 64)
+    out, eager = replayed_fp8_experts(shape)
+    assert torch.equal(out, eager)
 
 
 # -- FP8 x FP8 expert dots (prefill sizes: activations quantized per token, e4m3 x e4m3 tl.dot) --
@@ -750,24 +760,12 @@ def test_fused_moe_with_fp8_dots_replays_from_a_graph_with_new_routing(monkeypat
     """A prefill-sized step (100 pairs an expert: the rule, at its meant bound of 24, picks FP8 x
     FP8) captured once, replayed on other tokens and routing: eager's result exactly (the two row
     quantizers captured too)."""
-    from baton.engine.platforms.triton_kernels.moe import fused_experts
     from baton.models.layers import quantization
     monkeypatch.setattr(quantization, "FP8_EXPERT_DOTS_ABOVE", 24)
     shape = (400, 8, 2, 128, 64)
     assert quantization.fp8_expert_dots(400 * 2, 8)
-    x, w13, w2, ids, weights = moe_inputs(*shape, torch.bfloat16, seed=1)
-    q13, q2, scales = fp8_experts(w13, w2)
-    fused_experts(x, q13, q2, ids, weights, scales=scales)
-    torch.cuda.synchronize()
-    graph, out = cuda_platform().capture_graph(lambda: fused_experts(x, q13, q2, ids, weights, scales=scales))
-    x2, _, _, ids2, weights2 = moe_inputs(*shape, torch.bfloat16, seed=2)
-    ids2[:200] = torch.tensor([3, 4], device=DEV)                   # two crowded experts: several blocks each
-    for dst, src in ((x, x2), (ids, ids2), (weights, weights2)):
-        dst.copy_(src)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, fused_experts(x, q13, q2, ids, weights, scales=scales, fp8_dots=True))
+    out, eager = replayed_fp8_experts(shape, crowd=True, fp8_dots=True)
+    assert torch.equal(out, eager)
 
 
 @on_gpu
