@@ -53,6 +53,7 @@ class Active:
     client: str = ""                    # whom it belongs to: with tokens on, only they may Abort it
     calls: list[tuple[Worker, str]] = field(default_factory=list)   # (worker, id used there)
     aborted: bool = False
+    sending: bool = False               # suspended at its `yield` while gRPC sends the response
     finished: bool = False
     attempt: int = -1                   # attempts so far (retries and migrations), from 0
     images: list[router_pb2.Image] = field(default_factory=list)   # the chat's, sent with every (re-)prefill
@@ -202,7 +203,11 @@ class RouterService:
                 async for resp in self._route(active, ids, params, deadline):
                     if clock:
                         clock.sent(resp)
+                    active.sending = True
                     yield resp if output is None else output.relay(resp)
+                    active.sending = False
+                    if active.aborted and not resp.finish_reason:     # aborted while it was sent
+                        raise ServiceError(grpc.StatusCode.CANCELLED, f"request {rid} aborted")
         except (ServiceError, TimeoutError) as exc:
             timed_out = isinstance(exc, TimeoutError) or exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
             if clock:
@@ -480,7 +485,11 @@ class RouterService:
         if active is None or (self.auth is not None and client != active.client):
             return False
         active.aborted = True
-        active.task.cancel()
+        # While gRPC sends a response (the stream suspended at its `yield`) a cancel would land in
+        # gRPC's own send, which then ends the call with no status at all (the client waits out its
+        # deadline); the stream ends itself, CANCELLED, as soon as the send returns instead.
+        if not active.sending:
+            active.task.cancel()
         return True
 
     def server_info(self) -> router_pb2.ServerInfo:

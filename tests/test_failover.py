@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 from fake_worker import FakeBus, FakeContext
 
 from baton.router import registry as registry_module
@@ -129,3 +130,67 @@ def test_a_prefill_waiting_on_a_lost_worker_is_retried_at_once():
         return await task, time.monotonic() - t0
     tokens, seconds = asyncio.run(main())
     assert tokens == [103, 104, 105] and seconds < 2                  # not the 60 s first-token timeout
+
+
+def test_an_abort_while_a_response_is_being_sent_ends_the_stream_cancelled():
+    """gRPC runs a stream's handler as one task and sends each response from that task while the
+    stream waits at its `yield`. An Abort landing then must not cancel the task (the cancel would hit
+    gRPC's send, which ends the call with no status: the client waits out its deadline); the stream
+    ends CANCELLED once the send returns, and its worker is told to free the request."""
+    d1 = FakeWorker(tokens_before_silence=2)
+    aborts: list[str] = []
+
+    async def abort(req, timeout=None):
+        aborts.append(req.request_id)
+        return worker_pb2.WorkerAbortResponse()
+    d1.Abort = abort
+    svc = service([worker("p:1", "prefill", FakeWorker()), worker("d1:1", "decode", d1)])
+    req = request(50)
+    req.request_id = "abort-while-sending"
+
+    async def main():
+        sending, sent = asyncio.Event(), asyncio.Event()
+
+        async def handler():                   # what grpc.aio's stream handler does with each response
+            stream = svc.generate(req, FakeContext())
+            first = await stream.__anext__()
+            sending.set()
+            await sent.wait()                  # "sending": the stream is suspended at its yield
+            try:
+                await stream.__anext__()
+            except Exception as exc:           # noqa: BLE001 - the outcome under test
+                return first, exc
+            return first, None
+
+        task = asyncio.ensure_future(handler())
+        await asyncio.wait_for(sending.wait(), 5)
+        assert svc.abort("abort-while-sending")
+        await asyncio.sleep(0.05)              # a cancel, had there been one, would land in the send now
+        sent.set()
+        return await asyncio.wait_for(task, 5)
+    first, exc = asyncio.run(main())
+    assert list(first.token_ids)[:1] == [103]
+    assert getattr(exc, "code", None) == grpc.StatusCode.CANCELLED, exc
+    assert aborts and "abort-while-sending" not in svc.active
+
+
+def test_an_abort_while_the_stream_waits_for_tokens_ends_it_cancelled():
+    d1 = FakeWorker(tokens_before_silence=1)
+    svc = service([worker("p:1", "prefill", FakeWorker()), worker("d1:1", "decode", d1)])
+    req = request(50)
+    req.request_id = "abort-while-waiting"
+
+    async def main():
+        task = asyncio.ensure_future(collect(svc, req))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if "abort-while-waiting" in svc.active and svc.active["abort-while-waiting"].calls:
+                break
+        await asyncio.sleep(0.05)
+        assert svc.abort("abort-while-waiting")
+        try:
+            await asyncio.wait_for(task, 5)
+        except Exception as exc:               # noqa: BLE001 - the outcome under test
+            return exc
+    exc = asyncio.run(main())
+    assert getattr(exc, "code", None) == grpc.StatusCode.CANCELLED, exc
