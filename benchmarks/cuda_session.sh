@@ -37,7 +37,8 @@
 # STRUCT_MODELS, default qwen3-0.6b; STRUCT_ARGS: more benchmark flags)
 # Quantized serving (issue 33, one GPU): quant (FP8 tests: the Triton quantizer, the scaled GEMM, attention
 # over a float8 cache, tiny-model graphs == eager; then the attention kernels' own tests), b1quant (B1 on
-# QUANT_MODELS, default qwen3-8b: bf16, --quantization fp8, fp8 + --kv-cache-dtype fp8, same lease), qprofile
+# QUANT_MODELS, default qwen3-8b: bf16, --quantization fp8, fp8 + --kv-cache-dtype fp8, same lease; QUANT_VARIANTS may
+# add fp8-dotsN: FP8 with the experts' FP8 x FP8 rule at N pairs an expert), qprofile
 # (profile_steps' decode step of qwen3-8b at 256 x 1k per variant), qkernels (benchmarks/quant_kernels.py), quantacc
 # (the accuracy check on cuda:0 in bf16: Baton's modes, transformers bf16 and its FP8 path, on the embedded
 # SmolLM2; its 93 MB wheel exceeds one carry, so it travels in two halves, .carry-smol1 and .carry-smol2, over two
@@ -154,8 +155,14 @@ for step in $STEPS; do
               else echo "quantacc: the embedded model's wheel is not all here (bench-results/smol)"; ls bench-results/smol; fi ;;
     b1quant) for m in ${QUANT_MODELS:-qwen3-8b}; do
               for v in ${QUANT_VARIANTS:-bf16 fp8 fp8kv8}; do
-                case $v in bf16) a="" ;; fp8) a="--quantization fp8" ;; fp8kv8) a="--quantization fp8 --kv-cache-dtype fp8" ;; esac
-                timeout ${QUANT_TIMEOUT:-240} python3 -m baton bench offline --model $m --device cuda:0 $a ${B1_ARGS:-} \
+                rule=""      # fp8-dotsN: FP8 experts with quantization.FP8_EXPERT_DOTS_ABOVE = N (A/B of the rule)
+                case $v in bf16) a="" ;; fp8) a="--quantization fp8" ;; fp8kv8) a="--quantization fp8 --kv-cache-dtype fp8" ;;
+                  fp8-dots*) a="--quantization fp8"; rule=${v#fp8-dots} ;; esac
+                timeout ${QUANT_TIMEOUT:-240} python3 -c "import runpy, sys
+from baton.models.layers import quantization
+if '$rule': quantization.FP8_EXPERT_DOTS_ABOVE = int('$rule')
+sys.argv[0] = 'baton'
+runpy.run_module('baton', run_name='__main__')" bench offline --model $m --device cuda:0 $a ${B1_ARGS:-} \
                   --output "$OUT/b1-$m-$v.json" 2>&1 | tee "$OUT/b1-$m-$v.log" | grep "^\[bench\] baton:" | sed "s/^/$v /"
               done
             done ;;

@@ -41,7 +41,7 @@ def main() -> None:
             ref = LayerOps().moe_experts(x.to(d), q13, q2, ids, weights.to(d), scales=scales, fp8_dots=dots)
             tiles = moe.pick_tiles(tokens * top_k, experts, hidden, inter, moe.FP8 if dots else x.dtype)
             line.append(f"{'FP8 x FP8' if dots else 'weight-only'} {float((out - ref).norm() / ref.norm()):.1e} "
-                        f"(tiles {tiles.block_m}x{tiles.block_n}x{tiles.block_k})")
+                        f"(tiles {tiles.block_m}x{tiles.block_n}x{tiles.block_k}{' swapped' if tiles.swap else ''})")
         print(f"T={tokens} E={experts} k={top_k} H={hidden} I={inter}: " + ", ".join(line), flush=True)
 
 

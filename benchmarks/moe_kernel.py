@@ -176,8 +176,14 @@ def fp8_alternatives(tokens: int) -> list:
 
 
 def dots_alternatives(tokens: int) -> list:
-    """FP8 x FP8 tiles to time beside pick_tiles(..., FP8) at prefill sizes."""
+    """FP8 x FP8 tiles to time beside pick_tiles(..., FP8): at decode sizes (up to 24 pairs an expert)
+    other swapped tiles and the unswapped ones (mma.sync below 64 rows); at prefill sizes others."""
     from baton.engine.platforms.triton_kernels.moe import MoeTiles
+    if tokens * K <= 24 * E:
+        bm = 16 if tokens * K <= 4 * E else 32
+        return [MoeTiles(bm, 64, 128, 4, 4, swap=True), MoeTiles(bm, 128, 128, 4, 3, swap=True),
+                MoeTiles(bm, 128, 256, 8, 3, swap=True), MoeTiles(bm, 64, 256, 4, 4, swap=True),
+                MoeTiles(bm, 32, 128, 4, 5)]
     if 256 < tokens <= 1024:
         return [MoeTiles(64, 128, 128, 4, 3), MoeTiles(64, 64, 256, 4, 3), MoeTiles(128, 128, 128, 8, 3, 256, 128, 8, 3)]
     if tokens > 1024:

@@ -1,6 +1,7 @@
 """The fused MoE expert kernels (engine/platforms/triton_kernels/moe.py) compiled for sm_90 (H100 /
 H200) without a GPU: Triton's own ptxas, the device's Triton version beside the venv. Per tile
-config and mode (bf16; "w-only": e4m3 weights widened, bf16 activations; "dots": FP8 x FP8), the
+config and mode (bf16; "w-only": e4m3 weights widened, bf16 activations; "dots": FP8 x FP8; swapped
+tiles: FP8 x FP8 with the weights as wgmma's A, moe._w13_silu_swapped_kernel / _w2_swapped_kernel), the
 shared memory a block asks for (an H100 gives at most 232,448 bytes), the tensor-core instruction
 and how many of them, the asynchronous copies (cp.async) and shared-memory stores (st.shared) in
 the PTX. Arguments carry the divisibility-by-16 hints the JIT gives Qwen3-30B-A3B's shapes (pointers,
@@ -30,15 +31,19 @@ T = moe.MoeTiles
 CONFIGS = [("decode", T(16, 32, 128, 4, 5)), ("24-96 bf16", T(64, 64, 64, 4, 3)), ("24-96 FP8", T(64, 64, 128, 4, 3)),
            ("96+ bf16", T(128, 128, 64, 8, 4, 256, 64, 8, 4)), ("96+ FP8", T(128, 128, 128, 8, 3, 256, 128, 8, 3)),
            ("alt", T(64, 128, 128, 4, 3)), ("alt", T(128, 128, 128, 8, 4, 256, 128, 8, 4)),
-           ("alt", T(128, 64, 128, 4, 4, 128, 128, 8, 3)), ("alt", T(64, 64, 256, 4, 3))]
+           ("alt", T(128, 64, 128, 4, 4, 128, 128, 8, 3)), ("alt", T(64, 64, 256, 4, 3)),
+           ("decode FP8", T(16, 64, 256, 4, 3, swap=True)), ("4-24 FP8", T(32, 64, 256, 4, 3, swap=True)),
+           ("alt", T(16, 64, 128, 4, 4, swap=True)), ("alt", T(32, 128, 128, 4, 3, swap=True)),
+           ("alt", T(32, 128, 256, 8, 3, swap=True))]
 MODES = (("bf16", "bf16", "bf16"), ("w-only", "bf16", "fp8e4nv"), ("dots", "fp8e4nv", "fp8e4nv"))
 
 
 def compile_kernel(fn, names: tuple[str, ...], types: dict[str, str], tiles: moe.MoeTiles, mode: str):
     sig = {n: types.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in UNALIGNED}
-    consts = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION="tf32",
-                  FP8_W=mode != "bf16", FP8_A=mode == "dots")
+    consts = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
+    if not tiles.swap:          # (the swapped kernels are FP8 x FP8 only)
+        consts.update(PRECISION="tf32", FP8_W=mode != "bf16", FP8_A=mode == "dots")
     sig.update(dict.fromkeys(consts, "constexpr"))
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=SM90,
                           options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
@@ -56,13 +61,16 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90")
     for label, tiles in CONFIGS:
         w2 = tiles.for_w2()
-        for mode, act, weight in MODES:
+        for mode, act, weight in MODES[2:] if tiles.swap else MODES:
             w13_types = dict(x_ptr=f"*{act}", w_ptr=f"*{weight}", out_ptr="*bf16", slots_ptr="*i32",
                              block_expert_ptr="*i32")
             w2_types = dict(a_ptr=f"*{act}", w_ptr=f"*{weight}", slots_ptr="*i32", block_expert_ptr="*i32")
-            for name, fn, names, types, t in (("w13", moe._w13_silu_kernel, W13_ARGS, w13_types, tiles),
-                                              ("w2", moe._w2_kernel, W2_ARGS, w2_types, w2)):
-                head = f"{label:<11} {mode:<7} {name:<4} {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"
+            kernels = ((moe._w13_silu_swapped_kernel, moe._w2_swapped_kernel) if tiles.swap
+                       else (moe._w13_silu_kernel, moe._w2_kernel))
+            for name, fn, names, types, t in (("w13", kernels[0], W13_ARGS, w13_types, tiles),
+                                              ("w2", kernels[1], W2_ARGS, w2_types, w2)):
+                head = (f"{label:<11} {mode:<7} {name:<4} {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} "
+                        f"s{t.num_stages}{' swapped' if t.swap else ''}")
                 try:
                     print(f"{head:<42} {describe(compile_kernel(fn, names, types, t, mode))}", flush=True)
                 except Exception as e:      # noqa: BLE001  (a config past the shared memory: say so, go on)

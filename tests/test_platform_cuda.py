@@ -678,17 +678,18 @@ def fp8_experts(w13: torch.Tensor, w2: torch.Tensor):
 def test_fused_moe_with_fp8_experts_matches_the_base_ops_on_widened_weights(case):
     """The kernels read e4m3 weights, widen them in registers and scale the sums per output
     channel: the base ops' numbers (float64, the same e4m3 weights and scales), in every tile
-    bucket, deterministic; and half-quantized stacks or missing scales are refused."""
+    bucket, deterministic; and half-quantized stacks or missing scales are refused. (Weight-only
+    forced: the rule picks FP8 x FP8 for the larger cases, whose own test follows.)"""
     from baton.engine.platforms.triton_kernels.moe import fused_experts
     x, w13, w2, ids, weights = moe_inputs(*case, torch.bfloat16, seed=case[0])
     q13, q2, scales = fp8_experts(w13, w2)
     ops = cuda_platform().ops
-    out = ops.moe_experts(x, q13, q2, ids, weights, scales=scales)
+    out = ops.moe_experts(x, q13, q2, ids, weights, scales=scales, fp8_dots=False)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
     d = torch.float64
-    ref = LayerOps().moe_experts(x.to(d), q13, q2, ids, weights.to(d), scales=scales)
+    ref = LayerOps().moe_experts(x.to(d), q13, q2, ids, weights.to(d), scales=scales, fp8_dots=False)
     assert_close(out, ref, torch.bfloat16)
-    assert torch.equal(ops.moe_experts(x, q13, q2, ids, weights, scales=scales), out)
+    assert torch.equal(ops.moe_experts(x, q13, q2, ids, weights, scales=scales, fp8_dots=False), out)
     with pytest.raises(ValueError, match="need both stacks in e4m3 and their scales"):
         fused_experts(x, q13, q2, ids, weights)
     with pytest.raises(ValueError, match="need both stacks in e4m3 and their scales"):
@@ -765,6 +766,20 @@ def test_fused_moe_with_fp8_dots_replays_from_a_graph_with_new_routing(monkeypat
     shape = (400, 8, 2, 128, 64)
     assert quantization.fp8_expert_dots(400 * 2, 8)
     out, eager = replayed_fp8_experts(shape, crowd=True, fp8_dots=True)
+    assert torch.equal(out, eager)
+
+
+@on_gpu
+def test_fused_moe_with_swapped_fp8_dots_replays_from_a_graph_with_new_routing(monkeypatch):
+    """A decode-sized step (3 pairs an expert) with the rule on for every size: the swapped FP8 x FP8
+    kernels (the weights as wgmma's A), captured once, replayed on other tokens and routing: eager's
+    result exactly."""
+    from baton.engine.platforms.triton_kernels.moe import pick_tiles
+    from baton.models.layers import quantization
+    monkeypatch.setattr(quantization, "FP8_EXPERT_DOTS_ABOVE", 0)
+    shape = (24, 16, 2, 128, 64)
+    assert quantization.fp8_expert_dots(24 * 2, 16) and pick_tiles(24 * 2, 16, 128, 64, quantization.FP8).swap
+    out, eager = replayed_fp8_experts(shape, fp8_dots=True)
     assert torch.equal(out, eager)
 
 

@@ -63,11 +63,12 @@ class MoeTiles:
     w2_block_k: int = 0
     w2_num_warps: int = 0
     w2_num_stages: int = 0
+    swap: bool = False          # FP8 x FP8 only: out^T = W . x^T (the weights fill wgmma's 64-row M)
 
     def for_w2(self) -> MoeTiles:
         """The tiles the w2 GEMM runs with."""
         return MoeTiles(self.block_m, self.w2_block_n or self.block_n, self.w2_block_k or self.block_k,
-                        self.w2_num_warps or self.num_warps, self.w2_num_stages or self.num_stages)
+                        self.w2_num_warps or self.num_warps, self.w2_num_stages or self.num_stages, swap=self.swap)
 
 
 def pick_tiles(num_slots: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> MoeTiles:
@@ -75,12 +76,16 @@ def pick_tiles(num_slots: int, num_experts: int, hidden: int, intermediate: int,
     expert) is a weight stream: the smallest BLOCK_M the tensor cores take, so one block per hit
     expert, and N tiles narrow enough that the hit experts' tiles cover every SM. Prefill is a
     GEMM: larger tiles for reuse. dtype FP8: the FP8 x FP8 dots' tiles (e4m3 activations: one byte
-    an element, so twice bf16's BLOCK_K in the same shared memory)."""
+    an element, so twice bf16's BLOCK_K in the same shared memory); at decode sizes (up to 24 rows an
+    expert) they run swapped, the weights' N tile as wgmma's M (64 rows) and the expert's few rows
+    as its N (16 or 32), where unswapped tiles would take mma.sync."""
     per_expert = num_slots / num_experts
     if dtype == FP8 and per_expert > 96:
         tiles = MoeTiles(128, 128, 128, 8, 3, 256, 128, 8, 3)
     elif dtype == FP8 and per_expert > 24:
         tiles = MoeTiles(64, 64, 128, 4, 3)
+    elif dtype == FP8:
+        tiles = MoeTiles(16 if per_expert <= 4 else 32, 64, 256, 4, 3, swap=True)
     elif per_expert <= 4:               # buckets and tiles from benchmarks/moe_kernel.py on an H200
         tiles = MoeTiles(16, 32, 128, 4, 5)
     elif per_expert <= 24:
@@ -96,7 +101,7 @@ def pick_tiles(num_slots: int, num_experts: int, hidden: int, intermediate: int,
     def fit(n: int) -> int:
         return n and max(16, min(n, smallest))
     return MoeTiles(tiles.block_m, fit(tiles.block_n), fit(tiles.block_k), tiles.num_warps, tiles.num_stages,
-                    fit(tiles.w2_block_n), fit(tiles.w2_block_k), tiles.w2_num_warps, tiles.w2_num_stages)
+                    fit(tiles.w2_block_n), fit(tiles.w2_block_k), tiles.w2_num_warps, tiles.w2_num_stages, tiles.swap)
 
 
 def invariant_tiles(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> MoeTiles:
@@ -334,6 +339,80 @@ def _w2_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_e
              mask=valid[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _w13_silu_swapped_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, num_slots,
+                             num_experts, N, K, top_k, stride_x, stride_we, stride_wn, stride_o,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_w13_silu_kernel's FP8 x FP8 case at decode sizes, transposed: gate^T [BLOCK_N, BLOCK_M] =
+    w_gate[e, n-tile] . x[rows]^T, so the weight tile (64+ rows, K-major) is wgmma's A and the block's
+    few rows (K-major too, as e4m3 wgmma wants both) its N; the same sums, scales and SiLU."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= num_experts:
+        return
+    slots = tl.load(slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = slots < num_slots
+    tokens = slots // top_k
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + N * stride_wn
+    gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.trans(tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0))
+        wg = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        wu = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        gate = tl.dot(wg, a, gate)
+        up = tl.dot(wu, a, up)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    scales = scale_ptr + expert * 2 * N + offs_n
+    gate *= tl.load(scales, mask=n_ok, other=0.0)[:, None]
+    up *= tl.load(scales + N, mask=n_ok, other=0.0)[:, None]
+    token_scale = tl.load(x_scale_ptr + tokens, mask=valid, other=0.0)[None, :]
+    gate *= token_scale
+    up *= token_scale
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + slots[None, :] * stride_o + offs_n[:, None], act.to(out_ptr.dtype.element_ty),
+             mask=valid[None, :] & n_ok[:, None])
+
+
+@triton.jit
+def _w2_swapped_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, route_ptr,
+                       num_slots, num_experts, N, K, stride_a, stride_we, stride_wn, stride_o,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_w2_kernel's FP8 x FP8 case at decode sizes, transposed as _w13_silu_swapped_kernel is."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= num_experts:
+        return
+    slots = tl.load(slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    valid = slots < num_slots
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + slots[:, None] * stride_a + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.trans(tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0))
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(w, a, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    route = tl.load(route_ptr + slots, mask=valid, other=0.0).to(tl.float32)
+    acc *= tl.load(scale_ptr + expert * N + offs_n, mask=n_ok, other=0.0)[:, None]
+    route *= tl.load(a_scale_ptr + slots, mask=valid, other=0.0)
+    tl.store(out_ptr + slots[None, :] * stride_o + offs_n[:, None], acc * route[None, :],
+             mask=valid[None, :] & n_ok[:, None])
+
+
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
            scales: ExpertScales | None) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
@@ -406,6 +485,14 @@ def launch_w13(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, blocks: Ex
     (`scale` [E, 2I]: w13 is e4m3; `x_scale` [T, 1]: x is e4m3 too, FP8 x FP8)."""
     inter = w13.shape[1] // 2
     grid = (blocks.max_blocks, triton.cdiv(inter, tiles.block_n))
+    if tiles.swap:
+        _check_swap(scale, x_scale)
+        _w13_silu_swapped_kernel[grid](x, x_scale, w13, scale, act, blocks.sorted_slots, blocks.block_expert,
+                                       blocks.num_slots, blocks.num_experts, inter, w13.shape[2], top_k, x.stride(0),
+                                       w13.stride(0), w13.stride(1), act.stride(0), BLOCK_M=tiles.block_m,
+                                       BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+                                       num_stages=tiles.num_stages)
+        return
     _w13_silu_kernel[grid](x, x if x_scale is None else x_scale, w13, w13 if scale is None else scale, act,
                            blocks.sorted_slots, blocks.block_expert, blocks.num_slots, blocks.num_experts, inter,
                            w13.shape[2], top_k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
@@ -421,12 +508,24 @@ def launch_w2(act: torch.Tensor, w2: torch.Tensor, per_pair: torch.Tensor, block
     w = tiles.for_w2()
     h = w2.shape[1]
     grid = (blocks.max_blocks, triton.cdiv(h, w.block_n))
+    if w.swap:
+        _check_swap(scale, act_scale)
+        _w2_swapped_kernel[grid](act, act_scale, w2, scale, per_pair, blocks.sorted_slots, blocks.block_expert, route,
+                                 blocks.num_slots, blocks.num_experts, h, w2.shape[2], act.stride(0), w2.stride(0),
+                                 w2.stride(1), per_pair.stride(0), BLOCK_M=w.block_m, BLOCK_N=w.block_n,
+                                 BLOCK_K=w.block_k, num_warps=w.num_warps, num_stages=w.num_stages)
+        return
     _w2_kernel[grid](act, act if act_scale is None else act_scale, w2, w2 if scale is None else scale, per_pair,
                      blocks.sorted_slots, blocks.block_expert, route, blocks.num_slots, blocks.num_experts, h,
                      w2.shape[2], act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
                      BLOCK_M=w.block_m, BLOCK_N=w.block_n, BLOCK_K=w.block_k, PRECISION=_precision(act.dtype),
                      FP8_W=scale is not None, FP8_A=act_scale is not None, num_warps=w.num_warps,
                      num_stages=w.num_stages)
+
+
+def _check_swap(scale: torch.Tensor | None, act_scale: torch.Tensor | None) -> None:
+    if scale is None or act_scale is None:
+        raise ValueError("swapped tiles (MoeTiles.swap) are for FP8 x FP8 only: e4m3 weights and activations")
 
 
 def launch_sum(per_pair: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
