@@ -16,6 +16,8 @@ import argparse
 import dataclasses
 import json
 import os
+import time
+from pathlib import Path
 
 import torch
 import triton
@@ -28,7 +30,8 @@ def _us(fn, *args, **kwargs) -> float:
     return 1000 * do_bench(lambda: fn(*args, **kwargs))
 
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}   # qwen3-8b
+# qwen3-8b's projections, split-K's candidates (4096 outputs) first
+SHAPES = {"o": (4096, 4096), "down": (4096, 12288), "gate_up": (24576, 4096), "qkv": (6144, 4096)}
 
 
 def _candidates(m: int, k: int) -> list[fp8_gemm.Fp8GemmConfig]:
@@ -87,7 +90,7 @@ def _gemm_row(name: str, n: int, k: int, m: int, wq_: list, ws_: list, wb_: list
     row["scaled_mm_us"] = _graph_us([lambda w=w, s=s: torch._scaled_mm(
         xq, w.t(), scale_a=xs, scale_b=s, out_dtype=torch.bfloat16) for w, s in pairs])
     ref = torch._scaled_mm(xq, wq_[0].t(), scale_a=xs, scale_b=ws_[0], out_dtype=torch.bfloat16).float()
-    exact = (xq.double() * xs.double()) @ (wq_[0].double() * ws_[0].double()).t()
+    exact = (xq.double() * xs.double()) @ (wq_[0].double() * ws_[0].double().t()).t()
     row["scaled_mm_err"] = ((ref.double() - exact).norm() / exact.norm()).item()
     best = None
     candidates = _candidates(m, k)
@@ -115,22 +118,29 @@ def _gemm_row(name: str, n: int, k: int, m: int, wq_: list, ws_: list, wb_: list
     return row
 
 
-def _table(rows: list[dict], margin: float) -> str:
-    """fp8_gemm.TABLE's text from the sweep: per shape and M, the best Triton tile where it beats
-    `_scaled_mm` by more than `margin`, else None (`_scaled_mm`)."""
-    lines = ["TABLE = {"]
+def _table(rows: list[dict], margin: float) -> dict:
+    """A fp8_gemm_tables.json entry from the sweep: per shape and M, the best Triton tile where it
+    beats `_scaled_mm` by more than `margin`, else null (`_scaled_mm`)."""
+    shapes = {}
     for name, (n, k) in SHAPES.items():
-        entries = []
+        picked = []
         for r in sorted((r for r in rows if r["shape"] == name), key=lambda r: r["m"]):
             win = "triton_us" in r and r["triton_us"] < (1 - margin) * r["scaled_mm_us"]
-            entries.append(f"({r['m']}, _c{tuple(r['triton_cfg'])})" if win else f"({r['m']}, None)")
-        if entries:
-            lines.append(f"    ({n}, {k}): ({', '.join(entries)},),    # {name}")
-    lines.append("}")
-    return "\n".join(lines)
+            picked.append([r["m"], r["triton_cfg"] if win else None])
+        if picked:
+            shapes[f"{n}x{k}"] = picked
+    return {"measured": f"benchmarks/quant_kernels.py, {time.strftime('%Y-%m-%d')}, a win: {margin:.0%} under "
+                        "_scaled_mm, both timed in a CUDA graph", "shapes": shapes}
 
 
-def _gemms(ms: list[int], out) -> None:
+def _write_table(path: str, entry: dict) -> None:
+    """Merge this GPU's entry into the tables file (other GPUs' entries kept)."""
+    tables = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    tables[torch.cuda.get_device_name()] = entry
+    Path(path).write_text(json.dumps(tables, indent=1) + "\n")
+
+
+def _gemms(ms: list[int], out, table_path: str | None) -> None:
     dev = torch.device("cuda")
     rows = []
     for name, (n, k) in SHAPES.items():
@@ -150,9 +160,11 @@ def _gemms(ms: list[int], out) -> None:
             out.flush()
         del ws_, wq_, wb_
         torch.cuda.empty_cache()
-    table = _table(rows, 0.03)
-    print(table, flush=True)
-    out.write(json.dumps({"table": table}) + "\n")
+        entry = _table(rows, 0.03)            # after each shape: a cut-short sweep still leaves its table
+        if table_path:
+            _write_table(table_path, entry)
+    print(json.dumps({"table": entry}), flush=True)
+    out.write(json.dumps({"table": entry}) + "\n")
 
 
 def _attention(cases: list[tuple[int, int]], out) -> None:
@@ -201,13 +213,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=".")
     p.add_argument("--m", default="16,32,64,128,256")
     p.add_argument("--skip", default="", help="gemm,attention")
+    p.add_argument("--write-table", default=None, metavar="JSON",
+                   help="merge the GEMM winners into this tables file (the engine's: "
+                        "engine/platforms/triton_kernels/fp8_gemm_tables.json)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "quant_kernels.jsonl"), "w") as out:
         if "attention" not in args.skip:
             _attention([(256, 1024), (64, 2048)], out)
         if "gemm" not in args.skip:
-            _gemms([int(m) for m in args.m.split(",")], out)
+            _gemms([int(m) for m in args.m.split(",")], out, args.write_table)
 
 
 if __name__ == "__main__":

@@ -525,7 +525,7 @@ def test_triton_fp8_gemm_sums_in_float32_in_a_fixed_order_and_replays_from_a_gra
         xq, xs = quant.quantize_fp8_rows(x)
         wq, ws = quantization.quantize_rows((torch.randn(n, k, generator=g) * 0.02).cuda())
         ws = ws.reshape(1, -1).contiguous()
-        exact = (xq.double() * xs.double()) @ (wq.double() * ws.double()).t()
+        exact = (xq.double() * xs.double()) @ (wq.double() * ws.double().t()).t()
         y32 = fp8_gemm.fp8_gemm(xq, xs, wq, ws, cfg, torch.float32)
         err = ((y32.double() - exact).norm() / exact.norm()).item()
         y = fp8_gemm.scaled_mm(xq, xs, wq, ws)                       # the TABLE's pick: this cfg
@@ -548,17 +548,23 @@ def test_triton_fp8_gemm_sums_in_float32_in_a_fixed_order_and_replays_from_a_gra
 
 
 @on_gpu
-def test_triton_fp8_gemm_table_rows_are_valid():
-    """Every row of the measured TABLE: M increasing, split-K dividing K's blocks, and the workspace
-    it sizes a few MiB, not a share of the KV cache."""
+def test_triton_fp8_gemm_measured_tables_are_valid():
+    """Every GPU's measured table (fp8_gemm_tables.json): M increasing, split-K dividing K's blocks,
+    and the workspace it sizes a few MiB, not a share of the KV cache."""
+    import json
+
     from baton.engine.platforms.triton_kernels import fp8_gemm
-    for (n, k), rows in fp8_gemm.TABLE.items():
-        ms = [largest for largest, _ in rows]
-        assert ms == sorted(ms), (n, k)
-        for _largest, cfg in rows:
-            assert cfg is None or -(-k // cfg.block_k) % cfg.split_k == 0, (n, k, cfg)
-    floats, tiles = fp8_gemm.WORKSPACE.needed()
-    assert 4 * floats + 4 * tiles < 32 * 2 ** 20
+    tables = json.loads(fp8_gemm.TABLES_FILE.read_text())
+    assert tables
+    for gpu, entry in tables.items():
+        table = fp8_gemm.parse_table(entry)
+        for (n, k), rows in table.items():
+            ms = [largest for largest, _ in rows]
+            assert ms == sorted(ms), (gpu, n, k)
+            for _largest, cfg in rows:
+                assert cfg is None or -(-k // cfg.block_k) % cfg.split_k == 0, (gpu, n, k, cfg)
+        floats, tiles = fp8_gemm.WORKSPACE.needed(table)
+        assert 4 * floats + 4 * tiles < 32 * 2 ** 20, gpu
 
 
 @on_gpu

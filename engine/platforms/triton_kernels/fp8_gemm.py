@@ -10,12 +10,15 @@ Small M: the weight tile is the MMA's 64-row side and the tokens its narrow side
 tokens still run wgmma. Split-K: SPLIT_K programs share an output tile, each summing a slice of K
 into a float32 partial in a workspace; the last one to finish (an atomic count per tile) adds the
 partials in split order, so the result does not depend on which finished first, and resets the
-count for the next call. The workspace is allocated once per device, sized for the whole TABLE, so
+count for the next call. The workspace is allocated once per device, sized for the whole table, so
 captured graphs keep valid pointers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import sys
+from dataclasses import astuple, dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -37,6 +40,9 @@ class Fp8GemmConfig:
     def grid(self, m: int, n: int) -> tuple[int, int, int]:
         return triton.cdiv(n, self.block_n), triton.cdiv(m, self.block_m), self.split_k
 
+    def fields(self) -> list:
+        return list(astuple(self))
+
     def partial_floats(self, m: int, n: int) -> int:
         """The workspace this config needs at M = m (0 without split-K)."""
         if self.split_k == 1:
@@ -45,33 +51,54 @@ class Fp8GemmConfig:
         return self.split_k * tiles_n * tiles_m * self.block_m * self.block_n
 
 
-def _c(bm: int, bn: int, bk: int, split: int = 1, swap: bool = True, warps: int = 4, stages: int = 4) -> Fp8GemmConfig:
-    return Fp8GemmConfig(bm, bn, bk, split, swap, warps, stages)
+Table = dict[tuple[int, int], tuple[tuple[int, Fp8GemmConfig | None], ...]]
+
+# Measured tables, one per GPU name: {name: {"shapes": {"NxK": [[largest M, config fields or null], ...]}}},
+# written by `python -m baton.benchmarks.quant_kernels --write-table` (docs/benchmarks.md, "Quantized
+# serving"). For (N, K), the first row whose M is >= the step's M; null, and shapes, sizes or GPUs not
+# listed, run `_scaled_mm`.
+TABLES_FILE = Path(__file__).with_name("fp8_gemm_tables.json")
+TABLE: Table | None = None          # set: used on every device instead of the measured tables (tests, the sweep)
+_measured: dict[torch.device, Table] = {}
 
 
-# (N, K) -> ((largest M, config or None), ...) in increasing M: the first row whose M is >= the step's
-# M; None, and shapes or sizes not listed, run `_scaled_mm`. Measured on one H100 (benchmarks/quant_kernels.py,
-# docs/benchmarks.md "Quantized serving"); qwen3-8b's qkv, o, gate_up and down projections.
-TABLE: dict[tuple[int, int], tuple[tuple[int, Fp8GemmConfig | None], ...]] = {}
+def parse_table(entry: dict) -> Table:
+    return {tuple(int(d) for d in shape.split("x")): tuple((int(m), Fp8GemmConfig(*cfg) if cfg else None)
+                                                          for m, cfg in rows)
+            for shape, rows in entry.get("shapes", {}).items()}
 
 
-def pick(m: int, n: int, k: int) -> Fp8GemmConfig | None:
-    for largest, cfg in TABLE.get((n, k), ()):
+def table(device: torch.device) -> Table:
+    """TABLE if set, else the measured table of `device`'s GPU (empty where none was measured)."""
+    if TABLE is not None:
+        return TABLE
+    if device not in _measured:
+        tables = json.loads(TABLES_FILE.read_text()) if TABLES_FILE.exists() else {}
+        gpu = torch.cuda.get_device_name(device)
+        _measured[device] = parse_table(tables.get(gpu, {}))
+        print(f"[baton] FP8 GEMMs on {gpu}: a measured Triton tile for {len(_measured[device])} weight shapes "
+              f"({TABLES_FILE.name}), _scaled_mm elsewhere", file=sys.stderr)
+    return _measured[device]
+
+
+def pick(m: int, n: int, k: int, device: torch.device) -> Fp8GemmConfig | None:
+    for largest, cfg in table(device).get((n, k), ()):
         if m <= largest:
             return cfg
     return None
 
 
 class _Workspace:
-    """Per device: float32 partials and int32 tile counts (zero between calls), sized once."""
+    """Per device: float32 partials and int32 tile counts (zero between calls), sized once for the
+    device's whole table."""
 
     def __init__(self):
         self.by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
-    def needed() -> tuple[int, int]:
+    def needed(rows_by_shape: Table) -> tuple[int, int]:
         floats, tiles = 1, 1
-        for (n, _k), rows in TABLE.items():
+        for (n, _k), rows in rows_by_shape.items():
             for largest, cfg in rows:
                 if cfg is None:
                     continue
@@ -81,10 +108,10 @@ class _Workspace:
         return floats, tiles
 
     def get(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        floats, tiles = self.needed()
+        floats, tiles = self.needed(table(device))
         have = self.by_device.get(device)
         if have is None or have[0].numel() < floats or have[1].numel() < tiles:
-            # first use (the eager warm-up before capture), or a TABLE grown since (tests)
+            # first use (the eager warm-up before capture), or a TABLE grown since (tests, the sweep)
             have = (torch.empty(floats, dtype=torch.float32, device=device),
                     torch.zeros(tiles, dtype=torch.int32, device=device))
             self.by_device[device] = have
@@ -174,7 +201,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
     if cfg.split_k > 1:
         partials, counts = WORKSPACE.get(a.device)
         if cfg.partial_floats(m, n) > partials.numel() or cfg.grid(m, n)[0] * cfg.grid(m, n)[1] > counts.numel():
-            raise ValueError(f"fp8_gemm: {cfg} at M={m}, N={n} exceeds the workspace sized for TABLE")
+            raise ValueError(f"fp8_gemm: {cfg} at M={m}, N={n} exceeds the workspace sized for the table")
     else:
         partials = counts = out                               # unused
     if a.stride(1) != 1:
@@ -190,8 +217,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
 
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """What an FP8 linear runs on CUDA: the TABLE's Triton config for (M, N, K), else `_scaled_mm`."""
-    cfg = pick(a.shape[0], w.shape[0], a.shape[1])
+    """What an FP8 linear runs on CUDA: the device's table's Triton config for (M, N, K), else `_scaled_mm`."""
+    cfg = pick(a.shape[0], w.shape[0], a.shape[1], a.device)
     if cfg is None:
         return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale, out_dtype=out_dtype)
     return fp8_gemm(a, a_scale, w, w_scale, cfg, out_dtype)
