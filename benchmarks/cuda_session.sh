@@ -37,7 +37,8 @@
 # Quantized serving (issue 33, one GPU): quant (FP8 tests: the Triton quantizer, the scaled GEMMs, attention
 # over a float8 cache, tiny-model graphs == eager; then the attention kernels' own tests), b1quant (B1 on
 # QUANT_MODELS, default qwen3-8b: bf16, --quantization fp8, fp8 + --kv-cache-dtype fp8, same lease), qprofile
-# (profile_steps' decode step of qwen3-8b at 256 x 1k per variant), qkernels (benchmarks/quant_kernels.py), quantacc
+# (profile_steps' decode step of qwen3-8b at 256 x 1k per variant), qkernels (benchmarks/quant_kernels.py; QKERNELS_ARGS="--write-table engine/platforms/triton_kernels/fp8_gemm_tables.json"
+# re-measures the FP8 GEMM's tiles for this GPU, which later steps of the same call then use), quantacc
 # (the accuracy check on cuda:0 in bf16: Baton's modes, transformers bf16 and its FP8 path, on the embedded
 # SmolLM2; its 93 MB wheel exceeds one carry, so it travels in two halves, .carry-smol1 and .carry-smol2, over two
 # calls of one lease: a call carrying either half stashes it in bench-results/smol, quantacc runs once both are there)
