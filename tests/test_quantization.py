@@ -507,6 +507,68 @@ def test_triton_row_quantizer_matches_torch_and_the_scaled_gemm_the_widened_one(
 
 
 @on_gpu
+def test_triton_fp8_gemm_sums_in_float32_in_a_fixed_order_and_replays_from_a_graph(monkeypatch):
+    """The Triton FP8 GEMM of decode sizes (triton_kernels/fp8_gemm.py): tokens on the MMA's narrow side
+    or not, split-K or not, ragged M, N and K. With float32 outputs, within 5e-4 of the float64 product
+    of the same e4m3 inputs (the tensor cores' partial sums promoted to float32 every 128 products; an
+    H100 measured 1.3e-4 at K = 12288, a tenth of the bf16 output's own rounding); in bf16 within a
+    rounding of `_scaled_mm`'s (1.4e-7 apart there); split-K adds its partials in split order (the same
+    bits every call, the tile counts back at zero) and a captured call replays on new inputs as eager."""
+    from baton.engine.platforms.triton_kernels import fp8_gemm, quant
+    c = fp8_gemm.Fp8GemmConfig
+    cases = [(16, 4096, 12288, c(16, 64, 128, 4)), (37, 320, 200, c(64, 128, 128, 2)),
+             (200, 1024, 4096, c(64, 128, 128, 2, swap_ab=False)), (256, 6144, 4096, c(128, 64, 256, 1, num_stages=3)),
+             (1, 512, 1024, c(16, 128, 128, 8))]
+    monkeypatch.setattr(fp8_gemm, "TABLE", {(n, k): ((m, cfg),) for m, n, k, cfg in cases})
+    g = torch.Generator().manual_seed(0)
+    for m, n, k, cfg in cases:
+        x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, m)[:, None]).to(torch.bfloat16).cuda()
+        xq, xs = quant.quantize_fp8_rows(x)
+        wq, ws = quantization.quantize_rows((torch.randn(n, k, generator=g) * 0.02).cuda())
+        ws = ws.reshape(1, -1).contiguous()
+        exact = (xq.double() * xs.double()) @ (wq.double() * ws.double().t()).t()
+        y32 = fp8_gemm.fp8_gemm(xq, xs, wq, ws, cfg, torch.float32)
+        err = ((y32.double() - exact).norm() / exact.norm()).item()
+        y = fp8_gemm.scaled_mm(xq, xs, wq, ws)                       # the TABLE's pick: this cfg
+        ref = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+        gap = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+        print(f"[fp8-gemm] M={m} N={n} K={k} {cfg}: float32 {err:.1e}, bf16 vs _scaled_mm {gap:.1e}")
+        assert err < 5e-4 and gap < 5e-3, (err, gap)
+        assert torch.equal(fp8_gemm.scaled_mm(xq, xs, wq, ws), y)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fp8_gemm.scaled_mm(xq, xs, wq, ws)
+        x2 = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+        xq2, xs2 = quant.quantize_fp8_rows(x2)
+        xq.copy_(xq2)
+        xs.copy_(xs2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, fp8_gemm.scaled_mm(xq, xs, wq, ws))
+    assert not fp8_gemm.WORKSPACE.get(torch.device("cuda", torch.cuda.current_device()))[1].any()
+
+
+@on_gpu
+def test_triton_fp8_gemm_measured_tables_are_valid():
+    """Every GPU's measured table (fp8_gemm_tables.json): M increasing, split-K dividing K's blocks,
+    and the workspace it sizes a few MiB, not a share of the KV cache."""
+    import json
+
+    from baton.engine.platforms.triton_kernels import fp8_gemm
+    tables = json.loads(fp8_gemm.TABLES_FILE.read_text())
+    assert tables
+    for gpu, entry in tables.items():
+        table = fp8_gemm.parse_table(entry)
+        for (n, k), rows in table.items():
+            ms = [largest for largest, _ in rows]
+            assert ms == sorted(ms), (gpu, n, k)
+            for _largest, cfg in rows:
+                assert cfg is None or -(-k // cfg.block_k) % cfg.split_k == 0, (gpu, n, k, cfg)
+        floats, tiles = fp8_gemm.WORKSPACE.needed(table)
+        assert 4 * floats + 4 * tiles < 32 * 2 ** 20, gpu
+
+
+@on_gpu
 def test_triton_norm_and_silu_write_the_quantizers_fp8_input_on_cuda():
     """The fused RMSNorm / add-RMSNorm / SiLU-and-mul with e4m3 outputs give what the op followed
     by the per-token quantizer gives (rows wider than one program takes: the two kernels)."""
@@ -603,10 +665,24 @@ def _on_cpu(meta: AttnMetadata) -> AttnMetadata:
 
 
 @on_gpu
-def test_fp8_weights_and_kv_on_cuda_replay_graphs_as_eager_and_track_the_cpu(tiny):
+def test_fp8_weights_and_kv_on_cuda_replay_graphs_as_eager_and_track_the_cpu(tiny, monkeypatch):
     """A tiny Qwen3 on cuda:0 with FP8 weights and an FP8 KV cache: captured decode graphs give the
-    eager tokens, and the logprobs of the prompt stay near the CPU's FP8 ones."""
+    eager tokens, and the logprobs of the prompt stay near the CPU's FP8 ones. Decode steps (M <= 16)
+    run every projection through the Triton FP8 GEMM with split-K (a TABLE for the tiny shapes),
+    prefill through `_scaled_mm`."""
+    import json
+
     from baton.engine import LLM, SamplingParams
+    from baton.engine.platforms.triton_kernels import fp8_gemm
+    cfg = json.loads((tiny["bf16"] / "config.json").read_text())
+    h, d, i = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]           # qkv, o, gate_up, down
+    monkeypatch.setattr(fp8_gemm, "TABLE", {(n, k): ((16, fp8_gemm.Fp8GemmConfig(16, 64, 64, -(-k // 64))),)
+                                            for n, k in shapes})
+    calls = []
+    triton_gemm = fp8_gemm.fp8_gemm
+    monkeypatch.setattr(fp8_gemm, "fp8_gemm", lambda *a, **kw: calls.append(1) or triton_gemm(*a, **kw))
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
     kw = dict(num_kv_blocks=64, max_model_len=256, quantization="fp8", kv_cache_dtype="fp8", dtype="bfloat16")
     graphs = LLM(str(tiny["bf16"]), device="cuda:0", **kw)
@@ -615,6 +691,7 @@ def test_fp8_weights_and_kv_on_cuda_replay_graphs_as_eager_and_track_the_cpu(tin
     cpu = LLM(str(tiny["bf16"]), **kw)
     a, b, c = (m.generate(PROMPTS, sp) for m in (graphs, eager, cpu))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert len(calls) >= 4 * cfg["num_hidden_layers"] * 11                # eager's decode steps
     for x, y in zip(a, c, strict=True):
         lx = torch.tensor([e.logprob for e in x.prompt_logprobs[1:]])
         ly = torch.tensor([e.logprob for e in y.prompt_logprobs[1:]])

@@ -74,6 +74,12 @@ class LayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def scaled_mm(self, a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+        """An FP8 linear's GEMM: e4m3 a [M, K] times e4m3 w [N, K] transposed, times a_scale [M, 1]
+        and w_scale [1, N] (float32), float32 sums, [M, N] in out_dtype."""
+        return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale, out_dtype=out_dtype)
+
     def quantize_fp8_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """FP8 weights' activations: each row of 2-D x as e4m3 with a float32 scale [M, 1]."""
         return quantization.quantize_rows(x)

@@ -58,6 +58,10 @@ class TritonLayerOps(LayerOps):
         from baton.engine.platforms.triton_kernels import quant
         return quant.quantize_fp8_rows(x)
 
+    def scaled_mm(self, a, a_scale, w, w_scale, out_dtype):
+        from baton.engine.platforms.triton_kernels import fp8_gemm
+        return fp8_gemm.scaled_mm(a, a_scale, w, w_scale, out_dtype)
+
     moe_invariant = False      # False: tiles by rows per expert; deterministic mode fixes them
 
     def moe_experts(self, x, w13, w2, ids, weights, scales=None, fp8_dots=None):

@@ -1,7 +1,8 @@
 """Quantized linear layers: FP8 weights (`--quantization fp8`) and W8A8 INT8 (`--quantization w8a8`).
 
 FP8 (`--quantization fp8`): e4m3 weights with one scale per output channel, activations
-quantized per token on the fly, matmuls as scaled FP8 GEMMs (`torch._scaled_mm`).
+quantized per token on the fly, matmuls as scaled FP8 GEMMs (`LayerOps.scaled_mm`: `torch._scaled_mm`,
+or on CUDA a Triton GEMM at the decode sizes where it measured faster, triton_kernels/fp8_gemm.py).
 
 A bf16 checkpoint is quantized at load, after its weights went through the usual weight
 loaders (so every tensor-parallel shard gets the scales of its own rows). A pre-quantized
@@ -88,7 +89,7 @@ class Fp8Matmul:
             xq, xs = x if isinstance(x, Fp8Rows) else self.ops.quantize_fp8_rows(x.reshape(-1, k))
             # CUDA's row-wise scaled GEMM writes bf16 only; bias is added after, in the model's dtype
             out = torch.bfloat16 if xq.device.type == "cuda" else dtype
-            y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=out).to(dtype)
+            y = self.ops.scaled_mm(xq, xs, weight, self.scale, out).to(dtype)
         if bias is not None:
             y = y + bias
         return y.reshape(*lead, weight.shape[0])
