@@ -784,7 +784,7 @@ def test_fused_moe_with_swapped_fp8_dots_replays_from_a_graph_with_new_routing(m
 
 
 @on_gpu
-@pytest.mark.parametrize("dots_above", [None, 24], ids=["weight-only", "fp8-dots-above-24"])
+@pytest.mark.parametrize("dots_above", [None, 24, 0], ids=["weight-only", "fp8-dots-above-24", "fp8-dots-always"])
 def test_qwen3_moe_with_fp8_experts_under_graphs_gives_the_eager_tokens_and_tracks_the_cpu(tmp_path, monkeypatch,
                                                                                            dots_above):
     """A tiny Qwen3-MoE checkpoint with --quantization fp8 on cuda:0 in bf16: captured decode (the

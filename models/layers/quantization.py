@@ -19,12 +19,12 @@ channel, are widened and re-quantized the same way). The embedding, the LM head,
 routers stay in the model dtype. The experts run one of two ways, chosen by the step's shape
 (`fp8_expert_dots`, the same rule on every platform, so the CPU computes the numbers CUDA does;
 the bound: FP8_EXPERT_DOTS_ABOVE):
-weight-only at decode sizes (`LayerOps.moe_experts` with scales: activations in the model dtype
-times the e4m3 weights, widened exactly, the scales applied to the sums; decode reads the hit
-experts' weights, so their bytes are what FP8 saves there), and FP8 x FP8 at prefill sizes (each
-GEMM's input rows quantized per token to e4m3 with a float32 scale, as the dense projections'
-are, the products times token scale x channel scale: the FP8 tensor cores' rate, where the
-weight-only kernel is bound by widening the weights; engine/platforms/triton_kernels/moe.py).
+FP8 x FP8 (each GEMM's input rows quantized per token to e4m3 with a float32 scale, as the dense
+projections' are, the products times token scale x channel scale: the FP8 tensor cores' rate, where
+the weight-only kernel is bound by widening the weights; engine/platforms/triton_kernels/moe.py),
+by default at every size, or weight-only (`LayerOps.moe_experts` with scales: activations in the
+model dtype times the e4m3 weights, widened exactly, the scales applied to the sums) at or below the
+bound (and under CUDA's deterministic mode, whose tiles are fixed).
 
 How the platform runs it (`Platform.fp8_linear`): "scaled_mm" (CUDA on compute capability 8.9+,
 the CPU where torch has float8 `_scaled_mm`), "dequant" (a CPU torch without it: the weights
@@ -97,12 +97,13 @@ class Fp8Matmul:
 
 # FP8 experts: FP8 x FP8 dots (activations quantized per token) once a step routes more than this
 # many (token, choice) pairs per expert on average, weight-only up to it; None: weight-only at every
-# size. 24 is the fused kernel's first tile bucket above decode sizes (Qwen3-30B-A3B: steps of more
-# than 384 tokens). Measured on an H100 (docs/benchmarks.md, "FP8 x FP8 expert dots"): above it the
-# dots run 1.4-1.95x weight-only (1,024-8,192 tokens; weight-only fell below bf16 from 2,048); at
-# decode sizes they gain only 4-7 % (Triton takes mma.sync below 64 rows: no FP8 tensor-core rate)
-# for 4-5x the error (the activations' rounding), so decode stays weight-only.
-FP8_EXPERT_DOTS_ABOVE: int | None = 24
+# size. 0: the dots at every size. Measured (docs/benchmarks.md, "FP8 x FP8 expert dots" and "Swapped
+# FP8 x FP8 at decode sizes"): above 24 pairs an expert the dots ran 1.4-1.95x weight-only on an
+# H100; below it, since the decode-size tiles run swapped (the weights as e4m3 wgmma's A), they run
+# 1.06-1.09x weight-only on an H100 and 1.26-1.38x on an H200, where weight-only's widening is the
+# limit (B1 of Qwen3-30B-A3B on an H200: 1.13x over the bound at 24), for the activations' rounding
+# (1.3-1.6e-2 from float64 against weight-only's 2.3e-3 on the expert step alone).
+FP8_EXPERT_DOTS_ABOVE: int | None = 0
 
 
 def fp8_expert_dots(num_pairs: int, num_experts: int) -> bool:

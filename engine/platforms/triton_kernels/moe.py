@@ -12,18 +12,22 @@
    atomics), rounded once to the activations' dtype.
 
 FP8 experts (--quantization fp8): both stacks in e4m3 with one float32 scale per (expert, output
-channel), run one of two ways by the step's shape (quantization.fp8_expert_dots, which the CPU's
-reference follows too; FP8 x FP8 above 24 pairs an expert, measured on an H100):
-- weight-only (decode sizes): the activations stay in the model dtype, each weight tile is widened
+channel), run one of two ways (quantization.fp8_expert_dots, which the CPU's reference follows too;
+FP8 x FP8 at every size by default, measured on an H100 and an H200):
+- weight-only (deterministic mode, or at or below FP8_EXPERT_DOTS_ABOVE pairs an expert): the activations stay in the
+  model dtype, each weight tile is widened
   in registers after its load (e4m3 fits bf16 exactly) and the scales multiply the float32 sums in
   the epilogue: decode, which streams the hit experts' weights, reads half the bytes, and no
   activation is quantized (no extra launch). Its widened tile goes back through shared memory
   (wgmma's B operand), which bounds it once a step's FLOPs matter.
-- FP8 x FP8 (prefill sizes): x's rows quantized per token to e4m3 (quant.quantize_fp8_rows), the
+- FP8 x FP8: x's rows quantized per token to e4m3 (quant.quantize_fp8_rows), the
   SiLU product likewise between the two GEMMs (its row scale needs the whole row, which the w13
   kernel spreads over its N tiles: one small launch), e4m3 x e4m3 dots into float32 accumulators
   (on sm_90 at the FP8 tensor cores' own accumulation precision, Triton's default there), and the
-  epilogue multiplying by token scale x channel scale: the FP8 tensor cores' rate.
+  epilogue multiplying by token scale x channel scale: the FP8 tensor cores' rate. At decode sizes
+  (up to 24 pairs an expert) the dots run swapped (`MoeTiles.swap`: out^T = W . x^T), so the weight
+  tile fills wgmma's 64-row M and an expert's 16-32 rows are its N; unswapped, those rows would be
+  the M and Triton would take mma.sync.
 
 Launch shapes depend on (T, k, E, H, I) only, never on the routing, so the step captures into
 a CUDA graph. Each block loads its expert's weight tiles once for its BLOCK_M rows; at decode
@@ -85,7 +89,8 @@ def pick_tiles(num_slots: int, num_experts: int, hidden: int, intermediate: int,
     elif dtype == FP8 and per_expert > 24:
         tiles = MoeTiles(64, 64, 128, 4, 3)
     elif dtype == FP8:
-        tiles = MoeTiles(16 if per_expert <= 4 else 32, 64, 256, 4, 3, swap=True)
+        tiles = (MoeTiles(16, 64, 256, 4, 3, swap=True) if per_expert <= 4    # (H100 and H200: moe_kernel --fp8)
+                 else MoeTiles(32, 64, 128, 4, 4, swap=True))
     elif per_expert <= 4:               # buckets and tiles from benchmarks/moe_kernel.py on an H200
         tiles = MoeTiles(16, 32, 128, 4, 5)
     elif per_expert <= 24:
