@@ -118,7 +118,7 @@ for step in $STEPS; do
     eagle3)   # issue 32: an EAGLE-3 head's pass graph-captured per bucket (captured == eager, greedy parity with
               # a head on the GPU), then a random head's cost against plain decoding, on EAGLE3_MODEL's random weights
       BATON_TEST_DEVICE=cuda:0 timeout ${EAGLE3_TEST_TIMEOUT:-100} python3 -m pytest -q -p no:cacheprovider \
-        tests/test_speculative.py -k "eagle3_head or same_kv_captured" 2>&1 | tail -6 | tee "$OUT/eagle3-tests.txt"
+        tests/test_speculative.py -k "tiny_architectures_decode_the_same_tokens_with_an_eagle3 or same_kv_captured" 2>&1 | tail -6 | tee "$OUT/eagle3-tests.txt"
       timeout ${SPEC_TIMEOUT:-170} python3 -m baton.benchmarks.speculative --device cuda:0 --model ${EAGLE3_MODEL:-qwen3-0.6b} \
         --batches 1,16,256 --speculative-method eagle3 --speculative-model random \
         --output "$OUT/speculative-eagle3-random-${EAGLE3_MODEL:-qwen3-0.6b}.json" 2>&1 | grep -v "^\[baton\]" | tail -12 ;;

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 
@@ -85,6 +86,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--model", default=None, help="the target: a preset, a directory (default: the embedded SmolLM2)")
+    p.add_argument("--tokenizer", default=os.environ.get("BATON_TOKENIZER"),
+                   help="tokenizer directory (default: $BATON_TOKENIZER, else the model's; presets: the embedded model's)")
     p.add_argument("--batches", default="1,16,256")
     p.add_argument("--waves", type=int, default=4,
                    help="this many waves of `batch` requests, one after another (a batch of 16 is ~0.2 s a wave)")
@@ -111,7 +114,7 @@ def main(argv=None) -> None:
     for spec in (False, True):
         extra = dict(speculative_method=method, speculative_model=head, num_speculative_tokens=args.num_speculative_tokens,
                      speculative_max_batch=args.speculative_max_batch) if spec else {}
-        llm = LLM(args.model or DEFAULT_MODEL, device=args.device, max_num_seqs=max_seqs, num_kv_blocks=args.num_kv_blocks, **extra)
+        llm = LLM(args.model or DEFAULT_MODEL, tokenizer=args.tokenizer, device=args.device, max_num_seqs=max_seqs, num_kv_blocks=args.num_kv_blocks, **extra)
         for workload in workloads:
             params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=workload == "ignore-eos")
             for b in batches:

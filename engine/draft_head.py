@@ -16,7 +16,11 @@ the token after it (the next input token, or the token drawn at that row), and s
 at the same slots. A verified row's token after it is what was drawn there: up to the first
 rejected guess that is exactly the sequence's next token; the rows after it are rewritten by
 later steps before anything reads them. Each sequence keeps the head's output at its last kept
-row (`keep_states`).
+row (`keep_states`). A decode step that the decode graphs ran replays the head's pass captured
+for the same bucket (engine/graph_runner.py), over the same buffers; and after a decode step of
+more sequences than speculate (--speculative-max-batch) nothing drafts, so the pass writes only
+the head's KV (no attention, MLP or outputs; `wants_states`) and the sequences' states are dropped
+until a full pass runs again.
 
 Drafting (`draft`): from that output, the head's LM head gives the first guess; each further guess
 runs the head one position on, over its own output and the guess before. Greedy requests take the
@@ -122,18 +126,20 @@ class DraftHead:
         return None
 
     def keep_states(self, launched, picks: list[tuple[object, int]]) -> None:
-        """Each (sequence, sampled row) keeps the head's output at that row: what it drafts from (none
-        after a pass that wrote only the KV: the sequence guesses again after a full pass)."""
-        if launched.head_hidden is None:
-            for seq, _ in picks:
-                seq.spec_hidden = None
-            return
-        if not picks:
+        """Each (sequence, sampled row) keeps the head's output at that row: what it drafts from."""
+        if launched.head_hidden is None or not picks:
             return
         rows = torch.tensor([int(launched.head_rows[m]) for _, m in picks], device=self.runner.device)
         kept = launched.head_hidden.index_select(0, rows)
         for i, (seq, _) in enumerate(picks):
             seq.spec_hidden = (kept, i)
+
+    @staticmethod
+    def drop_states(items) -> None:
+        """After a pass that wrote only the head's KV its sequences' states are stale: each guesses
+        again once a full pass has run (the step after the batch shrinks to --speculative-max-batch)."""
+        for item in items:
+            item.seq.spec_hidden = None
 
     # -- drafting --------------------------------------------------------------------------
     @torch.inference_mode()

@@ -436,7 +436,9 @@ class ModelRunner:
         params = [q.params for q in seqs]
         wanted = [p.logprobs for p in params]
         if self.head is not None:       # the head's pass: each row's next token, and where tokens are drawn
-            next_ids = _next_ids(ids, starts, items, ends)
+            # (a decode step draws every row's next token: all filled in on the device)
+            next_ids = np.zeros_like(ids) if out.is_decode and len(rows) == len(items) else \
+                _next_ids(ids, starts, items, ends)
             sample_logit_rows = logit_rows if logit_rows is not None else (starts[1:] - 1)[rows].astype(np.int64)
         else:
             next_ids = sample_logit_rows = None
