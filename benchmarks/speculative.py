@@ -51,9 +51,12 @@ def prompts(llm: LLM, n: int) -> list[list[int]]:
     for i in range(n):
         text = PASSAGES[i % len(PASSAGES)]
         old, new = EDITS[i % len(EDITS)]
-        chat = [{"role": "user", "content": f"Here is a passage:\n\n{text}\n\nRepeat the passage exactly, word for "
-                                            f"word, but write \"{new}\" instead of \"{old}\"."}]
-        out.append(llm.apply_chat_template(chat))
+        ask = f"Here is a passage:\n\n{text}\n\nRepeat the passage exactly, word for word, but write \"{new}\" " \
+              f"instead of \"{old}\"."
+        if getattr(llm.tokenizer, "chat_template", None) is None:      # (a bare tokenizer: the request as text)
+            out.append(llm.tokenizer(ask)["input_ids"])
+        else:
+            out.append(llm.apply_chat_template([{"role": "user", "content": ask}]))
     return out
 
 
