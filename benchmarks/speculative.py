@@ -3,8 +3,9 @@
     python -m baton.benchmarks.speculative --device cuda:0 --batches 1,16,256 \
         --workloads ignore-eos,stop-at-eos --output spec.json
     # an EAGLE-3 head: a trained one's directory, or `random` (one in the model's shapes: what a head
-    # costs per step, never a speed-up)
-    python -m baton.benchmarks.speculative --device cuda:0 --speculative-method eagle3 --speculative-model random
+    # costs per step, never a speed-up); --model: another target (a preset's random weights price it too)
+    python -m baton.benchmarks.speculative --device cuda:0 --speculative-method eagle3 --speculative-model random \
+        --model qwen3-0.6b
 
 The embedded SmolLM2-135M-Instruct (real weights: speed-ups need a model that copies), asked to
 repeat a given passage with one word changed -- the answer copies spans of the prompt, as edits,
@@ -20,12 +21,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 
 import torch
 
-from baton.engine import LLM, SamplingParams
+from baton.engine import DEFAULT_MODEL, LLM, SamplingParams
 
 PASSAGES = [
     "The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night its keeper "
@@ -49,9 +51,12 @@ def prompts(llm: LLM, n: int) -> list[list[int]]:
     for i in range(n):
         text = PASSAGES[i % len(PASSAGES)]
         old, new = EDITS[i % len(EDITS)]
-        chat = [{"role": "user", "content": f"Here is a passage:\n\n{text}\n\nRepeat the passage exactly, word for "
-                                            f"word, but write \"{new}\" instead of \"{old}\"."}]
-        out.append(llm.apply_chat_template(chat))
+        ask = f"Here is a passage:\n\n{text}\n\nRepeat the passage exactly, word for word, but write \"{new}\" " \
+              f"instead of \"{old}\"."
+        if getattr(llm.tokenizer, "chat_template", None) is None:      # (a bare tokenizer: the request as text)
+            out.append(llm.tokenizer(ask)["input_ids"])
+        else:
+            out.append(llm.apply_chat_template([{"role": "user", "content": ask}]))
     return out
 
 
@@ -67,8 +72,8 @@ def run(llm: LLM, batch: int, reqs: list[list[int]], params: SamplingParams) -> 
     return tokens / (time.perf_counter() - t0), outs
 
 
-def _head(model: str | None) -> str:
-    """eagle3's head directory: as given, or a random head for the embedded model written to a temp dir."""
+def _head(model: str | None, target: str | None) -> str:
+    """eagle3's head directory: as given, or a random head for the target written to a temp dir."""
     if model is None:
         raise SystemExit("--speculative-method eagle3 needs --speculative-model DIR (or random)")
     if model != "random":
@@ -77,12 +82,15 @@ def _head(model: str | None) -> str:
 
     from baton.models.eagle3 import random_head, save_head
     from baton.models.source import resolve_model
-    return str(save_head(tempfile.mkdtemp(prefix="baton-eagle3-"), *random_head(resolve_model(None).hf_config)))
+    return str(save_head(tempfile.mkdtemp(prefix="baton-eagle3-"), *random_head(resolve_model(target).hf_config)))
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--model", default=None, help="the target: a preset, a directory (default: the embedded SmolLM2)")
+    p.add_argument("--tokenizer", default=os.environ.get("BATON_TOKENIZER"),
+                   help="tokenizer directory (default: $BATON_TOKENIZER, else the model's; presets: the embedded model's)")
     p.add_argument("--batches", default="1,16,256")
     p.add_argument("--waves", type=int, default=4,
                    help="this many waves of `batch` requests, one after another (a batch of 16 is ~0.2 s a wave)")
@@ -105,11 +113,11 @@ def main(argv=None) -> None:
     max_seqs = max(batches)
     rows, results = [], {}
     method = args.speculative_method
-    head = _head(args.speculative_model) if method == "eagle3" else None
+    head = _head(args.speculative_model, args.model) if method == "eagle3" else None
     for spec in (False, True):
         extra = dict(speculative_method=method, speculative_model=head, num_speculative_tokens=args.num_speculative_tokens,
                      speculative_max_batch=args.speculative_max_batch) if spec else {}
-        llm = LLM(device=args.device, max_num_seqs=max_seqs, num_kv_blocks=args.num_kv_blocks, **extra)
+        llm = LLM(args.model or DEFAULT_MODEL, tokenizer=args.tokenizer, device=args.device, max_num_seqs=max_seqs, num_kv_blocks=args.num_kv_blocks, **extra)
         for workload in workloads:
             params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=workload == "ignore-eos")
             for b in batches:
@@ -142,7 +150,7 @@ def main(argv=None) -> None:
             print(json.dumps(rows[-1]), flush=True)
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"model": "smollm2-135m-instruct (real weights)", "device": args.device,
+            json.dump({"model": args.model or "smollm2-135m-instruct (real weights)", "device": args.device,
                        "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                        "max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
                        "method": method, "speculative_model": args.speculative_model,

@@ -16,7 +16,11 @@ the token after it (the next input token, or the token drawn at that row), and s
 at the same slots. A verified row's token after it is what was drawn there: up to the first
 rejected guess that is exactly the sequence's next token; the rows after it are rewritten by
 later steps before anything reads them. Each sequence keeps the head's output at its last kept
-row (`keep_states`).
+row (`keep_states`). A decode step that the decode graphs ran replays the head's pass captured
+for the same bucket (engine/graph_runner.py), over the same buffers; and after a decode step of
+more sequences than speculate (--speculative-max-batch) nothing drafts, so the pass writes only
+the head's KV (no attention, MLP or outputs; `wants_states`) and the sequences' states are dropped
+until a full pass runs again.
 
 Drafting (`draft`): from that output, the head's LM head gives the first guess; each further guess
 runs the head one position on, over its own output and the guess before. Greedy requests take the
@@ -74,19 +78,52 @@ class DraftHead:
         self.head = runner.head
         # [draft vocab]: each draft id's target id
         self.targets = self.head.target_ids(torch.arange(self.head.draft_vocab_size, device=runner.device))
+        self.max_batch = runner.config.speculative_max_batch
+        self._arange = np.arange(0, dtype=np.int64)
 
     # -- the pass over each step -----------------------------------------------------------
-    def pass_over_step(self, inputs, sampled: torch.Tensor | None) -> torch.Tensor:
-        """The head over the step's rows (its KV written at their slots); its outputs [T, width]."""
-        r = self.runner
-        meta, positions, aux = inputs.head_args
+    def wants_states(self, out) -> bool:
+        """Does the step's pass need the head's outputs (what its sequences draft from next), or only
+        its KV: after a decode step of more sequences than speculate (--speculative-max-batch) nothing
+        drafts, so the head writes its KV and skips its attention, MLP and outputs. (Prompt chunks keep
+        the state: a prefill worker hands it to the decode side, where the batch is another.)"""
+        return not out.is_decode or len(out.scheduled) <= self.max_batch
+
+    def pass_over_step(self, inputs, sampled: torch.Tensor | None) -> torch.Tensor | None:
+        """The head over the step's rows (its KV written at their slots); its outputs [T, width], or
+        None where the step wanted only the KV (`wants_states`). A step the decode graphs ran replays
+        the head's captured pass over the same buffers (engine/graph_runner.py); others run it eagerly."""
+        meta, positions, aux, graphed = inputs.head_args
         inputs.head_args = None
-        nxt = torch.from_numpy(inputs.next_ids).to(r.device, non_blocking=True)
-        if sampled is not None and len(inputs.sample_logit_rows):
-            rows = torch.from_numpy(inputs.sample_logit_rows).to(r.device, non_blocking=True)
-            nxt.index_copy_(0, rows, sampled)
-        ctx = ForwardContext(meta, r.kv_caches, r.attention, r.scale)
-        return self.head(nxt, positions, self.head.fc(aux), ctx)
+        nxt = self.next_tokens(inputs, sampled)
+        if graphed:
+            return self.runner.graphs.run_head(nxt, inputs.head_full)
+        ctx = ForwardContext(meta, self.runner.kv_caches, self.runner.attention, self.runner.scale)
+        return self.run_pass(nxt, positions, aux, ctx, inputs.head_full)
+
+    def next_tokens(self, inputs, sampled: torch.Tensor | None) -> torch.Tensor:
+        """[T] on the device: the token after each input row (the ones drawn this step from `sampled`)."""
+        rows = inputs.sample_logit_rows
+        if sampled is not None and len(rows) == len(inputs.next_ids) and (rows == self._rows(len(rows))).all():
+            return sampled                               # a decode step: every row's next token was drawn
+        nxt = torch.from_numpy(inputs.next_ids).to(self.runner.device, non_blocking=True)
+        if sampled is not None and len(rows):
+            nxt.index_copy_(0, torch.from_numpy(rows).to(self.runner.device, non_blocking=True), sampled)
+        return nxt
+
+    def _rows(self, n: int) -> np.ndarray:
+        if len(self._arange) < n:
+            self._arange = np.arange(max(n, 2 * len(self._arange)), dtype=np.int64)
+        return self._arange[:n]
+
+    def run_pass(self, next_ids: torch.Tensor, positions: torch.Tensor, aux: torch.Tensor, ctx: ForwardContext,
+                 full: bool) -> torch.Tensor | None:
+        """The pass itself (what the graphs capture): the head's outputs, or only its KV (None)."""
+        hidden = self.head.fc(aux)
+        if full:
+            return self.head(next_ids, positions, hidden, ctx)
+        self.head.write_kv(next_ids, positions, hidden, ctx)
+        return None
 
     def keep_states(self, launched, picks: list[tuple[object, int]]) -> None:
         """Each (sequence, sampled row) keeps the head's output at that row: what it drafts from."""
@@ -96,6 +133,13 @@ class DraftHead:
         kept = launched.head_hidden.index_select(0, rows)
         for i, (seq, _) in enumerate(picks):
             seq.spec_hidden = (kept, i)
+
+    @staticmethod
+    def drop_states(items) -> None:
+        """After a pass that wrote only the head's KV its sequences' states are stale: each guesses
+        again once a full pass has run (the step after the batch shrinks to --speculative-max-batch)."""
+        for item in items:
+            item.seq.spec_hidden = None
 
     # -- drafting --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -157,6 +201,8 @@ class DraftHead:
     # -- verification ----------------------------------------------------------------------
     def checks(self, out, sample_items: np.ndarray) -> DraftChecks | None:
         """The step's sampled rows that test a guess drawn from q (None: none do)."""
+        if not any(item.draft for item in out.scheduled):
+            return None
         rows, tokens, qs = [], [], []
         m = 0
         while m < len(sample_items):

@@ -4,6 +4,11 @@ One graph per batch-size bucket, all sharing one memory pool; a step of n sequen
 the smallest bucket >= n. Padding rows are provably harmless: their slot is -1 (no KV
 write), their context is one token of block 0 (valid memory), and their outputs are
 dropped. Buffers are static, so a step only copies its inputs in and replays.
+
+With an EAGLE-3 draft head (engine/draft_head.py) each bucket has two more graphs, the head's pass
+over the step (its full pass, and the one that writes only its KV), over the same buffers: the
+step's metadata and positions, and the target graph's output (the hidden states the head reads),
+plus the head's input ids. They replay after the step's tokens are drawn (the head reads them).
 """
 from __future__ import annotations
 
@@ -40,6 +45,10 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # the draft head's: its input ids, its two graphs per bucket (keyed (bucket, full)) and their outputs
+        self.head_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev) if runner.drafts is not None else None
+        self.head_graphs: dict[tuple[int, bool], tuple[object, torch.Tensor | None]] = {}
+        self._last: tuple[int, AttnMetadata] | None = None      # the bucket and metadata of the last replay
         self._capture()
 
     def can_run(self, n: int) -> bool:
@@ -65,10 +74,21 @@ class DecodeGraphs:
             graph, self.outputs[bs] = self.platform.capture_graph(lambda a=args: r.model(*a), pool)
             pool = graph.pool()
             self.graphs[bs] = graph
+            if r.drafts is not None:
+                self._capture_head(bs, ctx, pool)
             print(f"\r[baton] capturing decode graphs: {i + 1}/{len(self.buckets)}", end="", file=sys.stderr)
         self.platform.synchronize()
         print(f"\r[baton] captured {len(self.buckets)} decode graphs (batch 1..{self.max_bs}) "
               f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    def _capture_head(self, bs: int, ctx: ForwardContext, pool) -> None:
+        r = self.runner
+        aux = r._split_aux(self.outputs[bs])[1]
+        for full in (True, False):
+            args = (self.head_ids[:bs], self.positions[:bs], aux, ctx, full)
+            r.drafts.run_pass(*args)                           # warm-up (slots are -1: nothing written)
+            self.platform.synchronize()
+            self.head_graphs[bs, full] = self.platform.capture_graph(lambda a=args: r.drafts.run_pass(*a), pool)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         n = meta.num_seqs
@@ -84,4 +104,17 @@ class DecodeGraphs:
         self.block_tables[n:bs, 0].fill_(0)
         self.platform.before_replay(self.graphs[bs], meta, bs)
         self.graphs[bs].replay()
+        self._last = bs, meta
         return self.outputs[bs][:n]
+
+    def run_head(self, next_ids: torch.Tensor, full: bool) -> torch.Tensor | None:
+        """The draft head's pass over the step `run` replayed last (its buffers still hold it): the
+        head's outputs [n, width] (a copy: the next replay reuses the graph's), or None (`full` False:
+        only its KV written)."""
+        bs, meta = self._last
+        n = next_ids.shape[0]
+        self.head_ids[:n].copy_(next_ids)
+        graph, out = self.head_graphs[bs, full]
+        self.platform.before_replay(graph, meta, bs)
+        graph.replay()
+        return out[:n].clone() if full else None

@@ -365,6 +365,9 @@ class LLMEngine:
     def _keep_head_states(self, launched: LaunchedStep, kept: list[list[int] | None] | None) -> None:
         """A draft head's output at each sampling sequence's last kept token (engine/draft_head.py):
         its first sampled row, plus the guesses it kept."""
+        if launched.head_hidden is None:         # its pass wrote only the head's KV (a batch too large to draft)
+            self.runner.drafts.drop_states(launched.out.scheduled)
+            return
         first: dict[int, int] = {}
         for m, item in enumerate(launched.rows):
             first.setdefault(item, m)

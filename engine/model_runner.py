@@ -337,7 +337,8 @@ class ModelRunner:
         meta, input_ids, positions, sampling = self._device_inputs(inputs)
         if len(inputs.pending_dst):                    # tokens sampled by the step still in flight
             input_ids.index_copy_(0, inputs.pending_dst_dev, prev_tokens.index_select(0, inputs.pending_src_dev))
-        if self.graphs is not None and meta.is_decode and self.graphs.can_run(meta.num_seqs):
+        graphed = self.graphs is not None and meta.is_decode and self.graphs.can_run(meta.num_seqs)
+        if graphed:
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             ctx = ForwardContext(meta, self.kv_caches, self.attention, self.scale, self.kv_scales)
@@ -349,7 +350,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, ctx, **extra)
         hidden, aux = self._split_aux(hidden)
         if aux is not None:                            # the head's pass runs once the step's tokens are drawn
-            inputs.head_args = (meta, positions, aux)
+            inputs.head_args = (meta, positions, aux, graphed)
         step_lp = StepLogprobs() if inputs.num_logprobs >= 0 or inputs.prompt_logprob_rows else None
         if inputs.prompt_logprob_rows:                 # (every rank: the LM head may gather across them;
             prompt_logprobs(hidden, self.model.compute_logits, inputs.prompt_logprob_rows, step_lp)  # and a
@@ -391,6 +392,7 @@ class ModelRunner:
         inputs = self._verify_inputs(out) if self._all_verifying(out) else self._step_inputs(out, prev)
         if self.drafts is not None:
             inputs.draft_checks = self.drafts.checks(out, inputs.sample_items)
+            inputs.head_full = self.drafts.wants_states(out)
         return inputs
 
     def _step_inputs(self, out: SchedulerOutput, prev: LaunchedStep | None) -> StepInputs:
@@ -434,7 +436,9 @@ class ModelRunner:
         params = [q.params for q in seqs]
         wanted = [p.logprobs for p in params]
         if self.head is not None:       # the head's pass: each row's next token, and where tokens are drawn
-            next_ids = _next_ids(ids, starts, items, ends)
+            # (a decode step draws every row's next token: all filled in on the device)
+            next_ids = np.zeros_like(ids) if out.is_decode and len(rows) == len(items) else \
+                _next_ids(ids, starts, items, ends)
             sample_logit_rows = logit_rows if logit_rows is not None else (starts[1:] - 1)[rows].astype(np.int64)
         else:
             next_ids = sample_logit_rows = None
@@ -568,11 +572,13 @@ class StepInputs:
     deferred: tuple | None = None                    # ...(logits, SamplingBatch, input ids) until then
     # an EAGLE-3 head (engine/draft_head.py): the token after each input row (those drawn this step filled
     # in on the device), the input row each sampled token is drawn at, the guesses drawn from q to test,
-    # and (meta, positions, the target's hidden states for the head) until the head's pass runs
+    # (meta, positions, the target's hidden states for the head, whether the decode graphs ran the step) until
+    # the head's pass runs, and whether that pass keeps the head's outputs (else it writes only the head's KV)
     next_ids: np.ndarray | None = None
     sample_logit_rows: np.ndarray | None = None
     draft_checks: object | None = None
     head_args: tuple | None = None
+    head_full: bool = True
 
 
 @dataclass(slots=True)

@@ -46,6 +46,17 @@ class Attention(nn.Module):
         self.ops, self.eps = ops, config.rms_norm_eps
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self._qkv(positions, x)
+        out = ctx.attend(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def write_kv(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> None:
+        """The step's K and V into the cache, as `forward` writes them, and nothing else (no attention,
+        no output): for a layer whose KV must stay current while its output goes unused."""
+        _, k, v = self._qkv(positions, x)
+        ctx.store(self.layer_idx, k, v)
+
+    def _qkv(self, positions: torch.Tensor, x: torch.Tensor):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -56,8 +67,7 @@ class Attention(nn.Module):
         q, k = self.ops.qk_norm_rotary(q, k, self.q_norm.weight if self.q_norm is not None else None,
                                        self.k_norm.weight if self.k_norm is not None else None, self.eps,
                                        self.rotary.cos, self.rotary.sin, positions)
-        out = ctx.attend(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(t, q_size))
+        return q, k, v
 
 
 class MLP(nn.Module):

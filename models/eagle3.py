@@ -81,10 +81,16 @@ class Eagle3Layer(nn.Module):
     def forward(self, positions, embeds, hidden, ctx: ForwardContext):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        x = self.self_attn(positions, x, ctx)
+        x = self.self_attn(positions, self._attention_input(embeds, normed), ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def write_kv(self, positions, embeds, hidden, ctx: ForwardContext) -> None:
+        """Only the layer's K and V at the rows' slots, as `forward` writes them."""
+        self.self_attn.write_kv(positions, self._attention_input(embeds, self.hidden_norm(hidden)), ctx)
+
+    def _attention_input(self, embeds, normed_hidden):
+        return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
 
 
 class Eagle3Head(nn.Module):
@@ -145,6 +151,12 @@ class Eagle3Head(nn.Module):
         before its final norm ([T, hidden]: what the next pass feeds back, and `logits` reads)."""
         x, residual = self.midlayer(positions, self.embed(next_ids), hidden, ctx)
         return x + residual
+
+    def write_kv(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                 ctx: ForwardContext) -> None:
+        """What `forward` writes to the head's KV, and nothing more (no attention, no MLP, no output):
+        a step after which nothing drafts keeps the head's KV current at a fraction of the cost."""
+        self.midlayer.write_kv(positions, self.embed(next_ids), hidden, ctx)
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """[T, draft vocabulary] logits of the token after each row (draft ids: `target_ids` maps them)."""

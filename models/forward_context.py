@@ -47,3 +47,10 @@ class ForwardContext:
         if self.meta.is_decode:
             return self.platform.decode_attention(q, k_cache, v_cache, self.meta, self.scale, kv_scale)
         return self.platform.prefill_attention(q, k, v, k_cache, v_cache, self.meta, self.scale, kv_scale)
+
+    def store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Only store this step's k/v [T, Hkv, D] at their slots (no attention): what keeps a layer's
+        KV current where its output is not needed (an EAGLE-3 head's steps that draft nothing)."""
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        kv_scale = None if self.kv_scales is None else self.kv_scales[layer_idx]
+        self.platform.store_kv(k, v, k_cache, v_cache, self.meta.slot_mapping, kv_scale)

@@ -120,6 +120,54 @@ def test_tiny_architectures_decode_the_same_tokens_with_an_eagle3_head(tmp_path,
     assert llm.engine.block_manager.num_free_blocks == 128
 
 
+def test_an_eagle3_heads_pass_writes_the_same_kv_captured_or_eager_and_with_or_without_its_outputs(tmp_path):
+    """The head's pass over each step, as it ran (a captured graph's replay where the decode graphs ran
+    the step, BATON_TEST_DEVICE=cuda:N; eager otherwise; only the head's KV where the step had more
+    sequences than --speculative-max-batch), against the eager full pass over the same inputs: the same
+    head KV, and the same outputs where it kept them. Speculation resumes once the batch shrinks, and
+    the greedy tokens are plain decoding's."""
+    from collections import Counter
+
+    from baton.models.forward_context import ForwardContext
+    path = save_tiny_checkpoint("llama", tmp_path / "llama", _tokenizer_dir())
+    g = torch.Generator().manual_seed(7)
+    motif = torch.randint(3, 49152, (5,), generator=g).tolist()
+    prompts = [motif * 4, motif * 3 + [7], torch.randint(3, 49152, (20,), generator=g).tolist(), motif * 2]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 10, 24, 24)]
+    common = dict(device=DEVICE, dtype="float32", num_kv_blocks=64, block_size=16, max_num_seqs=8)
+    want = [o.token_ids for o in LLM(str(path), **common).generate(prompts, params)]
+    vocab = sorted({t for w in want for t in w} | set(range(3, 300)) | set(motif))
+    head = save_tiny_eagle3_head(tmp_path / "head", tiny_hf_config("llama"), vocab, mimic=_lm_head(path))
+    llm = LLM(str(path), **common, speculative_method="eagle3", speculative_model=str(head), speculative_max_batch=2)
+    r = llm.engine.runner
+    drafts, cache, ran = r.drafts, r.kv_cache[-1], Counter()
+    tol = dict(atol=1e-4, rtol=1e-3) if DEVICE.startswith("cuda") else dict(atol=0, rtol=0)
+    as_run = drafts.pass_over_step
+
+    def checked(inputs, sampled):
+        meta, positions, aux, graphed = inputs.head_args
+        full, before = inputs.head_full, cache.clone()
+        out = as_run(inputs, sampled)
+        written = cache.clone()
+        cache.copy_(before)
+        ctx = ForwardContext(meta, r.kv_caches, r.attention, r.scale)
+        eager = drafts.run_pass(drafts.next_tokens(inputs, sampled), positions, aux, ctx, True)
+        torch.testing.assert_close(written, cache, **tol)
+        if full:
+            torch.testing.assert_close(out, eager, **tol)
+        else:
+            assert out is None
+        ran[graphed, full] += 1
+        return out
+
+    drafts.pass_over_step = checked
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    graphed = DEVICE.startswith("cuda")
+    assert ran[graphed, False] > 0 and ran[graphed, True] > 0, ran        # KV only at 4 and 3 sequences, full at 2
+    assert llm.engine.speculator.stats.steps > 0
+    assert llm.engine.block_manager.num_free_blocks == 64
+
+
 def test_an_eagle3_head_that_does_not_fit_is_refused_with_the_reason(tmp_path):
     from baton.engine.config import EngineConfig
     with pytest.raises(ValueError, match="needs one"):
