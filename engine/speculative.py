@@ -16,6 +16,15 @@ gives with q(d) = 1; on a rejection it emits a token drawn from p given "not d",
 sampling's residual max(0, p - q) does. A draft head's proposals drawn from a distribution q take
 the exact rejection sampler instead (engine/draft_head.py).
 
+Scheduled ahead (n-gram, with asynchronous scheduling, as on accelerators): a verifying step's
+guesses go in as tokens of the sequence (unverified: neither emitted nor cached) and the next step
+is queued before its tokens are back, as if every guess held: its input is the token being sampled
+after them (taken on the device) and its guesses go on where the n-gram match left off. When the
+verifying step's tokens come back, a sequence whose guesses all held keeps them; one that kept fewer
+rolls back to those (a new epoch: the rows of the steps queued past them are void, and the KV they
+wrote past its length is overwritten later). Acceptance on copying workloads is mostly all or
+nothing, so most verifying steps overlap the host's work for the next with the device's.
+
 Proposers:
 - `ngram` (prompt lookup): the longest suffix of the sequence (up to `max_ngram` tokens) that
   occurred earlier in it; the guesses are the tokens that followed its latest earlier
