@@ -486,6 +486,17 @@ def test_unseeded_sampling_keeps_the_target_distribution(tmp_path, method):
     assert p_value > 1e-4, (stat, dof, p_value)
 
 
+def test_decode_graphs_cover_the_rows_of_a_verifying_step():
+    """A verifying step is a decode step of a row per token: the graphs go up to the speculating batch
+    times k + 1 rows, not just --max-num-seqs (a small one would run every verifying step eager)."""
+    from baton.engine.config import EngineConfig
+    from baton.engine.graph_runner import graph_rows
+    assert graph_rows(EngineConfig(max_num_seqs=16)) == 16
+    assert graph_rows(EngineConfig(max_num_seqs=16, **SPEC)) == 80
+    assert graph_rows(EngineConfig(max_num_seqs=256, speculative_max_batch=32, **SPEC)) == 256
+    assert graph_rows(EngineConfig(max_num_seqs=64, speculative_max_batch=32, **SPEC)) == 160
+
+
 def test_worker_metrics_count_guesses_from_the_cores_totals():
     """The front turns the engine core's running totals into Prometheus counters and the histogram of
     tokens per verified step (by their growth)."""
