@@ -270,8 +270,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         prev, out, settled = self.in_flight, None, None
         guessing = self._speculating()
-        if prev is not None and self._may_schedule_ahead(prev) and (not guessing or _verifies_ahead(prev)):
-            if guessing:        # past a step verifying guesses as if all held: they go on where those end
+        if prev is not None and self._may_schedule_ahead(prev) and (not guessing or self._guess_ahead_of(prev)):
+            if guessing:        # past the step in flight: guesses as if its tokens were the ones predicted
                 self.speculator.propose(self.scheduler.running)
             out = self.scheduler.schedule(preempt=False)       # None: it would preempt; wait first
         if out is None:
@@ -325,6 +325,12 @@ class LLMEngine:
         """Should the next step verify guesses (engine/speculative.py: the batch is small and enough
         of its sequences are due to guess); else it decodes plainly, scheduled ahead as usual."""
         return self.speculator is not None and self.speculator.wants(self.scheduler.running)
+
+    def _guess_ahead_of(self, prev: LaunchedStep) -> bool:
+        """Guess past the step in flight (`guesses_ahead`) while its tokens are not back: its verified
+        guesses as if all held, a plain step's token as the n-gram match predicts it (speculative.py).
+        Once they are back, settling it first costs no wait and voids no step."""
+        return self.guesses_ahead and not prev.ready()
 
     def _may_schedule_ahead(self, prev: LaunchedStep) -> bool:
         """Not past a step whose prompt KV is handed off (the pieces need its sampled token), nor

@@ -599,6 +599,11 @@ class LaunchedStep:
     head_hidden: torch.Tensor | None = None    # an EAGLE-3 head's output at each input row (engine/draft_head.py)
     head_rows: np.ndarray | None = None        # ...and the input row of each sampled token
 
+    def ready(self) -> bool:
+        """Are the step's tokens on the host already (its copy landed)? False while they are not, and
+        where no event tells (the CPU: its steps are scheduled past as a device's would be)."""
+        return self.finish is None and self.deferred is None and self.event is not None and self.event.query()
+
     def complete(self) -> None:
         """Queue the deferred sampling, if any, once its masks are filled (structured output: they
         fill meanwhile, engine/llm_engine.py); whatever reads this step's tokens, or feeds them to

@@ -167,9 +167,11 @@ class Speculator:
         heads: list[tuple[Sequence, int]] = []          # (sequence, guesses) for the draft head
         for seq in running:
             seq.draft, seq.draft_probs = [], None
-            # its guesses in flight, verified as this step runs (scheduled past them: all held, assumed)
+            # its guesses in flight, verified as this step runs (scheduled past them: all held, assumed),
+            # or a plain step's token in flight (the n-gram match of the known tokens predicts it)
             follows, seq.spec_next = seq.spec_next if seq.num_unverified_tokens else None, None
-            if seq.num_uncomputed_tokens != 1 or (seq.num_pending_tokens and follows is None):
+            predicts = seq.num_pending_tokens == 1 and not seq.num_unverified_tokens
+            if seq.num_uncomputed_tokens != 1 or (seq.num_pending_tokens and follows is None and not predicts):
                 continue
             decoding += 1
             if seq.spec_resume_step > self.clock or not self._may_guess(seq):
@@ -182,6 +184,16 @@ class Speculator:
                 continue
             if follows is not None:
                 start = follows
+                seq.draft = self.proposer.continue_match(seq.token_ids, start, left)
+            elif predicts:              # the match's next token is the guess for the one in flight
+                if seq.ngram_index is None:
+                    seq.ngram_index = NgramIndex(self.proposer.max_ngram)
+                start = self.proposer.match(seq.token_ids[:-1], left, seq.ngram_index)
+                if start is None:
+                    if left > 0:
+                        self._back_off(seq)
+                    continue
+                start += 1
                 seq.draft = self.proposer.continue_match(seq.token_ids, start, left)
             else:
                 if seq.ngram_index is None:

@@ -29,6 +29,31 @@ def test_ngram_proposer_finds_the_latest_longest_match():
     assert p.propose([7], limit=5) == []
 
 
+def test_guesses_go_on_past_a_token_in_flight():
+    """Past a plain step in flight, the n-gram match of the known tokens predicts its token and guesses
+    the ones after it; past guesses in flight (as if all held), the match goes on where they end."""
+    from baton.engine.sequence import PENDING, Sequence
+    from baton.engine.speculative import Speculator
+    spec = Speculator("ngram", k=4, max_batch=32)
+    prompt = list(range(1, 13)) + [1, 2]
+    seq = Sequence("a", prompt, SamplingParams(max_tokens=30), 256)
+    seq.num_computed_tokens = 14
+    seq.append_pending()                                   # a plain step samples token 14 (predicted: 3)
+    spec.propose([seq])
+    assert seq.draft == [4, 5, 6, 7] and seq.spec_next == 8
+    seq.token_ids += seq.draft                             # ...which went in as tokens, the next pending
+    seq.num_unverified_tokens, seq.num_computed_tokens = 4, 19
+    seq.append_pending()
+    spec.propose([seq])
+    assert seq.draft == [9, 10, 11, 12]                    # after 7 comes 8 (the token in flight), then these
+    seq.rollback(14)
+    seq.append_token(99)                                   # nothing in flight, and nothing repeats
+    seq.num_computed_tokens = 14
+    spec.propose([seq])
+    assert seq.draft == [] and seq.spec_next is None and seq.spec_misses == 1
+    assert PENDING not in seq.token_ids
+
+
 def test_accept_keeps_guesses_up_to_the_first_disagreement():
     assert accept([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]                  # all held, plus the bonus
     assert accept([4, 5, 6], [4, 9, 6, 7]) == [4, 9]
