@@ -344,6 +344,22 @@ def test_scheduled_ahead_the_tokens_and_stops_are_plain_decodings(embedded_llm, 
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_settling_a_step_that_is_back_before_guessing_past_it_gives_the_same_tokens(ahead_llm, copy_prompts,
+                                                                                    plain_greedy, monkeypatch):
+    """On a device a step whose tokens are back when the next is built is settled first (no void step);
+    one still running is guessed past. Mixed in every order, the tokens are plain decoding's."""
+    import itertools
+
+    from baton.engine.model_runner import LaunchedStep
+    back = itertools.cycle([True, False, False, True, True, False])
+    monkeypatch.setattr(LaunchedStep, "ready", lambda self: next(back))
+    stats = ahead_llm.engine.speculator.stats
+    before = (stats.steps, stats.ahead)
+    assert [o.token_ids for o in ahead_llm.generate(copy_prompts, GREEDY)] == plain_greedy
+    assert stats.steps - before[0] > stats.ahead - before[1] > 0        # both ways taken
+    assert ahead_llm.engine.block_manager.num_free_blocks == ahead_llm.engine.block_manager.num_blocks
+
+
 def test_an_abort_while_guesses_are_scheduled_ahead_frees_its_blocks_once(ahead_llm, copy_prompts, plain_greedy):
     """Aborted while a step verifying its guesses as if they all held is in flight (the step before it
     settled): its blocks are freed once, the others' tokens are plain decoding's."""
