@@ -12,7 +12,8 @@ repeat a given passage with one word changed -- the answer copies spans of the p
 summaries and extraction do. For each batch size, the same greedy requests run through an engine
 without speculation and one with `--speculative-method ngram`; output tok/s of each, their ratio,
 the mean tokens a verifying step gained per sequence (accepted guesses + 1), the histogram of kept
-guesses and the number of verifying steps. Greedy tokens are compared too (bf16 on a GPU may flip
+guesses and the number of verifying steps (those queued before the step before them was back, and
+the sequence-steps of those voided by a rollback). Greedy tokens are compared too (bf16 on a GPU may flip
 near-ties: docs/benchmarks.md). Workloads: ignore-eos (160 tokens each; past its EOS the model writes
 text of its own, where guesses mostly fail) and stop-at-eos (each answer ends where the model ends it).
 """
@@ -123,18 +124,20 @@ def main(argv=None) -> None:
             for b in batches:
                 reqs = prompts(llm, b * args.waves)
                 st = llm.engine.speculator.stats if spec else None
-                before = (st.accepted_lengths[:], st.steps) if spec else None
+                before = (st.accepted_lengths[:], st.steps, st.ahead, st.rolled_back) if spec else None
                 tok_s, outs = run(llm, b, reqs, params)
-                mean = lengths = steps = None
+                mean = lengths = steps = ahead = None
                 if spec:
                     lengths = [a - (before[0][i] if i < len(before[0]) else 0) for i, a in enumerate(st.accepted_lengths)]
                     n = sum(lengths)
                     mean = sum((i + 1) * c for i, c in enumerate(lengths)) / n if n else None
                     steps = st.steps - before[1]
-                results[(spec, workload, b)] = (tok_s, outs, mean, lengths, steps)
+                    ahead = {"ahead": st.ahead - before[2], "rolled_back": st.rolled_back - before[3]}
+                results[(spec, workload, b)] = (tok_s, outs, mean, lengths, steps, ahead)
                 print(f"[spec] {method if spec else 'plain'} {workload} batch {b}: {tok_s:.0f} tok/s"
                       + (f", mean tokens per verified step {mean:.2f}, kept-guess histogram {lengths}, verifying "
-                         f"steps {steps}" if mean else ""), file=sys.stderr, flush=True)
+                         f"steps {steps} ({ahead['ahead']} queued ahead, {ahead['rolled_back']} sequence-steps "
+                         f"rolled back)" if mean else ""), file=sys.stderr, flush=True)
         del llm
         gc.collect()
         if torch.cuda.is_available():
@@ -145,7 +148,8 @@ def main(argv=None) -> None:
             rows.append({"workload": workload, "batch": b, "plain_tok_s": round(plain[0], 1),
                          f"{method}_tok_s": round(spec[0], 1), "speedup": round(spec[0] / plain[0], 3),
                          "mean_tokens_per_verified_step": spec[2], "kept_guesses_histogram": spec[3],
-                         "verifying_steps": spec[4], "output_tokens": sum(map(len, spec[1])),
+                         "verifying_steps": spec[4], "verifying_steps_ahead": (spec[5] or {}).get("ahead"),
+                         "rolled_back": (spec[5] or {}).get("rolled_back"), "output_tokens": sum(map(len, spec[1])),
                          "same_tokens": plain[1] == spec[1]})
             print(json.dumps(rows[-1]), flush=True)
     if args.output:

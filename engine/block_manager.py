@@ -100,7 +100,7 @@ class BlockManager:
         """Make the sequence's completely computed blocks findable by later prompts."""
         if not self.enable_prefix_caching:
             return
-        n_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        n_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
         start = seq.num_hashed_blocks       # only blocks that filled up since the last call
         parent = self.blocks[seq.block_table[start - 1]].hash if start else None
         for i in range(start, n_full):

@@ -26,6 +26,16 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in ladder if b < max_num_seqs] + [max_num_seqs]
 
 
+def graph_rows(config) -> int:
+    """The most rows a decode graph replays: a row per running sequence, or with speculation, while
+    the batch is small enough for it, a row per token verified (each sequence's last and its guesses:
+    16 sequences with 4 guesses are 80 rows, which a graph of --max-num-seqs 16 would leave eager)."""
+    rows = config.max_num_seqs
+    if config.speculative_method is not None:
+        rows = max(rows, min(rows, config.speculative_max_batch) * (config.num_speculative_tokens + 1))
+    return rows
+
+
 class DecodeGraphs:
     """One token per row: decode steps, and steps verifying guesses, which are decode steps of
     one row per token (engine/model_runner.py `_verify_inputs`)."""
@@ -33,7 +43,7 @@ class DecodeGraphs:
     def __init__(self, runner):
         self.runner = runner
         self.platform = runner.platform
-        self.buckets = batch_buckets(runner.config.max_num_seqs)
+        self.buckets = batch_buckets(graph_rows(runner.config))
         self.max_bs = self.buckets[-1]
         dev = runner.device
         max_blocks = (runner.max_model_len + runner.block_size - 1) // runner.block_size

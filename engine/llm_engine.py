@@ -105,6 +105,9 @@ class LLMEngine:
         self.speculator = None if self.config.speculative_method is None else Speculator(
             self.config.speculative_method, self.config.num_speculative_tokens, self.config.speculative_max_batch,
             self.block_manager, self.runner.drafts)
+        # n-gram guesses, scheduled ahead: the step after a verifying one is queued before its tokens are
+        # back, as if every guess held (the sequences that kept fewer roll back: engine/speculative.py)
+        self.guesses_ahead = self.look_ahead and self.speculator is not None and self.speculator.drafter is None
         self._ids = itertools.count()
         self.last_step_seconds = 0.0
 
@@ -267,7 +270,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         prev, out, settled = self.in_flight, None, None
         guessing = self._speculating()
-        if prev is not None and self._may_schedule_ahead(prev) and not guessing:
+        if prev is not None and self._may_schedule_ahead(prev) and (not guessing or self._guess_ahead_of(prev)):
+            if guessing:        # past the step in flight: guesses as if its tokens were the ones predicted
+                self.speculator.propose(self.scheduler.running)
             out = self.scheduler.schedule(preempt=False)       # None: it would preempt; wait first
         if out is None:
             if prev is not None:
@@ -286,9 +291,10 @@ class LLMEngine:
                 outputs += self._emit_settled(*settled)
             return outputs
         launched = self.runner.launch(out, prev)
-        launched.slots = self.scheduler.advance(out)
+        launched.slots = self.scheduler.advance(out, ahead=self.guesses_ahead)
         if self.speculator is not None:
             self.speculator.clock += 1
+            self.speculator.stats.ahead += prev is not None and _verifies_ahead(launched)
         if launched.deferred is not None:     # structured output: masks from every token before this step's
             # (`prev`'s are the first thing back), filled on a thread while this thread resolves `prev` and
             # schedules and builds the next step; its sampling is queued when the next step is launched or
@@ -320,10 +326,17 @@ class LLMEngine:
         of its sequences are due to guess); else it decodes plainly, scheduled ahead as usual."""
         return self.speculator is not None and self.speculator.wants(self.scheduler.running)
 
+    def _guess_ahead_of(self, prev: LaunchedStep) -> bool:
+        """Guess past the step in flight (`guesses_ahead`) while its tokens are not back: its verified
+        guesses as if all held, a plain step's token as the n-gram match predicts it (speculative.py).
+        Once they are back, settling it first costs no wait and voids no step."""
+        return self.guesses_ahead and not prev.ready()
+
     def _may_schedule_ahead(self, prev: LaunchedStep) -> bool:
         """Not past a step whose prompt KV is handed off (the pieces need its sampled token), nor
-        past one verifying guesses (how many it keeps sets the next step's positions)."""
-        return self.look_ahead and not any(item.draft or item.seq.kv_ticket is not None
+        past one verifying guesses (how many it keeps sets the next step's positions) unless its guesses
+        went in as tokens (`guesses_ahead`: the next step assumes they all hold)."""
+        return self.look_ahead and not any(item.draft and not item.ahead or item.seq.kv_ticket is not None
                                            and item.seq.kv_ticket.side == "prefill" for item in prev.out.scheduled)
 
     def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
@@ -347,9 +360,11 @@ class LLMEngine:
         if verified:
             kept = []
             for item, tokens in zip(launched.out.scheduled, drawn, strict=True):
-                if tokens is not None and item.draft:
+                if tokens is not None and item.draft and item.epoch == item.seq.spec_epoch \
+                        and not item.seq.is_finished:               # (a void item's tokens are dropped)
                     tokens = accept(item.draft, tokens)
                     self.speculator.verified(item.seq, len(item.draft), len(tokens) - 1)
+                    self.speculator.stats.rolled_back += item.ahead and len(tokens) <= len(item.draft)
                 kept.append(tokens)
             self.speculator.stats.steps += 1
             sampled = [tokens[-1] if tokens else None for tokens in kept]
@@ -481,6 +496,11 @@ class LLMEngine:
             if ticket is not None and ticket.state is KVState.JOINED:
                 ticket.advance(KVState.FINISHED)
         return result
+
+
+def _verifies_ahead(launched: LaunchedStep) -> bool:
+    """A step verifying guesses that went in as tokens (scheduled past as if all held)."""
+    return any(item.ahead for item in launched.out.scheduled)
 
 
 # -- logprobs (engine/logprobs.py) ----------------------------------------------------------------

@@ -389,7 +389,7 @@ class ModelRunner:
         """The step's inputs as small numpy arrays: what the device needs, and what rank 0
         sends to the other tensor-parallel ranks. Rows of one token (decodes) come first, so a
         mixed step's attention can run them through the decode kernel."""
-        inputs = self._verify_inputs(out) if self._all_verifying(out) else self._step_inputs(out, prev)
+        inputs = self._verify_inputs(out, prev) if self._all_verifying(out) else self._step_inputs(out, prev)
         if self.drafts is not None:
             inputs.draft_checks = self.drafts.checks(out, inputs.sample_items)
             inputs.head_full = self.drafts.wants_states(out)
@@ -464,20 +464,22 @@ class ModelRunner:
         )
 
     def _all_verifying(self, out: SchedulerOutput) -> bool:
-        """A step of decodes only, some with guesses, no token pending, none with penalties, logprobs
-        or a grammar (the generic path serves those: a chunk of tokens per sequence)."""
+        """A step of decodes only (a last token may still be pending), some with guesses, none with
+        penalties, logprobs or a grammar (the generic path serves those: a chunk of tokens per sequence)."""
         return (any(item.draft for item in out.scheduled)
                 and all(not item.seq.params.processes_logits and item.seq.params.logprobs is None
                         and item.seq.params.structured is None
-                        and item.num_new_tokens == 1 + len(item.draft) and not item.seq.num_pending_tokens
+                        and item.num_new_tokens == 1 + len(item.draft)
                         and item.seq.num_computed_tokens == item.seq.num_tokens - 1 for item in out.scheduled))
 
-    def _verify_inputs(self, out: SchedulerOutput) -> StepInputs:
+    def _verify_inputs(self, out: SchedulerOutput, prev: LaunchedStep | None) -> StepInputs:
         """A step verifying guesses as a decode step of one row per token: each sequence's last token
         and its guesses, each row attending to its sequence's context up to itself (its own length
         over the sequence's block table; the step's keys are stored before any row attends). So the
         decode graphs and kernels serve it, with no padding, and every row is summed as a plain
-        decode step would sum it. Every row samples: after the last token and after each guess."""
+        decode step would sum it. Every row samples: after the last token and after each guess. A last
+        token still being sampled by `prev` (scheduled past its guesses, as if they all held) is taken
+        from its tokens on the device."""
         bs, items = self.block_size, out.scheduled
         n = len(items)
         lasts = np.fromiter((item.seq.num_tokens - 1 for item in items), np.int64, n)
@@ -496,8 +498,11 @@ class ModelRunner:
         slots = row_tables[np.arange(total), positions // bs].astype(np.int64) * bs + positions % bs
         seqs = [items[r].seq for r in seq_of.tolist()]
         params = [q.params for q in seqs]
+        input_ids = np.asarray(ids, np.int64)
+        pending_dst = np.flatnonzero(input_ids == PENDING)
+        pending_src = _rows_in(prev, [seqs[r].seq_id for r in pending_dst.tolist()])
         return StepInputs(
-            is_decode=True, input_ids=np.asarray(ids, np.int64), positions=positions, slots=slots,
+            is_decode=True, input_ids=input_ids, positions=positions, slots=slots,
             query_starts=np.arange(total + 1, dtype=np.int32), seq_lens=(positions + 1).astype(np.int32),
             block_tables=row_tables, max_query_len=1, has_context=True, rows=np.arange(total, dtype=np.int64),
             sample_items=seq_of, num_decode_rows=total,
@@ -506,7 +511,7 @@ class ModelRunner:
             top_ps=np.array([p.top_p for p in params], np.float32),
             seeds=np.array([_signed64(q.sampling_seed or 0) for q in seqs], np.int64),
             has_seed=np.array([q.sampling_seed is not None for q in seqs], np.bool_),
-            sample_positions=positions + 1, pending_dst=np.zeros(0, np.int64), pending_src=np.zeros(0, np.int64),
+            sample_positions=positions + 1, pending_dst=pending_dst.astype(np.int64), pending_src=pending_src,
             next_ids=np.zeros(total, np.int64), sample_logit_rows=np.arange(total, dtype=np.int64))
 
     def _device_inputs(self, h: StepInputs) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor, SamplingBatch]:
@@ -599,6 +604,11 @@ class LaunchedStep:
     finish: Callable[[], None] | None = None   # ...which `complete` then runs (the engine sets it)
     head_hidden: torch.Tensor | None = None    # an EAGLE-3 head's output at each input row (engine/draft_head.py)
     head_rows: np.ndarray | None = None        # ...and the input row of each sampled token
+
+    def ready(self) -> bool:
+        """Are the step's tokens on the host already (its copy landed)? False while they are not, and
+        where no event tells (the CPU: its steps are scheduled past as a device's would be)."""
+        return self.finish is None and self.deferred is None and self.event is not None and self.event.query()
 
     def complete(self) -> None:
         """Queue the deferred sampling, if any, once its masks are filled (structured output: they

@@ -20,6 +20,8 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int          # tokens fed to the model this step, from seq.num_computed_tokens
     draft: list[int] = field(default_factory=list)   # guesses fed after its last token (verified: speculative.py)
+    epoch: int = 0               # seq.spec_epoch when scheduled: a rollback since voids this step for it
+    ahead: bool = False          # its guesses went in as tokens at launch (advance(ahead=True)), verified later
 
     @property
     def samples(self) -> bool:
@@ -138,7 +140,7 @@ class Scheduler:
                     break
             else:
                 self.block_manager.allocate(seq, n)
-                out.scheduled.append(ScheduledSeq(seq, n, draft))
+                out.scheduled.append(ScheduledSeq(seq, n, draft, seq.spec_epoch))
                 budget -= n
                 i += 1
                 continue
@@ -166,7 +168,7 @@ class Scheduler:
             self.waiting.pop()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, epoch=seq.spec_epoch))
             budget -= n
 
     def _shrink_to_fit(self, seq: Sequence, n: int) -> int:
@@ -185,16 +187,24 @@ class Scheduler:
         out.preempted.append(seq)
 
     # -- after the model step ---------------------------------------------------------------
-    def advance(self, out: SchedulerOutput) -> list[int | None]:
+    def advance(self, out: SchedulerOutput, ahead: bool = False) -> list[int | None]:
         """Once a step is launched: its tokens are computed, and each sampling sequence gets a
         placeholder for the token being sampled. Returns each item's placeholder index (or None),
-        for `resolve`."""
+        for `resolve`. `ahead`: the guesses of a verifying step go in as tokens (unverified) and
+        count as computed, so that the next step can be scheduled as if they all held; resolving
+        keeps them or rolls the sequence back (engine/speculative.py)."""
         slots: list[int | None] = []
         for item in out.scheduled:
+            seq = item.seq
             samples = item.samples                   # (judged before the count moves)
-            # a verified step's guesses count as computed once they are kept (resolve_many)
-            item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
-            slots.append(item.seq.append_pending() if samples else None)
+            if item.draft and ahead:
+                item.ahead = True
+                seq.num_computed_tokens += item.num_new_tokens
+                seq.token_ids += item.draft
+                seq.num_unverified_tokens += len(item.draft)
+            else:       # a verified step's guesses count as computed once they are kept (resolve_many)
+                seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
+            slots.append(seq.append_pending() if samples else None)
         return slots
 
     def resolve(self, out: SchedulerOutput, slots: list[int | None], sampled: list[int | None]) -> list[Sequence]:
@@ -215,8 +225,12 @@ class Scheduler:
             if seq.is_finished:
                 seq.drop_pending()
                 continue
+            if item.epoch != seq.spec_epoch:
+                continue                                    # rolled back since: this step's rows are void
             reason = None
-            if slot is not None:
+            if slot is not None and item.ahead:
+                reason = self._verify_ahead(item, slot, tokens)
+            elif slot is not None:
                 for j, token in enumerate(tokens):
                     if j == 0:
                         seq.fill_pending(slot, token)
@@ -232,6 +246,31 @@ class Scheduler:
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _verify_ahead(self, item: ScheduledSeq, slot: int, tokens: list[int]) -> FinishReason | None:
+        """An item whose guesses went in as tokens (advance(ahead=True)) keeps `tokens` (the guesses that
+        held and the token sampled after them): when all held they are in place, and the step scheduled
+        past this one stands; else the sequence rolls back to them, voiding that step for it."""
+        seq, guesses = item.seq, len(item.draft)
+        if len(tokens) == guesses + 1:
+            for j, token in enumerate(tokens):
+                if j < guesses:
+                    seq.num_unverified_tokens -= 1
+                else:
+                    seq.fill_pending(slot, token)
+                reason = self.stop_reason(seq, token)
+                if reason is not None:
+                    seq.drop_pending()                      # what was scheduled past the stop
+                    return reason
+            return None
+        seq.rollback(slot - guesses)
+        for token in tokens:
+            seq.append_token(token)
+            reason = self.stop_reason(seq, token)
+            if reason is not None:
+                return reason
+        seq.num_computed_tokens = seq.num_tokens - 1        # the KV of the guesses before it was computed
+        return None
 
     def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
         """advance + resolve, for a step whose tokens are already known."""

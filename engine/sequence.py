@@ -4,7 +4,11 @@ Torch-free. `num_computed_tokens` counts tokens whose KV is in the cache; the sc
 feeds the rest to the model, in chunks if the budget requires. With asynchronous scheduling a
 step's sampled token is appended as a placeholder (`PENDING`) when the step is launched and
 filled in when its value is back, so the next step can be scheduled meanwhile;
-`num_pending_tokens` counts those not yet filled in (the last ones).
+`num_pending_tokens` counts those not yet filled in (the last ones). A step that verifies guesses
+while the next is scheduled past it (engine/speculative.py: scheduled as if every guess held) puts its
+guesses in as tokens too, `num_unverified_tokens` of them, until its tokens are back: then they stay,
+or the sequence rolls back to the ones that held (`rollback`, a new `spec_epoch`). The known tokens,
+what is emitted and cached, are the leading ones neither pending nor unverified.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ class Sequence:
         "arrival", "num_preemptions", "sampling_seed", "num_hashed_blocks", "kv_ticket",
         "num_blocks_handed_off", "num_pending_tokens", "mm", "logprobs", "prompt_logprobs",
         "prompt_token_set", "draft", "ngram_index", "draft_probs", "spec_hidden", "spec_misses", "spec_resume_step",
-        "grammar",
+        "grammar", "num_unverified_tokens", "spec_next", "spec_epoch",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -68,6 +72,9 @@ class Sequence:
         self.spec_hidden = None             # ...and the head's output at its last kept token: (tensor, row)
         self.spec_misses = 0                # ...guessing rounds in a row that kept nothing (it backs off)
         self.spec_resume_step = 0           # ...the engine step from which it guesses again
+        self.num_unverified_tokens = 0      # ...guesses in token_ids whose verifying step is in flight
+        self.spec_next = None               # ...where the n-gram match continues after the guesses in flight
+        self.spec_epoch = 0                 # ...rollbacks so far (steps scheduled before one are void for it)
         self.logprobs = None                # {token index: TokenLogprob} of sampled tokens (params.logprobs)
         self.prompt_logprobs = None         # {token index: TokenLogprob} of prompt tokens (params.prompt_logprobs)
         self.prompt_token_set = None        # the prompt's distinct tokens, once a repetition penalty needs them
@@ -82,8 +89,8 @@ class Sequence:
 
     @property
     def num_known_tokens(self) -> int:
-        """Tokens whose value is known (all but the pending ones)."""
-        return len(self.token_ids) - self.num_pending_tokens
+        """Tokens whose value is known (all but the pending and unverified ones)."""
+        return len(self.token_ids) - self.num_pending_tokens - self.num_unverified_tokens
 
     @property
     def num_completion_tokens(self) -> int:
@@ -128,15 +135,22 @@ class Sequence:
         self.num_pending_tokens -= 1
 
     def drop_last(self, n: int) -> None:
-        """Forget the last n known tokens (a stop string ended the text before them)."""
+        """Forget the last n known tokens, and any after them (a stop string ended the text before them)."""
         if n > 0:
-            del self.token_ids[len(self.token_ids) - n:]
+            self.rollback(self.num_known_tokens - n)
 
     def drop_pending(self) -> None:
-        """Forget the placeholders (the request ended before they were filled in)."""
-        if self.num_pending_tokens:
-            del self.token_ids[-self.num_pending_tokens:]
-            self.num_pending_tokens = 0
+        """Forget the placeholders and unverified guesses (the request ended before they were filled in)."""
+        if self.num_pending_tokens or self.num_unverified_tokens:
+            del self.token_ids[self.num_known_tokens:]
+            self.num_pending_tokens = self.num_unverified_tokens = 0
+
+    def rollback(self, length: int) -> None:
+        """Keep the first `length` tokens (all known): the steps scheduled past them are void for it."""
+        del self.token_ids[length:]
+        self.num_pending_tokens = self.num_unverified_tokens = 0
+        self.spec_next = None
+        self.spec_epoch += 1
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "

@@ -16,6 +16,15 @@ gives with q(d) = 1; on a rejection it emits a token drawn from p given "not d",
 sampling's residual max(0, p - q) does. A draft head's proposals drawn from a distribution q take
 the exact rejection sampler instead (engine/draft_head.py).
 
+Scheduled ahead (n-gram, with asynchronous scheduling, as on accelerators): a verifying step's
+guesses go in as tokens of the sequence (unverified: neither emitted nor cached) and the next step
+is queued before its tokens are back, as if every guess held: its input is the token being sampled
+after them (taken on the device) and its guesses go on where the n-gram match left off. When the
+verifying step's tokens come back, a sequence whose guesses all held keeps them; one that kept fewer
+rolls back to those (a new epoch: the rows of the steps queued past them are void, and the KV they
+wrote past its length is overwritten later). Acceptance on copying workloads is mostly all or
+nothing, so most verifying steps overlap the host's work for the next with the device's.
+
 Proposers:
 - `ngram` (prompt lookup): the longest suffix of the sequence (up to `max_ngram` tokens) that
   occurred earlier in it; the guesses are the tokens that followed its latest earlier
@@ -29,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from baton.engine.config import SPECULATIVE_METHODS as METHODS
-from baton.engine.sequence import Sequence
+from baton.engine.sequence import PENDING, Sequence
 
 HEAD_STATE_META = "eagle3_hidden"       # KV hand-off metadata: a draft head's last state (engine/draft_head.py)
 
@@ -60,17 +69,29 @@ class NgramProposer:
         """Up to min(k, limit) guesses of what follows `token_ids`: the tokens after the latest
         earlier occurrence of its longest repeated suffix. `index`: the sequence's own, reused
         from step to step (a new one otherwise)."""
-        limit = min(self.k, limit)
+        start = self.match(token_ids, limit, index)
+        return [] if start is None else token_ids[start:start + min(self.k, limit)]
+
+    def match(self, token_ids: list[int], limit: int, index: NgramIndex | None = None) -> int | None:
+        """Where `propose`'s guesses start in `token_ids` (None: no guesses)."""
         length = len(token_ids)
-        if limit <= 0 or length < self.min_ngram + 1:
-            return []
+        if min(self.k, limit) <= 0 or length < self.min_ngram + 1:
+            return None
         index = index or NgramIndex(self.max_ngram)
         index.extend(token_ids, length - 1)           # every n-gram something follows
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             end = index.ends[n].get(tuple(token_ids[length - n:]))
             if end is not None:
-                return token_ids[end:end + limit]
-        return []
+                return end
+        return None
+
+    def continue_match(self, token_ids: list[int], start: int, limit: int) -> list[int]:
+        """Guesses for a sequence whose last token is still being sampled after guesses that are
+        still being verified, assuming they all hold: the match goes on where they ended (start,
+        past the token there, which is the guess for the one being sampled); up to the first token
+        not known yet."""
+        guesses = token_ids[start:start + min(self.k, limit)] if limit > 0 else []
+        return guesses[:guesses.index(PENDING)] if PENDING in guesses else guesses
 
 
 @dataclass(slots=True)
@@ -78,6 +99,8 @@ class SpeculationStats:
     """Counters for metrics: steps that speculated, tokens proposed and accepted, and how many
     guesses each verified sequence kept (index = accepted count, 0..k)."""
     steps: int = 0
+    ahead: int = 0                      # verifying steps queued before the step before them was back
+    rolled_back: int = 0                # ...sequence-steps of those, void as guesses before them failed
     proposed: int = 0
     accepted: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
@@ -144,29 +167,50 @@ class Speculator:
         heads: list[tuple[Sequence, int]] = []          # (sequence, guesses) for the draft head
         for seq in running:
             seq.draft, seq.draft_probs = [], None
-            if seq.num_uncomputed_tokens != 1 or seq.num_pending_tokens:
+            # its guesses in flight, verified as this step runs (scheduled past them: all held, assumed),
+            # or a plain step's token in flight (the n-gram match of the known tokens predicts it)
+            follows, seq.spec_next = seq.spec_next if seq.num_unverified_tokens else None, None
+            predicts = seq.num_pending_tokens == 1 and not seq.num_unverified_tokens
+            if seq.num_uncomputed_tokens != 1 or (seq.num_pending_tokens and follows is None and not predicts):
                 continue
             decoding += 1
             if seq.spec_resume_step > self.clock or not self._may_guess(seq):
                 continue
             # room left: max_tokens and the context both cap the tokens a step may add (guesses + 1)
-            left = min(seq.params.max_tokens - seq.num_completion_tokens, seq.max_model_len - seq.num_tokens) - 1
+            left = min(seq.params.max_tokens + seq.num_prompt_tokens, seq.max_model_len) - seq.num_tokens - 1
             if self.drafter is not None:
                 if left > 0:
                     heads.append((seq, min(self.k, left)))
                 continue
-            if seq.ngram_index is None:
-                seq.ngram_index = NgramIndex(self.proposer.max_ngram)
-            seq.draft = self.proposer.propose(seq.token_ids, left, seq.ngram_index)
-            guessing += bool(seq.draft)
-            if not seq.draft and left > 0:
-                self._back_off(seq)                     # nothing repeats yet: as a failed guess
+            if follows is not None:
+                start = follows
+                seq.draft = self.proposer.continue_match(seq.token_ids, start, left)
+            elif predicts:              # the match's next token is the guess for the one in flight
+                if seq.ngram_index is None:
+                    seq.ngram_index = NgramIndex(self.proposer.max_ngram)
+                start = self.proposer.match(seq.token_ids[:-1], left, seq.ngram_index)
+                if start is None:
+                    if left > 0:
+                        self._back_off(seq)
+                    continue
+                start += 1
+                seq.draft = self.proposer.continue_match(seq.token_ids, start, left)
+            else:
+                if seq.ngram_index is None:
+                    seq.ngram_index = NgramIndex(self.proposer.max_ngram)
+                start = self.proposer.match(seq.token_ids, left, seq.ngram_index)
+                seq.draft = [] if start is None else seq.token_ids[start:start + min(self.k, left)]
+                if not seq.draft and left > 0:
+                    self._back_off(seq)                 # nothing repeats yet: as a failed guess
+            if seq.draft:
+                guessing += 1
+                seq.spec_next = start + len(seq.draft) + 1     # past the token after them: the next guesses
         if heads:
             guessing = self._draft(heads, decoding, len(running))
         if guessing < MIN_GUESSING_SHARE * decoding:
             for seq in running:
                 if seq.draft:                           # due, but alone: wait for company a few steps
-                    seq.draft, seq.draft_probs = [], None
+                    seq.draft, seq.draft_probs, seq.spec_next = [], None, None
                     seq.spec_resume_step = self._after(4)
 
     def _draft(self, heads: list[tuple[Sequence, int]], decoding: int, running: int) -> int:

@@ -29,6 +29,31 @@ def test_ngram_proposer_finds_the_latest_longest_match():
     assert p.propose([7], limit=5) == []
 
 
+def test_guesses_go_on_past_a_token_in_flight():
+    """Past a plain step in flight, the n-gram match of the known tokens predicts its token and guesses
+    the ones after it; past guesses in flight (as if all held), the match goes on where they end."""
+    from baton.engine.sequence import PENDING, Sequence
+    from baton.engine.speculative import Speculator
+    spec = Speculator("ngram", k=4, max_batch=32)
+    prompt = list(range(1, 13)) + [1, 2]
+    seq = Sequence("a", prompt, SamplingParams(max_tokens=30), 256)
+    seq.num_computed_tokens = 14
+    seq.append_pending()                                   # a plain step samples token 14 (predicted: 3)
+    spec.propose([seq])
+    assert seq.draft == [4, 5, 6, 7] and seq.spec_next == 8
+    seq.token_ids += seq.draft                             # ...which went in as tokens, the next pending
+    seq.num_unverified_tokens, seq.num_computed_tokens = 4, 19
+    seq.append_pending()
+    spec.propose([seq])
+    assert seq.draft == [9, 10, 11, 12]                    # after 7 comes 8 (the token in flight), then these
+    seq.rollback(14)
+    seq.append_token(99)                                   # nothing in flight, and nothing repeats
+    seq.num_computed_tokens = 14
+    spec.propose([seq])
+    assert seq.draft == [] and seq.spec_next is None and seq.spec_misses == 1
+    assert PENDING not in seq.token_ids
+
+
 def test_accept_keeps_guesses_up_to_the_first_disagreement():
     assert accept([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]                  # all held, plus the bonus
     assert accept([4, 5, 6], [4, 9, 6, 7]) == [4, 9]
@@ -287,19 +312,120 @@ def test_stops_inside_the_guesses_end_where_plain_decoding_ends(embedded_llm, sp
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
-def test_scheduled_ahead_the_tokens_and_stops_are_plain_decodings(embedded_llm, copy_prompts, plain_greedy):
-    """With asynchronous scheduling (as on accelerators): a verifying step stays in flight until the
-    next call settles it and its outputs are emitted after the next step is queued, so a stop string
-    found then ends a sequence that step already holds; sequences backing off decode a step ahead."""
-    llm = LLM(embedded_llm.engine.source.name, async_scheduling=True, **SPEC)
+def test_guesses_scheduled_ahead_stay_or_roll_back_and_void_the_steps_past_them():
+    """advance(ahead=True) puts a verifying step's guesses in as tokens (unverified: not emitted, not
+    cached), so the next step is scheduled before its tokens are back; resolving keeps them when all
+    held, else rolls the sequence back to those that did and voids the steps scheduled past them."""
+    from baton.engine.block_manager import BlockManager
+    from baton.engine.scheduler import Scheduler, SchedulerConfig
+    from baton.engine.sequence import PENDING, Sequence
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(8, 64, 256), bm, {0})
+    seq = Sequence("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=30, ignore_eos=True), 256)
+    sched.add(seq)
+    out = sched.schedule()
+    sched.resolve(out, sched.advance(out, ahead=True), [9])                 # the prefill samples 9
+
+    def launch(draft):
+        seq.draft = list(draft)
+        out = sched.schedule(preempt=False)
+        return out, sched.advance(out, ahead=True)
+    n = launch([6, 7, 8])
+    assert seq.token_ids[5:] == [9, 6, 7, 8, PENDING] and seq.num_computed_tokens == 9
+    n1 = launch([10, 11])                                                    # past it: as if all held
+    assert seq.completion_token_ids == [9] and seq.num_unverified_tokens == 5 and seq.num_pending_tokens == 2
+    sched.resolve_many(*n, [[6, 7, 8, 12]])                                 # all held: n1 stands
+    assert seq.completion_token_ids == [9, 6, 7, 8, 12] and seq.num_unverified_tokens == 2
+    n2 = launch([20])
+    sched.resolve_many(*n1, [[10, 13]])                                     # 11 failed: roll back to 10, 13
+    assert seq.token_ids[5:] == [9, 6, 7, 8, 12, 10, 13] and seq.num_computed_tokens == seq.num_tokens - 1
+    assert (seq.num_pending_tokens, seq.num_unverified_tokens, seq.spec_epoch) == (0, 0, 1)
+    sched.resolve_many(*n2, [[20, 21]])                                     # void: nothing changes
+    assert seq.token_ids[5:] == [9, 6, 7, 8, 12, 10, 13] and not seq.is_finished
+    assert seq.num_hashed_blocks * 4 <= seq.num_known_tokens                 # only verified tokens cached
+    n3 = launch([14, 15])                                                    # goes on from the rollback
+    assert seq.token_ids[-4:] == [13, 14, 15, PENDING]
+    sched.resolve_many(*n3, [[14, 15, 16]])
+    assert seq.completion_token_ids[-4:] == [13, 14, 15, 16]
+    sched.abort(seq)
+    assert bm.num_free_blocks == 64
+    seq = Sequence("b", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[7]), 256)
+    sched.add(seq)
+    out = sched.schedule()
+    sched.resolve(out, sched.advance(out, ahead=True), [5])
+    m = launch([6, 7, 8])
+    m1 = launch([8, 8])
+    sched.resolve_many(*m, [[6, 7, 8, 9]])                                  # a stop token inside held guesses
+    assert seq.is_finished and seq.token_ids == [1, 2, 3, 5, 6, 7] and seq.num_known_tokens == 6
+    sched.resolve_many(*m1, [[8, 8, 8]])                                    # past the stop: void
+    assert seq.token_ids == [1, 2, 3, 5, 6, 7] and bm.num_free_blocks == 64
+
+
+@pytest.fixture(scope="module")
+def ahead_llm(embedded_llm):
+    """Asynchronous scheduling, as on accelerators: the step after a verifying one is queued before its
+    tokens are back, as if all its guesses held (the sequences that kept fewer roll back)."""
+    return LLM(embedded_llm.engine.source.name, async_scheduling=True, **SPEC)
+
+
+def test_scheduled_ahead_the_tokens_and_stops_are_plain_decodings(embedded_llm, ahead_llm, copy_prompts,
+                                                                  plain_greedy):
+    """A verifying step stays in flight while the next is queued past it, and its outputs are emitted
+    after that, so a stop (string, token, EOS, max_tokens) found then ends a sequence that step already
+    holds; sequences backing off decode a step ahead. Greedy and seeded tokens are plain decoding's."""
+    llm = ahead_llm
     assert [o.token_ids for o in llm.generate(copy_prompts, GREEDY)] == plain_greedy
-    stop = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                          stop=[embedded_llm.tokenizer.decode(plain_greedy[2][10:12]).strip()])
-    want, got = embedded_llm.generate(copy_prompts[2:], stop)[0], llm.generate(copy_prompts[2:], stop)[0]
-    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
     stats = llm.engine.speculator.stats
-    assert stats.steps > 0 and stats.mean_accepted > 1.5, stats
+    assert stats.ahead > 0 and stats.steps > 0 and stats.mean_accepted > 1.5, stats
+    ids = plain_greedy[2]
+    cases = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                            stop=[embedded_llm.tokenizer.decode(ids[10:12]).strip()]),
+             SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[ids[9]]),
+             SamplingParams(temperature=0, max_tokens=40)]                       # (ends at its EOS)
+    for params in cases:
+        want, got = embedded_llm.generate(copy_prompts[2:], params)[0], llm.generate(copy_prompts[2:], params)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=3, max_tokens=16, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(copy_prompts[:2], seeded)] == \
+        [o.token_ids for o in embedded_llm.generate(copy_prompts[:2], seeded)]
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_settling_a_step_that_is_back_before_guessing_past_it_gives_the_same_tokens(ahead_llm, copy_prompts,
+                                                                                    plain_greedy, monkeypatch):
+    """On a device a step whose tokens are back when the next is built is settled first (no void step);
+    one still running is guessed past. Mixed in every order, the tokens are plain decoding's."""
+    import itertools
+
+    from baton.engine.model_runner import LaunchedStep
+    back = itertools.cycle([True, False, False, True, True, False])
+    monkeypatch.setattr(LaunchedStep, "ready", lambda self: next(back))
+    stats = ahead_llm.engine.speculator.stats
+    before = (stats.steps, stats.ahead)
+    assert [o.token_ids for o in ahead_llm.generate(copy_prompts, GREEDY)] == plain_greedy
+    assert stats.steps - before[0] > stats.ahead - before[1] > 0        # both ways taken
+    assert ahead_llm.engine.block_manager.num_free_blocks == ahead_llm.engine.block_manager.num_blocks
+
+
+def test_an_abort_while_guesses_are_scheduled_ahead_frees_its_blocks_once(ahead_llm, copy_prompts, plain_greedy):
+    """Aborted while a step verifying its guesses as if they all held is in flight (the step before it
+    settled): its blocks are freed once, the others' tokens are plain decoding's."""
+    engine = ahead_llm.engine
+    ids = [engine.add_request(p, GREEDY) for p in copy_prompts]
+    tokens = {rid: [] for rid in ids}
+    for _ in range(200):
+        flight = engine.in_flight
+        if flight is not None and ids[0] in engine.states and any(
+                item.ahead and item.seq.request_id == ids[0] for item in flight.out.scheduled):
+            engine.abort(ids[0])
+        if not engine.has_unfinished and not engine.has_work:
+            break
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+    assert ids[0] not in engine.states and len(tokens[ids[0]]) < GREEDY.max_tokens
+    assert [tokens[rid] for rid in ids[1:]] == plain_greedy[1:]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
@@ -447,6 +573,17 @@ def test_unseeded_sampling_keeps_the_target_distribution(tmp_path, method):
     dof = len(obs) - 1
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
     assert p_value > 1e-4, (stat, dof, p_value)
+
+
+def test_decode_graphs_cover_the_rows_of_a_verifying_step():
+    """A verifying step is a decode step of a row per token: the graphs go up to the speculating batch
+    times k + 1 rows, not just --max-num-seqs (a small one would run every verifying step eager)."""
+    from baton.engine.config import EngineConfig
+    from baton.engine.graph_runner import graph_rows
+    assert graph_rows(EngineConfig(max_num_seqs=16)) == 16
+    assert graph_rows(EngineConfig(max_num_seqs=16, **SPEC)) == 80
+    assert graph_rows(EngineConfig(max_num_seqs=256, speculative_max_batch=32, **SPEC)) == 256
+    assert graph_rows(EngineConfig(max_num_seqs=64, speculative_max_batch=32, **SPEC)) == 160
 
 
 def test_worker_metrics_count_guesses_from_the_cores_totals():
