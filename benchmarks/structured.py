@@ -46,7 +46,7 @@ class HostTimes:
     of which the masks' copy (`upload`)."""
 
     def __init__(self, engine):
-        from baton.engine.model_runner import LaunchedStep
+        from baton.engine.step import LaunchedStep
 
         self.totals = {"masks_start": 0.0, "wait_tokens": 0.0, "complete": 0.0, "sample_launch": 0.0, "upload": 0.0}
         self.steps = 0

@@ -22,13 +22,14 @@ from baton.engine.kv_handoff import InPlace, KVHandoff, KVPiece, KVState, KVTick
 from baton.engine.limits import ModelLimits
 from baton.engine.logprobs import decode as decode_logprobs
 from baton.engine.logprobs import encode as encode_logprobs
-from baton.engine.model_runner import LaunchedStep, ModelRunner
+from baton.engine.model_runner import ModelRunner
 from baton.engine.multimodal import POSITION_OFFSET_META, MultimodalPrompt
 from baton.engine.output_processor import RequestOutput, RequestState
 from baton.engine.sampling_params import SamplingParams, sampling_defaults
 from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
 from baton.engine.speculative import HEAD_STATE_META, Speculator, accept
+from baton.engine.step import LaunchedStep
 from baton.engine.structured_output import StructuredOutputs
 from baton.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from baton.models.multimodal import ImageInput, ImagePlaceholders

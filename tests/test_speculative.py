@@ -398,7 +398,7 @@ def test_settling_a_step_that_is_back_before_guessing_past_it_gives_the_same_tok
     one still running is guessed past. Mixed in every order, the tokens are plain decoding's."""
     import itertools
 
-    from baton.engine.model_runner import LaunchedStep
+    from baton.engine.step import LaunchedStep
     back = itertools.cycle([True, False, False, True, True, False])
     monkeypatch.setattr(LaunchedStep, "ready", lambda self: next(back))
     stats = ahead_llm.engine.speculator.stats
