@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     p.add_argument("--speculative-method", default="ngram", choices=("ngram", "eagle3"))
     p.add_argument("--speculative-model", default=None,
                    help="eagle3: the head's directory, or `random` (a random head in the model's shapes)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="unset: the method's default")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--speculative-max-batch", type=int, default=32)
     p.add_argument("--num-kv-blocks", type=int, default=8192, help="each engine's KV cache (two engines share the GPU)")
     p.add_argument("--workloads", default="ignore-eos",
@@ -119,8 +119,6 @@ def main(argv=None) -> None:
         extra = dict(speculative_method=method, speculative_model=head, num_speculative_tokens=args.num_speculative_tokens,
                      speculative_max_batch=args.speculative_max_batch) if spec else {}
         llm = LLM(args.model or DEFAULT_MODEL, tokenizer=args.tokenizer, device=args.device, max_num_seqs=max_seqs, num_kv_blocks=args.num_kv_blocks, **extra)
-        if spec:
-            k = llm.engine.config.speculative_tokens
         for workload in workloads:
             params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=workload == "ignore-eos")
             for b in batches:
@@ -158,7 +156,7 @@ def main(argv=None) -> None:
         with open(args.output, "w") as f:
             json.dump({"model": args.model or "smollm2-135m-instruct (real weights)", "device": args.device,
                        "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                       "max_tokens": args.max_tokens, "num_speculative_tokens": k,
+                       "max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
                        "method": method, "speculative_model": args.speculative_model,
                        "rows": rows}, f, indent=1)
 

@@ -7,10 +7,6 @@ from baton.models.cache import cache_root
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SPECULATIVE_METHODS = ("ngram", "eagle3")   # engine/speculative.py
-# guesses per sequence and step unless --num-speculative-tokens says: n-gram guesses cost nothing to make
-# and a copied span runs long (8 measured 1.95-2.29x at batch 1 on an H100 where 4 gave 1.73-1.89x, the same
-# at batch 16: docs/benchmarks.md); a draft head runs one pass per guess
-SPECULATIVE_TOKENS = {"ngram": 8, "eagle3": 4}
 DETERMINISTIC_MAX_TP = 2                # engine/batch_invariant.py: an all-reduce of two is one addition
 NPU_GRAPH_MODES = ("aclgraph", "torchair")
 SCHEDULING_POLICIES = ("fcfs", "priority")   # engine/scheduling_policy.py
@@ -57,7 +53,7 @@ class EngineConfig:
     deterministic: bool = False         # a request's tokens independent of its batch (engine/batch_invariant.py)
     speculative_method: str | None = None   # ngram | eagle3: guess tokens, verify them in one step (engine/speculative.py)
     speculative_model: str | None = None    # eagle3: the draft head's directory (config.json + safetensors)
-    num_speculative_tokens: int | None = None   # guesses per sequence and step (None: SPECULATIVE_TOKENS)
+    num_speculative_tokens: int = 4     # guesses per sequence and step
     speculative_max_batch: int = 32     # speculate only while at most this many sequences run
     scheduling_policy: str = "fcfs"     # fcfs | priority: which waiting request runs next (scheduling_policy.py)
     quantization: str | None = None     # fp8 | w8a8 (int8, Ascend and CPU); None = the checkpoint's
@@ -75,13 +71,6 @@ class EngineConfig:
         if eagle and self.kv_cache_dtype != "auto":
             raise ValueError("--speculative-method eagle3 keeps its head's KV in the model's dtype for now "
                              "(--kv-cache-dtype auto)")
-
-    @property
-    def speculative_tokens(self) -> int:
-        """Guesses per sequence and step: --num-speculative-tokens, else the method's default."""
-        if self.num_speculative_tokens is not None:
-            return self.num_speculative_tokens
-        return SPECULATIVE_TOKENS.get(self.speculative_method, SPECULATIVE_TOKENS["eagle3"])
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -106,7 +95,7 @@ class EngineConfig:
             if self.speculative_method not in SPECULATIVE_METHODS:
                 raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} (or unset), "
                                  f"got {self.speculative_method!r}")
-            if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 16:
+            if not 1 <= self.num_speculative_tokens <= 16:
                 raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
             if self.speculative_max_batch < 1:
                 raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")

@@ -32,7 +32,7 @@ def graph_rows(config) -> int:
     16 sequences with 4 guesses are 80 rows, which a graph of --max-num-seqs 16 would leave eager)."""
     rows = config.max_num_seqs
     if config.speculative_method is not None:
-        rows = max(rows, min(rows, config.speculative_max_batch) * (config.speculative_tokens + 1))
+        rows = max(rows, min(rows, config.speculative_max_batch) * (config.num_speculative_tokens + 1))
     return rows
 
 

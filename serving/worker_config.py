@@ -161,7 +161,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "out). Give it to the prefill workers too: they run it over the prompt, and its KV and last "
               "hidden state travel with the prompt's")
     flag(g, "--num-speculative-tokens", type=int, default=e.num_speculative_tokens,
-         help="guesses per sequence and step (unset: 8 for ngram, 4 for eagle3)")
+         help="guesses per sequence and step")
     flag(g, "--speculative-max-batch", type=int, default=e.speculative_max_batch,
          help="speculate only while at most this many sequences run (a full batch has no compute to spare)")
     flag(g, "--scheduling-policy", default=e.scheduling_policy, choices=SCHEDULING_POLICIES,
