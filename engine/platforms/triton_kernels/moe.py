@@ -257,6 +257,15 @@ def _sum_pairs_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, K_PAD: tl.conste
 
 
 @triton.jit
+def _block_rows(slots_ptr, block, num_slots, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """An expert GEMM program's rows (the block's pair slots; valid: not padding) and output
+    channels (its N tile; n_ok: inside N)."""
+    slots = tl.load(slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return slots, slots < num_slots, offs_n, offs_n < N
+
+
+@triton.jit
 def _w13_silu_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_expert_ptr, num_slots,
                      num_experts, N, K, top_k, stride_x, stride_we, stride_wn, stride_o,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -270,11 +279,8 @@ def _w13_silu_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, b
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:        # past the last expert's group: nothing to do
         return
-    slots = tl.load(slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = slots < num_slots
+    slots, valid, offs_n, n_ok = _block_rows(slots_ptr, block, num_slots, N, BLOCK_M, BLOCK_N)
     tokens = slots // top_k
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
@@ -318,10 +324,7 @@ def _w2_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr, block_e
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:
         return
-    slots = tl.load(slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = slots < num_slots
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    slots, valid, offs_n, n_ok = _block_rows(slots_ptr, block, num_slots, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + slots[:, None] * stride_a + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
@@ -355,11 +358,8 @@ def _w13_silu_swapped_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, out_ptr, slot
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:
         return
-    slots = tl.load(slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = slots < num_slots
+    slots, valid, offs_n, n_ok = _block_rows(slots_ptr, block, num_slots, N, BLOCK_M, BLOCK_N)
     tokens = slots // top_k
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
@@ -396,10 +396,7 @@ def _w2_swapped_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, out_ptr, slots_ptr,
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:
         return
-    slots = tl.load(slots_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = slots < num_slots
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    slots, valid, offs_n, n_ok = _block_rows(slots_ptr, block, num_slots, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + slots[:, None] * stride_a + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
