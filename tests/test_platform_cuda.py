@@ -571,6 +571,32 @@ def moe_inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int, d
     return x, w13, w2, ids.to(DEV), weights.to(dtype).to(DEV)
 
 
+@on_gpu
+@pytest.mark.parametrize("shape", [(1, 16, 4, True), (37, 128, 8, True), (300, 60, 6, True), (5, 8, 3, False)],
+                         ids=lambda s: "T{}-E{}-k{}-{}".format(*s))
+def test_moe_routing_in_one_kernel_picks_what_torch_picks(shape):
+    """The CUDA platform's gating (moe.route: softmax, top-k and renormalisation in one program a
+    token) against the base ops' torch gating on the same logits (float32: no ties, whose order torch
+    leaves open): the same experts in the same order, weights within float32 rounding; a graph replay
+    on new logits gives eager's."""
+    from baton.engine.platforms.triton_kernels import moe
+    t, e, k, renormalize = shape
+    g = torch.Generator().manual_seed(t)
+    logits = (torch.randn(t, e, generator=g) * 3).to(DEV)
+    logits[:, 0] = -1e4                                  # an expert no token picks
+    ids, weights = cuda_platform().ops.moe_route(logits, k, renormalize)
+    want_ids, want_weights = LayerOps().moe_route(logits, k, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32 and ids.shape == (t, k)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+    graph, (g_ids, g_weights) = cuda_platform().capture_graph(lambda: moe.route(logits, k, renormalize))
+    logits.copy_((torch.randn(t, e, generator=g) * 3).to(DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    e_ids, e_weights = moe.route(logits, k, renormalize)
+    assert torch.equal(g_ids, e_ids) and torch.equal(g_weights, e_weights)
+
+
 def moe_reference(x, w13, w2, ids, weights) -> torch.Tensor:
     """The base (host-grouped) moe_experts in float64 on upcast copies."""
     d = torch.float64

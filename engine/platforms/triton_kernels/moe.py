@@ -246,6 +246,44 @@ def _align_one_program(ids: torch.Tensor, num_experts: int, block_m: int) -> Exp
 
 
 @triton.jit
+def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, stride_l, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token's gating (LayerOps.moe_route's): the softmax over its E logits in float32, the top-k
+    picked one at a time (the largest left, the lowest expert on a tie), renormalised to sum 1."""
+    t = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, E_PAD)
+    x = tl.load(logits_ptr + t * stride_l + experts, mask=experts < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    probs = p / tl.sum(p, axis=0)
+    left = tl.where(experts < E, probs, -1.0)
+    picks = tl.arange(0, K_PAD)
+    chosen = tl.zeros([K_PAD], dtype=tl.int64)
+    weights = tl.zeros([K_PAD], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(left, axis=0)
+        e = tl.min(tl.where(left == best, experts, E_PAD), axis=0)
+        chosen = tl.where(picks == j, e, chosen)
+        weights = tl.where(picks == j, best, weights)
+        left = tl.where(experts == e, -1.0, left)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(ids_ptr + t * TOP_K + picks, chosen, mask=picks < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + picks, weights, mask=picks < TOP_K)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerOps.moe_route in one launch (softmax, top-k and renormalisation in one program a token,
+    where torch takes six kernels): (expert ids [T, k] int64, weights [T, k] float32)."""
+    t, e = router_logits.shape
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    if t:
+        _route_kernel[(t,)](router_logits, ids, weights, e, router_logits.stride(0), TOP_K=top_k,
+                            K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(e), RENORMALIZE=renormalize, num_warps=4)
+    return ids, weights
+
+
+@triton.jit
 def _sum_pairs_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """out[t] = sum_j src[t * TOP_K + j] in float32, in a fixed order, rounded once."""
     t = tl.program_id(0).to(tl.int64)
