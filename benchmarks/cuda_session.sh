@@ -115,7 +115,7 @@ for step in $STEPS; do
       BATON_TEST_DEVICE=cuda:0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_speculative.py \
         -k "tiny or deterministic" 2>&1 | tail -3
       timeout "${SPEC_TIMEOUT:-200}" python3 -m baton.benchmarks.speculative --device cuda:0 --batches 1,16,256 \
-        --workloads ignore-eos,stop-at-eos --output "$OUT/speculative-smollm2.json" 2>&1 | grep -v "^\[baton\]" | tail -14
+        --workloads stop-at-eos,ignore-eos ${SPEC_ARGS:-} --output "$OUT/speculative-smollm2.json" 2>&1 | grep -v "^\[baton\]" | tail -14
       timeout "${SPEC_PROFILE_TIMEOUT:-60}" python3 -m baton.benchmarks.profile_speculative --device cuda:0 --batch 16 \
         > "$OUT/speculative-profile-16.txt" 2>&1; head -45 "$OUT/speculative-profile-16.txt" ;;
     eagle3)   # issue 32: an EAGLE-3 head's pass graph-captured per bucket (captured == eager, greedy parity with
@@ -180,7 +180,7 @@ runpy.run_module('baton', run_name='__main__')" bench offline --model $m --devic
     qprofile) for v in ${QPROFILE_VARIANTS:-bf16 fp8 fp8kv8}; do    # where a decode step's time goes, per variant
               case $v in bf16) a="" ;; fp8) a="--quantization fp8" ;; fp8kv8) a="--quantization fp8 --kv-cache-dtype fp8" ;; esac
               timeout ${QPROFILE_TIMEOUT:-60} python3 -m baton.benchmarks.profile_steps --model ${QPROFILE_MODEL:-qwen3-8b} \
-                --batch 256 --context 1024 --steps 5 --top 16 --skip-prefill $a 2>>"$OUT/qprofile.log" | tee -a "$OUT/qprofile.jsonl"
+                ${QPROFILE_ARGS:---batch 256 --context 1024 --steps 5 --top 16 --skip-prefill} $a 2>>"$OUT/qprofile.log" | tee -a "$OUT/qprofile.jsonl"
             done ;;
     qkernels) timeout ${QKERNELS_TIMEOUT:-120} python3 -m baton.benchmarks.quant_kernels --out "$OUT" ${QKERNELS_ARGS:-} \
               2>"$OUT/qkernels.log" | grep -v skip ;;    # FP8 GEMMs and float8 decode attention at decode sizes

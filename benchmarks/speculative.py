@@ -9,20 +9,24 @@
 
 The embedded SmolLM2-135M-Instruct (real weights: speed-ups need a model that copies), asked to
 repeat a given passage with one word changed -- the answer copies spans of the prompt, as edits,
-summaries and extraction do. For each batch size, the same greedy requests run through an engine
-without speculation and one with `--speculative-method ngram`; output tok/s of each, their ratio,
+summaries and extraction do. For each batch size b, the same b x 8 greedy requests run, b at a time
+(by default a finished request's slot goes to the next at once; --driver waves: b at a time, each wave
+waiting for its longest answer), through an engine without speculation and one with
+`--speculative-method ngram`, both loaded at once and run in turns (--rounds, alternating which goes
+first: the medians compared, so a drift of the machine's speed hits both); output tok/s of each, their ratio,
 the mean tokens a verifying step gained per sequence (accepted guesses + 1), the histogram of kept
 guesses and the number of verifying steps (those queued before the step before them was back, and
 the sequence-steps of those voided by a rollback). Greedy tokens are compared too (bf16 on a GPU may flip
-near-ties: docs/benchmarks.md). Workloads: ignore-eos (160 tokens each; past its EOS the model writes
-text of its own, where guesses mostly fail) and stop-at-eos (each answer ends where the model ends it).
+near-ties: docs/benchmarks.md). Workloads: stop-at-eos (each answer ends where the model ends it: the
+edit, and nothing past it) and ignore-eos (160 tokens each; past its EOS the model writes text of its own,
+where guesses mostly fail: a stress case, half its tokens not grounded in the input).
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -61,16 +65,32 @@ def prompts(llm: LLM, n: int) -> list[list[int]]:
     return out
 
 
-def run(llm: LLM, batch: int, reqs: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
-    """Output tok/s with at most `batch` requests at once (each wave waits for the last)."""
+def run(llm: LLM, batch: int, reqs: list[list[int]], params: SamplingParams,
+        driver: str = "refill") -> tuple[float, list[list[int]]]:
+    """Output tok/s with `batch` requests in flight. refill: the first `batch` start together, and
+    each one that finishes hands its slot to the next request at once (a steady concurrency, as a
+    server at that load sees); waves: `batch` at a time, each wave waiting for its longest answer."""
     llm.generate(reqs[:1], SamplingParams(temperature=0, max_tokens=8))          # warm
-    tokens, outs = 0, []
+    if driver == "waves":
+        t0, outs = time.perf_counter(), []
+        for start in range(0, len(reqs), batch):
+            outs += [o.token_ids for o in llm.generate(reqs[start:start + batch], params)]
+        return sum(map(len, outs)) / (time.perf_counter() - t0), outs
+    engine, outs, index, queue = llm.engine, [[] for _ in reqs], {}, list(range(len(reqs)))[::-1]
+
+    def submit() -> None:
+        i = queue.pop()
+        index[engine.add_request(reqs[i], params)] = i
+
     t0 = time.perf_counter()
-    for start in range(0, len(reqs), batch):
-        wave = llm.generate(reqs[start:start + batch], params)
-        outs += [o.token_ids for o in wave]
-        tokens += sum(len(o.token_ids) for o in wave)
-    return tokens / (time.perf_counter() - t0), outs
+    for _ in range(min(batch, len(reqs))):
+        submit()
+    while engine.has_unfinished:
+        for out in engine.step():
+            outs[index[out.request_id]] += out.new_token_ids
+            if out.finished and queue:
+                submit()
+    return sum(map(len, outs)) / (time.perf_counter() - t0), outs
 
 
 def _head(model: str | None, target: str | None) -> str:
@@ -90,11 +110,17 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--model", default=None, help="the target: a preset, a directory (default: the embedded SmolLM2)")
-    p.add_argument("--tokenizer", default=os.environ.get("BATON_TOKENIZER"),
-                   help="tokenizer directory (default: $BATON_TOKENIZER, else the model's; presets: the embedded model's)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory (default: the model's own, with its chat template; for --model presets "
+                        "$BATON_TOKENIZER, else the embedded model's)")
     p.add_argument("--batches", default="1,16,256")
-    p.add_argument("--waves", type=int, default=4,
-                   help="this many waves of `batch` requests, one after another (a batch of 16 is ~0.2 s a wave)")
+    p.add_argument("--requests-per-slot", "--waves", dest="per_slot", type=int, default=8,
+                   help="batch x this many requests per batch size, at most `batch` in flight (a slot is refilled "
+                        "as its request finishes)")
+    p.add_argument("--driver", default="refill", choices=("refill", "waves"),
+                   help="refill: a finished request's slot goes to the next at once; waves: batch at a time")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs of each engine per batch size, alternating which goes first; the medians compared")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--speculative-method", default="ngram", choices=("ngram", "eagle3"))
     p.add_argument("--speculative-model", default=None,
@@ -102,7 +128,7 @@ def main(argv=None) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--speculative-max-batch", type=int, default=32)
     p.add_argument("--num-kv-blocks", type=int, default=8192, help="each engine's KV cache (two engines share the GPU)")
-    p.add_argument("--workloads", default="ignore-eos",
+    p.add_argument("--workloads", default="stop-at-eos,ignore-eos",
                    help="comma-separated: ignore-eos (max-tokens each; past its EOS the model writes text of its "
                         "own, where guesses mostly fail), stop-at-eos (each answer ends at its EOS)")
     p.add_argument("--output", default=None)
@@ -112,51 +138,54 @@ def main(argv=None) -> None:
     if not set(workloads) <= {"ignore-eos", "stop-at-eos"}:
         p.error(f"--workloads: ignore-eos and/or stop-at-eos, not {args.workloads!r}")
     max_seqs = max(batches)
-    rows, results = [], {}
+    rows = []
     method = args.speculative_method
     head = _head(args.speculative_model, args.model) if method == "eagle3" else None
-    for spec in (False, True):
-        extra = dict(speculative_method=method, speculative_model=head, num_speculative_tokens=args.num_speculative_tokens,
-                     speculative_max_batch=args.speculative_max_batch) if spec else {}
-        llm = LLM(args.model or DEFAULT_MODEL, tokenizer=args.tokenizer, device=args.device, max_num_seqs=max_seqs, num_kv_blocks=args.num_kv_blocks, **extra)
-        for workload in workloads:
-            params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=workload == "ignore-eos")
-            for b in batches:
-                reqs = prompts(llm, b * args.waves)
-                st = llm.engine.speculator.stats if spec else None
-                before = (st.accepted_lengths[:], st.steps, st.ahead, st.rolled_back) if spec else None
-                tok_s, outs = run(llm, b, reqs, params)
-                mean = lengths = steps = ahead = None
-                if spec:
-                    lengths = [a - (before[0][i] if i < len(before[0]) else 0) for i, a in enumerate(st.accepted_lengths)]
-                    n = sum(lengths)
-                    mean = sum((i + 1) * c for i, c in enumerate(lengths)) / n if n else None
-                    steps = st.steps - before[1]
-                    ahead = {"ahead": st.ahead - before[2], "rolled_back": st.rolled_back - before[3]}
-                results[(spec, workload, b)] = (tok_s, outs, mean, lengths, steps, ahead)
-                print(f"[spec] {method if spec else 'plain'} {workload} batch {b}: {tok_s:.0f} tok/s"
-                      + (f", mean tokens per verified step {mean:.2f}, kept-guess histogram {lengths}, verifying "
-                         f"steps {steps} ({ahead['ahead']} queued ahead, {ahead['rolled_back']} sequence-steps "
-                         f"rolled back)" if mean else ""), file=sys.stderr, flush=True)
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    spec_extra = dict(speculative_method=method, speculative_model=head, num_speculative_tokens=args.num_speculative_tokens,
+                      speculative_max_batch=args.speculative_max_batch)
+    # both engines at once (the model is small), their runs interleaved round by round: this machine's
+    # speed drifts by more than the differences measured here, and a drift hits both alike
+    # the embedded model's requests go through its chat template ($BATON_TOKENIZER, a bare copy of its
+    # tokenizer files for random-weight presets, has none: the request would go in as plain text)
+    tokenizer = args.tokenizer or (os.environ.get("BATON_TOKENIZER") if args.model else None)
+    engines = {spec: LLM(args.model or DEFAULT_MODEL, tokenizer=tokenizer, device=args.device, max_num_seqs=max_seqs,
+                         num_kv_blocks=args.num_kv_blocks, **(spec_extra if spec else {})) for spec in (False, True)}
+    st = engines[True].engine.speculator.stats
     for workload in workloads:
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=workload == "ignore-eos")
         for b in batches:
-            plain, spec = results[(False, workload, b)], results[(True, workload, b)]
-            rows.append({"workload": workload, "batch": b, "plain_tok_s": round(plain[0], 1),
-                         f"{method}_tok_s": round(spec[0], 1), "speedup": round(spec[0] / plain[0], 3),
-                         "mean_tokens_per_verified_step": spec[2], "kept_guesses_histogram": spec[3],
-                         "verifying_steps": spec[4], "verifying_steps_ahead": (spec[5] or {}).get("ahead"),
-                         "rolled_back": (spec[5] or {}).get("rolled_back"), "output_tokens": sum(map(len, spec[1])),
-                         "same_tokens": plain[1] == spec[1]})
+            reqs = prompts(engines[False], b * args.per_slot)
+            before = (st.accepted_lengths[:], st.steps, st.ahead, st.rolled_back)
+            tok_s, outs = {False: [], True: []}, {}
+            for r in range(args.rounds):
+                for spec in ((False, True) if r % 2 == 0 else (True, False)):
+                    t, o = run(engines[spec], b, reqs, params, args.driver)
+                    tok_s[spec].append(t)
+                    outs.setdefault(spec, o)
+            lengths = [a - (before[0][i] if i < len(before[0]) else 0) for i, a in enumerate(st.accepted_lengths)]
+            n = sum(lengths)
+            mean = sum((i + 1) * c for i, c in enumerate(lengths)) / n if n else None
+            plain, guessed = statistics.median(tok_s[False]), statistics.median(tok_s[True])
+            rows.append({"workload": workload, "batch": b, "plain_tok_s": round(plain, 1),
+                         f"{method}_tok_s": round(guessed, 1), "speedup": round(guessed / plain, 3),
+                         "speedup_per_round": [round(g / p, 3) for p, g in zip(tok_s[False], tok_s[True], strict=True)],
+                         "plain_tok_s_per_round": [round(x) for x in tok_s[False]],
+                         f"{method}_tok_s_per_round": [round(x) for x in tok_s[True]],
+                         "mean_tokens_per_verified_step": mean, "kept_guesses_histogram": lengths,
+                         "verifying_steps": st.steps - before[1], "verifying_steps_ahead": st.ahead - before[2],
+                         "rolled_back": st.rolled_back - before[3], "output_tokens": sum(map(len, outs[True])),
+                         "same_tokens": outs[False] == outs[True]})
+            print(f"[spec] {workload} batch {b}: plain {plain:.0f} tok/s, {method} {guessed:.0f} tok/s "
+                  f"({guessed / plain:.2f}x; rounds {rows[-1]['speedup_per_round']}), mean tokens per verified step "
+                  f"{mean or 0:.2f}, kept-guess histogram {lengths}", file=sys.stderr, flush=True)
             print(json.dumps(rows[-1]), flush=True)
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"model": args.model or "smollm2-135m-instruct (real weights)", "device": args.device,
                        "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                       "max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
+                       "max_tokens": args.max_tokens, "driver": args.driver, "requests_per_slot": args.per_slot,
+                       "rounds": args.rounds,
+                       "num_speculative_tokens": args.num_speculative_tokens,
                        "method": method, "speculative_model": args.speculative_model,
                        "rows": rows}, f, indent=1)
 

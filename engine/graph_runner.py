@@ -26,19 +26,28 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in ladder if b < max_num_seqs] + [max_num_seqs]
 
 
+# Steps with short prompt chunks run as decode rows (model_runner.py `_as_rows`): graphs go up to this
+# many rows past --max-num-seqs, so that a few short prompts joining a full batch replay too
+PROMPT_ROWS = 256
+
+
 def graph_rows(config) -> int:
     """The most rows a decode graph replays: a row per running sequence, or with speculation, while
     the batch is small enough for it, a row per token verified (each sequence's last and its guesses:
-    16 sequences with 4 guesses are 80 rows, which a graph of --max-num-seqs 16 would leave eager)."""
+    16 sequences with 4 guesses are 80 rows, which a graph of --max-num-seqs 16 would leave eager);
+    and PROMPT_ROWS more (within the step's token budget) for steps with short prompt chunks, which
+    --deterministic and a draft head leave to the generic path."""
     rows = config.max_num_seqs
     if config.speculative_method is not None:
         rows = max(rows, min(rows, config.speculative_max_batch) * (config.num_speculative_tokens + 1))
+    if not config.deterministic and config.speculative_method != "eagle3":
+        rows = max(rows, min(config.max_num_seqs + PROMPT_ROWS, config.max_num_batched_tokens))
     return rows
 
 
 class DecodeGraphs:
-    """One token per row: decode steps, and steps verifying guesses, which are decode steps of
-    one row per token (engine/model_runner.py `_verify_inputs`)."""
+    """One token per row: decode steps, and steps verifying guesses or with short prompt chunks,
+    which run as decode steps of one row per token (engine/model_runner.py `_row_inputs`)."""
 
     def __init__(self, runner):
         self.runner = runner

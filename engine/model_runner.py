@@ -47,6 +47,9 @@ from baton.models.source import ModelSource, resolve_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_MAX = 1 << 30              # the CPU's default KV cache: sized to the model, at most this
+# A prompt chunk ending within this many tokens may run as decode rows (ModelRunner._as_rows): each of
+# its rows reads its context again, which stays cheap (and in L2) this short
+ROWS_PROMPT_CONTEXT = 512
 
 
 def cpu_kv_cache_default(weight_bytes: int, one_sequence_bytes: int) -> int:
@@ -105,6 +108,9 @@ class ModelRunner:
         self._turn = 0
         self.max_model_len = self._max_model_len()
         self.graphs = None
+        # short prompt chunks as decode rows (_as_rows): "graphed" where decode graphs replay them,
+        # "always" (tests: the same rows, eager), "never"
+        self.rows_for_prompts = "graphed"
         if self.device.type != "cpu":
             self._warm_up()
         if self.platform.supports_graphs and not config.enforce_eager and self._graph_safe():
@@ -383,7 +389,7 @@ class ModelRunner:
         """The step's inputs as small numpy arrays: what the device needs, and what rank 0
         sends to the other tensor-parallel ranks. Rows of one token (decodes) come first, so a
         mixed step's attention can run them through the decode kernel."""
-        inputs = self._verify_inputs(out, prev) if self._all_verifying(out) else self._step_inputs(out, prev)
+        inputs = self._row_inputs(out, prev) if self._as_rows(out) else self._step_inputs(out, prev)
         if self.drafts is not None:
             inputs.draft_checks = self.drafts.checks(out, inputs.sample_items)
             inputs.head_full = self.drafts.wants_states(out)
@@ -457,56 +463,72 @@ class ModelRunner:
             next_ids=next_ids, sample_logit_rows=sample_logit_rows,
         )
 
-    def _all_verifying(self, out: SchedulerOutput) -> bool:
-        """A step of decodes only (a last token may still be pending), some with guesses, none with
-        penalties, logprobs or a grammar (the generic path serves those: a chunk of tokens per sequence)."""
-        return (any(item.draft for item in out.scheduled)
-                and all(not item.seq.params.processes_logits and item.seq.params.logprobs is None
-                        and item.seq.params.structured is None
-                        and item.num_new_tokens == 1 + len(item.draft)
-                        and item.seq.num_computed_tokens == item.seq.num_tokens - 1 for item in out.scheduled))
+    def _as_rows(self, out: SchedulerOutput) -> bool:
+        """Run the step as decode rows, one per token (`_row_inputs`): a step verifying guesses, and,
+        where decode graphs can replay all its rows, a step with short prompt chunks (each ending within
+        ROWS_PROMPT_CONTEXT tokens), whose eager forward costs the host far more than the device (~25 ms
+        against ~1 ms of kernels for a 135M model on an H100: a Triton launch per op per layer). Requests
+        with penalties, logprobs, prompt logprobs, a grammar or images take the generic path, as does
+        every prompt chunk under --deterministic (its rows must not depend on the step) or a draft head."""
+        items = out.scheduled
+        if out.is_decode or not all(_row_ready(item) for item in items):     # (is_decode: no guesses either)
+            return False
+        chunks = [item for item in items if not _is_last_token(item)]
+        if not chunks:
+            return any(item.draft for item in items)           # plain decode steps: the generic path
+        if self.head is not None or self.config.deterministic or self.rows_for_prompts == "never" \
+                or any(item.draft or item.seq.num_computed_tokens + item.num_new_tokens > ROWS_PROMPT_CONTEXT
+                       for item in chunks):
+            return False
+        rows = sum(item.num_new_tokens for item in items)
+        return self.rows_for_prompts == "always" or (self.graphs is not None and self.graphs.can_run(rows))
 
-    def _verify_inputs(self, out: SchedulerOutput, prev: LaunchedStep | None) -> StepInputs:
-        """A step verifying guesses as a decode step of one row per token: each sequence's last token
-        and its guesses, each row attending to its sequence's context up to itself (its own length
-        over the sequence's block table; the step's keys are stored before any row attends). So the
-        decode graphs and kernels serve it, with no padding, and every row is summed as a plain
-        decode step would sum it. Every row samples: after the last token and after each guess. A last
-        token still being sampled by `prev` (scheduled past its guesses, as if they all held) is taken
-        from its tokens on the device."""
+    def _row_inputs(self, out: SchedulerOutput, prev: LaunchedStep | None) -> StepInputs:
+        """A step as a decode step of one row per token: each row attends to its sequence's context up
+        to itself (its own length over the sequence's block table; the step's keys are stored before any
+        row attends), so the decode graphs and kernels serve it, with no padding. A verifying sequence
+        samples at every row (after its last token and after each guess), a prompt's last chunk at its
+        last row, an earlier chunk nowhere. A last token still being sampled by `prev` (scheduled past
+        its guesses, as if they all held) is taken from its tokens on the device."""
         bs, items = self.block_size, out.scheduled
         n = len(items)
-        lasts = np.fromiter((item.seq.num_tokens - 1 for item in items), np.int64, n)
-        reals = np.fromiter((1 + len(item.draft) for item in items), np.int64, n)
+        counts = np.fromiter((item.num_new_tokens for item in items), np.int64, n)
+        begins = np.fromiter((item.seq.num_computed_tokens for item in items), np.int64, n)
         tables = np.full((n, max(len(item.seq.block_table) for item in items)), -1, np.int32)
         ids: list[int] = []
-        for i, item in enumerate(items):
-            tables[i, :len(item.seq.block_table)] = item.seq.block_table
-            ids += [item.seq.token_ids[-1], *item.draft]
-        seq_of = np.repeat(np.arange(n), reals)                       # each row's scheduled item
-        total = len(seq_of)
+        sampled = np.zeros(int(counts.sum()), np.bool_)
         starts = np.zeros(n + 1, np.int64)
-        np.cumsum(reals, out=starts[1:])
-        positions = lasts[seq_of] + np.arange(total) - starts[seq_of]
+        np.cumsum(counts, out=starts[1:])
+        for i, item in enumerate(items):
+            seq, b, e = item.seq, int(begins[i]), int(begins[i] + counts[i])
+            tables[i, :len(seq.block_table)] = seq.block_table
+            ids += seq.token_ids[b:e - len(item.draft)] + item.draft
+            if item.samples:
+                sampled[starts[i + 1] - 1 - len(item.draft):starts[i + 1]] = True
+        seq_of = np.repeat(np.arange(n), counts)                       # each row's scheduled item
+        total = len(seq_of)
+        positions = begins[seq_of] + np.arange(total) - starts[seq_of]
         row_tables = tables[seq_of]
         slots = row_tables[np.arange(total), positions // bs].astype(np.int64) * bs + positions % bs
-        seqs = [items[r].seq for r in seq_of.tolist()]
+        rows = np.flatnonzero(sampled)
+        seqs = [items[r].seq for r in seq_of[rows].tolist()]
         params = [q.params for q in seqs]
         input_ids = np.asarray(ids, np.int64)
         pending_dst = np.flatnonzero(input_ids == PENDING)
-        pending_src = _rows_in(prev, [seqs[r].seq_id for r in pending_dst.tolist()])
+        pending_src = _rows_in(prev, [items[r].seq.seq_id for r in seq_of[pending_dst].tolist()])
         return StepInputs(
             is_decode=True, input_ids=input_ids, positions=positions, slots=slots,
             query_starts=np.arange(total + 1, dtype=np.int32), seq_lens=(positions + 1).astype(np.int32),
-            block_tables=row_tables, max_query_len=1, has_context=True, rows=np.arange(total, dtype=np.int64),
-            sample_items=seq_of, num_decode_rows=total,
+            block_tables=row_tables, max_query_len=1, has_context=True, rows=rows,
+            logit_rows=None if len(rows) == total else rows,       # (None: every row's)
+            sample_items=seq_of[rows], num_decode_rows=total,
             temperatures=np.array([p.temperature for p in params], np.float32),
             top_ks=np.array([p.top_k for p in params], np.int64),
             top_ps=np.array([p.top_p for p in params], np.float32),
             seeds=np.array([_signed64(q.sampling_seed or 0) for q in seqs], np.int64),
             has_seed=np.array([q.sampling_seed is not None for q in seqs], np.bool_),
-            sample_positions=positions + 1, pending_dst=pending_dst.astype(np.int64), pending_src=pending_src,
-            next_ids=np.zeros(total, np.int64), sample_logit_rows=np.arange(total, dtype=np.int64))
+            sample_positions=positions[rows] + 1, pending_dst=pending_dst.astype(np.int64), pending_src=pending_src,
+            next_ids=np.zeros(total, np.int64), sample_logit_rows=rows)
 
     def _device_inputs(self, h: StepInputs) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor, SamplingBatch]:
         """Everything to the device in one copy (HostUpload)."""
@@ -529,6 +551,19 @@ class ModelRunner:
             any_top_p=bool((h.top_ps < 1.0).any()), any_seed=bool(h.has_seed.any()),
         )
         return meta, ids, pos, sampling
+
+
+def _row_ready(item) -> bool:
+    """Can this item's tokens run as decode rows: no penalties, logprobs, prompt logprobs, grammar
+    or images (the generic path serves those: a chunk of tokens per sequence)."""
+    p = item.seq.params
+    return not p.processes_logits and p.logprobs is None and p.prompt_logprobs is None and p.structured is None \
+        and item.seq.mm is None
+
+
+def _is_last_token(item) -> bool:
+    """A decode item: the sequence's last token (and its guesses, if any)."""
+    return item.num_new_tokens == 1 + len(item.draft) and item.seq.num_computed_tokens == item.seq.num_tokens - 1
 
 
 def _rows_in(prev: LaunchedStep | None, seq_ids: list[int]) -> np.ndarray:

@@ -110,6 +110,42 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, overrides, block_
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
+def test_short_prompt_chunks_run_as_decode_rows_with_transformers_tokens(tmp_path, arch):
+    """Steps with short prompt chunks run as decode rows, one per token, each over its own context
+    (ModelRunner._as_rows; on a GPU inside the decode graphs, on the CPU forced): fresh prompts, a
+    prefix-cache hit, prompts cut in chunks and prompts joining a running batch, against transformers'
+    greedy tokens; every block back."""
+    from transformers import AutoModelForCausalLM
+
+    from baton.models.source import resolve_model
+    tokenizer_dir = os.environ.get("BATON_TOKENIZER") or resolve_model(None).tokenizer_path
+    path = save_tiny_checkpoint(arch, tmp_path / arch, tokenizer_dir)
+    device = os.environ.get("BATON_TEST_DEVICE", "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).to(device).eval()
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(3, 49152, (35,), generator=g).tolist()
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 70, 18)] + [shared, shared + [7, 8]]
+    want = hf_greedy(hf, prompts, 12)
+    llm = LLM(str(path), block_size=16, num_kv_blocks=64, device=device, dtype="float32", max_num_seqs=2,
+              max_num_batched_tokens=32)            # 2 at a time (the rest join a running batch), chunks of 32
+    runner = llm.engine.runner
+    if device == "cpu":
+        runner.rows_for_prompts = "always"          # (no graphs here: the same rows, eager)
+    chunks = []
+    row_inputs = runner._row_inputs
+
+    def counted(out, prev):
+        chunks.append(sum(item.num_new_tokens > 1 + len(item.draft) for item in out.scheduled))
+        return row_inputs(out, prev)
+    runner._row_inputs = counted
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in got] == want
+    assert sum(chunks) >= len(prompts) + 1, chunks         # every prompt, the 70-token one in three chunks
+    assert got[4].cached_tokens >= 32                        # the shared prefix's blocks came from the cache
+    assert llm.engine.block_manager.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
 def test_tensor_parallel_ranks_give_the_single_device_tokens(tmp_path, arch):
     """TP=2 (two processes: gloo on the CPU, NCCL across two GPUs) against transformers' greedy."""
     from transformers import AutoModelForCausalLM

@@ -577,13 +577,18 @@ def test_unseeded_sampling_keeps_the_target_distribution(tmp_path, method):
 
 def test_decode_graphs_cover_the_rows_of_a_verifying_step():
     """A verifying step is a decode step of a row per token: the graphs go up to the speculating batch
-    times k + 1 rows, not just --max-num-seqs (a small one would run every verifying step eager)."""
+    times k + 1 rows, not just --max-num-seqs (a small one would run every verifying step eager); and
+    256 rows past --max-num-seqs for steps with short prompt chunks (within the token budget; none
+    under --deterministic)."""
     from baton.engine.config import EngineConfig
     from baton.engine.graph_runner import graph_rows
-    assert graph_rows(EngineConfig(max_num_seqs=16)) == 16
-    assert graph_rows(EngineConfig(max_num_seqs=16, **SPEC)) == 80
-    assert graph_rows(EngineConfig(max_num_seqs=256, speculative_max_batch=32, **SPEC)) == 256
-    assert graph_rows(EngineConfig(max_num_seqs=64, speculative_max_batch=32, **SPEC)) == 160
+    assert graph_rows(EngineConfig(max_num_seqs=16, deterministic=True)) == 16
+    assert graph_rows(EngineConfig(max_num_seqs=16, max_num_batched_tokens=64)) == 64
+    assert graph_rows(EngineConfig(max_num_seqs=16)) == 272
+    assert graph_rows(EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, **SPEC)) == 80
+    assert graph_rows(EngineConfig(max_num_seqs=512, speculative_max_batch=32, **SPEC)) == 768
+    assert graph_rows(EngineConfig(max_num_seqs=64, speculative_max_batch=96, max_num_batched_tokens=256,
+                                   **SPEC)) == 320
 
 
 def test_worker_metrics_count_guesses_from_the_cores_totals():
