@@ -13,6 +13,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")   # engine/scheduling_policy.py
 QUANTIZATION_METHODS = ("fp8", "w8a8")  # models/layers/quantization.py
 KV_CACHE_DTYPES = ("auto", "fp8")       # auto: the model dtype; fp8: float8 e4m3 (engine/platforms/base.py)
 KV_CACHE_SCALES = ("calibrate", "one")  # a float8 cache's per-head K/V scales (engine/kv_scales.py)
+FP8_ROUNDINGS = ("nearest", "gptq")     # how --quantization fp8 rounds weights (engine/fp8_rounding.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,7 @@ class EngineConfig:
     quantization: str | None = None     # fp8 | w8a8 (int8, Ascend and CPU); None = the checkpoint's
     kv_cache_dtype: str = "auto"        # auto: the model dtype; fp8: e4m3, half the bytes of bf16 per token
     kv_cache_scales: str = "calibrate"  # fp8 cache: the checkpoint's k/v scales, else calibrated at load | one
+    fp8_rounding: str = "nearest"       # --quantization fp8's weights: to nearest, or GPTQ's error feedback
 
     def _validate_draft_head(self) -> None:
         eagle = self.speculative_method == "eagle3"
@@ -117,6 +119,11 @@ class EngineConfig:
                                  "of --deterministic, --quantization")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.fp8_rounding not in FP8_ROUNDINGS:
+            raise ValueError(f"fp8_rounding must be one of {', '.join(FP8_ROUNDINGS)}, got {self.fp8_rounding!r}")
+        if self.fp8_rounding != "nearest" and self.quantization != "fp8":
+            raise ValueError(f"--fp8-rounding {self.fp8_rounding} rounds the weights --quantization fp8 quantizes at "
+                             f"load: add --quantization fp8 (got --quantization {self.quantization})")
         if self.kv_cache_scales not in KV_CACHE_SCALES:
             raise ValueError(f"kv_cache_scales must be one of {', '.join(KV_CACHE_SCALES)}, got {self.kv_cache_scales!r}")
         if self.npu_graph_mode not in NPU_GRAPH_MODES:

@@ -31,16 +31,17 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 PROMPT_ROWS = 256
 
 
-def graph_rows(config) -> int:
+def graph_rows(config, prompt_rows: bool = True) -> int:
     """The most rows a decode graph replays: a row per running sequence, or with speculation, while
     the batch is small enough for it, a row per token verified (each sequence's last and its guesses:
     16 sequences with 4 guesses are 80 rows, which a graph of --max-num-seqs 16 would leave eager);
-    and PROMPT_ROWS more (within the step's token budget) for steps with short prompt chunks, which
-    --deterministic and a draft head leave to the generic path."""
+    and PROMPT_ROWS more (within the step's token budget) for steps with short prompt chunks, where
+    the platform's graphs take them (`prompt_rows`) and neither --deterministic nor a draft head
+    leaves them to the generic path."""
     rows = config.max_num_seqs
     if config.speculative_method is not None:
         rows = max(rows, min(rows, config.speculative_max_batch) * (config.num_speculative_tokens + 1))
-    if not config.deterministic and config.speculative_method != "eagle3":
+    if prompt_rows and not config.deterministic and config.speculative_method != "eagle3":
         rows = max(rows, min(config.max_num_seqs + PROMPT_ROWS, config.max_num_batched_tokens))
     return rows
 
@@ -52,7 +53,7 @@ class DecodeGraphs:
     def __init__(self, runner):
         self.runner = runner
         self.platform = runner.platform
-        self.buckets = batch_buckets(graph_rows(runner.config))
+        self.buckets = batch_buckets(graph_rows(runner.config, runner.platform.graphs_take_prompt_rows))
         self.max_bs = self.buckets[-1]
         dev = runner.device
         max_blocks = (runner.max_model_len + runner.block_size - 1) // runner.block_size

@@ -50,6 +50,17 @@ class _Recording(ForwardContext):
         return super().attend(layer_idx, q, k, v)
 
 
+def cache_free_meta(n: int, device: torch.device) -> AttnMetadata:
+    """One sequence of n tokens, attending to itself only, nothing written to a cache (slot -1):
+    the forward calibrations run (here, and engine/fp8_rounding.py)."""
+    return AttnMetadata(is_decode=False, slot_mapping=torch.full((n,), -1, device=device),
+                        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+                        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+                        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
+                        max_query_len=n, max_seq_len=n, has_context=False, query_start_loc_cpu=[0, n],
+                        seq_lens_cpu=[n])
+
+
 @torch.inference_mode()
 def calibrate(model: torch.nn.Module, attention, scale: float, vocab_size: int, max_positions: int,
               device: torch.device) -> torch.Tensor:
@@ -57,13 +68,7 @@ def calibrate(model: torch.nn.Module, attention, scale: float, vocab_size: int, 
     (every tensor-parallel rank runs it: its own heads)."""
     ids = calibration_ids(vocab_size, max_positions)
     n = ids.numel()
-    meta = AttnMetadata(is_decode=False, slot_mapping=torch.full((n,), -1, device=device),
-                        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-                        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-                        block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
-                        max_query_len=n, max_seq_len=n, has_context=False, query_start_loc_cpu=[0, n],
-                        seq_lens_cpu=[n])
-    ctx = _Recording(meta, None, attention, scale)
+    ctx = _Recording(cache_free_meta(n, device), None, attention, scale)
     ctx.amax = torch.zeros(model.num_layers, 2, model.num_kv_heads, device=device)
     model(ids.to(device), torch.arange(n, device=device), ctx)
     return power_of_two_scales(ctx.amax).to(device)

@@ -171,11 +171,26 @@ class ModelRunner:
             quantize_w8a8(model, self.platform)
         else:
             mode = self.platform.fp8_linear()          # ValueError where the platform has no FP8 matmul
+            if self.config.fp8_rounding == "gptq":
+                self._round_with_gptq(model, mode)
             quantize_fp8(model, self.platform.ops, mode)
             fuse_fp8_inputs(model)                     # the norms and SiLU-and-mul before them quantize
         if self.platform.runtime is not None and hasattr(self.platform.runtime, "empty_cache"):
             self.platform.runtime.empty_cache()      # the KV cache is sized from what is free now
         return method
+
+    def _round_with_gptq(self, model: torch.nn.Module, mode: str) -> None:
+        """--fp8-rounding gptq: the decoder layers' projections rounded layer by layer, calibrated on a
+        fixed text (engine/fp8_rounding.py); quantize_fp8 then does the rest to nearest."""
+        from baton.engine import fp8_rounding
+        if checkpoint_method(self.source.hf_config) is not None:
+            raise ValueError("--fp8-rounding gptq rounds bf16 weights at load; this checkpoint's weights are "
+                             "already quantized: serve it without --fp8-rounding")
+        hf = self.source.hf_config
+        windows = fp8_rounding.calibration_windows(self.source.tokenizer_dir(),
+                                                   getattr(hf, "max_position_embeddings", fp8_rounding.CALIBRATION_WINDOW))
+        fp8_rounding.round_with_gptq(model, self.platform, model.head_dim ** -0.5, windows, self.platform.ops, mode,
+                                     self.device)
 
     def _kv_scales(self) -> torch.Tensor | None:
         """[layers, 2, kv_heads] float32: the checkpoint's K/V cache scales, else calibrated now
@@ -358,11 +373,9 @@ class ModelRunner:
         if not len(inputs.rows):
             return None
         if inputs.logit_rows is not None:
-            picked = hidden[torch.from_numpy(inputs.logit_rows).to(hidden.device, non_blocking=True)]
-        else:
-            last = meta.query_start_loc[1:].long() - 1
-            rows = inputs.rows.tolist()
-            picked = hidden[last[rows]] if len(rows) < len(last) else hidden[last]
+            picked = hidden[inputs.logit_rows_dev]
+        else:                                          # every item samples, at its last token
+            picked = hidden[meta.query_start_loc[1:].long() - 1]
         logits = self.model.compute_logits(picked)
         if self.tp_rank != 0:                          # the LM head's gather was the last collective
             return None
@@ -432,6 +445,8 @@ class ModelRunner:
                                                                                                    strict=True)])
             sample_positions = [p + j for p, n in zip(sample_positions, per_row, strict=True) for j in range(n)]
             rows = np.repeat(rows, per_row)
+        elif len(rows) < len(items):                       # some items sample nothing (a prompt's earlier chunk)
+            logit_rows = (starts[1:] - 1)[rows].astype(np.int64)
         seqs = [items[r].seq for r in rows.tolist()]
         params = [q.params for q in seqs]
         wanted = [p.logprobs for p in params]
@@ -465,7 +480,7 @@ class ModelRunner:
 
     def _as_rows(self, out: SchedulerOutput) -> bool:
         """Run the step as decode rows, one per token (`_row_inputs`): a step verifying guesses, and,
-        where decode graphs can replay all its rows, a step with short prompt chunks (each ending within
+        where the platform's decode graphs can replay all its rows (CUDA), a step with short prompt chunks (each ending within
         ROWS_PROMPT_CONTEXT tokens), whose eager forward costs the host far more than the device (~25 ms
         against ~1 ms of kernels for a 135M model on an H100: a Triton launch per op per layer). Requests
         with penalties, logprobs, prompt logprobs, a grammar or images take the generic path, as does
@@ -481,7 +496,8 @@ class ModelRunner:
                        for item in chunks):
             return False
         rows = sum(item.num_new_tokens for item in items)
-        return self.rows_for_prompts == "always" or (self.graphs is not None and self.graphs.can_run(rows))
+        graphed = self.platform.graphs_take_prompt_rows and self.graphs is not None and self.graphs.can_run(rows)
+        return self.rows_for_prompts == "always" or graphed
 
     def _row_inputs(self, out: SchedulerOutput, prev: LaunchedStep | None) -> StepInputs:
         """A step as a decode step of one row per token: each row attends to its sequence's context up
@@ -532,11 +548,15 @@ class ModelRunner:
 
     def _device_inputs(self, h: StepInputs) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor, SamplingBatch]:
         """Everything to the device in one copy (HostUpload)."""
+        # (the sampled rows' indices too, when not every row samples: a pageable copy would wait for the device)
+        rows = (h.logit_rows,) if h.logit_rows is not None else ()
         extra = h.processing.arrays() if h.processing is not None else ()
         (ids, pos, slots, starts, lens, tables, temperatures, top_ks, top_ps, seeds, has_seed, sample_pos,
          h.pending_dst_dev, h.pending_src_dev, *processing) = self.upload(
             h.input_ids, h.positions, h.slots, h.query_starts, h.seq_lens, h.block_tables, h.temperatures, h.top_ks,
-            h.top_ps, h.seeds, h.has_seed, h.sample_positions, h.pending_dst, h.pending_src, *extra)
+            h.top_ps, h.seeds, h.has_seed, h.sample_positions, h.pending_dst, h.pending_src, *rows, *extra)
+        if rows:
+            h.logit_rows_dev, *processing = processing
         h.processing_dev = to_device(processing) if processing else None
         seq_lens = h.seq_lens.tolist()
         meta = AttnMetadata(

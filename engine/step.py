@@ -45,7 +45,8 @@ class StepInputs:
     mrope_positions: np.ndarray | None = None        # [3, T] int64: a multimodal prefill step's (t, h, w)
     image_chunks: list | None = None                 # ...and its chunks that hold image tokens
     logit_rows: np.ndarray | None = None             # [N] int64: input token of each sampled row, when some
-    #                                                  sequence samples several (guesses); else each row's last
+    #                                                  rows sample nothing or several; None: each item's last
+    logit_rows_dev: torch.Tensor | None = None       # (on the device, uploaded with the step's other inputs)
     processing: ProcessingInputs | None = None       # penalties / biases / masks of the sampling rows, if any
     processing_dev: LogitsProcessing | None = None   # (their device copies, set on upload)
     num_logprobs: int = -1                           # the most top logprobs a sampling row asked for (-1: none)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from baton.engine.config import (
     DEFAULT_MODEL,
+    FP8_ROUNDINGS,
     KV_CACHE_DTYPES,
     KV_CACHE_SCALES,
     NPU_GRAPH_MODES,
@@ -171,12 +172,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(g, "--quantization", "-q", choices=QUANTIZATION_METHODS,
          help="fp8: the linear layers' weights quantized to float8 e4m3 at load, one scale per output channel, "
               "activations per token, scaled FP8 GEMMs; a MoE's routed experts too, one scale per expert and "
-              "output channel, in the fused expert kernel: weight-only at decode sizes (activations in the model "
-              "dtype), FP8 x FP8 (activations per token) in steps of more than 24 tokens an expert "
+              "output channel, in the fused expert kernel: FP8 x FP8 (activations per token) at every size "
               "(CUDA compute capability 8.9+; the CPU runs the same numbers; not on Ascend). Unset: what the checkpoint's quantization_config says (fp8 and "
               "compressed-tensors FP8 checkpoints), else none. w8a8: int8 weights per output channel and int8 "
               "tokens (per-token dynamic scales), int32 accumulation: torch_npu's npu_dynamic_quant + "
               "npu_quant_matmul on Ascend, torch._int_mm on the CPU (not CUDA)")
+    flag(g, "--fp8-rounding", default=e.fp8_rounding, choices=FP8_ROUNDINGS,
+         help="how --quantization fp8 rounds bf16 weights at load: nearest (each weight to the nearest e4m3 value "
+              "of its row's scale), or gptq (the same grid, scales and kernels, each layer's columns rounded in "
+              "turn with the error fed forward (GPTQ), calibrated on fixed texts from the Python install (its help "
+              "topics and two stdlib modules): each layer's output stays closer; costs a forward per layer at "
+              "load, ~160 s for an 8B model on an H100). Workers of one model should agree")
     flag(g, "--kv-cache-dtype", default=e.kv_cache_dtype, choices=KV_CACHE_DTYPES,
          help="auto: the KV cache in the model dtype; fp8: float8 e4m3 (K and V scaled per layer and kv head, "
               "saturating), half of bf16's bytes per token in memory and on the wire (CUDA 8.9+ and the CPU; not "
@@ -261,7 +267,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_method=args.speculative_method, speculative_model=args.speculative_model,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_batch=args.speculative_max_batch, scheduling_policy=args.scheduling_policy,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, kv_cache_scales=args.kv_cache_scales)
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, kv_cache_scales=args.kv_cache_scales,
+        fp8_rounding=args.fp8_rounding)
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:

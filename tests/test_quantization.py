@@ -153,6 +153,52 @@ def test_fp8_serving_keeps_prefix_cache_and_speculation_exact(tiny):
     assert spec.generate(prompt, sp)[0].token_ids == first
 
 
+def test_gptq_rows_keep_the_grid_and_scales_and_lower_the_output_error():
+    """gptq_rows (--fp8-rounding gptq): the same per-row scales and e4m3 grid as rounding to nearest,
+    a weight whose input is always zero rounds to 0, and x @ w^T lands closer to the unrounded one than
+    nearest's does, on the inputs the rounding was calibrated with and on fresh ones alike."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 128, generator=g)
+    mix = torch.randn(128, 128, generator=g) / 8 + torch.eye(128)            # correlated inputs, as layers see
+    x = torch.randn(1024, 128, generator=g) @ mix
+    x[:, 5] = 0
+    q, scale = quantization.gptq_rows(w, x.t() @ x)
+    near_q, near_scale = quantization.quantize_rows(w)
+    assert q.dtype == torch.float8_e4m3fn and torch.equal(scale, near_scale)
+    assert torch.all(q[:, 5].float() == 0)
+    fresh = torch.randn(512, 128, generator=g) @ mix
+    fresh[:, 5] = 0
+    for inputs in (x, fresh):
+        exact = inputs @ w.t()
+        err = float((inputs @ (q.float() * scale).t() - exact).norm())
+        near = float((inputs @ (near_q.float() * near_scale).t() - exact).norm())
+        assert err < 0.85 * near, (err, near)
+
+
+def test_gptq_rounding_at_load_serves_closer_to_full_precision(tiny):
+    """--fp8-rounding gptq: every decoder projection e4m3, rounded layer by layer on the fixed
+    calibration text (engine/fp8_rounding.py), the prompt's logprobs closer to full precision's than
+    rounding to nearest; without --quantization fp8 the flag is refused."""
+    from baton.benchmarks.quant_accuracy import fixed_text
+    from baton.engine import LLM, SamplingParams
+    from baton.engine.config import EngineConfig
+    with pytest.raises(ValueError, match="add --quantization fp8"):
+        EngineConfig(fp8_rounding="gptq").validate()
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    logprobs = {}
+    for name, kw in (("full", {}), ("nearest", {"quantization": "fp8"}),
+                     ("gptq", {"quantization": "fp8", "fp8_rounding": "gptq"})):
+        llm = LLM(str(tiny["bf16"]), dtype="float32", num_kv_blocks=64, max_model_len=512, **kw)
+        if name == "gptq":
+            assert all(m.weight.dtype == torch.float8_e4m3fn for layer in llm.engine.runner.model.model.layers
+                       for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                 layer.mlp.down_proj))
+        ids = llm.tokenizer(fixed_text()[0])["input_ids"][:400]
+        logprobs[name] = torch.tensor([e.logprob for e in llm.generate([ids], sp)[0].prompt_logprobs[1:]])
+    off = {k: float((logprobs[k] - logprobs["full"]).abs().mean()) for k in ("nearest", "gptq")}
+    assert off["gptq"] < off["nearest"], off             # (random weights: a few percent closer)
+
+
 def test_what_cannot_run_fp8_is_refused_clearly(tiny, tmp_path):
     import json
 

@@ -200,6 +200,10 @@ class Platform(ABC):
     name: str = "base"
     dist_backend: str = "gloo"           # the collective library: tensor parallelism and device-direct KV
     supports_graphs: bool = False        # can capture decode steps (CUDA graphs, torchair)
+    # decode graphs may replay short prompt chunks as decode rows (model_runner._as_rows): rows of one
+    # sequence read the same blocks, which torch_npu's paged attention counts once per row against the
+    # cache's size (a documented constraint), so Ascend keeps prompts on the prefill path
+    graphs_take_prompt_rows: bool = False
     invariant_rows: int = 64             # deterministic mode's matmul piece (engine/batch_invariant.py)
 
     def __init__(self, device: torch.device):

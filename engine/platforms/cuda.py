@@ -91,6 +91,7 @@ class CudaPlatform(Platform):
     name = "cuda"
     dist_backend = "nccl"
     supports_graphs = True
+    graphs_take_prompt_rows = True
     # deterministic mode's matmul piece: cuBLAS sees one shape; a decode step of fewer sequences
     # computes 256 rows, which costs about what reading the weights does on an H100 (~295 flop/byte)
     invariant_rows = 256

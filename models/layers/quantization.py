@@ -143,17 +143,58 @@ def quantize_experts(experts: nn.Module) -> None:
 
 def quantizable(module: nn.Module) -> bool:
     from baton.models.layers.linear import LinearBase
-    if not isinstance(module, LinearBase) or getattr(module, "keep_dtype", False):
+    if not isinstance(module, LinearBase) or getattr(module, "keep_dtype", False) or module.weight.dtype == FP8:
         return False
     n, k = module.weight.shape
     return n % 16 == 0 and k % 16 == 0          # the scaled GEMM's shape rule (CUDA)
+
+
+def gptq_rows(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01,
+              block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] as e4m3 rows with quantize_rows' scales (a row's largest |w| / 448), rounded a column
+    at a time, each column's rounding error spread over the columns not rounded yet as the inverse of
+    `hessian` ([K, K], the sum of x^T x over the layer's inputs) weighs them: GPTQ's error feedback
+    (Frantar et al., 2022) onto e4m3's grid, so that x @ w^T rather than w itself stays close.
+    Returns (w_fp8 [N, K], scales float32 [N, 1]); float32 arithmetic on w's device."""
+    w = w.float().clone()
+    h = hessian.float().clone()
+    dead = torch.diagonal(h) == 0                 # inputs that were always zero: their weights do not matter
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    torch.diagonal(h).add_(damp * torch.diagonal(h).mean())
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=SCALE_EPS) / FP8_MAX
+    q = torch.empty(w.shape, dtype=FP8, device=w.device)
+    k = w.shape[1]
+    for b0 in range(0, k, block):
+        b1 = min(b0 + block, k)
+        wb, ub = w[:, b0:b1].clone(), u[b0:b1, b0:b1]
+        err = torch.empty_like(wb)
+        for j in range(b1 - b0):
+            qj = (wb[:, j:j + 1] / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            q[:, b0 + j] = qj[:, 0]
+            err[:, j] = (wb[:, j] - qj[:, 0].float() * scale[:, 0]) / ub[j, j]
+            wb[:, j:] -= err[:, j:j + 1] * ub[j:j + 1, j:]
+        w[:, b1:] -= err @ u[b0:b1, b1:]
+    return q, scale
+
+
+def quantize_linear(module: nn.Module, ops, mode: str, rounded: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """One linear layer's weight to e4m3 per output channel (`rounded`: already rounded, e.g. by
+    gptq_rows; else to nearest), its matmul to Fp8Matmul. The bf16 weight is freed."""
+    w = module.weight.data
+    wq, scale = rounded if rounded is not None else quantize_rows(w)
+    module.weight = nn.Parameter(wq, requires_grad=False)
+    module.weight_scale = scale.reshape(1, -1).contiguous()       # a plain attribute: never loaded
+    module.matmul = Fp8Matmul(module.weight_scale, ops, mode, w.dtype)
 
 
 @torch.no_grad()
 def quantize_fp8(model: nn.Module, ops, mode: str) -> int:
     """Every quantizable linear layer's weight to e4m3 per output channel, its matmul to
     Fp8Matmul, and every routed experts' stacks (quantize_experts); returns how many layers and
-    expert stacks (w13 and w2 count one each). The bf16 weight is freed layer by layer."""
+    expert stacks (w13 and w2 count one each). The bf16 weight is freed layer by layer; layers
+    already in e4m3 (engine/fp8_rounding.py rounded them) are left as they are."""
     n = 0
     for module in model.modules():
         if getattr(module, "stacked_experts", False):         # moe.FusedExperts (which imports this module)
@@ -162,12 +203,7 @@ def quantize_fp8(model: nn.Module, ops, mode: str) -> int:
             continue
         if not quantizable(module):
             continue
-        w = module.weight.data
-        wq, scale = quantize_rows(w)
-        module.weight = nn.Parameter(wq, requires_grad=False)
-        module.weight_scale = scale.reshape(1, -1).contiguous()       # a plain attribute: never loaded
-        module.matmul = Fp8Matmul(module.weight_scale, ops, mode, w.dtype)
-        del w
+        quantize_linear(module, ops, mode)
         n += 1
     return n
 
