@@ -108,9 +108,9 @@ class ModelRunner:
         self._turn = 0
         self.max_model_len = self._max_model_len()
         self.graphs = None
-        # short prompt chunks as decode rows (_as_rows): "graphed" where decode graphs replay them,
-        # "always" (tests: the same rows, eager), "never"
-        self.rows_for_prompts = "graphed"
+        # short prompt chunks as decode rows (_as_rows) where decode graphs replay them; True: without
+        # graphs too (tests: the same rows, eager)
+        self.eager_prompt_rows = False
         if self.device.type != "cpu":
             self._warm_up()
         if self.platform.supports_graphs and not config.enforce_eager and self._graph_safe():
@@ -491,13 +491,13 @@ class ModelRunner:
         chunks = [item for item in items if not _is_last_token(item)]
         if not chunks:
             return any(item.draft for item in items)           # plain decode steps: the generic path
-        if self.head is not None or self.config.deterministic or self.rows_for_prompts == "never" \
+        if self.head is not None or self.config.deterministic \
                 or any(item.draft or item.seq.num_computed_tokens + item.num_new_tokens > ROWS_PROMPT_CONTEXT
                        for item in chunks):
             return False
         rows = sum(item.num_new_tokens for item in items)
         graphed = self.platform.graphs_take_prompt_rows and self.graphs is not None and self.graphs.can_run(rows)
-        return self.rows_for_prompts == "always" or graphed
+        return self.eager_prompt_rows or graphed
 
     def _row_inputs(self, out: SchedulerOutput, prev: LaunchedStep | None) -> StepInputs:
         """A step as a decode step of one row per token: each row attends to its sequence's context up

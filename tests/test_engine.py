@@ -130,7 +130,7 @@ def test_short_prompt_chunks_run_as_decode_rows_with_transformers_tokens(tmp_pat
               max_num_batched_tokens=32)            # 2 at a time (the rest join a running batch), chunks of 32
     runner = llm.engine.runner
     if device == "cpu":
-        runner.rows_for_prompts = "always"          # (no graphs here: the same rows, eager)
+        runner.eager_prompt_rows = True             # (no graphs here: the same rows, eager)
     chunks = []
     row_inputs = runner._row_inputs
 
