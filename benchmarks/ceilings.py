@@ -64,16 +64,17 @@ def matmul_rate(device: str, n: int, dtype: torch.dtype, reps: int = 3) -> dict:
             "best_seconds": t}
 
 
-def fp8_matmul_rate(device: str, n: int, reps: int = 3) -> dict:
-    """A scaled e4m3 GEMM with row-wise scales, as FP8 weights run (models/layers/quantization.py)."""
+def fp8_matmul_rate(device: str, n: int, reps: int = 3, fast_accum: bool = False) -> dict:
+    """A scaled e4m3 GEMM with row-wise scales, as FP8 weights run (models/layers/quantization.py), with
+    the engine's accumulation (--fp8-accumulation)."""
     dev = _device(device)
     a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
     sa, sb = torch.ones(n, 1, device=dev), torch.ones(1, n, device=dev)
-    t = _best_seconds(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), [dev],
-                      reps)
+    t = _best_seconds(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                               use_fast_accum=fast_accum), [dev], reps)
     return {"flops_per_s": 2 * n ** 3 / t, "shape": [n, n, n], "dtype": "float8_e4m3fn (row-wise scaled)",
-            "best_seconds": t}
+            "fast_accum": fast_accum, "best_seconds": t}
 
 
 def peer_copy_bandwidth(src_device: str, dst_device: str, nbytes: int, reps: int = 5) -> dict:
@@ -89,7 +90,7 @@ def peer_copy_bandwidth(src_device: str, dst_device: str, nbytes: int, reps: int
 
 
 def measure(device: str, matmul_dtype: torch.dtype | None = None, peer_device: str | None = None,
-            quick: bool = False, fp8: bool = False) -> dict:
+            quick: bool = False, fp8: bool = False, fp8_fast_accum: bool = False) -> dict:
     """All ceilings of `device` (and of its link to `peer_device`, when another device)."""
     dev = _device(device)
     kind = "cpu" if dev.type == "cpu" else "accel"
@@ -99,7 +100,7 @@ def measure(device: str, matmul_dtype: torch.dtype | None = None, peer_device: s
     out = {"device": device, "copy": copy_bandwidth(device, nbytes), "matmul": matmul_rate(device, n, dtype),
            "peer_copy": None}
     if fp8 and dev.type == "cuda":
-        out["matmul_fp8"] = fp8_matmul_rate(device, n)
+        out["matmul_fp8"] = fp8_matmul_rate(device, n, fast_accum=fp8_fast_accum)
     if dev.type == "cpu":
         out["threads"] = torch.get_num_threads()
     if peer_device and peer_device != device and dev.type != "cpu":

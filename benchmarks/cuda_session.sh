@@ -40,7 +40,7 @@
 # Quantized serving (issue 33, one GPU): quant (FP8 tests: the Triton quantizer, the scaled GEMMs, attention
 # over a float8 cache, tiny-model graphs == eager; then the attention kernels' own tests), b1quant (B1 on
 # QUANT_MODELS, default qwen3-8b: bf16, --quantization fp8, fp8 + --kv-cache-dtype fp8, same lease; QUANT_VARIANTS may
-# add fp8-dotsN: FP8 with the experts' FP8 x FP8 rule at N pairs an expert), qprofile
+# add fp8fast / fp8kv8fast (--fp8-accumulation fast), fp8-dotsN: FP8 with the experts' FP8 x FP8 rule at N pairs an expert), qprofile
 # (profile_steps' decode step of qwen3-8b at 256 x 1k per variant), qkernels (benchmarks/quant_kernels.py; QKERNELS_ARGS="--write-table engine/platforms/triton_kernels/fp8_gemm_tables.json"
 # re-measures the FP8 GEMM's tiles for this GPU, which later steps of the same call then use), quantacc
 # (the accuracy check on cuda:0 in bf16: Baton's modes, transformers bf16 and its FP8 path, on the embedded
@@ -168,6 +168,8 @@ for step in $STEPS; do
               for v in ${QUANT_VARIANTS:-bf16 fp8 fp8kv8}; do
                 rule=""      # fp8-dotsN: FP8 experts with quantization.FP8_EXPERT_DOTS_ABOVE = N (A/B of the rule)
                 case $v in bf16) a="" ;; fp8) a="--quantization fp8" ;; fp8kv8) a="--quantization fp8 --kv-cache-dtype fp8" ;;
+                  fp8fast) a="--quantization fp8 --fp8-accumulation fast" ;;
+                  fp8kv8fast) a="--quantization fp8 --kv-cache-dtype fp8 --fp8-accumulation fast" ;;
                   fp8-dots*) a="--quantization fp8"; rule=${v#fp8-dots} ;; esac
                 timeout ${QUANT_TIMEOUT:-240} python3 -c "import runpy, sys
 from baton.models.layers import quantization

@@ -17,7 +17,13 @@ from baton.benchmarks.model_shape import DTYPE_BYTES, shape_of
 from baton.benchmarks.roofline import Ceilings, CostModel, StepShape, roofline_report
 from baton.benchmarks.stats import summarize
 from baton.benchmarks.workload import OfflineWorkload, nano_vllm_workload, warmup_workload
-from baton.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
+from baton.engine.config import (
+    DEFAULT_MODEL,
+    FP8_ACCUMULATIONS,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_METHODS,
+    EngineConfig,
+)
 from baton.serving.options import flag
 
 FULL = dict(model="qwen3-0.6b", num_seqs=256, min_input_len=100, max_input_len=1024, min_output_len=100,
@@ -27,7 +33,7 @@ SMOKE = dict(model=DEFAULT_MODEL, num_seqs=8, min_input_len=16, max_input_len=64
 ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                 "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "tp_size", "tp_devices", "tokenizer",
                 "async_scheduling", "deterministic", "speculative_method", "num_speculative_tokens",
-                "speculative_max_batch", "quantization", "kv_cache_dtype")
+                "speculative_max_batch", "quantization", "kv_cache_dtype", "fp8_accumulation")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch)
     e.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                    help="fp8: FP8 weights; w8a8: int8 weights and tokens (unset: the checkpoint's)")
+    e.add_argument("--fp8-accumulation", choices=FP8_ACCUMULATIONS, default=d.fp8_accumulation,
+                   help="FP8 GEMMs' sums on CUDA: fp32 or fast (the engine flag's)")
     e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="fp8: the KV cache in float8 e4m3")
     e.add_argument("--deterministic", action="store_true",
@@ -110,7 +118,8 @@ def run(args: argparse.Namespace, rec: dict) -> None:
                                        if args.engine == "baton" else [args.device])
     # one-byte projection weights: FP8, or w8a8's int8 (its GEMM rate is measured on CUDA only, where w8a8 is refused)
     fp8 = args.engine == "baton" and (args.quantization in ("fp8", "w8a8") or shape_is_fp8(args.model))
-    rec["ceilings"] = ceilings.measure(args.device, getattr(torch, args.dtype), quick=args.smoke, fp8=fp8)
+    rec["ceilings"] = ceilings.measure(args.device, getattr(torch, args.dtype), quick=args.smoke, fp8=fp8,
+                                       fp8_fast_accum=args.fp8_accumulation == "fast")
     # tensor parallel: the ranks' devices together, at best tp_size times one device's rates
     ranks = args.tp_size if args.engine == "baton" else 1
     fp8_rate = rec["ceilings"].get("matmul_fp8", {}).get("flops_per_s")

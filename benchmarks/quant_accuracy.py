@@ -38,7 +38,11 @@ MODES = {"full": {}, "fp8": {"quantization": "fp8"}, "fp8+kv8": {"quantization":
          # FP8 weights rounded with GPTQ's error feedback at load (--fp8-rounding gptq, engine/fp8_rounding.py;
          # calibrated on CPython's help topics and two stdlib modules other than MODULES)
          "gptq": {"quantization": "fp8", "fp8_rounding": "gptq"},
-         "gptq+kv8": {"quantization": "fp8", "fp8_rounding": "gptq", "kv_cache_dtype": "fp8"}}
+         "gptq+kv8": {"quantization": "fp8", "fp8_rounding": "gptq", "kv_cache_dtype": "fp8"},
+         # CUDA's FP8 GEMMs summed by the tensor cores alone (--fp8-accumulation fast; the CPU sums in float32)
+         "fp8-fast": {"quantization": "fp8", "fp8_accumulation": "fast"},
+         "gptq+kv8-fast": {"quantization": "fp8", "fp8_rounding": "gptq", "kv_cache_dtype": "fp8",
+                           "fp8_accumulation": "fast"}}
 TOLERANCE = 0.03        # the acceptance: within 3 % of full precision's perplexity
 
 

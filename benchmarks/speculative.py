@@ -125,7 +125,7 @@ def main(argv=None) -> None:
     p.add_argument("--speculative-method", default="ngram", choices=("ngram", "eagle3"))
     p.add_argument("--speculative-model", default=None,
                    help="eagle3: the head's directory, or `random` (a random head in the model's shapes)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="unset: the engine's default")
     p.add_argument("--speculative-max-batch", type=int, default=32)
     p.add_argument("--num-kv-blocks", type=int, default=8192, help="each engine's KV cache (two engines share the GPU)")
     p.add_argument("--workloads", default="stop-at-eos,ignore-eos",
@@ -185,7 +185,7 @@ def main(argv=None) -> None:
                        "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                        "max_tokens": args.max_tokens, "driver": args.driver, "requests_per_slot": args.per_slot,
                        "rounds": args.rounds,
-                       "num_speculative_tokens": args.num_speculative_tokens,
+                       "num_speculative_tokens": engines[True].engine.config.speculative_tokens,
                        "method": method, "speculative_model": args.speculative_model,
                        "rows": rows}, f, indent=1)
 

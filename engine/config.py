@@ -14,6 +14,7 @@ QUANTIZATION_METHODS = ("fp8", "w8a8")  # models/layers/quantization.py
 KV_CACHE_DTYPES = ("auto", "fp8")       # auto: the model dtype; fp8: float8 e4m3 (engine/platforms/base.py)
 KV_CACHE_SCALES = ("calibrate", "one")  # a float8 cache's per-head K/V scales (engine/kv_scales.py)
 FP8_ROUNDINGS = ("nearest", "gptq")     # how --quantization fp8 rounds weights (engine/fp8_rounding.py)
+FP8_ACCUMULATIONS = ("fp32", "fast")    # FP8 GEMMs' sums on CUDA: promoted to float32, or the tensor cores' own
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +55,23 @@ class EngineConfig:
     deterministic: bool = False         # a request's tokens independent of its batch (engine/batch_invariant.py)
     speculative_method: str | None = None   # ngram | eagle3: guess tokens, verify them in one step (engine/speculative.py)
     speculative_model: str | None = None    # eagle3: the draft head's directory (config.json + safetensors)
-    num_speculative_tokens: int = 4     # guesses per sequence and step
+    num_speculative_tokens: int | None = None   # most guesses per sequence and step; None: 8 (ngram), 4 (eagle3)
     speculative_max_batch: int = 32     # speculate only while at most this many sequences run
     scheduling_policy: str = "fcfs"     # fcfs | priority: which waiting request runs next (scheduling_policy.py)
     quantization: str | None = None     # fp8 | w8a8 (int8, Ascend and CPU); None = the checkpoint's
     kv_cache_dtype: str = "auto"        # auto: the model dtype; fp8: e4m3, half the bytes of bf16 per token
     kv_cache_scales: str = "calibrate"  # fp8 cache: the checkpoint's k/v scales, else calibrated at load | one
     fp8_rounding: str = "nearest"       # --quantization fp8's weights: to nearest, or GPTQ's error feedback
+    fp8_accumulation: str = "fast"      # FP8 GEMMs on CUDA: the tensor cores' own sums (vLLM's), or fp32
+
+    @property
+    def speculative_tokens(self) -> int:
+        """The most guesses a sequence makes in a step: --num-speculative-tokens, else 8 for n-gram
+        lookup (a guess costs nothing to make, and a small batch verifies 9 rows for what 1 costs) and
+        4 for a draft head (each guess is a pass of the head)."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return 4 if self.speculative_method == "eagle3" else 8
 
     def _validate_draft_head(self) -> None:
         eagle = self.speculative_method == "eagle3"
@@ -97,7 +108,7 @@ class EngineConfig:
             if self.speculative_method not in SPECULATIVE_METHODS:
                 raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} (or unset), "
                                  f"got {self.speculative_method!r}")
-            if not 1 <= self.num_speculative_tokens <= 16:
+            if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 16:
                 raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
             if self.speculative_max_batch < 1:
                 raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
@@ -124,6 +135,9 @@ class EngineConfig:
         if self.fp8_rounding != "nearest" and self.quantization != "fp8":
             raise ValueError(f"--fp8-rounding {self.fp8_rounding} rounds the weights --quantization fp8 quantizes at "
                              f"load: add --quantization fp8 (got --quantization {self.quantization})")
+        if self.fp8_accumulation not in FP8_ACCUMULATIONS:
+            raise ValueError(f"fp8_accumulation must be one of {', '.join(FP8_ACCUMULATIONS)}, "
+                             f"got {self.fp8_accumulation!r}")
         if self.kv_cache_scales not in KV_CACHE_SCALES:
             raise ValueError(f"kv_cache_scales must be one of {', '.join(KV_CACHE_SCALES)}, got {self.kv_cache_scales!r}")
         if self.npu_graph_mode not in NPU_GRAPH_MODES:

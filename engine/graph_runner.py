@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from baton.engine.speculative import guesses_each
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.forward_context import ForwardContext
 
@@ -34,13 +35,14 @@ PROMPT_ROWS = 256
 def graph_rows(config, prompt_rows: bool = True) -> int:
     """The most rows a decode graph replays: a row per running sequence, or with speculation, while
     the batch is small enough for it, a row per token verified (each sequence's last and its guesses:
-    16 sequences with 4 guesses are 80 rows, which a graph of --max-num-seqs 16 would leave eager);
+    16 sequences with 8 guesses are 144 rows, which a graph of --max-num-seqs 16 would leave eager);
     and PROMPT_ROWS more (within the step's token budget) for steps with short prompt chunks, where
     the platform's graphs take them (`prompt_rows`) and neither --deterministic nor a draft head
     leaves them to the generic path."""
     rows = config.max_num_seqs
     if config.speculative_method is not None:
-        rows = max(rows, min(rows, config.speculative_max_batch) * (config.num_speculative_tokens + 1))
+        rows = max(rows, *(n * (guesses_each(n, config.speculative_tokens) + 1)
+                           for n in range(1, min(rows, config.speculative_max_batch) + 1)))
     if prompt_rows and not config.deterministic and config.speculative_method != "eagle3":
         rows = max(rows, min(config.max_num_seqs + PROMPT_ROWS, config.max_num_batched_tokens))
     return rows

@@ -104,7 +104,7 @@ class LLMEngine:
         self.look_ahead = auto if self.config.async_scheduling is None else self.config.async_scheduling
         self.in_flight: LaunchedStep | None = None
         self.speculator = None if self.config.speculative_method is None else Speculator(
-            self.config.speculative_method, self.config.num_speculative_tokens, self.config.speculative_max_batch,
+            self.config.speculative_method, self.config.speculative_tokens, self.config.speculative_max_batch,
             self.block_manager, self.runner.drafts)
         # n-gram guesses, scheduled ahead: the step after a verifying one is queued before its tokens are
         # back, as if every guess held (the sequences that kept fewer roll back: engine/speculative.py)

@@ -81,6 +81,7 @@ class ModelRunner:
         self.head = load_head(config, self.model, self.platform.ops, self.dtype, self.device)
         self.num_cache_layers = self.model.num_layers + (self.head is not None)
         self.drafts = DraftHead(self) if self.head is not None else None
+        self.platform.ops.fp8_fast_accum = config.fp8_accumulation == "fast"
         # what the model's attention layers call: the platform, or deterministic mode's row attention
         self.attention = self.platform
         if config.deterministic:

@@ -1,9 +1,10 @@
 """Speculative decoding: propose a few tokens per sequence, verify them in one forward.
 
 Torch-free. Each step, while the batch is small enough to have compute to spare, a proposer
-guesses up to k next tokens of every running sequence; the scheduler feeds the last token and
-the guesses as one chunk (a multi-token decode), the runner samples a token at each of the
-k + 1 positions, exactly as a plain decode step would sample there (the same temperature,
+guesses up to k next tokens of every running sequence (fewer each as the batch grows: GUESS_ROWS
+guessed tokens a step in all); the scheduler feeds the last token and the guesses as one chunk
+(a multi-token decode), the runner samples a token at each of the k + 1 positions, exactly as a
+plain decode step would sample there (the same temperature,
 top-k/top-p, and for seeded requests the same noise, keyed by seed and position), and the
 sequence keeps the guesses up to the first one that differs from what was sampled, plus the
 sampled token at that point. So the tokens are the ones plain decoding gives, token for token
@@ -123,10 +124,14 @@ class SpeculationStats:
 # 1, 2, 4 ... MAX_BACKOFF engine steps, resuming at a multiple of its wait so that the sequences backing
 # off resume together; while none is due, the engine decodes plainly, a step ahead (a verifying step
 # cannot be: its guesses need every token before them known, and its kept count sets the next positions).
-MAX_BACKOFF = 16
+MAX_BACKOFF = 4
 # A verifying step runs only when at least this share of the decoding sequences guess: it costs more
 # than a plain step (more rows, and host work that cannot overlap the device)
 MIN_GUESSING_SHARE = 0.25
+# Guessed rows a verifying step adds in all: each sequence guesses up to k while k x the running
+# sequences fit, fewer as the batch grows (at least one). A small batch leaves the device idle for
+# its weights' read, so a long guess costs it about nothing; a larger one spends real compute on it.
+GUESS_ROWS = 128
 
 
 class Speculator:
@@ -165,6 +170,7 @@ class Speculator:
         too few guess for a verifying step (the step decodes plainly)."""
         guessing = decoding = 0
         heads: list[tuple[Sequence, int]] = []          # (sequence, guesses) for the draft head
+        most = self.guesses_each(len(running))
         for seq in running:
             seq.draft, seq.draft_probs = [], None
             # its guesses in flight, verified as this step runs (scheduled past them: all held, assumed),
@@ -178,9 +184,10 @@ class Speculator:
                 continue
             # room left: max_tokens and the context both cap the tokens a step may add (guesses + 1)
             left = min(seq.params.max_tokens + seq.num_prompt_tokens, seq.max_model_len) - seq.num_tokens - 1
+            left = min(left, most)
             if self.drafter is not None:
                 if left > 0:
-                    heads.append((seq, min(self.k, left)))
+                    heads.append((seq, left))
                 continue
             if follows is not None:
                 start = follows
@@ -212,6 +219,9 @@ class Speculator:
                 if seq.draft:                           # due, but alone: wait for company a few steps
                     seq.draft, seq.draft_probs, seq.spec_next = [], None, None
                     seq.spec_resume_step = self._after(4)
+
+    def guesses_each(self, running: int) -> int:
+        return guesses_each(running, self.k)
 
     def _draft(self, heads: list[tuple[Sequence, int]], decoding: int, running: int) -> int:
         """The draft head's guesses for these sequences, in one batch, when enough of them guess for a
@@ -257,6 +267,11 @@ class Speculator:
     def _after(self, wait: int) -> int:
         """The first engine step after this one that is a multiple of `wait`."""
         return (self.clock // wait + 1) * wait
+
+
+def guesses_each(running: int, k: int) -> int:
+    """How many tokens each of `running` sequences may guess in a step (GUESS_ROWS)."""
+    return max(1, min(k, GUESS_ROWS // max(1, running)))
 
 
 def _may_guess(seq: Sequence) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from baton.engine.config import (
     DEFAULT_MODEL,
+    FP8_ACCUMULATIONS,
     FP8_ROUNDINGS,
     KV_CACHE_DTYPES,
     KV_CACHE_SCALES,
@@ -162,7 +163,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "out). Give it to the prefill workers too: they run it over the prompt, and its KV and last "
               "hidden state travel with the prompt's")
     flag(g, "--num-speculative-tokens", type=int, default=e.num_speculative_tokens,
-         help="guesses per sequence and step")
+         help="most guesses per sequence and step (unset: 8 for ngram, 4 for eagle3, whose every guess is a pass "
+              "of its head); a step guesses at most 128 tokens in all, so past 128 / this many running "
+              "sequences each guesses fewer (at least one)")
     flag(g, "--speculative-max-batch", type=int, default=e.speculative_max_batch,
          help="speculate only while at most this many sequences run (a full batch has no compute to spare)")
     flag(g, "--scheduling-policy", default=e.scheduling_policy, choices=SCHEDULING_POLICIES,
@@ -183,6 +186,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "turn with the error fed forward (GPTQ), calibrated on fixed texts from the Python install (its help "
               "topics and two stdlib modules): each layer's output stays closer; costs a forward per layer at "
               "load, ~160 s for an 8B model on an H100). Workers of one model should agree")
+    flag(g, "--fp8-accumulation", default=e.fp8_accumulation, choices=FP8_ACCUMULATIONS,
+         help="how FP8 GEMMs sum on CUDA: fp32 (the tensor cores' partial sums added in float32 every 128 "
+              "products), or fast (the tensor cores' own sums, as vLLM's FP8 GEMMs on Hopper run: faster, less "
+              "precise over a long K)")
     flag(g, "--kv-cache-dtype", default=e.kv_cache_dtype, choices=KV_CACHE_DTYPES,
          help="auto: the KV cache in the model dtype; fp8: float8 e4m3 (K and V scaled per layer and kv head, "
               "saturating), half of bf16's bytes per token in memory and on the wire (CUDA 8.9+ and the CPU; not "
@@ -268,7 +275,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_batch=args.speculative_max_batch, scheduling_policy=args.scheduling_policy,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, kv_cache_scales=args.kv_cache_scales,
-        fp8_rounding=args.fp8_rounding)
+        fp8_rounding=args.fp8_rounding, fp8_accumulation=args.fp8_accumulation)
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:

@@ -151,6 +151,12 @@ def test_fp8_serving_keeps_prefix_cache_and_speculation_exact(tiny):
     spec = LLM(str(tiny["bf16"]), quantization="fp8", num_kv_blocks=64, max_model_len=256,
                speculative_method="ngram", num_speculative_tokens=3)
     assert spec.generate(prompt, sp)[0].token_ids == first
+    # --fp8-accumulation reaches the platform's GEMMs (CUDA's two modes: test_triton_fp8_gemm_sums_...
+    # below); the CPU sums in float32 either way, so the tokens stay
+    assert plain.engine.runner.platform.ops.fp8_fast_accum            # the default: fast
+    exact = LLM(str(tiny["bf16"]), quantization="fp8", num_kv_blocks=64, max_model_len=256, fp8_accumulation="fp32")
+    assert not exact.engine.runner.platform.ops.fp8_fast_accum
+    assert exact.generate(prompt, sp)[0].token_ids == first
 
 
 def test_gptq_rows_keep_the_grid_and_scales_and_lower_the_output_error():
@@ -210,6 +216,8 @@ def test_what_cannot_run_fp8_is_refused_clearly(tiny, tmp_path):
         EngineConfig(quantization="fp8", deterministic=True).validate()
     with pytest.raises(ValueError, match="quantization must be one of fp8"):
         EngineConfig(quantization="int4").validate()
+    with pytest.raises(ValueError, match="fp8_accumulation must be one of fp32, fast"):
+        EngineConfig(quantization="fp8", fp8_accumulation="fp16").validate()
     config = json.loads((tiny["bf16"] / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     with pytest.raises(ValueError, match="checkpoint quantization 'awq' is not supported"):
@@ -587,6 +595,14 @@ def test_triton_fp8_gemm_sums_in_float32_in_a_fixed_order_and_replays_from_a_gra
         gap = ((y.double() - ref).norm() / ref.norm()).item()
         print(f"[fp8-gemm] M={m} N={n} K={k} {cfg}: float32 {err:.1e}, bf16 vs _scaled_mm {gap:.1e}")
         assert err < 5e-4 and gap < 5e-3, (err, gap)
+        # --fp8-accumulation fast: the tensor cores' own sums, never promoted (an H100 measured up to
+        # 1.3e-3 here; bf16 within 2.3e-3 of _scaled_mm's)
+        fast = fp8_gemm.fp8_gemm(xq, xs, wq, ws, cfg, torch.float32, fast_accum=True)
+        fast_err = ((fast.double() - exact).norm() / exact.norm()).item()
+        fast_bf16 = fp8_gemm.scaled_mm(xq, xs, wq, ws, fast_accum=True).double()
+        fast_gap = ((fast_bf16 - ref).norm() / ref.norm()).item()
+        print(f"[fp8-gemm] fast: float32 {fast_err:.1e}, bf16 vs _scaled_mm {fast_gap:.1e}")
+        assert fast_err < 5e-3 and fast_gap < 1e-2, (fast_err, fast_gap)
         assert torch.equal(fp8_gemm.scaled_mm(xq, xs, wq, ws), y)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -577,18 +577,25 @@ def test_unseeded_sampling_keeps_the_target_distribution(tmp_path, method):
 
 def test_decode_graphs_cover_the_rows_of_a_verifying_step():
     """A verifying step is a decode step of a row per token: the graphs go up to the speculating batch
-    times k + 1 rows, not just --max-num-seqs (a small one would run every verifying step eager); and
-    256 rows past --max-num-seqs for steps with short prompt chunks (within the token budget; none
-    under --deterministic)."""
+    times its guesses + 1 rows, not just --max-num-seqs (a small one would run every verifying step
+    eager); and 256 rows past --max-num-seqs for steps with short prompt chunks (within the token
+    budget; none under --deterministic). Each sequence guesses k while k x the batch fits GUESS_ROWS
+    (128), fewer beyond, at least one."""
     from baton.engine.config import EngineConfig
     from baton.engine.graph_runner import graph_rows
+    from baton.engine.speculative import guesses_each
+    assert [guesses_each(n, 8) for n in (1, 16, 17, 32, 64, 128, 256)] == [8, 8, 7, 4, 2, 1, 1]
+    # k unset: 8 for n-gram lookup, 4 for a draft head (a pass of the head a guess)
+    assert EngineConfig(speculative_method="ngram").speculative_tokens == 8
+    assert EngineConfig(speculative_method="eagle3", speculative_model="head").speculative_tokens == 4
     assert graph_rows(EngineConfig(max_num_seqs=16, deterministic=True)) == 16
     assert graph_rows(EngineConfig(max_num_seqs=16, max_num_batched_tokens=64)) == 64
     assert graph_rows(EngineConfig(max_num_seqs=16)) == 272
     assert graph_rows(EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, **SPEC)) == 80
     assert graph_rows(EngineConfig(max_num_seqs=512, speculative_max_batch=32, **SPEC)) == 768
-    assert graph_rows(EngineConfig(max_num_seqs=64, speculative_max_batch=96, max_num_batched_tokens=256,
-                                   **SPEC)) == 320
+    # 64 sequences guess 2 each (128 // 64): 192 rows, more than the 128 of the token budget
+    assert graph_rows(EngineConfig(max_num_seqs=64, speculative_max_batch=96, max_num_batched_tokens=128,
+                                   **SPEC)) == 192
 
 
 def test_worker_metrics_count_guesses_from_the_cores_totals():

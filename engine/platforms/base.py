@@ -74,6 +74,8 @@ class LayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    fp8_fast_accum = False      # --fp8-accumulation fast: CUDA's FP8 GEMMs only (the CPU sums in float32)
+
     def scaled_mm(self, a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                   out_dtype: torch.dtype) -> torch.Tensor:
         """An FP8 linear's GEMM: e4m3 a [M, K] times e4m3 w [N, K] transposed, times a_scale [M, 1]

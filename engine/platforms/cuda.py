@@ -60,7 +60,7 @@ class TritonLayerOps(LayerOps):
 
     def scaled_mm(self, a, a_scale, w, w_scale, out_dtype):
         from baton.engine.platforms.triton_kernels import fp8_gemm
-        return fp8_gemm.scaled_mm(a, a_scale, w, w_scale, out_dtype)
+        return fp8_gemm.scaled_mm(a, a_scale, w, w_scale, out_dtype, fast_accum=self.fp8_fast_accum)
 
     moe_invariant = False      # False: tiles by rows per expert; deterministic mode fixes them
 

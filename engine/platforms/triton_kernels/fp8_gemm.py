@@ -2,9 +2,11 @@
 faster than `torch._scaled_mm` (its one 128x128 cuBLAS tile leaves most SMs idle on the 4096-wide
 outputs at M <= 256), `_scaled_mm` everywhere else.
 
-The numbers are `_scaled_mm`'s: float32 accumulation, the FP8 tensor cores' partial sums promoted to
-float32 every 128 products (Triton's `max_num_imprecise_acc`; its sm_90 default never promotes, the
-"fast accumulation" `_scaled_mm` leaves off), then token scale x channel scale, rounded once.
+The numbers are `_scaled_mm`'s, in either of --fp8-accumulation's modes: fast (the default, as vLLM's
+FP8 GEMMs on Hopper) keeps the FP8 tensor cores' own sums (Triton's sm_90 default for
+`max_num_imprecise_acc`, `_scaled_mm`'s use_fast_accum); fp32 promotes the partial sums to float32
+every 128 products. Then token scale x channel scale, rounded once. The table's tiles were measured in
+the default mode (its entry's "accumulation").
 
 Small M: the weight tile is the MMA's 64-row side and the tokens its narrow side (SWAP_AB), so 16
 tokens still run wgmma. Split-K: SPLIT_K programs share an output tile, each summing a slice of K
@@ -187,10 +189,11 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, out_ptr, partial_pt
 
 
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-             cfg: Fp8GemmConfig, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+             cfg: Fp8GemmConfig, out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False) -> torch.Tensor:
     """a e4m3 [M, K] (rows contiguous), a_scale float32 [M, 1]; w e4m3 [N, K], w_scale float32 [1, N]
     -> a @ w.T times both scales, [M, N] in out_dtype. Capturable: no host sync, no allocation
-    but the output once the workspace exists."""
+    but the output once the workspace exists. fast_accum: the tensor cores' sums are never promoted
+    to float32 (`_scaled_mm`'s use_fast_accum)."""
     m, k = a.shape
     n = w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -210,15 +213,17 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
         a, w, a_scale, w_scale, out, partials, counts, m, n, k, a.stride(0), w.stride(0), out.stride(0), cfg.split_k,
         triton.cdiv(k, cfg.block_k) // cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, SPLIT=cfg.split_k > 1,
-        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, PROMOTE=min(PROMOTE_EVERY, cfg.block_k),
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
+        PROMOTE=None if fast_accum else min(PROMOTE_EVERY, cfg.block_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+              out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False) -> torch.Tensor:
     """What an FP8 linear runs on CUDA: the device's table's Triton config for (M, N, K), else `_scaled_mm`."""
     cfg = pick(a.shape[0], w.shape[0], a.shape[1], a.device)
     if cfg is None:
-        return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale, out_dtype=out_dtype)
-    return fp8_gemm(a, a_scale, w, w_scale, cfg, out_dtype)
+        return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale, out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
+    return fp8_gemm(a, a_scale, w, w_scale, cfg, out_dtype, fast_accum)
