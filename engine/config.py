@@ -55,7 +55,7 @@ class EngineConfig:
     deterministic: bool = False         # a request's tokens independent of its batch (engine/batch_invariant.py)
     speculative_method: str | None = None   # ngram | eagle3: guess tokens, verify them in one step (engine/speculative.py)
     speculative_model: str | None = None    # eagle3: the draft head's directory (config.json + safetensors)
-    num_speculative_tokens: int | None = None   # most guesses per sequence and step; None: 8 (ngram), 4 (eagle3)
+    num_speculative_tokens: int | None = None   # most guesses per sequence and step; None: 16 (ngram), 4 (eagle3)
     speculative_max_batch: int = 32     # speculate only while at most this many sequences run
     scheduling_policy: str = "fcfs"     # fcfs | priority: which waiting request runs next (scheduling_policy.py)
     quantization: str | None = None     # fp8 | w8a8 (int8, Ascend and CPU); None = the checkpoint's
@@ -66,12 +66,13 @@ class EngineConfig:
 
     @property
     def speculative_tokens(self) -> int:
-        """The most guesses a sequence makes in a step: --num-speculative-tokens, else 8 for n-gram
-        lookup (a guess costs nothing to make, and a small batch verifies 9 rows for what 1 costs) and
-        4 for a draft head (each guess is a pass of the head)."""
+        """The most guesses a sequence makes in a step: --num-speculative-tokens, else 16 for n-gram
+        lookup (a guess costs nothing to make, and a small batch verifies 17 rows for what 1 costs;
+        GUESS_ROWS shortens them as the batch grows) and 4 for a draft head (each guess is a pass of
+        the head)."""
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
-        return 4 if self.speculative_method == "eagle3" else 8
+        return 4 if self.speculative_method == "eagle3" else 16
 
     def _validate_draft_head(self) -> None:
         eagle = self.speculative_method == "eagle3"

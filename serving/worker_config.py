@@ -163,7 +163,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "out). Give it to the prefill workers too: they run it over the prompt, and its KV and last "
               "hidden state travel with the prompt's")
     flag(g, "--num-speculative-tokens", type=int, default=e.num_speculative_tokens,
-         help="most guesses per sequence and step (unset: 8 for ngram, 4 for eagle3, whose every guess is a pass "
+         help="most guesses per sequence and step (unset: 16 for ngram, 4 for eagle3, whose every guess is a pass "
               "of its head); a step guesses at most 128 tokens in all, so past 128 / this many running "
               "sequences each guesses fewer (at least one)")
     flag(g, "--speculative-max-batch", type=int, default=e.speculative_max_batch,

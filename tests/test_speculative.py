@@ -585,8 +585,8 @@ def test_decode_graphs_cover_the_rows_of_a_verifying_step():
     from baton.engine.graph_runner import graph_rows
     from baton.engine.speculative import guesses_each
     assert [guesses_each(n, 8) for n in (1, 16, 17, 32, 64, 128, 256)] == [8, 8, 7, 4, 2, 1, 1]
-    # k unset: 8 for n-gram lookup, 4 for a draft head (a pass of the head a guess)
-    assert EngineConfig(speculative_method="ngram").speculative_tokens == 8
+    # k unset: 16 for n-gram lookup, 4 for a draft head (a pass of the head a guess)
+    assert EngineConfig(speculative_method="ngram").speculative_tokens == 16
     assert EngineConfig(speculative_method="eagle3", speculative_model="head").speculative_tokens == 4
     assert graph_rows(EngineConfig(max_num_seqs=16, deterministic=True)) == 16
     assert graph_rows(EngineConfig(max_num_seqs=16, max_num_batched_tokens=64)) == 64
