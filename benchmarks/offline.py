@@ -247,8 +247,10 @@ def run_baton(args: argparse.Namespace, workload: OfflineWorkload) -> tuple[dict
     recorder = StepRecorder(engine.scheduler, engine.runner)
     _drive(engine, warmup_workload(workload, args.seed), recorder, progress=False)
     recorder.device_events.clear()
+    retries = _alloc_retries(engine.runner.device)
     with GcPauses() as gc_pauses:
         wall, out_tokens, steps, step_seconds, tpots = _drive(engine, workload, recorder, progress=True)
+    retries = None if retries is None else _alloc_retries(engine.runner.device) - retries
     decode_s = [t for s, t in zip(steps, step_seconds, strict=True) if s.is_decode]
     prefill_s = [t for s, t in zip(steps, step_seconds, strict=True) if not s.is_decode]
     results = {
@@ -262,11 +264,20 @@ def run_baton(args: argparse.Namespace, workload: OfflineWorkload) -> tuple[dict
                   "decode_batch_size": summarize([len(s.contexts) for s in steps if s.is_decode]),
                   "slowest": _slowest(steps, step_seconds),
                   "device_seconds": recorder.device_seconds() if recorder.device_events else None,
-                  "gc_pauses": gc_pauses.report()},
+                  "gc_pauses": gc_pauses.report(),
+                  # CUDA's caching allocator out of cached blocks: it frees them all and retries, a device sync
+                  "allocator_retries": retries},
         "engine_config": dict(engine_config(args), num_kv_blocks=engine.runner.num_blocks,
                               max_model_len=engine.max_model_len),
     }
     return results, steps, step_seconds
+
+
+def _alloc_retries(device) -> int | None:
+    if device.type != "cuda":
+        return None
+    import torch
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def _slowest(steps: list[StepShape], seconds: list[float], n: int = 5) -> list[dict]:

@@ -46,6 +46,22 @@ def _profiled(engine: LLMEngine, steps: int):
     return prof, wall
 
 
+def _host_profile(engine: LLMEngine, top: int) -> list[dict]:
+    import cProfile
+    import pstats
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((tt, ct, nc, f"{fn[0].rsplit('/', 2)[-1]}:{fn[1]}:{fn[2]}") for fn, (_cc, nc, tt, ct, _)
+                   in stats.items()), reverse=True)[:top]
+    return [{"fn": name[:90], "own_ms": round(1000 * tt, 2), "cum_ms": round(1000 * ct, 2), "calls": nc}
+            for tt, ct, nc, name in rows]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
@@ -59,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default=None, help="fp8 | w8a8 (unset: the checkpoint's)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
     p.add_argument("--skip-prefill", action="store_true", help="decode only (and the mixed step)")
+    p.add_argument("--host-top", type=int, default=0,
+                   help="also one more mixed step under cProfile: the host's top functions by own time")
     args = p.parse_args(argv)
     cfg = EngineConfig(model=args.model, tokenizer=args.tokenizer, device=args.device, enforce_eager=True, max_num_seqs=args.batch,
                        max_model_len=max(args.context, args.prefill_tokens) + 4 * args.steps + 64,
@@ -119,6 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"phase": "mixed", **tag, "decode_rows": args.batch, "tokens": args.prefill_tokens,
                       "wall_ms": round(1000 * wall, 2), "phases_ms": phases,
                       "kernel_ms": round(kernel_ms, 2), "top": top}), flush=True)
+    if args.host_top:     # eager prefill is bound by the host: where its Python time goes
+        engine.add_request(torch.randint(0, engine.vocab_size, (args.prefill_tokens - args.batch,),
+                                         generator=g).tolist(), params)
+        print(json.dumps({"phase": "mixed host", **tag, "top": _host_profile(engine, args.host_top)}), flush=True)
     for rid in ids:
         engine.abort(rid)
 

@@ -1,6 +1,7 @@
-"""FP8 kernels at decode sizes (issue 33's speed): qwen3-8b's projections and decode attention.
+"""FP8 kernels at decode sizes (issue 33's speed): a model's projections (qwen3-8b's unless --model)
+and decode attention.
 
-    python -m baton.benchmarks.quant_kernels --out DIR
+    python -m baton.benchmarks.quant_kernels --out DIR [--model qwen3-30b-a3b]
 
 Per projection shape and batch M: the bf16 GEMM, `torch._scaled_mm` row-wise with float32 and
 with fast accumulation (time and error against the float64 product), and the engine's Triton FP8
@@ -32,8 +33,21 @@ def _us(fn, *args, **kwargs) -> float:
     return 1000 * do_bench(lambda: fn(*args, **kwargs))
 
 
-# qwen3-8b's projections, split-K's candidates (4096 outputs) first
+# the projections swept, (N, K) by name: qwen3-8b's unless --model, split-K's candidates (4096 outputs) first
 SHAPES = {"o": (4096, 4096), "down": (4096, 12288), "gate_up": (24576, 4096), "qkv": (6144, 4096)}
+
+
+def model_shapes(model: str) -> dict[str, tuple[int, int]]:
+    """A preset's FP8 projections: attention's qkv and o, and the dense MLP's where a layer has one
+    (a mixture-of-experts model's routed experts run the fused expert kernels, not this GEMM)."""
+    from baton.benchmarks.model_shape import shape_of
+    s = shape_of(model)
+    q = s.heads * s.head_dim
+    shapes = {"o": (s.hidden, q), "qkv": (q + 2 * s.kv_heads * s.head_dim, s.hidden)}
+    if s.moe_layers < s.layers:
+        shapes = {"o": shapes["o"], "down": (s.hidden, s.intermediate),
+                  "gate_up": (2 * s.intermediate, s.hidden), "qkv": shapes["qkv"]}
+    return shapes
 
 
 def _candidates(m: int, k: int) -> list[fp8_gemm.Fp8GemmConfig]:
@@ -83,6 +97,7 @@ def _graph_us(calls: list, reps: int = 3) -> float:
 
 
 FAST_ACCUM = False      # --fast-accum: the Triton tiles sum as --fp8-accumulation fast, against _scaled_mm's fast
+MODEL_NOTE = ""          # --model: " --model NAME" in the table's note
 
 
 def _gemm_row(name: str, n: int, k: int, m: int, wq_: list, ws_: list, wb_: list) -> dict:
@@ -144,15 +159,22 @@ def _table(rows: list[dict], margin: float) -> dict:
             picked.append([r["m"], r["triton_cfg"] if win else None])
         if picked:
             shapes[f"{n}x{k}"] = picked
-    return {"measured": f"benchmarks/quant_kernels.py, {time.strftime('%Y-%m-%d')}, a win: {margin:.0%} under "
+    return {"measured": f"benchmarks/quant_kernels.py{MODEL_NOTE}, {time.strftime('%Y-%m-%d')}, a win: {margin:.0%} under "
                         "_scaled_mm, both timed in a CUDA graph", "accumulation": "fast" if FAST_ACCUM else "fp32",
             "shapes": shapes}
 
 
 def _write_table(path: str, entry: dict) -> None:
-    """Merge this GPU's entry into the tables file (other GPUs' entries kept)."""
+    """Merge this GPU's entry into the tables file: other GPUs' entries kept, and this GPU's shapes
+    that this sweep did not cover (another model's) kept where they were measured in the same
+    accumulation mode."""
     tables = json.loads(Path(path).read_text()) if Path(path).exists() else {}
-    tables[torch.cuda.get_device_name()] = entry
+    gpu = torch.cuda.get_device_name()
+    old = tables.get(gpu, {})
+    if old.get("accumulation") == entry["accumulation"] and set(old.get("shapes", {})) - set(entry["shapes"]):
+        entry = {**entry, "measured": f"{entry['measured']}; the other shapes: {old['measured']}",
+                 "shapes": {**old["shapes"], **entry["shapes"]}}
+    tables[gpu] = entry
     Path(path).write_text(json.dumps(tables, indent=1) + "\n")
 
 
@@ -242,6 +264,7 @@ def _case(text: str) -> tuple[int, int, int]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=".")
+    p.add_argument("--model", default=None, help="sweep this preset's projections (unset: qwen3-8b's)")
     p.add_argument("--m", default="16,32,64,128,256")
     p.add_argument("--skip", default="", help="gemm,attention")
     p.add_argument("--attention-cases", default="256x1024,64x2048,128x100-2048,32x100-2048",
@@ -254,8 +277,10 @@ def main(argv: list[str] | None = None) -> None:
                         "accumulation (the table for --fp8-accumulation fast)")
     p.add_argument("--attention-all", action="store_true", help="print every attention config's time")
     args = p.parse_args(argv)
-    global FAST_ACCUM, ALL_CONFIGS
+    global FAST_ACCUM, ALL_CONFIGS, SHAPES, MODEL_NOTE
     FAST_ACCUM, ALL_CONFIGS = args.fast_accum, args.attention_all
+    if args.model:
+        SHAPES, MODEL_NOTE = model_shapes(args.model), f" --model {args.model}"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "quant_kernels.jsonl"), "w") as out:
         if "attention" not in args.skip:

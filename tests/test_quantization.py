@@ -727,6 +727,34 @@ def test_attention_over_a_float8_cache_with_per_head_scales_matches_the_cpu_refe
             assert rel_err(out.cpu(), ref) < 1e-2
 
 
+@on_gpu
+def test_a_prefills_own_keys_round_in_one_kernel_as_the_cache_holds_them():
+    """kv_store.rounded_as_cached (one launch for K and V, a float8 cache's prefill without context):
+    base.as_cached's numbers with no scale and with powers of two (saturating past 448), and with
+    any scale what the store kernel writes to the cache, times the scale."""
+    from baton.engine.platforms.base import as_cached
+    from baton.engine.platforms.triton_kernels import kv_store
+    fp8 = torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(0)
+    qkv = (torch.randn(37, 12, 128, generator=g) * 200).to(torch.bfloat16).cuda()
+    k, v = qkv[:, 8:10], qkv[:, 10:12]                      # views of a fused projection, as in a layer
+    for scale in (None, torch.exp2(torch.tensor([[-3.0, 2.0], [0.0, -6.0]])), torch.tensor([[0.37, 3.1], [1.7, 0.011]])):
+        s = None if scale is None else scale.cuda().contiguous()
+        rk, rv = kv_store.rounded_as_cached(k, v, s)
+        assert rk.dtype == k.dtype and rk.is_contiguous() and rk.shape == k.shape
+        if scale is None or bool((torch.log2(scale) == torch.log2(scale).round()).all()):
+            assert torch.equal(rk, as_cached(k, fp8, None if s is None else s[0]))
+            assert torch.equal(rv, as_cached(v, fp8, None if s is None else s[1]))
+        k8 = torch.zeros(3, 16, 2, 128, dtype=fp8, device="cuda")
+        v8 = torch.zeros_like(k8)
+        kv_store.store_kv(k, v, k8, v8, torch.arange(37, dtype=torch.int32, device="cuda"), s)
+        one = torch.ones(2, 2, device="cuda") if s is None else s
+        held_k = (k8.view(-1, 2, 128)[:37].float() * one[0, :, None]).to(torch.bfloat16)
+        held_v = (v8.view(-1, 2, 128)[:37].float() * one[1, :, None]).to(torch.bfloat16)
+        assert torch.equal(rk, held_k) and torch.equal(rv, held_v)
+    assert kv_store.rounded_as_cached(k[:0], v[:0])[0].shape == (0, 2, 128)
+
+
 def _on_cpu(meta: AttnMetadata) -> AttnMetadata:
     import dataclasses
     return dataclasses.replace(meta, **{n: getattr(meta, n).cpu() for n in

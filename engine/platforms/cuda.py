@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.engine.platforms.base import LayerOps, Platform, as_cached, is_fp8
+from baton.engine.platforms.base import LayerOps, Platform, is_fp8
 from baton.models.attention_metadata import AttnMetadata
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -181,9 +181,9 @@ class CudaPlatform(Platform):
             return prefill_attention.varlen_prefill(
                 q, k, v, meta.query_start_loc, meta.max_query_len, scale, seq_lens=meta.seq_lens,
                 k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables, kv_scale=kv_scale)
-        if k_cache is not None:       # a float8 cache: this step's own keys rounded as the cache holds them
-            ks, vs = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
-            k, v = as_cached(k, k_cache.dtype, ks), as_cached(v, v_cache.dtype, vs)
+        if k_cache is not None and is_fp8(k_cache.dtype):   # this step's own keys rounded as the cache holds them
+            from baton.engine.platforms.triton_kernels import kv_store
+            k, v = kv_store.rounded_as_cached(k, v, kv_scale)
         return prefill_attention.varlen_prefill(q, k, v, meta.query_start_loc, meta.max_query_len, scale)
 
     def row_attention(self, q, k_cache, v_cache, rows: AttnMetadata, scale: float, kv_scale=None):
