@@ -13,7 +13,9 @@ summaries and extraction do. For each batch size b, the same b x 8 greedy reques
 (by default a finished request's slot goes to the next at once; --driver waves: b at a time, each wave
 waiting for its longest answer), through an engine without speculation and one with
 `--speculative-method ngram`, both loaded at once and run in turns (--rounds, alternating which goes
-first: the medians compared, so a drift of the machine's speed hits both); output tok/s of each, their ratio,
+first: the medians compared, so a drift of the machine's speed hits both; --interleave-ms T: within each
+round the two take turns every ~T ms of wall time, so a drift slower than that hits both alike, and the
+ratios of the slice pairs are reported too); output tok/s of each, their ratio,
 the mean tokens a verifying step gained per sequence (accepted guesses + 1), the histogram of kept
 guesses and the number of verifying steps (those queued before the step before them was back, and
 the sequence-steps of those voided by a rollback). Greedy tokens are compared too (bf16 on a GPU may flip
@@ -51,17 +53,22 @@ PASSAGES = [
 EDITS = [("two hundred", "three hundred"), ("twelve", "ten"), ("Tuesday", "Monday"), ("thousands", "millions")]
 
 
+def ask(i: int) -> str:
+    """The i-th request's text: a passage to repeat with one word changed."""
+    text = PASSAGES[i % len(PASSAGES)]
+    old, new = EDITS[i % len(EDITS)]
+    return f"Here is a passage:\n\n{text}\n\nRepeat the passage exactly, word for word, but write \"{new}\" " \
+           f"instead of \"{old}\"."
+
+
 def prompts(llm: LLM, n: int) -> list[list[int]]:
     out = []
     for i in range(n):
-        text = PASSAGES[i % len(PASSAGES)]
-        old, new = EDITS[i % len(EDITS)]
-        ask = f"Here is a passage:\n\n{text}\n\nRepeat the passage exactly, word for word, but write \"{new}\" " \
-              f"instead of \"{old}\"."
+        ask_i = ask(i)
         if getattr(llm.tokenizer, "chat_template", None) is None:      # (a bare tokenizer: the request as text)
-            out.append(llm.tokenizer(ask)["input_ids"])
+            out.append(llm.tokenizer(ask_i)["input_ids"])
         else:
-            out.append(llm.apply_chat_template([{"role": "user", "content": ask}]))
+            out.append(llm.apply_chat_template([{"role": "user", "content": ask_i}]))
     return out
 
 
@@ -76,13 +83,21 @@ def run(llm: LLM, batch: int, reqs: list[list[int]], params: SamplingParams,
         for start in range(0, len(reqs), batch):
             outs += [o.token_ids for o in llm.generate(reqs[start:start + batch], params)]
         return sum(map(len, outs)) / (time.perf_counter() - t0), outs
-    engine, outs, index, queue = llm.engine, [[] for _ in reqs], {}, list(range(len(reqs)))[::-1]
+    outs = [[] for _ in reqs]
+    t0 = time.perf_counter()
+    for _ in _refill(llm, batch, reqs, params, outs):
+        pass
+    return sum(map(len, outs)) / (time.perf_counter() - t0), outs
+
+
+def _refill(llm: LLM, batch: int, reqs: list[list[int]], params: SamplingParams, outs: list[list[int]]):
+    """run()'s refill driver one step at a time: a generator that yields after each engine step."""
+    engine, index, queue = llm.engine, {}, list(range(len(reqs)))[::-1]
 
     def submit() -> None:
         i = queue.pop()
         index[engine.add_request(reqs[i], params)] = i
 
-    t0 = time.perf_counter()
     for _ in range(min(batch, len(reqs))):
         submit()
     while engine.has_unfinished:
@@ -90,7 +105,44 @@ def run(llm: LLM, batch: int, reqs: list[list[int]], params: SamplingParams,
             outs[index[out.request_id]] += out.new_token_ids
             if out.finished and queue:
                 submit()
-    return sum(map(len, outs)) / (time.perf_counter() - t0), outs
+        yield
+
+
+def run_interleaved(llms: dict[bool, LLM], batch: int, reqs: list[list[int]], params: SamplingParams,
+                    slice_ms: float, first: bool) -> tuple[dict[bool, float], dict[bool, list[list[int]]], list[float]]:
+    """Both engines through the same requests (refill), taking turns in slices of about `slice_ms` of
+    wall time, the device drained at the end of each slice and the slice counted to its engine: a
+    drift of the machine's speed slower than a slice hits both alike. Output tok/s of each, their
+    outputs, and the ratio of each pair of slices where both ran (tokens per second, guessing over
+    plain)."""
+    for llm in llms.values():
+        llm.generate(reqs[:1], SamplingParams(temperature=0, max_tokens=8))      # warm
+    outs = {spec: [[] for _ in reqs] for spec in llms}
+    drives = {spec: _refill(llm, batch, reqs, params, outs[spec]) for spec, llm in llms.items()}
+    seconds, pair = {spec: 0.0 for spec in llms}, {}
+    ratios = []
+    order = (first, not first)
+    while drives:
+        for spec in order:
+            if spec not in drives:
+                continue
+            tokens = sum(map(len, outs[spec]))
+            t0 = time.perf_counter()
+            while True:         # at least one step a slice
+                if next(drives[spec], StopIteration) is StopIteration:
+                    del drives[spec]
+                    break
+                if time.perf_counter() - t0 >= slice_ms / 1000:
+                    break
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            took = time.perf_counter() - t0
+            seconds[spec] += took
+            pair[spec] = (sum(map(len, outs[spec])) - tokens) / took
+        if len(pair) == 2 and all(pair.values()):
+            ratios.append(pair[True] / pair[False])
+        pair = {}
+    return {spec: sum(map(len, outs[spec])) / seconds[spec] for spec in llms}, outs, ratios
 
 
 def _head(model: str | None, target: str | None) -> str:
@@ -121,6 +173,10 @@ def main(argv=None) -> None:
                    help="refill: a finished request's slot goes to the next at once; waves: batch at a time")
     p.add_argument("--rounds", type=int, default=3,
                    help="runs of each engine per batch size, alternating which goes first; the medians compared")
+    p.add_argument("--interleave-ms", type=float, default=0,
+                   help="each round runs both engines at once, taking turns in slices of this much wall time (the "
+                        "device drained between slices; refill driver): a slow drift of the machine's speed hits "
+                        "both; 0: each round runs one engine, then the other")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--speculative-method", default="ngram", choices=("ngram", "eagle3"))
     p.add_argument("--speculative-model", default=None,
@@ -156,8 +212,15 @@ def main(argv=None) -> None:
         for b in batches:
             reqs = prompts(engines[False], b * args.per_slot)
             before = (st.accepted_lengths[:], st.steps, st.ahead, st.rolled_back)
-            tok_s, outs = {False: [], True: []}, {}
+            tok_s, outs, slices = {False: [], True: []}, {}, []
             for r in range(args.rounds):
+                if args.interleave_ms:
+                    t, o, ratios = run_interleaved(engines, b, reqs, params, args.interleave_ms, first=r % 2 == 1)
+                    slices += ratios
+                    for spec in (False, True):
+                        tok_s[spec].append(t[spec])
+                        outs.setdefault(spec, o[spec])
+                    continue
                 for spec in ((False, True) if r % 2 == 0 else (True, False)):
                     t, o = run(engines[spec], b, reqs, params, args.driver)
                     tok_s[spec].append(t)
@@ -175,6 +238,10 @@ def main(argv=None) -> None:
                          "verifying_steps": st.steps - before[1], "verifying_steps_ahead": st.ahead - before[2],
                          "rolled_back": st.rolled_back - before[3], "output_tokens": sum(map(len, outs[True])),
                          "same_tokens": outs[False] == outs[True]})
+            if slices:         # --interleave-ms: the spread of the slice pairs' ratios
+                q = statistics.quantiles(slices, n=4) if len(slices) > 1 else slices * 3
+                rows[-1]["slice_pairs"] = {"count": len(slices), "median_ratio": round(statistics.median(slices), 3),
+                                           "quartiles": [round(q[0], 3), round(q[2], 3)]}
             print(f"[spec] {workload} batch {b}: plain {plain:.0f} tok/s, {method} {guessed:.0f} tok/s "
                   f"({guessed / plain:.2f}x; rounds {rows[-1]['speedup_per_round']}), mean tokens per verified step "
                   f"{mean or 0:.2f}, kept-guess histogram {lengths}", file=sys.stderr, flush=True)
@@ -184,7 +251,7 @@ def main(argv=None) -> None:
             json.dump({"model": args.model or "smollm2-135m-instruct (real weights)", "device": args.device,
                        "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                        "max_tokens": args.max_tokens, "driver": args.driver, "requests_per_slot": args.per_slot,
-                       "rounds": args.rounds,
+                       "rounds": args.rounds, "interleave_ms": args.interleave_ms or None,
                        "num_speculative_tokens": engines[True].engine.config.speculative_tokens,
                        "method": method, "speculative_model": args.speculative_model,
                        "rows": rows}, f, indent=1)

@@ -34,6 +34,97 @@ BENCH = [sys.executable, "-m", "baton", "bench"]
 
 
 # -- statistics ------------------------------------------------------------------------------------
+class _CountingEngine:
+    """An engine stand-in for the speculative benchmark's drivers: each step gives every running
+    request `per_step` tokens (token = its index), a request finishes at `length` tokens."""
+
+    def __init__(self, per_step: int, length: int = 7):
+        self.per_step, self.length, self.running, self.steps, self.ids = per_step, length, {}, 0, 0
+
+    def add_request(self, prompt, params) -> str:
+        self.ids += 1
+        self.running[str(self.ids)] = 0
+        return str(self.ids)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self):
+        self.steps += 1
+        outs = []
+        for rid, done in list(self.running.items()):
+            new = list(range(done, min(self.length, done + self.per_step)))
+            self.running[rid] = done + len(new)
+            finished = self.running[rid] == self.length
+            if finished:
+                del self.running[rid]
+            outs.append(dataclasses.make_dataclass("Out", ["request_id", "new_token_ids", "finished"])(
+                rid, new, finished))
+        return outs
+
+
+def test_speculative_benchmark_interleaves_both_engines_through_the_same_requests():
+    """--interleave-ms: both engines run every request (refill: at most `batch` at once) in turns,
+    each slice counted to its own engine, and a ratio recorded for each pair of slices."""
+    from baton.benchmarks import speculative
+
+    class Llm:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def generate(self, reqs, params):
+            return []
+
+    engines = {False: _CountingEngine(1), True: _CountingEngine(3)}
+    reqs = [[i] for i in range(10)]
+    tok_s, outs, ratios = speculative.run_interleaved({k: Llm(e) for k, e in engines.items()}, 4, reqs, None,
+                                                       slice_ms=0.0, first=False)
+    assert outs[False] == outs[True] == [list(range(7))] * 10
+    assert engines[False].ids == engines[True].ids == 10 and not engines[False].running
+    assert tok_s[False] > 0 and tok_s[True] > 0
+    # a zero-length slice is one step: the pairs last while both run (the guessing engine's 9 steps)
+    assert engines[True].steps == len(ratios) == 9 and engines[False].steps > 9
+
+
+def test_served_speculative_rounds_opt_out_per_request_and_count_completion_tokens():
+    """served_speculative's client: the edit requests to /chat/completions, `"speculative": false` only
+    on the opted-out pass, completion tokens summed, answers in request order."""
+    import http.server
+    import threading
+
+    from baton.benchmarks import served_speculative
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            out = json.dumps({"usage": {"completion_tokens": 5},            # the answer: the request's start
+                              "choices": [{"message": {"content": body["messages"][0]["content"][:80]}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        tok_s, texts = served_speculative.served_round(url, "m", 2, 4, 16, speculative=False)
+        assert tok_s > 0 and texts == [served_speculative.ask(i)[:80] for i in range(4)] and len(seen) == 4
+        assert all(b["speculative"] is False and b["max_tokens"] == 16 and b["temperature"] == 0 for b in seen)
+        seen.clear()
+        served_speculative.served_round(url, "m", 2, 4, 16, speculative=True)
+        assert len(seen) == 4 and not any("speculative" in b for b in seen)
+    finally:
+        server.shutdown()
+
+
 def test_percentile_interpolates_between_order_statistics_like_numpy():
     xs = [4.0, 1.0, 3.0, 2.0]
     assert percentile(xs, 0) == 1.0
