@@ -31,7 +31,7 @@ FULL = dict(model="qwen3-0.6b", num_seqs=256, min_input_len=100, max_input_len=1
 SMOKE = dict(model=DEFAULT_MODEL, num_seqs=8, min_input_len=16, max_input_len=64, min_output_len=4,
              max_output_len=8, device="cpu")
 ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
-                "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "tp_size", "tp_devices", "tokenizer",
+                "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "prefill_graphs", "tp_size", "tp_devices", "tokenizer",
                 "async_scheduling", "deterministic", "speculative_method", "num_speculative_tokens",
                 "speculative_max_batch", "quantization", "kv_cache_dtype", "fp8_accumulation")
 
@@ -64,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     e.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                    help="share of device memory the engine may use")
-    e.add_argument("--enforce-eager", action="store_true", help="no decode graph capture")
+    e.add_argument("--enforce-eager", action="store_true", help="no graph capture")
+    e.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=d.prefill_graphs,
+                   help="prefill and mixed steps replayed piecewise from graphs (CUDA)")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on accelerators)")
     e.add_argument("--no-prefix-caching", action="store_true")

@@ -164,6 +164,9 @@ def _table(rows: list[dict], margin: float) -> dict:
             "shapes": shapes}
 
 
+OTHER_SHAPES = "; the other shapes: "
+
+
 def _write_table(path: str, entry: dict) -> None:
     """Merge this GPU's entry into the tables file: other GPUs' entries kept, and this GPU's shapes
     that this sweep did not cover (another model's) kept where they were measured in the same
@@ -172,7 +175,9 @@ def _write_table(path: str, entry: dict) -> None:
     gpu = torch.cuda.get_device_name()
     old = tables.get(gpu, {})
     if old.get("accumulation") == entry["accumulation"] and set(old.get("shapes", {})) - set(entry["shapes"]):
-        entry = {**entry, "measured": f"{entry['measured']}; the other shapes: {old['measured']}",
+        # (a sweep writes after each shape: its own note, already in the old one, is not repeated)
+        notes = dict.fromkeys(n for n in old["measured"].split(OTHER_SHAPES) if n != entry["measured"])
+        entry = {**entry, "measured": OTHER_SHAPES.join([entry["measured"], *notes]),
                  "shapes": {**old["shapes"], **entry["shapes"]}}
     tables[gpu] = entry
     Path(path).write_text(json.dumps(tables, indent=1) + "\n")

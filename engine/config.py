@@ -41,6 +41,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
     enforce_eager: bool = False         # no graph capture
+    prefill_graphs: bool = True         # prefill and mixed steps replayed piecewise (engine/prefill_graphs.py)
     seed: int = 0                       # random weights for presets and unseeded sampling
     tp_size: int = 1                    # tensor-parallel ranks (processes), one device each
     tp_devices: str | None = None       # "cuda:0,cuda:1"; default: counted up from `device`

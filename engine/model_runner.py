@@ -39,7 +39,7 @@ from baton.engine.staging import HostUpload
 from baton.engine.step import LaunchedStep, StepInputs
 from baton.engine.tensor_parallel import TensorParallel
 from baton.models.attention_metadata import AttnMetadata
-from baton.models.decoder import fuse_fp8_inputs
+from baton.models.decoder import DecoderForCausalLM, fuse_fp8_inputs
 from baton.models.forward_context import ForwardContext
 from baton.models.layers.quantization import checkpoint_method, quantize_fp8, quantize_w8a8
 from baton.models.loader import build_model, init_random_weights, load_weights
@@ -109,6 +109,7 @@ class ModelRunner:
         self._turn = 0
         self.max_model_len = self._max_model_len()
         self.graphs = None
+        self.prefill_graphs = None       # prefill and mixed steps, piecewise (engine/prefill_graphs.py)
         # short prompt chunks as decode rows (_as_rows) where decode graphs replay them; True: without
         # graphs too (tests: the same rows, eager)
         self.eager_prompt_rows = False
@@ -117,6 +118,9 @@ class ModelRunner:
         if self.platform.supports_graphs and not config.enforce_eager and self._graph_safe():
             from baton.engine.graph_runner import DecodeGraphs
             self.graphs = DecodeGraphs(self)
+            if self._piecewise_safe():
+                from baton.engine.prefill_graphs import PrefillGraphs
+                self.prefill_graphs = PrefillGraphs(self)
         if self.tp is not None:
             self.tp.wait_ready()
 
@@ -133,6 +137,12 @@ class ModelRunner:
         if not getattr(self.model, "graph_safe", True):
             return False
         return not getattr(self.model, "uses_moe", False) or self.platform.ops.moe_graph_safe
+
+    def _piecewise_safe(self) -> bool:
+        """Piecewise prefill graphs: a decoder-only model on one rank, no draft head, not deterministic."""
+        c = self.config
+        return (c.prefill_graphs and self.platform.supports_piecewise_graphs and c.tp_size == 1
+                and not c.deterministic and self.drafts is None and isinstance(self.model, DecoderForCausalLM))
 
     # -- set-up -----------------------------------------------------------------------------
     def _load_model(self, tp_rank: int, tp_group) -> torch.nn.Module:
@@ -356,6 +366,10 @@ class ModelRunner:
         graphed = self.graphs is not None and meta.is_decode and self.graphs.can_run(meta.num_seqs)
         if graphed:
             hidden = self.graphs.run(input_ids, positions, meta)
+        elif (self.prefill_graphs is not None and inputs.mrope_positions is None
+              and self.prefill_graphs.can_run(input_ids.shape[0])):
+            ctx = ForwardContext(meta, self.kv_caches, self.attention, self.scale, self.kv_scales)
+            hidden = self.prefill_graphs.run(input_ids, positions, ctx)
         else:
             ctx = ForwardContext(meta, self.kv_caches, self.attention, self.scale, self.kv_scales)
             extra = {}

@@ -36,9 +36,18 @@ class ForwardContext:
     scale: float
     # a float8 cache's K and V scales, [layers, 2, kv_heads] float32 (engine/kv_scales.py); None: 1
     kv_scales: torch.Tensor | None = None
+    # a piecewise capture in progress (engine/prefill_graphs.py): each attention call ends a graph,
+    # runs eagerly, and begins the next; None: attend at once
+    pieces: object | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> [T, Hq, D]."""
+        if self.pieces is not None:
+            return self.pieces.attend(self, layer_idx, q, k, v)
+        return self.attend_now(layer_idx, q, k, v)
+
+    def attend_now(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`attend` outside any capture."""
         if self.kv_caches is None:
             return self.platform.prefill_attention(q, k, v, None, None, self.meta, self.scale)
         k_cache, v_cache = self.kv_caches[layer_idx]

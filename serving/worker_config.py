@@ -138,7 +138,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="share of accelerator memory for weights, activations and the KV cache")
     flag(g, "--prefix-caching", "--enable-prefix-caching", type=bool, default=True,
          help="reuse the KV of prompt prefixes seen before")
-    flag(g, "--enforce-eager", type=bool, default=False, help="no decode graph capture")
+    flag(g, "--enforce-eager", type=bool, default=False, help="no graph capture (decode, and prefill's pieces)")
+    flag(g, "--prefill-graphs", type=bool, default=True,
+         help="replay prefill and mixed steps from graphs of everything but attention (CUDA; "
+              "engine/prefill_graphs.py)")
     flag(g, "--async-scheduling", type=bool,
          help="schedule and upload step N+1 while step N runs (unset: on accelerators, off on the CPU)")
     flag(g, "--fused-ops", type=bool, default=True, help="fused layer kernels (Triton on CUDA, torch_npu on Ascend)")
@@ -267,7 +270,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.prefix_caching,
-        enforce_eager=args.enforce_eager, seed=args.seed, tp_size=args.tp_size, tp_devices=args.tp_devices,
+        enforce_eager=args.enforce_eager, prefill_graphs=args.prefill_graphs, seed=args.seed, tp_size=args.tp_size, tp_devices=args.tp_devices,
         tp_port=args.tp_port, tokenizer=args.tokenizer, cache_dir=args.cache_dir, fused_ops=args.fused_ops,
         npu_graph_mode=args.npu_graph_mode, npu_emulation=args.npu_emulation,
         async_scheduling=args.async_scheduling, deterministic=args.deterministic,

@@ -202,6 +202,8 @@ class Platform(ABC):
     name: str = "base"
     dist_backend: str = "gloo"           # the collective library: tensor parallelism and device-direct KV
     supports_graphs: bool = False        # can capture decode steps (CUDA graphs, torchair)
+    # can capture a forward piecewise, cut at its attention calls (engine/prefill_graphs.py)
+    supports_piecewise_graphs: bool = False
     # decode graphs may replay short prompt chunks as decode rows (model_runner._as_rows): rows of one
     # sequence read the same blocks, which torch_npu's paged attention counts once per row against the
     # cache's size (a documented constraint), so Ascend keeps prompts on the prefill path
@@ -297,6 +299,20 @@ class Platform(ABC):
         memory `pool`; returns (graph, output). graph.replay() reruns it in place, graph.pool()
         is the pool to share with the next capture."""
         raise NotImplementedError(f"{self.name} does not capture graphs")
+
+    # piecewise (platforms with supports_piecewise_graphs): captures begun and ended around the ops
+    # between two attention calls, all on the stream of `capture_stream()`, sharing `graph_pool()`
+    def graph_pool(self):
+        raise NotImplementedError(f"{self.name} does not capture graphs piecewise")
+
+    def capture_stream(self):
+        raise NotImplementedError(f"{self.name} does not capture graphs piecewise")
+
+    def begin_capture(self, pool):
+        raise NotImplementedError(f"{self.name} does not capture graphs piecewise")
+
+    def end_capture(self, graph) -> None:
+        raise NotImplementedError(f"{self.name} does not capture graphs piecewise")
 
     def before_replay(self, graph, meta, batch_size: int) -> None:  # noqa: B027
         """Refresh whatever a captured graph froze that this step changes (host-side arguments

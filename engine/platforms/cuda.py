@@ -91,6 +91,7 @@ class CudaPlatform(Platform):
     name = "cuda"
     dist_backend = "nccl"
     supports_graphs = True
+    supports_piecewise_graphs = True
     graphs_take_prompt_rows = True
     # deterministic mode's matmul piece: cuBLAS sees one shape; a decode step of fewer sequences
     # computes 256 rows, which costs about what reading the weights does on an H100 (~295 flop/byte)
@@ -156,6 +157,21 @@ class CudaPlatform(Platform):
         with torch.cuda.graph(graph, pool=pool):
             out = fn()
         return graph, out
+
+    def graph_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def capture_stream(self):
+        """A side stream to capture on (the legacy default stream cannot be captured), entered."""
+        return torch.cuda.stream(torch.cuda.Stream(self.device))
+
+    def begin_capture(self, pool):
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=pool)
+        return graph
+
+    def end_capture(self, graph) -> None:
+        graph.capture_end()
 
     # -- KV cache and attention -------------------------------------------------------------
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping, kv_scale=None) -> None:
