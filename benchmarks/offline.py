@@ -31,8 +31,8 @@ FULL = dict(model="qwen3-0.6b", num_seqs=256, min_input_len=100, max_input_len=1
 SMOKE = dict(model=DEFAULT_MODEL, num_seqs=8, min_input_len=16, max_input_len=64, min_output_len=4,
              max_output_len=8, device="cpu")
 ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
-                "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "prefill_graphs", "tp_size", "tp_devices", "tokenizer",
-                "async_scheduling", "deterministic", "speculative_method", "num_speculative_tokens",
+                "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "prefill_graphs", "tp_size",
+                "tp_devices", "tokenizer", "async_scheduling", "deterministic", "speculative_method", "num_speculative_tokens",
                 "speculative_max_batch", "quantization", "kv_cache_dtype", "fp8_accumulation")
 
 

@@ -366,18 +366,17 @@ class ModelRunner:
         graphed = self.graphs is not None and meta.is_decode and self.graphs.can_run(meta.num_seqs)
         if graphed:
             hidden = self.graphs.run(input_ids, positions, meta)
-        elif (self.prefill_graphs is not None and inputs.mrope_positions is None
-              and self.prefill_graphs.can_run(input_ids.shape[0])):
-            ctx = ForwardContext(meta, self.kv_caches, self.attention, self.scale, self.kv_scales)
-            hidden = self.prefill_graphs.run(input_ids, positions, ctx)
         else:
             ctx = ForwardContext(meta, self.kv_caches, self.attention, self.scale, self.kv_scales)
-            extra = {}
             if inputs.mrope_positions is not None:    # images in the step: vision embeddings and MRoPE
                 from baton.engine.vision_step import multimodal_step  # (text models never load it)
-                extra["mm"] = multimodal_step(self.model, self.source.hf_config, inputs.image_chunks,
-                                              inputs.mrope_positions, self.device)
-            hidden = self.model(input_ids, positions, ctx, **extra)
+                mm = multimodal_step(self.model, self.source.hf_config, inputs.image_chunks,
+                                     inputs.mrope_positions, self.device)
+                hidden = self.model(input_ids, positions, ctx, mm=mm)
+            elif self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0]):
+                hidden = self.prefill_graphs.run(input_ids, positions, ctx)   # all but attention replayed
+            else:
+                hidden = self.model(input_ids, positions, ctx)
         hidden, aux = self._split_aux(hidden)
         if aux is not None:                            # the head's pass runs once the step's tokens are drawn
             inputs.head_args = (meta, positions, aux, graphed)

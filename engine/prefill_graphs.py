@@ -117,7 +117,7 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        t0 = time.perf_counter()
+        t0, free0 = time.perf_counter(), self.platform.memory_info()[0]
         r = self.runner
         with self.platform.capture_stream():
             for i, n in enumerate(reversed(self.buckets)):     # largest first: it sizes the pool
@@ -131,9 +131,10 @@ class PrefillGraphs:
                     self.platform.synchronize()
                 self.pieces[n], self.outputs[n] = pieces, out
                 print(f"\r[baton] capturing prefill graphs: {i + 1}/{len(self.buckets)}", end="", file=sys.stderr)
+        held = max(0, free0 - self.platform.memory_info()[0]) >> 20     # the graphs' pool, past eager's cache
         print(f"\r[baton] captured prefill graphs for {len(self.buckets)} step sizes ({self.buckets[0]}.."
-              f"{self.buckets[-1]} tokens, {len(pieces.graphs)} pieces each) in {time.perf_counter() - t0:.1f}s",
-              file=sys.stderr)
+              f"{self.buckets[-1]} tokens, {len(pieces.graphs)} pieces each) in {time.perf_counter() - t0:.1f}s, "
+              f"{held} MiB more device memory held", file=sys.stderr)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = input_ids.shape[0]
