@@ -2,8 +2,9 @@
 
 A prefill-sized step launches ~20 kernels a layer (norms, projections, their FP8 quantizers, the
 experts' routing, alignment and GEMMs), each costing the host tens of microseconds in Python and
-Triton's launcher. Eager, a 48-layer MoE step spends longer launching than its kernels run (measured:
-host-bound FP8 prefill steps of 60-116 ms against ~56 ms of kernels on an H200). Attention cannot
+Triton's launcher. Eager, a 48-layer MoE step can spend longer launching than its kernels run
+(qwen3-30b-a3b, FP8, 4,096 tokens: 60-116 ms a step on an H200, depending on the process, against
+~56 ms of kernels; replayed, 61-65 ms in every run: docs/benchmarks.md, issue 33). Attention cannot
 be captured whole (its launch grid follows the step's sequences and their lengths), but everything
 between two attention calls depends only on the number of tokens.
 
@@ -82,6 +83,8 @@ class _Pieces:
 
 
 class PrefillGraphs:
+    """The pieces of every bucket and their static buffers; `run` replays a step (ModelRunner.run)."""
+
     def __init__(self, runner):
         self.runner = runner
         self.platform = runner.platform
