@@ -232,16 +232,22 @@ class ModelRunner:
         if time.perf_counter() - t0 > 2:
             print(f"[baton] prefill kernels warmed up in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
-    def _dummy_prefill(self, new: int, context: int) -> None:
+    def dummy_prompt(self, new: int, context: int = 0) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata]:
+        """(ids, positions, metadata) of one prompt's `new` tokens after `context` cached ones, in the
+        first blocks (identity table: slot == position), which no sequence owns before serving starts."""
         seq_len = new + context
         blocks = np.arange(-(-seq_len // self.block_size), dtype=np.int32)
-        positions = np.arange(context, seq_len, dtype=np.int64)    # identity table: slot == position
+        positions = np.arange(context, seq_len, dtype=np.int64)
         starts = np.array([0, new], np.int32)
         ids, pos, slots, starts_d, lens, tables = self.upload(
             np.zeros(new, np.int64), positions, positions.copy(), starts, np.array([seq_len], np.int32), blocks[None])
-        meta = AttnMetadata(is_decode=False, slot_mapping=slots, query_start_loc=starts_d, seq_lens=lens,
-                            block_tables=tables, max_query_len=new, max_seq_len=seq_len, has_context=context > 0,
-                            query_start_loc_cpu=[0, new], seq_lens_cpu=[seq_len])
+        return ids, pos, AttnMetadata(
+            is_decode=False, slot_mapping=slots, query_start_loc=starts_d, seq_lens=lens, block_tables=tables,
+            max_query_len=new, max_seq_len=seq_len, has_context=context > 0, query_start_loc_cpu=[0, new],
+            seq_lens_cpu=[seq_len])
+
+    def _dummy_prefill(self, new: int, context: int) -> None:
+        ids, pos, meta = self.dummy_prompt(new, context)
         hidden = self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.attention, self.scale, self.kv_scales))
         self.model.compute_logits(self._split_aux(hidden)[0][-1:])
 

@@ -31,10 +31,8 @@ from __future__ import annotations
 import sys
 import time
 
-import numpy as np
 import torch
 
-from baton.models.attention_metadata import AttnMetadata
 from baton.models.forward_context import ForwardContext
 
 SMALLEST = 256      # steps this short are few (short prompt chunks run as decode rows) and cheap
@@ -105,19 +103,6 @@ class PrefillGraphs:
     def can_run(self, tokens: int) -> bool:
         return tokens <= self.buckets[-1]
 
-    def _meta(self, tokens: int) -> AttnMetadata:
-        """A one-sequence prompt of `tokens` tokens in the first blocks (no sequence owns any yet),
-        as the warm-up's: what the attention calls between the captures run on."""
-        rb = self.runner.block_size
-        positions = np.arange(tokens, dtype=np.int64)
-        blocks = np.arange(-(-tokens // rb), dtype=np.int32)
-        _, _, slots, starts, lens, tables = self.runner.upload(
-            np.zeros(tokens, np.int64), positions, positions.copy(), np.array([0, tokens], np.int32),
-            np.array([tokens], np.int32), blocks[None])
-        return AttnMetadata(is_decode=False, slot_mapping=slots, query_start_loc=starts, seq_lens=lens,
-                            block_tables=tables, max_query_len=tokens, max_seq_len=tokens, has_context=False,
-                            query_start_loc_cpu=[0, tokens], seq_lens_cpu=[tokens])
-
     @torch.inference_mode()
     def _capture(self) -> None:
         t0, free0 = time.perf_counter(), self.platform.memory_info()[0]
@@ -126,7 +111,8 @@ class PrefillGraphs:
             for i, n in enumerate(reversed(self.buckets)):     # largest first: it sizes the pool
                 for capture in (False, True):                  # a pass to compile and size, then the capture
                     pieces = _Pieces(self, n, capture)
-                    ctx = ForwardContext(self._meta(n), r.kv_caches, r.attention, r.scale, r.kv_scales,
+                    meta = r.dummy_prompt(n)[2]      # what the attention calls between captures run on
+                    ctx = ForwardContext(meta, r.kv_caches, r.attention, r.scale, r.kv_scales,
                                          pieces=pieces)
                     pieces.begin()
                     out = r.model(self.input_ids[:n], self.positions[:n], ctx)

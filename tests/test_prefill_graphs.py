@@ -47,23 +47,11 @@ def test_every_attention_call_reaches_the_pieces_in_layer_order():
     pos = torch.arange(t)
     outs = []
     for pieces in (None, _Recorder()):
-        meta = _one_prompt(r, t)
+        meta = r.dummy_prompt(t)[2]
         ctx = ForwardContext(meta, r.kv_caches, r.attention, r.scale, r.kv_scales, pieces=pieces)
         outs.append(r.model(ids, pos, ctx))
     assert pieces.layers == list(range(r.model.num_layers))
     assert torch.equal(outs[0], outs[1])
-
-
-def _one_prompt(runner, t: int):
-    from baton.models.attention_metadata import AttnMetadata
-    bs = runner.block_size
-    slots = torch.arange(t, dtype=torch.int64, device=runner.device)
-    return AttnMetadata(is_decode=False, slot_mapping=slots,
-                        query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=runner.device),
-                        seq_lens=torch.tensor([t], dtype=torch.int32, device=runner.device),
-                        block_tables=torch.arange(-(-t // bs), dtype=torch.int32, device=runner.device)[None],
-                        max_query_len=t, max_seq_len=t, has_context=False, query_start_loc_cpu=[0, t],
-                        seq_lens_cpu=[t])
 
 
 @on_gpu
@@ -82,7 +70,7 @@ def test_replayed_prefill_matches_eager_with_fp8_weights_and_kv():
     for t in (1024, 512, 700, 300):
         ids = torch.randint(3, 49152, (t,), generator=g).to("cuda:0")
         pos = torch.arange(t, device="cuda:0")
-        meta = pg._meta(t)
+        meta = r.dummy_prompt(t)[2]
         eager = r.model(ids, pos, ForwardContext(meta, r.kv_caches, r.attention, r.scale, r.kv_scales)).clone()
         replayed = pg.run(ids, pos, ForwardContext(meta, r.kv_caches, r.attention, r.scale, r.kv_scales)).clone()
         assert replayed.shape == eager.shape
