@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 from pathlib import Path
 
 import torch
@@ -15,6 +14,7 @@ from baton.models.layers import quantization
 from baton.models.layers.linear import TPInfo
 from baton.models.layers.moe import is_moe_layer
 from baton.models.registry import model_class
+from baton.progress import Progress
 
 IGNORED = ("rotary_emb.inv_freq",)
 # a float8 KV cache's scales in FP8 checkpoints (vLLM, compressed-tensors): one per layer, for K and V
@@ -48,9 +48,10 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(safe_open(f, framework="pt")) for f in files]
         where = {name: st for st in handles for name in st.keys()}
+        progress = Progress("loading weights", len(files), "files") if len(files) > 1 else None
         for i, st in enumerate(handles):
-            if len(files) > 1:
-                print(f"\r[baton] loading weights: {i + 1}/{len(files)} files", end="", file=sys.stderr)
+            if progress is not None:
+                progress.update(i + 1)
             for stored in st.keys():
                 name = rename(stored) if rename is not None else stored
                 if any(name.endswith(s) for s in ignored) or (quantized and quantization.is_scale(name)):
@@ -59,8 +60,8 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
                     kv_scales.setdefault(int(hit[1]), {})[hit[2]] = float(st.get_tensor(stored).float().max())
                     continue
                 loaded.add(_load_one(model, params, name, _read(st, stored, where, quantized, block)))
-    if len(files) > 1:
-        print(file=sys.stderr)
+    if progress is not None:
+        progress.done(f"loaded weights from {len(files)} files")
     _check_complete(model, params, loaded)
     model.checkpoint_kv_scales = {}
     for layer, found in kv_scales.items():

@@ -93,6 +93,8 @@ def load_model(cfg: RouterConfig):
 
 CONVERT = """import sys
 from baton.models.source import resolve_model
+from baton.serving.logs import setup_logging
+setup_logging(sys.argv[5], sys.argv[6])     # its progress bars, like every line, in the router's format
 try:
     resolve_model(sys.argv[1], sys.argv[2] or None, sys.argv[3] or None, sys.argv[4] or None).tokenizer_dir()
 except ValueError as exc:
@@ -102,7 +104,7 @@ except ValueError as exc:
 
 def _convert_in_child(cfg: RouterConfig) -> None:
     done = subprocess.run([sys.executable, "-c", CONVERT, cfg.model, cfg.cache_dir or "", cfg.tokenizer or "",
-                           cfg.revision or ""],
+                           cfg.revision or "", cfg.log_level, cfg.log_format],
                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     if done.returncode:
         sys.exit(2)                           # the child said why

@@ -19,11 +19,11 @@ import re
 import sys
 import time
 
+from baton.progress import TAG, Flattened, redraws
 from baton.serving.options import flag
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
-TAG = "[baton] "
 FATAL = re.compile(r"baton [a-z]+( [a-z]+)?: ")       # `baton decode: cannot listen on ...`
 
 
@@ -52,23 +52,39 @@ class JSONFormatter(logging.Formatter):
 
 class Lines:
     """sys.stderr, written a whole line at a time (`print` writes its text and its newline
-    apart). `to_line` makes what is written of each line (JSON mode: an object)."""
+    apart). `to_line` makes what is written of each line (JSON mode: an object). A line redrawn
+    in place (a progress bar) is drawn as it comes on a terminal, and elsewhere (a file, a pipe,
+    JSON) flattened into a few plain lines (baton/progress.py)."""
 
     def __init__(self, out, to_line=None):
         self.out, self.pending, self.to_line = out, "", to_line
+        self.terminal = to_line is None and redraws(out)     # JSON lines are for a collector, whatever reads them
+        self.flat = Flattened()
+
+    def isatty(self) -> bool:
+        return self.terminal
 
     def write(self, text: str) -> int:
+        if self.terminal:
+            self._to_terminal(text)
+        else:
+            self._put(self.flat.feed(text))
+        self.out.flush()
+        return len(text)
+
+    def _to_terminal(self, text: str) -> None:
         self.pending += text
         *lines, self.pending = self.pending.split("\n")
+        self._put(lines)
+        if "\r" in self.pending:                  # a progress bar redraws its line in place
+            self.out.write(self.pending)
+            self.pending = ""
+
+    def _put(self, lines: list[str]) -> None:
         if self.to_line is not None:
             lines = [self.to_line(line) for line in lines if line.strip()]
         if lines:
             self.out.write("".join(f"{line}\n" for line in lines))
-        if self.to_line is None and "\r" in self.pending:      # a progress bar redraws its line in place
-            self.out.write(self.pending)
-            self.pending = ""
-        self.out.flush()
-        return len(text)
 
     def flush(self) -> None:
         self.out.flush()

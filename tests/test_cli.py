@@ -99,6 +99,7 @@ def test_log_records_read_as_the_progress_lines_and_lines_stay_whole():
     out = io.StringIO()
     writes = []
     out.write = lambda text: writes.append(text) or len(text)
+    out.isatty = lambda: True                                # a terminal (elsewhere: tests/test_progress.py)
     lines = Lines(out)
     print("[baton] decode: loading", file=lines)            # print writes text, then "\n": one write out
     lines.write("\rbar 50%")                                 # a progress bar is shown as it redraws
