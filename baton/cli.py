@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import sys
 
+from baton.serving.logs import quiet_grpc
+
 USAGE = """usage: baton <command> [flags]      (baton <command> --help for its flags)
 
 commands:
@@ -23,6 +25,7 @@ commands:
 
 
 def main(argv: list[str] | None = None) -> None:
+    quiet_grpc()            # before a command imports grpc: it reads GRPC_VERBOSITY then
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.serving.grpc_server import open_sync_channel
+from baton.serving.logs import quiet_grpc
 from baton.serving.processes import stop_all
 
 
@@ -47,7 +48,7 @@ class Process:
 
 class Supervisor:
     def __init__(self, env: dict, policy: RestartPolicy = RestartPolicy(), tls=None, out=None):
-        self.env = env
+        self.env = quiet_grpc(dict(env))     # no gRPC core chatter from the children, unless the user asks
         self.policy = policy
         self.tls = tls
         self.out = out            # None: sys.stderr when said (setup_logging may have wrapped it since import)

@@ -10,20 +10,24 @@ by a sibling's.
 json, for collectors (Loki, Fluent Bit, Cloud Logging): one object per line: time, level,
 logger, message (and the exception, when there is one). Progress lines and anything else a
 library prints to stderr become such objects too, so a collector never sees a stray line.
+gRPC's C core writes to stderr by itself: errors only, unless GRPC_VERBOSITY asks for more.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import time
+from collections.abc import MutableMapping
 
 from baton.progress import TAG, Flattened, redraws
 from baton.serving.options import flag
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
+GRPC_VERBOSITY = "ERROR"            # what gRPC's C core writes unless the user's GRPC_VERBOSITY says
 FATAL = re.compile(r"baton [a-z]+( [a-z]+)?: ")       # `baton decode: cannot listen on ...`
 
 
@@ -103,9 +107,19 @@ def json_line(line: str) -> str:
     return record("WARNING", "stderr", line)
 
 
+def quiet_grpc(env: MutableMapping[str, str] = os.environ) -> MutableMapping[str, str]:
+    """GRPC_VERBOSITY=ERROR in `env` unless it is set (a user's own setting stays); returns `env`.
+    Unset, gRPC's C core writes its INFO lines to stderr in a format of its own (`Got goaway`
+    at every stop); it reads the variable once, when grpc is imported, so each entry point calls
+    this before that, and children inherit it."""
+    env.setdefault("GRPC_VERBOSITY", GRPC_VERBOSITY)
+    return env
+
+
 def add_log_args(p) -> None:
     g = p.add_argument_group("logs")
-    flag(g, "--log-level", default="info", choices=LEVELS, help="the least severe log records written")
+    flag(g, "--log-level", default="info", choices=LEVELS,
+         help=f"the least severe log records written (gRPC's own C-core lines: GRPC_VERBOSITY, unset: {GRPC_VERBOSITY})")
     flag(g, "--log-format", default="text", choices=FORMATS,
          help="text (for people) or json (one object per line, for log collectors)")
 
