@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from baton.router import chat_templates
 from baton.router.chat_output import REASONING_PARSERS
 from baton.router.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES, check_limits
 from baton.router.policies import POLICIES
@@ -78,8 +78,8 @@ class RouterConfig:
             raise ValueError("--resolve-interval must be >= 0 seconds (0 = resolve worker names once)")
         for address in self.prefill + self.decode + self.colocated:
             split_target(address)
-        if self.chat_template is not None and not Path(self.chat_template).is_file():
-            raise ValueError(f"--chat-template {self.chat_template}: no such file (give a Jinja chat template)")
+        if self.chat_template is not None:            # a file, or a shipped template's name (hermes_tools)
+            self.chat_template = chat_templates.resolve(self.chat_template)
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"--reasoning-parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if self.policy not in POLICIES:
@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 def add_chat(p: argparse.ArgumentParser) -> None:
     """How chats are rendered and their output read (also `baton serve`'s, passed on to its router)."""
     c = p.add_argument_group("chats")
-    flag(c, "--chat-template", help="a Jinja chat template file to render chats with, instead of the model's own "
-                                    "(for tools: one that renders them, Hermes / Qwen3 style)")
+    flag(c, "--chat-template", help="a Jinja chat template file to render chats with, instead of the model's own, "
+                                    "or a shipped one by name (hermes_tools: renders tools, Hermes / Qwen3 style)")
     flag(c, "--trust-request-chat-template", type=bool, default=False,
          help="let a request bring its own chat template (chat_template); off: such a request is refused")
     flag(c, "--reasoning-parser", choices=REASONING_PARSERS,

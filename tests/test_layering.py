@@ -45,6 +45,16 @@ def test_the_wheel_installs_only_the_baton_namespace(installed_tree):
     assert "baton = baton.cli:main" in entry
 
 
+def test_the_wheel_ships_the_chat_templates_users_name(installed_tree, tmp_path):
+    """`--chat-template hermes_tools` works from a non-editable install (the template is package data)."""
+    code = "from baton.router.chat_templates import resolve; print(resolve('hermes_tools'))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(installed_tree)),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    path = Path(run.stdout.strip())
+    assert path.is_relative_to(installed_tree) and "<tool_call>" in path.read_text()
+
+
 def test_imports_keep_the_layering_contracts(installed_tree, tmp_path):
     # run from an empty directory: lint-imports puts the working directory first on sys.path
     env = dict(os.environ, PYTHONPATH=str(installed_tree))

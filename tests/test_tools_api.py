@@ -1,8 +1,8 @@
 """Tools, thinking and the token endpoints through a served stack, with the real `openai` client.
 
-The stack renders chats with a Hermes / Qwen3-style template of the tests' own
-(tests/templates/hermes_tools.jinja: the embedded SmolLM2's template takes no tools) and reads
-thinking with --reasoning-parser qwen3. The tiny model calls no tool on its own, so a call is made
+The stack renders chats with the Hermes / Qwen3-style template Baton ships, by its short name
+(`--chat-template hermes_tools`: the embedded SmolLM2's own template takes no tools; that case,
+the generic form, is test_openai_api's) and reads thinking with --reasoning-parser qwen3. The tiny model calls no tool on its own, so a call is made
 deterministic the honest ways: a named tool_choice (the turn opens with the call, the model writes
 its arguments), and a chat whose earlier turns the model copies greedily (its own output holds the
 <tool_call> block, or the <think> block, that the router parses)."""
@@ -15,13 +15,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from cluster import REPO, Cluster
+from cluster import Cluster
 
 from baton import __version__
+from baton.router import chat_templates
 from baton.v1 import router_pb2, router_pb2_grpc
 
 MODEL = "smollm2-135m-instruct"
-TEMPLATE = REPO / "tests" / "templates" / "hermes_tools.jinja"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -34,7 +34,7 @@ GREEDY = dict(model=MODEL, temperature=0, max_tokens=40)
 def stack(tmp_path_factory):
     c = Cluster.launch(tmp_path_factory.mktemp("tools-logs"), prefill=0, decode=0, colocated=1, http=True,
                        worker_args=["--num-kv-blocks", "128", "--max-num-seqs", "8"],
-                       router_args=["--chat-template", str(TEMPLATE), "--reasoning-parser", "qwen3"])
+                       router_args=["--chat-template", "hermes_tools", "--reasoning-parser", "qwen3"])
     yield c
     c.stop()
 
@@ -42,6 +42,16 @@ def stack(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(stack):
     return openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chat_template_takes_a_shipped_template_by_name_or_a_file(tmp_path):
+    shipped = chat_templates.resolve("hermes_tools")
+    assert shipped == chat_templates.resolve("hermes_tools.jinja") and "<tool_call>" in open(shipped).read()
+    own = tmp_path / "mine.jinja"
+    own.write_text("{{ messages }}")
+    assert chat_templates.resolve(str(own)) == str(own)
+    with pytest.raises(ValueError, match=r"no such file, nor a template Baton ships \(.*hermes_tools.*\)"):
+        chat_templates.resolve("hermes_tool")
 
 
 def streamed(client, **kw):
