@@ -15,6 +15,7 @@ transfer is abandoned, so the decode worker frees its blocks at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import replace
 
@@ -38,6 +39,9 @@ from baton.models.multimodal import ImageInput
 from baton.serving.engine_core import EngineCore
 from baton.serving.grpc_server import ServiceError, open_channel
 
+log = logging.getLogger("baton.prefill")
+DROPPED_REMEMBERED = 256        # requests whose late KV was dropped, remembered to say so once each
+
 
 class PrefillHandoff(KVHandoff):
     """The prefill worker's half of the engine's seam: each piece goes to its request's
@@ -46,12 +50,27 @@ class PrefillHandoff(KVHandoff):
     def __init__(self):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.sinks: dict[str, asyncio.Queue] = {}
+        self.dropped: dict[str, None] = {}      # (insertion-ordered: the oldest goes first)
 
     def on_prompt_kv(self, piece: KVPiece) -> None:
         sink = self.sinks.get(piece.request_id)
-        if sink is None:                     # the request is gone: the engine ends it
-            raise LookupError(f"nobody takes the KV of {piece.request_id} any more")
+        if sink is None:
+            self._drop(piece.request_id)
+            return
         self.loop.call_soon_threadsafe(sink.put_nowait, piece)
+
+    def _drop(self, rid: str) -> None:
+        """A piece of a request whose prefill ended meanwhile (aborted, timed out, its push failed):
+        an expected race, and the request's abort is already on its way to the engine (cmd_prefill
+        sends it as it ends), which ends it within a step. So one line, and no exception: the
+        engine would log one as a failed hand-off, with its traceback."""
+        if rid in self.dropped:
+            return
+        self.dropped[rid] = None
+        if len(self.dropped) > DROPPED_REMEMBERED:
+            del self.dropped[next(iter(self.dropped))]
+        log.info("request %s was given up while its prompt ran (abort, deadline or failed push): its KV is dropped",
+                 rid)
 
 
 class PrefillCore(EngineCore):

@@ -1,7 +1,9 @@
-"""Quiet logs: gRPC's C core says nothing below ERROR in any Baton process unless the user's
+"""Quiet, truthful logs: an expected race (an abort meeting a KV hand-off) is one line with no
+traceback, and gRPC's C core says nothing below ERROR in any Baton process unless the user's
 GRPC_VERBOSITY asks for more (it reads the variable once, when grpc is imported)."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -61,3 +63,29 @@ def test_the_processes_baton_serve_starts_inherit_the_setting(tmp_path, user):
     Supervisor(env).start(child)
     assert child.proc.wait(timeout=30) == 0
     assert seen.read_text() == (user or "ERROR")
+
+
+# -- an abort meeting a KV hand-off ------------------------------------------------------------
+def test_an_abort_meeting_a_kv_hand_off_logs_one_line_and_no_traceback(caplog):
+    """The prefill worker gave a request up (abort, deadline, failed push: its piece queue is gone)
+    while the engine ran its prompt: the pieces the engine still makes are dropped with one info
+    line, and the abort the service sends as it ends frees every block."""
+    from baton.engine import LLMEngine, SamplingParams
+    from baton.engine.config import EngineConfig
+    from baton.engine.kv_handoff import KVState
+    from baton.prefill_service.core import PrefillHandoff
+    engine = LLMEngine(EngineConfig(model="tiny-llama", num_kv_blocks=32, max_num_batched_tokens=16),
+                       handoff=PrefillHandoff())
+    engine.add_request(list(range(100, 150)), SamplingParams(temperature=0, max_tokens=1), request_id="r",
+                       hand_off_kv=True)
+    ticket = engine.kv_ticket("r")
+    with caplog.at_level(logging.DEBUG):
+        engine.step()                       # a step makes block 0 final: its piece finds nobody
+        engine.step()                       # ... and block 1's
+        engine.abort("r")                   # what the service sends as the request ends
+    assert ticket.state is KVState.FREED
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not [r for r in caplog.records if r.exc_info], "a traceback for an expected race"
+    (line,) = [r for r in caplog.records if "request r " in r.getMessage()]
+    assert line.levelno == logging.INFO and "KV is dropped" in line.getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
