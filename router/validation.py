@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import encode_text, render_chat
 from baton.models.multimodal import split_content_parts
-from baton.router import tool_calls
+from baton.router import generic_tools, tool_calls
 from baton.router.images import ChatImage, ImagePolicy
 from baton.serving.wire import sampling_from_proto
 from baton.v1 import router_pb2
@@ -58,8 +58,9 @@ def chat_ids(chat: router_pb2.Chat, tokenizer, own_templates: bool = False) -> l
         raise ValueError("chat_template: this router does not take a request's own chat template (start it with "
                          "--trust-request-chat-template to allow it); leave it unset for the model's, or the "
                          "router's --chat-template")
-    ids = render_chat(tokenizer, chat_messages(chat), tool_calls.template_tools(chat), chat.template or None,
-                      template_kwargs(chat))
+    # a template without tools gets them in the generic form (generic_tools.py)
+    messages, tools = generic_tools.prompt_inputs(chat, chat_messages(chat), chat.template or getattr(tokenizer, "chat_template", None))
+    ids = render_chat(tokenizer, messages, tools, chat.template or None, template_kwargs(chat))
     forced = tool_calls.forced_call(chat)
     if forced is not None:
         ids += tokenizer.encode(forced.prefix, add_special_tokens=False)

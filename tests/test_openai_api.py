@@ -3,11 +3,13 @@
 value after known requests."""
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 from cluster import REPO
@@ -135,6 +137,85 @@ def test_an_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-4o", messages=QUESTION)
     assert err.value.body["code"] == "model_not_found" and MODEL in err.value.body["message"]
+
+
+# -- tools on a model whose chat template has none (the embedded SmolLM2's) -----------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def assert_valid_call(call, tools) -> None:
+    """An OpenAI tool call whose arguments (a JSON string) follow its tool's parameters schema."""
+    assert call.type == "function" and call.id.startswith("call_")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def streamed_calls(client, **kw) -> tuple[list[dict], str]:
+    """The tool-call deltas of a streamed chat, merged per index as OpenAI's clients do, and its finish reason."""
+    calls, reason = {}, None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": d.id, "type": d.type, "name": d.function.name, "arguments": ""})
+            call["arguments"] += d.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return [calls[i] for i in sorted(calls)], reason
+
+
+def test_tools_reach_a_template_without_them_in_the_generic_form(pd_cluster):
+    url = pd_cluster.http_url.removesuffix("/v1")
+    ids = httpx.post(url + "/tokenize", json={"messages": WEATHER_Q, "tools": [WEATHER]}, timeout=30).json()["tokens"]
+    prompt = httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    assert prompt.startswith("<|im_start|>system\nYou can call the functions below")
+    assert json.dumps(WEATHER["function"]["parameters"]) in prompt and "<tool_call>" in prompt
+    assert prompt.endswith("What is the weather in Paris?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_named_tool_call_on_the_default_model_whole_and_streamed(client):
+    kw = dict(model=MODEL, messages=WEATHER_Q, tools=[WEATHER], tool_choice=NAMED, temperature=0, max_tokens=40)
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert_valid_call(call, [WEATHER])
+    calls, reason = streamed_calls(client, **kw)
+    assert reason == "tool_calls" and [(c["type"], c["name"], c["arguments"]) for c in calls] == \
+        [("function", "get_weather", call.function.arguments)] and calls[0]["id"].startswith("call_")
+
+
+def test_a_required_tool_call_on_the_default_model_whole_and_streamed(client):
+    kw = dict(model=MODEL, messages=WEATHER_Q, tools=[WEATHER, CLOCK], tool_choice="required", temperature=0,
+              max_tokens=40)
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert_valid_call(call, [WEATHER, CLOCK])
+    calls, reason = streamed_calls(client, **kw)
+    assert reason == "tool_calls" and [(c["name"], c["arguments"]) for c in calls] == \
+        [(call.function.name, call.function.arguments)]
+
+
+def test_a_tool_result_on_the_default_model_is_answered(client, pd_cluster):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = WEATHER_Q + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "sunny"}'}]
+    url = pd_cluster.http_url.removesuffix("/v1")
+    ids = httpx.post(url + "/tokenize", json={"messages": history, "tools": [WEATHER]}, timeout=30).json()["tokens"]
+    prompt = httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    # the earlier call and its result, as plain turns the template renders
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{"temperature": 21, "sky": "sunny"}\n'
+            '</tool_response><|im_end|>\n<|im_start|>assistant\n') in prompt
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], temperature=0,
+                                            max_tokens=40).choices[0]
+    assert answer.finish_reason == "stop" and not answer.message.tool_calls
+    assert "21" in answer.message.content                   # it read the tool's result
 
 
 def _idle(pd_cluster) -> int:
