@@ -33,6 +33,7 @@ from baton.router.config import RouterConfig
 from baton.router.openai_chat import Calls, chat_delta, chat_fields, chat_message, message_fields
 from baton.router.openai_errors import HTTPError, from_service_error
 from baton.router.openai_fields import HONOURED, refusal
+from baton.router.openai_limits import check_max_tokens
 from baton.router.openai_logprobs import (
     Entry,
     TokenTexts,
@@ -284,6 +285,7 @@ class OpenAIServer:
         if not isinstance(stream, bool):
             raise HTTPError(400, "stream must be true or false", param="stream")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        await check_max_tokens(self.svc, body, chat, prompts)     # a 400 now, not a capped answer later
         reqs = [choice_request(p, sampling, j) for p in prompts for j in range(n)]       # OpenAI's order of choices
         many = len(reqs) > 1
         for i, req in enumerate(reqs):

@@ -4,6 +4,7 @@ value after known requests."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 
@@ -114,6 +115,54 @@ def test_invalid_parameters_are_400_in_openais_shape(client, fields, param):
     assert err.value.body["type"] == "invalid_request_error"
     if param:
         assert err.value.body["param"] == param
+
+
+def context_of(client) -> int:
+    return client.models.list().data[0].model_extra["max_model_len"]
+
+
+def token_count(pd_cluster, **body) -> int:
+    return httpx.post(pd_cluster.http_url.removesuffix("/v1") + "/tokenize", json=body, timeout=30).json()["count"]
+
+
+def test_max_tokens_past_the_context_is_a_400_naming_both_numbers(client, pd_cluster):
+    context = context_of(client)
+    n = token_count(pd_cluster, prompt="Hi")
+    start = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=100000)
+    assert time.monotonic() - start < 1.0                   # refused up front, nothing generated
+    assert err.value.body["param"] == "max_tokens"
+    assert err.value.body["message"] == (f"max_tokens 100000 is too large: the prompt has {n} tokens and the "
+                                         f"model's context is {context}, so at most {context - n} can be generated")
+    # a chat's max_completion_tokens; a token prompt one token short of the room it asks for
+    m = token_count(pd_cluster, messages=QUESTION)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=context)
+    assert err.value.body["param"] == "max_completion_tokens" and f"at most {context - m} can" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=[1] * (context - 4), max_tokens=5)
+    assert f"the prompt has {context - 4} tokens" in err.value.body["message"]
+
+
+def test_grpc_still_caps_max_tokens_at_the_context(stub):
+    """The proto documents max_tokens as capped by the context length: gRPC keeps that."""
+    chunks = list(stub.Generate(router_pb2.GenerateRequest(
+        chat=router_pb2.Chat(messages=[router_pb2.ChatMessage(**QUESTION[0])]),
+        sampling=router_pb2.SamplingParams(temperature=0, max_tokens=100000)), timeout=60))
+    assert chunks[-1].finish_reason == router_pb2.FINISH_REASON_STOP and "Paris" in "".join(c.text for c in chunks)
+
+
+def test_a_prompt_longer_than_the_context_names_both_numbers(client, stub):
+    context, prompt = context_of(client), "word " * 5000
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    with pytest.raises(grpc.RpcError) as rpc:
+        list(stub.Generate(router_pb2.GenerateRequest(text=prompt), timeout=60))
+    assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for message in (err.value.body["message"], rpc.value.details()):
+        got = re.search(r"prompt has (\d+) tokens; the model's context is (\d+)", message)
+        assert got and int(got[1]) > context == int(got[2]), message
 
 
 def test_bad_chat_bodies_are_400(client, pd_cluster):
