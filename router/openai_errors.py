@@ -24,10 +24,17 @@ HTTP_STATUS = {
 }
 
 
+# a 429 whose cause gave no retry hint (a worker out of KV blocks, say) still says when to come back:
+# OpenAI's clients, and the README, count on Retry-After with every 429
+DEFAULT_RETRY_AFTER_S = 1.0
+
+
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, retry_after: float | None = None):
         super().__init__(message)
+        if status == 429 and retry_after is None:
+            retry_after = DEFAULT_RETRY_AFTER_S
         self.status, self.kind, self.param, self.code, self.retry_after = status, kind, param, code, retry_after
 
     def response(self) -> web.Response:

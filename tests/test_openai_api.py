@@ -16,6 +16,8 @@ import pytest
 from cluster import REPO
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.router.openai_errors import HTTPError, from_service_error
+from baton.serving.grpc_server import ServiceError
 from baton.v1 import router_pb2, router_pb2_grpc
 
 MODEL = "smollm2-135m-instruct"
@@ -163,6 +165,18 @@ def test_a_prompt_longer_than_the_context_names_both_numbers(client, stub):
     for message in (err.value.body["message"], rpc.value.details()):
         got = re.search(r"prompt has (\d+) tokens; the model's context is (\d+)", message)
         assert got and int(got[1]) > context == int(got[2]), message
+
+
+def test_every_429_says_when_to_retry():
+    """A worker out of KV blocks gives no retry hint of its own: the API's 429 still has Retry-After."""
+    kv = ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "request r failed on every worker tried: admit on "
+                      "127.0.0.1:1: RESOURCE_EXHAUSTED: out of KV cache memory: need 409 KV blocks, 320 free")
+    refused = from_service_error(kv).response()
+    assert refused.status == 429 and refused.headers["Retry-After"] == "1"
+    assert json.loads(refused.body)["error"]["type"] == "rate_limit_error"
+    hinted = ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", retry_after=2.5)
+    assert from_service_error(hinted).response().headers["Retry-After"] == "3"
+    assert "Retry-After" not in HTTPError(400, "bad").response().headers
 
 
 def test_bad_chat_bodies_are_400(client, pd_cluster):
