@@ -1,6 +1,7 @@
 """Tools in a chat: checking them, what the template renders, and what a forced call must look like.
 
-Calls are written the Hermes / Qwen3 way, which those models' templates teach:
+Calls are written the Hermes / Qwen3 way, which those models' templates teach (and, for a template
+without tools, generic_tools.py's prompt):
 `<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>`.
 A forced call (tool_choice "required" or a named tool) starts the assistant's turn with the
 call's opening (`forced_call`): the model writes what follows it, the arguments of the named tool
