@@ -3,6 +3,8 @@
 random          input/output lengths uniform in --input-len / --output-len
 prefill-heavy   long prompts, short outputs
 decode-heavy    short prompts, long outputs
+mixed           long-tailed: lognormal prompt and output lengths (MIXED_SHAPE), clipped to
+                --input-len / --output-len: most requests short, a few very long ones
 shared-prefix   groups of --group-size requests sharing a --prefix-len system prompt,
                 each with its own suffix (--input-len) — what prefix caching should catch
 *.jsonl         one {"prompt": str, "max_tokens": int} per line (or "prompt_token_ids")
@@ -12,6 +14,7 @@ Synthetic prompts are random token ids (sent pre-tokenized), so lengths are exac
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +27,14 @@ LENGTHS = {
     "prefill-heavy": ((1024, 2048), (8, 32)),
     "decode-heavy": ((32, 128), (256, 1024)),
     "shared-prefix": ((32, 128), (64, 256)),
+    "mixed": ((32, 4096), (8, 384)),
 }
+# mixed: (median, sigma of the log) of prompt and output lengths. Public chat and API traces show
+# right-skewed lengths, near lognormal: most prompts and answers short, a tail of long ones that
+# dominates the work. sigma 1.0 puts p90 at 3.6x and p99 at 10x the median prompt (the clip at
+# 4096 holds under 2 %); sigma 0.8 puts p90 at 2.8x the median output, and under 5 % at the 384
+# clip, which also bounds how long a request can run (and so how long a goodput probe must be).
+MIXED_SHAPE = {"input": (512, 1.0), "output": (96, 0.8)}
 SMOKE_LENGTHS = ((8, 32), (4, 8))
 DEFAULT_PREFIX_LEN = 1024
 SMOKE_PREFIX_LEN = 32
@@ -62,19 +72,71 @@ def build_requests(dataset: str, num: int, seed: int, input_len: tuple[int, int]
     rng = random.Random(seed)
     top = min(MAX_TOKEN_ID, vocab_size - 1)
     prefix = prefix_len if dataset == "shared-prefix" else 0
-    if prefix + input_len[0] + output_len[0] > max_model_len:
-        raise ValueError(f"the shortest request ({prefix + input_len[0]} prompt + {output_len[0]} output tokens) "
-                         f"does not fit max_model_len {max_model_len}: shorten --input-len/--output-len")
+    _check_fits(prefix, input_len, output_len, max_model_len)
     out, prefixes = [], {}
     for i in range(num):
         group = i // group_size if prefix else None
         if group is not None and group not in prefixes:
             prefixes[group] = [rng.randint(0, top) for _ in range(prefix)]
-        n_in, n_out = rng.randint(*input_len), rng.randint(*output_len)
+        n_in, n_out = draw_lengths(dataset, rng, input_len, output_len)
         ids = prefixes.get(group, []) + [rng.randint(0, top) for _ in range(n_in)]
         ids = ids[:max_model_len - 1]
         out.append(ServeRequest(max(1, min(n_out, max_model_len - len(ids))), ids, None, group))
     return out
+
+
+def _check_fits(prefix: int, input_len: tuple[int, int], output_len: tuple[int, int], max_model_len: int) -> None:
+    if prefix + input_len[0] + output_len[0] > max_model_len:
+        raise ValueError(f"the shortest request ({prefix + input_len[0]} prompt + {output_len[0]} output tokens) "
+                         f"does not fit max_model_len {max_model_len}: shorten --input-len/--output-len")
+
+
+def draw_lengths(dataset: str, rng: random.Random, input_len: tuple[int, int],
+                 output_len: tuple[int, int]) -> tuple[int, int]:
+    """One request's (prompt tokens, output tokens) as the dataset draws them (the suffix, for
+    shared-prefix)."""
+    if dataset == "mixed":
+        return (_lognormal(rng, *MIXED_SHAPE["input"], input_len),
+                _lognormal(rng, *MIXED_SHAPE["output"], output_len))
+    return rng.randint(*input_len), rng.randint(*output_len)
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, bounds: tuple[int, int]) -> int:
+    """A lognormal draw clipped to bounds; a median outside them (smoke ranges) moves to the
+    bounds' geometric middle, so the shape survives a shorter range."""
+    lo, hi = bounds
+    if not lo <= median <= hi:
+        median = math.sqrt(lo * hi)
+    return max(lo, min(hi, round(rng.lognormvariate(math.log(median), sigma))))
+
+
+def sample_lengths(dataset: str, num: int, seed: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                   max_model_len: int, prefix_len: int = DEFAULT_PREFIX_LEN) -> list[tuple[int, int]]:
+    """(prompt, output) lengths of `num` requests of a dataset, without building prompts: what the
+    planner models. A JSONL file gives its rows' lengths (rows need "prompt_token_ids"), cycled."""
+    if dataset.endswith(".jsonl"):
+        return _jsonl_lengths(Path(dataset), num)
+    if dataset not in LENGTHS:
+        raise ValueError(f"unknown dataset {dataset!r}: use {', '.join(LENGTHS)} or a .jsonl file")
+    prefix = prefix_len if dataset == "shared-prefix" else 0
+    _check_fits(prefix, input_len, output_len, max_model_len)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        n_in, n_out = draw_lengths(dataset, rng, input_len, output_len)
+        n_in = min(prefix + n_in, max_model_len - 1)
+        out.append((n_in, max(1, min(n_out, max_model_len - n_in))))
+    return out
+
+
+def _jsonl_lengths(path: Path, num: int) -> list[tuple[int, int]]:
+    rows = []
+    for r in _jsonl(path, num):
+        if r.prompt_ids is None:
+            raise ValueError(f"{path}: the planner needs token counts: give each row \"prompt_token_ids\" "
+                             "(or use a synthetic dataset)")
+        rows.append((len(r.prompt_ids), r.max_tokens))
+    return rows
 
 
 def _jsonl(path: Path, num: int) -> list[ServeRequest]:

@@ -1,10 +1,12 @@
 """Local deployments for B2, one per topology:
 
-XpYd        X prefill workers + Y decode workers, one device each (1p1d, 1p3d, 3p1d, 2p2d, ...)
-Ncolocated  N colocated workers behind the same router (1colocated, 2colocated, 4colocated)
+XpYd[-ptpK][-dtpK]   X prefill + Y decode workers (1p1d, 1p3d, 3p1d, 2p2d, ...); -ptpK / -dtpK:
+                     each prefill / decode worker tensor-parallel over K devices (1p2d-ptp2)
+Ncolocated[-tpK]     N colocated workers behind the same router (4colocated, 2colocated-tp2)
 
-Devices come from one pool, handed out in order (prefill workers first, then decode); a pool
-shorter than the topology is reused round robin (the CPU: "cpu" for every worker).
+Devices come from one pool, handed out in order (prefill workers first, then decode; a TP worker
+takes K in a row); a pool shorter than the topology is reused round robin (the CPU: "cpu" for
+every worker).
 
 Every worker gets a free port and a Prometheus port (the handover histogram is read from
 it); each process logs to its own file. CPU workers get an even share of the cores
@@ -22,7 +24,10 @@ from pathlib import Path
 from baton.serving.processes import START_TIMEOUT_S, Child, free_port, stop_all, wait_serving, worker_command
 
 TOPOLOGIES = ("1p1d", "2colocated", "1colocated")     # the usual ones; any XpYd / Ncolocated is accepted
-_PATTERN = re.compile(r"^(?:(\d+)p(\d+)d|(\d+)colocated)$")
+# issue 49's comparison at four devices: colocated replicas against every split of them
+FOUR_DEVICES = ("4colocated", "2colocated-tp2", "1p3d", "2p2d", "3p1d", "1p2d-ptp2")
+_PATTERN = re.compile(r"^(?:(\d+)p(\d+)d(?:-ptp(\d+))?(?:-dtp(\d+))?|(\d+)colocated(?:-tp(\d+))?)$")
+GRAMMAR = "XpYd[-ptpK][-dtpK] (e.g. 1p1d, 3p1d, 1p2d-ptp2) or Ncolocated[-tpK] (e.g. 4colocated, 2colocated-tp2)"
 
 
 class LaunchError(RuntimeError):
@@ -44,7 +49,7 @@ class Deployment:
 
     @property
     def devices(self) -> list[str]:
-        return [w["device"] for w in self.workers]
+        return [d for w in self.workers for d in w["devices"]]
 
     def describe(self) -> dict:
         return {"topology": self.topology, "router": self.router_address, "http": self.http_url,
@@ -55,30 +60,90 @@ class Deployment:
         stop_all(self.children)
 
 
-def roles(topology: str) -> list[str]:
-    """The workers of a topology, by role: '2p1d' -> prefill, prefill, decode."""
-    m = _PATTERN.match(topology.strip())
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """A parsed topology name: its workers' roles and tensor-parallel sizes, in launch order."""
+    name: str
+    workers: tuple[tuple[str, int], ...]          # (role, tp) per worker
+
+    @property
+    def num_devices(self) -> int:
+        return sum(tp for _, tp in self.workers)
+
+    @property
+    def colocated(self) -> bool:
+        return all(role == "colocated" for role, _ in self.workers)
+
+    def count(self, role: str) -> int:
+        return sum(r == role for r, _ in self.workers)
+
+    def tp(self, role: str) -> int:
+        return next((tp for r, tp in self.workers if r == role), 1)
+
+
+def parse(topology: str) -> Topology:
+    """'1p2d-ptp2' -> one TP2 prefill worker and two decode workers."""
+    name = topology.strip()
+    m = _PATTERN.match(name)
     if m is None or not any(int(g) for g in m.groups() if g):
-        raise ValueError(f"unknown topology {topology!r}: use XpYd (e.g. 1p1d, 1p3d, 3p1d) or Ncolocated "
-                         "(e.g. 2colocated), X, Y, N >= 1")
-    if m.group(3):
-        return ["colocated"] * int(m.group(3))
-    prefill, decode = int(m.group(1)), int(m.group(2))
+        raise ValueError(f"unknown topology {topology!r}: use {GRAMMAR}; X, Y, N, K >= 1")
+    prefill, decode, ptp, dtp, colocated, tp = (int(g) if g else None for g in m.groups())
+    if any(k == 0 for k in (ptp, dtp, tp)):
+        raise ValueError(f"topology {topology!r}: a tensor-parallel size must be >= 1")
+    if colocated is not None:
+        return Topology(name, (("colocated", tp or 1),) * colocated)
     if not prefill or not decode:
         raise ValueError(f"topology {topology!r} needs at least one prefill and one decode worker")
-    return ["prefill"] * prefill + ["decode"] * decode
+    return Topology(name, (("prefill", ptp or 1),) * prefill + (("decode", dtp or 1),) * decode)
 
 
-def plan(topology: str, devices: list[str]) -> list[tuple[str, str]]:
-    """(role, device) of every worker of a topology, devices handed out from the pool in order."""
+def roles(topology: str) -> list[str]:
+    """The workers of a topology, by role: '2p1d' -> prefill, prefill, decode."""
+    return [role for role, _ in parse(topology).workers]
+
+
+def candidates(num_devices: int, tp_sizes: tuple[int, ...] = (1, 2)) -> list[str]:
+    """Every topology that uses exactly `num_devices` devices with workers of the given TP sizes
+    (one size per role): colocated replicas first, then the splits by prefill share."""
+    if num_devices < 1:
+        raise ValueError(f"need at least one device, got {num_devices}")
+    names = [f"{num_devices // tp}colocated{_tp('', tp)}" for tp in tp_sizes if num_devices % tp == 0]
+    for ptp in tp_sizes:
+        for dtp in tp_sizes:
+            for x in range(1, num_devices):
+                rest = num_devices - x * ptp
+                if rest >= dtp and rest % dtp == 0:
+                    names.append(f"{x}p{rest // dtp}d{_tp('p', ptp)}{_tp('d', dtp)}")
+    def order(name: str) -> tuple:
+        t = parse(name)
+        return not t.colocated, t.count("prefill") * t.tp("prefill"), name
+    return sorted(dict.fromkeys(names), key=order)
+
+
+def _tp(role: str, tp: int) -> str:
+    return f"-{role}tp{tp}" if tp > 1 else ""
+
+
+def plan(topology: str, devices: list[str]) -> list[tuple[str, list[str]]]:
+    """(role, devices) of every worker of a topology, one device per TP rank, handed out from
+    the pool in order."""
     if not devices:
         raise ValueError("no devices to place the workers on")
-    return [(role, devices[i % len(devices)]) for i, role in enumerate(roles(topology))]
+    out, i = [], 0
+    for role, tp in parse(topology).workers:
+        out.append((role, [devices[(i + k) % len(devices)] for k in range(tp)]))
+        i += tp
+    return out
 
 
-def _env(workers: list[tuple[str, str]]) -> dict:
+def tp_flags(ranks: list[str]) -> list[str]:
+    """A worker's tensor-parallel flags: none for one device."""
+    return [] if len(ranks) == 1 else ["--tp-size", str(len(ranks)), "--tp-devices", ",".join(ranks)]
+
+
+def _env(workers: list[tuple[str, list[str]]]) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    on_cpu = sum(device == "cpu" for _, device in workers)
+    on_cpu = sum(device == "cpu" for _, ranks in workers for device in ranks)
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // on_cpu))
     return env
@@ -101,13 +166,14 @@ def launch(topology: str, model: str, devices: list[str], worker_args: list[str]
         return child
 
     try:
-        for i, (role, device) in enumerate(workers):
+        for i, (role, ranks) in enumerate(workers):
             port, mport = free_port(host), free_port(host)
             module = "baton.prefill_service" if role == "prefill" else "baton.decode_service"
-            extra = ["--metrics-port", str(mport), *worker_args, *(["--colocated"] if role == "colocated" else [])]
+            extra = ["--metrics-port", str(mport), *worker_args, *tp_flags(ranks),
+                     *(["--colocated"] if role == "colocated" else [])]
             name = f"{role}-{i}"
-            start(name, worker_command(module, host, port, model, device, extra), f"{host}:{port}")
-            dep.workers.append({"role": role, "address": f"{host}:{port}", "device": device,
+            start(name, worker_command(module, host, port, model, ranks[0], extra), f"{host}:{port}")
+            dep.workers.append({"role": role, "address": f"{host}:{port}", "device": ranks[0], "devices": ranks,
                                 "metrics_url": f"http://{host}:{mport}/metrics", "log": str(log_dir / f"{name}.log")})
         print(f"[bench] {topology}: starting {len(workers)} worker(s) on {model} (logs in {log_dir}) ...",
               file=sys.stderr, flush=True)

@@ -135,4 +135,6 @@ def _jsonable(x):
         return [_jsonable(v) for v in x]
     if isinstance(x, Path):
         return str(x)
+    if hasattr(x, "to_json"):                # the harness's records (an SLO pair, a shape)
+        return _jsonable(x.to_json())
     return x

@@ -8,6 +8,11 @@ Point it at a running deployment (--addr) or let it launch local ones (--launch 
 --topologies 1p3d,2p2d,3p1d,4colocated to compare any splits of a host's devices in one JSON).
 With several TPOT SLOs (--slo-tpot-ms 10,15,25,50) goodput is computed for each from the same
 requests, and the best topology per SLO pair is stated as a table (`recommendation`).
+
+--goodput searches each topology's goodput instead of reading it off the grid (serve_goodput.py):
+probes to within 5 %, steady state, every SLO pair judged from the same probes, several
+workloads on one deployment (--dataset prefill-heavy,decode-heavy,mixed); --topologies auto
+measures the planner's pick beside the colocated baseline.
 """
 from __future__ import annotations
 
@@ -19,7 +24,16 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from baton.benchmarks import baseline, ceilings, datasets, deployment, loadgen, prometheus, record
+from baton.benchmarks import (
+    baseline,
+    ceilings,
+    datasets,
+    deployment,
+    loadgen,
+    prometheus,
+    record,
+    serve_goodput,
+)
 from baton.benchmarks.model_shape import shape_of
 from baton.benchmarks.stats import GOODPUT_ATTAINMENT, attainment, goodput_rate, meets_slo, summarize
 from baton.engine.config import DEFAULT_MODEL
@@ -45,7 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--launch", default=None, help="launch this topology locally: XpYd or Ncolocated "
                    "(unset: none, but 1p1d with --smoke and no --addr)")
     t.add_argument("--topologies", default=None, help="comma list of topologies to launch one after another, "
-                   "e.g. 1p3d,2p2d,3p1d,4colocated")
+                   f"each {deployment.GRAMMAR}, e.g. 4colocated,2colocated-tp2,1p3d,2p2d,3p1d,1p2d-ptp2; "
+                   "with --goodput, auto: the planner's pick (--plan, or `baton plan` run here) and as many "
+                   "colocated replicas as devices")
     t.add_argument("--model", default=DEFAULT_MODEL, help="model of launched deployments")
     t.add_argument("--devices", default=None, help="the device pool, e.g. cuda:0,cuda:1,cuda:2,cuda:3: prefill "
                    "workers take them in order, then decode workers (default: --prefill-devices then --decode-devices)")
@@ -65,10 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(launched deployments only)")
     w = p.add_argument_group("load")
     w.add_argument("--dataset", default="random",
-                   help="random | prefill-heavy | decode-heavy | shared-prefix | path/to/file.jsonl")
-    w.add_argument("--input-len", default=None, help="MIN:MAX prompt tokens (shared-prefix: the unique suffix); "
+                   help="random | prefill-heavy | decode-heavy | mixed | shared-prefix | path/to/file.jsonl; with "
+                        "--goodput a comma list, each searched on the same deployment")
+    w.add_argument("--input-len", default=None, help="MIN:MAX prompt tokens (shared-prefix: the unique suffix; "
+                   "mixed: the clip of its lognormal), or per dataset: NAME=MIN:MAX,NAME=MIN:MAX; "
                    "default per dataset")
-    w.add_argument("--output-len", default=None, help="MIN:MAX output tokens; default per dataset")
+    w.add_argument("--output-len", default=None, help="MIN:MAX output tokens, or NAME=MIN:MAX,...; default per dataset")
     w.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: system prompt tokens (default 1024)")
     w.add_argument("--group-size", type=int, default=8, help="shared-prefix: requests per shared prompt")
     w.add_argument("--request-rates", default=None, help="comma list of req/s, 'inf' = all at once "
@@ -83,10 +101,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="processes generating the load (default: 1, up to 4 where the cores allow it: one Python "
                         "process reads some 20-30k messages a second, and must not be what a run measures)")
     s = p.add_argument_group("SLOs")
-    s.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="time-to-first-token SLO")
+    s.add_argument("--slo-ttft-ms", default="1000", help="time-to-first-token SLO; with --goodput a comma list: "
+                   "every (TTFT, TPOT) pair is searched")
     s.add_argument("--slo-tpot-ms", default="100", help="time-per-output-token SLO; a comma list computes goodput "
                    "for each (the first is the one per-rate attainment reports)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    serve_goodput.add_arguments(p)
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -98,11 +118,14 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("give --launch or --topologies, not both")
     if args.addr and (args.launch or args.topologies):
         raise ValueError("--addr measures a running deployment; --launch/--topologies start their own")
+    args.auto = False
     if args.topologies:
         names = [t.strip() for t in args.topologies.split(",") if t.strip()]
         for name in names:
-            deployment.roles(name)                           # raises on an unknown topology
-        args.topologies = names
+            if name != "auto":
+                deployment.roles(name)                       # raises on an unknown topology
+        args.auto = "auto" in names
+        args.topologies = [n for n in names if n != "auto"]
     elif args.launch:
         deployment.roles(args.launch)
         args.topologies = [args.launch]
@@ -118,25 +141,53 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if not args.apis or set(args.apis) - {"grpc", "openai"} or len(set(args.apis)) != len(args.apis):
         raise ValueError(f"--api must be grpc, openai or grpc,openai; got {args.api!r}")
     args.slo_tpots_ms = parse_slos(args.slo_tpot_ms)
+    args.slo_ttfts_ms = parse_slos(args.slo_ttft_ms, "--slo-ttft-ms")
+    args.slo_ttft_ms = args.slo_ttfts_ms[0]             # the grid sweep's (one TTFT SLO)
     args.device_pool = _split(args.devices) if args.devices else _split(args.prefill_devices) + _split(args.decode_devices)
-    in_range, out_range = datasets.LENGTHS.get(args.dataset, datasets.LENGTHS["random"])
-    if args.smoke:
-        in_range, out_range = datasets.SMOKE_LENGTHS
-    args.input_len = list(datasets.parse_range(args.input_len) if args.input_len else in_range)
-    args.output_len = list(datasets.parse_range(args.output_len) if args.output_len else out_range)
+    args.num_devices = len(args.device_pool) if args.devices else None
+    args.datasets = _split(args.dataset) or ["random"]
+    args.lengths = {ds: _lengths(args, ds) for ds in args.datasets}
+    args.input_len, args.output_len = (list(r) for r in args.lengths[args.datasets[0]])
+    serve_goodput.resolve(args)
     if args.device is None:
-        args.device = args.device_pool[0] if args.topologies else "cpu"
+        args.device = args.device_pool[0] if args.topologies or args.auto else "cpu"
     return args
 
 
-def parse_slos(spec: str) -> list[float]:
+def parse_slos(spec: str, flag: str = "--slo-tpot-ms") -> list[float]:
     try:
         slos = [float(s) for s in str(spec).split(",") if s.strip()]
     except ValueError:
-        raise ValueError(f"bad --slo-tpot-ms {spec!r}: use milliseconds, e.g. 25 or 10,15,25,50") from None
-    if not slos or any(s <= 0 for s in slos):
-        raise ValueError(f"bad --slo-tpot-ms {spec!r}: every SLO must be > 0 ms")
+        raise ValueError(f"bad {flag} {spec!r}: use milliseconds, e.g. 25 or 10,15,25,50") from None
+    if not slos or any(not s > 0 or math.isinf(s) for s in slos):
+        raise ValueError(f"bad {flag} {spec!r}: every SLO must be a finite number of ms > 0")
     return slos
+
+
+def _lengths(args: argparse.Namespace, dataset: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(input range, output range) of one dataset: its defaults (smoke: the short ones), under the
+    --input-len / --output-len given for every dataset or for it by name."""
+    in_range, out_range = datasets.LENGTHS.get(dataset, datasets.LENGTHS["random"])
+    if args.smoke:
+        in_range, out_range = datasets.SMOKE_LENGTHS
+    return (parse_lengths(args.input_len, dataset, "--input-len") or in_range,
+            parse_lengths(args.output_len, dataset, "--output-len") or out_range)
+
+
+def parse_lengths(spec: str | None, dataset: str, flag: str) -> tuple[int, int] | None:
+    """'128:1024' (every dataset) or 'mixed=32:4096,decode-heavy=32:128' (by name) -> this
+    dataset's range, None where the spec leaves it to the default."""
+    if not spec:
+        return None
+    if "=" not in spec:
+        return datasets.parse_range(spec)
+    by_name = {}
+    for item in _split(spec):
+        name, eq, rng = item.partition("=")
+        if not eq:
+            raise ValueError(f"bad {flag} {spec!r}: use MIN:MAX, or NAME=MIN:MAX,NAME=MIN:MAX")
+        by_name[name.strip()] = datasets.parse_range(rng.strip())
+    return by_name.get(dataset)
 
 
 def parse_rates(spec: str) -> list[float]:
@@ -244,9 +295,11 @@ def _handover(p: dict) -> str:
 
 # -- the run ---------------------------------------------------------------------------------------
 def run(args: argparse.Namespace, rec: dict) -> None:
+    if args.goodput:
+        return run_goodput(args, rec)
     out = Path(args.output)
     pool = args.device_pool
-    used = [d for t in args.topologies for _, d in deployment.plan(t, pool)] or [args.device]
+    used = [d for t in args.topologies for _, ranks in deployment.plan(t, pool) for d in ranks] or [args.device]
     peer = next((d for d in used if d != args.device), None)
     if args.topologies:
         rec["model"] = shape_of(args.model).to_json()           # an unknown model fails here, not later
@@ -304,6 +357,65 @@ def run(args: argparse.Namespace, rec: dict) -> None:
         print(f"[bench] TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {row['tpot_ms']:g} ms: best {row['best'] or 'none'} "
               f"({row['goodput'] or 0:g} req/s); " + ", ".join(f"{k} {v or 0:g}" for k, v in row["by_topology"].items()),
               file=sys.stderr, flush=True)
+
+
+def run_goodput(args: argparse.Namespace, rec: dict) -> None:
+    """--goodput: every topology's searched goodput per workload and SLO pair, the recommendation
+    per workload, and the attainment-against-rate plots with the knees marked."""
+    out = Path(args.output)
+    pool = args.device_pool
+    launched = bool(args.topologies or args.auto)
+    if args.auto:
+        args.topologies = _auto_topologies(args, out)
+    used = [d for t in args.topologies for _, ranks in deployment.plan(t, pool) for d in ranks] or [args.device]
+    if launched:
+        rec["model"] = shape_of(args.model).to_json()
+    rec["ceilings"] = ceilings.measure(args.device, peer_device=next((d for d in used if d != args.device), None),
+                                       quick=args.smoke)
+    rec["device"] = record.device_info(used)
+    if launched:
+        log_root = Path(args.log_dir) if args.log_dir else out.with_suffix("").with_name(out.stem + "-logs")
+        by_workload = serve_goodput.run(args, args.topologies, pool, log_root)
+        baseline = f"{len(pool)}colocated" if f"{len(pool)}colocated" in args.topologies else None
+    else:
+        urls = [prometheus.metrics_url(u) for u in _split(args.metrics_urls)]
+        by_workload = serve_goodput.run_external(args, urls)
+        baseline = None
+    rec["dtype"] = _worker_dtype(args) if launched else None
+    rec["results"] = {"slo": {"pairs": [s.to_json() for s in args.slos], "goodput_attainment": GOODPUT_ATTAINMENT},
+                      "goodput": {"method": serve_goodput.method_json(args), "workloads": by_workload,
+                                  "recommendation": serve_goodput.recommend(by_workload, args.slos, baseline),
+                                  "plan": args.plan},
+                      "plots": []}
+    record.write(rec, out)
+    if not args.no_plots:
+        try:
+            from baton.benchmarks.plots import plot_goodput
+            rec["results"]["plots"] = [str(p) for p in plot_goodput(by_workload, args.slos, out.with_suffix(""))]
+        except ImportError:
+            print(f"[bench] no plots: matplotlib is not installed (pip install 'baton[bench]'); the results are "
+                  f"in {out}", file=sys.stderr, flush=True)
+    for ds, rows in rec["results"]["goodput"]["recommendation"].items():
+        for row in rows:
+            slo = row["slo"]
+            ratio = f", {row['best_over_baseline']:.2f}x {row['baseline']}" if row["best_over_baseline"] else ""
+            print(f"[bench] {ds}, TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms: best "
+                  f"{row['best'] or 'none'} ({row['goodput'] or 0:g} req/s{ratio}); "
+                  + ", ".join(f"{k} {v or 0:g}" for k, v in row["by_topology"].items()), file=sys.stderr, flush=True)
+
+
+def _auto_topologies(args: argparse.Namespace, out: Path) -> list[str]:
+    """--topologies auto: the planner's pick for every workload and SLO pair (from --plan, or
+    planned here and written next to the JSON), the colocated baseline, and any named beside it."""
+    from baton.benchmarks import planner
+    if not args.plan:
+        args.plan = str(out.with_name(out.stem + "-plan.json"))
+        planner.plan_for_bench(args, Path(args.plan))
+    picks = planner.picks(serve_goodput.plan_predictions(args.plan), args.datasets, args.slos)
+    names = [f"{len(args.device_pool)}colocated", *picks, *args.topologies]
+    print(f"[bench] --topologies auto: {', '.join(dict.fromkeys(names))} (planner: {args.plan})",
+          file=sys.stderr, flush=True)
+    return list(dict.fromkeys(names))
 
 
 def _offline_baseline(args: argparse.Namespace, topologies: dict[str, dict], log_root: Path) -> None:

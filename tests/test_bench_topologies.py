@@ -1,11 +1,11 @@
-"""B2's topologies: any XpYd split or N colocated replicas of a host's devices, and the
-recommended split per SLO pair, computed from the sweep's own numbers."""
+"""B2's topologies: any XpYd split or N colocated replicas of a host's devices, tensor-parallel
+workers among them, and the recommended split per SLO pair, computed from the sweep's own numbers."""
 from __future__ import annotations
 
 import pytest
 
-from baton.benchmarks import deployment
-from baton.benchmarks.serve import parse_slos, recommend
+from baton.benchmarks import datasets, deployment
+from baton.benchmarks.serve import parse_lengths, parse_slos, recommend
 
 
 @pytest.mark.parametrize("name,roles", [
@@ -13,24 +13,66 @@ from baton.benchmarks.serve import parse_slos, recommend
     ("1p3d", ["prefill", "decode", "decode", "decode"]),
     ("3p1d", ["prefill", "prefill", "prefill", "decode"]),
     ("4colocated", ["colocated"] * 4),
+    ("1p2d-ptp2", ["prefill", "decode", "decode"]),
+    ("2colocated-tp2", ["colocated"] * 2),
 ])
 def test_a_topology_names_its_workers(name, roles):
     assert deployment.roles(name) == roles
 
 
-@pytest.mark.parametrize("bad", ["0p1d", "1p0d", "2p", "colocated", "1p1d2", "0colocated", "p1d"])
+@pytest.mark.parametrize("bad", ["0p1d", "1p0d", "2p", "colocated", "1p1d2", "0colocated", "p1d", "1p1d-tp2",
+                                 "2colocated-ptp2", "1p1d-ptp0", "1p1d-dtp2-ptp2"])
 def test_a_malformed_topology_is_refused_with_the_grammar(bad):
-    with pytest.raises(ValueError, match="XpYd|at least one"):
+    with pytest.raises(ValueError, match="XpYd|at least one|>= 1"):
         deployment.roles(bad)
 
 
 def test_devices_are_handed_out_prefill_first_from_one_pool():
     pool = ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
-    assert deployment.plan("1p3d", pool) == [("prefill", "cuda:0"), ("decode", "cuda:1"), ("decode", "cuda:2"),
-                                             ("decode", "cuda:3")]
-    assert deployment.plan("3p1d", pool)[-1] == ("decode", "cuda:3")
-    assert deployment.plan("2p2d", ["cpu"]) == [("prefill", "cpu"), ("prefill", "cpu"), ("decode", "cpu"),
-                                                ("decode", "cpu")]
+    assert deployment.plan("1p3d", pool) == [("prefill", ["cuda:0"]), ("decode", ["cuda:1"]),
+                                             ("decode", ["cuda:2"]), ("decode", ["cuda:3"])]
+    assert deployment.plan("3p1d", pool)[-1] == ("decode", ["cuda:3"])
+    assert deployment.plan("2p2d", ["cpu"]) == [("prefill", ["cpu"]), ("prefill", ["cpu"]), ("decode", ["cpu"]),
+                                                ("decode", ["cpu"])]
+
+
+def test_a_tensor_parallel_worker_takes_its_devices_in_a_row_and_gets_the_tp_flags():
+    pool = ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert deployment.plan("1p2d-ptp2", pool) == [("prefill", ["cuda:0", "cuda:1"]), ("decode", ["cuda:2"]),
+                                                  ("decode", ["cuda:3"])]
+    assert deployment.plan("2colocated-tp2", pool) == [("colocated", ["cuda:0", "cuda:1"]),
+                                                       ("colocated", ["cuda:2", "cuda:3"])]
+    assert deployment.tp_flags(["cuda:2", "cuda:3"]) == ["--tp-size", "2", "--tp-devices", "cuda:2,cuda:3"]
+    assert deployment.tp_flags(["cuda:0"]) == []
+    assert all(deployment.parse(t).num_devices == 4 for t in deployment.FOUR_DEVICES)
+
+
+def test_the_candidates_are_every_topology_of_exactly_the_devices_given():
+    four = deployment.candidates(4)
+    assert set(deployment.FOUR_DEVICES) <= set(four) and len(four) == len(set(four))
+    assert all(deployment.parse(t).num_devices == 4 for t in four)
+    assert four[:2] == ["2colocated-tp2", "4colocated"]                # the colocated baselines first
+    assert deployment.candidates(2, (1,)) == ["2colocated", "1p1d"]
+    assert deployment.candidates(1) == ["1colocated"]
+
+
+def test_the_mixed_workload_is_long_tailed_and_clipped_to_its_ranges():
+    lengths = datasets.sample_lengths("mixed", 4000, 0, (32, 4096), (8, 384), max_model_len=40960)
+    prompts = sorted(p for p, _ in lengths)
+    outputs = sorted(o for _, o in lengths)
+    assert 32 <= prompts[0] and prompts[-1] <= 4096 and 8 <= outputs[0] and outputs[-1] <= 384
+    assert 400 <= prompts[2000] <= 650 and prompts[3960] >= 5 * prompts[2000]    # median ~512, p99 >= 5x it
+    assert 80 <= outputs[2000] <= 115 and sum(outputs) / len(outputs) > outputs[2000]   # mean above the median
+    reqs = datasets.build_requests("mixed", 50, 0, (32, 4096), (8, 384), 40960, 49152)
+    assert all(32 <= len(r.prompt_ids) <= 4096 and 8 <= r.max_tokens <= 384 for r in reqs)
+
+
+def test_lengths_are_given_for_every_dataset_or_by_name():
+    assert parse_lengths("128:1024", "mixed", "--input-len") == (128, 1024)
+    assert parse_lengths("mixed=8:256,decode-heavy=128:384", "decode-heavy", "--output-len") == (128, 384)
+    assert parse_lengths("mixed=8:256", "prefill-heavy", "--output-len") is None
+    with pytest.raises(ValueError, match="NAME=MIN:MAX"):
+        parse_lengths("mixed=8:256,9:10", "mixed", "--output-len")
 
 
 def test_the_recommendation_is_the_best_goodput_per_tpot_slo():
