@@ -1,4 +1,4 @@
-"""The `baton` command: serve | generate | router | prefill | decode | bench.
+"""The `baton` command: serve | generate | router | prefill | decode | bench | plan.
 
 Each subcommand parses its flags before importing anything heavy, so `--help` (and a
 mistyped flag) answer at once; torch loads only when a process starts serving.
@@ -19,6 +19,7 @@ commands:
   prefill    a prefill worker
   decode     a decode worker (--colocated: a worker doing both)
   bench      benchmarks: offline | serve | kv
+  plan       which prefill/decode split of N devices serves a workload best at a TTFT and TPOT target
 
   baton --version    the installed version
 """
@@ -55,6 +56,8 @@ def _command(name: str):
         from baton.decode_service.main import main
     elif name == "bench":
         from baton.benchmarks.cli import main
+    elif name == "plan":
+        from baton.benchmarks.planner import main
     else:
         return None
     return main

@@ -1,0 +1,197 @@
+"""The planner: a step-cost line fitted to a device profile, a simulation of each topology
+checked against queueing theory, the closed-form model checked against the simulation, and
+`baton plan` end to end on the CPU (a tiny random-weight model: the embedded one takes ~30 s)."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+from cluster import REPO
+
+from baton.benchmarks import datasets, deployment, device_profile, planner, queueing
+from baton.benchmarks.cluster_sim import Hardware, Req, Simulation
+from baton.benchmarks.goodput import SLO
+from baton.benchmarks.schedule_sim import simulate_steps
+from baton.benchmarks.step_cost import FEATURES, StepCost, features
+from baton.launcher import build_parser as serve_parser
+from baton.launcher import set_topology
+
+# an 8B model on an H100, roughly: 7 ms decode steps, 40 us a prompt token, KV for 400k tokens
+H100ISH = Hardware(StepCost((0.010, 0.007, 40e-6, 2e-6, 2e-9, 2.5e-8)), budget=4096, max_num_seqs=256,
+                   kv_capacity=400_000, weight_bytes=16_000_000_000, kv_bytes_per_token=147_456)
+
+
+def test_the_step_cost_fit_recovers_the_coefficients_that_made_the_steps():
+    truth = StepCost((0.02, 0.008, 3e-5, 1e-5, 4e-9, 6e-8))
+    rng = random.Random(0)
+    rows = []
+    for _ in range(24):
+        prompts = [[1] * rng.randint(8, 900) for _ in range(rng.randint(1, 6))]
+        steps = simulate_steps(prompts, [rng.randint(1, 40) for _ in prompts], max_num_batched_tokens=512)
+        feats = [sum(col) for col in zip(*(features(s) for s in steps), strict=True)]
+        rows.append((feats, sum(truth.seconds(s) for s in steps)))
+    fitted = StepCost.fit(rows)
+    assert max(fitted.relative_errors(rows)) < 1e-6
+    assert fitted.coef == pytest.approx(truth.coef, rel=1e-3)
+    assert len(FEATURES) == len(fitted.coef)
+
+
+def test_a_fit_keeps_every_coefficient_non_negative():
+    rows = [([1, 0, n, 1, 0, 0], 0.01 + 1e-4 * n) for n in (10, 100, 1000)] + \
+           [([0, 1, b, b, 0, 50 * b], 0.005 - 1e-9 * b) for b in (1, 8, 64)]         # decode slightly faster with b
+    assert all(c >= 0 for c in StepCost.fit(rows).coef)
+    with pytest.raises(ValueError, match="at least"):
+        StepCost.fit(rows[:3])
+
+
+def test_the_simulation_queues_prompts_as_an_md1_queue():
+    """One worker, prompts that each take one step of fixed length and end after the first
+    token: an M/D/1 queue, whose mean wait is rho S / (2 (1 - rho)) (Pollaczek-Khinchine)."""
+    service = 0.010
+    hw = Hardware(StepCost((service, 0.0, 0.0, 0.0, 0.0, 0.0)), budget=64, max_num_seqs=1, kv_capacity=10**9,
+                  weight_bytes=1, kv_bytes_per_token=1)
+    rate, n = 70.0, 40_000
+    rng = random.Random(1)
+    t, reqs = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        reqs.append(Req(t, 64, 1))
+    Simulation(deployment.parse("1colocated"), hw).run(reqs, until=float("inf"))
+    waits = [r.first - r.arrival - service for r in reqs[n // 10:]]
+    rho = rate * service
+    assert sum(waits) / len(waits) == pytest.approx(rho * service / (2 * (1 - rho)), rel=0.08)
+
+
+def test_the_simulated_decode_batch_obeys_littles_law():
+    """Pure decode: the step time the simulation settles at is the fixed point of the queueing
+    model, tau = intercept / (1 - rate x steps x per-row cost)."""
+    hw = Hardware(StepCost((0.0, 0.005, 1e-4, 0.0, 0.0, 0.0)), budget=4096, max_num_seqs=512, kv_capacity=10**9,
+                  weight_bytes=1, kv_bytes_per_token=1, kv_latency=0.0, kv_bandwidth=1e30)
+    rate, out = 40.0, 101
+    rng = random.Random(2)
+    t, reqs = 0.0, []
+    for _ in range(4000):
+        t += rng.expovariate(rate)
+        reqs.append(Req(t, 1, out))
+    Simulation(deployment.parse("1p1d"), hw).run(reqs, until=float("inf"))
+    tpots = [(r.finish - r.first) / (out - 1) for r in reqs[1000:]]
+    tau = 0.005 / (1 - rate * (out - 1) * 1e-4)
+    assert sum(tpots) / len(tpots) == pytest.approx(tau, rel=0.05)
+
+
+CASES = [("prefill-heavy", ((1024, 2048), (8, 32)), ["3p1d", "2p2d", "4colocated", "1p2d-ptp2"]),
+         ("mixed", ((32, 4096), (8, 256)), ["2p2d", "3p1d", "2colocated-tp2", "4colocated"]),
+         ("decode-heavy", ((32, 128), (32, 96)), ["1p3d", "2p2d", "4colocated"])]
+
+
+@pytest.mark.parametrize("dataset,lengths,topologies", CASES)
+def test_the_queueing_model_predicts_what_the_simulation_measures(dataset, lengths, topologies):
+    """Per topology the closed form lands within 25 % of the simulated search, and the split it
+    ranks first reaches >= 90 % of the simulation's best."""
+    slo = SLO(1.0, 0.025)
+    job = {"cost": H100ISH.cost.to_json(), "hardware": planner._hardware_json(H100ISH), "seed": 0,
+           "slos": [(slo.ttft_s, slo.tpot_s)], "max_model_len": 40960, "lifetimes": 3.0, "probe_seconds": 10.0,
+           "min_requests": 50, "tolerance": 0.05, "dataset": dataset, "lengths": lengths}
+    sim, model = {}, {}
+    for name in topologies:
+        r = planner.predict_workload(job | {"topology": name})["by_slo"][slo.key]
+        sim[name], model[name] = r["goodput"], r["queueing"]
+        assert r["converged"]
+        assert model[name] == pytest.approx(sim[name], rel=0.25), (name, model[name], sim[name])
+    assert sim[max(model, key=model.get)] >= 0.9 * max(sim.values())
+
+
+def test_the_plan_ranks_topologies_and_names_the_pick_per_workload_and_slo(tmp_path):
+    args = planner.resolve(_plan_args(["--devices", "4", "--dataset", "prefill-heavy,decode-heavy",
+                                       "--slo-tpot-ms", "25,15"]))
+    assert set(deployment.FOUR_DEVICES) <= set(args.candidates)
+    done = [{"dataset": ds, "topology": t, "by_slo": {s.key: {"goodput": g, "converged": True, "queueing": g,
+                                                              "probes": 3} for s in args.slos}}
+            for ds, gs in (("prefill-heavy", {"3p1d": 40.0, "4colocated": 20.0}),
+                           ("decode-heavy", {"1p3d": 90.0, "4colocated": 100.0})) for t, g in gs.items()]
+    tables = planner._tables(done, args)
+    row = tables["prefill-heavy"]["slos"]["1000/25"]
+    assert row["best"] == "3p1d" and row["best_over_baseline"] == 2.0 and row["topologies"]["3p1d"]["per_device"] == 10
+    assert tables["decode-heavy"]["slos"]["1000/15"]["best"] == "4colocated"
+    plan = {"workloads": tables}
+    assert planner.picks(plan, ["prefill-heavy", "decode-heavy"], args.slos) == ["3p1d", "4colocated"]
+    with pytest.raises(ValueError, match="baton plan"):
+        planner.picks(plan, ["mixed"], args.slos)
+
+
+def test_bad_plan_flags_name_what_to_fix():
+    with pytest.raises(ValueError, match="unknown dataset"):
+        planner.resolve(_plan_args(["--dataset", "chatty"]))
+    with pytest.raises(ValueError, match="--tp-sizes"):
+        planner.resolve(_plan_args(["--tp-sizes", "two"]))
+    with pytest.raises(ValueError, match="needs 4 devices"):
+        planner.resolve(_plan_args(["--devices", "2", "--topologies", "2p2d"]))
+
+
+def test_a_cached_profile_is_used_only_for_its_model_device_kind_and_engine_settings():
+    prof = device_profile.Profile("qwen3-8b", "cuda:0", {"max_num_seqs": 256, "max_num_batched_tokens": 4096}, {},
+                                  1, 1)
+    assert prof.matches("qwen3-8b", "cuda:3", {"max_num_seqs": 256})
+    assert not prof.matches("qwen3-8b", "cpu", {})
+    assert not prof.matches("qwen3-0.6b", "cuda:0", {})
+    assert not prof.matches("qwen3-8b", "cuda:0", {"max_num_batched_tokens": 8192})
+    with pytest.raises(ValueError, match="baton plan --profile"):
+        device_profile.Profile.from_json({"schema": "other"})
+
+
+def test_baton_serve_planner_sets_the_split_it_picked():
+    args = serve_parser().parse_args(["--planner"])
+    set_topology(args, "1p3d", ["cuda:0", "cuda:1", "cuda:2", "cuda:3"])
+    assert (args.prefill_instances, args.decode_instances) == (1, 3) and not args.colocated
+    assert (args.prefill_devices, args.decode_devices) == ("cuda:0", "cuda:1,cuda:2,cuda:3")
+    set_topology(args, "2colocated", ["cpu", "cpu"])
+    assert args.colocated and args.instances == 2
+
+
+def test_baton_plan_runs_on_the_cpu_and_reads_its_profile_back(tmp_path):
+    """Profile a tiny random-weight model on the CPU, predict, recommend; the second run reads
+    the cached profile instead of measuring again."""
+    profile, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    cmd = [sys.executable, "-m", "baton", "plan", "--model", "tiny-qwen3", "--devices", "2", "--device", "cpu",
+           "--dataset", "mixed", "--input-len", "16:128", "--output-len", "4:24", "--slo-ttft-ms", "2000",
+           "--slo-tpot-ms", "200,100", "--profile", str(profile), "--output", str(out), "--jobs", "1"]
+    env = {"OMP_NUM_THREADS": "1"}
+    first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env=_env(env))
+    assert first.returncode == 0, first.stderr[-3000:]
+    plan = json.loads(out.read_text())
+    assert plan["on_cpu"] and "profiled on the CPU" in first.stdout and "recommended:" in first.stdout
+    assert set(plan["candidates"]) == {"2colocated", "1colocated-tp2", "1p1d"}
+    for key in ("2000/200", "2000/100"):
+        row = plan["workloads"]["mixed"]["slos"][key]
+        assert row["best"] in plan["candidates"] and row["goodput"] > 0
+        assert all(t["queueing"] is not None for t in row["topologies"].values())
+    assert plan["profile"]["cost"]["decode_step"] > 0 and len(plan["profile"]["rows"]) >= 6
+    assert not plan["seconds"]["profile_cached"]
+    second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env=_env(env))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert json.loads(out.read_text())["seconds"]["profile_cached"]
+    bad = subprocess.run([*cmd[:4], "--dataset", "nope"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env=_env(env))
+    assert bad.returncode == 2 and "unknown dataset" in bad.stderr
+
+
+def _env(extra: dict) -> dict:
+    import os
+    return dict(os.environ, **extra)
+
+
+def _plan_args(argv: list[str]):
+    import argparse
+    p = argparse.ArgumentParser()
+    planner.add_arguments(p)
+    return p.parse_args(["--device", "cpu", *argv])
+
+
+def test_the_workload_summary_weights_context_by_the_steps_spent_there():
+    w = queueing.Workload(((100, 1), (10, 21)))
+    assert w.mean_decode_steps == 10 and w.decode_context == pytest.approx(10 + 21 / 2)
+    assert w.mean_prompt == 55
+    assert datasets.sample_lengths("random", 3, 0, (5, 5), (2, 2), 64) == [(5, 2)] * 3
