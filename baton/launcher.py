@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag(t, "--instances", type=int, default=1, help="colocated workers (with --colocated)")
     flag(t, "--prefill-devices", help="comma list, one per prefill instance (unset: --device)")
     flag(t, "--decode-devices", help="comma list, one per decode instance (unset: --device)")
+    add_planner_args(t)
     add_generation_config(p)
     add_http_api(p)
     add_chat(p)
@@ -55,6 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
     flag(p, "--policy", default="least_loaded", choices=("round_robin", "least_loaded", "prefix_aware"),
          help="how the router picks a worker for a request")
     return p
+
+
+def add_planner_args(t) -> None:
+    flag(t, "--planner", type=bool, default=False,
+         help="let `baton plan` choose the prefill / decode instance counts (or colocated) for --planner-devices: "
+              "the split with the best predicted goodput for --planner-dataset at the --planner-slo-* targets "
+              "(profiles --planner-devices' first device once, cached in --planner-profile)")
+    flag(t, "--planner-devices", help="comma list of devices to split, one worker each (unset: --prefill-devices "
+         "and --decode-devices together, else --device twice)")
+    flag(t, "--planner-dataset", default="random",
+         help="the workload to plan for: random, prefill-heavy, decode-heavy, mixed, shared-prefix or a .jsonl")
+    flag(t, "--planner-slo-ttft-ms", type=float, default=1000.0, help="the planner's TTFT target")
+    flag(t, "--planner-slo-tpot-ms", type=float, default=50.0, help="the planner's TPOT target")
+    flag(t, "--planner-profile", help="the planner's device profile cache (unset: "
+         "<cache dir>/profiles/<model>-<device kind>.json)")
 
 
 def passed_on(args: argparse.Namespace, child: argparse.ArgumentParser) -> list[str]:
@@ -81,6 +97,10 @@ def serve(args: argparse.Namespace) -> int:
     # the file's settings are in `args` now and reach each process as flags (passed_on): the file
     # itself, a `baton serve` file, is read by no router or worker parser (here or in a child)
     os.environ.pop("BATON_CONFIG", None)
+    if args.planner:
+        code = apply_plan(args)
+        if code:
+            return code
     specs = _specs(args)
     workers, worker_flags = _workers(args, specs)
     router = _router(args, worker_flags)
@@ -133,6 +153,74 @@ def _run(sup: Supervisor, workers: list[Process], router: Process, args, stoppin
         return 1
     sup.stop_all()
     return 0
+
+
+def planner_devices(args) -> list[str]:
+    if args.planner_devices:
+        return _split(args.planner_devices)
+    given = _split(args.prefill_devices) + _split(args.decode_devices)
+    return given or [args.device, args.device]
+
+
+def apply_plan(args) -> int:
+    """--planner: run `baton plan` (its own process: the profile's engine must let go of the device
+    before the workers take it) and set the topology flags from its pick."""
+    import json
+    import subprocess
+    import tempfile
+    devices = planner_devices(args)
+    kind = devices[0].split(":")[0]
+    profile = args.planner_profile or str(Path(args.cache_dir or _cache_root()) / "profiles" /
+                                          f"{Path(str(args.model)).name}-{kind}.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        cmd = [sys.executable, "-m", "baton", "plan", "--model", str(args.model), "--devices", str(len(devices)),
+               "--device", devices[0], "--dataset", args.planner_dataset, "--tp-sizes", "1",
+               "--slo-ttft-ms", f"{args.planner_slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.planner_slo_tpot_ms:g}",
+               "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+               "--profile", profile, "--output", str(out)]
+        print(f"[baton] --planner: planning {len(devices)} device(s) ({', '.join(devices)}) ...", file=sys.stderr,
+              flush=True)
+        try:
+            done = subprocess.run(cmd, stdout=sys.stderr, timeout=900)
+        except subprocess.TimeoutExpired:
+            print("baton serve: --planner: `baton plan` took over 15 minutes; give --prefill-instances / "
+                  "--decode-instances yourself", file=sys.stderr)
+            return 1
+        if done.returncode or not out.is_file():
+            print(f"baton serve: --planner: `baton plan` failed (exit {done.returncode}); its message is above",
+                  file=sys.stderr)
+            return done.returncode or 1
+        plan = json.loads(out.read_text())
+    pick = next(iter(plan["workloads"].values()))["slos"]
+    best = next(iter(pick.values()))["best"]
+    if best is None:
+        print("baton serve: --planner: no split meets the targets on these devices; loosen --planner-slo-*-ms "
+              "or add devices", file=sys.stderr)
+        return 2
+    set_topology(args, best, devices)
+    print(f"[baton] --planner: {best} (predicted goodput {next(iter(pick.values()))['goodput']:.3g} req/s)",
+          file=sys.stderr, flush=True)
+    return 0
+
+
+def set_topology(args, topology: str, devices: list[str]) -> None:
+    """The launcher's flags for a planned topology (one device per worker, in the order given)."""
+    from baton.benchmarks.deployment import parse
+    t = parse(topology)
+    if t.colocated:
+        args.colocated, args.instances = True, t.count("colocated")
+        args.decode_devices = ",".join(devices[:args.instances])
+        return
+    n_p, n_d = t.count("prefill"), t.count("decode")
+    args.colocated = False
+    args.prefill_instances, args.decode_instances = n_p, n_d
+    args.prefill_devices, args.decode_devices = ",".join(devices[:n_p]), ",".join(devices[n_p:n_p + n_d])
+
+
+def _cache_root() -> Path:
+    from baton.models.cache import cache_root
+    return cache_root()
 
 
 def _ports(args) -> list[tuple[int, str]]:
