@@ -188,45 +188,87 @@ def default_processes(num_requests: int) -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 4, num_requests // 64))
 
 
+CUT = "CUT"                          # a request ended by the run (`until_done`), not by the server
+
+
+class _Finish:
+    """Which parts of a run have seen all their `until_done` requests finish: in this process, or
+    shared by several (a manager's counter)."""
+
+    def __init__(self, parts: int, counter=None, lock=None):
+        self.parts, self.counter, self.lock, self.local = parts, counter, lock, 0
+
+    def part_done(self) -> None:
+        if self.counter is None:
+            self.local += 1
+            return
+        with self.lock:
+            self.counter.value += 1
+
+    def all_done(self) -> bool:
+        return (self.local if self.counter is None else self.counter.value) >= self.parts
+
+
 async def run_rate(address: str, requests: list[ServeRequest], rate: float, seed: int,
                    max_concurrency: int | None, sampling: dict, timeout: float | list[float],
-                   http_url: str | None = None, processes: int = 1,
-                   arrivals: list[float] | None = None) -> tuple[list[RequestResult], float]:
+                   http_url: str | None = None, processes: int = 1, arrivals: list[float] | None = None,
+                   until_done: range | None = None) -> tuple[list[RequestResult], float]:
     """Send every request at its arrival time, through gRPC at `address`, or the OpenAI API at
     `http_url` when given; (results in request order, wall seconds). `timeout`: seconds per
     request, or one per request. `arrivals`: the times (default: Poisson at `rate`, seeded).
-    `processes` > 1: dealt out among that many client processes (request i to process
-    i % processes; the concurrency cap split likewise)."""
+    `until_done`: once these requests have all ended, the others are cut (status CUT): a probe's
+    cool-down lasts only as long as its measured requests need it. `processes` > 1: dealt out
+    among that many client processes (request i to process i % processes; the concurrency cap
+    split likewise)."""
     arrivals = arrival_times(len(requests), rate, seed) if arrivals is None else arrivals
     timeouts = list(timeout) if isinstance(timeout, list) else [timeout] * len(requests)
     if len(timeouts) != len(requests):
         raise ValueError(f"{len(timeouts)} timeouts for {len(requests)} requests")
+    until = set(until_done) if until_done is not None else None
     if processes <= 1:
         return await _run_part(address, requests, list(range(len(requests))), arrivals, max_concurrency, sampling,
-                               timeouts, http_url, time.perf_counter(), report=rate)
+                               timeouts, http_url, time.perf_counter(), rate, until, _Finish(1))
     t_zero = time.perf_counter() + PROCESS_START_S      # CLOCK_MONOTONIC: one clock for every process here
     parts = [list(range(p, len(requests), processes)) for p in range(processes)]
     caps = [None if max_concurrency is None else max(1, max_concurrency // processes + (p < max_concurrency % processes))
             for p in range(processes)]
     loop = asyncio.get_running_loop()
-    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager, concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+        finish = _Finish(processes, manager.Value("i", 0), manager.Lock())
         futures = [loop.run_in_executor(pool, _part_in_process, address, [requests[i] for i in part], part,
                                         [arrivals[i] for i in part], caps[p], sampling, [timeouts[i] for i in part],
-                                        http_url, t_zero)
+                                        http_url, t_zero, until, finish)
                    for p, part in enumerate(parts)]
         done = await asyncio.gather(*futures)
     results = sorted((r for rs, _ in done for r in rs), key=lambda r: r.index)
     return results, max(wall for _, wall in done)
 
 
-def _part_in_process(address, requests, indices, arrivals, max_concurrency, sampling, timeouts, http_url, t_zero):
+def _part_in_process(address, requests, indices, arrivals, max_concurrency, sampling, timeouts, http_url, t_zero,
+                     until, finish):
     return asyncio.run(_run_part(address, requests, indices, arrivals, max_concurrency, sampling, timeouts, http_url,
-                                 t_zero, report=None))
+                                 t_zero, None, until, finish))
+
+
+async def _cut_when_done(tasks: list[asyncio.Future], mine: list[asyncio.Future], finish: _Finish,
+                         cutting: list[bool]) -> None:
+    """Once this part's `until_done` requests have ended and every other part's too, cut the rest."""
+    if mine:
+        await asyncio.wait(mine)
+    await asyncio.to_thread(finish.part_done)
+    while not await asyncio.to_thread(finish.all_done):
+        await asyncio.sleep(0.05)
+    cutting[0] = True
+    for t in tasks:
+        if not t.done():
+            t.cancel()
 
 
 async def _run_part(address: str, requests: list[ServeRequest], indices: list[int], arrivals: list[float],
                     max_concurrency: int | None, sampling: dict, timeouts: list[float], http_url: str | None,
-                    t_zero: float, report: float | None) -> tuple[list[RequestResult], float]:
+                    t_zero: float, report: float | None, until: set[int] | None = None,
+                    finish: _Finish | None = None) -> tuple[list[RequestResult], float]:
     """One client process's share: request k is indices[k] of the whole run, due at t_zero + arrivals[k]."""
     n_channels = max(1, min(8, math.ceil(min(len(requests), max_concurrency or len(requests)) / STREAMS_PER_CHANNEL)))
     http = OpenAIClient(http_url) if http_url else None
@@ -239,20 +281,31 @@ async def _run_part(address: str, requests: list[ServeRequest], indices: list[in
             return http.send_one(indices[k], requests[k], sampling, timeouts[k], t_zero)
         return send_one(stubs[k % len(stubs)], indices[k], requests[k], sampling, timeouts[k], t_zero)
 
+    cutting = [False]
+
     async def one(k: int) -> RequestResult:
-        delay = t_zero + arrivals[k] - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        if limit is None:
-            return await send(k)
-        async with limit:
-            return await send(k)
+        try:
+            delay = t_zero + arrivals[k] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if limit is None:
+                return await send(k)
+            async with limit:
+                return await send(k)
+        except asyncio.CancelledError:
+            if not cutting[0]:
+                raise
+            return RequestResult(indices[k], arrivals[k], CUT, "cut: the run's measured requests had all ended")
 
     tasks = [asyncio.ensure_future(one(k)) for k in range(len(requests))]
     reporter = asyncio.ensure_future(_report_progress(tasks, report)) if report is not None else None
+    cutter = None if until is None else asyncio.ensure_future(
+        _cut_when_done(tasks, [t for k, t in enumerate(tasks) if indices[k] in until], finish, cutting))
     try:
         results = await asyncio.gather(*tasks)
     finally:
+        if cutter is not None:
+            cutter.cancel()
         if reporter is not None:
             reporter.cancel()
         for t in tasks:

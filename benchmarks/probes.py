@@ -1,6 +1,7 @@
 """One goodput probe against a running baton.v1.Router: Poisson load at one rate (each phase's
 count fixed: loadgen.segment_arrivals), sized by a ProbePlan (warm-up, measured window,
-cool-down), every request cut at the plan's deadline.
+cool-down), every request cut at the plan's deadline, the cool-down cut as soon as every measured
+request has ended (it exists only to keep their load up).
 Only the measured requests are judged; the probe's sizes and timings are kept for the JSON.
 """
 from __future__ import annotations
@@ -35,7 +36,8 @@ async def run_probe(load: Load, plan: ProbePlan, rate: float, index: int) -> Pro
     arrivals = loadgen.segment_arrivals([warm, measured, cool], rate, seed)
     processes = load.processes or loadgen.default_processes(n)
     results, wall = await loadgen.run_rate(load.address, reqs, rate, seed, None, load.sampling,
-                                           plan.timeouts(arrivals, rate), load.http_url, processes, arrivals)
+                                           plan.timeouts(arrivals, rate), load.http_url, processes, arrivals,
+                                           until_done=range(warm + measured))
     judged = results[warm:warm + measured]
     outcomes = [Outcome(r.ok, r.ttft, r.tpot, r.sent_at) for r in judged]
     info = {"sizes": sizes(warm, measured, cool, arrivals, judged, wall), "summary": summary(judged),

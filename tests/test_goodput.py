@@ -201,3 +201,17 @@ def test_bench_serve_goodput_searches_a_running_router_over_grpc(tmp_path):
     assert g["recommendation"]["random"][0]["best"] == "external"
     assert data["results"]["plots"] and all(p.endswith(".png") for p in data["results"]["plots"])
 
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_the_cool_down_is_cut_once_the_measured_requests_have_ended(processes):
+    """Arrivals planned over 30 s end after about 1 s: the first 40 requests done, the rest cut
+    (never sent, or cancelled in flight), in one client process or shared by two."""
+    reqs = [loadgen.ServeRequest(2, [1, 2, 3]) for _ in range(400)]
+    arrivals = [i / 13.3 for i in range(400)]             # 30 s of arrivals at 13 req/s
+    with Served(CreditRouter(1000.0, tpot_s=0.01)) as fake:
+        results, wall = asyncio.run(loadgen.run_rate(fake.address, reqs, 13.3, 0, None, {}, 5.0, None, processes,
+                                                     arrivals, until_done=range(40)))
+    assert [r.index for r in results] == list(range(400))
+    assert all(r.ok for r in results[:40])
+    assert sum(r.status == loadgen.CUT for r in results) >= 350 and wall < 15
