@@ -195,3 +195,20 @@ def test_the_workload_summary_weights_context_by_the_steps_spent_there():
     assert w.mean_decode_steps == 10 and w.decode_context == pytest.approx(10 + 21 / 2)
     assert w.mean_prompt == 55
     assert datasets.sample_lengths("random", 3, 0, (5, 5), (2, 2), 64) == [(5, 2)] * 3
+
+
+def test_bench_serve_auto_measures_the_planners_picks_beside_the_colocated_baseline(tmp_path):
+    import argparse
+
+    from baton.benchmarks.serve import _auto_topologies
+    args = planner.resolve(_plan_args(["--devices", "4", "--dataset", "prefill-heavy,mixed", "--slo-tpot-ms", "25,15"]))
+    done = [{"dataset": ds, "topology": t, "by_slo": {s.key: {"goodput": g * (1 if s.tpot_s > 0.02 else 0.5),
+                                                              "converged": True, "queueing": g, "probes": 3}
+                                                      for s in args.slos}}
+            for ds, gs in (("prefill-heavy", {"3p1d": 40.0, "4colocated": 20.0}),
+                           ("mixed", {"2p2d": 30.0, "3p1d": 29.0, "4colocated": 25.0})) for t, g in gs.items()]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"workloads": planner._tables(done, args)}))
+    bench = argparse.Namespace(plan=str(path), datasets=args.datasets, slos=args.slos, topologies=["1p3d"],
+                               device_pool=["cuda:0", "cuda:1", "cuda:2", "cuda:3"])
+    assert _auto_topologies(bench, tmp_path / "out.json") == ["4colocated", "3p1d", "2p2d", "1p3d"]
