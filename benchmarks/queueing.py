@@ -43,6 +43,11 @@ class Workload:
         return sum((o - 1) * (p + o / 2) for p, o in self.lengths) / steps if steps else 0.0
 
     @property
+    def size_biased_prompt(self) -> float:
+        """The mean length of the prompt a given prompt token belongs to (E[L^2] / E[L])."""
+        return sum(p * p for p, _ in self.lengths) / sum(p for p, _ in self.lengths)
+
+    @property
     def pairs_per_token(self) -> float:
         """Causal attention pairs per prompt token (a prompt of L has about L^2 / 2)."""
         return sum(p * p / 2 for p, _ in self.lengths) / sum(p for p, _ in self.lengths)
@@ -149,8 +154,8 @@ def _disaggregated(topology: Topology, hw: Hardware, work: Workload, slo: SLO, r
     rho = rate * sum(service) / len(service) / n_p
     ok = 0.0
     for p, o in work.lengths:
-        alone = _alone(hw, p_cost, p)
-        own = alone + rho * max(0.0, math.ceil(p / hw.budget) * full - alone)   # its steps fill up under load
+        # its steps also carry the prompts that arrive meanwhile: longer by 1 / (1 - rho), at most full
+        own = min(_alone(hw, p_cost, p) / (1 - rho), math.ceil(p / hw.budget) * full)
         ttft = own + hw.transfer_s(p) + tau / 2                                  # joins at the next step
         ok += queue.p_within(slo.ttft_s - ttft) * _tpot_ok(tau, spread, o, slo.tpot_s, work.mean_decode_steps)
     return ok / len(work.lengths)
@@ -196,11 +201,12 @@ def _colocated(topology: Topology, hw: Hardware, work: Workload, slo: SLO, rate:
     queue = _mgc(n, rate, service)
     if queue is None:
         return 0.0
-    prompt_share = lam * work.mean_prompt * tau / chunk                # of a step's prompt room, used
-    spread = (per_prompt_token * chunk + a_p - a_d) * math.sqrt(max(0.0, prompt_share * (1 - prompt_share))) \
-        + per_row * math.sqrt(rows)
+    # a step carries a prompt chunk (of about a size-biased prompt's length) or none: its time spreads
+    piece = min(chunk, work.size_biased_prompt)
+    carry = min(1.0, lam * work.mean_prompt * tau / piece)          # share of steps with a prompt chunk
+    spread = (per_prompt_token * piece + a_p - a_d) * math.sqrt(carry * (1 - carry)) + per_row * math.sqrt(rows)
     ok = 0.0
     for p, o in work.lengths:
         own = math.ceil(p / chunk) * (a_p + rows * per_row) + p * per_prompt_token   # its chunks' steps
-        ok += queue.p_within(slo.ttft_s - own) * _tpot_ok(tau, spread, o, slo.tpot_s, 1 / max(1e-3, 1 - prompt_share))
+        ok += queue.p_within(slo.ttft_s - own) * _tpot_ok(tau, spread, o, slo.tpot_s, 1.0)
     return ok / len(work.lengths)

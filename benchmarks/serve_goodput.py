@@ -21,7 +21,7 @@ from baton.benchmarks.goodput import SLO, Probe, Search, probe_plan, slo_pairs
 from baton.benchmarks.probes import Load, run_probe
 from baton.benchmarks.stats import GOODPUT_ATTAINMENT
 
-PREDICTED_STEP = 1.25              # bracketing factor from a prediction: it is usually within 25 %
+PREDICTED_STEP = 1.15              # bracketing factor from a prediction: a close one brackets the knee in two probes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
