@@ -52,7 +52,17 @@
 # moedots: moefp8 with pytest -s, keeping the FP8 x FP8 tests' error lines ([fp8-dots]) and the failures
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
+# Goodput on four GPUs (issue 49; nvidia-h100-x4): plan (baton plan: profile cuda:0, predict every split of
+# four GPUs for the three workloads and both SLO pairs; writes plan-$G_MODEL.json + profile-$G_MODEL.json, also
+# kept in bench-results/g2/ while the machine stays warm: carry the plan back in .carry/ for a fresh one), then
+# goodput (bench serve --goodput: each of G_TOPOLOGIES launched once, every workload of G_DATASETS searched on
+# it to 5 %, from the plan's predictions; auto = the plan's picks + 4colocated). The search shares what is left
+# of G_CALL_S (default 530 s from the script's start) among the searches; what it could not finish it reports
+# as a bracket. One call's files: gpu.txt, plan/profile JSON, g2-$G_TAG.json, g2-$G_TAG.tgz (plots, logs).
+#   STEPS="plan goodput" G_DATASETS=prefill-heavy G_TOPOLOGIES=auto bash benchmarks/cuda_session.sh
+#   STEPS=goodput G_DATASETS=mixed G_TOPOLOGIES=4colocated,3p1d G_TAG=-mixed bash benchmarks/cuda_session.sh
 set -uo pipefail
+SESSION_START=$(date +%s)
 export PYTHONUNBUFFERED=1 BATON_TOKENIZER="$PWD/.carry/tokenizer"
 if [ -d .carry/whl ]; then    # the stubs need the grpcio/protobuf they were generated with
   # (the image has aiohttp, prometheus-client, tokenizers and transformers)
@@ -72,6 +82,11 @@ done
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
 python3 -c "import baton.engine, baton.v1.router_pb2; print('baton', baton.__version__, 'from', baton.__path__[0])"
 OUT=${OUT:-bench-results/cuda}; mkdir -p "$OUT"
+# the goodput matrix's workloads (issue 49): outputs short enough that a probe (warm-up + 2 lifetimes of the
+# slowest request meeting the SLOs + its deadline) stays under half a minute; the mixed one clipped at 256
+G_IN=${G_IN:-prefill-heavy=1024:2048,decode-heavy=32:128,mixed=32:4096}
+G_OUTL=${G_OUTL:-prefill-heavy=8:32,decode-heavy=64:192,mixed=8:256}
+G_PROBE_S=${G_PROBE_S:-6}; G_LIFETIMES=${G_LIFETIMES:-2}
 STEPS=${STEPS:-"kernels parity graphs profile b1 b1s b1hf b1big"}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 for step in $STEPS; do
@@ -226,5 +241,27 @@ runpy.run_module('baton', run_name='__main__')" bench offline --model $m --devic
                 --slo-tpot-ms ${B2_TPOT:-50,25,15,10} --output "$OUT/b2-$ds${B2_TAG:-}.json" 2>&1 \
                 | tee "$OUT/b2-$ds${B2_TAG:-}.log" | grep "^\[bench\]" | tail -30
             done ;;
+    plan)   mkdir -p bench-results/g2     # one profile + prediction; later calls of a warm machine reuse both
+            timeout ${PLAN_TIMEOUT:-240} python3 -m baton plan --model ${G_MODEL:-qwen3-8b} --devices 4 --device cuda:0 \
+              --dataset ${G_PLAN_DATASETS:-prefill-heavy,decode-heavy,mixed} --input-len "$G_IN" --output-len "$G_OUTL" \
+              --slo-ttft-ms ${G_TTFT:-1000} --slo-tpot-ms ${G_TPOT:-25,15} --worker-args="${G_WORKER_ARGS:-}" \
+              --probe-seconds $G_PROBE_S --probe-lifetimes $G_LIFETIMES --profile bench-results/g2/profile-${G_MODEL:-qwen3-8b}.json \
+              --output bench-results/g2/plan-${G_MODEL:-qwen3-8b}.json 2>&1 | tee "$OUT/plan.log" | grep -v "^\[baton\]"
+            cp bench-results/g2/plan-${G_MODEL:-qwen3-8b}.json bench-results/g2/profile-${G_MODEL:-qwen3-8b}.json "$OUT/" ;;
+    goodput) plan=""
+            for f in bench-results/g2/plan-${G_MODEL:-qwen3-8b}.json .carry/plan-${G_MODEL:-qwen3-8b}.json; do
+              [ -z "$plan" ] && [ -f "$f" ] && plan=$f; done
+            left=$(( ${G_CALL_S:-530} - ($(date +%s) - SESSION_START) ))
+            echo "goodput: ${left}s left for launches and probes; plan: ${plan:-none}"
+            [ "$left" -lt 90 ] && { echo "goodput: too little of G_CALL_S left; run it in a call of its own"; continue; }
+            timeout $(( left + 60 )) python3 -m baton bench serve --goodput --model ${G_MODEL:-qwen3-8b} \
+              --topologies ${G_TOPOLOGIES:-auto} --devices cuda:0,cuda:1,cuda:2,cuda:3 --kv-backend ${G_KV:-direct} \
+              --dataset ${G_DATASETS:-prefill-heavy,decode-heavy,mixed} --input-len "$G_IN" --output-len "$G_OUTL" \
+              --slo-ttft-ms ${G_TTFT:-1000} --slo-tpot-ms ${G_TPOT:-25,15} --worker-args="${G_WORKER_ARGS:-}" \
+              ${plan:+--plan $plan} --probe-seconds $G_PROBE_S --probe-lifetimes $G_LIFETIMES --time-budget-s $left \
+              --output "$OUT/g2${G_TAG:-}.json" --log-dir "$OUT/g2${G_TAG:-}-logs" 2>&1 | tee "$OUT/g2${G_TAG:-}.log" \
+              | grep "^\[bench\]" | grep -v "requests done"
+            mv "$OUT"/g2${G_TAG:-}-*.png "$OUT/g2${G_TAG:-}.log" "$OUT/g2${G_TAG:-}-logs/" 2>/dev/null
+            tar czf "$OUT/g2${G_TAG:-}.tgz" -C "$OUT" "g2${G_TAG:-}-logs" && rm -rf "$OUT/g2${G_TAG:-}-logs" ;;
   esac
 done
