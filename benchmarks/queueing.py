@@ -141,6 +141,24 @@ def _tpot_ok(tau: float, spread: float, out: int, slo: float, corr_steps: float)
     return 0.5 * math.erfc((tau - slo) / (sd * math.sqrt(2)))
 
 
+def _tpot_ok_beside_prompts(base: float, extra: float, mean: float, out: int, slo: float) -> float:
+    """P(TPOT <= slo) for a colocated request whose out - 1 decode steps take `base` each, plus
+    `extra` for each prompt chunk among them, a Poisson number of mean `mean`. A short output that
+    meets one long prompt step misses on it alone, which a normal spread would understate."""
+    if out < 2:
+        return 1.0
+    if base > slo:
+        return 0.0
+    most = math.inf if extra <= 0 else math.floor((slo - base) * (out - 1) / extra)
+    if most >= mean + 10 * math.sqrt(mean) + 10:
+        return 1.0
+    term = total = math.exp(-mean)
+    for k in range(1, int(most) + 1):
+        term *= mean / k
+        total += term
+    return min(1.0, total)
+
+
 def _disaggregated(topology: Topology, hw: Hardware, work: Workload, slo: SLO, rate: float) -> float:
     p_cost, d_cost = hw.worker_cost(topology.tp("prefill")), hw.worker_cost(topology.tp("decode"))
     n_p, n_d = topology.count("prefill"), topology.count("decode")
@@ -201,12 +219,24 @@ def _colocated(topology: Topology, hw: Hardware, work: Workload, slo: SLO, rate:
     queue = _mgc(n, rate, service)
     if queue is None:
         return 0.0
-    # a step carries a prompt chunk (of about a size-biased prompt's length) or none: its time spreads
+    # a step carries a prompt chunk (of about a size-biased prompt's length) or none
     piece = min(chunk, work.size_biased_prompt)
     carry = min(1.0, lam * work.mean_prompt * tau / piece)          # share of steps with a prompt chunk
-    spread = (per_prompt_token * piece + a_p - a_d) * math.sqrt(carry * (1 - carry)) + per_row * math.sqrt(rows)
+    extra = per_prompt_token * piece + a_p - a_d                    # what such a step adds
+    # the router sends a new request to a worker with fewer requests: one lands beside a decoding
+    # request only while every other worker is occupied too
+    occupied = min(1.0, lam * (a_p + work.mean_prompt * per_prompt_token + work.mean_decode_steps * tau))
+    beside = occupied ** (n - 1)
+
+    def exposure(p: int, o: int) -> float:
+        """Prompt chunks expected among a request's decode steps: those of prompts that arrive while
+        its own last prefill step runs (they share its first decode step), and each later step's
+        share."""
+        last = a_p + min(p, chunk) * per_prompt_token
+        return beside * (lam * last * work.mean_prompt / piece + carry * (o - 1))
     ok = 0.0
     for p, o in work.lengths:
         own = math.ceil(p / chunk) * (a_p + rows * per_row) + p * per_prompt_token   # its chunks' steps
-        ok += queue.p_within(slo.ttft_s - own) * _tpot_ok(tau, spread, o, slo.tpot_s, 1.0)
+        ok += queue.p_within(slo.ttft_s - own) * _tpot_ok_beside_prompts(
+            tau - carry * extra, extra, exposure(p, o), o, slo.tpot_s)
     return ok / len(work.lengths)

@@ -82,17 +82,18 @@ def test_the_simulated_decode_batch_obeys_littles_law():
     assert sum(tpots) / len(tpots) == pytest.approx(tau, rel=0.05)
 
 
-CASES = [("prefill-heavy", ((1024, 2048), (8, 32)), ["3p1d", "2p2d", "4colocated", "1p2d-ptp2"]),
-         ("mixed", ((32, 4096), (8, 256)), ["2p2d", "3p1d", "2colocated-tp2", "4colocated"]),
-         ("decode-heavy", ((32, 128), (32, 96)), ["1p3d", "2p2d", "4colocated"])]
+CASES = [(H100ISH, SLO(1.0, 0.025), "prefill-heavy", ((1024, 2048), (8, 32)), ["3p1d", "2p2d", "4colocated", "1p2d-ptp2"]),
+         (H100ISH, SLO(1.0, 0.025), "mixed", ((32, 4096), (8, 256)), ["2p2d", "3p1d", "2colocated-tp2", "4colocated"]),
+         (H100ISH, SLO(1.0, 0.015), "mixed", ((32, 4096), (8, 256)), ["3p1d", "2colocated-tp2", "4colocated"]),
+         (H100ISH, SLO(1.0, 0.025), "decode-heavy", ((32, 128), (32, 96)), ["1p3d", "2p2d", "4colocated"])]
 
 
-@pytest.mark.parametrize("dataset,lengths,topologies", CASES)
-def test_the_queueing_model_predicts_what_the_simulation_measures(dataset, lengths, topologies):
+@pytest.mark.parametrize("hw,slo,dataset,lengths,topologies", CASES)
+def test_the_queueing_model_predicts_what_the_simulation_measures(hw, slo, dataset, lengths, topologies):
     """Per topology the closed form lands within 25 % of the simulated search, and the split it
-    ranks first reaches >= 90 % of the simulation's best."""
-    slo = SLO(1.0, 0.025)
-    job = {"cost": H100ISH.cost.to_json(), "hardware": planner._hardware_json(H100ISH), "seed": 0,
+    ranks first reaches >= 90 % of the simulation's best. (On a CPU's profile, where a prompt step
+    is ten decode steps, attainment falls so slowly with the rate that both are rougher.)"""
+    job = {"cost": hw.cost.to_json(), "hardware": planner._hardware_json(hw), "seed": 0,
            "slos": [(slo.ttft_s, slo.tpot_s)], "max_model_len": 40960, "lifetimes": 3.0, "probe_seconds": 10.0,
            "min_requests": 50, "tolerance": 0.05, "dataset": dataset, "lengths": lengths}
     sim, model = {}, {}
