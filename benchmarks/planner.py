@@ -277,7 +277,8 @@ def report(plan: dict) -> list[str]:
                 mark = "  <- recommended" if name == s["best"] else ""
                 lines.append(f"  {name:<18} {_num(t['goodput']):>14} {_num(t['per_device']):>11} "
                              f"{_num(t['queueing']):>15}{mark}")
-            ratio = f" ({s['best_over_baseline']:.2f}x {s['baseline']})" if s["best_over_baseline"] else ""
+            ratio = f" ({s['best_over_baseline']:.2f}x {s['baseline']})" \
+                if s["best_over_baseline"] and s["best"] != s["baseline"] else ""
             lines.append(f"  recommended: {s['best'] or 'none meets the targets'}"
                          + (f", predicted goodput {s['goodput']:.3g} req/s{ratio}" if s["best"] else ""))
     secs = plan["seconds"]
