@@ -26,6 +26,8 @@ from pathlib import Path
 
 from baton.benchmarks import datasets, deployment, device_profile, loadgen, queueing
 from baton.benchmarks.cluster_sim import Hardware, simulate_probe
+from baton.benchmarks.flags import parse_lengths, parse_slos
+from baton.benchmarks.flags import split as _split
 from baton.benchmarks.goodput import SLO, Outcome, Probe, Search, probe_plan, slo_pairs
 from baton.benchmarks.step_cost import StepCost
 
@@ -77,7 +79,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    from baton.benchmarks.serve import _split, parse_lengths, parse_slos
     from baton.engine.config import DEFAULT_MODEL
     args.model = args.model or DEFAULT_MODEL
     args.device = args.device or _default_device()

@@ -34,6 +34,8 @@ from baton.benchmarks import (
     record,
     serve_goodput,
 )
+from baton.benchmarks.flags import parse_lengths, parse_slos
+from baton.benchmarks.flags import split as _split
 from baton.benchmarks.model_shape import shape_of
 from baton.benchmarks.stats import GOODPUT_ATTAINMENT, attainment, goodput_rate, meets_slo, summarize
 from baton.engine.config import DEFAULT_MODEL
@@ -154,16 +156,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def parse_slos(spec: str, flag: str = "--slo-tpot-ms") -> list[float]:
-    try:
-        slos = [float(s) for s in str(spec).split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"bad {flag} {spec!r}: use milliseconds, e.g. 25 or 10,15,25,50") from None
-    if not slos or any(not s > 0 or math.isinf(s) for s in slos):
-        raise ValueError(f"bad {flag} {spec!r}: every SLO must be a finite number of ms > 0")
-    return slos
-
-
 def _lengths(args: argparse.Namespace, dataset: str) -> tuple[tuple[int, int], tuple[int, int]]:
     """(input range, output range) of one dataset: its defaults (smoke: the short ones), under the
     --input-len / --output-len given for every dataset or for it by name."""
@@ -174,22 +166,6 @@ def _lengths(args: argparse.Namespace, dataset: str) -> tuple[tuple[int, int], t
             parse_lengths(args.output_len, dataset, "--output-len") or out_range)
 
 
-def parse_lengths(spec: str | None, dataset: str, flag: str) -> tuple[int, int] | None:
-    """'128:1024' (every dataset) or 'mixed=32:4096,decode-heavy=32:128' (by name) -> this
-    dataset's range, None where the spec leaves it to the default."""
-    if not spec:
-        return None
-    if "=" not in spec:
-        return datasets.parse_range(spec)
-    by_name = {}
-    for item in _split(spec):
-        name, eq, rng = item.partition("=")
-        if not eq:
-            raise ValueError(f"bad {flag} {spec!r}: use MIN:MAX, or NAME=MIN:MAX,NAME=MIN:MAX")
-        by_name[name.strip()] = datasets.parse_range(rng.strip())
-    return by_name.get(dataset)
-
-
 def parse_rates(spec: str) -> list[float]:
     try:
         rates = [float(r) for r in spec.split(",") if r.strip()]
@@ -198,10 +174,6 @@ def parse_rates(spec: str) -> list[float]:
     if not rates or any(r <= 0 or math.isnan(r) for r in rates):
         raise ValueError(f"bad --request-rates {spec!r}: every rate must be > 0 (or inf)")
     return rates
-
-
-def _split(spec: str) -> list[str]:
-    return [s.strip() for s in (spec or "").split(",") if s.strip()]
 
 
 # -- one rate ------------------------------------------------------------------------------------
