@@ -169,9 +169,8 @@ def apply_plan(args) -> int:
     import subprocess
     import tempfile
     devices = planner_devices(args)
-    kind = devices[0].split(":")[0]
-    profile = args.planner_profile or str(Path(args.cache_dir or _cache_root()) / "profiles" /
-                                          f"{Path(str(args.model)).name}-{kind}.json")
+    from baton.benchmarks.device_profile import default_path
+    profile = args.planner_profile or str(default_path(args.model, devices[0], args.cache_dir))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         cmd = [sys.executable, "-m", "baton", "plan", "--model", str(args.model), "--devices", str(len(devices)),
@@ -216,11 +215,6 @@ def set_topology(args, topology: str, devices: list[str]) -> None:
     args.colocated = False
     args.prefill_instances, args.decode_instances = n_p, n_d
     args.prefill_devices, args.decode_devices = ",".join(devices[:n_p]), ",".join(devices[n_p:n_p + n_d])
-
-
-def _cache_root() -> Path:
-    from baton.models.cache import cache_root
-    return cache_root()
 
 
 def _ports(args) -> list[tuple[int, str]]:

@@ -83,6 +83,12 @@ class Profile:
             all(self.engine.get(k) == v for k, v in engine.items())
 
 
+def default_path(model: str, device: str, cache_dir: str | None = None) -> Path:
+    """Where a profile of `model` on this kind of device is kept: <cache dir>/profiles/."""
+    from baton.models.cache import cache_root
+    return cache_root(cache_dir) / "profiles" / f"{Path(str(model)).name}-{device.split(':')[0]}.json"
+
+
 def load_or_measure(path: str | None, model: str, device: str, engine: dict, grid: Grid | None = None,
                     refresh: bool = False) -> Profile:
     """The cached profile at `path` when it matches, else a new one (written there)."""

@@ -307,6 +307,7 @@ def plan_for_bench(args: argparse.Namespace, path: Path) -> dict:
     if args.profile:
         argv += ["--profile", args.profile]
     plan = make_plan(resolve(p.parse_args(argv)))
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=1) + "\n")
     for line in report(plan):
         print(f"[plan] {line}", file=sys.stderr, flush=True)

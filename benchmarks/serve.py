@@ -380,8 +380,9 @@ def run_goodput(args: argparse.Namespace, rec: dict) -> None:
 def _auto_topologies(args: argparse.Namespace, out: Path) -> list[str]:
     """--topologies auto: the planner's pick for every workload and SLO pair (from --plan, or
     planned here and written next to the JSON), the colocated baseline, and any named beside it."""
-    from baton.benchmarks import planner
+    from baton.benchmarks import device_profile, planner
     if not args.plan:
+        args.profile = args.profile or str(device_profile.default_path(args.model, args.device_pool[0]))
         args.plan = str(out.with_name(out.stem + "-plan.json"))
         planner.plan_for_bench(args, Path(args.plan))
     picks = planner.picks(serve_goodput.plan_predictions(args.plan), args.datasets, args.slos)

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plan", default=None, help="a `baton plan` JSON: searches start at its predicted goodput, and "
                    "--topologies auto takes its pick (default for auto: run the planner here)")
     g.add_argument("--profile", default=None, help="--topologies auto without --plan: the planner's device profile "
-                   "cache (default: next to the JSON)")
+                   "cache (default: <cache dir>/profiles/<model>-<device kind>.json, as baton serve --planner's)")
     g.add_argument("--search-start", type=float, default=None, help="first rate probed, req/s, where no prediction "
                    "exists (default 1)")
     g.add_argument("--search-tolerance", type=float, default=0.05, help="the knee to within this fraction")
