@@ -145,13 +145,13 @@ async def search_workload(args: argparse.Namespace, address: str, dataset: str, 
         p = await run_probe(load, plan, rate, len(probes))
         after, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls)
         p.info["handover_s"] = prometheus.quantiles_between(before, after) if metrics_urls else None
-        probes.append(_probe_json(p, args.slos))
+        probes.append(_probe_json(p, args.slos, args.search_tolerance))
         _print_probe(dataset, probes[-1])
         return p
 
     step = args.search_step or (PREDICTED_STEP if starts else 2.0)
     search = Search(probe, args.search_tolerance, step, args.search_min_rate, args.search_max_rate,
-                    duration_s=plan.duration_s, deadline=deadline)
+                    growth_limit=args.search_tolerance, duration_s=plan.duration_s, deadline=deadline)
     default = args.search_start or 1.0
     results = await search.find_all(args.slos, {s.key: starts.get(s.key, default) for s in args.slos})
     return {"dataset": dataset, "lengths": {"input": list(in_len), "output": list(out_len)},
@@ -160,19 +160,22 @@ async def search_workload(args: argparse.Namespace, address: str, dataset: str, 
             "goodput_by_slo": {r.slo.key: r.goodput for r in results}}
 
 
-def _probe_json(p: Probe, slos: list[SLO]) -> dict:
+def _probe_json(p: Probe, slos: list[SLO], growth_limit: float) -> dict:
     return {"rate": p.rate, **p.info, "backlog_growth": p.backlog_growth,
             "attainment": {s.key: p.attainment(s) for s in slos},
-            "passes": {s.key: p.passes(s) for s in slos}}
+            "passes": {s.key: p.passes(s, growth_limit=growth_limit) for s in slos}}
+
+
+def _ms(d: dict) -> str:
+    return "-" if d["p50"] is None else f"{d['p50'] * 1e3:.0f}/{d['p99'] * 1e3:.0f}"
 
 
 def _print_probe(dataset: str, p: dict) -> None:
     s, z = p["summary"], p["sizes"]
-    ms = lambda d: "-" if d["p50"] is None else f"{d['p50'] * 1e3:.0f}/{d['p99'] * 1e3:.0f}"   # noqa: E731
     att = ", ".join(f"{k} {100 * v:.0f}%{'' if p['passes'][k] else ' x'}" for k, v in p["attainment"].items())
     print(f"[bench] {dataset} probe {p['rate']:g} req/s: {z['measured']} measured ({z['warmup']} warm-up, "
           f"{z['cooldown']} cool-down, window {z['window_s']:.1f}s), {s['completed']} ok, TTFT p50/p99 "
-          f"{ms(s['ttft_s'])} ms, TPOT {ms(s['tpot_s'])} ms, growth {p['backlog_growth']:+.3f}; SLO {att}"
+          f"{_ms(s['ttft_s'])} ms, TPOT {_ms(s['tpot_s'])} ms, growth {p['backlog_growth']:+.3f}; SLO {att}"
           + (f", errors {s['errors']}" if s["errors"] else ""), file=sys.stderr, flush=True)
 
 
