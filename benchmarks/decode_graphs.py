@@ -49,12 +49,12 @@ class PhaseTimer:
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.scheduler, "resolve", "resolve tokens")
         self._wrap(r, "step_inputs", "host inputs")
-        self._wrap(r, "_device_inputs", "upload")
+        self._wrap(r.executor, "upload_inputs", "upload")
         if r.graphs is not None:
             self._wrap(r.graphs, "run", "forward (graph replay)")
         self._wrap(r.model, "forward", "forward (eager)")
         self._wrap(r.model, "compute_logits", "logits")
-        self._wrap(r, "sampler", "sample", call=True)
+        self._wrap(r.executor, "sampler", "sample", call=True)
 
     def _wrap(self, obj, name: str, label: str, call: bool = False) -> None:
         fn = getattr(obj, name)

@@ -2,7 +2,7 @@
 steps, and the rejection sampler that keeps sampling exact with drafts drawn from a distribution.
 
 Where the head's state lives, and why: its KV is one more layer of the target's paged cache, under
-the same block tables (engine/model_runner.py allocates layers + 1). So it needs no allocator or
+the same block tables (the runner allocates layers + 1, engine/kv_cache.py). So it needs no allocator or
 ownership of its own (a sequence's blocks hold both, freed once, together), the prefix cache
 shares it with the target's KV, and a prefill worker that runs the head over the prompt hands its
 KV to the decode worker inside the same blocks, through every KV backend, with no change to any;
@@ -10,8 +10,8 @@ the handshake's layer count tells a worker with a head from one without. The one
 decode worker needs to draft at its first step is the head's last hidden state (one row of the
 head's width), which rides in the last piece's metadata (`HEAD_STATE_META`).
 
-Per step (`pass_over_step`): the target hands out three of its layers' hidden states for every
-input row; once the step's tokens are drawn the head runs over the same rows, each row's input
+Per step (`pass_over_step`, over the `HeadPass` the target's forward leaves, engine/step.py): the
+target hands out three of its layers' hidden states for every input row; once the step's tokens are drawn the head runs over the same rows, each row's input
 the token after it (the next input token, or the token drawn at that row), and so writes its KV
 at the same slots. A verified row's token after it is what was drawn there: up to the first
 rejected guess that is exactly the sequence's next token; the rows after it are rewritten by
@@ -39,7 +39,11 @@ import base64
 import numpy as np
 import torch
 
+from baton.engine.config import EngineConfig
+from baton.engine.forward import Forward
 from baton.engine.sampler import hashed_uniform, probabilities
+from baton.engine.staging import HostUpload
+from baton.engine.step import DraftInputs, HeadPass
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.forward_context import ForwardContext
 
@@ -58,10 +62,11 @@ class DraftChecks:
 
 
 def load_head(config, model, ops, dtype, device):
-    """--speculative-method eagle3: the head in --speculative-model, and the target set to hand it
-    the hidden states it reads (models/eagle3.py); None otherwise."""
+    """--speculative-method eagle3: (the head in --speculative-model, each draft id's target id [draft
+    vocab] on the device), and the target set to hand it the hidden states it reads (models/eagle3.py);
+    (None, None) otherwise. Both on the device before the KV cache is sized from what is left."""
     if config.speculative_method != "eagle3":
-        return None
+        return None, None
     from baton.models.decoder import DecoderModel
     from baton.models.eagle3 import build_head
     if not isinstance(getattr(model, "model", None), DecoderModel):
@@ -69,16 +74,22 @@ def load_head(config, model, ops, dtype, device):
                          f"Qwen3-MoE), not {type(model).__name__}")
     head = build_head(config.speculative_model, model, ops, dtype, device)
     model.model.aux_layers = head.aux_layers
-    return head
+    return head, head.target_ids(torch.arange(head.draft_vocab_size, device=device))
 
 
 class DraftHead:
-    def __init__(self, runner):
-        self.runner = runner
-        self.head = runner.head
-        # [draft vocab]: each draft id's target id
-        self.targets = self.head.target_ids(torch.arange(self.head.draft_vocab_size, device=runner.device))
-        self.max_batch = runner.config.speculative_max_batch
+    """The head's passes and drafts over the target's cache (`forward`: its last layer is the head's),
+    its small host arrays through the step's own staging (`upload`)."""
+
+    def __init__(self, head, targets: torch.Tensor, forward: Forward, upload: HostUpload, config: EngineConfig,
+                 dtype: torch.dtype):
+        self.head = head
+        self.targets = targets          # [draft vocab]: each draft id's target id
+        self.forward = forward
+        self.upload = upload
+        self.device, self.dtype = upload.device, dtype
+        self.block_size = config.block_size
+        self.max_batch = config.speculative_max_batch
         self._arange = np.arange(0, dtype=np.int64)
 
     # -- the pass over each step -----------------------------------------------------------
@@ -89,26 +100,30 @@ class DraftHead:
         the state: a prefill worker hands it to the decode side, where the batch is another.)"""
         return not out.is_decode or len(out.scheduled) <= self.max_batch
 
-    def pass_over_step(self, inputs, sampled: torch.Tensor | None) -> torch.Tensor | None:
+    def inputs(self, out, sample_items: np.ndarray, next_ids: np.ndarray,
+               sample_logit_rows: np.ndarray) -> DraftInputs:
+        """The head's share of a step's host inputs (engine/input_builder.py)."""
+        return DraftInputs(next_ids, sample_logit_rows, self.checks(out, sample_items), self.wants_states(out))
+
+    def pass_over_step(self, step: HeadPass, sampled: torch.Tensor | None) -> torch.Tensor | None:
         """The head over the step's rows (its KV written at their slots); its outputs [T, width], or
         None where the step wanted only the KV (`wants_states`). A step the decode graphs ran replays
         the head's captured pass over the same buffers (engine/graph_runner.py); others run it eagerly."""
-        meta, positions, aux, graphed = inputs.head_args
-        inputs.head_args = None
-        nxt = self.next_tokens(inputs, sampled)
-        if graphed:
-            return self.runner.graphs.run_head(nxt, inputs.head_full)
-        ctx = ForwardContext(meta, self.runner.kv_caches, self.runner.attention, self.runner.scale)
-        return self.run_pass(nxt, positions, aux, ctx, inputs.head_full)
+        nxt = self.next_tokens(step.draft, sampled)
+        if step.graphs is not None:
+            return step.graphs.run_head(nxt, step.draft.full)
+        f = self.forward
+        ctx = ForwardContext(step.meta, f.kv_caches, f.attention, f.scale)
+        return self.run_pass(nxt, step.positions, step.aux, ctx, step.draft.full)
 
-    def next_tokens(self, inputs, sampled: torch.Tensor | None) -> torch.Tensor:
+    def next_tokens(self, draft: DraftInputs, sampled: torch.Tensor | None) -> torch.Tensor:
         """[T] on the device: the token after each input row (the ones drawn this step from `sampled`)."""
-        rows = inputs.sample_logit_rows
-        if sampled is not None and len(rows) == len(inputs.next_ids) and (rows == self._rows(len(rows))).all():
+        rows = draft.sample_logit_rows
+        if sampled is not None and len(rows) == len(draft.next_ids) and (rows == self._rows(len(rows))).all():
             return sampled                               # a decode step: every row's next token was drawn
-        nxt = torch.from_numpy(inputs.next_ids).to(self.runner.device, non_blocking=True)
+        nxt = torch.from_numpy(draft.next_ids).to(self.device, non_blocking=True)
         if sampled is not None and len(rows):
-            nxt.index_copy_(0, torch.from_numpy(rows).to(self.runner.device, non_blocking=True), sampled)
+            nxt.index_copy_(0, torch.from_numpy(rows).to(self.device, non_blocking=True), sampled)
         return nxt
 
     def _rows(self, n: int) -> np.ndarray:
@@ -129,7 +144,7 @@ class DraftHead:
         """Each (sequence, sampled row) keeps the head's output at that row: what it drafts from."""
         if launched.head_hidden is None or not picks:
             return
-        rows = torch.tensor([int(launched.head_rows[m]) for _, m in picks], device=self.runner.device)
+        rows = torch.tensor([int(launched.head_rows[m]) for _, m in picks], device=self.device)
         kept = launched.head_hidden.index_select(0, rows)
         for i, (seq, _) in enumerate(picks):
             seq.spec_hidden = (kept, i)
@@ -146,11 +161,11 @@ class DraftHead:
     def draft(self, seqs: list, counts: list[int]) -> list[list[int]]:
         """counts[i] guesses for each sequence (each has `spec_hidden`, and blocks for its guesses);
         sets each sampled sequence's `draft_probs` ([count, draft vocab] q of its guesses)."""
-        r, n, k = self.runner, len(seqs), max(counts)
+        n, k = len(seqs), max(counts)
         g = torch.cat([t[i:i + 1] for t, i in (seq.spec_hidden for seq in seqs)])
         temps = np.array([seq.params.temperature for seq in seqs], np.float32)
         sampling = bool((temps > 0).any())
-        up = r.upload(temps, np.array([_signed(seq.sampling_seed or 0) for seq in seqs], np.int64),
+        up = self.upload(temps, np.array([_signed(seq.sampling_seed or 0) for seq in seqs], np.int64),
                       np.array([seq.sampling_seed is not None for seq in seqs], np.bool_))
         base = np.array([seq.num_tokens - 1 for seq in seqs], np.int64)     # where the second guess's pass runs
         counts_np = np.array(counts, np.int64)
@@ -174,18 +189,19 @@ class DraftHead:
     def _step(self, tokens: torch.Tensor, g: torch.Tensor, base: np.ndarray, j: int, counts: np.ndarray,
               tables: np.ndarray) -> torch.Tensor:
         """The head one position on for every row (rows done drafting write nothing and are dropped later)."""
-        r, bs, n = self.runner, self.runner.block_size, len(base)
+        bs, n = self.block_size, len(base)
         live = counts > j + 1
         positions = base + np.where(live, j, 0)
         slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         slots = np.where(live, slots, -1)
         lens = (positions + 1).astype(np.int32)
         starts = np.arange(n + 1, dtype=np.int32)
-        pos, slot_dev, starts_dev, lens_dev, tables_dev = r.upload(positions, slots, starts, lens, tables)
+        pos, slot_dev, starts_dev, lens_dev, tables_dev = self.upload(positions, slots, starts, lens, tables)
         meta = AttnMetadata(is_decode=True, slot_mapping=slot_dev, query_start_loc=starts_dev, seq_lens=lens_dev,
                             block_tables=tables_dev, max_query_len=1, max_seq_len=int(lens.max()), has_context=True,
                             query_start_loc_cpu=starts.tolist(), seq_lens_cpu=lens.tolist(), num_decode_rows=n)
-        return self.head(tokens, pos, g, ForwardContext(meta, r.kv_caches, r.attention, r.scale))
+        f = self.forward
+        return self.head(tokens, pos, g, ForwardContext(meta, f.kv_caches, f.attention, f.scale))
 
     def _draw(self, logits: torch.Tensor, up, positions: np.ndarray, sampling: bool):
         """(draft ids, q over the draft vocabulary or None): greedy rows the argmax, the others a draw from q."""
@@ -248,7 +264,7 @@ class DraftHead:
         width = self.head.config.hidden_size
         if values.size != width:
             raise ValueError(f"the prefill worker's draft head state has {values.size} values, this head {width}")
-        return torch.from_numpy(values.copy()).to(self.runner.device, self.runner.dtype)[None], 0
+        return torch.from_numpy(values.copy()).to(self.device, self.dtype)[None], 0
 
 
 def _uniform(like: torch.Tensor, seeds: torch.Tensor, has_seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,9 @@ import time
 
 import torch
 
+from baton.engine.config import EngineConfig
+from baton.engine.forward import Forward
+from baton.engine.platforms import Platform
 from baton.engine.speculative import guesses_each
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.forward_context import ForwardContext
@@ -27,7 +30,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in ladder if b < max_num_seqs] + [max_num_seqs]
 
 
-# Steps with short prompt chunks run as decode rows (model_runner.py `_as_rows`): graphs go up to this
+# Steps with short prompt chunks run as decode rows (input_builder.py `runs_as_rows`): graphs go up to this
 # many rows past --max-num-seqs, so that a few short prompts joining a full batch replay too
 PROMPT_ROWS = 256
 
@@ -50,15 +53,19 @@ def graph_rows(config, prompt_rows: bool = True) -> int:
 
 class DecodeGraphs:
     """One token per row: decode steps, and steps verifying guesses or with short prompt chunks,
-    which run as decode steps of one row per token (engine/model_runner.py `_row_inputs`)."""
+    which run as decode steps of one row per token (engine/input_builder.py `row_inputs`). `drafts`:
+    an EAGLE-3 head (engine/draft_head.py), whose passes are captured too."""
 
-    def __init__(self, runner):
-        self.runner = runner
-        self.platform = runner.platform
-        self.buckets = batch_buckets(graph_rows(runner.config, runner.platform.graphs_take_prompt_rows))
+    def __init__(self, forward: Forward, platform: Platform, config: EngineConfig, max_model_len: int,
+                 drafts=None):
+        self.forward = forward
+        self.platform = platform
+        self.drafts = drafts
+        self.max_model_len = max_model_len
+        self.buckets = batch_buckets(graph_rows(config, platform.graphs_take_prompt_rows))
         self.max_bs = self.buckets[-1]
-        dev = runner.device
-        max_blocks = (runner.max_model_len + runner.block_size - 1) // runner.block_size
+        dev = platform.device
+        max_blocks = (max_model_len + config.block_size - 1) // config.block_size
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((self.max_bs,), -1, dtype=torch.int64, device=dev)
@@ -68,7 +75,7 @@ class DecodeGraphs:
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # the draft head's: its input ids, its two graphs per bucket (keyed (bucket, full)) and their outputs
-        self.head_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev) if runner.drafts is not None else None
+        self.head_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev) if drafts is not None else None
         self.head_graphs: dict[tuple[int, bool], tuple[object, torch.Tensor | None]] = {}
         self._last: tuple[int, AttnMetadata] | None = None      # the bucket and metadata of the last replay
         self._capture()
@@ -80,23 +87,23 @@ class DecodeGraphs:
         return AttnMetadata(
             is_decode=True, slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
             seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_query_len=1,
-            max_seq_len=self.runner.max_model_len, has_context=True,
+            max_seq_len=self.max_model_len, has_context=True,
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs, num_decode_rows=bs)
 
     @torch.inference_mode()
     def _capture(self) -> None:
         t0 = time.perf_counter()
         pool = None
-        r = self.runner
+        model = self.forward.model
         for i, bs in enumerate(reversed(self.buckets)):        # largest first: it sizes the pool
-            ctx = ForwardContext(self._meta(bs), r.kv_caches, r.attention, r.scale, r.kv_scales)
+            ctx = self.forward.context(self._meta(bs))
             args = (self.input_ids[:bs], self.positions[:bs], ctx)
-            r.model(*args)                                     # warm-up: kernels compiled, workspaces sized
+            model(*args)                                       # warm-up: kernels compiled, workspaces sized
             self.platform.synchronize()
-            graph, self.outputs[bs] = self.platform.capture_graph(lambda a=args: r.model(*a), pool)
+            graph, self.outputs[bs] = self.platform.capture_graph(lambda a=args: model(*a), pool)
             pool = graph.pool()
             self.graphs[bs] = graph
-            if r.drafts is not None:
+            if self.drafts is not None:
                 self._capture_head(bs, ctx, pool)
             print(f"\r[baton] capturing decode graphs: {i + 1}/{len(self.buckets)}", end="", file=sys.stderr)
         self.platform.synchronize()
@@ -104,13 +111,13 @@ class DecodeGraphs:
               f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     def _capture_head(self, bs: int, ctx: ForwardContext, pool) -> None:
-        r = self.runner
-        aux = r._split_aux(self.outputs[bs])[1]
+        drafts = self.drafts
+        aux = self.forward.split_aux(self.outputs[bs])[1]
         for full in (True, False):
             args = (self.head_ids[:bs], self.positions[:bs], aux, ctx, full)
-            r.drafts.run_pass(*args)                           # warm-up (slots are -1: nothing written)
+            drafts.run_pass(*args)                             # warm-up (slots are -1: nothing written)
             self.platform.synchronize()
-            self.head_graphs[bs, full] = self.platform.capture_graph(lambda a=args: r.drafts.run_pass(*a), pool)
+            self.head_graphs[bs, full] = self.platform.capture_graph(lambda a=args: drafts.run_pass(*a), pool)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         n = meta.num_seqs

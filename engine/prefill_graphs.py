@@ -30,9 +30,13 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
+from baton.engine.forward import Forward
+from baton.engine.platforms import Platform
+from baton.models.attention_metadata import AttnMetadata
 from baton.models.forward_context import ForwardContext
 
 SMALLEST = 256      # steps this short are few (short prompt chunks run as decode rows) and cheap
@@ -81,14 +85,18 @@ class _Pieces:
 
 
 class PrefillGraphs:
-    """The pieces of every bucket and their static buffers; `run` replays a step (ModelRunner.run)."""
+    """The pieces of every bucket and their static buffers; `run` replays a step (engine/executor.py).
+    `dummy_meta(n)`: the metadata of a prompt of n tokens in blocks no sequence owns yet (what the
+    attention calls between captures run on, engine/warm_up.py)."""
 
-    def __init__(self, runner):
-        self.runner = runner
-        self.platform = runner.platform
-        self.buckets = buckets(runner.config.max_num_batched_tokens)
-        n, dev, dtype = self.buckets[-1], runner.device, runner.dtype
-        attn = runner.model.model.layers[0].self_attn
+    def __init__(self, forward: Forward, platform: Platform, max_tokens: int, dtype: torch.dtype,
+                 dummy_meta: Callable[[int], AttnMetadata]):
+        self.forward = forward
+        self.platform = platform
+        self.dummy_meta = dummy_meta
+        self.buckets = buckets(max_tokens)
+        n, dev = self.buckets[-1], platform.device
+        attn = forward.model.model.layers[0].self_attn
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.q = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=dtype, device=dev)
@@ -106,16 +114,14 @@ class PrefillGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         t0, free0 = time.perf_counter(), self.platform.memory_info()[0]
-        r = self.runner
+        model = self.forward.model
         with self.platform.capture_stream():
             for i, n in enumerate(reversed(self.buckets)):     # largest first: it sizes the pool
                 for capture in (False, True):                  # a pass to compile and size, then the capture
                     pieces = _Pieces(self, n, capture)
-                    meta = r.dummy_prompt(n)[2]      # what the attention calls between captures run on
-                    ctx = ForwardContext(meta, r.kv_caches, r.attention, r.scale, r.kv_scales,
-                                         pieces=pieces)
+                    ctx = self.forward.context(self.dummy_meta(n), pieces=pieces)
                     pieces.begin()
-                    out = r.model(self.input_ids[:n], self.positions[:n], ctx)
+                    out = model(self.input_ids[:n], self.positions[:n], ctx)
                     pieces.end()
                     self.platform.synchronize()
                 self.pieces[n], self.outputs[n] = pieces, out

@@ -1,6 +1,8 @@
-"""What one step carries through the model runner: its host-side inputs (`StepInputs`, built by
-ModelRunner.step_inputs) and, once queued on the device, the step in flight (`LaunchedStep`: its
-sampled tokens on the device and coming to the host, its logprobs, a deferred sampling's hook).
+"""What one step carries through the model runner, each record valid for a stated span:
+`StepInputs` (host arrays, built once by engine/input_builder.py, never changed), `DeviceInputs`
+(their device copies, from the upload until the step's sampling is queued), `StepOutput` (what the
+forward leaves: logprobs, a draft head's pending pass, a deferred sampling's logits) and, once queued
+on the device, the step in flight (`LaunchedStep`: its sampled tokens on the device and coming back).
 """
 from __future__ import annotations
 
@@ -13,13 +15,28 @@ import torch
 from baton.engine.logits_processing import LogitsProcessing, ProcessingInputs
 from baton.engine.logprobs import TokenLogprob
 from baton.engine.logprobs_device import StepLogprobs, prompt_to_host, to_host
+from baton.engine.sampler import SamplingBatch
 from baton.engine.scheduler import SchedulerOutput
+from baton.models.attention_metadata import AttnMetadata
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class DraftInputs:
+    """An EAGLE-3 head's share of a step (engine/draft_head.py), on the host: the token after each
+    input row (0 where the step draws it: filled in on the device), the input row each sampled token
+    is drawn at, the guesses drawn from q to test (DraftChecks, None: none), and whether the head's
+    pass keeps its outputs (else it writes only the head's KV)."""
+    next_ids: np.ndarray             # [T] int64
+    sample_logit_rows: np.ndarray    # [N] int64
+    checks: object | None
+    full: bool
+
+
+@dataclass(frozen=True, slots=True)
 class StepInputs:
     """One step's host-side inputs (numpy): token ids, positions, KV slots, per-sequence query
-    starts, lengths and block tables, which rows sample, and their sampling settings."""
+    starts, lengths and block tables, which rows sample, and their sampling settings. What rank 0
+    sends the other tensor-parallel ranks."""
     is_decode: bool
     input_ids: np.ndarray            # [T] int64
     positions: np.ndarray            # [T] int64
@@ -40,30 +57,61 @@ class StepInputs:
     sample_positions: np.ndarray     # [N] int64: index of the token being sampled
     pending_dst: np.ndarray          # [P] int64: input positions whose token is still on the device...
     pending_src: np.ndarray          # [P] int64: ...as row pending_src of the previous step's samples
-    pending_dst_dev: torch.Tensor | None = None      # (their device copies, set on upload)
-    pending_src_dev: torch.Tensor | None = None
     mrope_positions: np.ndarray | None = None        # [3, T] int64: a multimodal prefill step's (t, h, w)
     image_chunks: list | None = None                 # ...and its chunks that hold image tokens
     logit_rows: np.ndarray | None = None             # [N] int64: input token of each sampled row, when some
     #                                                  rows sample nothing or several; None: each item's last
-    logit_rows_dev: torch.Tensor | None = None       # (on the device, uploaded with the step's other inputs)
     processing: ProcessingInputs | None = None       # penalties / biases / masks of the sampling rows, if any
-    processing_dev: LogitsProcessing | None = None   # (their device copies, set on upload)
     num_logprobs: int = -1                           # the most top logprobs a sampling row asked for (-1: none)
     wanted_logprobs: list | None = None              # [N]: each sampling row's own (None: none)
     prompt_logprob_rows: list | None = None          # [PromptLogprobRows] of the prompt chunks to score
-    logprobs_dev: StepLogprobs | None = None         # (the device results, set by run)
     constrained: bool = False                        # some sampling row has structured output: sampled later
-    deferred: tuple | None = None                    # ...(logits, SamplingBatch, input ids) until then
-    # an EAGLE-3 head (engine/draft_head.py): the token after each input row (those drawn this step filled
-    # in on the device), the input row each sampled token is drawn at, the guesses drawn from q to test,
-    # (meta, positions, the target's hidden states for the head, whether the decode graphs ran the step) until
-    # the head's pass runs, and whether that pass keeps the head's outputs (else it writes only the head's KV)
-    next_ids: np.ndarray | None = None
-    sample_logit_rows: np.ndarray | None = None
-    draft_checks: object | None = None
-    head_args: tuple | None = None
-    head_full: bool = True
+    draft: DraftInputs | None = None                 # with an EAGLE-3 head
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInputs:
+    """A step's inputs on the device, views of one upload (engine/staging.py): made when the step runs,
+    held until its sampling is queued (at once, or by ModelRunner.sample for a deferred one). Only
+    `input_ids` changes: tokens still pending from the step before are filled in on the device."""
+    meta: AttnMetadata
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    sampling: SamplingBatch
+    pending_dst: torch.Tensor
+    pending_src: torch.Tensor
+    logit_rows: torch.Tensor | None              # StepInputs.logit_rows (None: each item's last token)
+    processing: LogitsProcessing | None          # StepInputs.processing
+
+
+@dataclass(frozen=True, slots=True)
+class HeadPass:
+    """An EAGLE-3 head's pass over a step, as the target's forward left it, waiting for the step's
+    tokens (engine/draft_head.py `pass_over_step`)."""
+    meta: AttnMetadata
+    positions: torch.Tensor
+    aux: torch.Tensor                # the target's hidden states the head reads
+    graphs: object | None            # the decode graphs that ran the step (they replay the pass); None: eager
+    draft: DraftInputs
+
+
+@dataclass(frozen=True, slots=True)
+class StepLogits:
+    """The logits of a step's sampling rows, and the inputs that sample them."""
+    inputs: StepInputs
+    device: DeviceInputs
+    logits: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What a step's forward leaves on rank 0: the sampled tokens on the device, or (structured output)
+    the logits sampled once the masks are known (`deferred`); the logprobs being computed; the draft
+    head's pass, run once the tokens are drawn."""
+    sampled: torch.Tensor | None
+    logprobs: StepLogprobs | None
+    head: HeadPass | None
+    deferred: StepLogits | None = None
 
 
 @dataclass(slots=True)
@@ -80,7 +128,7 @@ class LaunchedStep:
     slots: list[int | None] | None = None
     step_logprobs: StepLogprobs | None = None
     wanted_logprobs: list | None = None
-    deferred: StepInputs | None = None   # launched, not sampled yet: ModelRunner.sample takes its masks
+    deferred: StepOutput | None = None   # launched, not sampled yet: ModelRunner.sample takes its masks
     finish: Callable[[], None] | None = None   # ...which `complete` then runs (the engine sets it)
     head_hidden: torch.Tensor | None = None    # an EAGLE-3 head's output at each input row (engine/draft_head.py)
     head_rows: np.ndarray | None = None        # ...and the input row of each sampled token

@@ -112,7 +112,7 @@ def test_tiny_architectures_match_transformers(tmp_path, arch, overrides, block_
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
 def test_short_prompt_chunks_run_as_decode_rows_with_transformers_tokens(tmp_path, arch):
     """Steps with short prompt chunks run as decode rows, one per token, each over its own context
-    (ModelRunner._as_rows; on a GPU inside the decode graphs, on the CPU forced): fresh prompts, a
+    (StepInputBuilder.runs_as_rows; on a GPU inside the decode graphs, on the CPU forced): fresh prompts, a
     prefix-cache hit, prompts cut in chunks and prompts joining a running batch, against transformers'
     greedy tokens; every block back."""
     from transformers import AutoModelForCausalLM
@@ -128,16 +128,16 @@ def test_short_prompt_chunks_run_as_decode_rows_with_transformers_tokens(tmp_pat
     want = hf_greedy(hf, prompts, 12)
     llm = LLM(str(path), block_size=16, num_kv_blocks=64, device=device, dtype="float32", max_num_seqs=2,
               max_num_batched_tokens=32)            # 2 at a time (the rest join a running batch), chunks of 32
-    runner = llm.engine.runner
+    builder = llm.engine.runner.inputs
     if device == "cpu":
-        runner.eager_prompt_rows = True             # (no graphs here: the same rows, eager)
+        builder.eager_prompt_rows = True            # (no graphs here: the same rows, eager)
     chunks = []
-    row_inputs = runner._row_inputs
+    row_inputs = builder.row_inputs
 
     def counted(out, prev):
         chunks.append(sum(item.num_new_tokens > 1 + len(item.draft) for item in out.scheduled))
         return row_inputs(out, prev)
-    runner._row_inputs = counted
+    builder.row_inputs = counted
     got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in got] == want
     assert sum(chunks) >= len(prompts) + 1, chunks         # every prompt, the 70-token one in three chunks

@@ -169,20 +169,19 @@ def test_an_eagle3_heads_pass_writes_the_same_kv_captured_or_eager_and_with_or_w
     tol = dict(atol=1e-4, rtol=1e-3) if DEVICE.startswith("cuda") else dict(atol=0, rtol=0)
     as_run = drafts.pass_over_step
 
-    def checked(inputs, sampled):
-        meta, positions, aux, graphed = inputs.head_args
-        full, before = inputs.head_full, cache.clone()
-        out = as_run(inputs, sampled)
+    def checked(step, sampled):
+        full, before = step.draft.full, cache.clone()
+        out = as_run(step, sampled)
         written = cache.clone()
         cache.copy_(before)
-        ctx = ForwardContext(meta, r.kv_caches, r.attention, r.scale)
-        eager = drafts.run_pass(drafts.next_tokens(inputs, sampled), positions, aux, ctx, True)
+        ctx = ForwardContext(step.meta, r.kv_caches, r.attention, r.scale)
+        eager = drafts.run_pass(drafts.next_tokens(step.draft, sampled), step.positions, step.aux, ctx, True)
         torch.testing.assert_close(written, cache, **tol)
         if full:
             torch.testing.assert_close(out, eager, **tol)
         else:
             assert out is None
-        ran[graphed, full] += 1
+        ran[step.graphs is not None, full] += 1
         return out
 
     drafts.pass_over_step = checked
@@ -481,8 +480,9 @@ def test_1p1d_and_after_a_migration_the_guessing_decode_worker_gives_the_plain_t
     first_draft: dict[str, tuple[int, torch.Tensor]] = {}   # request -> (its output tokens, the head's KV
     #                                                         of its prompt) when the head first drafted for it
 
-    def spy(drafts):
-        draft, cache = drafts.draft, drafts.runner.kv_cache[-1]        # the head's cache layer
+    def spy(runner):
+        drafts = runner.drafts
+        draft, cache = drafts.draft, runner.kv_cache[-1]               # the head's cache layer
 
         def recording(seqs, counts):
             for seq in seqs:
@@ -496,7 +496,7 @@ def test_1p1d_and_after_a_migration_the_guessing_decode_worker_gives_the_plain_t
                            decode_args=(head_args or ("--speculative-method", "ngram")) + ("--async-scheduling",)) \
                 as (prefill, decode):
             if method == "eagle3":
-                spy(core(decode).llm.runner.drafts)
+                spy(core(decode).llm.runner)
             want = await pd(prefill, decode, "plain", prompt, dataclasses.replace(params, speculative=False))
             before = core(decode).stats().spec_verified
             first = await pd(prefill, decode, "a", prompt, params)
@@ -521,7 +521,7 @@ def test_1p1d_and_after_a_migration_the_guessing_decode_worker_gives_the_plain_t
         # the head's KV the decode worker drafted over is the prompt's, as one engine computes it alone
         offline = LLM("tiny-llama", num_kv_blocks=32, max_num_batched_tokens=16, speculative_method="eagle3",
                       speculative_model=str(head))
-        spy(offline.engine.runner.drafts)
+        spy(offline.engine.runner)
         offline.generate([prompt], params)
         local = first_draft["req-0"][1]
         assert local.abs().amax() > 0 and torch.allclose(first_draft["a"][1], local, atol=1e-6)
