@@ -2,7 +2,8 @@
 prefill worker to a decode worker.
 
 Sending (prefill side): a `KVSender` per decode worker handshakes once (layout, secret),
-then `open`s each transfer under the id the decode worker handed out at admission, before
+may `warm` up (whatever one-time set-up its first transfer would pay: a device backend's
+communicator, NIXL's connection), then `open`s each transfer under the id the decode worker handed out at admission, before
 the KV exists (when the prefill starts). The returned `OutgoingTransfer` takes the prompt's
 KV as `KVPiece`s, in block order, as the engine makes them final; the last piece carries the
 first sampled token; `done` waits for the decode worker's word; `abandon` gives it up (the
@@ -104,6 +105,12 @@ class KVSender(ABC):
     async def handshake(self, layout: KVLayout, timeout: float = 10.0) -> KVLayout:
         """Check compatibility with the peer; returns its layout, raises KVTransferError
         (FAILED_PRECONDITION naming every differing field) on a mismatch."""
+
+    async def warm(self, timeout: float = 10.0) -> None:
+        """After the handshake: set up now what the first transfer would otherwise set up (a
+        device pair's communicator, a connection), moving no request's KV; raises KVTransferError
+        within `timeout`. A backend whose handshake is all it needs has nothing to do."""
+        return None
 
     @abstractmethod
     async def open(self, transfer: TransferDescriptor | str, timeout: float = 30.0) -> OutgoingTransfer:

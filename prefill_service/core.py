@@ -114,6 +114,32 @@ class PrefillCore(EngineCore):
             self.tasks.pop(rid, None)
             self.engine.abort(rid)           # no-op when it completed
 
+    async def cmd_connect(self, address: str, backend: str, timeout: float) -> dict:
+        """Warm the sender to a decode worker before any request needs it (the router asks once a
+        pair is healthy): the channel, the handshake and the backend's one-time set-up (`warm`), so
+        the pair's first transfer pays none of it. Moves no request's KV. A sender that exists is
+        handshaken again: the peer may have restarted since (a new session, its layout checked)."""
+        t0 = time.perf_counter()
+        key = (address, backend)
+        known = key in self.senders
+        try:
+            async with asyncio.timeout(timeout):
+                sender = await self.sender_for(address, backend, timeout, by="warm-up")
+                if known:
+                    await sender.handshake(self.layout, timeout)
+                await sender.warm(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"KV warm-up with {address} ({backend}) did not finish within {timeout:g}s") from None
+        except KVTransferError as exc:
+            if known and registry.spec(backend).drop_sender_on_failure and key in self.senders:
+                await self._drop_sender(key)
+            raise ServiceError(exc.code, f"KV warm-up with {address} ({backend}) failed: {exc}") from exc
+        seconds = time.perf_counter() - t0
+        self.metrics.add("kv_warmup_seconds", seconds, backend)
+        log.info("KV sender to %s (%s) warm in %.1f ms%s", address, backend, seconds * 1e3,
+                 "" if known else " (channel and handshake opened)")
+        return {"seconds": seconds, "handshaken": not known}
+
     async def cmd_abort(self, rid: str) -> bool:
         task = self.tasks.get(rid)
         self.engine.abort(rid)
@@ -187,11 +213,13 @@ class PrefillCore(EngineCore):
             raise
         return outgoing
 
-    async def sender_for(self, address: str, backend: str, timeout: float) -> KVSender:
-        """The handshaken sender to a decode worker; concurrent first requests share one handshake."""
+    async def sender_for(self, address: str, backend: str, timeout: float, by: str = "request") -> KVSender:
+        """The handshaken sender to a decode worker; concurrent first requests share one handshake.
+        `by`: what needs it ("request", or "warm-up": cmd_connect), counted when it is opened here."""
         key = (address, backend)
         sender = self.senders.get(key)
         if sender is None:       # over TLS (mutual, with our certificate) when this worker runs TLS
+            self.metrics.add("kv_handshakes", 1, backend, by)
             channel = open_channel(address, self.cfg.tls, options=channel_options())
             sender = registry.make_sender(backend, registry.SenderContext(
                 address, channel, self.llm.platform, self.kv_auth, self.cfg.kv_options))

@@ -15,6 +15,7 @@ from baton.serving.worker import EngineWorker
 from baton.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
 
 DEFAULT_TIMEOUT_S = 120.0
+CONNECT_TIMEOUT_S = 60.0        # a KV warm-up without a timeout: a device pair's communicator may take seconds
 
 
 class PrefillWorker(EngineWorker):
@@ -41,11 +42,7 @@ class PrefillWorker(EngineWorker):
         handoff = req.handoff
         if not handoff.decode_address or not handoff.transfer_id:
             raise ValueError("handoff.decode_address and handoff.transfer_id are required")
-        backend = handoff.backend or self.cfg.kv_backend
-        if backend not in self.kv_backends():
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"KV backend {backend!r} is not available on "
-                               f"this prefill worker (it speaks {self.kv_backends()}); start it with --kv-backend "
-                               f"{backend}")
+        backend = self._backend(handoff.backend)
         prompt, params = list(req.prompt_token_ids), sampling_from_proto(req.sampling)
         self.limits.validate(prompt, params)
         images = images_from_proto(req.images)
@@ -62,6 +59,23 @@ class PrefillWorker(EngineWorker):
             self.active.discard(rid)
         return prefill_pb2.PrefillResponse(**reply)
 
+    def _backend(self, asked: str) -> str:
+        backend = asked or self.cfg.kv_backend
+        if backend not in self.kv_backends():
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"KV backend {backend!r} is not available on "
+                               f"this prefill worker (it speaks {self.kv_backends()}); start it with --kv-backend "
+                               f"{backend}")
+        return backend
+
+    async def connect_kv(self, req: prefill_pb2.ConnectKVRequest) -> prefill_pb2.ConnectKVResponse:
+        """Warm this worker's KV sender to a decode worker (the core's cmd_connect); an error status
+        within the timeout when it cannot."""
+        if not req.decode_address:
+            raise ValueError("decode_address is required")
+        backend = self._backend(req.backend)
+        timeout = req.timeout_ms / 1000 if req.timeout_ms else CONNECT_TIMEOUT_S
+        return prefill_pb2.ConnectKVResponse(**await self.core.call("connect", req.decode_address, backend, timeout))
+
     def abort_request(self, rid: str) -> bool:
         self.core.cast("abort", rid)
         return rid in self.active
@@ -76,6 +90,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Abort(self, request, context):
         return worker_pb2.WorkerAbortResponse(found=self.w.abort_request(request.request_id))
+
+    async def ConnectKV(self, request, context):
+        return await self.w.connect_kv(request)
 
     async def GetStatus(self, request, context):
         return self.w.status()

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from baton.router.token_bus import TokenBus
 from baton.serving.grpc_server import CHANNEL_OPTIONS, open_channel
 from baton.serving.security import TLSConfig
-from baton.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
+from baton.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
 
 log = logging.getLogger("baton.router")
 CHECK_INTERVAL_S = 0.5                # with the timeout: a hung worker is left within ~2 s
@@ -41,6 +41,8 @@ CHECK_TIMEOUT_S = 1.5
 HANG_FLOOR_S, HANG_STEPS, HANG_CAP_S = 5.0, 10, 15.0
 STALL_FLOOR_S, STALL_STEPS, STALL_CAP_S = 10.0, 20, 30.0
 RESOLVE_INTERVAL_S = 5.0
+KV_WARM_TIMEOUT_S = 60.0              # one pair's KV warm-up (a device pair's communicator may take seconds)
+KV_WARM_RETRY_S = 10.0                # a pair whose warm-up failed is tried again after this
 
 
 def split_target(target: str) -> tuple[str, int]:
@@ -144,6 +146,7 @@ class Registry:
             raise ValueError("disaggregated serving needs both --prefill and --decode workers")
         self.workers: list[Worker] = []
         self.on_lost: Callable[[Worker, str], None] | None = None     # (worker, "hung" | "dead"): metrics
+        self.on_checked: Callable[[list[Worker]], None] | None = None  # after each round of checks: KVPairs
         self._unresolved: dict[str, str] = {}         # target -> the error last logged for it
         self._task: asyncio.Task | None = None
 
@@ -216,6 +219,8 @@ class Registry:
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.workers if not w.retired))
+        if self.on_checked is not None:
+            self.on_checked(self.workers)
     async def check(self, w: Worker) -> None:
         try:
             reply = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=CHECK_TIMEOUT_S)
@@ -249,3 +254,74 @@ class Registry:
         if not w.lost.is_set() and self.on_lost is not None:
             self.on_lost(w, how)
         w.abandon(f"{how}: {reason}")
+
+
+class KVPairs:
+    """Which (prefill, decode) pairs have a warm KV channel: the prefill worker's sender to the
+    decode worker opened, handshaken and set up (`Prefill.ConnectKV`: for device backends the
+    pair's communicator too) before a request needs it. A cold pair's first transfer pays for all
+    of that (up to 1.5 s measured on H100s, issue 49). After each round of health checks every
+    healthy pair not yet warm is warmed in the background, bounded by a timeout; a worker that
+    left the healthy set (restart, hang, drain) is warmed again once it is back, as is a decode
+    worker whose KV address changed. Routing prefers warm pairs (server.py: _pick_pair) and never
+    waits for one: a cold pair still serves when nothing else is healthy."""
+
+    def __init__(self, backend_of: Callable[[Worker, Worker], str], timeout: float = KV_WARM_TIMEOUT_S,
+                 retry_after: float = KV_WARM_RETRY_S):
+        self.backend_of = backend_of              # the backend a pair hands KV off over (server.kv_backend)
+        self.timeout, self.retry_after = timeout, retry_after
+        self.warm: dict[tuple[str, str], tuple[str, str]] = {}    # (prefill, decode) -> (KV address, backend)
+        self.warming: dict[tuple[str, str], asyncio.Task] = {}
+        self.retry_at: dict[tuple[str, str], float] = {}          # pairs whose warm-up failed: when to try again
+        self.seen: set[str] = set()                               # the workers healthy at the last look
+
+    def is_warm(self, p: Worker, d: Worker) -> bool:
+        return self.warm.get((p.address, d.address)) == self._channel(p, d)
+
+    def _channel(self, p: Worker, d: Worker) -> tuple[str, str]:
+        return d.status.kv_address or d.address, self.backend_of(p, d)
+
+    def reconcile(self, workers: list[Worker]) -> None:
+        """After a round of health checks: forget the pairs of workers that left or joined the
+        healthy set since the last look, and start warming every healthy pair that is not warm."""
+        healthy = [w for w in workers if w.healthy and not w.retired and not w.status.draining]
+        now = {w.address for w in healthy}
+        self._forget(now ^ self.seen)
+        self.seen = now
+        t = time.monotonic()
+        for p in [w for w in healthy if w.role == "prefill"]:
+            for d in [w for w in healthy if w.role == "decode"]:
+                key = (p.address, d.address)
+                if key not in self.warming and not self.is_warm(p, d) and self.retry_at.get(key, 0.0) <= t:
+                    self.warming[key] = asyncio.ensure_future(self._warm(p, d))
+
+    def _forget(self, addresses: set[str]) -> None:
+        for key in [k for k in {*self.warm, *self.warming, *self.retry_at} if addresses & set(k)]:
+            self.warm.pop(key, None)
+            self.retry_at.pop(key, None)
+            task = self.warming.pop(key, None)
+            if task is not None:
+                task.cancel()
+
+    async def _warm(self, p: Worker, d: Worker) -> None:
+        """One pair's ConnectKV; a failure is one line (the first time), and tried again later."""
+        key, (kv_address, backend) = (p.address, d.address), self._channel(p, d)
+        t0 = time.perf_counter()
+        try:
+            await p.stub.ConnectKV(prefill_pb2.ConnectKVRequest(
+                decode_address=kv_address, backend=backend, timeout_ms=int(self.timeout * 1000)),
+                timeout=self.timeout + 2.0)           # (the worker's own timeout, with its reason, first)
+        except Exception as exc:
+            why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+            (log.debug if key in self.retry_at else log.warning)(
+                "KV pair %s -> %s (%s) not warmed: %s; it still serves, warmed again in %.0fs", p.address,
+                d.address, backend or "default", why, self.retry_after)
+            self.retry_at[key] = time.monotonic() + self.retry_after
+            return
+        finally:
+            if self.warming.get(key) is asyncio.current_task():
+                del self.warming[key]
+        self.warm[key] = (kv_address, backend)
+        self.retry_at.pop(key, None)
+        log.info("KV pair %s -> %s (%s) warm in %.0f ms", p.address, d.address, backend or "default",
+                 (time.perf_counter() - t0) * 1e3)

@@ -27,7 +27,7 @@ from baton.router.config import RouterConfig
 from baton.router.images import ImagePolicy
 from baton.router.migration import Ledger
 from baton.router.policies import make_policy
-from baton.router.registry import Registry, Worker
+from baton.router.registry import KVPairs, Registry, Worker
 from baton.router.token_bus import SUBSCRIBER, BusBroken, Inbox, StreamStalled
 from baton.serving.grpc_server import ServiceError
 from baton.serving.metrics import observe_many
@@ -156,7 +156,19 @@ class RouterService:
         self.server = None                  # the grpc_server.Server, whose `draining` we honour
         self.metrics = None
         registry.on_lost = self._count_loss
+        self.kv_pairs = KVPairs(kv_backend)          # warmed after each round of health checks
+        registry.on_checked = self.kv_pairs.reconcile
+        self._warm_pairs_now()
         self._background: set[asyncio.Task] = set()
+
+    def _warm_pairs_now(self) -> None:
+        """The registry's first round of checks ran before this service existed: warm its healthy
+        pairs now, not half a second later (built outside an event loop, in tests: at the next round)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self.kv_pairs.reconcile(self.registry.workers)
 
     def client_of(self, context) -> str:
         """Whom per-client limits count against: the bearer token's client, else the peer host."""
@@ -344,6 +356,21 @@ class RouterService:
                                                             f"checks); {where} lists the workers")
         return policy.pick(workers, ids)
 
+    def _pick_pair(self, ids, tried: set[str]) -> tuple[Worker, Worker]:
+        """A decode and a prefill worker, by policy among the pairs whose KV channel is warm where
+        there are any (KVPairs): a cold pair's first transfer waits for its channel, handshake and
+        communicator. Without a warm one, any healthy pair: warming never holds a request up."""
+        prefill = self.registry.healthy("prefill", tried) or self.registry.healthy("prefill")
+        d = self._pick_warm("decode", self.decode_policy, ids, tried,
+                            lambda w: any(self.kv_pairs.is_warm(p, w) for p in prefill))
+        p = self._pick_warm("prefill", self.prefill_policy, ids, tried, lambda w: self.kv_pairs.is_warm(w, d))
+        return d, p
+
+    def _pick_warm(self, role: str, policy, ids, tried: set[str], warm) -> Worker:
+        """`_pick` among the candidates for which `warm(worker)` holds, if any."""
+        workers = [w for w in self.registry.healthy(role, tried) or self.registry.healthy(role) if warm(w)]
+        return policy.pick(workers, ids) if workers else self._pick(role, policy, ids, tried)
+
     def _use(self, active: Active, w: Worker) -> None:
         active.calls.append((w, active.worker_id))
         w.inflight += 1
@@ -351,8 +378,7 @@ class RouterService:
     async def _disaggregated(self, active: Active, ids, sampling, deadline, tried):
         loop = asyncio.get_running_loop()
         rid = active.worker_id
-        d = self._pick("decode", self.decode_policy, ids, tried)
-        p = self._pick("prefill", self.prefill_policy, ids, tried)
+        d, p = self._pick_pair(ids, tried)
         self._use(active, d)
         # the KV must land, and the prefill end, before the first token is due: bounded whatever the deadline
         handover = min(self.cfg.first_token_timeout, deadline - loop.time())

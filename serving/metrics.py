@@ -71,6 +71,13 @@ class Metrics:
                                              buckets=LATENCY_BUCKETS, registry=r)
         self.kv_transfer_failures = Counter("baton_kv_transfer_failures", "failed KV transfers", ["reason"],
                                             registry=r)
+        self.kv_handshakes = Counter("baton_kv_handshakes", "KV senders opened (channel + layout handshake) to a "
+                                     "decode worker, by what needed one first: a warm-up (the router's ConnectKV, "
+                                     "before traffic) or a request (its transfer waited for it)", ["backend", "by"],
+                                     registry=r)
+        self.kv_warmup_seconds = Histogram("baton_kv_warmup_seconds", "ConnectKV: warming the KV sender to one "
+                                           "decode worker (channel, handshake, a device pair's communicator)",
+                                           ["backend"], buckets=LATENCY_BUCKETS, registry=r)
         self.handover = Histogram("baton_handover_seconds", "prefill's last forward -> decode's first step",
                                   buckets=HANDOVER_BUCKETS, registry=r)
         self.kv_landed = Histogram("baton_kv_landed_seconds", "prefill's last forward -> its KV landed on the "
@@ -232,7 +239,8 @@ RECORDED_BY = {
     "baton_running": "workers", "baton_waiting": "workers", "baton_kv_blocks_total": "workers",
     "baton_kv_blocks_free": "workers", "baton_kv_cache_usage_ratio": "workers",
     "baton_kv_transfer_bytes": "prefill (out), decode (in)", "baton_kv_transfer_seconds": "prefill",
-    "baton_kv_transfer_failures": "prefill (send), decode (receive)", "baton_handover_seconds": "decode",
+    "baton_kv_transfer_failures": "prefill (send), decode (receive)", "baton_kv_handshakes": "prefill",
+    "baton_kv_warmup_seconds": "prefill", "baton_handover_seconds": "decode",
     "baton_kv_landed_seconds": "decode", "baton_step_seconds": "workers", "baton_worker_losses": "router",
     "baton_stream_stalls": "router", "baton_request_prompt_tokens": "router",
     "baton_request_generation_tokens": "router", "baton_prefix_cache_queries": "router",

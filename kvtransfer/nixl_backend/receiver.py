@@ -134,7 +134,11 @@ class NixlKVReceiver(KVReceiver):
                                 "shared KV secret first (a restarted decode worker forgets old sessions)")
         inc = None
         try:
-            inc = await self._open(context)
+            first = await self._first(context)
+            if "warm" in first:              # a sender connecting ahead of its first transfer
+                await context.write({"md": self.cache.md if self.cache is not None else ""})
+                return
+            inc = await self._open(first)
             wire.trace("R opened", inc.t.transfer_id)
             await context.write({"ready": self._where(inc)})
             wire.trace("R ready written", inc.t.transfer_id)
@@ -151,13 +155,16 @@ class NixlKVReceiver(KVReceiver):
             if inc is not None:
                 self._end(inc, "the prefill worker's stream ended before the transfer completed")
 
-    async def _open(self, context) -> _Incoming:
+    async def _first(self, context) -> dict:
         try:
             msg = await asyncio.wait_for(context.read(), OPEN_TIMEOUT_S)
         except TimeoutError:
             raise TransferRejected(Code.DEADLINE_EXCEEDED, f"no open message within {OPEN_TIMEOUT_S:g}s") from None
-        if msg is grpc.aio.EOF or "open" not in msg:
+        if msg is grpc.aio.EOF or not {"open", "warm"} & set(msg):
             raise TransferRejected(Code.INVALID_ARGUMENT, "a KVNixl stream must start with an open message")
+        return msg
+
+    async def _open(self, msg: dict) -> _Incoming:
         t = self.pending.lookup(str(msg["open"]))
         nbytes, agent = msg.get("nbytes"), msg.get("agent")
         if not isinstance(nbytes, int) or not isinstance(agent, str) or not agent:

@@ -100,6 +100,33 @@ class NixlKVSender(KVSender):
         self.block_bytes, self.rows = layout.block_nbytes, 2 * layout.num_layers
         return done.peer
 
+    async def warm(self, timeout: float = 10.0) -> None:
+        """Load the decode worker's agent metadata (its registered KV cache) and have NIXL connect to
+        it now, so the first transfer's READY names a peer already loaded and connected. A decode
+        worker that stages (no registered cache) sends none: each of its transfers loads its own."""
+        if self.peer_layout is None:
+            raise KVTransferError(f"handshake with {self.address} before warming NIXL", Code.FAILED_PRECONDITION)
+        call = self._call(timeout=timeout, metadata=self._metadata)
+        try:
+            async with asyncio.timeout(timeout):
+                await call.write({"warm": self.agent.name})
+                reply = await call.read()
+        except TimeoutError:
+            call.cancel()
+            raise KVTransferError(f"NIXL warm-up with {self.address} took over {timeout:g}s",
+                                  Code.DEADLINE_EXCEEDED) from None
+        except grpc.aio.AioRpcError as exc:
+            raise KVTransferError(f"NIXL warm-up with {self.address}: {exc.details()}", exc.code()) from exc
+        if reply is grpc.aio.EOF or not isinstance(reply.get("md"), str):
+            raise await _ended(call, reply, "warm-up")
+        if reply["md"]:
+            peer = _KNOWN.get(reply["md"]) or self._load(reply["md"], keep=True)
+            try:
+                self.agent.make_connection(peer)
+            except Exception as exc:
+                raise KVTransferError(f"NIXL could not connect to the decode worker at {self.address}: {exc}",
+                                      Code.UNAVAILABLE) from exc
+
     async def open(self, transfer: TransferDescriptor | str, timeout: float = 30.0) -> NixlOutgoing:
         """Open a transfer (before its KV exists); returns once the decode worker staged it."""
         transfer = TransferDescriptor.of(transfer)

@@ -15,6 +15,10 @@ JSON messages (no proto: the bytes move through NIXL, the stream only says where
     {"abandon": reason, "quiet": bool}         {"refused": reason, "code": n}, then the status
     (quiet: none of its writes is in flight, so what they went into may be reused at once)
 
+A stream may instead carry a warm-up, before the sender's first transfer to this peer:
+    {"warm": agent name}                       {"md": the agent metadata of the registered KV
+                                                cache, base64; "" where transfers are staged}
+
 Ending the stream early (a cancel, the sender's death) fails the transfer on the decode side.
 """
 from __future__ import annotations

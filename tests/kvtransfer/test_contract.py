@@ -73,6 +73,34 @@ def test_pieces_in_order_land_bit_exact_with_the_first_token(backend, sizes):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_warmed_sender_sets_nothing_up_on_its_first_transfer(backend):
+    """`warm` (before any request: Prefill.ConnectKV) does the one-time set-up the first transfer
+    would; the first transfer then lands on what it built."""
+    async def main():
+        async with decode_side(backend) as d, prefill_side(backend, d.address) as p:
+            await p.sender.warm(10)
+            built = _set_up(p.sender)
+            d.expect("t", 2)
+            await p.send("t", 2, [1, 1])
+            await d.wait_ended("t", 5)
+            assert "t" in d.landed and _set_up(p.sender) == built
+            assert_all_freed_once(d, p, ["t"])
+    run(main())
+
+
+def _set_up(sender):
+    """What a backend sets up once per peer: the direct pair (live), NIXL's loaded peer metadata."""
+    if sender.backend == "direct":
+        assert sender.pair is not None and sender.control.alive
+        return id(sender.pair)
+    if sender.backend == "nixl":
+        from baton.kvtransfer.nixl_backend import sender as nixl_sender
+        assert nixl_sender._KNOWN, "the warm-up loaded no peer metadata"
+        return dict(nixl_sender._LOADS)
+    return None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_piece_out_of_order_is_refused_and_frees_both_sides(backend):
     async def main():
         async with decode_side(backend) as d, prefill_side(backend, d.address) as p:

@@ -8,6 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ConnectKVRequest(_message.Message):
+    __slots__ = ("decode_address", "backend", "timeout_ms")
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    decode_address: str
+    backend: str
+    timeout_ms: int
+    def __init__(self, decode_address: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ConnectKVResponse(_message.Message):
+    __slots__ = ("seconds", "handshaken")
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HANDSHAKEN_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    handshaken: bool
+    def __init__(self, seconds: _Optional[float] = ..., handshaken: _Optional[bool] = ...) -> None: ...
+
 class Handoff(_message.Message):
     __slots__ = ("decode_address", "transfer_id", "backend")
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]

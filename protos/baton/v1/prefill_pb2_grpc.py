@@ -50,6 +50,11 @@ class PrefillStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.ConnectKV = channel.unary_unary(
+                '/baton.v1.Prefill/ConnectKV',
+                request_serializer=baton_dot_v1_dot_prefill__pb2.ConnectKVRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_prefill__pb2.ConnectKVResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -75,6 +80,16 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConnectKV(self, request, context):
+        """Warms this worker's KV sender to a decode worker before a request needs it: the channel, the
+        layout handshake and the backend's one-time set-up (a direct pair's communicator, NIXL's
+        connection); moves no request's KV. The router calls it once a (prefill, decode) pair is
+        healthy, so the pair's first transfer pays none of it. An error status when it cannot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +107,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.GetStatusRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'ConnectKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConnectKV,
+                    request_deserializer=baton_dot_v1_dot_prefill__pb2.ConnectKVRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_prefill__pb2.ConnectKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +195,33 @@ class Prefill:
             '/baton.v1.Prefill/GetStatus',
             baton_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConnectKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Prefill/ConnectKV',
+            baton_dot_v1_dot_prefill__pb2.ConnectKVRequest.SerializeToString,
+            baton_dot_v1_dot_prefill__pb2.ConnectKVResponse.FromString,
             options,
             channel_credentials,
             insecure,
