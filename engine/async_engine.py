@@ -96,7 +96,21 @@ class AsyncEngine:
             raise EngineDead(f"engine thread failed: {self.error!r}")
         fut = self.loop.create_future()
         self._commands.put((fn, fut))
-        return await asyncio.wait_for(fut, timeout)
+        return await self._result(fut, timeout)
+
+    async def _result(self, fut: asyncio.Future, timeout: float) -> Any:
+        """fut's result within `timeout`, not counting the time the engine thread spends in a step
+        within its budget (a command waits for the step to end: a long prompt is not a fault)."""
+        end = self.loop.time() + timeout
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), max(0.0, end - self.loop.time()))
+            except TimeoutError:
+                pulse = self.engine.clock.pulse()
+                if pulse.busy != "step" or pulse.overrun_s > 0:
+                    fut.cancel()
+                    raise
+                end = self.loop.time() + max(1.0, pulse.budget_s - pulse.busy_s)
 
     def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Fire-and-forget variant of `call` (usable from any thread)."""
@@ -158,6 +172,8 @@ class AsyncEngine:
                 return
 
     def _execute(self, fn, fut: asyncio.Future | None) -> None:
+        clock = self.engine.clock
+        clock.begin_command()
         try:
             result = fn(self.engine)
         except BaseException as exc:
@@ -166,6 +182,8 @@ class AsyncEngine:
             else:
                 traceback.print_exc()
             return
+        finally:
+            clock.end()
         if fut is not None:
             self.loop.call_soon_threadsafe(_set_result, fut, result)
 

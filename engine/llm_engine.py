@@ -30,6 +30,7 @@ from baton.engine.scheduler import Scheduler, SchedulerConfig
 from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
 from baton.engine.speculative import HEAD_STATE_META, Speculator, accept
 from baton.engine.step import LaunchedStep
+from baton.engine.step_clock import CostModel, StepClock
 from baton.engine.structured_output import StructuredOutputs
 from baton.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from baton.models.multimodal import ImageInput, ImagePlaceholders
@@ -111,6 +112,7 @@ class LLMEngine:
         self.guesses_ahead = self.look_ahead and self.speculator is not None and self.speculator.drafter is None
         self._ids = itertools.count()
         self.last_step_seconds = 0.0
+        self.clock = StepClock(CostModel.of(self.source.hf_config))   # what the hang detector reads mid-step
 
     # -- requests ---------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -267,6 +269,14 @@ class LLMEngine:
         the upload of step N+1 overlap step N's compute, and step N+1 takes the tokens step N
         sampled straight from the device. A request that finishes at step N has one row of
         step N+1 wasted (dropped); nothing else differs, token for token."""
+        started = time.monotonic()
+        self.clock.begin_step([], started)
+        try:
+            return self._step(started)
+        finally:
+            self.clock.end()
+
+    def _step(self, started: float) -> list[RequestOutput]:
         outputs = self._join_landed()
         t0 = time.perf_counter()
         prev, out, settled = self.in_flight, None, None
@@ -291,6 +301,7 @@ class LLMEngine:
             if settled is not None:
                 outputs += self._emit_settled(*settled)
             return outputs
+        self.clock.begin_step([(s.num_new_tokens, s.seq.num_computed_tokens) for s in out.scheduled], started)
         launched = self.runner.launch(out, prev)
         launched.slots = self.scheduler.advance(out, ahead=self.guesses_ahead)
         if self.speculator is not None:

@@ -5,10 +5,12 @@ commands, hear its per-step updates, and notice when it dies or hangs.
 `LocalCore` runs it on this process's event loop (the in-memory KV backend, tools, tests).
 Both hand the front the same messages, so the front has one code path.
 
-A core that exits, or goes `hang_timeout` seconds without a step or an idle beat once it
-serves, is dead: every call in flight fails UNAVAILABLE and `on_death` tells the front, which
-ends the worker (the supervisor and the router know what to do about a dead worker).
-Torch-free.
+The core pulses every 0.5 s from a thread of its own, saying what its engine thread is doing
+and how long that may take (engine/step_clock.py): busy is not hung. A core that exits, goes
+silent (a stopped process), or stays in one step `hang_timeout` seconds past that step's budget
+(a deadlocked collective, an endless loop) is dead: every call in flight fails UNAVAILABLE and
+`on_death` tells the front, which ends the worker (the supervisor and the router know what to
+do about a dead worker). Torch-free.
 """
 from __future__ import annotations
 
@@ -23,12 +25,14 @@ from collections.abc import Callable
 
 import grpc
 
+from baton.engine.step_clock import Pulse
 from baton.serving.core_protocol import (
     BEAT,
     CALL,
     FATAL,
     HELLO,
     INIT,
+    PULSE,
     REPLY,
     UPDATES,
     CoreStats,
@@ -41,6 +45,7 @@ from baton.serving.grpc_server import ServiceError
 from baton.serving.worker_config import WorkerConfig
 
 WATCH_EVERY_S = 1.0
+SILENT_S = 1.0                     # a core quiet this long is reported stalled (it pulses every 0.5 s)
 STOP_TIMEOUT_S = 15.0
 
 
@@ -63,6 +68,8 @@ class CoreClient:
         self._ids = itertools.count(1)
         self._hello: asyncio.Future | None = None
         self._heard = 0.0
+        self.pulse: Pulse | None = None    # the last pulse, heard at _pulse_at (None: this core does not pulse)
+        self._pulse_at = 0.0
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> dict:
@@ -83,8 +90,24 @@ class CoreClient:
         return await asyncio.wait_for(self._call(method, args), timeout)
 
     def silent_seconds(self) -> float:
-        """Since the core last sent anything (a step's updates, an idle beat); it beats every 0.5 s."""
+        """Since the core last sent anything (a pulse, a step's updates, an idle beat)."""
         return asyncio.get_running_loop().time() - self._heard if self.info else 0.0
+
+    def busy(self) -> Pulse:
+        """What the engine thread is doing as of now (the last pulse, aged since it was heard)."""
+        if self.pulse is None or not self.pulse.busy:
+            return self.pulse or Pulse()
+        age = asyncio.get_running_loop().time() - self._pulse_at
+        p = self.pulse
+        return Pulse(p.busy, p.busy_s + age, p.budget_s, p.tokens, p.seconds_per_token)
+
+    def stalled_seconds(self) -> float:
+        """How long the core has gone without the progress it should make: silent (a stopped
+        process) past SILENT_S, or in one step or command past its budget; 0 while it works as it should."""
+        silent = self.silent_seconds()
+        if silent > SILENT_S:
+            return silent
+        return self.busy().overrun_s
 
     def cast(self, method: str, *args) -> None:
         """A command whose result nobody waits for (abort)."""
@@ -95,7 +118,9 @@ class CoreClient:
     def _message(self, msg: tuple) -> None:
         kind = msg[0]
         self._heard = asyncio.get_running_loop().time()
-        if kind == UPDATES:
+        if kind == PULSE:
+            self.pulse, self._pulse_at = msg[1], self._heard
+        elif kind == UPDATES:
             _, updates, self.stats, metrics = msg
             self.on_metrics(metrics)
             self.on_updates(updates)
@@ -114,7 +139,10 @@ class CoreClient:
             self.stats = self.info["stats"]
             _resolve(self._hello, self.info)
         elif kind == FATAL:
-            _fail(self._hello, ValueError(msg[1]))
+            if self.info:                   # serving already: its engine thread died
+                self._died(msg[1])
+            else:
+                _fail(self._hello, ValueError(msg[1]))
 
     def _died(self, reason: str) -> None:
         if self.dead is not None:
@@ -130,15 +158,19 @@ class CoreClient:
         self.on_death(reason)
 
     async def _watchdog(self) -> None:
-        loop = asyncio.get_running_loop()
         limit = self.cfg.engine_hang_timeout
         while self.dead is None:
             await asyncio.sleep(WATCH_EVERY_S)
-            silent = loop.time() - self._heard
-            if limit and silent > limit:
-                self._died(f"made no step and sent no heartbeat for {silent:.0f}s (limit "
-                           f"--engine-hang-timeout {limit:g}s): hung")
+            if limit and self.stalled_seconds() > limit:
+                self._died(self.hang_reason(limit))
                 await self._kill()
+
+    def hang_reason(self, limit: float) -> str:
+        silent, busy = self.silent_seconds(), self.busy()
+        if silent > SILENT_S:
+            return f"sent nothing for {silent:.0f}s (limit --engine-hang-timeout {limit:g}s): hung"
+        return (f"has been in one {busy.busy} for {busy.busy_s:.0f}s, {busy.overrun_s:.0f}s past its budget of "
+                f"{busy.budget_s:.0f}s (limit --engine-hang-timeout {limit:g}s past it): hung")
 
     async def stop(self) -> None:
         if self._watch is not None:

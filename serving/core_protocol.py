@@ -12,7 +12,10 @@ a schema for the same). Messages are tuples whose first item is their kind:
                     (REPLY, call_id, error, value)               error: None or encode_error(...)
                     (UPDATES, updates, stats, metrics)           after every engine step (and when a
                                                                  request fails off the engine)
-                    (BEAT, stats, metrics)                       while idle, so a hang shows
+                    (BEAT, stats, metrics)                       while idle (the engine thread)
+                    (PULSE, pulse)                               every 0.5 s from a thread of its own,
+                                                                 steps or not: what the engine thread is
+                                                                 doing and its budget (engine/step_clock.py)
 
 An update is (request_id, new_token_ids, finish_reason, cached_tokens, error, handover_s[,
 logprobs, prompt_logprobs]): one request's tokens of that step; `error` (None or
@@ -34,7 +37,8 @@ import grpc
 from baton.engine.block_manager import KVCacheFull
 from baton.serving.grpc_server import ServiceError, status_for
 
-INIT, CALL, HELLO, FATAL, REPLY, UPDATES, BEAT = "init", "call", "hello", "fatal", "reply", "updates", "beat"
+INIT, CALL, HELLO, FATAL, REPLY, UPDATES, BEAT, PULSE = (
+    "init", "call", "hello", "fatal", "reply", "updates", "beat", "pulse")
 FRAME = struct.Struct("!I")
 SOCKET_BUFFER_BYTES = 4 << 20      # a front that falls behind by a few steps never blocks the engine
 

@@ -23,6 +23,7 @@ import importlib
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from baton.serving.core_protocol import (
     CALL,
     FATAL,
     HELLO,
+    PULSE,
     REPLY,
     UPDATES,
     CoreStats,
@@ -54,6 +56,7 @@ from baton.serving.logs import setup_logging
 from baton.serving.worker_config import WorkerConfig
 
 BEAT_INTERVAL_S = 0.5              # an idle core still says it is alive this often
+PULSE_INTERVAL_S = 0.5             # and, busy or not, says what its engine thread is doing
 STOP_TIMEOUT_S = 10.0
 
 Emit = Callable[[tuple], None]
@@ -86,6 +89,7 @@ class EngineCore:
         self.metrics = MetricEvents()
         self._last_emit = 0.0
         self._sent_stats: CoreStats | None = None
+        self._pulsing = threading.Event()
 
     @property
     def llm(self) -> LLMEngine:
@@ -104,8 +108,26 @@ class EngineCore:
         self.engine = AsyncEngine(llm, loop)
         self.engine.on_step = self._stepped
         self.engine.on_idle = self._idle
+        self._pulsing.set()
+        threading.Thread(target=self._pulse, name="baton-pulse", daemon=True).start()
+        if self.cfg.fault_hooks:
+            hold_steps_on_signal(llm)
         await self.start_transport()
         return self.hello()
+
+    def _pulse(self) -> None:
+        """Its own thread: the engine thread's activity every PULSE_INTERVAL_S, whatever that thread
+        is doing, so the front tells a long step from a hung one (and a stopped process by silence)."""
+        clock = self.llm.clock
+        while self._pulsing.is_set():
+            try:
+                if self.engine.error is not None:      # the step loop died (a device OOM, a bug): so does the core
+                    self.emit((FATAL, f"failed: its engine thread raised {self.engine.error!r}"))
+                    return
+                self.emit((PULSE, clock.pulse()))
+            except OSError:              # the front is gone: the core is ending anyway
+                return
+            time.sleep(PULSE_INTERVAL_S)
 
     async def start_transport(self) -> None:
         """The role's KV plane (decode: the receivers' server; prefill: nothing until a push)."""
@@ -136,6 +158,7 @@ class EngineCore:
 
     async def stop(self) -> None:
         """Release the KV plane (device communicators), then stop the engine."""
+        self._pulsing.clear()
         await self.stop_transport()
         if self.engine is not None:
             self.engine.shutdown()
@@ -179,6 +202,21 @@ class EngineCore:
         if stats != self._sent_stats or now - self._last_emit >= BEAT_INTERVAL_S:
             self._last_emit, self._sent_stats = now, stats
             self.emit((BEAT, stats, self.metrics.take()))
+
+
+def hold_steps_on_signal(llm: LLMEngine) -> None:
+    """Tests (--fault-hooks): SIGUSR1 makes the next model step hang inside itself, its pulse still
+    going (an endless loop, a deadlocked collective), until SIGUSR2."""
+    held = threading.Event()
+    launch = llm.runner.launch
+
+    def held_launch(*args, **kwargs):
+        while held.is_set():
+            time.sleep(0.05)
+        return launch(*args, **kwargs)
+    llm.runner.launch = held_launch
+    signal.signal(signal.SIGUSR1, lambda *_: held.set())
+    signal.signal(signal.SIGUSR2, lambda *_: held.clear())
 
 
 # -- the core's own process ------------------------------------------------------------------

@@ -31,7 +31,6 @@ from baton.v1 import worker_pb2
 log = logging.getLogger("baton.worker")
 EXIT_FLUSH_S = 0.5                 # a dead core's streams get their error out before the worker exits
 STEP_WINDOW = 512                  # recent steps the reported step p99 is taken over
-SILENT_REPORTED_S = 1.0            # a core quiet this long is reported stalled (it beats every 0.5 s)
 
 
 class EngineWorker:
@@ -129,14 +128,15 @@ class EngineWorker:
 
     # -- shared RPC bodies ------------------------------------------------------------------
     def status(self) -> worker_pb2.WorkerStatus:
-        s, info = self.core.stats, self.info
+        s, info, busy = self.core.stats, self.info, self.core.busy()
         return worker_pb2.WorkerStatus(
             role=self.cfg.role, model=info["model"], running=s.running, waiting=s.waiting,
             kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free, block_size=info["block_size"],
             max_model_len=info["max_model_len"], kv_backends=self.kv_backends(), device=self.cfg.engine.device,
             draining=bool(self.server and self.server.draining), requests_served=self.requests_served,
             kv_address=info.get("kv_address", ""), step_p99_ms=self.step_p99() * 1e3,
-            stalled_seconds=silent if (silent := self.core.silent_seconds()) > SILENT_REPORTED_S else 0.0)
+            stalled_seconds=self.core.stalled_seconds(), busy_seconds=busy.busy_s, busy_budget_seconds=busy.budget_s,
+            busy_tokens=busy.tokens, seconds_per_token=busy.seconds_per_token)
 
     def step_p99(self) -> float:
         """Seconds: the p99 of the engine's recent steps (0 before any)."""

@@ -50,9 +50,10 @@ class WorkerConfig:
     kv_options: dict = field(default_factory=dict)   # the KV backends' own flags, by dest (kvtransfer/registry.py)
     gil_switch_ms: float | None = None  # sys.setswitchinterval for the engine thread and event loop
     engine_process: bool | None = None  # the engine core in its own process (None: unless --kv-backend memory)
-    engine_hang_timeout: float = 30.0   # a core silent this long (no step, no idle beat) is hung: the worker ends
+    engine_hang_timeout: float = 30.0   # a core silent, or this long past its step's budget, is hung: the worker ends
     kv_port: int = 0                    # decode: where the core's KV services listen (0: a free port)
     engine_core: str = ""               # "module:Class" of the engine core (unset: the role's own)
+    fault_hooks: bool = False           # tests: SIGUSR1 holds the core's next step until SIGUSR2 (a hang inside a step)
     engine: EngineConfig = field(default_factory=EngineConfig)
     log_level: str = "info"
     log_format: str = "text"
@@ -243,13 +244,16 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
          "in a process of its own, apart from the RPCs and token streams (unset: yes, except with --kv-backend "
          "memory, which needs one process)")
     flag(g, "--engine-hang-timeout", type=float, default=30.0,
-         help="seconds the engine core may go without a step or an idle heartbeat before the worker counts it "
-              "hung and exits, so its streams move elsewhere (0: never)")
+         help="seconds the engine core may stay silent (a stopped process), or stay in one step past that step's "
+              "budget (its expected cost from the worker's own recent steps x 10, at least 5 s), before the worker "
+              "counts it hung and exits, so its streams move elsewhere (0: never)")
     flag(g, "--kv-port", type=int, default=0, help="decode: the port the engine core takes KV pushes on "
                                                    "(0: a free one, told to prefill workers at admission)")
     flag(g, "--engine-core", default="", hidden=True,
          help="TEST ONLY: the engine core to run, module:Class (unset: the role's own; `baton bench relay` runs a "
               "synthetic token source here)")
+    flag(g, "--fault-hooks", type=bool, default=False, hidden=True,
+         help="TEST ONLY: SIGUSR1 to the engine core holds its next model step (inside the step) until SIGUSR2")
     for backend_flag in registry.all_flags():
         flag(g, backend_flag.name, **backend_flag.kwargs)
 
@@ -290,7 +294,7 @@ def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig
                        kv_options={f.dest: getattr(args, f.dest) for f in registry.all_flags()},
                        gil_switch_ms=args.gil_switch_ms,
                        engine_process=args.engine_process, engine_hang_timeout=args.engine_hang_timeout,
-                       kv_port=args.kv_port, engine_core=args.engine_core,
+                       kv_port=args.kv_port, engine_core=args.engine_core, fault_hooks=args.fault_hooks,
                        engine=engine_config_from_args(args), log_level=args.log_level, log_format=args.log_format)
     cfg.validate()
     return cfg

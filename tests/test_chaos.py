@@ -71,7 +71,7 @@ def link():
 def cluster(tmp_path_factory, link):
     metrics_port = free_port()
     c = Cluster.launch(tmp_path_factory.mktemp("logs"), prefill=2, decode=2,
-                       worker_args=["--num-kv-blocks", "256", "--grace", "60"],
+                       worker_args=["--num-kv-blocks", "256", "--grace", "60", "--fault-hooks"],
                        router_args=["--policy", "round_robin", "--first-token-timeout", str(FIRST_TOKEN_TIMEOUT_S),
                                     "--grace", "60", "--metrics-port", str(metrics_port)],
                        extra={"decode-0": ["--kv-port", str(link.kv_port), "--kv-advertise", link.address]})
@@ -241,9 +241,8 @@ def _losses(cluster, how: str) -> float:
 
 def test_a_hung_engine_core_behind_a_live_front_is_left(cluster, known_long, reliability):
     """Only the engine core stops (a hung device, say): the front still answers health checks, but
-    reports the core silent; past the worker's hang limit (5 s here: its steps are short) the router
-    leaves it and its streams migrate. After SIGCONT the core catches up, every block is freed, the
-    worker rejoins. (First of the hang tests: a stopped step inflates the step p99 the limit scales with.)"""
+    reports the core silent (its pulse stopped); past the router's 5 s grace it leaves the worker and
+    its streams migrate. After SIGCONT the core catches up, every block is freed, the worker rejoins."""
     victim = cluster.worker("decode-1")
     hung = _losses(cluster, "hung")
     load = story_load(cluster, known_long)
@@ -261,6 +260,31 @@ def test_a_hung_engine_core_behind_a_live_front_is_left(cluster, known_long, rel
     leaked = settle(cluster)
     reliability.record("SIGSTOP decode's engine core only (24 streams), SIGCONT after", out, leaked_blocks=leaked,
                        client_stall_s=round(load.longest_gap_s, 2))
+    assert leaked == 0 and _losses(cluster, "hung") == hung + 1
+
+
+def test_an_engine_core_stuck_inside_one_step_is_left(cluster, known_long, reliability):
+    """The core is held inside one model step (--fault-hooks' SIGUSR1: an endless loop, a deadlocked
+    collective): it still pulses, but the step runs past its budget (its expected cost x 10, at
+    least 5 s: these steps take milliseconds), so after the router's grace the worker is left and
+    its streams migrate. SIGUSR2 lets the step end: every block is freed, the worker rejoins."""
+    victim = cluster.worker("decode-1")
+    hung = _losses(cluster, "hung")
+    load = story_load(cluster, known_long)
+    load.wait_streaming(5)
+    [core] = children(victim.popen.pid)
+    os.kill(core, signal.SIGUSR1)
+    try:
+        out = load.wait()
+    finally:
+        os.kill(core, signal.SIGUSR2)
+    out.assert_clean()
+    assert out.completed == out.sent == 24, out
+    assert load.longest_gap_s < 14.0, load.longest_gap_s        # the budget's floor, the grace, a round, the move
+    cluster.wait_health(victim.address, healthy=True)
+    leaked = settle(cluster)
+    reliability.record("decode's engine core held inside one step (24 streams), released after", out,
+                       leaked_blocks=leaked, client_stall_s=round(load.longest_gap_s, 2))
     assert leaked == 0 and _losses(cluster, "hung") == hung + 1
 
 
