@@ -16,6 +16,7 @@ import collections
 import contextlib
 import itertools
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -110,3 +111,39 @@ class Admission:
             if not waiter.done():
                 self._take()
                 waiter.set_result(None)
+
+
+class KVWaitLine:
+    """Requests that fit the model but not the decode KV free right now wait here instead of
+    failing: first come, first served (a request keeps its place across tries), each until a
+    decode worker reports room for it or its deadline passes. At most `max_waiting` wait; beyond
+    that a request is refused with RESOURCE_EXHAUSTED and a retry hint."""
+
+    POLL_S = 0.25                    # the workers' status is refreshed every 0.5 s
+
+    def __init__(self, max_waiting: int):
+        self.max_waiting = max_waiting
+        self.line: list[int] = []    # tickets of those waiting, in arrival order
+        self._tickets = itertools.count()
+        self.waits = 0               # requests that waited at least once
+        self.refused = 0
+
+    def ticket(self) -> int:
+        return next(self._tickets)
+
+    async def wait(self, ticket: int, fits: Callable[[], bool], deadline: float) -> None:
+        """Until `ticket` is first in line and `fits()`; TimeoutError at `deadline`."""
+        if ticket not in self.line and len(self.line) >= self.max_waiting:
+            self.refused += 1
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"out of KV cache memory and {len(self.line)} requests already wait for it; retry later",
+                               retry_after=1.0)
+        bisect.insort(self.line, ticket)
+        loop = asyncio.get_running_loop()
+        try:
+            while not (self.line[0] == ticket and fits()):
+                if loop.time() >= deadline:
+                    raise TimeoutError("the request's deadline passed while it waited for KV cache memory")
+                await asyncio.sleep(min(self.POLL_S, max(0.0, deadline - loop.time())))
+        finally:
+            self.line.remove(ticket)

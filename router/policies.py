@@ -1,7 +1,8 @@
 """Routing policies: which healthy worker gets the next request.
 
 `round_robin` cycles; `least_loaded` takes the worker with the fewest queued + running
-requests, breaking ties by free KV; `prefix_aware` sends prompts that share their first
+requests, breaking ties by free KV (for prefill: the least expected work, the prompt tokens
+queued there times its measured time per token, so a slow worker gets less but is never left); `prefix_aware` sends prompts that share their first
 block(s) to the same prefill worker (rendezvous hashing, so a worker leaving moves only
 its own prefixes) and places decode by load.
 """
@@ -37,7 +38,12 @@ class RoundRobin(Policy):
 class LeastLoaded(Policy):
     name = "least_loaded"
 
+    def __init__(self, role: str = "decode"):
+        self.by_work = role == "prefill"
+
     def pick(self, workers, prompt):
+        if self.by_work:
+            return min(workers, key=lambda w: (w.expected_wait(), w.load(), w.address))
         return min(workers, key=lambda w: (w.load(), -w.kv_free_fraction(), w.address))
 
 
@@ -56,4 +62,4 @@ def make_policy(name: str, role: str) -> Policy:
         return RoundRobin()
     if name == "prefix_aware" and role in ("prefill", "colocated"):
         return PrefixAware()
-    return LeastLoaded()
+    return LeastLoaded(role)

@@ -9,10 +9,12 @@ retired: it takes no new request, and its channel closes when its last stream ha
 A worker that fails a health check, a status call or a real request is marked unhealthy at
 once and leaves rotation; the checker keeps probing it and a recovered worker returns. One that
 stops answering (a hang: the check times out), is gone (unreachable), or whose engine core has
-made no progress for max(HANG_FLOOR_S, HANG_STEPS x its step p99) is also *lost*: what this router
-runs there is taken away at once (its token bus is closed, so its streams migrate; attempts
-waiting on it fail over), and a hang is counted apart from a death. A draining worker is only
-out of rotation: its streams finish there.
+been stalled for HANG_GRACE_S (silent, or that long past the budget of the step it is in: the
+worker judges its own steps against their expected cost, serving/core_client.py) is also *lost*:
+what this router runs there is taken away at once (its token bus is closed, so its streams
+migrate; attempts waiting on it fail over), and a hang is counted apart from a death. A worker
+that is merely busy (one long prompt on a CPU) is neither: it stays in rotation, and routing
+weighs the work queued there. A draining worker is only out of rotation: its streams finish there.
 """
 from __future__ import annotations
 
@@ -35,10 +37,10 @@ from baton.v1 import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, worker_pb2
 log = logging.getLogger("baton.router")
 CHECK_INTERVAL_S = 0.5                # with the timeout: a hung worker is left within ~2 s
 CHECK_TIMEOUT_S = 1.5
-# An engine core silent for max(HANG_FLOOR_S, HANG_STEPS x its step p99) is hung; a running stream
-# with no token for max(STALL_FLOOR_S, STALL_STEPS x step p99) moves. The caps bound what one slow
-# (or stopped) step does to the p99 the limits scale with.
-HANG_FLOOR_S, HANG_STEPS, HANG_CAP_S = 5.0, 10, 15.0
+# An engine core reported stalled for HANG_GRACE_S is hung. A running stream with no token for
+# max(STALL_FLOOR_S, STALL_STEPS x step p99) moves, unless a step in progress there explains the
+# wait; the cap bounds what one slow (or stopped) step does to the p99 the limit scales with.
+HANG_GRACE_S = 5.0
 STALL_FLOOR_S, STALL_STEPS, STALL_CAP_S = 10.0, 20, 30.0
 RESOLVE_INTERVAL_S = 5.0
 KV_WARM_TIMEOUT_S = 60.0              # one pair's KV warm-up (a device pair's communicator may take seconds)
@@ -84,6 +86,7 @@ class Worker:
     healthy: bool = False
     status: worker_pb2.WorkerStatus = field(default_factory=worker_pb2.WorkerStatus)
     inflight: int = 0                             # requests this router has sent and not finished
+    inflight_tokens: int = 0                      # ...and their prompt tokens (the work queued there)
     last_error: str = ""
     last_seen: float = 0.0
     retired: bool = False                         # gone from DNS: no new requests, closed once idle
@@ -123,8 +126,22 @@ class Worker:
             self.bus.close(f"{self.role} worker {self.address} {reason}")
 
     def hang_limit(self) -> float:
-        """Seconds its engine may go without progress before it counts as hung."""
-        return min(HANG_CAP_S, max(HANG_FLOOR_S, HANG_STEPS * self.status.step_p99_ms / 1e3))
+        """Seconds its engine may be reported stalled before it counts as hung."""
+        return HANG_GRACE_S
+
+    def busy_for(self) -> float:
+        """Seconds its engine has been in its current step, as of the last status (0: idle, or
+        not within that step's budget: a stalled step explains nothing)."""
+        s = self.status
+        if not self.healthy or s.stalled_seconds > 0:
+            return 0.0
+        return s.busy_seconds + (time.monotonic() - self.last_seen if self.last_seen else 0.0)
+
+    def expected_wait(self) -> float:
+        """Seconds the work this router queued here should take (prompt tokens x the worker's
+        recent time per token); the token count where the worker has not measured one yet."""
+        per_token = self.status.seconds_per_token
+        return self.inflight_tokens * per_token if per_token > 0 else float(self.inflight_tokens)
 
     def stall_limit(self) -> float:
         """Seconds a running stream here may go without a token before it moves elsewhere (a stuck

@@ -9,6 +9,7 @@ other workers; a worker lost after that is survived by migrating the stream to a
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -21,7 +22,7 @@ from baton.engine.structured_output import StructuredOutput
 from baton.kvtransfer import registry as kv_registry
 from baton.models.multimodal import ImagePlaceholders
 from baton.router import tokens, tool_calls, validation
-from baton.router.admission import Admission
+from baton.router.admission import Admission, KVWaitLine
 from baton.router.chat_output import ChatOutput
 from baton.router.config import RouterConfig
 from baton.router.images import ImagePolicy
@@ -29,7 +30,7 @@ from baton.router.migration import Ledger
 from baton.router.policies import make_policy
 from baton.router.registry import KVPairs, Registry, Worker
 from baton.router.token_bus import SUBSCRIBER, BusBroken, Inbox, StreamStalled
-from baton.serving.grpc_server import ServiceError
+from baton.serving.grpc_server import KV_FULL, ServiceError
 from baton.serving.metrics import observe_many
 from baton.serving.security import TokenAuth
 from baton.serving.wire import STATUS_BY_NUMBER, sampling_to_proto
@@ -40,6 +41,7 @@ MAX_ATTEMPTS = 3
 ABORT_TIMEOUT_S = 2.0
 MAX_STREAM_INTERVAL_S = 0.1            # paced streams still get a message at least this often
 MIN_STREAM_INTERVAL_S = 0.002          # shorter waits buy nothing (a step is longer)
+STALL_SLACK_S = 1.0                    # a status is up to a check round old
 # a worker lost under a running stream (crashed, killed, drained): the stream may migrate
 MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED,
@@ -57,6 +59,7 @@ class Active:
     finished: bool = False
     attempt: int = -1                   # attempts so far (retries and migrations), from 0
     images: list[router_pb2.Image] = field(default_factory=list)   # the chat's, sent with every (re-)prefill
+    kv_ticket: int | None = None        # its place in the line for decode KV, once it has waited there
 
     @property
     def worker_id(self) -> str:
@@ -152,6 +155,7 @@ class RouterService:
         self.colocated_policy = make_policy(cfg.policy, "colocated")
         self.active: dict[str, Active] = {}
         self.admission = Admission(cfg.max_inflight, cfg.max_queued, cfg.queue_timeout, cfg.max_per_client)
+        self.kv_line = KVWaitLine(cfg.max_queued)
         self.auth = TokenAuth(cfg.auth_tokens) if cfg.auth_tokens else None
         self.server = None                  # the grpc_server.Server, whose `draining` we honour
         self.metrics = None
@@ -321,7 +325,9 @@ class RouterService:
         """Worker chunks for one prompt; failures before the first chunk are retried elsewhere."""
         loop = asyncio.get_running_loop()
         last: AttemptFailed | None = None
-        for _ in range(MAX_ATTEMPTS):
+        attempts = 0
+        while attempts < MAX_ATTEMPTS:
+            attempts += 1
             active.attempt += 1
             if loop.time() >= deadline:
                 raise TimeoutError(f"request {active.request_id} passed its deadline before starting")
@@ -336,6 +342,9 @@ class RouterService:
             except AttemptFailed as exc:
                 last = exc
                 await self._abort_on_workers([c for c in active.calls if c[1] == active.worker_id])
+                if _kv_full(exc) and await self._wait_for_kv(active, len(ids), deadline, tried):
+                    attempts -= 1                # a wait for room, not a failed try
+                    continue
                 tried.update(w.address for w in exc.suspects)
                 if exc.worker is not None:
                     tried.add(exc.worker.address)
@@ -346,6 +355,28 @@ class RouterService:
                     break
         code = last.code if last else grpc.StatusCode.UNAVAILABLE
         raise ServiceError(code, f"request {active.request_id} failed on every worker tried: {last}")
+
+    async def _wait_for_kv(self, active: Active, prompt_len: int, deadline: float, tried: set[str]) -> bool:
+        """A decode worker had no room for the prompt's KV: wait in line (router/admission.py) until
+        one reports room, then the next try goes there. False if no decode worker could ever hold it."""
+        def short_of_room() -> set[str]:
+            return {w.address for w in decode if w.status.kv_blocks_free < _blocks(prompt_len, w)}
+        decode = self.registry.healthy("decode")
+        if not any(_blocks(prompt_len, w) <= w.status.kv_blocks_total for w in decode):
+            return False
+        if active.kv_ticket is None:
+            active.kv_ticket = self.kv_line.ticket()
+            self.kv_line.waits += 1
+            log.info("request %s: no decode worker has KV room for its %d prompt tokens now; waiting (%d in line)",
+                     active.request_id, prompt_len, len(self.kv_line.line) + 1)
+
+        def fits() -> bool:
+            nonlocal decode
+            decode = self.registry.healthy("decode")
+            return len(short_of_room()) < len(decode)
+        await self.kv_line.wait(active.kv_ticket, fits, deadline)
+        tried.update(short_of_room())                 # the next pick goes where there is room
+        return True
 
     def _pick(self, role: str, policy, ids, tried: set[str]) -> Worker:
         workers = self.registry.healthy(role, tried) or self.registry.healthy(role)
@@ -383,7 +414,7 @@ class RouterService:
         # the KV must land, and the prefill end, before the first token is due: bounded whatever the deadline
         handover = min(self.cfg.first_token_timeout, deadline - loop.time())
         inbox = await self._listen(d, rid, handover)
-        prefill = None
+        prefill = first = None
         try:
             try:
                 admit = await d.stub.Admit(decode_pb2.AdmitRequest(
@@ -398,23 +429,11 @@ class RouterService:
                 images=active.images, handoff=prefill_pb2.Handoff(
                     decode_address=admit.kv_address or d.address, transfer_id=admit.transfer_id,
                     backend=admit.backend)), timeout=handover))
-            prefill.add_done_callback(_retrieve)
-            first_by = loop.time() + min(self.cfg.first_token_timeout, deadline - loop.time())
+            p.inflight_tokens += len(ids)
+            prefill.add_done_callback(functools.partial(_unqueue, p, len(ids)))
             first = asyncio.ensure_future(inbox.next())
             first.add_done_callback(_retrieve)           # abandoned on a failed attempt: no warning
-            p_lost = asyncio.ensure_future(p.lost.wait())    # a hung prefill worker: fail over at once
-            await asyncio.wait({prefill, first, p_lost}, timeout=max(0.0, first_by - loop.time()),
-                               return_when=asyncio.FIRST_COMPLETED)
-            p_lost.cancel()
-            if prefill.done() and prefill.exception() is not None and not first.done():
-                first.cancel()
-                raise _failed(prefill.exception(), p, "prefill")
-            if p.lost.is_set() and not first.done():
-                first.cancel()
-                raise AttemptFailed(grpc.StatusCode.UNAVAILABLE, f"prefill worker {p.address} was left: "
-                                    f"{p.last_error}", p)
-            if not first.done():
-                await asyncio.wait({first}, timeout=max(0.0, first_by - loop.time()))
+            await self._await_first(first, prefill, p, loop.time() + handover)
             if not first.done():
                 first.cancel()
                 if loop.time() >= deadline:
@@ -426,9 +445,30 @@ class RouterService:
             async for rest in self._relay(chunk, inbox, d, deadline):
                 yield rest
         finally:
-            if prefill is not None and not prefill.done():
-                prefill.cancel()
+            for fut in (prefill, first):            # an attempt abandoned mid-wait leaves no task behind
+                if fut is not None and not fut.done():
+                    fut.cancel()
             d.bus.unregister(rid)
+
+    async def _await_first(self, first: asyncio.Future, prefill: asyncio.Future, p: Worker, first_by: float) -> None:
+        """Until the first token is back, the prefill failed, its worker was left (a hung prefill worker:
+        fail over at once), or `first_by` (a stalled handover)."""
+        loop = asyncio.get_running_loop()
+        p_lost = asyncio.ensure_future(p.lost.wait())
+        try:
+            while not first.done() and loop.time() < first_by:
+                pending = {first, p_lost} | ({prefill} if not prefill.done() else set())
+                await asyncio.wait(pending, timeout=max(0.0, first_by - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if prefill.done() and prefill.exception() is not None and not first.done():
+                    first.cancel()
+                    raise _failed(prefill.exception(), p, "prefill")
+                if p.lost.is_set() and not first.done():
+                    first.cancel()
+                    raise AttemptFailed(grpc.StatusCode.UNAVAILABLE, f"prefill worker {p.address} was left: "
+                                        f"{p.last_error}", p)
+        finally:
+            p_lost.cancel()
 
     async def _colocated(self, active: Active, ids, sampling, deadline, tried):
         loop = asyncio.get_running_loop()
@@ -468,12 +508,7 @@ class RouterService:
             if pace:
                 await inbox.gather(pace)
             try:
-                chunk = await inbox.next(deadline, asyncio.get_running_loop().time() + worker.stall_limit())
-            except StreamStalled as exc:            # the worker answers its health checks: only this stream moves
-                if self.metrics:
-                    self.metrics.stream_stalls.labels(worker.role).inc()
-                raise StreamBroke(exc.code, f"{worker.role} worker {worker.address} sent no token for "
-                                            f"{worker.stall_limit():.0f}s", worker) from None
+                chunk = await self._next_chunk(inbox, worker, deadline)
             except BusBroken as exc:
                 chunk = decode_pb2.TokenChunk(error_code=exc.code.value[0], error_message=str(exc))
             if chunk.error_code:
@@ -484,6 +519,24 @@ class RouterService:
                 if code in MIGRATABLE:
                     raise StreamBroke(code, what, worker)
                 raise ServiceError(code, what)
+
+    async def _next_chunk(self, inbox: Inbox, worker: Worker, deadline: float):
+        """The stream's next chunk. No token for the worker's stall limit moves the stream (the worker
+        answers its health checks: only this stream is stuck), unless a step in progress there has
+        lasted about as long, within its budget: then the whole worker is busy, not this stream stuck."""
+        loop = asyncio.get_running_loop()
+        waited_from = loop.time()
+        while True:
+            try:
+                return await inbox.next(deadline, loop.time() + worker.stall_limit())
+            except StreamStalled as exc:
+                busy = worker.busy_for()
+                if busy > 0 and busy >= loop.time() - waited_from - STALL_SLACK_S:
+                    continue
+                if self.metrics:
+                    self.metrics.stream_stalls.labels(worker.role).inc()
+                raise StreamBroke(exc.code, f"{worker.role} worker {worker.address} sent no token for "
+                                            f"{loop.time() - waited_from:.0f}s", worker) from None
 
     def _pace(self) -> float:
         """Seconds a stream waits between two messages to its client, so that all of them together
@@ -530,6 +583,22 @@ def kv_backend(prefill: Worker, decode: Worker) -> str:
     """The best KV transport both workers speak ("": let the decode worker choose); the rules
     (preference, which backends two workers on one accelerator may use) are the registry's."""
     return kv_registry.pick(prefill.status.kv_backends, decode.status.kv_backends, _same_accelerator(prefill, decode))
+
+
+def _kv_full(exc: AttemptFailed) -> bool:
+    """A decode worker refused the request for want of free KV blocks (it may have them later)."""
+    return exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and KV_FULL in str(exc) and exc.worker is not None \
+        and exc.worker.role == "decode"
+
+
+def _blocks(prompt_len: int, w: Worker) -> int:
+    """KV blocks a decode worker reserves for a prompt (its tokens and the first generated one)."""
+    size = w.status.block_size or 16
+    return -(-(prompt_len + 1) // size)
+
+
+def _unqueue(w: Worker, tokens: int, _fut: asyncio.Future) -> None:
+    w.inflight_tokens -= tokens
 
 
 def _same_accelerator(a: Worker, b: Worker) -> bool:

@@ -68,6 +68,7 @@ class ServiceError(Exception):
 
 
 RETRY_AFTER_KEY = "retry-after-ms"
+KV_FULL = "out of KV cache memory"       # how a KVCacheFull reads on the wire (the router waits for room)
 
 
 def retry_after_ms(metadata) -> int | None:
@@ -84,7 +85,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, KVCacheFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of KV cache memory: {exc}; retry later or elsewhere"
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{KV_FULL}: {exc}; retry later or elsewhere"
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
     if isinstance(exc, asyncio.CancelledError):
