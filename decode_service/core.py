@@ -58,6 +58,7 @@ class DecodeHandoff(KVHandoff):
     def has_landed(self) -> bool:
         return bool(self._landed)
 
+MIN_STAGED_BYTES = 256 << 20         # the least staging room a device worker keeps (one long prompt's KV)
 
 @dataclass(slots=True)
 class Reservation:
@@ -86,6 +87,10 @@ class DecodeCore(EngineCore):
         auth = KVPeerAuth(cfg.kv_secret) if cfg.kv_secret else None
         store_host = (cfg.kv_advertise or "").rpartition(":")[0] or cfg.host   # direct pairs' rendezvous
         kv_cache = self.llm.runner.kv_cache if cfg.engine.tp_size == 1 else None    # (TP: one rank's heads here)
+        if self.llm.runner.device.type != "cpu":
+            # device backends stage incoming KV in device memory: what the KV cache left, not a fixed 4 GiB
+            free, _ = self.llm.platform.memory_info()
+            self.pending.max_staged_bytes = max(MIN_STAGED_BYTES, min(self.pending.max_staged_bytes, free // 2))
         self.receivers = registry.make_receivers(cfg.kv_backend, registry.ReceiverContext(
             self.pending, self.layout, self.llm.platform, self.kv_address, store_host, auth, cfg.kv_options,
             kv_cache=kv_cache))
@@ -177,7 +182,8 @@ class DecodeCore(EngineCore):
         self.reservations.pop(rid, None)
         self.metrics.add("kv_transfer_failures", 1, "receive")
         self.engine.abort(rid, hold_as=transfer_id if self.pending.held(transfer_id) else None)
-        error = ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV handover failed: {reason}")
+        # ABORTED: the transfer failed, not this worker (the router retries without leaving it)
+        error = ServiceError(grpc.StatusCode.ABORTED, f"KV handover failed: {reason}")
         self.send_updates([(rid, [], None, 0, encode_error(error), 0.0)])
 
     # -- what the front hears (engine thread) ----------------------------------------------------

@@ -117,11 +117,19 @@ class _Control:
         self._spawn(inc, self._stage(tid, inc))   # may wait for staging room: never in the reader
 
     async def _stage(self, tid: str, inc: _Incoming) -> None:
+        pending = self.r.pending
         try:
-            await self.r.pending.stage(inc.t, lambda n: torch.empty(n, dtype=torch.uint8, device=self.r.device))
-            self.r.pending.check_active(inc.t)
+            await pending.stage(inc.t, lambda n: torch.empty(n, dtype=torch.uint8, device=self.r.device))
+            pending.check_active(inc.t)
         except TransferRejected as exc:
             self.end(tid, str(exc), exc.code)
+            return
+        except torch.OutOfMemoryError:
+            # the device has less room than the staging limit assumed (a peak of transfers at once): refuse this
+            # one as overload, which the router retries, rather than let the error end the pair's control task
+            log.warning("no device memory to stage the %d-byte KV of transfer %s (%d bytes staged): refused",
+                        inc.t.nbytes, tid, pending.staged_bytes)
+            self.end(tid, f"no device memory to stage the KV of transfer {tid}", Code.RESOURCE_EXHAUSTED)
             return
         inc.ready = True
         self.say(Ack(kind=Ack.KIND_READY, transfer_id=tid))
