@@ -30,6 +30,7 @@ from baton.benchmarks.flags import parse_lengths, parse_slos
 from baton.benchmarks.flags import split as _split
 from baton.benchmarks.goodput import SLO, Outcome, Probe, Search, probe_plan, slo_pairs
 from baton.benchmarks.step_cost import StepCost
+from baton.serving.options import flag
 
 SCHEMA = "baton.plan/v1"
 DEFAULT_TP_SPEEDUP = 1.5           # TP2 against one device: assumed (one device cannot measure it)
@@ -75,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--search-tolerance", type=float, default=0.05, help="as bench serve --goodput")
     p.add_argument("--jobs", type=int, default=None, help="processes simulating in parallel (default: cores, <= 8)")
     p.add_argument("--seed", type=int, default=0)
+    flag(p, "--tokenizer", help="tokenizer directory for the profiled engine (unset: the model's; presets: the "
+                                "embedded model's)")
     p.add_argument("--output", default=None, help="write the plan's JSON here")
 
 
@@ -114,12 +117,14 @@ def engine_settings(args: argparse.Namespace) -> dict:
     """The engine knobs the profile is measured under: the workers' batch limit and token budget."""
     flags = shlex.split(args.worker_args or "")
     out = {}
-    for flag, key in (("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens")):
+    for name, key in (("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens")):
         value = getattr(args, key, None)
-        if value is None and flag in flags and flags.index(flag) + 1 < len(flags):
-            value = int(flags[flags.index(flag) + 1])
+        if value is None and name in flags and flags.index(name) + 1 < len(flags):
+            value = int(flags[flags.index(name) + 1])
         if value is not None:
             out[key] = value
+    if getattr(args, "tokenizer", None):
+        out["tokenizer"] = args.tokenizer
     return out
 
 
