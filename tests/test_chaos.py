@@ -275,17 +275,32 @@ def test_an_engine_core_stuck_inside_one_step_is_left(cluster, known_long, relia
     [core] = children(victim.popen.pid)
     os.kill(core, signal.SIGUSR1)
     try:
+        budget = _held_step_budget(victim)
         out = load.wait()
     finally:
         os.kill(core, signal.SIGUSR2)
     out.assert_clean()
     assert out.completed == out.sent == 24, out
-    assert load.longest_gap_s < 14.0, load.longest_gap_s        # the budget's floor, the grace, a round, the move
+    assert budget < 60, budget                       # decode steps of milliseconds: a budget of seconds
+    # the step's budget, the router's grace, a check round and the move (on a loaded box steps run slower,
+    # so their budget grows with them: the bound is the detector's own)
+    assert load.longest_gap_s < budget + 9.0, (load.longest_gap_s, budget)
     cluster.wait_health(victim.address, healthy=True)
     leaked = settle(cluster)
     reliability.record("decode's engine core held inside one step (24 streams), released after", out,
                        leaked_blocks=leaked, client_stall_s=round(load.longest_gap_s, 2))
     assert leaked == 0 and _losses(cluster, "hung") == hung + 1
+
+
+def _held_step_budget(victim: Proc, timeout: float = 10.0) -> float:
+    """The budget the worker reports for the step its core is held in."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = victim.status()
+        if status.busy_seconds > 1.0:
+            return status.busy_budget_seconds
+        time.sleep(0.2)
+    raise AssertionError("the core was never seen inside a held step")
 
 
 def test_a_hung_decode_worker_is_left_within_seconds(cluster, known_long, reliability):
