@@ -380,7 +380,7 @@ def test_a_prefill_peer_that_dies_mid_transfer_frees_the_decode_blocks_and_fails
             return ticket, err.value
     ticket, err = asyncio.run(main())
     assert ticket.history == [KVState.RESERVED, KVState.RECEIVING, KVState.FREED]
-    assert err.code is grpc.StatusCode.UNAVAILABLE and "gave it up" in str(err)
+    assert err.code is grpc.StatusCode.ABORTED and "gave it up" in str(err)
 
 
 def test_a_reservation_nobody_fills_is_reclaimed_at_its_deadline():
