@@ -131,9 +131,11 @@ def _causal_attention(q, keys, values, scale):
     which skips the masked half and never builds the [Tq, Tk] scores (6-10x the masked SDPA at
     2-7k tokens on two cores). Past cached context, the context and the new tokens attend apart and
     are merged by their log-sum-exps: exact, where a boolean mask would send SDPA down its slow path.
-    float32 only (the CPU's dtype): narrower caches keep the masked path."""
+    float32 histories of FUSED_MIN_TOKENS or more only: the rest keep the masked path."""
     tq, tk, hq = q.shape[0], keys.shape[0], q.shape[1]
-    if keys.dtype != torch.float32:      # bf16/fp16: the masked path, whose rounding the NPU emulation shares
+    if keys.dtype != torch.float32 or tk < FUSED_MIN_TOKENS:
+        # bf16/fp16: the masked path, whose rounding the NPU emulation shares; short histories too, where the
+        # fused kernel saves little and its different summation order moved a tiny MoE's expert choice in tests
         return _masked_attention(q, keys, values, scale)
     q4 = q.transpose(0, 1).unsqueeze(0).to(keys.dtype)
     k4, v4 = (_per_query_head(t, hq) for t in (keys, values))
@@ -165,6 +167,8 @@ def _per_query_head(t: torch.Tensor, hq: int) -> torch.Tensor:
     """[T, Hkv, D] -> [1, Hq, T, D], each kv head repeated for its group of query heads."""
     return t.transpose(0, 1).repeat_interleave(hq // t.shape[1], dim=0).unsqueeze(0)
 
+
+FUSED_MIN_TOKENS = 512       # histories at least this long take the fused kernel
 
 # torch's fused CPU attention, with the log-sum-exp the context/new merge needs (None: not this torch)
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
