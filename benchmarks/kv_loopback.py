@@ -316,9 +316,9 @@ async def _decode_side(dst_device: str, max_staged_bytes: int, backend: str = "d
     try:
         yield pending, port, receivers[-1]
     finally:
+        await server.stop(10)            # calls under way (the last DONE going out) finish first
         for r in receivers:
             await r.close()
-        await server.stop(0)
 
 
 def _direct_layout(backend: str = "direct", layout: dict | None = None):
