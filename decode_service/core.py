@@ -58,7 +58,6 @@ class DecodeHandoff(KVHandoff):
     def has_landed(self) -> bool:
         return bool(self._landed)
 
-MIN_STAGED_BYTES = 256 << 20         # the least staging room a device worker keeps (one long prompt's KV)
 
 @dataclass(slots=True)
 class Reservation:
@@ -87,10 +86,9 @@ class DecodeCore(EngineCore):
         auth = KVPeerAuth(cfg.kv_secret) if cfg.kv_secret else None
         store_host = (cfg.kv_advertise or "").rpartition(":")[0] or cfg.host   # direct pairs' rendezvous
         kv_cache = self.llm.runner.kv_cache if cfg.engine.tp_size == 1 else None    # (TP: one rank's heads here)
-        if self.llm.runner.device.type != "cpu":
-            # device backends stage incoming KV in device memory: what the KV cache left, not a fixed 4 GiB
-            free, _ = self.llm.platform.memory_info()
-            self.pending.max_staged_bytes = max(MIN_STAGED_BYTES, min(self.pending.max_staged_bytes, free // 2))
+        # device backends stage incoming KV in device memory: at most half what the KV cache left
+        free = self.llm.platform.memory_info()[0] if self.llm.runner.device.type != "cpu" else None
+        self.pending.max_staged_bytes = registry.buffer_bytes(cfg.kv_options, free)
         self.receivers = registry.make_receivers(cfg.kv_backend, registry.ReceiverContext(
             self.pending, self.layout, self.llm.platform, self.kv_address, store_host, auth, cfg.kv_options,
             kv_cache=kv_cache))

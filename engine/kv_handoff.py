@@ -181,6 +181,12 @@ class KVHandoff:
         just ran, packed in `piece`; called once per block, in order, the last piece with the
         first token. An exception stops the request's hand-off (it gets no more pieces)."""
 
+    def may_admit(self) -> bool:
+        """Prefill side: may the engine start another prompt? False while the packed KV not yet
+        sent is over its bound (the pieces live in device memory outside the KV cache); the
+        service wakes the engine once it drains. Asked by the scheduler on every step."""
+        return True
+
     def take_landed(self) -> list[KVTicket]:
         """Decode side: tickets that reached LANDED since the last call; the engine joins each
         at the start of its next step (a ticket that moved on meanwhile, e.g. FREED, is skipped)."""

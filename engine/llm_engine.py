@@ -98,6 +98,7 @@ class LLMEngine:
         # 256 on an H100 host); the offline API turns it off and decodes each output once
         self.stream_text = True
         self.handoff = handoff or KVHandoff()     # the services' hook; the base class hands nothing off
+        self.scheduler.may_admit = lambda: self.handoff.may_admit()
         self.placeholders = ImagePlaceholders.from_config(self.source.hf_config)   # None: a text-only model
         # asynchronous scheduling: on accelerators by default (the CPU gains nothing: its kernels
         # run on the host); one rank only, since other tensor-parallel ranks don't sample

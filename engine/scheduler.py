@@ -8,6 +8,7 @@ brings most of them back). The policy (scheduling_policy.py) orders both queues.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.engine.block_manager import BlockManager
@@ -63,6 +64,7 @@ class Scheduler:
         self.waiting = make_queue(config.policy)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.may_admit: Callable[[], bool] = lambda: True    # False: no waiting sequence starts (KVHandoff.may_admit)
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -87,7 +89,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Something to schedule: a running sequence, or a waiting one that may start now."""
+        return bool(self.running) or (bool(self.waiting) and self.may_admit())
 
     # -- scheduling -------------------------------------------------------------------------
     def schedule(self, preempt: bool = True) -> SchedulerOutput | None:
@@ -148,6 +151,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.may_admit():
+            return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if not seq.block_table:

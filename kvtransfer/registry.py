@@ -102,8 +102,28 @@ def pick(prefill: list[str], decode: list[str], same_accelerator: bool) -> str:
     return min(usable, key=lambda s: s.preference).name if usable else ""
 
 
+# flags of every backend: the device memory KV in flight may take on each side of a transfer
+BUFFER_MIB = 4096
+BUFFER_FLOOR_BYTES = 256 << 20        # the least an accelerator keeps (one long prompt's KV)
+COMMON_FLAGS = (
+    BackendFlag("--kv-buffer-mib", dict(type=int, default=BUFFER_MIB, help=(
+        "device memory for KV in flight, per worker: on a prefill worker the packed KV not yet sent (past it, "
+        "no new prompt starts until it drains), on a decode worker the staging of incoming KV (past it, a "
+        "transfer waits for room); on an accelerator at most half the memory the KV cache left"))),
+)
+
+
 def all_flags() -> list[BackendFlag]:
-    return [f for s in SPECS.values() for f in s.flags]
+    return [*COMMON_FLAGS, *(f for s in SPECS.values() for f in s.flags)]
+
+
+def buffer_bytes(options: dict[str, Any], free_device_bytes: int | None) -> int:
+    """--kv-buffer-mib in bytes; on an accelerator (`free_device_bytes` given: what the KV cache
+    left) at most half of that, yet never under BUFFER_FLOOR_BYTES."""
+    limit = int(options.get("kv_buffer_mib", BUFFER_MIB)) << 20
+    if free_device_bytes is not None:
+        limit = max(BUFFER_FLOOR_BYTES, min(limit, free_device_bytes // 2))
+    return limit
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import replace
 
@@ -45,19 +46,61 @@ DROPPED_REMEMBERED = 256        # requests whose late KV was dropped, remembered
 
 class PrefillHandoff(KVHandoff):
     """The prefill worker's half of the engine's seam: each piece goes to its request's
-    transfer on the event loop (the engine thread only queues it)."""
+    transfer on the event loop (the engine thread only queues it).
+
+    Packed pieces live in device memory outside the KV cache until they are sent, so their
+    bytes are bounded (`limit`, --kv-buffer-mib): past it the engine starts no new prompt
+    (`may_admit`) until sends drain them; prompts already running go on. A decode side slow
+    to take KV thus holds prompts in this worker's queue, not in its memory."""
 
     def __init__(self):
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.wake = lambda: None                 # the engine's: step now (set by the core)
         self.sinks: dict[str, asyncio.Queue] = {}
         self.dropped: dict[str, None] = {}      # (insertion-ordered: the oldest goes first)
+        self.limit = registry.BUFFER_MIB << 20
+        self.unsent: dict[str, int] = {}        # request id -> bytes packed and not yet sent
+        self.unsent_bytes = 0
+        self.holding = False
+        self._lock = threading.Lock()           # the engine thread adds, the event loop subtracts
 
     def on_prompt_kv(self, piece: KVPiece) -> None:
         sink = self.sinks.get(piece.request_id)
         if sink is None:
             self._drop(piece.request_id)
             return
+        with self._lock:
+            self.unsent[piece.request_id] = self.unsent.get(piece.request_id, 0) + _nbytes(piece.data)
+            self.unsent_bytes += _nbytes(piece.data)
         self.loop.call_soon_threadsafe(sink.put_nowait, piece)
+
+    def may_admit(self) -> bool:
+        admit = self.unsent_bytes < self.limit
+        if not admit and not self.holding:
+            log.info("%d MiB of packed KV waits to be sent (the bound is %d MiB, --kv-buffer-mib): new prompts "
+                     "wait here until the decode side takes it", self.unsent_bytes >> 20, self.limit >> 20)
+        self.holding = not admit
+        return admit
+
+    def sent(self, rid: str, piece: KVPiece) -> None:
+        """`piece` of `rid` has gone out (its bytes are the backend's now)."""
+        self._settle(rid, _nbytes(piece.data))
+
+    def forget(self, rid: str) -> None:
+        """`rid` ended: whatever of it was packed and not sent is dropped with it."""
+        self._settle(rid, None)
+
+    def _settle(self, rid: str, nbytes: int | None) -> None:
+        with self._lock:
+            held = self.unsent.pop(rid, 0)
+            freed = held if nbytes is None else min(nbytes, held)
+            if held - freed > 0:
+                self.unsent[rid] = held - freed
+            was_full = self.unsent_bytes >= self.limit
+            self.unsent_bytes -= freed
+            drained = was_full and self.unsent_bytes < self.limit
+        if drained:
+            self.wake()
 
     def _drop(self, rid: str) -> None:
         """A piece of a request whose prefill ended meanwhile (aborted, timed out, its push failed):
@@ -86,6 +129,9 @@ class PrefillCore(EngineCore):
 
     async def start_transport(self) -> None:
         self.handoff.loop = asyncio.get_running_loop()
+        self.handoff.wake = self.engine.wake
+        free = self.llm.platform.memory_info()[0] if self.llm.runner.device.type != "cpu" else None
+        self.handoff.limit = registry.buffer_bytes(self.cfg.kv_options, free)
         self.layout = self.kv_layout()
 
     async def stop_transport(self) -> None:
@@ -175,6 +221,7 @@ class PrefillCore(EngineCore):
             raise self._push_failed(address, backend, exc) from exc
         finally:
             self.handoff.sinks.pop(rid, None)
+            self.handoff.forget(rid)
             for task in (streaming, prefill):
                 task.cancel()
             if streaming.done() and not streaming.cancelled() and streaming.exception() is None:
@@ -207,7 +254,9 @@ class PrefillCore(EngineCore):
         outgoing = await sender.open(transfer, timeout)
         try:
             while not outgoing.token_sent:
-                await outgoing.piece(await pieces.get())
+                piece = await pieces.get()
+                await outgoing.piece(piece)
+                self.handoff.sent(piece.request_id, piece)
         except BaseException as exc:
             outgoing.abandon(f"{exc!r}" if not isinstance(exc, asyncio.CancelledError) else "prefill aborted")
             raise
@@ -258,6 +307,11 @@ class PrefillCore(EngineCore):
         if handshake is not None and not handshake.done():
             handshake.cancel()
         return _close(self.senders.pop(key, None), self.channels.pop(key, None))
+
+
+def _nbytes(data) -> int:
+    """A packed piece's bytes (a uint8 tensor, or bytes on the CPU path)."""
+    return int(getattr(data, "nbytes", None) or len(data))
 
 
 def _retrieve(fut: asyncio.Future) -> None:

@@ -70,6 +70,8 @@ class WorkerConfig:
         if self.kv_options.get("kv_fault_stall_s", 0.0) < 0 or (self.gil_switch_ms is not None
                                                                 and self.gil_switch_ms <= 0):
             raise ValueError("--kv-fault-stall-s must be >= 0 and --gil-switch-ms > 0")
+        if self.kv_options.get("kv_buffer_mib", registry.BUFFER_MIB) < 1:
+            raise ValueError(f"--kv-buffer-mib must be >= 1, got {self.kv_options['kv_buffer_mib']}")
         clash = port_clash([(self.port, "--port (gRPC)"), (self.metrics_port or 0, "--metrics-port"),
                             (self.kv_port, "--kv-port")])
         if clash:

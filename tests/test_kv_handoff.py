@@ -249,6 +249,40 @@ def test_a_failing_hook_ends_the_prefill_with_its_blocks_freed(engine, hook):
     assert out.finished and "could not be handed off" in out.error and ticket.state is KVState.FREED
 
 
+def test_packed_kv_over_its_bound_holds_new_prompts_until_it_is_sent(engine):
+    """The prefill worker's bound on packed, unsent KV (device memory outside the cache): past it
+    no new prompt starts, the one running goes on, and the engine idles (no busy loop) until
+    the sends drain it; then the held prompt runs. Every block comes back."""
+    from baton.prefill_service.core import PrefillHandoff
+    handoff = engine.handoff = PrefillHandoff()
+    handoff.loop = asyncio.new_event_loop()
+    woken = []
+    handoff.wake = lambda: woken.append(True)
+    handoff.limit = 1                                  # one packed block is over it
+    try:
+        for rid in ("a", "b"):
+            handoff.sinks[rid] = asyncio.Queue()
+            engine.add_request(fresh_prompt(), SamplingParams(temperature=0, max_tokens=1), request_id=rid,
+                               hand_off_kv=True)
+        a, b = engine.kv_ticket("a"), engine.kv_ticket("b")
+        while a.state is not KVState.PREFILLED:
+            engine.step()
+        assert b.state is KVState.QUEUED and handoff.unsent_bytes > 0 and handoff.holding
+        assert not engine.has_work, "a held prompt must not make the engine spin"
+        assert not woken
+        handoff.forget("a")                            # a's pieces went out (or it ended)
+        assert woken and engine.has_work and handoff.unsent_bytes == 0
+        while engine.has_unfinished:
+            engine.step()
+        assert b.state is KVState.PREFILLED
+        handoff.forget("b")
+        assert handoff.unsent_bytes == 0 and not handoff.unsent
+    finally:
+        handoff.loop.close()
+        engine.handoff = Hook()
+    assert free(engine) == engine.block_manager.num_blocks
+
+
 # -- both services in one process, over the in-memory backend ---------------------------------
 def core(worker):
     """A worker's engine core (on this event loop: the in-memory backend keeps both in one process)."""
@@ -328,6 +362,27 @@ def test_a_memory_handoff_runs_every_state_and_gives_back_every_block():
     assert admitted.backend == "memory" and len(tokens) == 4 and tokens[0] == reply.first_token
     assert ticket.history == [KVState.RESERVED, KVState.RECEIVING, KVState.LANDED, KVState.JOINED,
                               KVState.FINISHED]
+
+
+def test_prompts_held_by_the_packed_kv_bound_all_finish_with_every_block_back(caplog):
+    """Four prefills at once through a bound of one byte: each waits for the one before it to
+    be sent, all four stream their tokens, and nothing stays packed or held."""
+    async def main():
+        async with workers() as (prefill, decode):
+            core(prefill).handoff.limit = 1
+            rids = [f"h{i}" for i in range(4)]
+            admitted = [await admit(decode, rid) for rid in rids]
+            streams = [asyncio.ensure_future(collect(decode, rid)) for rid in rids]
+            replies = await asyncio.gather(*(prefill.prefill(prefill_request(rid, a))
+                                             for rid, a in zip(rids, admitted)))
+            tokens = await asyncio.gather(*streams)
+            await idle(prefill, decode)
+            return replies, tokens, core(prefill).handoff
+    with caplog.at_level("INFO", logger="baton.prefill"):
+        replies, tokens, handoff = asyncio.run(main())
+    assert [len(t) for t in tokens] == [4] * 4 and [t[0] for t in tokens] == [r.first_token for r in replies]
+    assert handoff.unsent_bytes == 0 and not handoff.unsent
+    assert "new prompts wait here" in caplog.text
 
 
 async def admitted_with_sender(decode, rid: str):

@@ -43,8 +43,17 @@ def test_a_worker_speaks_its_backend_and_grpc_and_serves_their_services():
 def test_backend_flags_come_from_their_spec_and_reach_the_backend_as_options():
     args = build_parser("decode").parse_args(["--kv-backend", "direct", "--kv-nccl", "torch"])
     cfg = worker_config_from_args(args, "decode")
-    assert cfg.kv_options == {"kv_nccl": "torch", "kv_fault_stall_s": 0.0}
+    assert cfg.kv_options == {"kv_buffer_mib": registry.BUFFER_MIB, "kv_nccl": "torch", "kv_fault_stall_s": 0.0}
     assert set(cfg.kv_options) == {f.dest for f in registry.all_flags()}
+
+
+def test_the_kv_buffer_is_the_flag_bounded_by_half_the_free_device_memory_with_a_floor():
+    cfg = worker_config_from_args(build_parser("prefill").parse_args(["--kv-buffer-mib", "512"]), "prefill")
+    assert registry.buffer_bytes(cfg.kv_options, None) == 512 << 20            # the CPU: the flag
+    assert registry.buffer_bytes(cfg.kv_options, 600 << 20) == 300 << 20       # half of what the cache left
+    assert registry.buffer_bytes(cfg.kv_options, 100 << 20) == registry.BUFFER_FLOOR_BYTES
+    with pytest.raises(ValueError, match="--kv-buffer-mib must be >= 1, got 0"):
+        worker_config_from_args(build_parser("prefill").parse_args(["--kv-buffer-mib", "0"]), "prefill")
 
 
 def test_a_backend_whose_package_is_missing_is_refused_with_how_to_install_it(monkeypatch):
