@@ -359,23 +359,21 @@ class RouterService:
     async def _wait_for_kv(self, active: Active, prompt_len: int, deadline: float, tried: set[str]) -> bool:
         """A decode worker had no room for the prompt's KV: wait in line (router/admission.py) until
         one reports room, then the next try goes there. False if no decode worker could ever hold it."""
-        def short_of_room() -> set[str]:
+        def short_of_room(decode: list[Worker]) -> set[str]:
             return {w.address for w in decode if w.status.kv_blocks_free < _blocks(prompt_len, w)}
-        decode = self.registry.healthy("decode")
-        if not any(_blocks(prompt_len, w) <= w.status.kv_blocks_total for w in decode):
+
+        def fits() -> bool:
+            decode = self.registry.healthy("decode")
+            return len(short_of_room(decode)) < len(decode)
+        if not any(_blocks(prompt_len, w) <= w.status.kv_blocks_total for w in self.registry.healthy("decode")):
             return False
         if active.kv_ticket is None:
             active.kv_ticket = self.kv_line.ticket()
             self.kv_line.waits += 1
             log.info("request %s: no decode worker has KV room for its %d prompt tokens now; waiting (%d in line)",
                      active.request_id, prompt_len, len(self.kv_line.line) + 1)
-
-        def fits() -> bool:
-            nonlocal decode
-            decode = self.registry.healthy("decode")
-            return len(short_of_room()) < len(decode)
         await self.kv_line.wait(active.kv_ticket, fits, deadline)
-        tried.update(short_of_room())                 # the next pick goes where there is room
+        tried.update(short_of_room(self.registry.healthy("decode")))     # the next pick goes where there is room
         return True
 
     def _pick(self, role: str, policy, ids, tried: set[str]) -> Worker:
