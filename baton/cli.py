@@ -18,7 +18,7 @@ commands:
   router     the public gRPC router
   prefill    a prefill worker
   decode     a decode worker (--colocated: a worker doing both)
-  bench      benchmarks: offline | serve | kv
+  bench      benchmarks: {bench}
   plan       which prefill/decode split of N devices serves a workload best at a TTFT and TPOT target
 
   baton --version    the installed version
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     quiet_grpc()            # before a command imports grpc: it reads GRPC_VERBOSITY then
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
+        print(usage())
         sys.exit(0 if argv else 2)
     if argv[0] in ("--version", "-V", "version"):
         from baton import __version__
@@ -38,9 +38,15 @@ def main(argv: list[str] | None = None) -> None:
     cmd, rest = argv[0], argv[1:]
     run = _command(cmd)
     if run is None:
-        print(f"baton: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        print(f"baton: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
     run(rest)
+
+
+def usage() -> str:
+    """USAGE, its `bench` line read from the one list of `baton bench` verbs."""
+    from baton.benchmarks.cli import VERBS
+    return USAGE.format(bench=VERBS)
 
 
 def _command(name: str):

@@ -1,4 +1,4 @@
-"""`baton bench offline | serve | kv`: run one benchmark, write one JSON.
+"""`baton bench <benchmark>`: run one benchmark, write one JSON.
 
 Every run records the command line, git commit, model shape, dtype, devices, versions and
 the device ceilings measured in the same run; `--smoke` is each benchmark's seconds-long
@@ -20,6 +20,7 @@ BENCHMARKS = {
     "kv": ("baton.benchmarks.kv", "B3: KV-transfer latency and bandwidth per backend and request size"),
     "relay": ("baton.benchmarks.relay", "tokens per second one router process relays (synthetic workers)"),
 }
+VERBS = " | ".join(BENCHMARKS)      # "offline | serve | kv | relay": every help text that lists them reads this
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -34,9 +35,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="baton bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="baton bench", description=__doc__.replace("<benchmark>", VERBS, 1),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="benchmark", required=True, metavar="{offline,serve,kv}")
+    sub = p.add_subparsers(dest="benchmark", required=True, metavar="{" + ",".join(BENCHMARKS) + "}")
     for name, (module_name, summary) in BENCHMARKS.items():
         if selected is not None and name != selected:
             sub.add_parser(name, help=summary)

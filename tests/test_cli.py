@@ -86,6 +86,24 @@ def test_client_help_has_no_server_flags_and_bench_says_what_smoke_launches():
     assert "--smoke with neither --addr nor --launch/--topologies launches its own 1p1d" in " ".join(serve.split())
 
 
+def test_every_listing_of_the_bench_verbs_names_the_same_ones():
+    """`baton --help`, `baton bench --help`, the README and docs/benchmarks.md all list
+    `BENCHMARKS`' verbs, in its order (relay once went missing from two of them)."""
+    import re
+
+    from baton.benchmarks.cli import BENCHMARKS
+    from baton.benchmarks.cli import build_parser as bench_parser
+    from baton.cli import usage
+    verbs = list(BENCHMARKS)
+    listed = [usage(), bench_parser(selected="").format_help()]
+    listed += [(REPO / doc).read_text() for doc in ("README.md", "docs/benchmarks.md")]
+    for text in listed:
+        found = re.findall(r"(?:bench|benchmarks:) +\{?(\w+(?: *[|/,] *\w+){2,})", text)
+        assert found, text[:200]
+        for names in found:
+            assert re.split(r" *[|/,] *", names) == verbs, names
+
+
 def test_log_records_read_as_the_progress_lines_and_lines_stay_whole():
     import io
     import logging
