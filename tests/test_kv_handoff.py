@@ -374,7 +374,7 @@ def test_prompts_held_by_the_packed_kv_bound_all_finish_with_every_block_back(ca
             admitted = [await admit(decode, rid) for rid in rids]
             streams = [asyncio.ensure_future(collect(decode, rid)) for rid in rids]
             replies = await asyncio.gather(*(prefill.prefill(prefill_request(rid, a))
-                                             for rid, a in zip(rids, admitted)))
+                                             for rid, a in zip(rids, admitted, strict=True)))
             tokens = await asyncio.gather(*streams)
             await idle(prefill, decode)
             return replies, tokens, core(prefill).handoff
