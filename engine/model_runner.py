@@ -28,6 +28,7 @@ from baton.engine.warm_up import dummy_prompt, warm_up
 from baton.engine.weights import load_model, model_dtype
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.decoder import DecoderForCausalLM
+from baton.models.layers.rotary import check_max_model_len
 from baton.models.source import ModelSource, resolve_model
 
 __all__ = ["ModelRunner", "cpu_kv_cache_default"]     # (benchmarks/offline_transformers.py imports the second)
@@ -48,6 +49,7 @@ class ModelRunner:
         self.platform.bind_thread()          # the engine thread binds itself too (AsyncEngine)
         self.source = source or resolve_model(config.model, config.cache_dir, config.tokenizer, config.revision)
         hf = self.source.hf_config
+        check_max_model_len(hf, config.max_model_len)        # before loading: rope scaling bounds it
         self.dtype = model_dtype(config, self.platform)
         self.vocab_size = hf.vocab_size
         self.model, self.quantization = load_model(config, self.source, self.platform, self.dtype, tp_rank, tp_group)

@@ -28,7 +28,7 @@ from baton.models.forward_context import ForwardContext
 from baton.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from baton.models.layers.linear import QKVParallelLinear, ReplicatedLinear, TPInfo
 from baton.models.layers.norm import RMSNorm
-from baton.models.layers.rotary import RotaryEmbedding, rope_parameters
+from baton.models.layers.rotary import RotaryEmbedding, context_length, rope_parameters
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -115,9 +115,11 @@ class Eagle3Head(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, None, dtype) if own_embedding else None
         self._target_embedding: list[nn.Module] = []      # (a list: not a submodule, not in the head's weights)
         theta, scaling = rope_parameters(config)
-        # (published heads may say a shorter context than their target serves: the table covers the target's)
+        # (published heads may say a shorter context than their target serves: the table covers the target's,
+        # rope-scaled reach included)
         positions = max(config.max_position_embeddings, target_config.max_position_embeddings)
-        rotary = RotaryEmbedding(head_dim_of(config), positions, theta, scaling)
+        reach = context_length(target_config.max_position_embeddings, rope_parameters(target_config)[1])
+        rotary = RotaryEmbedding(head_dim_of(config), positions, theta, scaling, length=reach)
         self.midlayer = Eagle3Layer(config, cache_layer, ops, dtype, rotary)
         self.norm = RMSNorm(h, config.rms_norm_eps, ops, dtype)
         self.lm_head = ParallelLMHead(self.draft_vocab_size, h, None, dtype)

@@ -135,7 +135,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(g, "--block-size", type=int, default=e.block_size, help="tokens per KV block")
     flag(g, "--max-num-seqs", type=int, default=e.max_num_seqs, help="sequences in one batch")
     flag(g, "--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens, help="tokens in one step")
-    flag(g, "--max-model-len", type=int, help="context length (unset: the model's, capped by the KV cache)")
+    flag(g, "--max-model-len", type=int, help="context length (unset: the model's, capped by the KV cache); a rope_scaling "
+         "(yarn, dynamic, linear) in config.json lets it reach past max_position_embeddings, "
+         "e.g. to 131072 for Qwen3 with YaRN factor 4")
     flag(g, "--num-kv-blocks", type=int, help="exact KV cache size in blocks (unset: from the memory budget)")
     flag(g, "--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization,
          help="share of accelerator memory for weights, activations and the KV cache")
