@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = parser("baton generate", "stream a completion from a router", usage='baton generate "PROMPT" [flags]')
     p.add_argument("prompt", help="the prompt (sent as a user chat message unless --raw)")
     flag(p, "--addr", default="127.0.0.1:50051", help="the router's address")
-    flag(p, "--auth-token", "--token", env="BATON_AUTH_TOKEN", help="bearer token, when the router requires one")
+    flag(p, "--auth-token", "--token", help="bearer token, when the router requires one")
     flag(p, "--auth-token-file", help="the router's --auth-token-file (or one like it): its first token is sent")
     flag(p, "--timeout", type=float, default=300.0, help="seconds the whole request may take")
     r = p.add_argument_group("the request")

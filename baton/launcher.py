@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from baton import preflight
+from baton import environment, preflight
 from baton.client import baton_command
 from baton.router.config import add_auth_and_limits, add_chat, add_generation_config, add_http_api
 from baton.router.config import build_parser as router_parser
@@ -96,7 +96,7 @@ def serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)        # this process's lines read as its children's
     # the file's settings are in `args` now and reach each process as flags (passed_on): the file
     # itself, a `baton serve` file, is read by no router or worker parser (here or in a child)
-    os.environ.pop("BATON_CONFIG", None)
+    environment.unset(environment.twin("--config"))
     if args.planner:
         code = apply_plan(args)
         if code:
@@ -120,7 +120,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"baton serve: {', '.join(taken)} in use (another Baton stack?): stop it, or pick other ports "
               "with --port / --http-port / --metrics-port", file=sys.stderr)
         return 1
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = environment.for_children(PYTHONUNBUFFERED="1")
     if "cpu" in (args.device, args.prefill_devices, args.decode_devices):
         # CPU workers share the machine's cores: oversubscribed torch threads crawl
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(workers))))
@@ -323,7 +323,8 @@ def try_curl(args, url: str) -> str:
 def _token_var(args) -> str | None:
     """The variable the --auth-token came from, if it did: the hints name the token, never print it
     (these lines end up in logs)."""
-    return "$BATON_AUTH_TOKEN" if os.environ.get("BATON_AUTH_TOKEN") == args.auth_token else None
+    var = environment.twin("--auth-token")
+    return f"${var}" if environment.get(var) == args.auth_token else None
 
 
 def _path(path: str) -> str:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import sys
 import time
 from collections.abc import MutableMapping
 
+from baton import environment
 from baton.progress import TAG, Flattened, redraws
 from baton.serving.options import flag
 
@@ -107,13 +107,13 @@ def json_line(line: str) -> str:
     return record("WARNING", "stderr", line)
 
 
-def quiet_grpc(env: MutableMapping[str, str] = os.environ) -> MutableMapping[str, str]:
-    """GRPC_VERBOSITY=ERROR in `env` unless it is set (a user's own setting stays); returns `env`.
+def quiet_grpc(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
+    """GRPC_VERBOSITY=ERROR in `env` (unset: this process's environment) unless it is set (a user's
+    own setting stays); returns `env`.
     Unset, gRPC's C core writes its INFO lines to stderr in a format of its own (`Got goaway`
     at every stop); it reads the variable once, when grpc is imported, so each entry point calls
     this before that, and children inherit it."""
-    env.setdefault("GRPC_VERBOSITY", GRPC_VERBOSITY)
-    return env
+    return environment.set_default("GRPC_VERBOSITY", GRPC_VERBOSITY, env)
 
 
 def add_log_args(p) -> None:

@@ -8,33 +8,31 @@ lists them all in one table generated from the parsers themselves:
 
 Config objects (`WorkerConfig`, `RouterConfig`, `EngineConfig`) are built from the parsed
 flags and validated once; nothing below reads the environment. (The table itself is made by
-`baton.configuration`, at the top, since it needs every command's parser.)
+`baton.configuration`, at the top, since it needs every command's parser.) The variables are
+read through baton/environment.py, the one module that touches the environment.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
+
+from baton import environment
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off", "")
 
 
-def env_name(flag: str) -> str:
-    return "BATON_" + flag.lstrip("-").upper().replace("-", "_")
-
-
-def flag(p, *names: str, default=None, type=str, help: str, env: str | None = None, hidden: bool = False,
-         **kw) -> argparse.Action:
-    """Add an option whose default comes from its environment variable when that is set.
+def flag(p, *names: str, default=None, type=str, help: str, hidden: bool = False, **kw) -> argparse.Action:
+    """Add an option whose default comes from its environment variable (its twin, named after
+    its first name: `--max-waiting`, BATON_MAX_WAITING) when that is set.
 
     `type=bool` makes a switch (`--x` / `--no-x`); everything else takes a value. Help text
     gets the default and the variable appended. A variable that does not parse stops the
     program with a message naming it. `hidden`: a flag for tests and fault injection, left out
     of `--help` (a user reading it meets only what serves them) and shown by `--help-all`."""
-    env = env or env_name(names[0])
-    raw = os.environ.get(env)
+    env = environment.twin(names[0])
+    raw = environment.get(env)
     if type is bool:
         value = default if raw is None else _parse_bool(env, raw)
         action = p.add_argument(*names, action=argparse.BooleanOptionalAction, default=value, help=help, **kw)
@@ -225,8 +223,8 @@ def markdown(commands: dict[str, argparse.ArgumentParser]) -> str:
              "| flag | environment | what it does (default) | commands |", "| --- | --- | --- | --- |"]
     for flags, env, text, cmds in option_rows(commands):
         lines.append(f"| `{flags}` | {f'`{env}`' if env else ''} | {text.replace('|', '/')} | {cmds} |")
-    lines += ["", "Variables without a flag: `BATON_KV_SECRET` (the shared KV secret itself; a flag would show it "
-              "in the process list, so use it or `--kv-secret-file`).", ""]
+    lines += ["", "Variables without a flag: " + "; ".join(f"`{v.name}` ({v.help})" for v in environment.WITHOUT_FLAG)
+              + ".", ""]
     return "\n".join(lines)
 
 

@@ -6,9 +6,9 @@ Torch-free, so `baton prefill --help` answers at once.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
+from baton import environment
 from baton.engine.config import (
     DEFAULT_MODEL,
     FP8_ACCUMULATIONS,
@@ -290,7 +290,7 @@ def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig
     cfg = WorkerConfig(role=role, host=args.host, port=args.port, metrics_port=args.metrics_port,
                        grace_seconds=args.grace, kv_backend=args.kv_backend, max_waiting=args.max_waiting,
                        kv_advertise=args.kv_advertise, advertise_host=args.advertise_host, tls=tls_from_args(args),
-                       kv_secret=load_secret(os.environ.get("BATON_KV_SECRET"), args.kv_secret_file),
+                       kv_secret=load_secret(environment.KV_SECRET.get(), args.kv_secret_file),
                        kv_options={f.dest: getattr(args, f.dest) for f in registry.all_flags()},
                        gil_switch_ms=args.gil_switch_ms,
                        engine_process=args.engine_process, engine_hang_timeout=args.engine_hang_timeout,
