@@ -102,6 +102,7 @@ def _names(values: list[str] | str | None) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = parser("baton router", "Baton's public gRPC router", usage="baton router [MODEL] [flags]")
+    p.not_taken = {"--device": "the router runs no model; give --device to the prefill and decode workers"}
     add_common_args(p, DEFAULT_PORT)
     flag(p, "--prefill", default="", help="prefill workers, HOST:PORT[,HOST:PORT...]; a host name stands for every "
                                           "address it resolves to (a compose service, a headless Service)")

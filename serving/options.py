@@ -108,7 +108,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     """A bad flag is one line (what is wrong), not a usage block longer than the screen. The
-    settings of `--config FILE` (or BATON_CONFIG) become the defaults, so a flag still wins."""
+    settings of `--config FILE` (or BATON_CONFIG) become the defaults, so a flag still wins.
+    `not_taken`: flags a sibling command takes and this one does not, each with the reason, said
+    instead of "unrecognized arguments" (in a --config file too)."""
+
+    not_taken: dict[str, str] = {}
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -120,6 +124,10 @@ class Parser(argparse.ArgumentParser):
         if path:
             self.set_defaults(**config_defaults(self, path))
         ns, rest = super().parse_known_args(args, namespace)
+        for arg in rest:
+            name = arg.split("=", 1)[0]
+            if name in self.not_taken:
+                self.error(f"{name}: {self.not_taken[name]}")
         _take_positional_model(self, ns)
         return ns, rest
 
@@ -169,6 +177,8 @@ def config_defaults(p: argparse.ArgumentParser, path: str) -> dict:
 def _config_value(p: argparse.ArgumentParser, path: str, key: str, value) -> tuple[str, object]:
     option = "--" + key.lstrip("-").replace("_", "-")
     action = p._option_string_actions.get(option)
+    if option in getattr(p, "not_taken", {}):
+        p.error(f"--config {path}: {key}: {p.not_taken[option]}")
     if action is None or option in ("--config", "--help", "--help-all"):
         p.error(f"--config {path}: {key!r} is no setting of {p.prog}; the file takes its flags' long names")
     where = f"--config {path}: {key}"

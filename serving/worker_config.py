@@ -109,7 +109,7 @@ MODEL_HELP = (f"{DEFAULT_MODEL} (embedded, real weights), a Hugging Face Hub nam
 
 
 def add_common_args(p: argparse.ArgumentParser, default_port: int) -> None:
-    """What every Baton server takes: where to listen, which model, which device, metrics, TLS."""
+    """What every Baton server takes: where to listen, which model, metrics, TLS."""
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model (`baton serve Qwen/Qwen3-0.6B`)")
     add_config_arg(p)
     flag(p, "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -118,7 +118,6 @@ def add_common_args(p: argparse.ArgumentParser, default_port: int) -> None:
     flag(p, "--revision", help="Hub models: the branch, tag or commit to serve (unset: main)")
     flag(p, "--tokenizer", help="tokenizer directory to use instead of the model's own (presets: the embedded one's)")
     flag(p, "--cache-dir", help="where converted models and compiled graphs are kept (unset: ~/.cache/baton)")
-    flag(p, "--device", default="cpu", help="cpu, cuda:N or npu:N")
     flag(p, "--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port")
     add_log_args(p)
     add_tls_args(p)
@@ -221,6 +220,7 @@ def engine_dtype(value: str | None) -> str | None:
 
 def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     add_common_args(p, default_port)
+    flag(p, "--device", default="cpu", help="cpu, cuda:N or npu:N")
     add_engine_args(p)
     g = p.add_argument_group("serving and KV transfer")
     flag(g, "--kv-backend", default=registry.DEFAULT, choices=KV_BACKENDS,
