@@ -49,7 +49,7 @@ class WorkerConfig:
     kv_secret: bytes | None = None      # KV peers must prove it in the handshake (kvtransfer/peer_auth.py)
     kv_options: dict = field(default_factory=dict)   # the KV backends' own flags, by dest (kvtransfer/registry.py)
     gil_switch_ms: float | None = None  # sys.setswitchinterval for the engine thread and event loop
-    engine_process: bool | None = None  # the engine core in its own process (None: unless --kv-backend memory)
+    engine_process: bool | None = None  # the engine core in its own process (None: unless the KV backend is in-process)
     engine_hang_timeout: float = 30.0   # a core silent, or this long past its step's budget, is hung: the worker ends
     kv_port: int = 0                    # decode: where the core's KV services listen (0: a free port)
     engine_core: str = ""               # "module:Class" of the engine core (unset: the role's own)
@@ -67,9 +67,9 @@ class WorkerConfig:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.kv_backend not in KV_BACKENDS:
             raise ValueError(f"--kv-backend must be one of {', '.join(KV_BACKENDS)}, got {self.kv_backend!r}")
-        if self.kv_options.get("kv_fault_stall_s", 0.0) < 0 or (self.gil_switch_ms is not None
-                                                                and self.gil_switch_ms <= 0):
-            raise ValueError("--kv-fault-stall-s must be >= 0 and --gil-switch-ms > 0")
+        registry.check_options(self.kv_options)
+        if self.gil_switch_ms is not None and self.gil_switch_ms <= 0:
+            raise ValueError(f"--gil-switch-ms must be > 0, got {self.gil_switch_ms:g}")
         clash = port_clash([(self.port, "--port (gRPC)"), (self.metrics_port or 0, "--metrics-port"),
                             (self.kv_port, "--kv-port")])
         if clash:
@@ -242,7 +242,7 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     flag(g, "--gil-switch-ms", type=float, help="Python's thread switch interval (unset: Python's 5 ms)")
     flag(g, "--engine-process", type=bool, help="run the engine core (step loop, device, KV cache and KV transfers) "
          "in a process of its own, apart from the RPCs and token streams (unset: yes, except with --kv-backend "
-         "memory, which needs one process)")
+         f"{' or '.join(registry.IN_PROCESS_BACKENDS)}, which needs one process)")
     flag(g, "--engine-hang-timeout", type=float, default=30.0,
          help="seconds the engine core may stay silent (a stopped process), or stay in one step past that step's "
               "budget (its expected cost from the worker's own recent steps x 10, at least 5 s), before the worker "
