@@ -27,6 +27,7 @@ from baton.serving.options import flag
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
+LOG_LEVEL, LOG_FORMAT = "info", "text"      # the defaults
 GRPC_VERBOSITY = "ERROR"            # what gRPC's C core writes unless the user's GRPC_VERBOSITY says
 FATAL = re.compile(r"baton [a-z]+( [a-z]+)?: ")       # `baton decode: cannot listen on ...`
 
@@ -118,13 +119,13 @@ def quiet_grpc(env: MutableMapping[str, str] | None = None) -> MutableMapping[st
 
 def add_log_args(p) -> None:
     g = p.add_argument_group("logs")
-    flag(g, "--log-level", default="info", choices=LEVELS,
+    flag(g, "--log-level", default=LOG_LEVEL, choices=LEVELS,
          help=f"the least severe log records written (gRPC's own C-core lines: GRPC_VERBOSITY, unset: {GRPC_VERBOSITY})")
-    flag(g, "--log-format", default="text", choices=FORMATS,
+    flag(g, "--log-format", default=LOG_FORMAT, choices=FORMATS,
          help="text (for people) or json (one object per line, for log collectors)")
 
 
-def setup_logging(level: str = "info", fmt: str = "text") -> None:
+def setup_logging(level: str = LOG_LEVEL, fmt: str = LOG_FORMAT) -> None:
     real = sys.stderr.out if isinstance(sys.stderr, Lines) else sys.stderr     # set up twice: wrap it once
     sys.stderr = Lines(real, json_line if fmt == "json" else None)
     handler = logging.StreamHandler(real)              # a record is written whole, in one write

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import MISSING, fields
 from pathlib import Path
+from types import SimpleNamespace
 
 from baton import environment
 
@@ -50,6 +52,14 @@ def flag(p, *names: str, default=None, type=str, help: str, hidden: bool = False
     if hidden:
         _hide(p, action)
     return action
+
+
+def defaults(config: type) -> SimpleNamespace:
+    """The field defaults of the config dataclass `config`, by field name (a slots dataclass keeps
+    none on the class): a flag takes its default from here, so the default is written once, on
+    its field."""
+    return SimpleNamespace(**{f.name: f.default if f.default is not MISSING else f.default_factory()
+                              for f in fields(config) if f.default is not MISSING or f.default_factory is not MISSING})
 
 
 def _hide(p, action: argparse.Action) -> None:
