@@ -13,16 +13,19 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.serving.grpc_server import open_sync_channel, retry_after_ms
-from baton.serving.options import flag, parser
+from baton.serving.options import defaults, flag, parser
 from baton.serving.security import add_tls_args, load_tokens, tls_from_args
+from baton.serving.server_config import DEFAULT_PORTS, ServerConfig
 from baton.v1 import router_pb2, router_pb2_grpc
+
+DEFAULT_ADDR = f"{defaults(ServerConfig).host}:{DEFAULT_PORTS['router']}"     # where a router listens by default
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = parser("baton generate", "stream a completion from a router", usage='baton generate "PROMPT" [flags]')
     p.add_argument("prompt", help="the prompt (sent as a user chat message unless --raw)")
-    flag(p, "--addr", default="127.0.0.1:50051", help="the router's address")
-    flag(p, "--auth-token", "--token", env="BATON_AUTH_TOKEN", help="bearer token, when the router requires one")
+    flag(p, "--addr", default=DEFAULT_ADDR, help="the router's address")
+    flag(p, "--auth-token", "--token", help="bearer token, when the router requires one")
     flag(p, "--auth-token-file", help="the router's --auth-token-file (or one like it): its first token is sent")
     flag(p, "--timeout", type=float, default=300.0, help="seconds the whole request may take")
     r = p.add_argument_group("the request")

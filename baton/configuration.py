@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 
+from baton import environment
 from baton.client import build_parser as generate_parser
 from baton.launcher import build_parser as serve_parser
 from baton.router.config import build_parser as router_parser
@@ -21,13 +21,8 @@ def all_parsers() -> dict[str, argparse.ArgumentParser]:
 
 def table() -> str:
     """The table with every default as shipped: the BATON_* variables of this shell are ignored."""
-    saved = {k: v for k, v in os.environ.items() if k.startswith("BATON_")}
-    for k in saved:
-        del os.environ[k]
-    try:
+    with environment.shipped():
         return markdown(all_parsers())
-    finally:
-        os.environ.update(saved)
 
 
 if __name__ == "__main__":

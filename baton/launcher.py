@@ -19,15 +19,16 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from baton import preflight
-from baton.client import baton_command
-from baton.router.config import add_auth_and_limits, add_chat, add_generation_config, add_http_api
+from baton import environment, preflight
+from baton.client import DEFAULT_ADDR, baton_command
+from baton.router.config import add_router_args
 from baton.router.config import build_parser as router_parser
 from baton.serving.grpc_server import port_is_free
 from baton.serving.logs import setup_logging
 from baton.serving.options import flag, parser, port_clash
 from baton.serving.processes import START_TIMEOUT_S, WILDCARD_HOSTS, devices_for, free_port
 from baton.serving.security import tls_from_args
+from baton.serving.server_config import DEFAULT_PORTS
 from baton.serving.worker_config import add_worker_args
 from baton.serving.worker_config import build_parser as worker_parser
 from baton.supervisor import Process, Supervisor
@@ -40,7 +41,7 @@ PER_PROCESS = {"host", "port", "metrics_port", "device", "colocated", "prefill",
 def build_parser() -> argparse.ArgumentParser:
     p = parser("baton serve", "router + prefill + decode workers as separate local processes",
                usage="baton serve [MODEL] [flags]")
-    add_worker_args(p, 50051)      # --port is the router's; workers listen on free loopback ports
+    add_worker_args(p, DEFAULT_PORTS["router"])      # --port is the router's; workers listen on free loopback ports
     t = p.add_argument_group("topology")
     flag(t, "--prefill-instances", type=int, default=1, help="prefill workers")
     flag(t, "--decode-instances", type=int, default=1, help="decode workers")
@@ -49,12 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag(t, "--prefill-devices", help="comma list, one per prefill instance (unset: --device)")
     flag(t, "--decode-devices", help="comma list, one per decode instance (unset: --device)")
     add_planner_args(t)
-    add_generation_config(p)
-    add_http_api(p)
-    add_chat(p)
-    add_auth_and_limits(p)
-    flag(p, "--policy", default="least_loaded", choices=("round_robin", "least_loaded", "prefix_aware"),
-         help="how the router picks a worker for a request")
+    add_router_args(p)
     return p
 
 
@@ -96,7 +92,7 @@ def serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)        # this process's lines read as its children's
     # the file's settings are in `args` now and reach each process as flags (passed_on): the file
     # itself, a `baton serve` file, is read by no router or worker parser (here or in a child)
-    os.environ.pop("BATON_CONFIG", None)
+    environment.unset(environment.twin("--config"))
     if args.planner:
         code = apply_plan(args)
         if code:
@@ -120,7 +116,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"baton serve: {', '.join(taken)} in use (another Baton stack?): stop it, or pick other ports "
               "with --port / --http-port / --metrics-port", file=sys.stderr)
         return 1
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = environment.for_children(PYTHONUNBUFFERED="1")
     if "cpu" in (args.device, args.prefill_devices, args.decode_devices):
         # CPU workers share the machine's cores: oversubscribed torch threads crawl
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(workers))))
@@ -294,7 +290,7 @@ def ready_lines(args) -> list[str]:
 
 def try_command(args, address: str) -> str:
     """`baton generate` for this stack, exactly as it must be typed."""
-    flags = "" if address == "127.0.0.1:50051" else f" --addr {address}"
+    flags = "" if address == DEFAULT_ADDR else f" --addr {address}"
     if args.auth_token_file:
         flags += f" --auth-token-file {_path(args.auth_token_file)}"
     elif args.auth_token:
@@ -323,7 +319,8 @@ def try_curl(args, url: str) -> str:
 def _token_var(args) -> str | None:
     """The variable the --auth-token came from, if it did: the hints name the token, never print it
     (these lines end up in logs)."""
-    return "$BATON_AUTH_TOKEN" if os.environ.get("BATON_AUTH_TOKEN") == args.auth_token else None
+    var = environment.twin("--auth-token")
+    return f"${var}" if environment.get(var) == args.auth_token else None
 
 
 def _path(path: str) -> str:

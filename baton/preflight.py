@@ -24,7 +24,7 @@ import sys
 import threading
 from pathlib import Path
 
-from baton import __version__
+from baton import __version__, environment
 from baton.models import hub
 from baton.models import source as model_source
 from baton.models.cache import cache_root
@@ -110,7 +110,7 @@ def cuda_devices() -> int | None:
         return None
     gpus = Path("/proc/driver/nvidia/gpus")
     n = len(list(gpus.iterdir())) if gpus.is_dir() else len(list(Path("/dev").glob("nvidia[0-9]*")))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = environment.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return n
     count = 0

@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from baton import environment
 from baton.serving.processes import START_TIMEOUT_S, Child, free_port, stop_all, wait_serving, worker_command
 
 TOPOLOGIES = ("1p1d", "2colocated", "1colocated")     # the usual ones; any XpYd / Ncolocated is accepted
@@ -142,9 +143,9 @@ def tp_flags(ranks: list[str]) -> list[str]:
 
 
 def _env(workers: list[tuple[str, list[str]]]) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env = environment.for_children(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     on_cpu = sum(device == "cpu" for _, ranks in workers for device in ranks)
-    if on_cpu and "OMP_NUM_THREADS" not in os.environ:
+    if on_cpu and environment.get("OMP_NUM_THREADS") is None:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // on_cpu))
     return env
 

@@ -11,7 +11,6 @@ default each is compiled on its own, as Baton makes them now (engine/structured_
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 
@@ -29,10 +28,11 @@ def main(argv=None) -> None:
     import llguidance.numpy
     from transformers import AutoTokenizer
 
+    from baton.benchmarks import environment as bench_env
     from baton.benchmarks.structured import schema
     from baton.engine.structured_output import StructuredOutput, StructuredOutputs, compiled
     from baton.models.source import resolve_model
-    tokenizer = AutoTokenizer.from_pretrained(os.environ.get("BATON_TOKENIZER") or resolve_model(None).tokenizer_path)
+    tokenizer = AutoTokenizer.from_pretrained(bench_env.tokenizer() or resolve_model(None).tokenizer_path)
     grammars = StructuredOutputs(tokenizer, 151936, [151645])
     grammar = compiled(StructuredOutput.json(schema(8)))
     for threads in (int(t) for t in args.threads.split(",")):

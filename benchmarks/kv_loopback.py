@@ -21,6 +21,7 @@ import sys
 import time
 import zlib
 
+from baton.benchmarks import environment as bench_env
 from baton.engine.kv_handoff import KVPiece
 from baton.engine.platforms import get_platform
 from baton.kvtransfer.grpc_options import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW_BYTES
@@ -420,7 +421,7 @@ def _report_if_stuck() -> None:
     BATON_BENCH_STACKS_S seconds prints every thread's (and again each as many seconds): where
     a stuck transfer waits."""
     faulthandler.enable(file=sys.stderr)
-    after = float(os.environ.get("BATON_BENCH_STACKS_S", "0") or 0)
+    after = bench_env.stacks_after_s()
     if after > 0:
         faulthandler.dump_traceback_later(after, repeat=True, file=sys.stderr)
 

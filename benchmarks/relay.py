@@ -29,6 +29,8 @@ from pathlib import Path
 
 import grpc
 
+from baton import environment
+from baton.benchmarks import environment as bench_env
 from baton.benchmarks import prometheus
 from baton.benchmarks.deployment import wait_ready
 from baton.benchmarks.stats import summarize
@@ -37,7 +39,6 @@ from baton.serving.processes import Child, free_port, stop_all
 from baton.v1 import router_pb2, router_pb2_grpc
 
 SYNTHETIC_CORE = "baton.benchmarks.synthetic_core:SyntheticCore"
-STEP_MS_ENV = "BATON_SYNTHETIC_STEP_MS"     # the synthetic core reads its step interval from it
 
 GOAL_TOK_S = 100_000
 FULL = dict(workers=4, clients=4, streams=1000, max_tokens=2000, step_ms="5", timeout=300.0)
@@ -150,7 +151,7 @@ def launch(args: argparse.Namespace, step_ms: float, tokenizer: str | None, log_
         cmd = [sys.executable, "-m", "baton.decode_service", "--colocated", "--host", host,
                "--port", address.rpartition(":")[2], "--model", args.model, "--engine-core", SYNTHETIC_CORE,
                "--grace", "1", *tok]
-        dep.workers.append(_start(f"worker-{i}", cmd, address, log_dir, {STEP_MS_ENV: f"{step_ms:g}"}))
+        dep.workers.append(_start(f"worker-{i}", cmd, address, log_dir, {bench_env.SYNTHETIC_STEP_MS: f"{step_ms:g}"}))
     for w in dep.workers:
         wait_ready(w, log_dir)
     address, metrics_port = f"{host}:{free_port(host)}", free_port(host)
@@ -166,7 +167,7 @@ def launch(args: argparse.Namespace, step_ms: float, tokenizer: str | None, log_
 
 
 def _start(name: str, cmd: list[str], address: str, log_dir: Path, env: dict | None = None) -> Child:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+    env = environment.for_children(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
     with open(log_dir / f"{name}.log", "ab") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     return Child(name, address, proc)

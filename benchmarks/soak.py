@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import random
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import grpc
 
+from baton import environment
 from baton.serving.processes import free_port
 from baton.v1 import router_pb2, router_pb2_grpc
 
@@ -42,7 +42,7 @@ class Stack:
         self.log_path = log_path
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "baton", "serve", "--port", str(self.port), "--http-port", str(self.http_port),
-             *extra], stdout=subprocess.PIPE, stderr=open(log_path, "wb"), env=dict(os.environ, PYTHONUNBUFFERED="1"))
+             *extra], stdout=subprocess.PIPE, stderr=open(log_path, "wb"), env=environment.for_children(PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and self.popen.poll() is None:
             if "serving on" in self.popen.stdout.readline().decode():

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 import torch
 
+from baton.benchmarks import environment as bench_env
 from baton.engine import DEFAULT_MODEL, LLM, SamplingParams
 
 PASSAGES = [
@@ -203,7 +203,7 @@ def main(argv=None) -> None:
     # speed drifts by more than the differences measured here, and a drift hits both alike
     # the embedded model's requests go through its chat template ($BATON_TOKENIZER, a bare copy of its
     # tokenizer files for random-weight presets, has none: the request would go in as plain text)
-    tokenizer = args.tokenizer or (os.environ.get("BATON_TOKENIZER") if args.model else None)
+    tokenizer = args.tokenizer or (bench_env.tokenizer() if args.model else None)
     engines = {spec: LLM(args.model or DEFAULT_MODEL, tokenizer=tokenizer, device=args.device, max_num_seqs=max_seqs,
                          num_kv_blocks=args.num_kv_blocks, **(spec_extra if spec else {})) for spec in (False, True)}
     st = engines[True].engine.speculator.stats

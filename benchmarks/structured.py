@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -22,6 +21,7 @@ import time
 import torch
 
 from baton.engine import LLM, SamplingParams, StructuredOutput
+from baton.serving.options import flag
 
 
 def schema(min_items: int, name_length: int = 24) -> dict:
@@ -193,8 +193,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--tokenizer", default=os.environ.get("BATON_TOKENIZER"),
-                   help="tokenizer directory (default: $BATON_TOKENIZER, else the model's; presets: the embedded model's)")
+    flag(p, "--tokenizer", help="tokenizer directory (unset: the model's; presets: the embedded model's)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--min-items", type=int, default=64, help="the schema's minimum array length (keeps it open)")

@@ -9,19 +9,17 @@ torch of its own (the core's host module, serving/engine_core.py, still does).
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from baton.benchmarks import environment as bench_env
 from baton.serving.core_protocol import BEAT, CoreStats
 from baton.serving.engine_core import BEAT_INTERVAL_S, EngineCore
 from baton.serving.grpc_server import ServiceError
 
-STEP_MS_ENV = "BATON_SYNTHETIC_STEP_MS"
-DEFAULT_STEP_MS = 5.0
 KV_BLOCKS = 1 << 20                         # made-up KV figures, for the router's load-aware policies
 MAX_MODEL_LEN = 1 << 17
 VOCAB_SIZE = 32000                          # with no tokenizer: ids only, any ids below this
@@ -38,9 +36,9 @@ class SyntheticRequest:
 
 
 def step_seconds() -> float:
-    ms = float(os.environ.get(STEP_MS_ENV, DEFAULT_STEP_MS))
+    ms = bench_env.synthetic_step_ms()
     if ms <= 0:
-        raise ValueError(f"{STEP_MS_ENV} must be > 0 (milliseconds per step), got {ms:g}")
+        raise ValueError(f"{bench_env.SYNTHETIC_STEP_MS} must be > 0 (milliseconds per step), got {ms:g}")
     return ms / 1e3
 
 
@@ -58,7 +56,7 @@ def word_tokens(tokenizer_dir: str | None) -> tuple[list[int], int]:
 class SyntheticCore(EngineCore):
     def __init__(self, cfg, emit):
         super().__init__(cfg, emit)
-        self.step_s = DEFAULT_STEP_MS / 1e3
+        self.step_s = bench_env.SYNTHETIC_STEP_MS_DEFAULT / 1e3
         self.requests: dict[str, SyntheticRequest] = {}
         self.blocks_used = 0
         self.steps = 0

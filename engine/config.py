@@ -10,6 +10,7 @@ SPECULATIVE_METHODS = ("ngram", "eagle3")   # engine/speculative.py
 DETERMINISTIC_MAX_TP = 2                # engine/batch_invariant.py: an all-reduce of two is one addition
 NPU_GRAPH_MODES = ("aclgraph", "torchair")
 SCHEDULING_POLICIES = ("fcfs", "priority")   # engine/scheduling_policy.py
+DEFAULT_SCHEDULING_POLICY = "fcfs"
 QUANTIZATION_METHODS = ("fp8", "w8a8")  # models/layers/quantization.py
 KV_CACHE_DTYPES = ("auto", "fp8")       # auto: the model dtype; fp8: float8 e4m3 (engine/platforms/base.py)
 KV_CACHE_SCALES = ("calibrate", "one")  # a float8 cache's per-head K/V scales (engine/kv_scales.py)
@@ -24,6 +25,9 @@ class PlatformOptions:
     npu_graph_mode: str = "aclgraph"
     graph_cache_dir: str | None = None
     npu_emulation: bool = False
+
+
+PLATFORM = PlatformOptions()            # the defaults EngineConfig shares with it
 
 
 @dataclass(slots=True)
@@ -48,9 +52,9 @@ class EngineConfig:
     tp_port: int = 0                    # rendezvous port on 127.0.0.1; 0 = a free one
     tokenizer: str | None = None        # tokenizer directory; None = the model's (presets: the embedded one's)
     cache_dir: str | None = None        # converted models, compiled graphs; None = ~/.cache/baton
-    fused_ops: bool = True              # fused layer kernels (Triton on CUDA, torch_npu on Ascend)
-    npu_graph_mode: str = "aclgraph"    # aclgraph | torchair
-    npu_emulation: bool = False         # TEST ONLY: npu:N is the host CPU running the documented op semantics
+    fused_ops: bool = PLATFORM.fused_ops        # fused layer kernels (Triton on CUDA, torch_npu on Ascend)
+    npu_graph_mode: str = PLATFORM.npu_graph_mode   # aclgraph | torchair
+    npu_emulation: bool = PLATFORM.npu_emulation    # TEST ONLY: npu:N is the host CPU running the documented op semantics
     async_scheduling: bool | None = None   # schedule step N+1 while step N runs; None: on accelerators
     generation_config: str = "auto"     # sampling defaults: auto (the model's generation_config.json) | none | DIR
     deterministic: bool = False         # a request's tokens independent of its batch (engine/batch_invariant.py)
@@ -58,7 +62,7 @@ class EngineConfig:
     speculative_model: str | None = None    # eagle3: the draft head's directory (config.json + safetensors)
     num_speculative_tokens: int | None = None   # most guesses per sequence and step; None: 16 (ngram), 4 (eagle3)
     speculative_max_batch: int = 32     # speculate only while at most this many sequences run
-    scheduling_policy: str = "fcfs"     # fcfs | priority: which waiting request runs next (scheduling_policy.py)
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY   # fcfs | priority: which waiting request runs next
     quantization: str | None = None     # fp8 | w8a8 (int8, Ascend and CPU); None = the checkpoint's
     kv_cache_dtype: str = "auto"        # auto: the model dtype; fp8: e4m3, half the bytes of bf16 per token
     kv_cache_scales: str = "calibrate"  # fp8 cache: the checkpoint's k/v scales, else calibrated at load | one

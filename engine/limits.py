@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from baton.engine.config import DEFAULT_SCHEDULING_POLICY
 from baton.engine.sampling_params import SamplingParams
 
 
@@ -12,7 +13,7 @@ from baton.engine.sampling_params import SamplingParams
 class ModelLimits:
     vocab_size: int
     max_model_len: int
-    scheduling_policy: str = "fcfs"         # engine/scheduling_policy.py
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY         # engine/scheduling_policy.py
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError saying what to fix."""

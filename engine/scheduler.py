@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.engine.block_manager import BlockManager
+from baton.engine.config import DEFAULT_SCHEDULING_POLICY
 from baton.engine.scheduling_policy import make_queue
 from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -50,10 +51,10 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
-    policy: str = "fcfs"         # scheduling_policy.POLICIES
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: str = DEFAULT_SCHEDULING_POLICY         # scheduling_policy.POLICIES
 
 
 class Scheduler:

@@ -19,9 +19,8 @@ import bisect
 from collections import deque
 from collections.abc import Iterator
 
+from baton.engine.config import SCHEDULING_POLICIES as POLICIES
 from baton.engine.sequence import Sequence
-
-POLICIES = ("fcfs", "priority")
 
 
 class _Queue:

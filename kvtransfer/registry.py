@@ -21,14 +21,20 @@ AUTO = "auto"             # --kv-backend auto: every installed backend marked au
 
 @dataclass(frozen=True, slots=True)
 class BackendFlag:
-    """A worker flag of one backend; its value reaches the backend as options[dest]."""
+    """A worker flag of one backend; its value reaches the backend as options[dest] (its default
+    where the caller gave none: the contexts below fill them in)."""
 
     name: str                         # "--kv-nccl"
     kwargs: dict[str, Any]            # serving.options.flag's keywords (default, choices, help, hidden, ...)
+    minimum: float | None = None      # a number below it is refused (check_options)
 
     @property
     def dest(self) -> str:
         return self.name.lstrip("-").replace("-", "_")
+
+    @property
+    def default(self) -> Any:
+        return self.kwargs.get("default")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +69,8 @@ SPECS: dict[str, BackendSpec] = {s.name: s for s in (
                     BackendFlag("--kv-nccl", dict(default="direct", choices=("direct", "torch"), help=(
                         "device-direct KV on GPUs: call NCCL directly, or through torch's ProcessGroupNCCL"))),
                     BackendFlag("--kv-fault-stall-s", dict(type=float, default=0.0, hidden=True, help=(
-                        "TEST ONLY: hold each device-direct KV piece this long, as a stalled link would"))))),
+                        "TEST ONLY: hold each device-direct KV piece this long, as a stalled link would")),
+                        minimum=0.0))),
     BackendSpec("nixl", "NIXL (UCX picks the transport: shared memory, RDMA, CUDA IPC): the prefill worker writes "
                 "straight into the decode worker's KV cache pages", "baton.kvtransfer.nixl_backend", preference=10,
                 services=("baton.v1.KVNixl",), requires=("nixl", "nixl_cu13", "nixl_cu12"), auto=True),
@@ -72,6 +79,7 @@ SPECS: dict[str, BackendSpec] = {s.name: s for s in (
 )}
 NAMES = tuple(SPECS)
 CROSS_PROCESS_BACKENDS = tuple(s.name for s in SPECS.values() if not s.in_process)
+IN_PROCESS_BACKENDS = tuple(s.name for s in SPECS.values() if s.in_process)
 
 
 def spec(name: str) -> BackendSpec:
@@ -109,7 +117,7 @@ COMMON_FLAGS = (
     BackendFlag("--kv-buffer-mib", dict(type=int, default=BUFFER_MIB, help=(
         "device memory for KV in flight, per worker: on a prefill worker the packed KV not yet sent (past it, "
         "no new prompt starts until it drains), on a decode worker the staging of incoming KV (past it, a "
-        "transfer waits for room); on an accelerator at most half the memory the KV cache left"))),
+        "transfer waits for room); on an accelerator at most half the memory the KV cache left")), minimum=1),
 )
 
 
@@ -120,10 +128,23 @@ def all_flags() -> list[BackendFlag]:
 def buffer_bytes(options: dict[str, Any], free_device_bytes: int | None) -> int:
     """--kv-buffer-mib in bytes; on an accelerator (`free_device_bytes` given: what the KV cache
     left) at most half of that, yet never under BUFFER_FLOOR_BYTES."""
-    limit = int(options.get("kv_buffer_mib", BUFFER_MIB)) << 20
+    limit = int(with_defaults(options)["kv_buffer_mib"]) << 20
     if free_device_bytes is not None:
         limit = max(BUFFER_FLOOR_BYTES, min(limit, free_device_bytes // 2))
     return limit
+
+
+def with_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with every backend flag it leaves out at that flag's default."""
+    return {**{f.dest: f.default for f in all_flags()}, **options}
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """ValueError naming the first backend flag whose value is out of range."""
+    for f in all_flags():
+        value = with_defaults(options)[f.dest]
+        if f.minimum is not None and value < f.minimum:
+            raise ValueError(f"{f.name} must be >= {f.minimum:g}, got {value:g}")
 
 
 @dataclass(slots=True)
@@ -135,6 +156,9 @@ class SenderContext:
     platform: Any                     # engine.platforms.Platform of this worker
     auth: Any = None                  # kvtransfer.peer_auth.KVPeerAuth, or None
     options: dict[str, Any] = field(default_factory=dict)   # the backends' flags, by dest
+
+    def __post_init__(self) -> None:
+        self.options = with_defaults(self.options)
 
 
 @dataclass(slots=True)
@@ -150,6 +174,9 @@ class ReceiverContext:
     options: dict[str, Any] = field(default_factory=dict)
     kv_cache: Any = None              # the engine's paged KV cache tensor, for backends that write into its
                                       # blocks in place (admission then names them); None: they stage
+
+    def __post_init__(self) -> None:
+        self.options = with_defaults(self.options)
 
 
 def make_sender(name: str, ctx: SenderContext):

@@ -6,9 +6,10 @@ Only what Baton loads is fetched: configs, safetensors weights, tokenizer files.
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
+
+from baton import environment
 
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")        # ORG/NAME, as `from_pretrained` takes it
 WANTED = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]   # merges.txt, tokenizer.model
@@ -86,4 +87,4 @@ def _cache_dir() -> str:
 
 def _endpoint() -> str:
     from huggingface_hub import constants
-    return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+    return environment.get("HF_ENDPOINT") or constants.ENDPOINT

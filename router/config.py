@@ -1,37 +1,35 @@
-"""The router's one config object, from flags (each with its BATON_* twin, serving/options.py)."""
+"""The router's one config object, from flags (each with its BATON_* twin, serving/options.py;
+a flag's default is its field's, serving/options.defaults)."""
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
 
+from baton.engine.config import EngineConfig
 from baton.router import chat_templates
 from baton.router.chat_output import REASONING_PARSERS
 from baton.router.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES, check_limits
 from baton.router.policies import POLICIES
 from baton.router.registry import split_target
-from baton.serving.options import flag, parser, port_clash
-from baton.serving.security import TLSConfig, load_tokens, tls_from_args
-from baton.serving.worker_config import add_common_args
+from baton.serving.options import defaults, flag, parser, port_clash
+from baton.serving.security import load_tokens
+from baton.serving.server_config import DEFAULT_PORTS, ServerConfig, add_common_args, server_settings
 
-DEFAULT_PORT = 50051
+ENGINE = defaults(EngineConfig)         # what the router shares with the workers' engines
 
 
 @dataclass(slots=True)
-class RouterConfig:
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    model: str = "smollm2-135m-instruct"
+class RouterConfig(ServerConfig):
+    port: int = DEFAULT_PORTS["router"]
+    model: str = ENGINE.model
     revision: str | None = None         # a Hub model's branch, tag or commit
     tokenizer: str | None = None
     cache_dir: str | None = None
-    metrics_port: int | None = None
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     colocated: list[str] = field(default_factory=list)
     policy: str = "least_loaded"
     resolve_interval: float = 5.0       # seconds between DNS lookups of worker names (0: once, at start)
-    grace_seconds: float = 30.0
-    tls: TLSConfig = field(default_factory=TLSConfig)
     auth_tokens: dict[str, str] = field(default_factory=dict)   # token -> client name; empty = no auth
     # limits (0 = the model's own limit / unlimited)
     max_prompt_tokens: int = 0
@@ -48,12 +46,10 @@ class RouterConfig:
     max_migrations: int = 3             # times one stream may move to a survivor when its worker dies
     request_timeout: float = 0.0        # a deadline for requests whose client set none (0: none)
     stream_message_rate: float = 10_000.0   # messages/s written to all client streams at most (0: no pacing)
-    generation_config: str = "auto"     # where unset sampling fields come from (engine/sampling_params.py)
+    generation_config: str = ENGINE.generation_config   # where unset sampling fields come from (sampling_params.py)
     chat_template: str | None = None    # a Jinja file rendering chats instead of the model's own template
     trust_request_chat_template: bool = False   # a request may bring its own chat template
     reasoning_parser: str | None = None # "qwen3" or "deepseek_r1": <think>...</think> -> reasoning (chats)
-    log_level: str = "info"
-    log_format: str = "text"
 
     def validate(self) -> None:
         for name in ("max_prompt_tokens", "max_new_tokens", "max_per_client"):
@@ -102,29 +98,37 @@ def _names(values: list[str] | str | None) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = parser("baton router", "Baton's public gRPC router", usage="baton router [MODEL] [flags]")
-    add_common_args(p, DEFAULT_PORT)
+    p.not_taken = {"--device": "the router runs no model; give --device to the prefill and decode workers"}
+    add_common_args(p, DEFAULT_PORTS["router"])
     flag(p, "--prefill", default="", help="prefill workers, HOST:PORT[,HOST:PORT...]; a host name stands for every "
                                           "address it resolves to (a compose service, a headless Service)")
     flag(p, "--decode", default="", help="decode workers, HOST:PORT[,HOST:PORT...] (names as for --prefill)")
     flag(p, "--colocated", default="", help="colocated workers, HOST:PORT[,HOST:PORT...] (names as for --prefill)")
-    flag(p, "--resolve-interval", type=float, default=5.0,
+    flag(p, "--resolve-interval", type=float, default=defaults(RouterConfig).resolve_interval,
          help="seconds between DNS lookups of worker host names: workers that appear join once healthy, "
               "workers that disappear finish their streams and leave (0: look up once, at start)")
-    flag(p, "--policy", default="least_loaded", choices=POLICIES, help="how a worker is picked for a request")
-    flag(p, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
+    add_router_args(p)
+    return p
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    """What `baton serve` passes on to its router as well: how a worker is picked, sampling defaults,
+    the HTTP API, chats, auth and limits."""
+    flag(p, "--policy", default=defaults(RouterConfig).policy, choices=POLICIES,
+         help="how the router picks a worker for a request")
     add_generation_config(p)
     add_http_api(p)
     add_chat(p)
     add_auth_and_limits(p)
-    return p
 
 
 def add_chat(p: argparse.ArgumentParser) -> None:
     """How chats are rendered and their output read (also `baton serve`'s, passed on to its router)."""
+    r = defaults(RouterConfig)
     c = p.add_argument_group("chats")
     flag(c, "--chat-template", help="a Jinja chat template file to render chats with, instead of the model's own, "
                                     "or a shipped one by name (hermes_tools: renders tools, Hermes / Qwen3 style)")
-    flag(c, "--trust-request-chat-template", type=bool, default=False,
+    flag(c, "--trust-request-chat-template", type=bool, default=r.trust_request_chat_template,
          help="let a request bring its own chat template (chat_template); off: such a request is refused")
     flag(c, "--reasoning-parser", choices=REASONING_PARSERS,
          help="return a chat answer's <think>...</think> as reasoning_content (qwen3: when the answer opens "
@@ -133,16 +137,17 @@ def add_chat(p: argparse.ArgumentParser) -> None:
 
 def add_http_api(p: argparse.ArgumentParser) -> None:
     """The OpenAI-compatible API's flags (also `baton serve`'s, passed on to its router)."""
+    r = defaults(RouterConfig)
     h = p.add_argument_group("OpenAI-compatible HTTP API")
-    flag(h, "--http-port", type=int, default=8000,
+    flag(h, "--http-port", type=int, default=r.http_port,
          help="port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health); "
               "0: off")
-    flag(h, "--served-model-name", nargs="+", default=[],
+    flag(h, "--served-model-name", nargs="+", default=r.served_model_name,
          help="model name(s) the HTTP API answers to, apart by spaces or commas (unset: the model's own name)")
 
 
 def add_generation_config(p: argparse.ArgumentParser) -> None:
-    flag(p, "--generation-config", default="auto",
+    flag(p, "--generation-config", default=defaults(RouterConfig).generation_config,
          help="sampling defaults for fields a request leaves unset: auto (the model's generation_config.json: "
               "temperature, top_p, top_k, max_new_tokens), none (1.0 / 1.0 / off / 256), or a directory holding "
               "a generation_config.json")
@@ -150,30 +155,31 @@ def add_generation_config(p: argparse.ArgumentParser) -> None:
 
 def add_auth_and_limits(p: argparse.ArgumentParser) -> None:
     """The public port's bearer tokens and limits (also `baton serve`'s, passed on to its router)."""
+    r = defaults(RouterConfig)
     a = p.add_argument_group("auth and limits")
     flag(a, "--auth-token", "--api-key", help="require 'authorization: Bearer <token>' on every Router RPC")
     flag(a, "--auth-token-file", help="one 'client:token' per line; limits are counted per client")
-    flag(a, "--max-prompt-tokens", type=int, default=0, help="longest prompt accepted (0: the model's context)")
-    flag(a, "--max-new-tokens", type=int, default=0, help="largest max_tokens accepted (0: the model's context)")
-    flag(a, "--max-images", type=int, default=DEFAULT_MAX_IMAGES,
+    flag(a, "--max-prompt-tokens", type=int, default=r.max_prompt_tokens, help="longest prompt accepted (0: the model's context)")
+    flag(a, "--max-new-tokens", type=int, default=r.max_new_tokens, help="largest max_tokens accepted (0: the model's context)")
+    flag(a, "--max-images", type=int, default=r.max_images,
          help="images one chat request may carry (models that take images; 0: none)")
-    flag(a, "--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
+    flag(a, "--max-image-bytes", type=int, default=r.max_image_bytes,
          help="largest encoded image accepted, in bytes; --max-images times this must fit in 56 MiB")
-    flag(a, "--max-inflight", type=int, default=512, help="requests routed to workers at once")
-    flag(a, "--max-queued", type=int, default=2048,
+    flag(a, "--max-inflight", type=int, default=r.max_inflight, help="requests routed to workers at once")
+    flag(a, "--max-queued", type=int, default=r.max_queued,
          help="requests waiting for a slot; more are refused with RESOURCE_EXHAUSTED")
-    flag(a, "--queue-timeout", type=float, default=30.0, help="longest wait for a slot, in seconds")
-    flag(a, "--max-per-client", type=int, default=0,
+    flag(a, "--queue-timeout", type=float, default=r.queue_timeout, help="longest wait for a slot, in seconds")
+    flag(a, "--max-per-client", type=int, default=r.max_per_client,
          help="requests one client (token, else address) may hold; 0: no limit")
-    flag(a, "--first-token-timeout", type=float, default=120.0,
+    flag(a, "--first-token-timeout", type=float, default=r.first_token_timeout,
          help="seconds an attempt may take to produce its first token before it is retried elsewhere")
-    flag(a, "--max-migrations", type=int, default=3,
+    flag(a, "--max-migrations", type=int, default=r.max_migrations,
          help="times one running stream may move to another worker when its worker dies (0: never; the "
               "stream then ends UNAVAILABLE)")
-    flag(a, "--request-timeout", type=float, default=0.0,
+    flag(a, "--request-timeout", type=float, default=r.request_timeout,
          help="seconds a request may take in all when its client set no deadline (0: no limit; a stream that "
               "makes progress is never cut)")
-    flag(a, "--stream-message-rate", type=float, default=10_000.0,
+    flag(a, "--stream-message-rate", type=float, default=r.stream_message_rate,
          help="messages per second the router writes to all client streams together, at most: with more streams "
               "than that allows one message per token, each stream's tokens gather into fuller messages, at "
               "most 100 ms apart (0: one message per worker chunk)")
@@ -184,12 +190,11 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         tokens = load_tokens(args.auth_token, args.auth_token_file)
     except OSError as exc:
         raise ValueError(f"--auth-token-file {args.auth_token_file}: {exc.strerror or exc}") from None
-    cfg = RouterConfig(host=args.host, port=args.port, model=args.model, revision=args.revision, tokenizer=args.tokenizer,
-                       cache_dir=args.cache_dir, metrics_port=args.metrics_port,
+    cfg = RouterConfig(**server_settings(args), port=args.port, model=args.model, revision=args.revision,
+                       tokenizer=args.tokenizer, cache_dir=args.cache_dir,
                        prefill=_addresses(args.prefill), decode=_addresses(args.decode),
                        colocated=_addresses(args.colocated), policy=args.policy, resolve_interval=args.resolve_interval,
-                       grace_seconds=args.grace,
-                       tls=tls_from_args(args), auth_tokens=tokens,
+                       auth_tokens=tokens,
                        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                        max_images=args.max_images, max_image_bytes=args.max_image_bytes,
                        max_inflight=args.max_inflight, max_queued=args.max_queued, queue_timeout=args.queue_timeout,
@@ -199,8 +204,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
                        stream_message_rate=args.stream_message_rate,
                        generation_config=args.generation_config, chat_template=args.chat_template,
                        trust_request_chat_template=args.trust_request_chat_template,
-                       reasoning_parser=args.reasoning_parser, log_level=args.log_level,
-                       log_format=args.log_format)
+                       reasoning_parser=args.reasoning_parser)
     cfg.validate()
     return cfg
 

@@ -7,11 +7,11 @@ machine, usually done already by `baton serve`) and the router then reads the re
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from baton import environment
 from baton.engine.sampling_params import sampling_defaults
 from baton.engine.tokenizer import eos_token_ids, load_tokenizer
 from baton.models.multimodal import ImagePlaceholders
@@ -114,7 +114,7 @@ def without_torch() -> None:
     """`import torch` fails from here on, so transformers takes it as not installed."""
     if "torch" not in sys.modules:            # (a process that has it already keeps it)
         sys.modules["torch"] = None
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")     # its "PyTorch was not found" line
+    environment.set_default("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")     # its "PyTorch was not found" line
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import sys
 import time
 from collections.abc import MutableMapping
 
+from baton import environment
 from baton.progress import TAG, Flattened, redraws
 from baton.serving.options import flag
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
+LOG_LEVEL, LOG_FORMAT = "info", "text"      # the defaults
 GRPC_VERBOSITY = "ERROR"            # what gRPC's C core writes unless the user's GRPC_VERBOSITY says
 FATAL = re.compile(r"baton [a-z]+( [a-z]+)?: ")       # `baton decode: cannot listen on ...`
 
@@ -107,24 +108,24 @@ def json_line(line: str) -> str:
     return record("WARNING", "stderr", line)
 
 
-def quiet_grpc(env: MutableMapping[str, str] = os.environ) -> MutableMapping[str, str]:
-    """GRPC_VERBOSITY=ERROR in `env` unless it is set (a user's own setting stays); returns `env`.
+def quiet_grpc(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
+    """GRPC_VERBOSITY=ERROR in `env` (unset: this process's environment) unless it is set (a user's
+    own setting stays); returns `env`.
     Unset, gRPC's C core writes its INFO lines to stderr in a format of its own (`Got goaway`
     at every stop); it reads the variable once, when grpc is imported, so each entry point calls
     this before that, and children inherit it."""
-    env.setdefault("GRPC_VERBOSITY", GRPC_VERBOSITY)
-    return env
+    return environment.set_default("GRPC_VERBOSITY", GRPC_VERBOSITY, env)
 
 
 def add_log_args(p) -> None:
     g = p.add_argument_group("logs")
-    flag(g, "--log-level", default="info", choices=LEVELS,
+    flag(g, "--log-level", default=LOG_LEVEL, choices=LEVELS,
          help=f"the least severe log records written (gRPC's own C-core lines: GRPC_VERBOSITY, unset: {GRPC_VERBOSITY})")
-    flag(g, "--log-format", default="text", choices=FORMATS,
+    flag(g, "--log-format", default=LOG_FORMAT, choices=FORMATS,
          help="text (for people) or json (one object per line, for log collectors)")
 
 
-def setup_logging(level: str = "info", fmt: str = "text") -> None:
+def setup_logging(level: str = LOG_LEVEL, fmt: str = LOG_FORMAT) -> None:
     real = sys.stderr.out if isinstance(sys.stderr, Lines) else sys.stderr     # set up twice: wrap it once
     sys.stderr = Lines(real, json_line if fmt == "json" else None)
     handler = logging.StreamHandler(real)              # a record is written whole, in one write

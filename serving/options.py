@@ -8,33 +8,33 @@ lists them all in one table generated from the parsers themselves:
 
 Config objects (`WorkerConfig`, `RouterConfig`, `EngineConfig`) are built from the parsed
 flags and validated once; nothing below reads the environment. (The table itself is made by
-`baton.configuration`, at the top, since it needs every command's parser.)
+`baton.configuration`, at the top, since it needs every command's parser.) The variables are
+read through baton/environment.py, the one module that touches the environment.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from dataclasses import MISSING, fields
 from pathlib import Path
+from types import SimpleNamespace
+
+from baton import environment
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off", "")
 
 
-def env_name(flag: str) -> str:
-    return "BATON_" + flag.lstrip("-").upper().replace("-", "_")
-
-
-def flag(p, *names: str, default=None, type=str, help: str, env: str | None = None, hidden: bool = False,
-         **kw) -> argparse.Action:
-    """Add an option whose default comes from its environment variable when that is set.
+def flag(p, *names: str, default=None, type=str, help: str, hidden: bool = False, **kw) -> argparse.Action:
+    """Add an option whose default comes from its environment variable (its twin, named after
+    its first name: `--max-waiting`, BATON_MAX_WAITING) when that is set.
 
     `type=bool` makes a switch (`--x` / `--no-x`); everything else takes a value. Help text
     gets the default and the variable appended. A variable that does not parse stops the
     program with a message naming it. `hidden`: a flag for tests and fault injection, left out
     of `--help` (a user reading it meets only what serves them) and shown by `--help-all`."""
-    env = env or env_name(names[0])
-    raw = os.environ.get(env)
+    env = environment.twin(names[0])
+    raw = environment.get(env)
     if type is bool:
         value = default if raw is None else _parse_bool(env, raw)
         action = p.add_argument(*names, action=argparse.BooleanOptionalAction, default=value, help=help, **kw)
@@ -52,6 +52,14 @@ def flag(p, *names: str, default=None, type=str, help: str, env: str | None = No
     if hidden:
         _hide(p, action)
     return action
+
+
+def defaults(config: type) -> SimpleNamespace:
+    """The field defaults of the config dataclass `config`, by field name (a slots dataclass keeps
+    none on the class): a flag takes its default from here, so the default is written once, on
+    its field."""
+    return SimpleNamespace(**{f.name: f.default if f.default is not MISSING else f.default_factory()
+                              for f in fields(config) if f.default is not MISSING or f.default_factory is not MISSING})
 
 
 def _hide(p, action: argparse.Action) -> None:
@@ -110,7 +118,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class Parser(argparse.ArgumentParser):
     """A bad flag is one line (what is wrong), not a usage block longer than the screen. The
-    settings of `--config FILE` (or BATON_CONFIG) become the defaults, so a flag still wins."""
+    settings of `--config FILE` (or BATON_CONFIG) become the defaults, so a flag still wins.
+    `not_taken`: flags a sibling command takes and this one does not, each with the reason, said
+    instead of "unrecognized arguments" (in a --config file too)."""
+
+    not_taken: dict[str, str] = {}
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -122,6 +134,10 @@ class Parser(argparse.ArgumentParser):
         if path:
             self.set_defaults(**config_defaults(self, path))
         ns, rest = super().parse_known_args(args, namespace)
+        for arg in rest:
+            name = arg.split("=", 1)[0]
+            if name in self.not_taken:
+                self.error(f"{name}: {self.not_taken[name]}")
         _take_positional_model(self, ns)
         return ns, rest
 
@@ -171,6 +187,8 @@ def config_defaults(p: argparse.ArgumentParser, path: str) -> dict:
 def _config_value(p: argparse.ArgumentParser, path: str, key: str, value) -> tuple[str, object]:
     option = "--" + key.lstrip("-").replace("_", "-")
     action = p._option_string_actions.get(option)
+    if option in getattr(p, "not_taken", {}):
+        p.error(f"--config {path}: {key}: {p.not_taken[option]}")
     if action is None or option in ("--config", "--help", "--help-all"):
         p.error(f"--config {path}: {key!r} is no setting of {p.prog}; the file takes its flags' long names")
     where = f"--config {path}: {key}"
@@ -225,8 +243,8 @@ def markdown(commands: dict[str, argparse.ArgumentParser]) -> str:
              "| flag | environment | what it does (default) | commands |", "| --- | --- | --- | --- |"]
     for flags, env, text, cmds in option_rows(commands):
         lines.append(f"| `{flags}` | {f'`{env}`' if env else ''} | {text.replace('|', '/')} | {cmds} |")
-    lines += ["", "Variables without a flag: `BATON_KV_SECRET` (the shared KV secret itself; a flag would show it "
-              "in the process list, so use it or `--kv-secret-file`).", ""]
+    lines += ["", "Variables without a flag: " + "; ".join(f"`{v.name}` ({v.help})" for v in environment.WITHOUT_FLAG)
+              + ".", ""]
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from baton.serving.options import flag
+from baton.serving.options import defaults, flag
 
 AUTH_HEADER = "authorization"
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")   # never behind the token
@@ -84,7 +84,7 @@ def add_tls_args(p: argparse.ArgumentParser, server: bool = True) -> None:
     flag(g, "--tls-cert", "--ssl-certfile", help="PEM certificate of this process")
     flag(g, "--tls-key", "--ssl-keyfile", help="PEM private key of --tls-cert")
     flag(g, "--tls-ca", "--ssl-ca-certs", help="PEM CA bundle peers must chain to (enables TLS on outgoing channels)")
-    flag(g, "--tls-require-client-cert", type=bool, default=False,
+    flag(g, "--tls-require-client-cert", type=bool, default=defaults(TLSConfig).require_client_cert,
          help="mutual TLS: refuse peers without a certificate from --tls-ca")
     flag(g, "--tls-server-name", help="name peers' certificates must carry, when it is not the address's host")
 
@@ -99,7 +99,8 @@ def tls_from_env() -> TLSConfig:
 
 def tls_from_args(args: argparse.Namespace) -> TLSConfig:
     tls = TLSConfig(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca,
-                    require_client_cert=getattr(args, "tls_require_client_cert", False),   # (a client has none)
+                    require_client_cert=getattr(args, "tls_require_client_cert",   # (a client has none)
+                                                defaults(TLSConfig).require_client_cert),
                     server_name=args.tls_server_name)
     tls.validate()
     return tls

@@ -11,7 +11,7 @@ from baton.engine.structured_output import StructuredOutput
 from baton.models.multimodal import ImageInput
 from baton.v1 import decode_pb2, router_pb2
 
-DEFAULT_MAX_TOKENS = 256
+CONTRACT = SamplingParams()     # baton.v1's value of each field a request leaves unset (engine/sampling_params.py)
 
 FINISH_TO_PROTO = {
     None: router_pb2.FINISH_REASON_UNSPECIFIED,
@@ -29,22 +29,22 @@ def sampling_from_proto(p: router_pb2.SamplingParams, defaults: dict | None = No
     else the contract's; range checks are SamplingParams.validate's."""
     d = defaults or {}
     return SamplingParams(
-        temperature=p.temperature if p.HasField("temperature") else d.get("temperature", 1.0),
-        top_p=p.top_p if p.HasField("top_p") else d.get("top_p", 1.0),
-        top_k=p.top_k if p.HasField("top_k") else d.get("top_k", 0),
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else d.get("max_tokens", DEFAULT_MAX_TOKENS),
+        temperature=p.temperature if p.HasField("temperature") else d.get("temperature", CONTRACT.temperature),
+        top_p=p.top_p if p.HasField("top_p") else d.get("top_p", CONTRACT.top_p),
+        top_k=p.top_k if p.HasField("top_k") else d.get("top_k", CONTRACT.top_k),
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else d.get("max_tokens", CONTRACT.max_tokens),
         stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         seed=p.seed if p.HasField("seed") else None,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else CONTRACT.repetition_penalty,
         min_p=p.min_p, min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias),
         prior_output_tokens=p.prior_output_tokens,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         priority=p.priority,
-        speculative=p.speculative if p.HasField("speculative") else True,
+        speculative=p.speculative if p.HasField("speculative") else CONTRACT.speculative,
         structured=structured_from_proto(p.structured) if p.HasField("structured") else None,
     )
 

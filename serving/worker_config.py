@@ -1,16 +1,16 @@
 """One config object for a worker process (prefill, decode or colocated): server + engine.
 
-Built once from flags (each with its BATON_* twin, serving/options.py), validated once.
-Torch-free, so `baton prefill --help` answers at once.
+Built once from flags (each with its BATON_* twin, serving/options.py), validated once; a
+flag's default is its config field's (serving/options.defaults). Torch-free, so
+`baton prefill --help` answers at once.
 """
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field
 
+from baton import environment
 from baton.engine.config import (
-    DEFAULT_MODEL,
     FP8_ACCUMULATIONS,
     FP8_ROUNDINGS,
     KV_CACHE_DTYPES,
@@ -23,40 +23,31 @@ from baton.engine.config import (
 )
 from baton.kvtransfer import registry
 from baton.kvtransfer.peer_auth import load_secret
-from baton.models.presets import PRESETS
-from baton.serving.logs import add_log_args
-from baton.serving.options import add_config_arg, flag, parser, port_clash
+from baton.serving.options import defaults, flag, parser, port_clash
 from baton.serving.processes import WILDCARD_HOSTS
-from baton.serving.security import TLSConfig, add_tls_args, tls_from_args
+from baton.serving.server_config import DEFAULT_PORTS, ServerConfig, add_common_args, server_settings
 
 ROLES = ("prefill", "decode", "colocated")
 KV_BACKENDS = (*registry.NAMES, registry.AUTO)
-DEFAULT_PORTS = {"prefill": 50071, "decode": 50061, "colocated": 50061}
 
 
 @dataclass(slots=True)
-class WorkerConfig:
+class WorkerConfig(ServerConfig):
     role: str
-    host: str = "127.0.0.1"
     port: int = 0
-    metrics_port: int | None = None
-    grace_seconds: float = 30.0
     kv_backend: str = registry.DEFAULT
     max_waiting: int = 1024             # queued requests beyond this are refused: RESOURCE_EXHAUSTED
     kv_advertise: str | None = None     # KV address prefill workers are told to push to (default: ours)
     advertise_host: str | None = None   # the host peers reach us at (default: serving/processes.reachable_host)
-    tls: TLSConfig = field(default_factory=TLSConfig)
     kv_secret: bytes | None = None      # KV peers must prove it in the handshake (kvtransfer/peer_auth.py)
     kv_options: dict = field(default_factory=dict)   # the KV backends' own flags, by dest (kvtransfer/registry.py)
     gil_switch_ms: float | None = None  # sys.setswitchinterval for the engine thread and event loop
-    engine_process: bool | None = None  # the engine core in its own process (None: unless --kv-backend memory)
+    engine_process: bool | None = None  # the engine core in its own process (None: unless the KV backend is in-process)
     engine_hang_timeout: float = 30.0   # a core silent, or this long past its step's budget, is hung: the worker ends
     kv_port: int = 0                    # decode: where the core's KV services listen (0: a free port)
     engine_core: str = ""               # "module:Class" of the engine core (unset: the role's own)
     fault_hooks: bool = False           # tests: SIGUSR1 holds the core's next step until SIGUSR2 (a hang inside a step)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    log_level: str = "info"
-    log_format: str = "text"
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -67,11 +58,9 @@ class WorkerConfig:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.kv_backend not in KV_BACKENDS:
             raise ValueError(f"--kv-backend must be one of {', '.join(KV_BACKENDS)}, got {self.kv_backend!r}")
-        if self.kv_options.get("kv_fault_stall_s", 0.0) < 0 or (self.gil_switch_ms is not None
-                                                                and self.gil_switch_ms <= 0):
-            raise ValueError("--kv-fault-stall-s must be >= 0 and --gil-switch-ms > 0")
-        if self.kv_options.get("kv_buffer_mib", registry.BUFFER_MIB) < 1:
-            raise ValueError(f"--kv-buffer-mib must be >= 1, got {self.kv_options['kv_buffer_mib']}")
+        registry.check_options(self.kv_options)
+        if self.gil_switch_ms is not None and self.gil_switch_ms <= 0:
+            raise ValueError(f"--gil-switch-ms must be > 0, got {self.gil_switch_ms:g}")
         clash = port_clash([(self.port, "--port (gRPC)"), (self.metrics_port or 0, "--metrics-port"),
                             (self.kv_port, "--kv-port")])
         if clash:
@@ -102,32 +91,8 @@ class WorkerConfig:
         self.engine.validate()
 
 
-# presets are random weights: say so where they are listed, or qwen3-8b reads as the real model
-MODEL_HELP = (f"{DEFAULT_MODEL} (embedded, real weights), a Hugging Face Hub name (ORG/NAME: downloaded into the HF "
-              "cache; HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE apply), an HF checkpoint directory (config.json + "
-              "*.safetensors), a .gguf file, or a preset of random weights in a real model's shape (for benchmarks): "
-              + ", ".join(name for name in PRESETS if not name.startswith("tiny-"))
-              + "; for tests: " + ", ".join(name for name in PRESETS if name.startswith("tiny-")))
-
-
-def add_common_args(p: argparse.ArgumentParser, default_port: int) -> None:
-    """What every Baton server takes: where to listen, which model, which device, metrics, TLS."""
-    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model (`baton serve Qwen/Qwen3-0.6B`)")
-    add_config_arg(p)
-    flag(p, "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    flag(p, "--port", type=int, default=default_port, help="gRPC port")
-    flag(p, "--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    flag(p, "--revision", help="Hub models: the branch, tag or commit to serve (unset: main)")
-    flag(p, "--tokenizer", help="tokenizer directory to use instead of the model's own (presets: the embedded one's)")
-    flag(p, "--cache-dir", help="where converted models and compiled graphs are kept (unset: ~/.cache/baton)")
-    flag(p, "--device", default="cpu", help="cpu, cuda:N or npu:N")
-    flag(p, "--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port")
-    add_log_args(p)
-    add_tls_args(p)
-
-
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    e = EngineConfig()
+    e = defaults(EngineConfig)
     g = p.add_argument_group("engine")
     flag(g, "--dtype", type=_dtype, choices=(*DTYPE_ALIASES, "float32", "bfloat16", "float16"),
          help="weights and KV dtype: float32, bfloat16, float16 (vLLM's auto, half, float and bf16 too; unset or "
@@ -141,24 +106,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(g, "--num-kv-blocks", type=int, help="exact KV cache size in blocks (unset: from the memory budget)")
     flag(g, "--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization,
          help="share of accelerator memory for weights, activations and the KV cache")
-    flag(g, "--prefix-caching", "--enable-prefix-caching", type=bool, default=True,
+    flag(g, "--prefix-caching", "--enable-prefix-caching", type=bool, default=e.enable_prefix_caching,
          help="reuse the KV of prompt prefixes seen before")
-    flag(g, "--enforce-eager", type=bool, default=False, help="no graph capture (decode, and prefill's pieces)")
-    flag(g, "--prefill-graphs", type=bool, default=True,
+    flag(g, "--enforce-eager", type=bool, default=e.enforce_eager, help="no graph capture (decode, and prefill's pieces)")
+    flag(g, "--prefill-graphs", type=bool, default=e.prefill_graphs,
          help="replay prefill and mixed steps from graphs of everything but attention (CUDA; "
               "engine/prefill_graphs.py)")
-    flag(g, "--async-scheduling", type=bool,
+    flag(g, "--async-scheduling", type=bool, default=e.async_scheduling,
          help="schedule and upload step N+1 while step N runs (unset: on accelerators, off on the CPU)")
-    flag(g, "--fused-ops", type=bool, default=True, help="fused layer kernels (Triton on CUDA, torch_npu on Ascend)")
+    flag(g, "--fused-ops", type=bool, default=e.fused_ops, help="fused layer kernels (Triton on CUDA, torch_npu on Ascend)")
     flag(g, "--npu-graph-mode", default=e.npu_graph_mode, choices=NPU_GRAPH_MODES, help="Ascend decode graphs")
-    flag(g, "--npu-emulation", type=bool, default=False, hidden=True,
+    flag(g, "--npu-emulation", type=bool, default=e.npu_emulation, hidden=True,
          help="TEST ONLY: npu:N is the host CPU running the documented torch_npu op semantics")
-    flag(g, "--tp-size", "--tensor-parallel-size", "-tp", type=int, default=1,
+    flag(g, "--tp-size", "--tensor-parallel-size", "-tp", type=int, default=e.tp_size,
          help="tensor-parallel ranks, one device each (colocated role only, for now)")
     flag(g, "--tp-devices", help="devices of the ranks, e.g. cuda:0,cuda:1 (unset: counted up from --device)")
-    flag(g, "--tp-port", type=int, default=0, help="rendezvous port of the ranks on 127.0.0.1 (0: a free one)")
-    flag(g, "--seed", type=int, default=0, help="random weights of presets, and unseeded sampling")
-    flag(g, "--deterministic", type=bool, default=False,
+    flag(g, "--tp-port", type=int, default=e.tp_port, help="rendezvous port of the ranks on 127.0.0.1 (0: a free one)")
+    flag(g, "--seed", type=int, default=e.seed, help="random weights of presets, and unseeded sampling")
+    flag(g, "--deterministic", type=bool, default=e.deterministic,
          help="a request's tokens do not depend on its batch, chunking, prefix-cache hits or which worker "
               "computes them (batch-invariant matmuls and attention; migration is bitwise); set it on every "
               "worker of a deployment. Costs speed (docs/benchmarks.md)")
@@ -225,9 +190,11 @@ def engine_dtype(value: str | None) -> str | None:
 
 def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     add_common_args(p, default_port)
+    flag(p, "--device", default=defaults(EngineConfig).device, help="cpu, cuda:N or npu:N")
     add_engine_args(p)
+    w = defaults(WorkerConfig)
     g = p.add_argument_group("serving and KV transfer")
-    flag(g, "--kv-backend", default=registry.DEFAULT, choices=KV_BACKENDS,
+    flag(g, "--kv-backend", default=w.kv_backend, choices=KV_BACKENDS,
          help="KV transport: " + "; ".join(f"{s.name} ({s.summary})" for s in registry.SPECS.values())
               + f"; {registry.AUTO} (every installed backend that needs no setup: "
               + ", ".join(s.name for s in registry.SPECS.values() if s.auto) + "). A decode worker also takes "
@@ -239,24 +206,23 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
                                    "own address (NAT, a separate KV network, a proxy)")
     flag(g, "--kv-secret-file", help="file whose first line is the shared KV secret (>= 16 bytes): prefill and "
                                      "decode workers then accept each other only after a mutual HMAC handshake "
-                                     "(BATON_KV_SECRET passes the secret itself)")
-    flag(g, "--grace", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
-    flag(g, "--max-waiting", type=int, default=1024, help="requests queued beyond this are refused "
-                                                          "with RESOURCE_EXHAUSTED")
+                                     f"({environment.KV_SECRET.name} passes the secret itself)")
+    flag(g, "--max-waiting", type=int, default=w.max_waiting, help="requests queued beyond this are refused "
+                                                                   "with RESOURCE_EXHAUSTED")
     flag(g, "--gil-switch-ms", type=float, help="Python's thread switch interval (unset: Python's 5 ms)")
     flag(g, "--engine-process", type=bool, help="run the engine core (step loop, device, KV cache and KV transfers) "
          "in a process of its own, apart from the RPCs and token streams (unset: yes, except with --kv-backend "
-         "memory, which needs one process)")
-    flag(g, "--engine-hang-timeout", type=float, default=30.0,
+         f"{' or '.join(registry.IN_PROCESS_BACKENDS)}, which needs one process)")
+    flag(g, "--engine-hang-timeout", type=float, default=w.engine_hang_timeout,
          help="seconds the engine core may stay silent (a stopped process), or stay in one step past that step's "
               "budget (its expected cost from the worker's own recent steps x 10, at least 5 s), before the worker "
               "counts it hung and exits, so its streams move elsewhere (0: never)")
-    flag(g, "--kv-port", type=int, default=0, help="decode: the port the engine core takes KV pushes on "
-                                                   "(0: a free one, told to prefill workers at admission)")
-    flag(g, "--engine-core", default="", hidden=True,
+    flag(g, "--kv-port", type=int, default=w.kv_port, help="decode: the port the engine core takes KV pushes on "
+                                                           "(0: a free one, told to prefill workers at admission)")
+    flag(g, "--engine-core", default=w.engine_core, hidden=True,
          help="TEST ONLY: the engine core to run, module:Class (unset: the role's own; `baton bench relay` runs a "
               "synthetic token source here)")
-    flag(g, "--fault-hooks", type=bool, default=False, hidden=True,
+    flag(g, "--fault-hooks", type=bool, default=w.fault_hooks, hidden=True,
          help="TEST ONLY: SIGUSR1 to the engine core holds its next model step (inside the step) until SIGUSR2")
     for backend_flag in registry.all_flags():
         flag(g, backend_flag.name, **backend_flag.kwargs)
@@ -291,15 +257,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig:
-    cfg = WorkerConfig(role=role, host=args.host, port=args.port, metrics_port=args.metrics_port,
-                       grace_seconds=args.grace, kv_backend=args.kv_backend, max_waiting=args.max_waiting,
-                       kv_advertise=args.kv_advertise, advertise_host=args.advertise_host, tls=tls_from_args(args),
-                       kv_secret=load_secret(os.environ.get("BATON_KV_SECRET"), args.kv_secret_file),
+    cfg = WorkerConfig(role=role, **server_settings(args), port=args.port, kv_backend=args.kv_backend,
+                       max_waiting=args.max_waiting, kv_advertise=args.kv_advertise, advertise_host=args.advertise_host,
+                       kv_secret=load_secret(environment.KV_SECRET.get(), args.kv_secret_file),
                        kv_options={f.dest: getattr(args, f.dest) for f in registry.all_flags()},
                        gil_switch_ms=args.gil_switch_ms,
                        engine_process=args.engine_process, engine_hang_timeout=args.engine_hang_timeout,
                        kv_port=args.kv_port, engine_core=args.engine_core, fault_hooks=args.fault_hooks,
-                       engine=engine_config_from_args(args), log_level=args.log_level, log_format=args.log_format)
+                       engine=engine_config_from_args(args))
     cfg.validate()
     return cfg
 

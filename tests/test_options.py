@@ -154,3 +154,13 @@ def test_a_worker_given_one_port_twice_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_worker_args("decode", ["--port", "50061", "--kv-port", "50061"])
     assert "are both port 50061" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["flag", "file"])
+def test_the_router_takes_no_device_and_says_whose_flag_it_is(how, tmp_path, capsys):
+    from baton.router.config import parse_router_args
+    argv = ["--device", "cpu"] if how == "flag" else ["--config", _config(tmp_path, "device: cpu\n")]
+    with pytest.raises(SystemExit):
+        parse_router_args(["--colocated", "w:1", *argv])
+    assert "device: the router runs no model; give --device to the prefill and decode workers" in \
+        capsys.readouterr().err

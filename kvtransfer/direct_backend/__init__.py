@@ -53,9 +53,9 @@ __all__ = ["BACKEND", "DirectKVReceiver", "DirectKVSender", "DirectOutgoing", "P
 
 def make_sender(ctx) -> DirectKVSender:
     return DirectKVSender(ctx.channel, ctx.address, ctx.platform, auth=ctx.auth,
-                          nccl=ctx.options.get("kv_nccl", "direct"), stall_s=ctx.options.get("kv_fault_stall_s", 0.0))
+                          nccl=ctx.options["kv_nccl"], stall_s=ctx.options["kv_fault_stall_s"])
 
 
 def make_receiver(ctx) -> DirectKVReceiver:
     return DirectKVReceiver(ctx.pending, ctx.platform, ctx.layout.payload_nbytes(1), ctx.store_host, auth=ctx.auth,
-                            nccl=ctx.options.get("kv_nccl", "direct"))
+                            nccl=ctx.options["kv_nccl"])

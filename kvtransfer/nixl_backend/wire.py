@@ -25,18 +25,19 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import sys
 import time
 
 import grpc
+
+from baton import environment
 
 SERVICE = "baton.v1.KVNixl"
 TRANSFER_METHOD = f"/{SERVICE}/Transfer"
 Code = grpc.StatusCode
 
 
-TRACE = bool(os.environ.get("BATON_KV_TRACE"))     # each transfer's milestones on stderr, both sides
+TRACE = bool(environment.KV_TRACE.get())     # each transfer's milestones on stderr, both sides
 
 
 def trace(what: str, tid: str) -> None:

@@ -56,6 +56,18 @@ def test_the_kv_buffer_is_the_flag_bounded_by_half_the_free_device_memory_with_a
         worker_config_from_args(build_parser("prefill").parse_args(["--kv-buffer-mib", "0"]), "prefill")
 
 
+def test_a_backend_gets_every_flag_at_its_default_where_the_caller_gave_none():
+    ctx = registry.SenderContext("d:1", None, None, options={"kv_nccl": "torch"})
+    assert ctx.options == {"kv_buffer_mib": registry.BUFFER_MIB, "kv_nccl": "torch", "kv_fault_stall_s": 0.0}
+    assert registry.ReceiverContext(None, None, None, "d:1").options == {
+        "kv_buffer_mib": registry.BUFFER_MIB, "kv_nccl": "direct", "kv_fault_stall_s": 0.0}
+
+
+def test_a_backend_flag_out_of_range_is_refused_by_its_name():
+    with pytest.raises(ValueError, match="--kv-fault-stall-s must be >= 0, got -1"):
+        WorkerConfig(role="decode", kv_options={"kv_fault_stall_s": -1.0}).validate()
+
+
 def test_a_backend_whose_package_is_missing_is_refused_with_how_to_install_it(monkeypatch):
     monkeypatch.setattr(registry.BackendSpec, "available", lambda self: not self.requires)
     with pytest.raises(ValueError, match=r"--kv-backend nixl needs .* pip install 'baton\[nixl\]'"):
