@@ -1,6 +1,8 @@
 """The structure the folders promise, checked on what users install: the built wheel puts
 one name, `baton`, in site-packages, and its imports keep the layering (import-linter's
-contracts in pyproject.toml: imports point down, no cycles, torch-free plumbing)."""
+contracts in pyproject.toml: imports point down, between the folders and between the engine's
+layers, no cycles, torch-free plumbing and request types). The router takes of the engine only
+its request types (engine/requests/), which need nothing else of it."""
 from __future__ import annotations
 
 import ast
@@ -36,6 +38,20 @@ def installed_tree(tmp_path_factory) -> Path:
     return tree
 
 
+def _packages(root: Path) -> set[Path]:
+    return {p.parent.relative_to(root) for p in root.rglob("__init__.py")}
+
+
+def test_the_wheel_ships_every_package_of_the_sources(installed_tree):
+    """A new sub-package (engine/runner/, ...) is one line in pyproject.toml's package list."""
+    shipped = _packages(installed_tree / "baton")
+    for d in PRODUCT_DIRS:
+        if d in ("baton", "protos"):
+            continue
+        missing = {d / p for p in _packages(REPO / d) if Path(d) / p not in shipped}
+        assert not missing, f"add to [tool.setuptools] packages: {sorted(map(str, missing))}"
+
+
 def test_the_wheel_installs_only_the_baton_namespace(installed_tree):
     top = sorted(p.name for p in installed_tree.iterdir() if not p.name.endswith(".dist-info"))
     assert top == ["baton"]
@@ -63,20 +79,48 @@ def test_imports_keep_the_layering_contracts(installed_tree, tmp_path):
     run = subprocess.run([str(lint), "--config", str(REPO / "pyproject.toml"), "--no-cache", "--no-logo"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "3 kept, 0 broken" in run.stdout
+    assert "4 kept, 0 broken" in run.stdout
 
 
-def test_an_upward_import_breaks_the_contract(installed_tree, tmp_path):
-    """The check is live: an engine module importing the router fails it."""
+@pytest.mark.parametrize("where, code, broken", [
+    ("engine", "from baton.router import server", "baton.engine.upward -> baton.router"),
+    ("engine/scheduling", "from baton.engine.runner import sampler", "baton.engine.scheduling.upward -> baton.engine.runner"),
+    ("engine/requests", "import torch", "baton.engine.requests.upward -> torch"),
+], ids=["engine-to-router", "scheduling-to-runner", "requests-to-torch"])
+def test_an_upward_import_breaks_the_contract(installed_tree, tmp_path, where, code, broken):
+    """The check is live: an engine module importing the router, the scheduler's layer importing the
+    runner, a request type importing torch: each fails it."""
     tree = tmp_path / "site"
     shutil.copytree(installed_tree, tree)
-    (tree / "baton" / "engine" / "upward.py").write_text("from baton.router import server\n")
+    (tree / "baton" / where / "upward.py").write_text(code + "\n")
     lint = Path(sys.executable).with_name("lint-imports")
     run = subprocess.run([str(lint), "--config", str(REPO / "pyproject.toml"), "--no-cache", "--no-logo"],
                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True, text=True,
                          timeout=120)
     assert run.returncode != 0
-    assert "baton.engine.upward -> baton.router" in run.stdout
+    assert broken in run.stdout
+
+
+def _engine_imports(path: Path) -> list[str]:
+    """The `baton.engine...` modules a file names in its imports (at any depth: lazy ones too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [f"{node.module}.{a.name}" if node.module in ("baton", "baton.engine") else node.module
+                      for a in node.names]
+    return [m for m in found if m == "baton.engine" or m.startswith("baton.engine.")]
+
+
+def test_the_router_and_the_request_types_import_of_the_engine_only_the_request_types():
+    """engine/requests/ is the router's whole view of the engine (the same SamplingParams,
+    tokenizer and structured output as the workers'), and it stands on nothing else of the
+    engine: the router never loads the scheduler, the runner or torch."""
+    outside = [f"{path.relative_to(REPO)}: {module}"
+               for folder in ("router", "engine/requests") for path in sorted((REPO / folder).rglob("*.py"))
+               for module in _engine_imports(path) if not f"{module}.".startswith("baton.engine.requests.")]
+    assert not outside, outside
 
 
 def test_no_product_file_is_over_700_lines():
@@ -91,25 +135,22 @@ def test_no_product_file_is_over_700_lines():
     assert not long, f"split these by idea: {long}"
 
 
-# The model runner split by concept: the runner composes these, each with a narrow interface
-RUNNER_FILES = ("model_runner", "weights", "kv_cache", "input_builder", "executor", "forward", "warm_up", "step",
-                "draft_head", "graph_runner", "prefill_graphs", "vision_step", "logprobs_device", "staging",
-                "kv_blocks", "kv_scales", "fp8_rounding", "sampler")
 MAX_RUNNER_FILE_LINES = 400
 
 
 def test_the_runners_parts_stay_small_and_use_no_other_objects_privates():
-    """Each part of the runner is under MAX_RUNNER_FILE_LINES, and reads `_names` only of `self`/`cls`:
-    a helper that needs something of another object gets a public name for it."""
+    """The model runner is split by concept (engine/runner/: the runner composes the parts, each with
+    a narrow interface). Each part is under MAX_RUNNER_FILE_LINES, and reads `_names` only of
+    `self`/`cls`: a helper that needs something of another object gets a public name for it."""
     long, reaching = {}, []
-    for name in RUNNER_FILES:
-        path = REPO / "engine" / "runner" / f"{name}.py"
+    for path in sorted((REPO / "engine" / "runner").glob("*.py")):
+        name = str(path.relative_to(REPO))
         text = path.read_text()
         if len(text.splitlines()) > MAX_RUNNER_FILE_LINES:
             long[name] = len(text.splitlines())
         for node in ast.walk(ast.parse(text)):
             private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
             if private and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
-                reaching.append(f"engine/runner/{name}.py:{node.lineno} {ast.unparse(node)}")
+                reaching.append(f"{name}:{node.lineno} {ast.unparse(node)}")
     assert not long, f"split these by idea: {long}"
     assert not reaching, reaching
