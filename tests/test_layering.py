@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -23,13 +24,18 @@ MAX_PRODUCT_FILE_LINES = 700
 
 @pytest.fixture(scope="module")
 def installed_tree(tmp_path_factory) -> Path:
-    """The wheel, built from a clean copy of the tracked sources, unpacked as pip would install it."""
+    """The wheel, built from a clean copy of the tracked sources (baton/'s links as links, as the
+    Dockerfiles' COPY gives them), unpacked as pip would install it."""
     src, out, tree = (tmp_path_factory.mktemp(n) for n in ("src", "wheel", "site"))
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, check=True,
                            capture_output=True, text=True).stdout.split()
     for name in files:
-        if (REPO / name).is_file() and name.split("/")[0] not in ("tests", "docs"):
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
+        if name.split("/")[0] in ("tests", "docs"):
+            continue
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        if (REPO / name).is_symlink():
+            (src / name).symlink_to(os.readlink(REPO / name))
+        elif (REPO / name).is_file():
             shutil.copy2(REPO / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
                     str(src)], check=True, capture_output=True)
@@ -50,6 +56,24 @@ def test_the_wheel_ships_every_package_of_the_sources(installed_tree):
             continue
         missing = {d / p for p in _packages(REPO / d) if Path(d) / p not in shipped}
         assert not missing, f"add to [tool.setuptools] packages: {sorted(map(str, missing))}"
+
+
+def test_the_checkout_imports_as_installed_without_an_install():
+    """baton/ links each folder under the name the package gives it (baton/engine -> ../engine, ...), so
+    `baton.engine.llm` resolves in the checkout for static tools (pyright, editors) and plain
+    PYTHONPATH=. as it does installed."""
+    mapped = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for name, folder in mapped.items():
+        if name == "baton":
+            continue
+        link = REPO / "baton" / name.removeprefix("baton.")
+        assert link.is_symlink() and link.resolve() == (REPO / folder).resolve(), f"ln -s ../{folder} {link}"
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in str(getattr(f, '__module__', ''))]; "
+            "import baton.engine.llm, baton.router.server, baton.v1.router_pb2; print(baton.engine.llm.__file__)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(REPO / "baton" / "engine" / "llm.py")
 
 
 def test_the_wheel_installs_only_the_baton_namespace(installed_tree):
