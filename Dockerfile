@@ -19,7 +19,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1
 
 # The sources are built in /src and removed once installed: in their folder, `python -m baton.x`
-# would import the source folder baton/ (the top of the package only) instead of the installed package.
+# would import the source folder baton/ (which links the others) instead of the installed package.
 WORKDIR /src
 RUN if [ "$WITH_COMPILER" = "1" ]; then \
       apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*; \

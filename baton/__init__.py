@@ -22,10 +22,10 @@ def __getattr__(name: str):
         from baton.engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from baton.engine.sampling_params import SamplingParams
+        from baton.engine.requests.sampling_params import SamplingParams
         return SamplingParams
     if name == "StructuredOutput":
-        from baton.engine.structured_output import StructuredOutput
+        from baton.engine.requests.structured_output import StructuredOutput
         return StructuredOutput
     raise AttributeError(f"module 'baton' has no attribute {name!r}")
 

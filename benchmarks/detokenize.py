@@ -12,8 +12,8 @@ import argparse
 import json
 import time
 
-from baton.engine.detokenizer import PythonDetokenizer, make_detokenizer
-from baton.engine.tokenizer import load_tokenizer
+from baton.engine.requests.detokenizer import PythonDetokenizer, make_detokenizer
+from baton.engine.requests.tokenizer import load_tokenizer
 from baton.models.source import resolve_model
 
 TEXT = ("The river ran past the old mill; Zürich → 東京 is 9,600 km. def f(x): return x ** 2  # ünïcödé 🙂\n"

@@ -15,7 +15,7 @@ import json
 import statistics
 import time
 
-from baton.engine.tokenizer import load_tokenizer
+from baton.engine.requests.tokenizer import load_tokenizer
 from baton.models.source import resolve_model
 
 VOCAB = 49152

@@ -6,7 +6,7 @@
 the embedded model's) with qwen3's vocabulary width, each fed a random token its own mask allows,
 step after step; prints the median fill time per step after 20 warm-up steps. `--shared`: the
 matchers are copies of one (they share its lexer), as Baton made them before issue 29's fix; by
-default each is compiled on its own, as Baton makes them now (engine/structured_output.py).
+default each is compiled on its own, as Baton makes them now (engine/requests/structured_output.py).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def main(argv=None) -> None:
 
     from baton.benchmarks import environment as bench_env
     from baton.benchmarks.structured import schema
-    from baton.engine.structured_output import StructuredOutput, StructuredOutputs, compiled
+    from baton.engine.requests.structured_output import StructuredOutput, StructuredOutputs, compiled
     from baton.models.source import resolve_model
     tokenizer = AutoTokenizer.from_pretrained(bench_env.tokenizer() or resolve_model(None).tokenizer_path)
     grammars = StructuredOutputs(tokenizer, 151936, [151645])

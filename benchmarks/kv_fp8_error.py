@@ -1,6 +1,6 @@
 """Where an FP8 KV cache's error comes from, layer by layer: each layer's attention output with its
 K and V rounded to e4m3 as the cache holds them, at scale 1 and at the per-head scales Baton
-calibrates at load (engine/kv_scales.py), against the same attention on the unrounded K and V;
+calibrates at load (engine/runner/kv_scales.py), against the same attention on the unrounded K and V;
 and K alone, V alone; and how much of K and V sits outside e4m3's normal range (|x| < 2^-6, or
 beyond 448), the only place a scale can help: inside it, e4m3's step is relative (3 mantissa
 bits), whatever the scale.

@@ -363,8 +363,8 @@ async def _direct_receive(conn, device: str, total_bytes: int, tids: list[str], 
                           backend: str, layout: dict | None = None, slots: int = 0) -> None:
     import torch
 
-    from baton.engine.kv_blocks import pack_blocks_on_device
     from baton.engine.kv_handoff import InPlace
+    from baton.engine.runner.kv_blocks import pack_blocks_on_device
     landed: dict[str, float] = {}
     failed: dict[str, str] = {}
     checked: list[bool] = []

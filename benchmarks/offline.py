@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="fp8: the KV cache in float8 e4m3")
     e.add_argument("--deterministic", action="store_true",
-                   help="batch-invariant kernels (engine/batch_invariant.py): what the mode costs")
+                   help="batch-invariant kernels (engine/runner/batch_invariant.py): what the mode costs")
     e.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one device each")
     e.add_argument("--tp-devices", default=None, help="devices of the ranks, e.g. cuda:0,cuda:1 "
                    "(default: counted up from --device)")
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace, rec: dict) -> None:
         shape.vocab, args.temperature)
     rec["model"] = shape.to_json()
     rec["dtype"] = args.dtype
-    from baton.engine.tensor_parallel import rank_devices
+    from baton.engine.runner.tensor_parallel import rank_devices
     rec["device"] = record.device_info(rank_devices(args.device, args.tp_size, args.tp_devices)
                                        if args.engine == "baton" else [args.device])
     # one-byte projection weights: FP8, or w8a8's int8 (its GEMM rate is measured on CUDA only, where w8a8 is refused)

@@ -121,7 +121,7 @@ def _cb_config(args: argparse.Namespace, workload: OfflineWorkload, kv_bytes_per
     elif args.kv_cache_memory:
         tokens = args.kv_cache_memory // kv_bytes_per_token
     elif args.device == "cpu":
-        from baton.engine.model_runner import cpu_kv_cache_default
+        from baton.engine.runner.model_runner import cpu_kv_cache_default
         weights = sum(p.numel() * p.element_size() for p in hf.parameters())
         context = getattr(hf.config, "max_position_embeddings", 4096)
         tokens = cpu_kv_cache_default(weights, context * kv_bytes_per_token) // kv_bytes_per_token

@@ -35,7 +35,7 @@ MODES = {"full": {}, "fp8": {"quantization": "fp8"}, "fp8+kv8": {"quantization":
          # the float8 cache unscaled (--kv-cache-scales one), against the per-head scales the others use
          "fp8+kv8-one": {"quantization": "fp8", "kv_cache_dtype": "fp8", "kv_cache_scales": "one"},
          "kv8-one": {"kv_cache_dtype": "fp8", "kv_cache_scales": "one"},
-         # FP8 weights rounded with GPTQ's error feedback at load (--fp8-rounding gptq, engine/fp8_rounding.py;
+         # FP8 weights rounded with GPTQ's error feedback at load (--fp8-rounding gptq, engine/runner/fp8_rounding.py;
          # calibrated on CPython's help topics and two stdlib modules other than MODULES)
          "gptq": {"quantization": "fp8", "fp8_rounding": "gptq"},
          "gptq+kv8": {"quantization": "fp8", "fp8_rounding": "gptq", "kv_cache_dtype": "fp8"},

@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 
 from baton.benchmarks.roofline import StepShape
-from baton.engine.block_manager import BlockManager
-from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import Scheduler, SchedulerConfig
-from baton.engine.sequence import Sequence
+from baton.engine.requests.sampling_params import SamplingParams
+from baton.engine.scheduling.block_manager import BlockManager
+from baton.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from baton.engine.scheduling.sequence import Sequence
 
 
 def simulate_steps(prompts: list[list[int]], output_lens: list[int], block_size: int = 16,

@@ -6,7 +6,7 @@ One engine; the same prompts, seeds and token budget decode with and without a J
 of at least `--min-items` records: no output completes it within the budget, so every measured token
 is sampled under a live grammar), in alternating rounds. Decode tok/s counts the tokens after each
 request's first, over the steps after every request has its first token. Also reported: the host
-time per step spent filling the masks (engine/structured_output.py, on their own thread), and where a
+time per step spent filling the masks (engine/requests/structured_output.py, on their own thread), and where a
 constrained step's engine-thread time goes (HostTimes); `--profile` adds a torch profiler trace of
 each batch's device busy and idle time per step. docs/benchmarks.md "Structured output" has the figures.
 """
@@ -46,7 +46,7 @@ class HostTimes:
     of which the masks' copy (`upload`)."""
 
     def __init__(self, engine):
-        from baton.engine.step import LaunchedStep
+        from baton.engine.runner.step import LaunchedStep
 
         self.totals = {"masks_start": 0.0, "wait_tokens": 0.0, "complete": 0.0, "sample_launch": 0.0, "upload": 0.0}
         self.steps = 0

@@ -24,7 +24,7 @@ import grpc
 
 from baton.engine.kv_handoff import KVHandoff, KVState, KVTicket
 from baton.engine.output_processor import RequestOutput
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.requests.sampling_params import SamplingParams
 from baton.kvtransfer import registry
 from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.kvtransfer.receiver import PendingTransfers

@@ -21,8 +21,8 @@ from dataclasses import replace
 
 import grpc
 
-from baton.engine.sampling_params import SamplingParams
-from baton.engine.tokenizer import load_decoder
+from baton.engine.requests.sampling_params import SamplingParams
+from baton.engine.requests.tokenizer import load_decoder
 from baton.serving.grpc_server import ServiceError
 from baton.serving.token_streams import Bus, RequestSink, TokenStream
 from baton.serving.wire import images_from_proto, sampling_from_proto

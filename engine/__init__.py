@@ -1,8 +1,8 @@
 """What prefill and decode share: config, scheduling, KV blocks, model runner, sampler,
 platforms, and the offline `LLM` API."""
 from baton.engine.config import DEFAULT_MODEL, EngineConfig
-from baton.engine.sampling_params import SamplingParams
-from baton.engine.structured_output import StructuredOutput
+from baton.engine.requests.sampling_params import SamplingParams
+from baton.engine.requests.structured_output import StructuredOutput
 
 
 def __getattr__(name):

@@ -18,7 +18,7 @@ from typing import Any
 from baton.engine.kv_handoff import KVTicket
 from baton.engine.llm_engine import EngineStats, LLMEngine
 from baton.engine.output_processor import RequestOutput
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.requests.sampling_params import SamplingParams
 from baton.models.multimodal import ImageInput
 
 IDLE_WAIT_S = 0.05

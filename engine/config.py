@@ -3,14 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from baton.engine.requests.policies import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES
 from baton.models.cache import cache_root
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SPECULATIVE_METHODS = ("ngram", "eagle3")   # engine/speculative.py
 DETERMINISTIC_MAX_TP = 2                # engine/batch_invariant.py: an all-reduce of two is one addition
 NPU_GRAPH_MODES = ("aclgraph", "torchair")
-SCHEDULING_POLICIES = ("fcfs", "priority")   # engine/scheduling_policy.py
-DEFAULT_SCHEDULING_POLICY = "fcfs"
 QUANTIZATION_METHODS = ("fp8", "w8a8")  # models/layers/quantization.py
 KV_CACHE_DTYPES = ("auto", "fp8")       # auto: the model dtype; fp8: float8 e4m3 (engine/platforms/base.py)
 KV_CACHE_SCALES = ("calibrate", "one")  # a float8 cache's per-head K/V scales (engine/kv_scales.py)

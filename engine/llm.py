@@ -8,8 +8,8 @@ from collections.abc import Sequence as Seq
 from baton.engine.config import DEFAULT_MODEL, EngineConfig
 from baton.engine.llm_engine import LLMEngine, freeze_startup_objects
 from baton.engine.output_processor import CompletionOutput
-from baton.engine.sampling_params import SamplingParams
-from baton.engine.tokenizer import render_chat
+from baton.engine.requests.sampling_params import SamplingParams
+from baton.engine.requests.tokenizer import render_chat
 from baton.models.multimodal import ImageInput, split_content_parts
 
 Prompt = str | list[int]

@@ -16,23 +16,23 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from baton.engine.block_manager import BlockManager
 from baton.engine.config import EngineConfig
 from baton.engine.kv_handoff import InPlace, KVHandoff, KVPiece, KVState, KVTicket
-from baton.engine.limits import ModelLimits
-from baton.engine.logprobs import decode as decode_logprobs
-from baton.engine.logprobs import encode as encode_logprobs
-from baton.engine.model_runner import ModelRunner
-from baton.engine.multimodal import POSITION_OFFSET_META, MultimodalPrompt
 from baton.engine.output_processor import RequestOutput, RequestState
-from baton.engine.sampling_params import SamplingParams, sampling_defaults
-from baton.engine.scheduler import Scheduler, SchedulerConfig
-from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
-from baton.engine.speculative import HEAD_STATE_META, Speculator, accept
-from baton.engine.step import LaunchedStep
+from baton.engine.requests.limits import ModelLimits
+from baton.engine.requests.logprobs import decode as decode_logprobs
+from baton.engine.requests.logprobs import encode as encode_logprobs
+from baton.engine.requests.sampling_params import SamplingParams, sampling_defaults
+from baton.engine.requests.structured_output import StructuredOutputs
+from baton.engine.requests.tokenizer import encode_text, eos_token_ids, load_tokenizer
+from baton.engine.runner.model_runner import ModelRunner
+from baton.engine.runner.step import LaunchedStep
+from baton.engine.scheduling.block_manager import BlockManager
+from baton.engine.scheduling.multimodal import POSITION_OFFSET_META, MultimodalPrompt
+from baton.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from baton.engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
+from baton.engine.speculation.speculative import HEAD_STATE_META, Speculator, accept
 from baton.engine.step_clock import CostModel, StepClock
-from baton.engine.structured_output import StructuredOutputs
-from baton.engine.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from baton.models.multimodal import ImageInput, ImagePlaceholders
 
 log = logging.getLogger("baton.engine")
@@ -55,7 +55,7 @@ class EngineStats:
     awaiting_kv: int
     kv_blocks_total: int
     kv_blocks_free: int
-    spec_draft_tokens: int = 0         # speculative decoding's totals (engine/speculative.py)
+    spec_draft_tokens: int = 0         # speculative decoding's totals (engine/speculation/speculative.py)
     spec_accepted_tokens: int = 0
     spec_verified: int = 0
     kv_blocks_held: int = 0            # blocks of failed in-place transfers, until no late write can land
@@ -69,7 +69,7 @@ class KVSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    kv_scales: str = ""                # a float8 cache's scales, as a checksum (engine/kv_scales.py); "" = none
+    kv_scales: str = ""                # a float8 cache's scales, as a checksum (engine/runner/kv_scales.py); "" = none
 
 
 class LLMEngine:
@@ -109,7 +109,7 @@ class LLMEngine:
             self.config.speculative_method, self.config.speculative_tokens, self.config.speculative_max_batch,
             self.block_manager, self.runner.drafts)
         # n-gram guesses, scheduled ahead: the step after a verifying one is queued before its tokens are
-        # back, as if every guess held (the sequences that kept fewer roll back: engine/speculative.py)
+        # back, as if every guess held (the sequences that kept fewer roll back: engine/speculation/speculative.py)
         self.guesses_ahead = self.look_ahead and self.speculator is not None and self.speculator.drafter is None
         self._ids = itertools.count()
         self.last_step_seconds = 0.0
@@ -335,7 +335,7 @@ class LLMEngine:
                 for seq in preempted if seq.mm is not None and not seq.mm.images_available]
 
     def _speculating(self) -> bool:
-        """Should the next step verify guesses (engine/speculative.py: the batch is small and enough
+        """Should the next step verify guesses (engine/speculation/speculative.py: the batch is small and enough
         of its sequences are due to guess); else it decodes plainly, scheduled ahead as usual."""
         return self.speculator is not None and self.speculator.wants(self.scheduler.running)
 
@@ -360,7 +360,7 @@ class LLMEngine:
     def _settle(self, launched: LaunchedStep) -> tuple[LaunchedStep, list[int | None], dict[str, str]]:
         """`_resolve` up to the outputs: wait for the step's tokens, hand off the prompt KV it
         finished, fill in its tokens and finish what ended. An item with guesses
-        (engine/speculative.py) keeps them up to the first the model disagreed with, and the
+        (engine/speculation/speculative.py) keeps them up to the first the model disagreed with, and the
         token sampled there. Returns what `_emit_settled` needs."""
         verified = any(item.draft for item in launched.out.scheduled)
         if verified:
@@ -391,7 +391,7 @@ class LLMEngine:
         return launched, sampled, failed
 
     def _keep_head_states(self, launched: LaunchedStep, kept: list[list[int] | None] | None) -> None:
-        """A draft head's output at each sampling sequence's last kept token (engine/draft_head.py):
+        """A draft head's output at each sampling sequence's last kept token (engine/runner/draft_head.py):
         its first sampled row, plus the guesses it kept."""
         if launched.head_hidden is None:         # its pass wrote only the head's KV (a batch too large to draft)
             self.runner.drafts.drop_states(launched.out.scheduled)
@@ -516,7 +516,7 @@ def _verifies_ahead(launched: LaunchedStep) -> bool:
     return any(item.ahead for item in launched.out.scheduled)
 
 
-# -- logprobs (engine/logprobs.py) ----------------------------------------------------------------
+# -- logprobs (engine/requests/logprobs.py) ----------------------------------------------------------------
 FIRST_LOGPROBS_META, PROMPT_LOGPROBS_META = "first_logprobs", "prompt_logprobs"
 
 

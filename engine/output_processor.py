@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from baton.engine.detokenizer import make_detokenizer
-from baton.engine.logprobs import TokenLogprob
-from baton.engine.sequence import FinishReason, Sequence
+from baton.engine.requests.detokenizer import make_detokenizer
+from baton.engine.requests.logprobs import TokenLogprob
+from baton.engine.scheduling.sequence import FinishReason, Sequence
 
 
 @dataclass(slots=True)

@@ -7,6 +7,6 @@ KVReceiver) -> handshake.py (layout and secret, before any backend moves a byte)
 (what both ends must agree on) -> receiver.py (the decode side's registry of expected
 transfers: exactly one callback each) -> one folder per backend (grpc_backend/,
 direct_backend/, nixl_backend/, memory_backend/). The blocks <-> bytes packing is the engine's
-(engine/kv_blocks.py); peer_auth.py proves a shared secret; grpc_options.py sets the channel's
+(engine/runner/kv_blocks.py); peer_auth.py proves a shared secret; grpc_options.py sets the channel's
 limits.
 """

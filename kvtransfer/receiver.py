@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from baton.engine.block_manager import KVCacheFull
 from baton.engine.kv_handoff import InPlace
+from baton.engine.scheduling.block_manager import KVCacheFull
 
 log = logging.getLogger("baton.kvtransfer")
 

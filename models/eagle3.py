@@ -13,7 +13,7 @@ target's layers in `eagle_config.eagle_aux_hidden_state_layer_ids`) and safetens
 
 A step of the head after the first feeds back its own hidden state before the final norm (no
 fc: it has the head's width already). Its attention keeps KV in one extra layer of the target's
-paged cache (engine/model_runner.py): so its head shape must be the target's.
+paged cache (engine/runner/model_runner.py): so its head shape must be the target's.
 """
 from __future__ import annotations
 

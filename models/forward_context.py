@@ -34,9 +34,9 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None   # per layer (k_cache, v_cache); None = no cache
     platform: AttentionBackend
     scale: float
-    # a float8 cache's K and V scales, [layers, 2, kv_heads] float32 (engine/kv_scales.py); None: 1
+    # a float8 cache's K and V scales, [layers, 2, kv_heads] float32 (engine/runner/kv_scales.py); None: 1
     kv_scales: torch.Tensor | None = None
-    # a piecewise capture in progress (engine/prefill_graphs.py): each attention call ends a graph,
+    # a piecewise capture in progress (engine/runner/prefill_graphs.py): each attention call ends a graph,
     # runs eagerly, and begins the next; None: attend at once
     pieces: object | None = None
 

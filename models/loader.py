@@ -18,7 +18,7 @@ from baton.progress import Progress
 
 IGNORED = ("rotary_emb.inv_freq",)
 # a float8 KV cache's scales in FP8 checkpoints (vLLM, compressed-tensors): one per layer, for K and V
-# (kv_scale: one for both); kept on the model as `checkpoint_kv_scales` (engine/kv_scales.py)
+# (kv_scale: one for both); kept on the model as `checkpoint_kv_scales` (engine/runner/kv_scales.py)
 KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(k|v|kv)_scale$")
 
 

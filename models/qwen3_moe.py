@@ -14,7 +14,7 @@ _EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     # routed experts: decode graphs only where the platform's moe_experts is capturable
-    # (LayerOps.moe_graph_safe; engine/model_runner.py asks)
+    # (LayerOps.moe_graph_safe; engine/runner/model_runner.py asks)
     uses_moe = True
 
     def make_mlp(self, config, layer_idx, ops, tp, dtype):

@@ -1,5 +1,5 @@
 """What the engine needs of a model that sees images: the `VisionLanguageModel` protocol and
-the per-step record it takes (`MultimodalStep`). engine/vision_step.py talks to this, never
+the per-step record it takes (`MultimodalStep`). engine/runner/vision_step.py talks to this, never
 to a particular model, so a second vision-language architecture is a model file, not an
 engine change. Qwen3-VL (models/qwen3_vl.py) is the one today.
 """

@@ -25,7 +25,7 @@ import grpc
 from baton.engine.async_engine import EngineDead
 from baton.engine.kv_handoff import KVHandoff, KVPiece, KVState, KVTicket
 from baton.engine.output_processor import RequestOutput
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.requests.sampling_params import SamplingParams
 from baton.kvtransfer import registry
 from baton.kvtransfer.backend import (
     KVSender,

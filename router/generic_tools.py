@@ -33,7 +33,7 @@ Each result comes back in a {response_open}{response_close} block; then answer f
 
 def renders_tools(template) -> bool:
     """Whether a chat template (its source, or transformers' dict of named ones) renders tools: it
-    must mention them (the rule engine/tokenizer.py's render_chat applies to refuse dropped tools)."""
+    must mention them (the rule engine/requests/tokenizer.py's render_chat applies to refuse dropped tools)."""
     if isinstance(template, dict):
         template = template.get("tool_use", "")
     return isinstance(template, str) and "tools" in template

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from baton import environment
-from baton.engine.sampling_params import sampling_defaults
-from baton.engine.tokenizer import eos_token_ids, load_tokenizer
+from baton.engine.requests.sampling_params import sampling_defaults
+from baton.engine.requests.tokenizer import eos_token_ids, load_tokenizer
 from baton.models.multimodal import ImagePlaceholders
 from baton.models.source import resolve_model
 from baton.router.config import RouterConfig, parse_router_args

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from baton.engine.detokenizer import make_detokenizer
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.requests.detokenizer import make_detokenizer
+from baton.engine.requests.sampling_params import SamplingParams
 from baton.v1 import router_pb2
 
 FINISHED = router_pb2.FINISH_REASON_UNSPECIFIED

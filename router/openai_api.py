@@ -26,7 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton import __version__
-from baton.engine.tokenizer import encode_text
+from baton.engine.requests.tokenizer import encode_text
 from baton.models.multimodal import decode_data_url
 from baton.router import tokens
 from baton.router.config import RouterConfig

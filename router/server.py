@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from baton.engine.structured_output import StructuredOutput
+from baton.engine.requests.structured_output import StructuredOutput
 from baton.kvtransfer import registry as kv_registry
 from baton.models.multimodal import ImagePlaceholders
 from baton.router import tokens, tool_calls, validation

@@ -2,7 +2,7 @@
 Router RPCs, and vLLM's /tokenize and /detokenize on the HTTP port)."""
 from __future__ import annotations
 
-from baton.engine.tokenizer import encode_text
+from baton.engine.requests.tokenizer import encode_text
 from baton.router import validation
 from baton.v1 import router_pb2
 

@@ -9,8 +9,8 @@ import json
 import re
 from collections.abc import Sequence
 
-from baton.engine.sampling_params import SamplingParams
-from baton.engine.tokenizer import encode_text, render_chat
+from baton.engine.requests.sampling_params import SamplingParams
+from baton.engine.requests.tokenizer import encode_text, render_chat
 from baton.models.multimodal import split_content_parts
 from baton.router import generic_tools, tool_calls
 from baton.router.images import ChatImage, ImagePolicy

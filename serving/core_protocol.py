@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from baton.engine.block_manager import KVCacheFull
+from baton.engine.scheduling.block_manager import KVCacheFull
 from baton.serving.grpc_server import ServiceError, status_for
 
 INIT, CALL, HELLO, FATAL, REPLY, UPDATES, BEAT, PULSE = (

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from baton.engine.block_manager import KVCacheFull
+from baton.engine.scheduling.block_manager import KVCacheFull
 from baton.serving.security import TLSConfig
 
 log = logging.getLogger("baton")

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from baton.engine.output_processor import TextStream
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.requests.sampling_params import SamplingParams
 from baton.serving.core_protocol import decode_error
 from baton.serving.grpc_server import ServiceError, status_for
 from baton.serving.wire import FINISH_TO_PROTO, STATUS_BY_NUMBER, logprobs_to_proto

@@ -6,8 +6,8 @@ import math
 import grpc
 
 from baton.engine.output_processor import RequestOutput
-from baton.engine.sampling_params import SamplingParams
-from baton.engine.structured_output import StructuredOutput
+from baton.engine.requests.sampling_params import SamplingParams
+from baton.engine.requests.structured_output import StructuredOutput
 from baton.models.multimodal import ImageInput
 from baton.v1 import decode_pb2, router_pb2
 
@@ -25,7 +25,7 @@ STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def sampling_from_proto(p: router_pb2.SamplingParams, defaults: dict | None = None) -> SamplingParams:
-    """Unset fields take `defaults` (the model's generation config, engine/sampling_params.py),
+    """Unset fields take `defaults` (the model's generation config, engine/requests/sampling_params.py),
     else the contract's; range checks are SamplingParams.validate's."""
     d = defaults or {}
     return SamplingParams(

@@ -21,7 +21,7 @@ import time
 
 import grpc
 
-from baton.engine.limits import ModelLimits
+from baton.engine.requests.limits import ModelLimits
 from baton.serving.core_client import CoreClient, start_core
 from baton.serving.grpc_server import Server, ServiceError
 from baton.serving.metrics import Metrics

@@ -12,7 +12,7 @@ import pytest
 from cluster import REPO
 
 from baton.benchmarks.synthetic_core import FALLBACK_IDS, SyntheticCore
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.requests.sampling_params import SamplingParams
 from baton.serving.core_protocol import UPDATES
 from baton.serving.grpc_server import ServiceError
 from baton.serving.worker_config import WorkerConfig

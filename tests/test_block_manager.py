@@ -1,9 +1,9 @@
 """BlockManager: paged allocation, ref counts, prefix cache hits, LRU reuse, collisions."""
 import pytest
 
-from baton.engine.block_manager import BlockManager, KVCacheFull
-from baton.engine.sampling_params import SamplingParams
-from baton.engine.sequence import Sequence
+from baton.engine.requests.sampling_params import SamplingParams
+from baton.engine.scheduling.block_manager import BlockManager, KVCacheFull
+from baton.engine.scheduling.sequence import Sequence
 
 
 def seq(tokens, max_len=1000):

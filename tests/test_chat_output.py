@@ -142,7 +142,7 @@ def test_bad_tools_are_refused_with_what_to_fix(bad, message):
 
 
 def test_a_template_that_cannot_render_tools_is_refused_rather_than_dropping_them(embedded_source):
-    from baton.engine.tokenizer import load_tokenizer, render_chat
+    from baton.engine.requests.tokenizer import load_tokenizer, render_chat
     tokenizer = load_tokenizer(embedded_source)                 # SmolLM2's template takes no tools
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
     with pytest.raises(ValueError, match="does not render tools.*--chat-template"):

@@ -242,13 +242,13 @@ flag(p, "--max-waiting", type=int, default=1024, help="")  # the one literal for
 
 def test_the_tree_holds_unrelated_equal_literals_the_check_lets_be():
     """The guard is needed: 256, max_tokens' default, is also the longest stop string."""
-    from baton.engine.sampling_params import MAX_STOP_STRING_CHARS, SamplingParams
+    from baton.engine.requests.sampling_params import MAX_STOP_STRING_CHARS, SamplingParams
     assert MAX_STOP_STRING_CHARS == SamplingParams().max_tokens
     files = dict(sources(SETTINGS_DIRS))
-    written = list(written_defaults(files["engine/sampling_params.py"]))
+    written = list(written_defaults(files["engine/requests/sampling_params.py"]))
     assert ("field", "max_tokens", 256) in [w[:3] for w in written]                    # the one definition
-    assert "MAX_STOP_STRING_CHARS = 256" in files["engine/sampling_params.py"]        # the other 256
-    assert second_literals([("engine/sampling_params.py", files["engine/sampling_params.py"])], []) == []
+    assert "MAX_STOP_STRING_CHARS = 256" in files["engine/requests/sampling_params.py"]        # the other 256
+    assert second_literals([("engine/requests/sampling_params.py", files["engine/requests/sampling_params.py"])], []) == []
 
 
 @pytest.mark.parametrize("source, flagged", [

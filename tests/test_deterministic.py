@@ -1,4 +1,4 @@
-"""Deterministic mode (--deterministic, engine/batch_invariant.py): a token's logits do not depend
+"""Deterministic mode (--deterministic, engine/runner/batch_invariant.py): a token's logits do not depend
 on its batch, on how its prompt was chunked, on prefix-cache hits, or on whether it was computed
 in a prefill or a decode step -- bit for bit. Same test on a GPU: BATON_TEST_DEVICE=cuda:0 (bf16
 there, the platform's dtype: the case where default kernels do differ)."""
@@ -12,8 +12,8 @@ import torch
 from helpers import save_tiny_checkpoint
 
 from baton.engine import LLM, SamplingParams
-from baton.engine.batch_invariant import fixed_rows_linear
 from baton.engine.config import EngineConfig
+from baton.engine.runner.batch_invariant import fixed_rows_linear
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.forward_context import ForwardContext
 

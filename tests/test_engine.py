@@ -202,8 +202,8 @@ def test_streamed_kv_passes_each_prompt_block_once_in_order_as_its_chunk_ends(em
     order, chunk by chunk, with its final KV already written, and the first token with the
     last: the pieces, packed when they were passed, equal the blocks the request held; the
     request's ticket ends PREFILLED with every block free again."""
-    from baton.engine.kv_blocks import pack_blocks
     from baton.engine.kv_handoff import KVHandoff, KVState
+    from baton.engine.runner.kv_blocks import pack_blocks
 
     class Collect(KVHandoff):
         def __init__(self):

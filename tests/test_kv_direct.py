@@ -21,12 +21,12 @@ from cluster import Cluster
 from reliability import Outcomes
 
 from baton.engine import SamplingParams
-from baton.engine.kv_blocks import Pieces, pack_blocks_on_device, unpack_blocks
 from baton.engine.kv_handoff import KVPiece
 from baton.engine.platforms import get_platform
 from baton.engine.platforms.cpu import CpuPlatform
 from baton.engine.platforms.cuda import CudaPlatform
 from baton.engine.platforms.npu import NpuPlatform
+from baton.engine.runner.kv_blocks import Pieces, pack_blocks_on_device, unpack_blocks
 from baton.kvtransfer.backend import KVTransferError, TransferDescriptor
 from baton.kvtransfer.direct_backend import DirectKVReceiver, DirectKVSender, PairGroup
 from baton.kvtransfer.grpc_backend import KVTransferServicer

@@ -21,9 +21,9 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from baton.engine.block_manager import KVCacheFull
-from baton.engine.kv_blocks import pack_blocks, unpack_blocks
 from baton.engine.kv_handoff import KVPiece
+from baton.engine.runner.kv_blocks import pack_blocks, unpack_blocks
+from baton.engine.scheduling.block_manager import KVCacheFull
 from baton.kvtransfer import peer_auth
 from baton.kvtransfer.backend import KVTransferError, TransferDescriptor
 from baton.kvtransfer.grpc_backend import GrpcKVSender, KVTransferServicer, chunk_codec

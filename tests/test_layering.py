@@ -1,6 +1,8 @@
 """The structure the folders promise, checked on what users install: the built wheel puts
 one name, `baton`, in site-packages, and its imports keep the layering (import-linter's
-contracts in pyproject.toml: imports point down, no cycles, torch-free plumbing)."""
+contracts in pyproject.toml: imports point down, between the folders and between the engine's
+layers, no cycles, torch-free plumbing and request types). The router takes of the engine only
+its request types (engine/requests/), which need nothing else of it."""
 from __future__ import annotations
 
 import ast
@@ -8,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -21,19 +24,56 @@ MAX_PRODUCT_FILE_LINES = 700
 
 @pytest.fixture(scope="module")
 def installed_tree(tmp_path_factory) -> Path:
-    """The wheel, built from a clean copy of the tracked sources, unpacked as pip would install it."""
+    """The wheel, built from a clean copy of the tracked sources (baton/'s links as links, as the
+    Dockerfiles' COPY gives them), unpacked as pip would install it."""
     src, out, tree = (tmp_path_factory.mktemp(n) for n in ("src", "wheel", "site"))
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, check=True,
                            capture_output=True, text=True).stdout.split()
     for name in files:
-        if (REPO / name).is_file() and name.split("/")[0] not in ("tests", "docs"):
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
+        if name.split("/")[0] in ("tests", "docs"):
+            continue
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        if (REPO / name).is_symlink():
+            (src / name).symlink_to(os.readlink(REPO / name))
+        elif (REPO / name).is_file():
             shutil.copy2(REPO / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
                     str(src)], check=True, capture_output=True)
     (wheel,) = out.glob("baton-*.whl")
     zipfile.ZipFile(wheel).extractall(tree)
     return tree
+
+
+def _packages(root: Path) -> set[Path]:
+    return {p.parent.relative_to(root) for p in root.rglob("__init__.py")}
+
+
+def test_the_wheel_ships_every_package_of_the_sources(installed_tree):
+    """A new sub-package (engine/runner/, ...) is one line in pyproject.toml's package list."""
+    shipped = _packages(installed_tree / "baton")
+    for d in PRODUCT_DIRS:
+        if d in ("baton", "protos"):
+            continue
+        missing = {d / p for p in _packages(REPO / d) if Path(d) / p not in shipped}
+        assert not missing, f"add to [tool.setuptools] packages: {sorted(map(str, missing))}"
+
+
+def test_the_checkout_imports_as_installed_without_an_install():
+    """baton/ links each folder under the name the package gives it (baton/engine -> ../engine, ...), so
+    `baton.engine.llm` resolves in the checkout for static tools (pyright, editors) and plain
+    PYTHONPATH=. as it does installed."""
+    mapped = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for name, folder in mapped.items():
+        if name == "baton":
+            continue
+        link = REPO / "baton" / name.removeprefix("baton.")
+        assert link.is_symlink() and link.resolve() == (REPO / folder).resolve(), f"ln -s ../{folder} {link}"
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in str(getattr(f, '__module__', ''))]; "
+            "import baton.engine.llm, baton.router.server, baton.v1.router_pb2; print(baton.engine.llm.__file__)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(REPO / "baton" / "engine" / "llm.py")
 
 
 def test_the_wheel_installs_only_the_baton_namespace(installed_tree):
@@ -63,20 +103,51 @@ def test_imports_keep_the_layering_contracts(installed_tree, tmp_path):
     run = subprocess.run([str(lint), "--config", str(REPO / "pyproject.toml"), "--no-cache", "--no-logo"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "3 kept, 0 broken" in run.stdout
+    assert "4 kept, 0 broken" in run.stdout
 
 
-def test_an_upward_import_breaks_the_contract(installed_tree, tmp_path):
-    """The check is live: an engine module importing the router fails it."""
+@pytest.mark.parametrize("where, code, broken", [
+    ("engine", "from baton.router import server", "baton.engine.upward -> baton.router"),
+    ("engine/scheduling", "from baton.engine.runner import sampler", "baton.engine.scheduling.upward -> baton.engine.runner"),
+    ("engine/requests", "import torch", "baton.engine.requests.upward -> torch"),
+], ids=["engine-to-router", "scheduling-to-runner", "requests-to-torch"])
+def test_an_upward_import_breaks_the_contract(installed_tree, tmp_path, where, code, broken):
+    """The check is live: an engine module importing the router, the scheduler's layer importing the
+    runner, a request type importing torch: each fails it."""
     tree = tmp_path / "site"
     shutil.copytree(installed_tree, tree)
-    (tree / "baton" / "engine" / "upward.py").write_text("from baton.router import server\n")
+    (tree / "baton" / where / "upward.py").write_text(code + "\n")
     lint = Path(sys.executable).with_name("lint-imports")
     run = subprocess.run([str(lint), "--config", str(REPO / "pyproject.toml"), "--no-cache", "--no-logo"],
                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True, text=True,
                          timeout=120)
     assert run.returncode != 0
-    assert "baton.engine.upward -> baton.router" in run.stdout
+    assert broken in run.stdout
+
+
+def _engine_imports(path: Path) -> list[str]:
+    """The `baton.engine...` modules a file names in its imports (at any depth: lazy ones too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [f"{node.module}.{a.name}" if node.module in ("baton", "baton.engine") else node.module
+                      for a in node.names]
+    return [m for m in found if m == "baton.engine" or m.startswith("baton.engine.")]
+
+
+def test_the_router_and_the_request_types_import_of_the_engine_only_the_request_types():
+    """engine/requests/ is the router's whole view of the engine (the same SamplingParams,
+    tokenizer and structured output as the workers'), besides engine/config.py (torch-free: the
+    defaults it shares with the workers' engines), and requests/ stands on nothing else of the
+    engine: the router never loads the scheduler, the runner or torch."""
+    allowed = {"router": ("baton.engine.requests.", "baton.engine.config."),
+               "engine/requests": ("baton.engine.requests.",)}
+    outside = [f"{path.relative_to(REPO)}: {module}"
+               for folder, ok in allowed.items() for path in sorted((REPO / folder).rglob("*.py"))
+               for module in _engine_imports(path) if not f"{module}.".startswith(ok)]
+    assert not outside, outside
 
 
 def test_no_product_file_is_over_700_lines():
@@ -91,25 +162,22 @@ def test_no_product_file_is_over_700_lines():
     assert not long, f"split these by idea: {long}"
 
 
-# The model runner split by concept: the runner composes these, each with a narrow interface
-RUNNER_FILES = ("model_runner", "weights", "kv_cache", "input_builder", "executor", "forward", "warm_up", "step",
-                "draft_head", "graph_runner", "prefill_graphs", "vision_step", "logprobs_device", "staging",
-                "kv_blocks", "kv_scales", "fp8_rounding", "sampler")
 MAX_RUNNER_FILE_LINES = 400
 
 
 def test_the_runners_parts_stay_small_and_use_no_other_objects_privates():
-    """Each part of the runner is under MAX_RUNNER_FILE_LINES, and reads `_names` only of `self`/`cls`:
-    a helper that needs something of another object gets a public name for it."""
+    """The model runner is split by concept (engine/runner/: the runner composes the parts, each with
+    a narrow interface). Each part is under MAX_RUNNER_FILE_LINES, and reads `_names` only of
+    `self`/`cls`: a helper that needs something of another object gets a public name for it."""
     long, reaching = {}, []
-    for name in RUNNER_FILES:
-        path = REPO / "engine" / f"{name}.py"
+    for path in sorted((REPO / "engine" / "runner").glob("*.py")):
+        name = str(path.relative_to(REPO))
         text = path.read_text()
         if len(text.splitlines()) > MAX_RUNNER_FILE_LINES:
             long[name] = len(text.splitlines())
         for node in ast.walk(ast.parse(text)):
             private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
             if private and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
-                reaching.append(f"engine/{name}.py:{node.lineno} {ast.unparse(node)}")
+                reaching.append(f"{name}:{node.lineno} {ast.unparse(node)}")
     assert not long, f"split these by idea: {long}"
     assert not reaching, reaching

@@ -1,4 +1,4 @@
-"""Penalties, logit_bias, min_tokens and min_p (engine/logits_processing.py): the same logits as
+"""Penalties, logit_bias, min_tokens and min_p (engine/runner/logits_processing.py): the same logits as
 transformers' logits processors (or a plain loop, where transformers has none) on the same rows;
 on the embedded model, greedy tokens equal transformers' generate() with the same processors, the
 first token (prefill) and the later ones (decode) alike, with the asynchronous scheduler too."""
@@ -14,8 +14,8 @@ from transformers.generation.logits_process import (
 )
 
 from baton.engine import SamplingParams
-from baton.engine.logits_processing import apply_logits_processing, host_inputs, to_device
-from baton.engine.sequence import PENDING, Sequence
+from baton.engine.runner.logits_processing import apply_logits_processing, host_inputs, to_device
+from baton.engine.scheduling.sequence import PENDING, Sequence
 
 VOCAB = 50
 EOS = [0]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from baton.engine import SamplingParams
-from baton.engine.tokenizer import encode_text, render_chat
+from baton.engine.requests.tokenizer import encode_text, render_chat
 from baton.v1 import router_pb2, router_pb2_grpc
 
 MODEL = "smollm2-135m-instruct"

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from baton.engine.detokenizer import make_detokenizer
-from baton.engine.sampling_params import SamplingParams
-from baton.engine.tokenizer import encode_text, load_tokenizer
+from baton.engine.requests.detokenizer import make_detokenizer
+from baton.engine.requests.sampling_params import SamplingParams
+from baton.engine.requests.tokenizer import encode_text, load_tokenizer
 from baton.router.migration import Ledger
 from baton.v1 import decode_pb2, router_pb2
 

@@ -80,7 +80,7 @@ def test_the_module_stays_torch_free():
 def test_image_parts_through_a_text_only_chat_template_are_a_clear_error():
     """The random-weight presets (tiny-qwen3-vl too) carry SmolLM2's tokenizer, whose template
     cannot render image parts: a ValueError saying what is needed, not jinja's TypeError."""
-    from baton.engine.tokenizer import load_tokenizer, render_chat
+    from baton.engine.requests.tokenizer import load_tokenizer, render_chat
     from baton.models.source import resolve_model
     tokenizer = load_tokenizer(resolve_model(None))
     with pytest.raises(ValueError, match="cannot render image parts.*own tokenizer files"):

@@ -180,7 +180,7 @@ def test_the_first_token_sampled_on_the_prefill_worker_obeys_the_same_fields(pd_
 
 
 def test_priority_needs_the_priority_policy(pd_cluster):
-    """`priority` is honoured (engine/scheduling_policy.py); this fcfs deployment refuses all but 0,
+    """`priority` is honoured (engine/scheduling/scheduling_policy.py); this fcfs deployment refuses all but 0,
     saying which flag would take it, and the refusal holds no block on any worker."""
     r = post(pd_cluster, "completions", body("completions", priority=3))
     assert r.status_code == 400 and "--scheduling-policy priority" in r.json()["error"]["message"], r.text

@@ -376,7 +376,7 @@ def test_tp2_gives_the_tp1_greedy_tokens_on_the_qwen3_0_6b_preset(eager):
 def test_streamed_pieces_pack_and_unpack_on_the_gpu_bit_exact():
     """What a streamed transfer does to the bytes: pieces packed on the device (block indices
     uploaded without a device wait) and unpacked piece by piece into other blocks."""
-    from baton.engine.kv_blocks import Pieces, pack_blocks_on_device, unpack_blocks
+    from baton.engine.runner.kv_blocks import Pieces, pack_blocks_on_device, unpack_blocks
     kv = torch.randn(3, 2, 40, 16, 4, 64, device="cuda").to(torch.bfloat16)
     src, into = [37, 2, 19, 5, 8, 30, 11], [0, 1, 2, 3, 4, 5, 6]
     parts, first = [], 0
@@ -493,7 +493,7 @@ def test_the_one_pass_sampler_draws_what_the_torch_sampler_draws():
     draw from the same hashed noise (all but float near-ties); greedy rows take the argmax;
     unseeded rows follow softmax(logits / T); a seeded row's draw ignores its batch neighbours."""
     from baton.engine.platforms.triton_kernels.sampling import sample
-    from baton.engine.sampler import Sampler, SamplingBatch
+    from baton.engine.runner.sampler import Sampler, SamplingBatch
     g = torch.Generator(device="cuda").manual_seed(0)
     n, vocab = 512, 151936
     logits = (torch.randn(n, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16)
@@ -526,10 +526,10 @@ def test_the_one_pass_sampler_draws_what_the_torch_sampler_draws():
 @pytest.mark.skipif(not (HAS_GPU and HAS_TRITON), reason="needs a CUDA GPU and triton")
 def test_the_one_pass_sampler_reads_a_token_bitmask_as_the_masked_logits():
     """Structured output's mask read inside the sampling kernel draws exactly what the kernel draws
-    from logits masked first (engine/logits_processing.apply_token_bitmask), greedy rows included,
+    from logits masked first (engine/runner/logits_processing.apply_token_bitmask), greedy rows included,
     and never a disallowed token; a row of one allowed token draws it."""
-    from baton.engine.logits_processing import apply_token_bitmask
     from baton.engine.platforms.triton_kernels.sampling import sample
+    from baton.engine.runner.logits_processing import apply_token_bitmask
     g = torch.Generator(device="cuda").manual_seed(1)
     n, vocab = 64, 151936
     words = (vocab + 31) // 32

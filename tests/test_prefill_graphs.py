@@ -1,4 +1,4 @@
-"""Prefill and mixed steps replayed piecewise (engine/prefill_graphs.py).
+"""Prefill and mixed steps replayed piecewise (engine/runner/prefill_graphs.py).
 
 On the CPU: the bucket ladder, and the seam it cuts at (every attention call of a decoder model goes
 through `ForwardContext.pieces`, in layer order, and attending there changes nothing). On a GPU: the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.engine.prefill_graphs import SMALLEST, buckets
+from baton.engine.runner.prefill_graphs import SMALLEST, buckets
 from baton.models.forward_context import ForwardContext
 from tests.test_platform_cuda import TOKENIZER, on_gpu
 
@@ -88,7 +88,7 @@ def test_greedy_tokens_with_prefill_graphs_are_eagers(monkeypatch):
     """fp32 tiny-qwen3-moe: prompts long enough for prefill-kind steps (chunked at 512 tokens, some
     with decode rows beside them) give the same greedy tokens replayed as eager, and they did replay."""
     from baton.engine import LLM, SamplingParams
-    from baton.engine.prefill_graphs import PrefillGraphs
+    from baton.engine.runner.prefill_graphs import PrefillGraphs
     replays = []
     run = PrefillGraphs.run
     monkeypatch.setattr(PrefillGraphs, "run", lambda self, ids, *a: replays.append(ids.shape[0]) or run(self, ids, *a))

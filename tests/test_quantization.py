@@ -183,7 +183,7 @@ def test_gptq_rows_keep_the_grid_and_scales_and_lower_the_output_error():
 
 def test_gptq_rounding_at_load_serves_closer_to_full_precision(tiny):
     """--fp8-rounding gptq: every decoder projection e4m3, rounded layer by layer on the fixed
-    calibration text (engine/fp8_rounding.py), the prompt's logprobs closer to full precision's than
+    calibration text (engine/runner/fp8_rounding.py), the prompt's logprobs closer to full precision's than
     rounding to nearest; without --quantization fp8 the flag is refused."""
     from baton.benchmarks.quant_accuracy import fixed_text
     from baton.engine import LLM, SamplingParams
@@ -418,12 +418,12 @@ def _prompt_logprobs(llm, sp):
 def test_kv_scales_per_head_keep_an_fp8_cache_close_where_scale_one_cannot(tiny, tmp_path):
     """A model whose values e4m3 cannot hold at scale 1: V a thousandth of the usual (below e4m3's
     smallest subnormal, 2^-9, mostly) and K three hundred times it (past +-448; q shrunk as much, so
-    the scores stay). Scales calibrated at load (engine/kv_scales.py) are powers of two, the same on
+    the scores stay). Scales calibrated at load (engine/runner/kv_scales.py) are powers of two, the same on
     a second load (the checksum the KV handshake compares), land each head's calibrated largest |K|
     and |V| in (448/8, 448/4], and keep the prompt's logprobs near full precision's, where scale 1
     (--kv-cache-scales one) is far off."""
     from baton.engine import LLM, SamplingParams
-    from baton.engine import kv_scales as ks
+    from baton.engine.runner import kv_scales as ks
 
     def skew(t):
         for name in t:
@@ -694,7 +694,7 @@ def test_attention_over_a_float8_cache_matches_the_widened_reference():
 
 @on_gpu
 def test_attention_over_a_float8_cache_with_per_head_scales_matches_the_cpu_reference():
-    """Per-(kv head) K and V scales (engine/kv_scales.py), powers of two from 2^-6 to 2^3: the Triton
+    """Per-(kv head) K and V scales (engine/runner/kv_scales.py), powers of two from 2^-6 to 2^3: the Triton
     store divides by them (the CPU's bytes), and decode, deterministic mode's rows, prefill with
     context (every key from the cache) and without (this step's own keys rounded as cached) multiply
     them back: the CPU reference's numbers on the same bytes, in float64."""

@@ -25,14 +25,14 @@ from vl_helpers import (
 )
 
 from baton import LLM, SamplingParams
-from baton.engine.block_manager import BlockManager
 from baton.engine.config import EngineConfig
-from baton.engine.kv_blocks import Pieces
 from baton.engine.kv_handoff import KVHandoff
 from baton.engine.llm_engine import LLMEngine
-from baton.engine.multimodal import POSITION_OFFSET_META, MultimodalPrompt
-from baton.engine.sequence import Sequence
-from baton.engine.tokenizer import render_chat
+from baton.engine.requests.tokenizer import render_chat
+from baton.engine.runner.kv_blocks import Pieces
+from baton.engine.scheduling.block_manager import BlockManager
+from baton.engine.scheduling.multimodal import POSITION_OFFSET_META, MultimodalPrompt
+from baton.engine.scheduling.sequence import Sequence
 from baton.models.multimodal import ImageInput, mrope_positions, split_content_parts
 
 DEVICE = os.environ.get("BATON_TEST_DEVICE", "cpu")
@@ -223,7 +223,7 @@ def prefill_offset(engine, ids, chat) -> int:
 def test_qwen3_vl_keeps_the_vision_language_protocol_the_engine_talks_to(llm):
     from pathlib import Path
 
-    from baton.engine import vision_step
+    from baton.engine.runner import vision_step
     from baton.models.vision_language import VisionLanguageModel
     model = llm.engine.runner.model
     assert isinstance(model, VisionLanguageModel) and model.image_embed_dim == model.config.text_config.hidden_size

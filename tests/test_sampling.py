@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from baton.engine import SamplingParams
-from baton.engine.sampler import hashed_uniform
+from baton.engine.runner.sampler import hashed_uniform
 
 
 def test_same_seed_same_tokens_whatever_the_batch(embedded_llm):
@@ -66,7 +66,7 @@ def test_streamed_text_is_whole_utf8_and_sums_to_full_text(embedded_llm):
     tok = embedded_llm.tokenizer
     ids = tok("Emoji and 日本語: 🎉🚀", add_special_tokens=False)["input_ids"]
     # feed the prompt's own tokens as "generated" ones to force characters split across tokens
-    from baton.engine.detokenizer import make_detokenizer
+    from baton.engine.requests.detokenizer import make_detokenizer
     d = make_detokenizer(tok, [])
     deltas = [d.add(t) for t in ids] + [d.flush()]
     assert all("\ufffd" not in x for x in deltas)

@@ -1,10 +1,10 @@
 """Scheduler: continuous batching, chunked prefill, preemption, abort in every state."""
 import pytest
 
-from baton.engine.block_manager import BlockManager
-from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import Scheduler, SchedulerConfig
-from baton.engine.sequence import FinishReason, Sequence, SequenceStatus
+from baton.engine.requests.sampling_params import SamplingParams
+from baton.engine.scheduling.block_manager import BlockManager
+from baton.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from baton.engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
 EOS = 0
 

@@ -6,11 +6,11 @@ import asyncio
 import pytest
 from test_scheduler import fake_step, run_to_end
 
-from baton.engine.block_manager import BlockManager
-from baton.engine.limits import ModelLimits
-from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler import Scheduler, SchedulerConfig
-from baton.engine.sequence import Sequence
+from baton.engine.requests.limits import ModelLimits
+from baton.engine.requests.sampling_params import SamplingParams
+from baton.engine.scheduling.block_manager import BlockManager
+from baton.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from baton.engine.scheduling.sequence import Sequence
 from baton.router.admission import Admission
 
 

@@ -1,7 +1,7 @@
-"""Speculative decoding (engine/speculative.py): n-gram guesses verified in one step give the
+"""Speculative decoding (engine/speculation/speculative.py): n-gram guesses verified in one step give the
 tokens plain decoding gives -- greedy and seeded, token for token, on the embedded model and the
 tiny architectures -- and unseeded sampling keeps the target distribution (a chi-square test).
-An EAGLE-3 draft head (engine/draft_head.py, models/eagle3.py; random weights: no trained head
+An EAGLE-3 draft head (engine/runner/draft_head.py, models/eagle3.py; random weights: no trained head
 ships here) gives plain decoding's greedy tokens too, offline, 1P1D and after a migration, and its
 rejection sampler keeps the target distribution."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from helpers import save_tiny_checkpoint, save_tiny_eagle3_head, tiny_hf_config
 
 from baton.engine import LLM, SamplingParams
-from baton.engine.speculative import NgramProposer, accept
+from baton.engine.speculation.speculative import NgramProposer, accept
 
 DEVICE = os.environ.get("BATON_TEST_DEVICE", "cpu")
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4)
@@ -32,8 +32,8 @@ def test_ngram_proposer_finds_the_latest_longest_match():
 def test_guesses_go_on_past_a_token_in_flight():
     """Past a plain step in flight, the n-gram match of the known tokens predicts its token and guesses
     the ones after it; past guesses in flight (as if all held), the match goes on where they end."""
-    from baton.engine.sequence import PENDING, Sequence
-    from baton.engine.speculative import Speculator
+    from baton.engine.scheduling.sequence import PENDING, Sequence
+    from baton.engine.speculation.speculative import Speculator
     spec = Speculator("ngram", k=4, max_batch=32)
     prompt = list(range(1, 13)) + [1, 2]
     seq = Sequence("a", prompt, SamplingParams(max_tokens=30), 256)
@@ -231,8 +231,8 @@ def test_the_rejection_sampler_keeps_the_target_distribution():
     probability min(1, p(d)/q(d)), else a draw from max(0, p - q): the tokens come out distributed
     as p (temperature 0.7, top-k 5). 100k draws, chi-square; false-failure rate: the threshold is
     p < 1e-4. A guess is never redrawn on rejection, and a seed gives the same tokens twice."""
-    from baton.engine.draft_head import DraftChecks, DraftHead
-    from baton.engine.sampler import SamplingBatch, probabilities
+    from baton.engine.runner.draft_head import DraftChecks, DraftHead
+    from baton.engine.runner.sampler import SamplingBatch, probabilities
     n, vocab = 100_000, 6
     head = DraftHead.__new__(DraftHead)
     head.targets = torch.tensor([0, 2, 3, 5])
@@ -315,9 +315,9 @@ def test_guesses_scheduled_ahead_stay_or_roll_back_and_void_the_steps_past_them(
     """advance(ahead=True) puts a verifying step's guesses in as tokens (unverified: not emitted, not
     cached), so the next step is scheduled before its tokens are back; resolving keeps them when all
     held, else rolls the sequence back to those that did and voids the steps scheduled past them."""
-    from baton.engine.block_manager import BlockManager
-    from baton.engine.scheduler import Scheduler, SchedulerConfig
-    from baton.engine.sequence import PENDING, Sequence
+    from baton.engine.scheduling.block_manager import BlockManager
+    from baton.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+    from baton.engine.scheduling.sequence import PENDING, Sequence
     bm = BlockManager(64, 4)
     sched = Scheduler(SchedulerConfig(8, 64, 256), bm, {0})
     seq = Sequence("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=30, ignore_eos=True), 256)
@@ -397,7 +397,7 @@ def test_settling_a_step_that_is_back_before_guessing_past_it_gives_the_same_tok
     one still running is guessed past. Mixed in every order, the tokens are plain decoding's."""
     import itertools
 
-    from baton.engine.step import LaunchedStep
+    from baton.engine.runner.step import LaunchedStep
     back = itertools.cycle([True, False, False, True, True, False])
     monkeypatch.setattr(LaunchedStep, "ready", lambda self: next(back))
     stats = ahead_llm.engine.speculator.stats
@@ -448,7 +448,7 @@ def test_1p1d_and_after_a_migration_the_guessing_decode_worker_gives_the_plain_t
 
     from test_kv_handoff import core, idle, workers
 
-    from baton.engine.tokenizer import load_tokenizer
+    from baton.engine.requests.tokenizer import load_tokenizer
     from baton.router.migration import Ledger
     from baton.serving.wire import sampling_to_proto
     from baton.v1 import decode_pb2, prefill_pb2
@@ -582,8 +582,8 @@ def test_decode_graphs_cover_the_rows_of_a_verifying_step():
     budget; none under --deterministic). Each sequence guesses k while k x the batch fits GUESS_ROWS
     (128), fewer beyond, at least one."""
     from baton.engine.config import EngineConfig
-    from baton.engine.graph_runner import graph_rows
-    from baton.engine.speculative import guesses_each
+    from baton.engine.runner.graph_runner import graph_rows
+    from baton.engine.speculation.speculative import guesses_each
     assert [guesses_each(n, 8) for n in (1, 16, 17, 32, 64, 128, 256)] == [8, 8, 7, 4, 2, 1, 1]
     # k unset: 16 for n-gram lookup, 4 for a draft head (a pass of the head a guess)
     assert EngineConfig(speculative_method="ngram").speculative_tokens == 16

@@ -1,4 +1,4 @@
-"""Structured output (engine/structured_output.py): JSON schema, json_object, regex, choice and grammar
+"""Structured output (engine/requests/structured_output.py): JSON schema, json_object, regex, choice and grammar
 outputs match their spec, token by token, on the embedded model; unconstrained requests keep their
 greedy tokens; a bad spec is a ValueError / 400 / INVALID_ARGUMENT naming it. Served through router +
 prefill + decode (the session's pd_cluster): the first token, sampled on the prefill worker, obeys the
@@ -19,7 +19,7 @@ import pydantic
 import pytest
 
 from baton.engine import SamplingParams, StructuredOutput
-from baton.engine.structured_output import StructuredOutputs
+from baton.engine.requests.structured_output import StructuredOutputs
 from baton.v1 import router_pb2, router_pb2_grpc
 
 MODEL = "smollm2-135m-instruct"

@@ -25,7 +25,7 @@ from test_services import collect
 from vl_helpers import build_vl_tokenizer, save_tiny_vl_checkpoint
 from vl_helpers import png as noise_png
 
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.requests.sampling_params import SamplingParams
 from baton.models.multimodal import ImagePlaceholders
 from baton.router.config import RouterConfig
 from baton.router.images import ImagePolicy, check_limits

@@ -28,9 +28,9 @@ class LayerOps:
     """
 
     # whether moe_experts can be captured into a device graph: this one reads per-expert counts
-    # on the host, so the runner keeps MoE models eager on it (engine/model_runner.py)
+    # on the host, so the runner keeps MoE models eager on it (engine/runner/model_runner.py)
     moe_graph_safe: bool = False
-    # whether make_batch_invariant makes moe_experts batch-invariant (engine/batch_invariant.py)
+    # whether make_batch_invariant makes moe_experts batch-invariant (engine/runner/batch_invariant.py)
     invariant_moe: bool = True
     # the matmul of the ops' own GEMMs (the experts'); deterministic mode swaps in a fixed-shape one
     linear = staticmethod(F.linear)
@@ -166,7 +166,7 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., Hkv, D] as the KV cache stores it: float8 e4m3 (--kv-cache-dtype fp8) holds x / scale
-    (one scale per kv head, engine/kv_scales.py; None: 1), saturating at +-448 instead of
+    (one scale per kv head, engine/runner/kv_scales.py; None: 1), saturating at +-448 instead of
     overflowing to NaN; any other dtype is a plain cast."""
     if is_fp8(dtype):
         if scale is not None:
@@ -202,13 +202,13 @@ class Platform(ABC):
     name: str = "base"
     dist_backend: str = "gloo"           # the collective library: tensor parallelism and device-direct KV
     supports_graphs: bool = False        # can capture decode steps (CUDA graphs, torchair)
-    # can capture a forward piecewise, cut at its attention calls (engine/prefill_graphs.py)
+    # can capture a forward piecewise, cut at its attention calls (engine/runner/prefill_graphs.py)
     supports_piecewise_graphs: bool = False
     # decode graphs may replay short prompt chunks as decode rows (model_runner._as_rows): rows of one
     # sequence read the same blocks, which torch_npu's paged attention counts once per row against the
     # cache's size (a documented constraint), so Ascend keeps prompts on the prefill path
     graphs_take_prompt_rows: bool = False
-    invariant_rows: int = 64             # deterministic mode's matmul piece (engine/batch_invariant.py)
+    invariant_rows: int = 64             # deterministic mode's matmul piece (engine/runner/batch_invariant.py)
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -260,7 +260,7 @@ class Platform(ABC):
 
     # (a platform may offer `fused_sample(logits, temperatures, seeds, has_seed, positions, step_seed,
     # bitmask=None)`: one-pass temperature sampling, structured output's token mask read in the same
-    # pass; engine/sampler.py falls back to plain torch)
+    # pass; engine/runner/sampler.py falls back to plain torch)
     fused_sample = None
 
     def can_pin_memory(self) -> bool:
@@ -333,7 +333,7 @@ class Platform(ABC):
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
         """Write key/value [T, Hkv, D] into caches [blocks, block_size, Hkv, D]; slot -1 = skip.
-        kv_scale [2, Hkv] float32 (a float8 cache's K and V scales per kv head, engine/kv_scales.py;
+        kv_scale [2, Hkv] float32 (a float8 cache's K and V scales per kv head, engine/runner/kv_scales.py;
         None: 1): the cache holds key / kv_scale[0], value / kv_scale[1], and every attention
         below multiplies them back."""
 
@@ -354,7 +354,7 @@ class Platform(ABC):
 
     def row_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       rows: AttnMetadata, scale: float, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Deterministic mode's attention (engine/batch_invariant.py): as decode_attention, one query
+        """Deterministic mode's attention (engine/runner/batch_invariant.py): as decode_attention, one query
         row per entry of `rows`, but each row's reduction order must depend on its own length
         alone, never on the other rows (no split of the context by batch size)."""
         raise NotImplementedError(f"{self.name} has no batch-invariant attention: serve without --deterministic")

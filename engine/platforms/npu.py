@@ -163,7 +163,7 @@ class NpuPlatform(Platform):
     name = "npu"
     dist_backend = "hccl"
     supports_graphs = True
-    invariant_rows = 256     # deterministic mode's matmul piece (engine/batch_invariant.py)
+    invariant_rows = 256     # deterministic mode's matmul piece (engine/runner/batch_invariant.py)
 
     def __init__(self, device: torch.device, npu, torchair=None, graph_cache_dir: str | None = None,
                  fused_ops: bool = True):

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from baton.engine.kv_blocks import Pieces
 from baton.engine.platforms import Platform
+from baton.engine.runner.kv_blocks import Pieces
 from baton.kvtransfer.backend import KVReceiver
 from baton.kvtransfer.direct_backend.messages import (
     BACKEND,

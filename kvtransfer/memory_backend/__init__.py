@@ -11,8 +11,8 @@ import time
 
 import grpc
 
-from baton.engine.kv_blocks import Pieces
 from baton.engine.kv_handoff import KVPiece
+from baton.engine.runner.kv_blocks import Pieces
 from baton.kvtransfer.backend import (
     KVReceiver,
     KVSender,

@@ -28,7 +28,7 @@ def _divide(n: int, by: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    # the matmul: F.linear, or deterministic mode's fixed-shape one (engine/batch_invariant.py)
+    # the matmul: F.linear, or deterministic mode's fixed-shape one (engine/runner/batch_invariant.py)
     matmul = staticmethod(F.linear)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo, dtype):

@@ -194,7 +194,7 @@ def quantize_fp8(model: nn.Module, ops, mode: str) -> int:
     """Every quantizable linear layer's weight to e4m3 per output channel, its matmul to
     Fp8Matmul, and every routed experts' stacks (quantize_experts); returns how many layers and
     expert stacks (w13 and w2 count one each). The bf16 weight is freed layer by layer; layers
-    already in e4m3 (engine/fp8_rounding.py rounded them) are left as they are."""
+    already in e4m3 (engine/runner/fp8_rounding.py rounded them) are left as they are."""
     n = 0
     for module in model.modules():
         if getattr(module, "stacked_experts", False):         # moe.FusedExperts (which imports this module)

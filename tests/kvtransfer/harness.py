@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from baton.engine.kv_blocks import pack_blocks_on_device, unpack_blocks
 from baton.engine.kv_handoff import InPlace, KVPiece
 from baton.engine.platforms import get_platform
+from baton.engine.runner.kv_blocks import pack_blocks_on_device, unpack_blocks
 from baton.kvtransfer import registry
 from baton.kvtransfer.backend import TransferDescriptor
 from baton.kvtransfer.grpc_options import channel_options, server_options

@@ -29,7 +29,7 @@ def default_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
 
 
 def invariant_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """Deterministic mode (engine/batch_invariant.py): never split a context, so a row's sum does
+    """Deterministic mode (engine/runner/batch_invariant.py): never split a context, so a row's sum does
     not depend on how many rows share the GPU."""
     return dataclasses.replace(default_config(head_dim, dtype), max_splits=1)
 

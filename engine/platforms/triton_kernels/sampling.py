@@ -4,7 +4,7 @@ The engine's sampler draws by an exponential race: argmax(probs / E) with E ~ Ex
 is the Gumbel-max trick, argmax(logits / T - log(E)), in other words: the same decision
 without normalising. This kernel reads each row of logits once, adds the noise and keeps
 the running argmax. Greedy rows (T = 0) take the plain argmax. Seeded rows draw E = -log(u)
-from the same splitmix64 hash of (seed, position, token id) as `engine/sampler.py`, so a
+from the same splitmix64 hash of (seed, position, token id) as `engine/runner/sampler.py`, so a
 request's tokens depend on its seed and history only; unseeded rows use Philox (`tl.rand`)
 keyed by a per-step seed. Rows with top-k or top-p are left to the plain-torch sampler.
 Structured output's token bitmask (one bit per token, [N, words] int32) is read in the same
@@ -24,7 +24,7 @@ BLOCK = 4096
 
 @triton.jit
 def _hashed_uniform(seed, position, ids):
-    """(0, 1) uniforms: splitmix64 of (seed, position, token id), as engine/sampler.py's (23 bits:
+    """(0, 1) uniforms: splitmix64 of (seed, position, token id), as engine/runner/sampler.py's (23 bits:
     exact in float32, never 1)."""
     x = seed.to(tl.uint64) * 0x9E3779B97F4A7C15 + position.to(tl.uint64) * 0xD6E8FEB86659FD93 + ids.to(tl.uint64)
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9

@@ -1,0 +1,106 @@
+"""The paged KV cache the runner owns: how many blocks (exactly as asked, else from a memory budget),
+the cache itself on the device (the model's layers, plus an EAGLE-3 head's one), a float8 cache's
+scales (fixed at load), and its blocks packed for, or written from, a KV transfer.
+"""
+from __future__ import annotations
+
+import torch
+
+from baton.engine.config import EngineConfig
+from baton.engine.platforms import Platform
+from baton.engine.platforms.base import is_fp8
+from baton.engine.runner import kv_scales
+from baton.engine.runner.kv_blocks import pack_blocks_on_device, unpack_blocks
+from baton.models.forward_context import AttentionBackend
+
+CPU_KV_CACHE_MAX = 1 << 30              # the CPU's default KV cache: sized to the model, at most this
+
+
+def cpu_kv_cache_default(weight_bytes: int, one_sequence_bytes: int) -> int:
+    """The CPU's KV cache when none is asked for: as many bytes as the weights (a small model
+    gets a small cache), room for at least one sequence of the full context, at most CPU_KV_CACHE_MAX."""
+    return min(CPU_KV_CACHE_MAX, max(weight_bytes, one_sequence_bytes))
+
+
+class KVCache:
+    """[layers, 2, num_blocks, block_size, kv_heads, head_dim] on the platform's device; `layers`: each
+    layer's (K, V) views, what a forward reads; `scales`: [model layers, 2, kv_heads] float32 or None."""
+
+    def __init__(self, config: EngineConfig, platform: Platform, model: torch.nn.Module, hf_config,
+                 num_layers: int, dtype: torch.dtype, attention: AttentionBackend, scale: float, tp_group=None):
+        self.platform = platform
+        self.block_size = config.block_size
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.num_kv_heads, self.head_dim = model.num_kv_heads, model.head_dim
+        platform.check_kv_layout(self.block_size, self.head_dim, dtype)
+        self.num_blocks = self._size(config, model, hf_config, tp_group)
+        self.tensor = platform.allocate_kv_cache(num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
+                                                 self.head_dim, dtype)
+        self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(num_layers)]
+        # a float8 cache's K and V scales per (layer, kv head), fixed from here on (graphs read them)
+        self.scales = self._scales(config, model, hf_config, attention, scale)
+        self.scales_checksum = kv_scales.checksum(self.scales)     # what the KV handshake compares
+
+    def block_bytes(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def pack(self, block_ids: list[int]):
+        """(a contiguous uint8 copy of these blocks on the device, the event after which it is
+        final; None on the CPU). Queued on the engine's stream, so later steps cannot overwrite
+        the blocks before the copy has read them."""
+        return pack_blocks_on_device(self.tensor, block_ids), self.platform.record_event()
+
+    def write(self, block_ids: list[int], payload) -> None:
+        """Copy a transferred payload (bytes, a uint8 tensor, or Pieces) into these blocks."""
+        unpack_blocks(self.tensor, block_ids, payload)
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _size(self, config: EngineConfig, model: torch.nn.Module, hf_config, tp_group) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        budget = config.kv_cache_memory
+        if budget is None:
+            free, total = self.platform.memory_info()
+            if self.platform.device.type == "cpu":
+                budget = min(self._cpu_default(config, model, hf_config), free // 4)
+            else:
+                used = total - free
+                budget = int(total * config.gpu_memory_utilization) - used - _activation_reserve(config, hf_config)
+        num = budget // self.block_bytes()
+        if config.tp_size > 1:            # every rank holds the same blocks: the smallest budget wins
+            n = torch.tensor([num], dtype=torch.int64, device=self.platform.device)
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN, group=tp_group)
+            num = int(n.item())
+        if num < 1:
+            where = " on the tightest tensor-parallel rank" if config.tp_size > 1 else ""
+            raise ValueError(f"no memory left for the KV cache{where} (this rank's budget {budget} bytes, "
+                             f"{self.block_bytes()} per block); lower the model size or raise "
+                             "--gpu-memory-utilization")
+        return int(num)
+
+    def _cpu_default(self, config: EngineConfig, model: torch.nn.Module, hf_config) -> int:
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        context = config.max_model_len or getattr(hf_config, "max_position_embeddings", 4096)
+        return cpu_kv_cache_default(weights, -(-context // self.block_size) * self.block_bytes())
+
+    def _scales(self, config: EngineConfig, model: torch.nn.Module, hf_config, attention: AttentionBackend,
+                scale: float) -> torch.Tensor | None:
+        """[layers, 2, kv_heads] float32: the checkpoint's K/V cache scales, else calibrated now
+        (engine/runner/kv_scales.py); None without a float8 cache or with --kv-cache-scales one (1)."""
+        if not is_fp8(self.dtype) or config.kv_cache_scales == "one":
+            return None
+        device = self.platform.device
+        found = kv_scales.from_checkpoint(getattr(model, "checkpoint_kv_scales", {}), model.num_layers,
+                                          model.num_kv_heads, device)
+        if found is not None:
+            return found
+        positions = getattr(hf_config, "max_position_embeddings", kv_scales.CALIBRATION_TOKENS)
+        return kv_scales.calibrate(model, attention, scale, hf_config.vocab_size, positions, device)
+
+
+def _activation_reserve(config: EngineConfig, hf_config) -> int:
+    """Device memory kept back from the KV cache for a full step's activations (and 512 MiB more)."""
+    tokens = config.max_num_batched_tokens
+    per_token = (hf_config.hidden_size * 6 + hf_config.intermediate_size * 3) * 4 + hf_config.vocab_size * 4 // 8
+    return tokens * per_token + (512 << 20)

@@ -1,0 +1,168 @@
+"""Paged KV block allocation with a chained-hash prefix cache.
+
+Torch-free. A full block of a sequence is identified by hash(parent block's hash, its
+tokens); blocks whose refcount falls to zero stay findable by hash until reused, oldest
+first (LRU). A hash hit is trusted only after comparing the stored tokens and parent
+hash, so a collision can never hand out another prompt's KV.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from baton.engine.scheduling.sequence import Sequence
+
+HashFn = Callable[[int | None, tuple[int, ...]], int]
+
+
+class KVCacheFull(Exception):
+    """Not enough free KV blocks for what was asked: a capacity condition the caller may retry
+    later or elsewhere (RESOURCE_EXHAUSTED), never a host out-of-memory."""
+
+
+def default_block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None                 # set once the block is full and registered
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def forget(self) -> None:
+        self.hash, self.parent_hash, self.token_ids = None, None, ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_fn: HashFn = default_block_hash):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn = hash_fn
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # free blocks in reuse order (front = least recently freed); cached ones stay findable
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}    # hash -> block_id
+        self.num_hits = 0
+
+    # -- accounting -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks for the longest cached prefix of a new sequence.
+
+        Leaves at least one prompt token to compute so the step yields logits. Returns the
+        number of cached tokens (a multiple of block_size).
+        """
+        assert not seq.block_table, "prefix matching is for sequences without blocks"
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0                    # (prompt logprobs need every prompt position's logits)
+        parent: int | None = None
+        usable = (seq.num_tokens - 1) // self.block_size
+        for i in range(usable):
+            tokens = seq.block_key(i, self.block_size)
+            if tokens is None:
+                break
+            h = self.hash_fn(parent, tokens)
+            block_id = self.cached.get(h)
+            if block_id is None or not self._verified(block_id, h, parent, tokens):
+                break
+            self._ref(block_id)
+            seq.block_table.append(block_id)
+            parent = h
+        cached = len(seq.block_table) * self.block_size
+        self.num_hits += len(seq.block_table)
+        seq.num_hashed_blocks = len(seq.block_table)
+        return cached
+
+    def _verified(self, block_id: int, h: int, parent: int | None, tokens: tuple[int, ...]) -> bool:
+        b = self.blocks[block_id]
+        return b.hash == h and b.parent_hash == parent and b.token_ids == tokens
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Make the sequence's completely computed blocks findable by later prompts."""
+        if not self.enable_prefix_caching:
+            return
+        n_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
+        start = seq.num_hashed_blocks       # only blocks that filled up since the last call
+        parent = self.blocks[seq.block_table[start - 1]].hash if start else None
+        for i in range(start, n_full):
+            b = self.blocks[seq.block_table[i]]
+            tokens = seq.block_key(i, self.block_size)
+            if tokens is None:                  # image tokens of images not here: never shared
+                n_full = i
+                break
+            if b.hash is None:
+                h = self.hash_fn(parent, tokens)
+                b.hash, b.parent_hash, b.token_ids = h, parent, tokens
+                self.cached.setdefault(h, b.block_id)
+            parent = b.hash
+        seq.num_hashed_blocks = max(start, n_full)
+
+    # -- allocation -------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= len(self.free)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow the block table to hold num_computed_tokens + num_new_tokens tokens."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need > len(self.free):
+            raise KVCacheFull(f"need {need} KV blocks, {len(self.free)} free")
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+
+    def allocate_blocks(self, n: int) -> list[int]:
+        """Raw blocks for KV that arrives from elsewhere (decode-side admission)."""
+        if n > len(self.free):
+            raise KVCacheFull(f"need {n} KV blocks, {len(self.free)} free")
+        return [self._take_free() for _ in range(n)]
+
+    def free_blocks(self, block_ids: Seq[int]) -> None:
+        for block_id in reversed(block_ids):    # tail first: the prefix stays cached longest
+            self._unref(block_id)
+
+    def free_sequence(self, seq: Sequence) -> None:
+        self.free_blocks(seq.block_table)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        b = self.blocks[block_id]
+        if b.hash is not None and self.cached.get(b.hash) == block_id:
+            del self.cached[b.hash]
+        b.forget()
+        b.ref_count = 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        b = self.blocks[block_id]
+        if b.ref_count == 0:
+            del self.free[block_id]
+        b.ref_count += 1
+
+    def _unref(self, block_id: int) -> None:
+        b = self.blocks[block_id]
+        if b.ref_count <= 0:
+            raise RuntimeError(f"KV block {block_id} freed twice")
+        b.ref_count -= 1
+        if b.ref_count == 0:
+            self.free[block_id] = None
