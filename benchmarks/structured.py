@@ -211,8 +211,7 @@ def main(argv=None) -> None:
         sys.setswitchinterval(args.switch_interval)
     llm = LLM(args.model, device=args.device, tokenizer=args.tokenizer, max_num_seqs=args.batch)
     if args.fill_threads:
-        import llguidance
-        llm.engine.structured._executor = llguidance.LLExecutor(args.fill_threads)
+        llm.engine.structured.use_threads(args.fill_threads)
     spec = StructuredOutput.json(schema(args.min_items, args.name_length))
     prompts = [llm.tokenizer.encode(f"Request {i}: list the users of team {i} as JSON.") for i in range(args.batch)]
 

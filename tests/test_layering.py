@@ -181,3 +181,35 @@ def test_the_runners_parts_stay_small_and_use_no_other_objects_privates():
                 reaching.append(f"{name}:{node.lineno} {ast.unparse(node)}")
     assert not long, f"split these by idea: {long}"
     assert not reaching, reaching
+
+
+# argparse keeps its flags in `_option_string_actions` and offers no public way to them; our
+# Parser subclass and its helpers read it (serving/options.py)
+THIRD_PARTY_PRIVATES = {"_option_string_actions"}
+
+
+def _private_names_of_our_classes(trees: dict[Path, ast.Module]) -> set[str]:
+    """`_names` our classes give themselves: attributes set on self, and methods."""
+    names = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                names.add(node.attr)
+            elif isinstance(node, ast.ClassDef):
+                names.update(m.name for m in node.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef))
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_product_code_reads_another_objects_privates():
+    """A `_name` of one of our classes is read only through `self` or `cls`: whatever needs it from
+    outside gets a public name (the false-positive guard: privates of third-party modules, like
+    torch._C or sys._getframe, are no class of ours and are not flagged)."""
+    trees = {path: ast.parse(path.read_text()) for d in PRODUCT_DIRS for path in sorted((REPO / d).rglob("*.py"))
+             if "_pb2" not in path.name}
+    private = _private_names_of_our_classes(trees) - THIRD_PARTY_PRIVATES
+    reaching = [f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}"
+                for path, tree in trees.items() for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute) and node.attr in private
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
+    assert not reaching, "give these a public name:\n" + "\n".join(reaching)
+    assert "_getframe" not in private and "_C" not in private

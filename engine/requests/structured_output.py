@@ -290,9 +290,13 @@ class StructuredOutputs:
     def executor(self):
         """llguidance's thread pool (masks, and reads in parallel)."""
         if self._executor is None:
-            import llguidance
-            self._executor = llguidance.LLExecutor()
+            self.use_threads(None)
         return self._executor
+
+    def use_threads(self, threads: int | None) -> None:
+        """Fill masks on `threads` of llguidance's threads (None: its own default, 80 % of the cores)."""
+        import llguidance
+        self._executor = llguidance.LLExecutor(threads) if threads else llguidance.LLExecutor()
 
     def fill(self, mask: np.ndarray, work: list) -> None:
         """The allowed tokens of each (matcher, row) into its row of `mask`, across llguidance's threads."""

@@ -110,13 +110,13 @@ class GrpcKVSender(KVSender):
                    first_token: int, extra: dict[str, str] | None = None, timeout: float = 30.0) -> SendStats:
         transfer = TransferDescriptor.of(transfer)
         self._check_handshaken()
-        return await self._send_with_retry(transfer, payload_provider, lambda: (first_token, extra or {}), timeout)
+        return await self.send_with_retry(transfer, payload_provider, lambda: (first_token, extra or {}), timeout)
 
     def _check_handshaken(self) -> None:
         if self.peer_layout is None:
             raise KVTransferError(f"handshake with {self.address} before sending KV", Code.FAILED_PRECONDITION)
 
-    async def _send_with_retry(self, transfer: TransferDescriptor, provider: PayloadProvider, finish: Finish,
+    async def send_with_retry(self, transfer: TransferDescriptor, provider: PayloadProvider, finish: Finish,
                                timeout: float, credited: asyncio.Future | None = None) -> SendStats:
         try:
             return await self._send(transfer, provider, finish, timeout, credited)
@@ -223,7 +223,7 @@ class GrpcOutgoing(OutgoingTransfer):
         self._credited: asyncio.Future = loop.create_future()
         self._token: tuple[int, dict[str, str]] = (0, {})
         self._task = asyncio.ensure_future(
-            sender._send_with_retry(transfer, self._wait_payload, lambda: self._token, timeout, self._credited))
+            sender.send_with_retry(transfer, self._wait_payload, lambda: self._token, timeout, self._credited))
         self._task.add_done_callback(_retrieve)
 
     async def credited(self) -> None:

@@ -57,7 +57,7 @@ class _Recorder(TorchDispatchMode):
         if name in _DATA_DEPENDENT_SHAPES:
             raise NpuEmulationError(f"aten.{name} during graph capture: output shape depends on device data")
         out = func(*args, **kwargs)
-        _state.graph._tasks.append(_AtenTask.record(func, args, kwargs, out))
+        _state.graph.tasks.append(_AtenTask.record(func, args, kwargs, out))
         return out
 
 
@@ -146,7 +146,7 @@ def _kernel(fn: Callable) -> Callable:
         finally:
             _state.in_kernel -= 1
         task = _KernelTask(fn, tuple(_frozen(a) for a in args), {k: _frozen(v) for k, v in kwargs.items()}, out)
-        _state.graph._tasks.append(task)
+        _state.graph.tasks.append(task)
         return out
     launch.__name__ = launch.__qualname__ = fn.__name__
     launch.__doc__ = fn.__doc__
@@ -172,10 +172,10 @@ class EmulatedNPUGraph:
     """Emulated torch.npu.NPUGraph: see the module docstring for what recording models."""
 
     def __init__(self):
-        self._tasks: list = []
+        self.tasks: list = []
         self._captured = False
         self._pool = _PoolHandle(id(self))
-        self._modes: tuple = ()
+        self.modes: tuple = ()
 
     def capture_begin(self, pool=None, capture_error_mode="global"):
         _require(_state.graph is None, "NPUGraph.capture_begin", "another capture is already under way")
@@ -183,17 +183,17 @@ class EmulatedNPUGraph:
                  f"pool must come from graph_pool_handle() or another graph's pool(), got {pool!r}")
         _require(capture_error_mode in ("global", "thread_local", "relaxed"), "NPUGraph.capture_begin",
                  f"capture_error_mode must be global, thread_local or relaxed, got {capture_error_mode!r}")
-        self._tasks, self._captured = [], False
+        self.tasks, self._captured = [], False
         _state.graph, _state.group_start = self, None
-        self._modes = (_HostReadGuard(), _Recorder())
-        for mode in self._modes:
+        self.modes = (_HostReadGuard(), _Recorder())
+        for mode in self.modes:
             mode.__enter__()
 
     def capture_end(self):
         _require(_state.graph is self, "NPUGraph.capture_end", "this graph is not capturing")
-        for mode in reversed(self._modes):
+        for mode in reversed(self.modes):
             mode.__exit__(None, None, None)
-        _state.graph, self._modes = None, ()
+        _state.graph, self.modes = None, ()
         _require(_state.group_start is None, "NPUGraph.capture_end", "a graph task group was begun and not ended")
         self._captured = True
 
@@ -202,11 +202,11 @@ class EmulatedNPUGraph:
         _require(_state.graph is None and _state.update is None, "NPUGraph.replay",
                  "replay during a capture or a task update")
         with torch.inference_mode():
-            for task in self._tasks:
+            for task in self.tasks:
                 task.run()
 
     def reset(self):
-        self._tasks, self._captured = [], False
+        self.tasks, self._captured = [], False
 
     def pool(self):
         return self._pool
@@ -227,9 +227,9 @@ class _GraphContext:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None and _state.graph is self.npu_graph:     # unwind, keep the real error
-            for mode in reversed(self.npu_graph._modes):
+            for mode in reversed(self.npu_graph.modes):
                 mode.__exit__(exc_type, exc, tb)
-            _state.graph, self.npu_graph._modes, _state.group_start = None, (), None
+            _state.graph, self.npu_graph.modes, _state.group_start = None, (), None
             return None
         self.npu_graph.capture_end()
         return None
@@ -238,13 +238,13 @@ class _GraphContext:
 def _group_begin(stream):
     _require(_state.graph is not None, "graph_task_group_begin", "called outside a graph capture")
     _require(_state.group_start is None, "graph_task_group_begin", "task groups do not nest")
-    _state.group_start = len(_state.graph._tasks)
+    _state.group_start = len(_state.graph.tasks)
 
 
 def _group_end(stream) -> _TaskGroup:
     _require(_state.graph is not None and _state.group_start is not None, "graph_task_group_end",
              "no task group was begun in this capture")
-    tasks = [t for t in _state.graph._tasks[_state.group_start:] if isinstance(t, _KernelTask)]
+    tasks = [t for t in _state.graph.tasks[_state.group_start:] if isinstance(t, _KernelTask)]
     _state.group_start = None
     _require(bool(tasks), "graph_task_group_end", "the group captured no torch_npu op")
     return _TaskGroup(_state.graph, tasks)
