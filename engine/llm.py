@@ -1,7 +1,6 @@
 """The offline API, as in nano-vllm / vLLM: `LLM(model).generate(prompts, params)`."""
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence as Seq
 
@@ -11,6 +10,7 @@ from baton.engine.output_processor import CompletionOutput
 from baton.engine.requests.sampling_params import SamplingParams
 from baton.engine.requests.tokenizer import render_chat
 from baton.models.multimodal import ImageInput, split_content_parts
+from baton.progress import Progress
 
 Prompt = str | list[int]
 
@@ -96,6 +96,7 @@ class LLM:
 
     def _run(self, results: dict[str, CompletionOutput], streamed: set[str], progress: bool) -> None:
         done, total, t0, last = 0, len(results), time.monotonic(), 0.0
+        shown = Progress("requests done", total) if progress else None
         while self.engine.has_unfinished:
             for out in self.engine.step():
                 r = results[out.request_id]
@@ -112,11 +113,11 @@ class LLM:
                         r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True,
                                                        clean_up_tokenization_spaces=False)
                     done += 1
-            if progress and time.monotonic() - last > 1.0:
+            if shown is not None and time.monotonic() - last > 1.0:
                 last = time.monotonic()
-                print(f"\r[baton] {done}/{total} done, {last - t0:.0f}s", end="", file=sys.stderr)
-        if progress:
-            print(f"\r[baton] {done}/{total} done in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+                shown.update(done)
+        if shown is not None:
+            shown.done(f"{done}/{total} requests done in {time.monotonic() - t0:.1f}s")
 
     @staticmethod
     def _params_per_prompt(sp, n: int) -> list[SamplingParams]:

@@ -22,7 +22,6 @@ qwen3-0.6b and ~160 s for qwen3-8b on an H100, ~2 minutes for the 135M model on 
 from __future__ import annotations
 
 import re
-import sys
 import time
 from collections import defaultdict
 
@@ -31,6 +30,7 @@ import torch
 from baton.engine.runner.kv_scales import cache_free_meta
 from baton.models.forward_context import ForwardContext
 from baton.models.layers.quantization import gptq_rows, quantizable, quantize_linear
+from baton.progress import Progress
 
 CALIBRATION_WINDOW = 1024               # tokens of each calibration text
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -95,6 +95,7 @@ def round_with_gptq(model: torch.nn.Module, attention, scale: float, windows: li
         if found is not None and quantizable(module):
             layers[int(found.group(1))].append((name, module))
     t0, done = time.perf_counter(), 0
+    progress = Progress("rounding FP8 weights (GPTQ): layer", len(layers))
     for i, (_, modules) in enumerate(sorted(layers.items())):
         inputs = _Inputs(modules, device)
         try:
@@ -111,7 +112,6 @@ def round_with_gptq(model: torch.nn.Module, attention, scale: float, windows: li
         for name, m in modules:
             quantize_linear(m, ops, mode, gptq_rows(m.weight.data, inputs.sums.pop(name)))
             done += 1
-        print(f"\r[baton] rounding FP8 weights (GPTQ): layer {i + 1}/{len(layers)}", end="", file=sys.stderr)
-    print(f"\r[baton] rounded {done} FP8 projections (GPTQ, {len(layers)} layers) in "
-          f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        progress.update(i + 1)
+    progress.done(f"rounded {done} FP8 projections (GPTQ, {len(layers)} layers) in {time.perf_counter() - t0:.1f}s")
     return done

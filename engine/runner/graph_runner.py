@@ -12,7 +12,6 @@ plus the head's input ids. They replay after the step's tokens are drawn (the he
 """
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
@@ -23,6 +22,7 @@ from baton.engine.runner.forward import Forward
 from baton.engine.speculation.speculative import guesses_each
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.forward_context import ForwardContext
+from baton.progress import Progress
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -95,6 +95,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         pool = None
         model = self.forward.model
+        progress = Progress("capturing decode graphs", len(self.buckets))
         for i, bs in enumerate(reversed(self.buckets)):        # largest first: it sizes the pool
             ctx = self.forward.context(self._meta(bs))
             args = (self.input_ids[:bs], self.positions[:bs], ctx)
@@ -105,10 +106,10 @@ class DecodeGraphs:
             self.graphs[bs] = graph
             if self.drafts is not None:
                 self._capture_head(bs, ctx, pool)
-            print(f"\r[baton] capturing decode graphs: {i + 1}/{len(self.buckets)}", end="", file=sys.stderr)
+            progress.update(i + 1)
         self.platform.synchronize()
-        print(f"\r[baton] captured {len(self.buckets)} decode graphs (batch 1..{self.max_bs}) "
-              f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        progress.done(f"captured {len(self.buckets)} decode graphs (batch 1..{self.max_bs}) "
+                      f"in {time.perf_counter() - t0:.1f}s")
 
     def _capture_head(self, bs: int, ctx: ForwardContext, pool) -> None:
         drafts = self.drafts

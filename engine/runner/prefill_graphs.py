@@ -28,7 +28,6 @@ not for steps with images (their embeddings come from the vision tower). --no-pr
 """
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 
@@ -38,6 +37,7 @@ from baton.engine.platforms import Platform
 from baton.engine.runner.forward import Forward
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.forward_context import ForwardContext
+from baton.progress import Progress
 
 SMALLEST = 256      # steps this short are few (short prompt chunks run as decode rows) and cheap
 
@@ -116,6 +116,7 @@ class PrefillGraphs:
         t0, free0 = time.perf_counter(), self.platform.memory_info()[0]
         model = self.forward.model
         with self.platform.capture_stream():
+            progress = Progress("capturing prefill graphs", len(self.buckets))
             for i, n in enumerate(reversed(self.buckets)):     # largest first: it sizes the pool
                 for capture in (False, True):                  # a pass to compile and size, then the capture
                     pieces = _Pieces(self, n, capture)
@@ -125,11 +126,11 @@ class PrefillGraphs:
                     pieces.end()
                     self.platform.synchronize()
                 self.pieces[n], self.outputs[n] = pieces, out
-                print(f"\r[baton] capturing prefill graphs: {i + 1}/{len(self.buckets)}", end="", file=sys.stderr)
+                progress.update(i + 1)
         held = max(0, free0 - self.platform.memory_info()[0]) >> 20     # the graphs' pool, past eager's cache
-        print(f"\r[baton] captured prefill graphs for {len(self.buckets)} step sizes ({self.buckets[0]}.."
-              f"{self.buckets[-1]} tokens, {len(pieces.graphs)} pieces each) in {time.perf_counter() - t0:.1f}s, "
-              f"{held} MiB more device memory held", file=sys.stderr)
+        progress.done(f"captured prefill graphs for {len(self.buckets)} step sizes ({self.buckets[0]}.."
+                      f"{self.buckets[-1]} tokens, {len(pieces.graphs)} pieces each) in "
+                      f"{time.perf_counter() - t0:.1f}s, {held} MiB more device memory held")
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = input_ids.shape[0]
