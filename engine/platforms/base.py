@@ -204,7 +204,7 @@ class Platform(ABC):
     supports_graphs: bool = False        # can capture decode steps (CUDA graphs, torchair)
     # can capture a forward piecewise, cut at its attention calls (engine/runner/prefill_graphs.py)
     supports_piecewise_graphs: bool = False
-    # decode graphs may replay short prompt chunks as decode rows (model_runner._as_rows): rows of one
+    # decode graphs may replay short prompt chunks as decode rows (engine/runner/input_builder.py: runs_as_rows): rows of one
     # sequence read the same blocks, which torch_npu's paged attention counts once per row against the
     # cache's size (a documented constraint), so Ascend keeps prompts on the prefill path
     graphs_take_prompt_rows: bool = False
