@@ -267,7 +267,9 @@ def test_an_engine_core_stuck_inside_one_step_is_left(cluster, known_long, relia
     """The core is held inside one model step (--fault-hooks' SIGUSR1: an endless loop, a deadlocked
     collective): it still pulses, but the step runs past its budget (its expected cost x 10, at
     least 5 s: these steps take milliseconds), so after the router's grace the worker is left and
-    its streams migrate. SIGUSR2 lets the step end: every block is freed, the worker rejoins."""
+    its streams migrate. SIGUSR2 lets the step end once the router has left the worker (held for
+    longer, its own watchdog would end it: --engine-hang-timeout past the budget): every block is
+    freed, the worker rejoins."""
     victim = cluster.worker("decode-1")
     hung = _losses(cluster, "hung")
     load = story_load(cluster, known_long)
@@ -276,9 +278,12 @@ def test_an_engine_core_stuck_inside_one_step_is_left(cluster, known_long, relia
     os.kill(core, signal.SIGUSR1)
     try:
         budget = _held_step_budget(victim)
-        out = load.wait()
+        deadline = time.monotonic() + budget + 20
+        while _losses(cluster, "hung") == hung and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
         os.kill(core, signal.SIGUSR2)
+    out = load.wait()
     out.assert_clean()
     assert out.completed == out.sent == 24, out
     assert budget < 60, budget                       # decode steps of milliseconds: a budget of seconds
