@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from baton.benchmarks import environment as bench_env
-from baton.serving.core_protocol import BEAT, CoreStats
+from baton.serving.core_protocol import Beat, CoreStats, TokenUpdate
 from baton.serving.engine_core import BEAT_INTERVAL_S, EngineCore
 from baton.serving.grpc_server import ServiceError
 
@@ -130,7 +130,7 @@ class SyntheticCore(EngineCore):
             token = ids[r.emitted % len(ids)]        # each stream's text reads as the words
             r.emitted += 1
             finished = r.emitted >= r.max_tokens
-            updates.append((rid, [token], "length" if finished else None, 0, None, 0.0))
+            updates.append(TokenUpdate(rid, [token], "length" if finished else None))
             if finished:
                 done.append(rid)
         for rid in done:
@@ -142,4 +142,4 @@ class SyntheticCore(EngineCore):
         now = time.monotonic()
         if now - self._last_emit >= BEAT_INTERVAL_S:
             self._last_emit = now
-            self.emit((BEAT, self.stats(), self.metrics.take()))
+            self.emit(Beat(self.stats(), self.metrics.take()))

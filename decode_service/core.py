@@ -29,7 +29,7 @@ from baton.kvtransfer import registry
 from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.kvtransfer.receiver import PendingTransfers
 from baton.models.multimodal import ImageInput
-from baton.serving.core_protocol import encode_error, logprobs_of
+from baton.serving.core_protocol import TokenUpdate, encode_error
 from baton.serving.engine_core import EngineCore
 from baton.serving.grpc_server import Server, ServiceError
 from baton.serving.processes import reachable_host
@@ -182,15 +182,13 @@ class DecodeCore(EngineCore):
         self.engine.abort(rid, hold_as=transfer_id if self.pending.held(transfer_id) else None)
         # ABORTED: the transfer failed, not this worker (the router retries without leaving it)
         error = ServiceError(grpc.StatusCode.ABORTED, f"KV handover failed: {reason}")
-        self.send_updates([(rid, [], None, 0, encode_error(error), 0.0)])
+        self.send_updates([TokenUpdate(rid, [], error=encode_error(error))])
 
     # -- what the front hears (engine thread) ----------------------------------------------------
-    def update_of(self, out: RequestOutput) -> tuple:
-        rid = out.request_id
-        r = self.reservations.pop(rid, None)        # a reserved request's first output: its join
+    def update_of(self, out: RequestOutput) -> TokenUpdate:
+        r = self.reservations.pop(out.request_id, None)        # a reserved request's first output: its join
         handover = self._handover(r) if r is not None else 0.0
-        error = encode_error(self.failure(out)) if out.error else None
-        return rid, out.new_token_ids, out.finish_reason, out.cached_tokens, error, handover, *logprobs_of(out)
+        return TokenUpdate.of(out, encode_error(self.failure(out)) if out.error else None, handover)
 
     def failure(self, out: RequestOutput) -> Exception:
         return ServiceError(grpc.StatusCode.UNAVAILABLE, f"KV handover failed: {out.error}")

@@ -23,6 +23,7 @@ import grpc
 
 from baton.engine.requests.sampling_params import SamplingParams
 from baton.engine.requests.tokenizer import load_decoder
+from baton.serving.core_protocol import Command, TokenUpdate
 from baton.serving.grpc_server import ServiceError
 from baton.serving.token_streams import Bus, RequestSink, TokenStream
 from baton.serving.wire import images_from_proto, sampling_from_proto
@@ -87,11 +88,11 @@ class DecodeWorker(EngineWorker):
         limit = (req.stream_timeout_ms / 1000 or None) if bus else timeout
         stream = self._open(rid, prompt, params, limit)
         try:
-            admitted = await self.core.call("admit", rid, prompt, _for_core(params), backend, timeout)
+            admitted = await self.core.call(Command.ADMIT, rid, prompt, _for_core(params), backend, timeout)
         except BaseException as exc:
             self._forget(stream)
             if isinstance(exc, asyncio.CancelledError):     # the caller left: the core may have reserved
-                self.core.cast("abort", rid)
+                self.core.cast(Command.ABORT, rid)
             raise
         if bus is not None:
             stream.attach(bus)
@@ -109,11 +110,11 @@ class DecodeWorker(EngineWorker):
         images = images_from_proto(req.images)
         stream = self._open(rid, prompt, params, req.timeout_ms / 1000 or None)
         try:
-            await self.core.call("add", rid, prompt, _for_core(params), images)
+            await self.core.call(Command.ADD, rid, prompt, _for_core(params), images)
         except BaseException as exc:
             self._forget(stream)
             if isinstance(exc, asyncio.CancelledError):     # the caller left: the core may have queued it
-                self.core.cast("abort", rid)
+                self.core.cast(Command.ABORT, rid)
             raise
         return stream
 
@@ -126,7 +127,7 @@ class DecodeWorker(EngineWorker):
 
     def abort_request(self, rid: str, reason: str = "was aborted") -> bool:
         stream = self.streams.get(rid)
-        self.core.cast("abort", rid)
+        self.core.cast(Command.ABORT, rid)
         if stream is None:
             return False
         stream.fail(ServiceError(grpc.StatusCode.ABORTED, f"request {rid} {reason}"))
@@ -155,7 +156,7 @@ class DecodeWorker(EngineWorker):
         self.metrics.requests.labels(self.metrics.model, stream.finish_label).inc()
         self.requests_served += 1
         if stream.stopped or stream.error is not None:
-            self.core.cast("abort", stream.request_id)
+            self.core.cast(Command.ABORT, stream.request_id)
         self._forget(stream)
 
     def _forget(self, stream: TokenStream) -> None:
@@ -164,10 +165,10 @@ class DecodeWorker(EngineWorker):
             stream.detach()
 
     # -- the core's tokens -----------------------------------------------------------------------
-    def on_updates(self, updates: list[tuple]) -> None:
+    def on_updates(self, updates: list[TokenUpdate]) -> None:
         streams = self.streams
         for update in updates:
-            stream = streams.get(update[0])
+            stream = streams.get(update.request_id)
             if stream is not None:
                 stream.push(update)
         self._observe()

@@ -9,6 +9,7 @@ import asyncio
 
 import grpc
 
+from baton.serving.core_protocol import Command
 from baton.serving.grpc_server import ServiceError
 from baton.serving.wire import images_from_proto, sampling_from_proto
 from baton.serving.worker import EngineWorker
@@ -49,10 +50,10 @@ class PrefillWorker(EngineWorker):
         timeout = req.timeout_ms / 1000 if req.timeout_ms else DEFAULT_TIMEOUT_S
         self.active.add(rid)
         try:
-            reply = await self.core.call("prefill", rid, prompt, params, images,
+            reply = await self.core.call(Command.PREFILL, rid, prompt, params, images,
                                          (handoff.decode_address, handoff.transfer_id, backend), timeout)
         except asyncio.CancelledError:       # the router gave up on it: so does the core
-            self.core.cast("abort", rid)
+            self.core.cast(Command.ABORT, rid)
             raise
         finally:
             self.requests_served += 1
@@ -74,10 +75,11 @@ class PrefillWorker(EngineWorker):
             raise ValueError("decode_address is required")
         backend = self._backend(req.backend)
         timeout = req.timeout_ms / 1000 if req.timeout_ms else CONNECT_TIMEOUT_S
-        return prefill_pb2.ConnectKVResponse(**await self.core.call("connect", req.decode_address, backend, timeout))
+        reply = await self.core.call(Command.CONNECT, req.decode_address, backend, timeout)
+        return prefill_pb2.ConnectKVResponse(**reply)
 
     def abort_request(self, rid: str) -> bool:
-        self.core.cast("abort", rid)
+        self.core.cast(Command.ABORT, rid)
         return rid in self.active
 
 

@@ -25,18 +25,23 @@ from collections.abc import Callable
 
 import grpc
 
-from baton.engine.step_clock import Pulse
+from baton.engine import step_clock
 from baton.serving.core_protocol import (
-    BEAT,
-    CALL,
-    FATAL,
-    HELLO,
-    INIT,
-    PULSE,
-    REPLY,
-    UPDATES,
+    PROTOCOL_VERSION,
+    Beat,
+    Call,
+    Command,
+    CoreMessage,
     CoreStats,
+    Fatal,
     FrameWriter,
+    Hello,
+    Init,
+    MetricEvent,
+    Pulse,
+    Reply,
+    TokenUpdate,
+    Updates,
     decode_error,
     open_reader,
     read_frame,
@@ -57,8 +62,8 @@ class CoreDied(ServiceError):
 class CoreClient:
     """What both kinds share: calls, the messages' dispatch, the watchdog."""
 
-    def __init__(self, cfg: WorkerConfig, target: str, on_updates: Callable[[list[tuple]], None],
-                 on_metrics: Callable[[list[tuple]], None], on_death: Callable[[str], None]):
+    def __init__(self, cfg: WorkerConfig, target: str, on_updates: Callable[[list[TokenUpdate]], None],
+                 on_metrics: Callable[[list[MetricEvent]], None], on_death: Callable[[str], None]):
         self.cfg, self.target = cfg, target
         self.on_updates, self.on_metrics, self.on_death = on_updates, on_metrics, on_death
         self.stats = CoreStats()
@@ -68,7 +73,7 @@ class CoreClient:
         self._ids = itertools.count(1)
         self._hello: asyncio.Future | None = None
         self._heard = 0.0
-        self.pulse: Pulse | None = None    # the last pulse, heard at _pulse_at (None: this core does not pulse)
+        self.pulse: step_clock.Pulse | None = None    # the last pulse, heard at _pulse_at (None: this core does not pulse)
         self._pulse_at = 0.0
         self._watch: asyncio.Task | None = None
 
@@ -83,23 +88,23 @@ class CoreClient:
         self._watch = asyncio.ensure_future(self._watchdog())
         return self.info
 
-    async def call(self, method: str, *args, timeout: float | None = None):
+    async def call(self, command: Command, *args, timeout: float | None = None):
         """Run a command of the core and return its result (or raise its error)."""
         if self.dead is not None:
             raise CoreDied(self.dead)
-        return await asyncio.wait_for(self._call(method, args), timeout)
+        return await asyncio.wait_for(self._call(command, args), timeout)
 
     def silent_seconds(self) -> float:
         """Since the core last sent anything (a pulse, a step's updates, an idle beat)."""
         return asyncio.get_running_loop().time() - self._heard if self.info else 0.0
 
-    def busy(self) -> Pulse:
+    def busy(self) -> step_clock.Pulse:
         """What the engine thread is doing as of now (the last pulse, aged since it was heard)."""
         if self.pulse is None or not self.pulse.busy:
-            return self.pulse or Pulse()
+            return self.pulse or step_clock.Pulse()
         age = asyncio.get_running_loop().time() - self._pulse_at
         p = self.pulse
-        return Pulse(p.busy, p.busy_s + age, p.budget_s, p.tokens, p.seconds_per_token)
+        return step_clock.Pulse(p.busy, p.busy_s + age, p.budget_s, p.tokens, p.seconds_per_token)
 
     def stalled_seconds(self) -> float:
         """How long the core has gone without the progress it should make: silent (a stopped
@@ -109,40 +114,44 @@ class CoreClient:
             return silent
         return self.busy().overrun_s
 
-    def cast(self, method: str, *args) -> None:
+    def cast(self, command: Command, *args) -> None:
         """A command whose result nobody waits for (abort)."""
         if self.dead is None:
-            self._send(0, method, args)
+            self._send(0, command, args)
 
     # -- the core's messages -------------------------------------------------------------------
-    def _message(self, msg: tuple) -> None:
-        kind = msg[0]
+    def _message(self, msg: CoreMessage) -> None:
         self._heard = asyncio.get_running_loop().time()
-        if kind == PULSE:
-            self.pulse, self._pulse_at = msg[1], self._heard
-        elif kind == UPDATES:
-            _, updates, self.stats, metrics = msg
-            self.on_metrics(metrics)
-            self.on_updates(updates)
-        elif kind == BEAT:
-            _, self.stats, metrics = msg
-            self.on_metrics(metrics)
-        elif kind == REPLY:
-            _, call_id, error, value = msg
-            fut = self._calls.pop(call_id, None)
-            if error:
-                _fail(fut, decode_error(error))
-            else:
-                _resolve(fut, value)
-        elif kind == HELLO:
-            self.info = msg[1]
-            self.stats = self.info["stats"]
-            _resolve(self._hello, self.info)
-        elif kind == FATAL:
-            if self.info:                   # serving already: its engine thread died
-                self._died(msg[1])
-            else:
-                _fail(self._hello, ValueError(msg[1]))
+        match msg:
+            case Pulse():
+                self.pulse, self._pulse_at = msg.activity, self._heard
+            case Updates():
+                self.stats = msg.stats
+                self.on_metrics(msg.metrics)
+                self.on_updates(msg.updates)
+            case Beat():
+                self.stats = msg.stats
+                self.on_metrics(msg.metrics)
+            case Reply():
+                self._replied(msg)
+            case Hello():
+                self.info, self.stats = msg.info, msg.info["stats"]
+                _resolve(self._hello, self.info)
+            case Fatal():
+                self._fatal(msg.message)
+
+    def _replied(self, reply: Reply) -> None:
+        fut = self._calls.pop(reply.call_id, None)
+        if reply.error is not None:
+            _fail(fut, decode_error(reply.error))
+        else:
+            _resolve(fut, reply.value)
+
+    def _fatal(self, message: str) -> None:
+        if self.info:                       # serving already: its engine thread died
+            self._died(message)
+        else:                               # it could not start (or speaks another protocol version)
+            _fail(self._hello, ValueError(message))
 
     def _died(self, reason: str) -> None:
         if self.dead is not None:
@@ -181,10 +190,10 @@ class CoreClient:
     async def _launch(self) -> None:
         raise NotImplementedError
 
-    async def _call(self, method: str, args: tuple):
+    async def _call(self, command: Command, args: tuple):
         raise NotImplementedError
 
-    def _send(self, call_id: int, method: str, args: tuple) -> None:
+    def _send(self, call_id: int, command: Command, args: tuple) -> None:
         raise NotImplementedError
 
     async def _kill(self) -> None:
@@ -205,7 +214,7 @@ class ProcessCore(CoreClient):
         core_cmd.close()
         core_evt.close()
         self._writer = FrameWriter(front_cmd)
-        self._writer.send((INIT, self.target, self.cfg))
+        self._writer.send(Init(PROTOCOL_VERSION, self.target, self.cfg))
         self._reader = asyncio.ensure_future(self._read(await open_reader(front_evt)))
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
@@ -223,19 +232,19 @@ class ProcessCore(CoreClient):
         except subprocess.TimeoutExpired:
             return None
 
-    async def _call(self, method: str, args: tuple):
+    async def _call(self, command: Command, args: tuple):
         call_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            self._send(call_id, method, args)
+            self._send(call_id, command, args)
             return await fut
         finally:
             self._calls.pop(call_id, None)
 
-    def _send(self, call_id: int, method: str, args: tuple) -> None:
+    def _send(self, call_id: int, command: Command, args: tuple) -> None:
         try:
-            self._writer.send((CALL, call_id, method, args))
+            self._writer.send(Call(call_id, command, args))
         except OSError as exc:
             self._died(f"is unreachable ({exc})")
             raise CoreDied(self.dead) from None
@@ -272,13 +281,13 @@ class LocalCore(CoreClient):
         except Exception as exc:            # a bug, not a setting: its traceback, then one line
             traceback.print_exc()
             raise ValueError(f"{type(exc).__name__}: {exc}") from exc
-        self._message((HELLO, info))
+        self._message(Hello(info))
 
-    async def _call(self, method: str, args: tuple):
-        return await self.core.handle(method, args)
+    async def _call(self, command: Command, args: tuple):
+        return await self.core.handle(command, args)
 
-    def _send(self, call_id: int, method: str, args: tuple) -> None:
-        task = asyncio.ensure_future(self.core.handle(method, args))
+    def _send(self, call_id: int, command: Command, args: tuple) -> None:
+        task = asyncio.ensure_future(self.core.handle(command, args))
         task.add_done_callback(_retrieve)
 
     async def stop(self) -> None:

@@ -10,7 +10,8 @@ in-process tools and tests (the in-memory KV backend) the same core runs on the 
 loop instead; nothing else differs.
 
 `EngineCore` is what every role shares; prefill_service/core.py and decode_service/core.py
-add their commands (`cmd_<name>` coroutines) and their half of the KV plane.
+add their commands (`cmd_<name>` coroutines, each named by a core_protocol.Command member) and
+their half of the KV plane.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import ClassVar
 
 import grpc
 
@@ -37,17 +39,20 @@ from baton.engine.output_processor import RequestOutput
 from baton.kvtransfer import registry
 from baton.kvtransfer.layout import KVLayout
 from baton.serving.core_protocol import (
-    BEAT,
-    CALL,
-    FATAL,
-    HELLO,
-    PULSE,
-    REPLY,
-    UPDATES,
+    Beat,
+    Call,
+    Command,
+    CoreMessage,
     CoreStats,
+    Fatal,
     FrameWriter,
+    Hello,
+    Pulse,
+    Reply,
+    TokenUpdate,
+    Updates,
+    check_init,
     encode_error,
-    logprobs_of,
     open_reader,
     read_frame,
 )
@@ -59,7 +64,7 @@ BEAT_INTERVAL_S = 0.5              # an idle core still says it is alive this of
 PULSE_INTERVAL_S = 0.5             # and, busy or not, says what its engine thread is doing
 STOP_TIMEOUT_S = 10.0
 
-Emit = Callable[[tuple], None]
+Emit = Callable[[CoreMessage], None]
 
 
 class MetricEvents:
@@ -81,6 +86,16 @@ class MetricEvents:
 
 
 class EngineCore:
+    """What every role's core shares. A role's commands are its `cmd_<name>` coroutines, one per
+    core_protocol.Command member it serves; COMMANDS, built from the enum as the class is
+    defined, is what a Call runs through."""
+
+    COMMANDS: ClassVar[dict[Command, Callable[..., Awaitable]]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.COMMANDS = command_table(cls)
+
     def __init__(self, cfg: WorkerConfig, emit: Emit):
         self.cfg = cfg
         self.emit = emit
@@ -122,9 +137,9 @@ class EngineCore:
         while self._pulsing.is_set():
             try:
                 if self.engine.error is not None:      # the step loop died (a device OOM, a bug): so does the core
-                    self.emit((FATAL, f"failed: its engine thread raised {self.engine.error!r}"))
+                    self.emit(Fatal(f"failed: its engine thread raised {self.engine.error!r}"))
                     return
-                self.emit((PULSE, clock.pulse()))
+                self.emit(Pulse(clock.pulse()))
             except OSError:              # the front is gone: the core is ending anyway
                 return
             time.sleep(PULSE_INTERVAL_S)
@@ -150,11 +165,18 @@ class EngineCore:
                         head_dim=spec.head_dim, tp_size=1, tp_rank=0, backends=self.kv_backends(),
                         kv_scales=spec.kv_scales)
 
-    async def handle(self, method: str, args: tuple):
-        fn = getattr(self, f"cmd_{method}", None)
+    async def handle(self, command: Command, args: tuple):
+        """Run a command through the role's table (COMMANDS); ValueError for one it lacks."""
+        fn = self.COMMANDS.get(command) if isinstance(command, Command) else None
         if fn is None:
-            raise ValueError(f"the {self.cfg.role} engine core has no command {method!r}")
-        return await fn(*args)
+            raise ValueError(self._no_command(command))
+        return await fn(self, *args)
+
+    def _no_command(self, command: object) -> str:
+        if isinstance(command, Command):
+            return f"the {self.cfg.role} engine core has no command {command.value!r}"
+        known = ", ".join(c.name for c in Command)
+        return f"{command!r} is no engine-core command (core_protocol.Command: {known})"
 
     async def stop(self) -> None:
         """Release the KV plane (device communicators), then stop the engine."""
@@ -176,18 +198,16 @@ class EngineCore:
         return CoreStats(s.running, s.waiting + self.num_pending(), s.kv_blocks_total, s.kv_blocks_free,
                          s.spec_draft_tokens, s.spec_accepted_tokens, s.spec_verified, s.spec_accepted_lengths)
 
-    def update_of(self, out: RequestOutput) -> tuple:
-        error = encode_error(self.failure(out)) if out.error else None
-        return (out.request_id, out.new_token_ids, out.finish_reason, out.cached_tokens, error, 0.0,
-                *logprobs_of(out))
+    def update_of(self, out: RequestOutput) -> TokenUpdate:
+        return TokenUpdate.of(out, encode_error(self.failure(out)) if out.error else None)
 
     def failure(self, out: RequestOutput) -> Exception:
         """What a request the engine ended with an error (out.error) ends with for its client."""
         return ServiceError(grpc.StatusCode.UNAVAILABLE, f"request {out.request_id} failed: {out.error}")
 
-    def send_updates(self, updates: list[tuple]) -> None:
+    def send_updates(self, updates: list[TokenUpdate]) -> None:
         self._sent_stats = self.stats()
-        self.emit((UPDATES, updates, self._sent_stats, self.metrics.take()))
+        self.emit(Updates(updates, self._sent_stats, self.metrics.take()))
         self._last_emit = time.monotonic()
 
     def _stepped(self, llm: LLMEngine, outputs: list[RequestOutput]) -> None:
@@ -201,7 +221,16 @@ class EngineCore:
         now, stats = time.monotonic(), self.stats()
         if stats != self._sent_stats or now - self._last_emit >= BEAT_INTERVAL_S:
             self._last_emit, self._sent_stats = now, stats
-            self.emit((BEAT, stats, self.metrics.take()))
+            self.emit(Beat(stats, self.metrics.take()))
+
+
+def command_table(cls: type) -> dict[Command, Callable[..., Awaitable]]:
+    """Command -> `cls`'s coroutine for it; TypeError for a `cmd_` coroutine that no Command
+    names (the front could never call it: add it to core_protocol.Command)."""
+    stray = {name for name in dir(cls) if name.startswith("cmd_")} - {c.handler for c in Command}
+    if stray:
+        raise TypeError(f"{cls.__name__}: {', '.join(sorted(stray))} named by no core_protocol.Command member")
+    return {c: getattr(cls, c.handler) for c in Command if hasattr(cls, c.handler)}
 
 
 def hold_steps_on_signal(llm: LLMEngine) -> None:
@@ -221,7 +250,7 @@ def hold_steps_on_signal(llm: LLMEngine) -> None:
 
 # -- the core's own process ------------------------------------------------------------------
 class CoreHost:
-    """Serves one core over the front's sockets: runs each CALL as a task, replies, and ends
+    """Serves one core over the front's sockets: runs each Call as a task, replies, and ends
     everything when the front goes away (its socket closes)."""
 
     def __init__(self, core: EngineCore, writer: FrameWriter):
@@ -231,23 +260,23 @@ class CoreHost:
     async def serve(self, reader: asyncio.StreamReader) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
-                kind, call_id, method, args = await read_frame(reader)
-                if kind == CALL:
-                    task = asyncio.ensure_future(self._run(call_id, method, args))
+                msg = await read_frame(reader)
+                if isinstance(msg, Call):
+                    task = asyncio.ensure_future(self._run(msg))
                     self.tasks.add(task)
                     task.add_done_callback(self.tasks.discard)
 
-    async def _run(self, call_id: int, method: str, args: tuple) -> None:
+    async def _run(self, call: Call) -> None:
         try:
-            value, error = await self.core.handle(method, args), None
+            value, error = await self.core.handle(call.command, call.args), None
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             value, error = None, encode_error(exc)
-            if not isinstance(exc, (ValueError, TimeoutError)) and error[1] == "INTERNAL":
+            if not isinstance(exc, (ValueError, TimeoutError)) and error.code == "INTERNAL":
                 traceback.print_exc()
-        if call_id:
-            self.writer.send((REPLY, call_id, error, value))
+        if call.call_id:
+            self.writer.send(Reply(call.call_id, error, value))
 
 
 def load_core(target: str) -> type[EngineCore]:
@@ -260,23 +289,35 @@ def load_core(target: str) -> type[EngineCore]:
 async def _serve(command_fd: int, event_fd: int) -> int:
     writer = FrameWriter(socket.socket(fileno=event_fd))
     reader = await open_reader(socket.socket(fileno=command_fd))
-    _, target, cfg = await read_frame(reader)
-    setup_logging(cfg.log_level, cfg.log_format)
-    core = load_core(target)(cfg, writer.send)
-    try:
-        info = await core.start()
-    except Exception as exc:            # the front shows one line and exits; tracebacks for bugs only
-        if not isinstance(exc, ValueError):
-            traceback.print_exc()
-        writer.send((FATAL, str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"))
+    core = await _start(reader, writer)
+    if core is None:
         return 2
-    writer.send((HELLO, info))
     await CoreHost(core, writer).serve(reader)
     try:                                # the front is gone or asked us to stop: release the device
         await asyncio.wait_for(core.stop(), STOP_TIMEOUT_S)
     except TimeoutError:
         print("[baton] engine core: stopping took too long; exiting anyway", file=sys.stderr, flush=True)
     return 0
+
+
+async def _start(reader: asyncio.StreamReader, writer: FrameWriter) -> EngineCore | None:
+    """The core the front's Init names, serving (Hello sent); None once a Fatal said why not."""
+    try:
+        init = check_init(await read_frame(reader))
+    except ValueError as exc:           # a front of another protocol version: its config may not even read
+        writer.send(Fatal(str(exc)))
+        return None
+    setup_logging(init.config.log_level, init.config.log_format)
+    core = load_core(init.target)(init.config, writer.send)
+    try:
+        info = await core.start()
+    except Exception as exc:            # the front shows one line and exits; tracebacks for bugs only
+        if not isinstance(exc, ValueError):
+            traceback.print_exc()
+        writer.send(Fatal(str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"))
+        return None
+    writer.send(Hello(info))
+    return core
 
 
 def _die_with_parent() -> None:

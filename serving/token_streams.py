@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 from baton.engine.output_processor import TextStream
 from baton.engine.requests.sampling_params import SamplingParams
-from baton.serving.core_protocol import decode_error
+from baton.serving.core_protocol import TokenUpdate, decode_error
 from baton.serving.grpc_server import ServiceError, status_for
 from baton.serving.wire import FINISH_TO_PROTO, STATUS_BY_NUMBER, logprobs_to_proto
 from baton.v1 import decode_pb2, router_pb2
@@ -67,23 +67,20 @@ class TokenStream:
         if self.sink is not None:
             self.sink.attached(-1)
 
-    def push(self, update: tuple) -> None:
-        _, ids, finish, cached, error, handover = update[:6]
+    def push(self, update: TokenUpdate) -> None:
         self.heard = time.monotonic()
-        self.pending += ids
-        if len(update) > 6:
-            logprobs, prompt_logprobs = update[6:8]
-            if logprobs is not None and self.logprobs is not None:
-                self.logprobs += logprobs
-            if prompt_logprobs is not None:
-                self.prompt_logprobs = prompt_logprobs
-        self.cached = cached
-        if finish:
-            self.finish = finish
-        if handover:
-            self.handover = handover
-        if error is not None:
-            self.error = decode_error(error)
+        self.pending += update.new_token_ids
+        if update.logprobs is not None and self.logprobs is not None:
+            self.logprobs += update.logprobs
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
+        self.cached = update.cached_tokens
+        if update.finish_reason:
+            self.finish = update.finish_reason
+        if update.handover_s:
+            self.handover = update.handover_s
+        if update.error is not None:
+            self.error = decode_error(update.error)
         if self.sink is not None:
             self.sink.mark(self)
 

@@ -23,6 +23,7 @@ import grpc
 
 from baton.engine.requests.limits import ModelLimits
 from baton.serving.core_client import CoreClient, start_core
+from baton.serving.core_protocol import MetricEvent, TokenUpdate
 from baton.serving.grpc_server import Server, ServiceError
 from baton.serving.metrics import Metrics
 from baton.serving.worker_config import WorkerConfig
@@ -103,11 +104,11 @@ class EngineWorker:
         await self.core.stop()
 
     # -- the core's messages -------------------------------------------------------------------
-    def on_updates(self, updates: list[tuple]) -> None:
+    def on_updates(self, updates: list[TokenUpdate]) -> None:
         """Every request's new tokens of one engine step (the decode front streams them)."""
         self._observe()
 
-    def _record(self, events: list[tuple]) -> None:
+    def _record(self, events: list[MetricEvent]) -> None:
         for name, labels, value in events:
             if name == "step_seconds":
                 self.step_seconds.append(value)

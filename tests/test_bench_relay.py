@@ -13,7 +13,7 @@ from cluster import REPO
 
 from baton.benchmarks.synthetic_core import FALLBACK_IDS, SyntheticCore
 from baton.engine.requests.sampling_params import SamplingParams
-from baton.serving.core_protocol import UPDATES
+from baton.serving.core_protocol import Updates
 from baton.serving.grpc_server import ServiceError
 from baton.serving.worker_config import WorkerConfig
 
@@ -36,10 +36,10 @@ def test_synthetic_core_gives_every_request_one_token_per_step_until_max_tokens(
     assert info["tokenizer_dir"] is None and info["model"] == "smollm2-135m-instruct"
     for _ in range(3):
         core._step()
-    steps = [m for m in sent if m[0] == UPDATES]
-    assert [[(u[0], u[2]) for u in m[1]] for m in steps] == [
+    steps = [m for m in sent if isinstance(m, Updates)]
+    assert [[(u.request_id, u.finish_reason) for u in m.updates] for m in steps] == [
         [("a", None), ("b", None)], [("a", "length"), ("b", None)], [("b", "length")]]
-    assert all(len(u[1]) == 1 and u[1][0] in FALLBACK_IDS for m in steps for u in m[1])
+    assert all(len(u.new_token_ids) == 1 and u.new_token_ids[0] in FALLBACK_IDS for m in steps for u in m.updates)
     assert core.stats().running == 0 and core.blocks_used == 0
 
 

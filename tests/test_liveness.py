@@ -120,7 +120,7 @@ def test_a_core_whose_engine_thread_died_is_dead_not_healthy():
     """A step loop that raised (a device out of memory) leaves a core process that still pulses and
     answers: it says FATAL instead, and the front ends the worker rather than flap healthy/unhealthy."""
     from baton.serving.core_client import CoreClient
-    from baton.serving.core_protocol import FATAL
+    from baton.serving.core_protocol import Fatal
     from baton.serving.worker_config import WorkerConfig
 
     deaths = []
@@ -128,6 +128,6 @@ def test_a_core_whose_engine_thread_died_is_dead_not_healthy():
     async def main():
         client = CoreClient(WorkerConfig(role="decode"), "x:Y", on_updates=print, on_metrics=print, on_death=deaths.append)
         client.info = {"model": "m"}
-        client._message((FATAL, "failed: its engine thread raised OutOfMemoryError()"))
+        client._message(Fatal("failed: its engine thread raised OutOfMemoryError()"))
         return client.dead
     assert asyncio.run(main()) == deaths[0] == "failed: its engine thread raised OutOfMemoryError()"
