@@ -62,6 +62,7 @@ class PrefillHandoff(KVHandoff):
         self.unsent: dict[str, int] = {}        # request id -> bytes packed and not yet sent
         self.unsent_bytes = 0
         self.holding = False
+        self.holds = 0                          # times new prompts were held (each logged once)
         self._lock = threading.Lock()           # the engine thread adds, the event loop subtracts
 
     def on_prompt_kv(self, piece: KVPiece) -> None:
@@ -77,6 +78,7 @@ class PrefillHandoff(KVHandoff):
     def may_admit(self) -> bool:
         admit = self.unsent_bytes < self.limit
         if not admit and not self.holding:
+            self.holds += 1
             log.info("%d MiB of packed KV waits to be sent (the bound is %d MiB, --kv-buffer-mib): new prompts "
                      "wait here until the decode side takes it", self.unsent_bytes >> 20, self.limit >> 20)
         self.holding = not admit
