@@ -365,8 +365,10 @@ def test_a_memory_handoff_runs_every_state_and_gives_back_every_block():
 
 
 def test_prompts_held_by_the_packed_kv_bound_all_finish_with_every_block_back():
-    """Four prefills at once through a bound of one byte: each waits for the one before it to
-    be sent, all four stream their tokens, and nothing stays packed or held."""
+    """Four prefills at once through a bound of one byte: all four stream their tokens, and
+    nothing stays packed or held. (Whether a prompt had to wait depends on whether the engine
+    thread stepped before the event loop sent the last piece: the hold itself is proven by
+    the engine-level test above, stepped by hand.)"""
     async def main():
         async with workers() as (prefill, decode):
             core(prefill).handoff.limit = 1
@@ -381,7 +383,7 @@ def test_prompts_held_by_the_packed_kv_bound_all_finish_with_every_block_back():
     replies, tokens, handoff = asyncio.run(main())
     assert [len(t) for t in tokens] == [4] * 4 and [t[0] for t in tokens] == [r.first_token for r in replies]
     assert handoff.unsent_bytes == 0 and not handoff.unsent
-    assert handoff.holds > 0 and not handoff.holding
+    assert not handoff.holding
 
 
 async def admitted_with_sender(decode, rid: str):
