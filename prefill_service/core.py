@@ -65,14 +65,22 @@ class PrefillHandoff(KVHandoff):
         self.holds = 0                          # times new prompts were held (each logged once)
         self._lock = threading.Lock()           # the engine thread adds, the event loop subtracts
 
-    def on_prompt_kv(self, piece: KVPiece) -> None:
-        sink = self.sinks.get(piece.request_id)
-        if sink is None:
-            self._drop(piece.request_id)
-            return
+    def open(self, rid: str) -> asyncio.Queue:
+        """The queue `rid`'s pieces will arrive on, until `forget(rid)`."""
         with self._lock:
-            self.unsent[piece.request_id] = self.unsent.get(piece.request_id, 0) + _nbytes(piece.data)
-            self.unsent_bytes += _nbytes(piece.data)
+            sink = self.sinks[rid] = asyncio.Queue()
+        return sink
+
+    def on_prompt_kv(self, piece: KVPiece) -> None:
+        rid = piece.request_id
+        with self._lock:               # one step with forget(): a piece is either counted and
+            sink = self.sinks.get(rid)  # settled by it, or dropped here, never counted after it
+            if sink is not None:
+                self.unsent[rid] = self.unsent.get(rid, 0) + _nbytes(piece.data)
+                self.unsent_bytes += _nbytes(piece.data)
+        if sink is None:
+            self._drop(rid)
+            return
         self.loop.call_soon_threadsafe(sink.put_nowait, piece)
 
     def may_admit(self) -> bool:
@@ -89,11 +97,14 @@ class PrefillHandoff(KVHandoff):
         self._settle(rid, _nbytes(piece.data))
 
     def forget(self, rid: str) -> None:
-        """`rid` ended: whatever of it was packed and not sent is dropped with it."""
+        """`rid` ended: its queue closes, and whatever of it was packed and not sent is dropped
+        with it."""
         self._settle(rid, None)
 
     def _settle(self, rid: str, nbytes: int | None) -> None:
         with self._lock:
+            if nbytes is None:
+                self.sinks.pop(rid, None)
             held = self.unsent.pop(rid, 0)
             freed = held if nbytes is None else min(nbytes, held)
             if held - freed > 0:
@@ -200,8 +211,7 @@ class PrefillCore(EngineCore):
                    timeout: float) -> dict:
         address, transfer_id, backend = handoff
         t0 = time.perf_counter()
-        pieces: asyncio.Queue = asyncio.Queue()
-        self.handoff.sinks[rid] = pieces
+        pieces = self.handoff.open(rid)
         num_blocks = -(-len(prompt) // self.llm.config.block_size)
         transfer = TransferDescriptor(transfer_id, nbytes=self.layout.payload_nbytes(num_blocks),
                                       num_tokens=len(prompt), backend=backend)
@@ -222,7 +232,6 @@ class PrefillCore(EngineCore):
         except KVTransferError as exc:
             raise self._push_failed(address, backend, exc) from exc
         finally:
-            self.handoff.sinks.pop(rid, None)
             self.handoff.forget(rid)
             for task in (streaming, prefill):
                 task.cancel()

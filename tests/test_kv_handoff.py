@@ -13,6 +13,7 @@ import itertools
 
 import grpc
 import pytest
+import torch
 
 from baton.engine import LLMEngine, SamplingParams
 from baton.engine.config import EngineConfig
@@ -261,7 +262,7 @@ def test_packed_kv_over_its_bound_holds_new_prompts_until_it_is_sent(engine):
     handoff.limit = 1                                  # one packed block is over it
     try:
         for rid in ("a", "b"):
-            handoff.sinks[rid] = asyncio.Queue()
+            handoff.open(rid)
             engine.add_request(fresh_prompt(), SamplingParams(temperature=0, max_tokens=1), request_id=rid,
                                hand_off_kv=True)
         a, b = engine.kv_ticket("a"), engine.kv_ticket("b")
@@ -281,6 +282,26 @@ def test_packed_kv_over_its_bound_holds_new_prompts_until_it_is_sent(engine):
         handoff.loop.close()
         engine.handoff = Hook()
     assert free(engine) == engine.block_manager.num_blocks
+
+
+def test_a_piece_packed_as_its_request_ends_is_dropped_not_counted_forever():
+    """The engine thread packs a piece while the event loop ends its request: counted and then
+    settled by forget(), or dropped; never left in the bound's count (which would hold every
+    later prompt once enough such races piled up)."""
+    from baton.prefill_service.core import PrefillHandoff
+    handoff = PrefillHandoff()
+    handoff.loop = asyncio.new_event_loop()
+    try:
+        piece = KVPiece("r", 0, 1, torch.zeros(64, dtype=torch.uint8))
+        handoff.open("r")
+        handoff.on_prompt_kv(piece)
+        assert handoff.unsent_bytes == 64
+        handoff.forget("r")
+        assert handoff.unsent_bytes == 0
+        handoff.on_prompt_kv(piece)                 # packed after its request ended
+        assert handoff.unsent_bytes == 0 and not handoff.unsent and "r" in handoff.dropped
+    finally:
+        handoff.loop.close()
 
 
 # -- both services in one process, over the in-memory backend ---------------------------------
