@@ -2,11 +2,11 @@
 engine, and how a request whose KV is computed elsewhere reserves blocks in a decode engine
 and joins its running batch.
 
-The services implement `KVHandoff`; the engine calls it on its own thread. The services
-call the engine only through its named methods (`add_request(..., hand_off_kv=True)`,
-`reserve`, `abort`), never its internals. Every handed-off request has a `KVTicket`, an
-explicit state machine saying who owns the request's KV, so that each block is freed
-exactly once whatever ends the request, and whenever:
+The services implement `KVHandoff`; the engine calls it on its own thread, through its
+`KVExchange` (engine/kv_exchange.py). The services call the engine only through its named
+methods (`add_request(..., hand_off_kv=True)`, `reserve`, `abort`), never its internals. Every
+handed-off request has a `KVTicket`, an explicit state machine saying who owns the request's
+KV, so that each block is freed exactly once whatever ends the request, and whenever:
 
     prefill side   QUEUED -> PREFILLING -> PREFILLED -> SENT
                      |           |             '-> FAILED        (the peer never confirmed)

@@ -3,39 +3,36 @@
 One instance per process; the services drive it from a dedicated thread, the offline `LLM`
 drives it in a loop. All user input is validated here, before anything is queued, so a bad
 request never changes engine state. Disaggregated serving goes through one seam,
-`KVHandoff` (engine/kv_handoff.py): a prefill engine hands each handed-off request's prompt
-KV to it as pieces; a decode engine reserves blocks for a request whose KV comes from
-elsewhere and joins it once the hook says it landed.
+`KVHandoff` (engine/kv_handoff.py), which the engine's `KVExchange` (engine/kv_exchange.py)
+drives: a prefill engine hands each handed-off request's prompt KV to it as pieces; a decode
+engine reserves blocks for a request whose KV comes from elsewhere and joins it once the hook
+says it landed.
 """
 from __future__ import annotations
 
 import gc
 import itertools
-import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from baton.engine.config import EngineConfig
-from baton.engine.kv_handoff import InPlace, KVHandoff, KVPiece, KVState, KVTicket
+from baton.engine.kv_exchange import KVExchange, KVSpec
+from baton.engine.kv_handoff import KVHandoff, KVState, KVTicket
 from baton.engine.output_processor import RequestOutput, RequestState
 from baton.engine.requests.limits import ModelLimits
-from baton.engine.requests.logprobs import decode as decode_logprobs
-from baton.engine.requests.logprobs import encode as encode_logprobs
 from baton.engine.requests.sampling_params import SamplingParams, sampling_defaults
 from baton.engine.requests.structured_output import StructuredOutputs
 from baton.engine.requests.tokenizer import encode_text, eos_token_ids, load_tokenizer
 from baton.engine.runner.model_runner import ModelRunner
 from baton.engine.runner.step import LaunchedStep
 from baton.engine.scheduling.block_manager import BlockManager
-from baton.engine.scheduling.multimodal import POSITION_OFFSET_META, MultimodalPrompt
+from baton.engine.scheduling.multimodal import MultimodalPrompt
 from baton.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from baton.engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
-from baton.engine.speculation.speculative import HEAD_STATE_META, Speculator, accept
+from baton.engine.speculation.speculative import Speculator
 from baton.engine.step_clock import CostModel, StepClock
 from baton.models.multimodal import ImageInput, ImagePlaceholders
-
-log = logging.getLogger("baton.engine")
 
 
 def freeze_startup_objects() -> None:
@@ -62,16 +59,6 @@ class EngineStats:
     spec_accepted_lengths: tuple[int, ...] = ()   # verified sequence-steps by guesses kept (index 0..k)
 
 
-@dataclass(frozen=True, slots=True)
-class KVSpec:
-    dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    kv_scales: str = ""                # a float8 cache's scales, as a checksum (engine/runner/kv_scales.py); "" = none
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None,
                  handoff: KVHandoff | None = None):
@@ -93,13 +80,13 @@ class LLMEngine:
                             self.config.scheduling_policy),
             self.block_manager, set(self.eos_token_ids))
         self.states: dict[str, RequestState] = {}
-        self.held: dict[str, list[int]] = {}        # abort(hold_as=key): blocks kept out of the pool until released
         # streaming text costs two tokenizer calls per token per request (5 ms a step at batch
         # 256 on an H100 host); the offline API turns it off and decodes each output once
         self.stream_text = True
-        self.handoff = handoff or KVHandoff()     # the services' hook; the base class hands nothing off
-        self.scheduler.may_admit = lambda: self.handoff.may_admit()
         self.placeholders = ImagePlaceholders.from_config(self.source.hf_config)   # None: a text-only model
+        self.kv = KVExchange(self.runner, self.block_manager, self.scheduler, self.placeholders,
+                             handoff or KVHandoff())
+        self.scheduler.may_admit = lambda: self.handoff.may_admit()
         # asynchronous scheduling: on accelerators by default (the CPU gains nothing: its kernels
         # run on the host); one rank only, since other tensor-parallel ranks don't sample
         auto = self.runner.device.type != "cpu" and self.config.tp_size == 1
@@ -144,11 +131,8 @@ class LLMEngine:
         self.validate(token_ids, params)
         mm = self._multimodal(token_ids, list(images))
         request_id = request_id or self.new_request_id()
-        if request_id in self.states:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, token_ids, params, self.max_model_len, arrival=time.monotonic())
+        seq = self._new_sequence(request_id, token_ids, params)
         seq.mm = mm
-        self._constrain(seq)
         if hand_off_kv:
             seq.kv_ticket = KVTicket(request_id, "prefill")
         self.scheduler.add(seq)
@@ -160,46 +144,39 @@ class LLMEngine:
         self._multimodal(token_ids, images)
 
     def _multimodal(self, token_ids: list[int], images: list[ImageInput]) -> MultimodalPrompt | None:
-        """The prompt's images and MRoPE positions (None: a text prompt); ValueError when the
-        placeholders and the images disagree or the model takes no images."""
-        ph = self.placeholders
-        if ph is None:
-            if images:
-                raise ValueError(f"model {self.source.name} takes no images; send text only")
-            return None
-        if not images and ph.image_token_id not in token_ids:
-            return None
-        return MultimodalPrompt.for_prompt(token_ids, images, ph)
+        return MultimodalPrompt.of(token_ids, images, self.placeholders, self.source.name)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> KVTicket:
         """Decode side: blocks for a request whose prompt KV another worker computes (KVCacheFull
         if they are not free). It joins the running batch once the hook reports its KV landed;
         `abort` frees the blocks in any state before that."""
         self.validate(prompt_token_ids, params)
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        ticket = self.kv.reserve(seq)
+        self.states[request_id] = RequestState(seq, self._detokenizer_for(params))
+        return ticket
+
+    def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Sequence:
+        """A new sequence, and a structured-output request's matcher (ValueError: the id is in use, or
+        a bad spec). Its output starts after the prompt, or at a resumed request's earlier output,
+        which the matcher reads first; a decode worker's reads the prefill worker's first token too
+        (structured_output.GrammarState)."""
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, prompt_token_ids, params, self.max_model_len, arrival=time.monotonic())
-        self._constrain(seq)
-        # fresh blocks only (no prefix match): a backend may write the KV straight into them, so
-        # none may be shared with another sequence until the join
-        self.block_manager.allocate(seq, seq.num_prompt_tokens)
-        seq.status = SequenceStatus.AWAITING_KV
-        seq.kv_ticket = KVTicket(request_id, "decode")
-        seq.kv_ticket.block_ids = tuple(seq.block_table)
-        self.states[request_id] = RequestState(seq, self._detokenizer_for(params))
-        return seq.kv_ticket
-
-    def _constrain(self, seq: Sequence) -> None:
-        """A structured-output request's matcher (ValueError for a bad spec). Its output starts after
-        the prompt, or at a resumed request's earlier output, which the matcher reads first; a decode
-        worker's reads the prefill worker's first token too (structured_output.GrammarState)."""
+        seq = Sequence(request_id, token_ids, params, self.max_model_len, arrival=time.monotonic())
         spec = seq.params.structured
         if spec is not None:
             seq.grammar = self.structured.state(spec, seq.num_prompt_tokens - seq.params.prior_output_tokens)
+        return seq
 
     def kv_ticket(self, request_id: str) -> KVTicket | None:
+        seq = self.sequence(request_id)
+        return seq.kv_ticket if seq is not None else None
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        """The request's sequence; None: unknown here (never added, finished or aborted)."""
         state = self.states.get(request_id)
-        return state.seq.kv_ticket if state is not None else None
+        return state.seq if state is not None else None
 
     def abort(self, request_id: str, hold_as: str | None = None) -> RequestOutput | None:
         """End a request in whatever state it is; its blocks are freed (once). None: unknown here.
@@ -212,7 +189,7 @@ class LLMEngine:
         if seq.status is SequenceStatus.AWAITING_KV:
             seq.status = SequenceStatus.WAITING      # nowhere in the scheduler's queues: finish frees it
             if hold_as is not None:
-                self.held[hold_as], seq.block_table = seq.block_table, []
+                self.kv.hold(hold_as, seq)
         self.scheduler.abort(seq)
         if seq.kv_ticket is not None and not seq.kv_ticket.try_advance(KVState.FREED):
             seq.kv_ticket.try_advance(KVState.FINISHED)
@@ -220,9 +197,7 @@ class LLMEngine:
 
     def release_held(self, key: str) -> int:
         """Free the blocks `abort(..., hold_as=key)` held (once; 0 when none are held under key)."""
-        blocks = self.held.pop(key, [])
-        self.block_manager.free_blocks(blocks)
-        return len(blocks)
+        return self.kv.release_held(key)
 
     def _detokenizer_for(self, params: SamplingParams):
         """The tokenizer when the request's text is needed while it runs, else None."""
@@ -238,6 +213,15 @@ class LLMEngine:
         return self.scheduler.has_work or self.in_flight is not None or self.handoff.has_landed()
 
     @property
+    def handoff(self) -> KVHandoff:
+        """The services' hook the KV goes through (engine/kv_handoff.py); the base class hands nothing off."""
+        return self.kv.handoff
+
+    @handoff.setter
+    def handoff(self, hook: KVHandoff) -> None:
+        self.kv.handoff = hook
+
+    @property
     def platform(self):
         """The device platform (streams, events) the KV transports share with the engine."""
         return self.runner.platform
@@ -245,10 +229,7 @@ class LLMEngine:
     @property
     def kv_spec(self) -> KVSpec:
         """The paged cache's shape, what a KV transfer's two ends must agree on."""
-        m = self.runner.model
-        return KVSpec(str(self.runner.kv_dtype).removeprefix("torch."), self.config.block_size,
-                      self.runner.num_cache_layers,
-                      m.num_kv_heads, m.head_dim, self.runner.kv_scales_checksum)
+        return self.kv.spec
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -257,7 +238,7 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), awaiting, bm.num_blocks,
                            bm.num_free_blocks,
                            *((spec.proposed, spec.accepted, sum(spec.accepted_lengths)) if spec else ()),
-                           kv_blocks_held=sum(map(len, list(self.held.values()))),
+                           kv_blocks_held=self.kv.num_held_blocks,
                            spec_accepted_lengths=tuple(spec.accepted_lengths) if spec else ())
 
     # -- stepping ---------------------------------------------------------------------------
@@ -278,7 +259,7 @@ class LLMEngine:
             self.clock.end()
 
     def _step(self, started: float) -> list[RequestOutput]:
-        outputs = self._join_landed()
+        outputs = self.kv.join_landed(self)
         t0 = time.perf_counter()
         prev, out, settled = self.in_flight, None, None
         guessing = self._speculating()
@@ -306,8 +287,7 @@ class LLMEngine:
         launched = self.runner.launch(out, prev)
         launched.slots = self.scheduler.advance(out, ahead=self.guesses_ahead)
         if self.speculator is not None:
-            self.speculator.clock += 1
-            self.speculator.stats.ahead += prev is not None and _verifies_ahead(launched)
+            self.speculator.launched(out.scheduled, past_in_flight=prev is not None)
         if launched.deferred is not None:     # structured output: masks from every token before this step's
             # (`prev`'s are the first thing back), filled on a thread while this thread resolves `prev` and
             # schedules and builds the next step; its sampling is queued when the next step is launched or
@@ -330,8 +310,8 @@ class LLMEngine:
     def _fail_unrecomputable(self, preempted: list[Sequence]) -> list[RequestOutput]:
         """A preempted sequence is recomputed from its tokens later; one whose images stayed on
         the prefill worker cannot be, so it ends now, with an error, rather than run without them."""
-        return [self._fail(seq.request_id, "preempted for KV space, and its images are not on this worker "
-                                           "to recompute its prompt; retry the request")
+        return [self.fail_request(seq.request_id, "preempted for KV space, and its images are not on this "
+                                                  "worker to recompute its prompt; retry the request")
                 for seq in preempted if seq.mm is not None and not seq.mm.images_available]
 
     def _speculating(self) -> bool:
@@ -369,136 +349,38 @@ class LLMEngine:
         else:
             sampled = launched.tokens()
         if launched.step_logprobs is not None:      # (requests with logprobs never guess: one row each)
-            _record_logprobs(launched, sampled)
+            launched.record_logprobs(sampled)
         if verified:
-            kept = []
-            for item, tokens in zip(launched.out.scheduled, drawn, strict=True):
-                if tokens is not None and item.draft and item.epoch == item.seq.spec_epoch \
-                        and not item.seq.is_finished:               # (a void item's tokens are dropped)
-                    tokens = accept(item.draft, tokens)
-                    self.speculator.verified(item.seq, len(item.draft), len(tokens) - 1)
-                    self.speculator.stats.rolled_back += item.ahead and len(tokens) <= len(item.draft)
-                kept.append(tokens)
-            self.speculator.stats.steps += 1
+            kept = self.speculator.keep(launched.out.scheduled, drawn)
             sampled = [tokens[-1] if tokens else None for tokens in kept]
-        if self.runner.drafts is not None:
-            self._keep_head_states(launched, kept if verified else None)
-        failed = self._hand_off_kv(launched.out, sampled)   # before resolve frees a finished prefill's blocks
+        if self.runner.drafts is not None:      # a draft head's state at each sequence's last kept token
+            self.runner.drafts.keep_last_states(launched, kept if verified else None)
+        failed = self.kv.hand_off(launched.out, sampled)   # before resolve frees a finished prefill's blocks
         if verified:
             self.scheduler.resolve_many(launched.out, launched.slots, kept)
         else:
             self.scheduler.resolve(launched.out, launched.slots, sampled)
         return launched, sampled, failed
 
-    def _keep_head_states(self, launched: LaunchedStep, kept: list[list[int] | None] | None) -> None:
-        """A draft head's output at each sampling sequence's last kept token (engine/runner/draft_head.py):
-        its first sampled row, plus the guesses it kept."""
-        if launched.head_hidden is None:         # its pass wrote only the head's KV (a batch too large to draft)
-            self.runner.drafts.drop_states(launched.out.scheduled)
-            return
-        first: dict[int, int] = {}
-        for m, item in enumerate(launched.rows):
-            first.setdefault(item, m)
-        picks = [(launched.out.scheduled[item].seq, m + (len(kept[item]) - 1 if kept is not None else 0))
-                 for item, m in first.items()]
-        self.runner.drafts.keep_states(launched, picks)
-
     def _emit_settled(self, launched: LaunchedStep, sampled: list[int | None],
                       failed: dict[str, str]) -> list[RequestOutput]:
-        outputs = [self._emit(item.seq.request_id) for item, token in zip(launched.out.scheduled, sampled, strict=True)
-                   if token is not None and item.seq.request_id not in failed and item.seq.request_id in self.states
-                   and self.states[item.seq.request_id].seq is item.seq]
-        return outputs + [self._fail(rid, why) for rid, why in failed.items()]
+        outputs = [self.take_output(item.seq.request_id)
+                   for item, token in zip(launched.out.scheduled, sampled, strict=True)
+                   if token is not None and item.seq.request_id not in failed
+                   and self.sequence(item.seq.request_id) is item.seq]
+        return outputs + [self.fail_request(rid, why) for rid, why in failed.items()]
 
-    def _hand_off_kv(self, out, sampled: list[int | None]) -> dict[str, str]:
-        """Pack the prompt blocks this step made final, for every handed-off request: the full
-        ones its prefill has covered, and the last, partial one once the prompt is done, with
-        the token sampled after it. Returns the requests whose hook failed (and why)."""
-        bs = self.block_manager.block_size
-        failed: dict[str, str] = {}
-        for item, token in zip(out.scheduled, sampled, strict=True):
-            seq = item.seq
-            ticket = seq.kv_ticket
-            if ticket is None or ticket.side != "prefill" or ticket.done:
-                continue
-            done = min(seq.num_computed_tokens, seq.num_prompt_tokens)      # (the step is counted in)
-            last = done == seq.num_prompt_tokens
-            final = -(-done // bs) if last else done // bs
-            if final <= seq.num_blocks_handed_off:
-                continue
-            first, seq.num_blocks_handed_off = seq.num_blocks_handed_off, final
-            try:
-                self._hand_off_piece(seq, ticket, first, final, token if last else None)
-            except Exception as exc:
-                log.exception("the KV hand-off of request %s failed", seq.request_id)
-                failed[seq.request_id] = f"its KV could not be handed off: {exc!r}"
-        return failed
-
-    def _hand_off_piece(self, seq: Sequence, ticket: KVTicket, first: int, final: int, token: int | None) -> None:
-        data, ready = self.runner.pack_kv(seq.block_table[first:final])
-        meta = {}
-        if token is not None:
-            meta = {"prefill_done_unix": repr(time.time()), "cached_tokens": str(seq.num_cached_tokens)}
-            if seq.mm is not None and seq.mm.position_offset:      # generated tokens' rotary shift
-                meta[POSITION_OFFSET_META] = str(seq.mm.position_offset)
-            meta.update(_logprobs_meta(seq))
-            if seq.spec_hidden is not None:       # a draft head's last state: the decode side drafts from it
-                meta[HEAD_STATE_META] = self.runner.drafts.encode_state(seq.spec_hidden)
-        self.handoff.on_prompt_kv(KVPiece(seq.request_id, first, final - first, data, ready, token, meta))
-        state = KVState.PREFILLED if token is not None else KVState.PREFILLING
-        if ticket.state is not state:           # (pieces after the first leave it PREFILLING)
-            ticket.advance(state)
-
-    def _join_landed(self) -> list[RequestOutput]:
-        """Decode side: copy every landed payload into its request's reserved blocks (unless a
-        backend wrote it there: InPlace) and run the request from the next step on; its first
-        token is emitted now."""
-        outputs = []
-        for ticket in self.handoff.take_landed():
-            state = self.states.get(ticket.request_id)
-            if state is None or state.seq.kv_ticket is not ticket or ticket.state is not KVState.LANDED:
-                continue                              # aborted meanwhile: its blocks are free already
-            try:
-                if not isinstance(ticket.payload, InPlace):
-                    self.runner.write_kv(state.seq.block_table, ticket.payload)
-                elif tuple(ticket.payload.block_ids) != tuple(state.seq.block_table):
-                    raise ValueError(f"the KV was written into blocks {list(ticket.payload.block_ids)[:8]}..., "
-                                     f"not the request's {state.seq.block_table[:8]}...")
-            except Exception as exc:
-                log.warning("request %s: the landed KV could not be joined: %s", ticket.request_id, exc)
-                outputs.append(self._fail(ticket.request_id, f"could not join the transferred KV: {exc}"))
-                continue
-            outputs.append(self._join(state.seq, ticket))
-        return outputs
-
-    def _join(self, seq: Sequence, ticket: KVTicket) -> RequestOutput:
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.num_cached_tokens = int(ticket.meta.get("cached_tokens") or 0)   # the prefill's prefix-cache hit
-        if self.placeholders is not None:     # images were encoded on the prefill side: only the offset comes
-            seq.mm = MultimodalPrompt.remote(seq.token_ids, self.placeholders.image_token_id,
-                                             int(ticket.meta.get(POSITION_OFFSET_META) or 0))
-        seq.append_token(ticket.first_token)
-        _join_logprobs(seq, ticket.meta)
-        if self.runner.drafts is not None and HEAD_STATE_META in ticket.meta:
-            seq.spec_hidden = self.runner.drafts.decode_state(ticket.meta[HEAD_STATE_META])
-        self.block_manager.register_full_blocks(seq)
-        ticket.joined_at = time.time()
-        ticket.advance(KVState.JOINED)
-        self.scheduler.add_running(seq)
-        reason = self.scheduler.stop_reason(seq, ticket.first_token)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-        return self._emit(seq.request_id)
-
-    def _fail(self, request_id: str, why: str) -> RequestOutput:
-        """End a request whose KV hand-off failed: freed like an abort, its output carries `why`."""
+    def fail_request(self, request_id: str, why: str) -> RequestOutput:
+        """End a request that cannot go on (its KV hand-off failed, ...): freed like an abort, its
+        output carries `why`."""
         out = self.abort(request_id)
         if out is None:
             out = RequestOutput(request_id, [], "", finished=True, finish_reason="abort")
         out.error = why
         return out
 
-    def _emit(self, request_id: str) -> RequestOutput:
+    def take_output(self, request_id: str) -> RequestOutput:
+        """The request's output since the last one; a finished request is forgotten here."""
         state = self.states[request_id]
         result = state.update()
         if result.finished and not state.seq.is_finished:      # a stop string matched
@@ -509,46 +391,3 @@ class LLMEngine:
             if ticket is not None and ticket.state is KVState.JOINED:
                 ticket.advance(KVState.FINISHED)
         return result
-
-
-def _verifies_ahead(launched: LaunchedStep) -> bool:
-    """A step verifying guesses that went in as tokens (scheduled past as if all held)."""
-    return any(item.ahead for item in launched.out.scheduled)
-
-
-# -- logprobs (engine/requests/logprobs.py) ----------------------------------------------------------------
-FIRST_LOGPROBS_META, PROMPT_LOGPROBS_META = "first_logprobs", "prompt_logprobs"
-
-
-def _record_logprobs(launched: LaunchedStep, sampled: list[int | None]) -> None:
-    """Keep the step's logprob records on their sequences, by token index."""
-    scheduled = launched.out.scheduled
-    for item, entry in enumerate(launched.token_logprobs(sampled)):
-        slot = launched.slots[item]
-        if entry is not None and slot is not None:
-            seq = scheduled[item].seq
-            seq.logprobs = seq.logprobs or {}
-            seq.logprobs[slot] = entry
-    for item, first, entries in launched.prompt_logprobs():
-        seq = scheduled[item].seq
-        seq.prompt_logprobs = seq.prompt_logprobs or {}
-        seq.prompt_logprobs.update(enumerate(entries, first))
-
-
-def _logprobs_meta(seq: Sequence) -> dict[str, str]:
-    """Prefill side: the first token's and the prompt's records go with the KV hand-off."""
-    meta = {}
-    if seq.params.logprobs is not None:
-        meta[FIRST_LOGPROBS_META] = encode_logprobs([(seq.logprobs or {}).get(seq.num_prompt_tokens)])
-    if seq.params.prompt_logprobs is not None:
-        records = seq.prompt_logprobs or {}
-        meta[PROMPT_LOGPROBS_META] = encode_logprobs([records.get(i) for i in range(seq.num_prompt_tokens)])
-    return meta
-
-
-def _join_logprobs(seq: Sequence, meta: dict[str, str]) -> None:
-    """Decode side: the records that came with the KV."""
-    if FIRST_LOGPROBS_META in meta:
-        seq.logprobs = {seq.num_prompt_tokens: decode_logprobs(meta[FIRST_LOGPROBS_META])[0]}
-    if PROMPT_LOGPROBS_META in meta:
-        seq.prompt_logprobs = dict(enumerate(decode_logprobs(meta[PROMPT_LOGPROBS_META])))

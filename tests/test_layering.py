@@ -162,18 +162,19 @@ def test_no_product_file_is_over_700_lines():
     assert not long, f"split these by idea: {long}"
 
 
-MAX_RUNNER_FILE_LINES = 400
+MAX_PART_FILE_LINES = 400
 
 
-def test_the_runners_parts_stay_small_and_use_no_other_objects_privates():
-    """The model runner is split by concept (engine/runner/: the runner composes the parts, each with
-    a narrow interface). Each part is under MAX_RUNNER_FILE_LINES, and reads `_names` only of
-    `self`/`cls`: a helper that needs something of another object gets a public name for it."""
+def test_the_engines_parts_stay_small_and_use_no_other_objects_privates():
+    """The engine and its model runner are split by concept (engine/: the engine composes its KV
+    exchange, kv_exchange.py; engine/runner/: the runner composes the parts), each part with a narrow
+    interface. Each is under MAX_PART_FILE_LINES, and reads `_names` only of `self`/`cls`: a helper
+    that needs something of another object gets a public name for it."""
     long, reaching = {}, []
-    for path in sorted((REPO / "engine" / "runner").glob("*.py")):
+    for path in sorted([*(REPO / "engine").glob("*.py"), *(REPO / "engine" / "runner").glob("*.py")]):
         name = str(path.relative_to(REPO))
         text = path.read_text()
-        if len(text.splitlines()) > MAX_RUNNER_FILE_LINES:
+        if len(text.splitlines()) > MAX_PART_FILE_LINES:
             long[name] = len(text.splitlines())
         for node in ast.walk(ast.parse(text)):
             private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")

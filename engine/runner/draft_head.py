@@ -149,6 +149,20 @@ class DraftHead:
         for i, (seq, _) in enumerate(picks):
             seq.spec_hidden = (kept, i)
 
+    def keep_last_states(self, launched, kept: list[list[int] | None] | None) -> None:
+        """After a step, each sampling sequence keeps the head's output at its last kept token: its
+        first sampled row, plus the guesses it kept (`kept`: each item's tokens of a verifying step;
+        None: a plain step)."""
+        if launched.head_hidden is None:         # its pass wrote only the head's KV (a batch too large to draft)
+            self.drop_states(launched.out.scheduled)
+            return
+        first: dict[int, int] = {}
+        for m, item in enumerate(launched.rows):
+            first.setdefault(item, m)
+        picks = [(launched.out.scheduled[item].seq, m + (len(kept[item]) - 1 if kept is not None else 0))
+                 for item, m in first.items()]
+        self.keep_states(launched, picks)
+
     @staticmethod
     def drop_states(items) -> None:
         """After a pass that wrote only the head's KV its sequences' states are stale: each guesses

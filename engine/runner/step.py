@@ -160,6 +160,20 @@ class LaunchedStep:
         """[(scheduled item, token index of the first, records)] of the prompt tokens this step scored."""
         return prompt_to_host(self.step_logprobs) if self.step_logprobs is not None else []
 
+    def record_logprobs(self, tokens: list[int | None]) -> None:
+        """Keep the step's logprob records on their sequences, by token index (after `tokens()`)."""
+        scheduled = self.out.scheduled
+        for item, entry in enumerate(self.token_logprobs(tokens)):
+            slot = self.slots[item]
+            if entry is not None and slot is not None:
+                seq = scheduled[item].seq
+                seq.logprobs = seq.logprobs or {}
+                seq.logprobs[slot] = entry
+        for item, first, entries in self.prompt_logprobs():
+            seq = scheduled[item].seq
+            seq.prompt_logprobs = seq.prompt_logprobs or {}
+            seq.prompt_logprobs.update(enumerate(entries, first))
+
     def row_of(self) -> dict[int, int]:
         """seq_id -> its row among the sampled tokens."""
         return {self.seq_ids[item]: k for k, item in enumerate(self.rows)}

@@ -30,6 +30,19 @@ class MultimodalPrompt:
     encoded: object = None                       # the vision encoder's output, on the device, while needed
 
     @classmethod
+    def of(cls, token_ids: list[int], images: list[ImageInput], placeholders: ImagePlaceholders | None,
+           model: str) -> MultimodalPrompt | None:
+        """A prompt's images and MRoPE positions (None: a text prompt); ValueError when the placeholders
+        and the images disagree or the model takes no images (`placeholders` None)."""
+        if placeholders is None:
+            if images:
+                raise ValueError(f"model {model} takes no images; send text only")
+            return None
+        if not images and placeholders.image_token_id not in token_ids:
+            return None
+        return cls.for_prompt(token_ids, images, placeholders)
+
+    @classmethod
     def for_prompt(cls, token_ids: list[int], images: list[ImageInput],
                    placeholders: ImagePlaceholders) -> MultimodalPrompt:
         """Prefill side: validates pads vs images (ValueError) and computes the positions."""

@@ -37,9 +37,13 @@ Proposers:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from baton.engine.config import SPECULATIVE_METHODS as METHODS
 from baton.engine.scheduling.sequence import PENDING, Sequence
+
+if TYPE_CHECKING:
+    from baton.engine.scheduling.scheduler import ScheduledSeq
 
 HEAD_STATE_META = "eagle3_hidden"       # KV hand-off metadata: a draft head's last state (engine/runner/draft_head.py)
 
@@ -259,6 +263,26 @@ class Speculator:
             seq.spec_misses = 0
         else:
             self._back_off(seq)
+
+    def launched(self, scheduled: list[ScheduledSeq], past_in_flight: bool) -> None:
+        """A step was queued on the device (backing off counts them); `past_in_flight`: before the step
+        before it was back, which counts it as verifying ahead if its guesses went in as tokens."""
+        self.clock += 1
+        self.stats.ahead += past_in_flight and any(item.ahead for item in scheduled)
+
+    def keep(self, scheduled: list[ScheduledSeq], drawn: list[list[int] | None]) -> list[list[int] | None]:
+        """A verifying step's tokens, back: an item with guesses keeps them up to the first the model
+        disagreed with, and the token sampled there (`accept`); a void item's (a new epoch, or
+        finished meanwhile) pass as drawn, and the scheduler drops them."""
+        kept = []
+        for item, tokens in zip(scheduled, drawn, strict=True):
+            if tokens is not None and item.draft and item.epoch == item.seq.spec_epoch and not item.seq.is_finished:
+                tokens = accept(item.draft, tokens)
+                self.verified(item.seq, len(item.draft), len(tokens) - 1)
+                self.stats.rolled_back += item.ahead and len(tokens) <= len(item.draft)
+            kept.append(tokens)
+        self.stats.steps += 1
+        return kept
 
     def _back_off(self, seq: Sequence) -> None:
         seq.spec_misses += 1
