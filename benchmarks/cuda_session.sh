@@ -61,6 +61,8 @@
 # as a bracket. One call's files: gpu.txt, plan/profile JSON, g2-$G_TAG.json, g2-$G_TAG.tgz (plots, logs).
 #   STEPS="plan goodput" G_DATASETS=prefill-heavy G_TOPOLOGIES=auto bash benchmarks/cuda_session.sh
 #   STEPS=goodput G_DATASETS=mixed G_TOPOLOGIES=4colocated,3p1d G_TAG=-mixed bash benchmarks/cuda_session.sh
+# On two GPUs (nvidia-h200-x2): G_NDEV=2 G_DEVICES=cuda:0,cuda:1 G_TOPOLOGIES=2colocated,1p1d (or auto with a
+# plan made for two devices).
 set -uo pipefail
 SESSION_START=$(date +%s)
 export PYTHONUNBUFFERED=1 BATON_TOKENIZER="$PWD/.carry/tokenizer"
@@ -242,7 +244,7 @@ runpy.run_module('baton', run_name='__main__')" bench offline --model $m --devic
                 | tee "$OUT/b2-$ds${B2_TAG:-}.log" | grep "^\[bench\]" | tail -30
             done ;;
     plan)   mkdir -p bench-results/g2     # one profile + prediction; later calls of a warm machine reuse both
-            timeout ${PLAN_TIMEOUT:-240} python3 -m baton plan --model ${G_MODEL:-qwen3-8b} --devices 4 --device cuda:0 \
+            timeout ${PLAN_TIMEOUT:-240} python3 -m baton plan --model ${G_MODEL:-qwen3-8b} --devices ${G_NDEV:-4} --device cuda:0 \
               --dataset ${G_PLAN_DATASETS:-prefill-heavy,decode-heavy,mixed} --input-len "$G_IN" --output-len "$G_OUTL" \
               --slo-ttft-ms ${G_TTFT:-1000} --slo-tpot-ms ${G_TPOT:-25,15} --worker-args="${G_WORKER_ARGS:-}" \
               --probe-seconds $G_PROBE_S --probe-lifetimes $G_LIFETIMES --profile bench-results/g2/profile-${G_MODEL:-qwen3-8b}.json \
@@ -255,7 +257,7 @@ runpy.run_module('baton', run_name='__main__')" bench offline --model $m --devic
             echo "goodput: ${left}s left for launches and probes; plan: ${plan:-none}"
             [ "$left" -lt 90 ] && { echo "goodput: too little of G_CALL_S left; run it in a call of its own"; continue; }
             timeout $(( left + 60 )) python3 -m baton bench serve --goodput --model ${G_MODEL:-qwen3-8b} \
-              --topologies ${G_TOPOLOGIES:-auto} --devices cuda:0,cuda:1,cuda:2,cuda:3 --kv-backend ${G_KV:-direct} \
+              --topologies ${G_TOPOLOGIES:-auto} --devices ${G_DEVICES:-cuda:0,cuda:1,cuda:2,cuda:3} --kv-backend ${G_KV:-direct} \
               --dataset ${G_DATASETS:-prefill-heavy,decode-heavy,mixed} --input-len "$G_IN" --output-len "$G_OUTL" \
               --slo-ttft-ms ${G_TTFT:-1000} --slo-tpot-ms ${G_TPOT:-25,15} --worker-args="${G_WORKER_ARGS:-}" \
               ${plan:+--plan $plan} --probe-seconds $G_PROBE_S --probe-lifetimes $G_LIFETIMES --time-budget-s $left \
