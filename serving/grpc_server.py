@@ -169,7 +169,15 @@ async def _abort_with(context, exc: Exception) -> None:
     retry_after = getattr(exc, "retry_after", None)
     if retry_after is not None:
         context.set_trailing_metadata(((RETRY_AFTER_KEY, str(max(1, int(retry_after * 1000)))),))
-    await context.abort(code, msg)
+    try:
+        await context.abort(code, msg)
+    except grpc.aio.AbortError:
+        raise
+    except Exception as err:
+        # The call ended under us (the client cancelled, or its deadline passed as we answered):
+        # nobody is left to tell, and grpc would log the failed send with a traceback.
+        log.debug("%s could not be answered (%s: %s): the call had ended", code.name, type(err).__name__, err)
+        raise asyncio.CancelledError from err
 
 
 def _log_unexpected(code: grpc.StatusCode, exc: Exception) -> None:
