@@ -129,7 +129,7 @@ def time_steps(tokens: int, inputs, configs, rounds: int = 2) -> list[tuple]:
 
 def bench_tokens(tokens: int, layers, copy_bw: float, rate: float) -> list[dict]:
     from baton.engine.platforms.base import LayerOps
-    from baton.engine.platforms.triton_kernels import moe
+    from baton.engine.platforms.triton_kernels import moe, moe_routing
     from baton.engine.platforms.triton_kernels.moe_align import align_by_expert
     inputs, hit, floor = make_inputs(tokens, layers, copy_bw, rate)
     rows = []
@@ -142,7 +142,7 @@ def bench_tokens(tokens: int, layers, copy_bw: float, rate: float) -> list[dict]
               f"{' / '.join(f'{t * 1e3:.1f}' for t in times)} us  floor {floor * 1e6:7.1f} us "
               f"({rows[-1]['of_floor']:.2f})  hit {hit:.1f}  err {err:.1e}", file=sys.stderr, flush=True)
     bm = moe.pick_tiles(tokens * K, E, H, INTER, torch.bfloat16).block_m
-    aligns = [("align", moe.align), ("one_program", moe._align_one_program), ("chunked", moe._align_chunked),
+    aligns = [("align", moe.align), ("one_program", moe_routing._align_one_program), ("chunked", moe_routing._align_chunked),
               ("torch", align_by_expert)]
     times = {name: graph_ms([lambda i=i, f=f: f(i[3], E, bm) for i in inputs]) * 1e3
              for name, f in aligns if name != "one_program" or tokens * K <= 4096}

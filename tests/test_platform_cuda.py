@@ -574,11 +574,11 @@ def moe_inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int, d
 @pytest.mark.parametrize("shape", [(1, 16, 4, True), (37, 128, 8, True), (300, 60, 6, True), (5, 8, 3, False)],
                          ids=lambda s: "T{}-E{}-k{}-{}".format(*s))
 def test_moe_routing_in_one_kernel_picks_what_torch_picks(shape):
-    """The CUDA platform's gating (moe.route: softmax, top-k and renormalisation in one program a
+    """The CUDA platform's gating (moe_routing.route: softmax, top-k and renormalisation in one program a
     token) against the base ops' torch gating on the same logits (float32: no ties, whose order torch
     leaves open): the same experts in the same order, weights within float32 rounding; a graph replay
     on new logits gives eager's."""
-    from baton.engine.platforms.triton_kernels import moe
+    from baton.engine.platforms.triton_kernels import moe_routing
     t, e, k, renormalize = shape
     g = torch.Generator().manual_seed(t)
     logits = (torch.randn(t, e, generator=g) * 3).to(DEV)
@@ -588,11 +588,11 @@ def test_moe_routing_in_one_kernel_picks_what_torch_picks(shape):
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32 and ids.shape == (t, k)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
-    graph, (g_ids, g_weights) = cuda_platform().capture_graph(lambda: moe.route(logits, k, renormalize))
+    graph, (g_ids, g_weights) = cuda_platform().capture_graph(lambda: moe_routing.route(logits, k, renormalize))
     logits.copy_((torch.randn(t, e, generator=g) * 3).to(DEV))
     graph.replay()
     torch.cuda.synchronize()
-    e_ids, e_weights = moe.route(logits, k, renormalize)
+    e_ids, e_weights = moe_routing.route(logits, k, renormalize)
     assert torch.equal(g_ids, e_ids) and torch.equal(g_weights, e_weights)
 
 
@@ -619,8 +619,8 @@ def test_fused_moe_experts_match_the_base_ops(dtype, case):
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 128, 8, 16), (64, 128, 8, 16), (300, 8, 2, 64),
                                                          (100, 128, 8, 16)])
 def test_moe_one_program_alignment_equals_the_torch_alignment(tokens, experts, top_k, block_m):
-    from baton.engine.platforms.triton_kernels.moe import _align_one_program
     from baton.engine.platforms.triton_kernels.moe_align import align_by_expert
+    from baton.engine.platforms.triton_kernels.moe_routing import _align_one_program
     g = torch.Generator().manual_seed(tokens)
     ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices.to(DEV)
     ids[: tokens // 2, 0] = 1                                       # one crowded expert

@@ -65,10 +65,10 @@ class TritonLayerOps(LayerOps):
     moe_invariant = False      # False: tiles by rows per expert; deterministic mode fixes them
 
     def moe_route(self, router_logits, top_k, renormalize):
-        from baton.engine.platforms.triton_kernels import moe
+        from baton.engine.platforms.triton_kernels import moe_routing
         if top_k > router_logits.shape[-1] or router_logits.dim() != 2:
             return super().moe_route(router_logits, top_k, renormalize)
-        return moe.route(router_logits, top_k, renormalize)
+        return moe_routing.route(router_logits, top_k, renormalize)
 
     def moe_experts(self, x, w13, w2, ids, weights, scales=None, fp8_dots=None):
         from baton.engine.platforms.triton_kernels import moe
