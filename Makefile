@@ -8,7 +8,7 @@ TEST_STAMP := $(VENV)/.installed-test
 COMPOSE_VENV := .venv-compose
 COMPOSE_STAMP := $(COMPOSE_VENV)/.installed
 
-.PHONY: serve test lint protos setup deploy-check fresh-check
+.PHONY: serve test test-fast lint protos setup deploy-check fresh-check
 
 # The runtime: CPU torch and the project, as deploy/install-runtime.sh (the one recipe, shared with the
 # Dockerfiles) installs them. The embedded model is no package here: its first start fetches its GGUF.
@@ -52,6 +52,11 @@ test: fresh-check $(TEST_STAMP) $(COMPOSE_STAMP)
 	$(BIN)/python -m protos.generate --check
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -x -rs --durations=15
+
+# The inner loop (~3 min on 2 cores): every test but the modules that start served stacks or run long
+# parity checks (tests/conftest.py: SLOW_MODULES). Not a substitute for make test.
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -x -m "not slow" --durations=5
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .

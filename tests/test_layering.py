@@ -214,3 +214,10 @@ def test_no_product_code_reads_another_objects_privates():
                 and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
     assert not reaching, "give these a public name:\n" + "\n".join(reaching)
     assert "_getframe" not in private and "_C" not in private
+
+
+def test_the_fast_subsets_slow_list_names_test_modules_that_exist():
+    """make test-fast leaves out conftest.SLOW_MODULES: a renamed module must not slip into it."""
+    from conftest import SLOW_MODULES
+    modules = {p.stem for p in (REPO / "tests").rglob("test_*.py")}
+    assert SLOW_MODULES <= modules, sorted(SLOW_MODULES - modules)
