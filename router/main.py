@@ -16,6 +16,7 @@ from baton.engine.requests.sampling_params import sampling_defaults
 from baton.engine.requests.tokenizer import eos_token_ids, load_tokenizer
 from baton.models.multimodal import ImagePlaceholders
 from baton.models.source import resolve_model
+from baton.router import health
 from baton.router.config import RouterConfig, parse_router_args
 from baton.router.openai_api import OpenAIServer
 from baton.router.registry import Registry
@@ -52,6 +53,7 @@ async def serve(cfg: RouterConfig) -> None:
                         resolve_interval=cfg.resolve_interval)
     await registry.start()
     metrics.watch_kv_usage(lambda: kv_usage(registry))
+    metrics.watch_degraded(lambda: health.judge(registry).status == "degraded")
     svc = RouterService(registry, tokenizer, info, cfg,
                         sampling_defaults(source.generation_config(cfg.generation_config)),
                         vision=ImagePlaceholders.from_config(hf))

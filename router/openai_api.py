@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from baton import __version__
 from baton.engine.requests.tokenizer import encode_text
 from baton.models.multimodal import decode_data_url
-from baton.router import tokens
+from baton.router import health, tokens
 from baton.router.config import RouterConfig
 from baton.router.openai_chat import Calls, chat_delta, chat_fields, chat_message, message_fields
 from baton.router.openai_errors import HTTPError, from_service_error
@@ -76,19 +76,6 @@ class Choice:
     req: router_pb2.GenerateRequest
     gate: asyncio.Event             # set once the prompt's first choice has its first token
     first: bool                     # the prompt's first choice
-
-
-def _roles(registry) -> dict[str, int]:
-    """Workers per role, in the order a request meets them."""
-    counts = {}
-    for w in sorted(registry.workers, key=lambda w: ("prefill", "decode", "colocated").index(w.role)):
-        counts[w.role] = counts.get(w.role, 0) + 1
-    return counts
-
-
-def _no_worker_reason(registry) -> str:
-    missing = [f"{role} (0 of {n} healthy)" for role, n in _roles(registry).items() if not registry.healthy(role)]
-    return f"no healthy worker: {', '.join(missing) or 'none configured'}"
 
 
 class HttpContext:
@@ -193,21 +180,23 @@ class OpenAIServer:
 
     # -- endpoints ------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        """200 when a request could be served now, else 503 and why. It names the workers and their
+        """200 when a request could be served now ("ok", or "degraded" with why: router/health.py),
+        else 503 and why. It names the workers and their
         last error (what GetServerInfo tells gRPC clients) to a caller the API would let in: an
         open router's, or one with a known token; anyone else gets the counts."""
         reg = self.svc.registry
-        ok = bool(reg.healthy("colocated") or (reg.healthy("prefill") and reg.healthy("decode")))
         draining = self.svc.server is not None and self.svc.server.draining
-        body = {"status": "ok" if ok and not draining else "unavailable"}
-        if not ok or draining:
-            body["reason"] = "draining" if draining else _no_worker_reason(reg)
-        body["roles"] = {role: {"healthy": len(reg.healthy(role)), "total": n} for role, n in _roles(reg).items()}
+        verdict = health.judge(reg, draining)
+        body = {"status": verdict.status}
+        if verdict.reason:
+            body["reason"] = verdict.reason
+        body["roles"] = {role: {"healthy": len(reg.healthy(role)), "total": n}
+                         for role, n in health.role_counts(reg).items()}
         if self.svc.auth is None or self.svc.auth.client_of(HttpContext(request).invocation_metadata()):
             body["workers"] = [{"address": w.address, "role": w.role, "healthy": w.healthy,
                                 **({"error": w.last_error} if not w.healthy and w.last_error else {})}
                                for w in reg.workers]
-        return web.json_response(body, status=200 if body["status"] == "ok" else 503)
+        return web.json_response(body, status=503 if verdict.status == "unavailable" else 200)
 
     async def metrics(self, request: web.Request) -> web.Response:
         """The router's Prometheus metrics (those of --metrics-port), vLLM's names among them."""

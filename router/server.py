@@ -21,7 +21,7 @@ import grpc
 from baton.engine.requests.structured_output import StructuredOutput
 from baton.kvtransfer import registry as kv_registry
 from baton.models.multimodal import ImagePlaceholders
-from baton.router import tokens, tool_calls, validation
+from baton.router import health, tokens, tool_calls, validation
 from baton.router.admission import Admission, KVWaitLine
 from baton.router.chat_output import ChatOutput
 from baton.router.config import RouterConfig
@@ -332,7 +332,7 @@ class RouterService:
             if loop.time() >= deadline:
                 raise TimeoutError(f"request {active.request_id} passed its deadline before starting")
             try:
-                if self.registry.healthy("colocated") and not self.registry.healthy("decode"):
+                if self.registry.healthy("colocated") and not health.disaggregated(self.registry):
                     attempt = self._colocated(active, ids, sampling, deadline, tried)
                 else:
                     attempt = self._disaggregated(active, ids, sampling, deadline, tried)

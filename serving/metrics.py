@@ -55,6 +55,9 @@ class Metrics:
                                             "looked up in the workers' prefix caches", m, registry=r)
         self.prefix_cache_hits = Counter("baton_prefix_cache_hits", "of those, tokens whose KV was found there "
                                          "(cached_prompt_tokens)", m, registry=r)
+        self.degraded = Gauge("baton_degraded", "1 while the router serves, but not as the deployment was built to: "
+                              "a disaggregated pool has no healthy worker and colocated workers carry the load "
+                              "(/health says which)", registry=r)
         self.router_kv_usage = Gauge("baton_router_kv_cache_usage_ratio", "share of KV cache blocks in use (0..1) "
                                      "over the healthy decode and colocated workers, as the router last heard",
                                      m, registry=r)
@@ -115,6 +118,10 @@ class Metrics:
         for metric in vars(self).values():      # the router's: 0, not "no data", before the first request
             if self.role == "router" and getattr(metric, "_labelnames", None) == ("model",):
                 metric.labels(name)
+
+    def watch_degraded(self, degraded: Callable[[], bool]) -> None:
+        """The router's degraded gauge, read from `degraded()` at each scrape."""
+        self.degraded.set_function(lambda: float(degraded()))
 
     def watch_kv_usage(self, usage: Callable[[], float]) -> None:
         """The router's KV usage gauge, read from `usage()` at each scrape."""
@@ -244,7 +251,7 @@ RECORDED_BY = {
     "baton_kv_landed_seconds": "decode", "baton_step_seconds": "workers", "baton_worker_losses": "router",
     "baton_stream_stalls": "router", "baton_request_prompt_tokens": "router",
     "baton_request_generation_tokens": "router", "baton_prefix_cache_queries": "router",
-    "baton_prefix_cache_hits": "router", "baton_router_kv_cache_usage_ratio": "router",
+    "baton_prefix_cache_hits": "router", "baton_router_kv_cache_usage_ratio": "router", "baton_degraded": "router",
     "baton_spec_draft_tokens": "decode, colocated (with --speculative-method)",
     "baton_spec_accepted_tokens": "decode, colocated (with --speculative-method)",
     "baton_spec_verified_sequences": "decode, colocated (with --speculative-method)",

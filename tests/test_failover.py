@@ -47,6 +47,10 @@ class FakeWorker:
             self.bus.send(req.request_id, chunk)
         return decode_pb2.AdmitResponse(transfer_id="t", kv_address="kv:1", backend="grpc")
 
+    async def Start(self, req, timeout=None):                   # the colocated role
+        await self.Admit(req)
+        return decode_pb2.StartResponse()
+
     async def Prefill(self, req, timeout=None):
         if self.hangs:
             await asyncio.sleep(3600)
@@ -59,13 +63,14 @@ class FakeWorker:
 def worker(address: str, role: str, fake: FakeWorker) -> Worker:
     w = Worker(address, role, healthy=True)
     w.stub = fake
-    w.bus = TokenBus(fake, address) if role == "decode" else None
+    w.bus = TokenBus(fake, address) if role in ("decode", "colocated") else None
     return w
 
 
 def service(workers: list[Worker], **cfg) -> RouterService:
     reg = Registry([w.address for w in workers if w.role == "prefill"],
-                   [w.address for w in workers if w.role == "decode"], [], "m")
+                   [w.address for w in workers if w.role == "decode"],
+                   [w.address for w in workers if w.role == "colocated"], "m")
     reg.workers = workers
     info = router_pb2.ModelInfo(name="m", max_model_len=4096, vocab_size=50_000)
     svc = RouterService(reg, None, info, RouterConfig(prefill=["p:1"], decode=["d:1"], **cfg))
@@ -194,3 +199,35 @@ def test_an_abort_while_the_stream_waits_for_tokens_ends_it_cancelled():
             return exc
     exc = asyncio.run(main())
     assert getattr(exc, "code", None) == grpc.StatusCode.CANCELLED, exc
+
+
+def test_a_pd_pool_down_beside_colocated_workers_is_served_there_and_reported_degraded():
+    """Prefill lost while a decode and a colocated worker are up: requests go to the colocated
+    worker (no prefill to hand KV over), and /health's verdict says degraded and why; once the
+    prefill worker is back, requests are disaggregated again and the verdict is ok."""
+    from baton.router import health
+    pre, dec, col = FakeWorker(), FakeWorker(), FakeWorker()
+    p = worker("p:1", "prefill", pre)
+    svc = service([p, worker("d:1", "decode", dec), worker("c:1", "colocated", col)])
+    assert health.judge(svc.registry) == health.Health("ok")
+    p.healthy = False
+    verdict = health.judge(svc.registry)
+    assert verdict.status == "degraded" and "prefill (0 of 1 healthy)" in verdict.reason, verdict
+    assert asyncio.run(collect(svc, request(3))) == [103, 104, 105]
+    assert len(col.admits) == 1 and not dec.admits                  # served colocated, not disaggregated
+    p.healthy = True
+    assert health.judge(svc.registry).status == "ok"
+    assert asyncio.run(collect(svc, request(3))) == [103, 104, 105]
+    assert len(dec.admits) == 1 and len(col.admits) == 1
+
+
+def test_the_verdict_is_unavailable_without_a_path_and_ok_for_a_plain_deployment():
+    from baton.router import health
+    only_pd = service([worker("p:1", "prefill", FakeWorker()), worker("d:1", "decode", FakeWorker())])
+    assert health.judge(only_pd.registry).status == "ok"
+    assert health.judge(only_pd.registry, draining=True) == health.Health("unavailable", "draining")
+    only_pd.registry.workers[1].healthy = False
+    verdict = health.judge(only_pd.registry)
+    assert verdict.status == "unavailable" and "decode (0 of 1 healthy)" in verdict.reason
+    colocated = service([worker("c:1", "colocated", FakeWorker())])
+    assert health.judge(colocated.registry).status == "ok"            # built colocated: nothing to miss
