@@ -60,6 +60,7 @@ class Active:
     attempt: int = -1                   # attempts so far (retries and migrations), from 0
     images: list[router_pb2.Image] = field(default_factory=list)   # the chat's, sent with every (re-)prefill
     kv_ticket: int | None = None        # its place in the line for decode KV, once it has waited there
+    marks: dict[str, float] = field(default_factory=dict)   # stage boundaries (perf_counter) until the first token
 
     @property
     def worker_id(self) -> str:
@@ -91,10 +92,12 @@ class RequestClock:
         self.status = "unavailable"             # until it ends otherwise
         self.running = False
         self.itl = None
+        self.marks: dict[str, float] = {}       # the attempt's boundaries, set by the route (STAGES)
         self.m.router_waiting.labels(self.model).inc()
 
     def admitted(self) -> None:
         now = time.perf_counter()
+        self.marks["admitted"] = now
         self.m.queue_seconds.labels(self.model).observe(now - self.t0)
         self.m.router_waiting.labels(self.model).dec()
         self.m.router_running.labels(self.model).inc()
@@ -106,6 +109,7 @@ class RequestClock:
         if n:
             if self.tokens == 0:
                 self.m.ttft.labels(self.model).observe(now - self.t0)
+                self.marks["first"] = now
                 self.itl = self.m.itl.labels(self.model)     # per message from here on: looked up once
                 gaps = n - 1                    # tokens arriving together: zero-length intervals
                 gap = 0.0
@@ -127,7 +131,42 @@ class RequestClock:
         m.requests.labels(model, self.status).inc()
         m.finished(self.prompt_tokens, self.tokens, self.cached_tokens)
         if self.status in ("stop", "length"):
-            m.e2e.labels(model).observe(time.perf_counter() - self.t0)
+            end = time.perf_counter()
+            m.e2e.labels(model).observe(end - self.t0)
+            for stage, seconds in stages(self.t0, self.marks, end):
+                m.stage_seconds.labels(model, stage).observe(seconds)
+
+
+# A finished request's time, stage by stage, on the router's clock: each stage ends where the next
+# begins, so a request's stages add up to its E2E. `admit`: the decode worker's admission (and any
+# attempt that failed before it); `prefill`: the prefill worker's queue, compute and KV push, until
+# its answer (colocated: until the first token); `handover`: from then until the decode worker's
+# first token reaches the router (the KV joined and its first step); `decode`: the rest.
+STAGES = (("queue", "admitted"), ("admit", "prefill_sent"), ("prefill", "prefill_done"), ("handover", "first"),
+          ("decode", None))
+
+
+def stages(t0: float, marks: dict[str, float], end: float) -> list[tuple[str, float]]:
+    """(stage, seconds) of the stages a request went through. The colocated path has no handover
+    (its prefill ends at the first token); a boundary met late (the first token before the
+    prefill's answer) is clamped so that the stages stay in order and add up to `end - t0`."""
+    marks = dict(marks)
+    first = marks.setdefault("first", end)
+    colocated = "prefill_sent" in marks and "prefill_done" not in marks
+    if colocated:
+        marks["prefill_done"] = first
+    out, start = [], t0
+    for stage, boundary in STAGES:
+        if boundary is None:
+            t = end
+        elif boundary not in marks:
+            continue
+        else:
+            t = min(max(marks[boundary], start), end if boundary == "first" else first)
+        if not (colocated and stage == "handover"):
+            out.append((stage, t - start))
+        start = t
+    return out
 
 
 class StreamBroke(Exception):
@@ -212,6 +251,8 @@ class RouterService:
                         images=[c.to_proto() for c in images])
         self.active[rid] = active
         clock = RequestClock(self.metrics, len(ids)) if self.metrics else None
+        if clock:
+            active.marks = clock.marks
         try:
             async with self.admission.slot(active.client, deadline, params.priority):
                 if clock:
@@ -422,6 +463,7 @@ class RouterService:
             except grpc.aio.AioRpcError as exc:
                 raise _failed(exc, d, "admit") from exc
             self._use(active, p)
+            _mark(active, "prefill_sent")
             prefill = asyncio.ensure_future(p.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(handover),
                 images=active.images, handoff=prefill_pb2.Handoff(
@@ -429,6 +471,7 @@ class RouterService:
                     backend=admit.backend)), timeout=handover))
             p.inflight_tokens += len(ids)
             prefill.add_done_callback(functools.partial(_unqueue, p, len(ids)))
+            prefill.add_done_callback(lambda _: _mark(active, "prefill_done"))
             first = asyncio.ensure_future(inbox.next())
             first.add_done_callback(_retrieve)           # abandoned on a failed attempt: no warning
             await self._await_first(first, prefill, p, loop.time() + handover)
@@ -475,6 +518,7 @@ class RouterService:
         rid = active.worker_id
         inbox = await self._listen(w, rid, min(self.cfg.first_token_timeout, deadline - loop.time()))
         try:
+            _mark(active, "prefill_sent")
             try:
                 await w.stub.Start(decode_pb2.WorkerGenerateRequest(
                     request_id=rid, prompt_token_ids=ids, sampling=sampling, images=active.images,
@@ -623,6 +667,15 @@ def _first_chunk(item, worker: Worker, what: str):
         code = STATUS_BY_NUMBER[item.error_code]
         raise AttemptFailed(code, f"{what} on {worker.address}: {code.name}: {item.error_message}", worker)
     return item
+
+
+def _mark(active: Active, boundary: str) -> None:
+    """A stage boundary of the attempt under way, until the request's first token (a migration's
+    re-prefill afterwards belongs to no stage: it is decode time)."""
+    if "first" not in active.marks:
+        if boundary == "prefill_sent":
+            active.marks.pop("prefill_done", None)       # a failed attempt's
+        active.marks[boundary] = time.perf_counter()
 
 
 def _retrieve(fut: asyncio.Future) -> None:

@@ -43,6 +43,10 @@ class Metrics:
                              "tokens counts n intervals)", m, buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("baton_e2e_seconds", "request arrival -> its last token", m, buckets=LATENCY_BUCKETS,
                              registry=r)
+        self.stage_seconds = Histogram("baton_stage_seconds", "a finished request's time by stage, on the router's clock: "
+                                       "queue, admit, prefill, handover, decode (they add up to its E2E; "
+                                       "router/server.py: STAGES)", [*m, "stage"], buckets=LATENCY_BUCKETS,
+                                       registry=r)
         self.queue_seconds = Histogram("baton_queue_seconds", "time waiting for the router's admission slot",
                                        m, buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("baton_prompt_tokens", "prompt tokens of finished requests", m, registry=r)
@@ -251,7 +255,7 @@ RECORDED_BY = {
     "baton_kv_landed_seconds": "decode", "baton_step_seconds": "workers", "baton_worker_losses": "router",
     "baton_stream_stalls": "router", "baton_request_prompt_tokens": "router",
     "baton_request_generation_tokens": "router", "baton_prefix_cache_queries": "router",
-    "baton_prefix_cache_hits": "router", "baton_router_kv_cache_usage_ratio": "router", "baton_degraded": "router",
+    "baton_prefix_cache_hits": "router", "baton_router_kv_cache_usage_ratio": "router", "baton_degraded": "router", "baton_stage_seconds": "router",
     "baton_spec_draft_tokens": "decode, colocated (with --speculative-method)",
     "baton_spec_accepted_tokens": "decode, colocated (with --speculative-method)",
     "baton_spec_verified_sequences": "decode, colocated (with --speculative-method)",

@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import grpc
+import pytest
 from fake_worker import FakeBus, FakeContext
 
 from baton.router import registry as registry_module
@@ -231,3 +232,27 @@ def test_the_verdict_is_unavailable_without_a_path_and_ok_for_a_plain_deployment
     assert verdict.status == "unavailable" and "decode (0 of 1 healthy)" in verdict.reason
     colocated = service([worker("c:1", "colocated", FakeWorker())])
     assert health.judge(colocated.registry).status == "ok"            # built colocated: nothing to miss
+
+
+def test_a_requests_stages_add_up_to_its_e2e_on_either_path():
+    """baton_stage_seconds: queue, admit, prefill, handover, decode for a disaggregated request;
+    no handover for a colocated one; either way their sums are the E2E's."""
+    from baton.router.server import stages
+
+    def observed(svc, name):
+        return {s.labels["stage"]: s.value for f in svc.metrics.registry.collect() if f.name == name
+                for s in f.samples if s.name == f"{name}_sum"}
+
+    pd = service([worker("p:1", "prefill", FakeWorker()), worker("d:1", "decode", FakeWorker())])
+    colocated = service([worker("c:1", "colocated", FakeWorker())])
+    for svc, want in ((pd, ["queue", "admit", "prefill", "handover", "decode"]),
+                      (colocated, ["queue", "admit", "prefill", "decode"])):
+        asyncio.run(collect(svc, request(3)))
+        by_stage = observed(svc, "baton_stage_seconds")
+        e2e = sum(s.value for f in svc.metrics.registry.collect() if f.name == "baton_e2e_seconds"
+                  for s in f.samples if s.name == "baton_e2e_seconds_sum")
+        assert sorted(by_stage) == sorted(want) and all(v >= 0 for v in by_stage.values())
+        assert sum(by_stage.values()) == pytest.approx(e2e, rel=1e-9, abs=1e-9)
+    # boundaries out of order (the first token before the prefill's answer) stay in order
+    got = stages(0.0, {"admitted": 1.0, "prefill_sent": 2.0, "prefill_done": 5.0, "first": 4.0}, 6.0)
+    assert got == [("queue", 1.0), ("admit", 1.0), ("prefill", 2.0), ("handover", 0.0), ("decode", 2.0)]
