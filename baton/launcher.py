@@ -272,7 +272,7 @@ def _split(devices: str | None) -> list[str]:
 
 def _router(args, worker_flags: list[str]) -> Process:
     cmd = [sys.executable, "-m", "baton.router", "--host", args.host, "--port", str(args.port),
-           *passed_on(args, router_parser()), *worker_flags]
+           *passed_on(args, router_parser()), *worker_flags, "--worker-metrics"]
     if args.metrics_port:
         cmd += ["--metrics-port", str(args.metrics_port)]
     return Process("router", cmd, f"{args.host}:{args.port}", critical=True)

@@ -286,5 +286,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def GetStatus(self, request, context):
         return self.w.status()
 
+    async def GetMetrics(self, request, context):
+        return self.w.metrics_text()
+
 
 __all__ = ["DecodeWorker"]

@@ -99,5 +99,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def GetStatus(self, request, context):
         return self.w.status()
 
+    async def GetMetrics(self, request, context):
+        return self.w.metrics_text()
+
 
 __all__ = ["PrefillWorker"]

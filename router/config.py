@@ -50,6 +50,7 @@ class RouterConfig(ServerConfig):
     chat_template: str | None = None    # a Jinja file rendering chats instead of the model's own template
     trust_request_chat_template: bool = False   # a request may bring its own chat template
     reasoning_parser: str | None = None # "qwen3" or "deepseek_r1": <think>...</think> -> reasoning (chats)
+    worker_metrics: bool = False        # /metrics on the HTTP port serves the workers' metrics too (baton serve)
 
     def validate(self) -> None:
         for name in ("max_prompt_tokens", "max_new_tokens", "max_per_client"):
@@ -107,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     flag(p, "--resolve-interval", type=float, default=defaults(RouterConfig).resolve_interval,
          help="seconds between DNS lookups of worker host names: workers that appear join once healthy, "
               "workers that disappear finish their streams and leave (0: look up once, at start)")
+    flag(p, "--worker-metrics", type=bool, default=defaults(RouterConfig).worker_metrics,
+         help="serve every worker's Prometheus metrics beside the router's own on the HTTP port's /metrics, "
+              "labelled by worker and role: one scrape target for a deployment (baton serve turns it on; "
+              "leave it off where Prometheus scrapes each worker itself, or their series would count twice)")
     add_router_args(p)
     return p
 
@@ -204,7 +209,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
                        stream_message_rate=args.stream_message_rate,
                        generation_config=args.generation_config, chat_template=args.chat_template,
                        trust_request_chat_template=args.trust_request_chat_template,
-                       reasoning_parser=args.reasoning_parser)
+                       reasoning_parser=args.reasoning_parser, worker_metrics=args.worker_metrics)
     cfg.validate()
     return cfg
 

@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from baton import __version__
 from baton.engine.requests.tokenizer import encode_text
 from baton.models.multimodal import decode_data_url
-from baton.router import health, tokens
+from baton.router import health, tokens, worker_metrics
 from baton.router.config import RouterConfig
 from baton.router.openai_chat import Calls, chat_delta, chat_fields, chat_message, message_fields
 from baton.router.openai_errors import HTTPError, from_service_error
@@ -199,8 +199,12 @@ class OpenAIServer:
         return web.json_response(body, status=503 if verdict.status == "unavailable" else 200)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """The router's Prometheus metrics (those of --metrics-port), vLLM's names among them."""
+        """The router's Prometheus metrics (those of --metrics-port), vLLM's names among them; with
+        --worker-metrics, every healthy worker's beside them (router/worker_metrics.py)."""
         body = generate_latest(self.metrics_registry)
+        if self.svc is not None and self.svc.cfg.worker_metrics:          # (None: still loading the model)
+            workers = [w for w in self.svc.registry.workers if w.healthy and w.stub is not None]
+            body = worker_metrics.merge(body, await worker_metrics.scrape(workers))
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:

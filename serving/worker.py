@@ -20,6 +20,7 @@ import sys
 import time
 
 import grpc
+from prometheus_client import generate_latest
 
 from baton.engine.requests.limits import ModelLimits
 from baton.serving.core_client import CoreClient, start_core
@@ -128,6 +129,11 @@ class EngineWorker:
         """End every request in flight with `exc` (the core is gone)."""
 
     # -- shared RPC bodies ------------------------------------------------------------------
+    def metrics_text(self) -> worker_pb2.WorkerMetrics:
+        """This worker's Prometheus metrics (what --metrics-port serves), for a router that serves
+        them beside its own."""
+        return worker_pb2.WorkerMetrics(text=generate_latest(self.metrics.registry))
+
     def status(self) -> worker_pb2.WorkerStatus:
         s, info, busy = self.core.stats, self.info, self.core.busy()
         return worker_pb2.WorkerStatus(

@@ -1,7 +1,8 @@
 """The shipped Grafana dashboard (deploy/observability/) and the panels of vLLM's own dashboards
 read what a live Baton stack exports: known requests go through the OpenAI API of a real
 `baton serve`, then every query's selectors are matched against the router's /metrics on its HTTP
-port and the worker's --metrics-port, as Prometheus would scrape them.
+port, the one scrape target (the worker's series served there beside the router's), as
+Prometheus would scrape it.
 
 Each query is checked twice. Its selectors: every vector selector (name and label matchers,
 Grafana's variables put in) picks series out of the scrape, every `by (...)` label is on them, and
@@ -69,30 +70,31 @@ EVENT_ONLY = {"baton_requests_total", "baton_migrations_total", "baton_worker_lo
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """A colocated `baton serve` on a tiny checkpoint; the known requests; both scrapes."""
+    """A colocated `baton serve` on a tiny checkpoint; the known requests; two scrapes of one target,
+    the router's /metrics on its HTTP port (the worker's series come with it: --worker-metrics,
+    which `baton serve` turns on), as a Prometheus pointed at it would take them."""
     tmp = tmp_path_factory.mktemp("dashboard")
     model = tiny_checkpoint(tmp / "tiny-model")
-    port, http, metrics = free_port(), free_port(), free_port()
-    serve = Serve([str(model), "--colocated", "--port", str(port), "--http-port", str(http), "--metrics-port",
-                   str(metrics), "--cache-dir", str(tmp / "cache"), "--num-kv-blocks", "64", "--api-key", TOKEN],
+    port, http = free_port(), free_port()
+    serve = Serve([str(model), "--colocated", "--port", str(port), "--http-port", str(http),
+                   "--cache-dir", str(tmp / "cache"), "--num-kv-blocks", "64", "--api-key", TOKEN],
                   {}, tmp / "serve.log")
-    router_url, worker_url = f"http://127.0.0.1:{http}/metrics", f"http://127.0.0.1:{metrics + 1}/metrics"
+    url = f"http://127.0.0.1:{http}/metrics"
     try:
-        before = parse(scrape(router_url)) + parse(scrape(worker_url))     # the worker: --metrics-port + 1
+        before = parse(scrape_until(url, 0))
         t0 = time.monotonic()
         usages, walls = [], []
         for prompt in PROMPTS:
             start = time.monotonic()
             usages.append(complete(http, prompt))
             walls.append(time.monotonic() - start)
-        router = scrape_until(router_url, len(PROMPTS))
-        worker = scrape(worker_url)
+        router = scrape_until(url, len(PROMPTS))
         seconds = time.monotonic() - t0
     finally:
         serve.stop()
-    return {"model": "tiny-model", "usages": usages, "series": parse(router) + parse(worker),
-            "families": families(router) | families(worker), "router_text": router, "router": parse(router),
-            "scrapes": Scrapes(before, parse(router) + parse(worker), seconds), "longest_request": max(walls)}
+    return {"model": "tiny-model", "usages": usages, "series": parse(router), "families": families(router),
+            "router_text": router, "router": parse(router), "scrapes": Scrapes(before, parse(router), seconds),
+            "longest_request": max(walls)}
 
 
 def complete(http: int, prompt: str) -> dict:
@@ -110,12 +112,13 @@ def scrape(url: str) -> str:
 
 
 def scrape_until(url: str, finished: int) -> str:
-    """The router's metrics once it has counted every request finished (it counts as a stream ends)."""
+    """The merged metrics once the worker's are in (its series carry `worker`) and the router has
+    counted every request finished (it counts as a stream ends)."""
     deadline = time.monotonic() + 10
     while True:
         text = scrape(url)
         done = sum(s.value for s in parse(text) if s.name == "vllm:request_success_total")
-        if done >= finished or time.monotonic() > deadline:
+        if (done >= finished and 'worker="' in text) or time.monotonic() > deadline:
             return text
         time.sleep(0.2)
 

@@ -60,6 +60,11 @@ class DecodeStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.GetMetrics = channel.unary_unary(
+                '/baton.v1.Decode/GetMetrics',
+                request_serializer=baton_dot_v1_dot_worker__pb2.GetMetricsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerMetrics.FromString,
+                _registered_method=True)
         self.Subscribe = channel.unary_stream(
                 '/baton.v1.Decode/Subscribe',
                 request_serializer=baton_dot_v1_dot_decode__pb2.SubscribeRequest.SerializeToString,
@@ -106,6 +111,12 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMetrics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Subscribe(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -146,6 +157,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.GetStatusRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'GetMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMetrics,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.GetMetricsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.WorkerMetrics.SerializeToString,
             ),
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
@@ -293,6 +309,33 @@ class Decode:
             '/baton.v1.Decode/GetStatus',
             baton_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Decode/GetMetrics',
+            baton_dot_v1_dot_worker__pb2.GetMetricsRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.WorkerMetrics.FromString,
             options,
             channel_credentials,
             insecure,

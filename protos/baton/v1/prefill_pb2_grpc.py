@@ -50,6 +50,11 @@ class PrefillStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.GetMetrics = channel.unary_unary(
+                '/baton.v1.Prefill/GetMetrics',
+                request_serializer=baton_dot_v1_dot_worker__pb2.GetMetricsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerMetrics.FromString,
+                _registered_method=True)
         self.ConnectKV = channel.unary_unary(
                 '/baton.v1.Prefill/ConnectKV',
                 request_serializer=baton_dot_v1_dot_prefill__pb2.ConnectKVRequest.SerializeToString,
@@ -75,6 +80,12 @@ class PrefillServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetMetrics(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,6 +118,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.GetStatusRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'GetMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMetrics,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.GetMetricsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.WorkerMetrics.SerializeToString,
             ),
             'ConnectKV': grpc.unary_unary_rpc_method_handler(
                     servicer.ConnectKV,
@@ -195,6 +211,33 @@ class Prefill:
             '/baton.v1.Prefill/GetStatus',
             baton_dot_v1_dot_worker__pb2.GetStatusRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Prefill/GetMetrics',
+            baton_dot_v1_dot_worker__pb2.GetMetricsRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.WorkerMetrics.FromString,
             options,
             channel_credentials,
             insecure,

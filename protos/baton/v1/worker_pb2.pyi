@@ -52,6 +52,16 @@ class WorkerStatus(_message.Message):
     seconds_per_token: float
     def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_backends: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., draining: _Optional[bool] = ..., requests_served: _Optional[int] = ..., kv_address: _Optional[str] = ..., step_p99_ms: _Optional[float] = ..., stalled_seconds: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., busy_budget_seconds: _Optional[float] = ..., busy_tokens: _Optional[int] = ..., seconds_per_token: _Optional[float] = ...) -> None: ...
 
+class GetMetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerMetrics(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: bytes
+    def __init__(self, text: _Optional[bytes] = ...) -> None: ...
+
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

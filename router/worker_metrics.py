@@ -1,0 +1,83 @@
+"""One scrape target for a deployment (--worker-metrics, which `baton serve` turns on): the
+router's /metrics on its HTTP port serves every healthy worker's Prometheus metrics beside its
+own, each worker's series labelled with `worker` (its address) and `role`. A Prometheus pointed
+at the router, as a vLLM user points it at vLLM, then sees KV transfers, handover, step times
+and KV use, which live on the workers.
+
+Families are merged by name, each from the processes that record it (serving/metrics.py:
+RECORDED_BY): a worker's idle copy of a router gauge, or the router's of a worker gauge, never
+shows up as a second series, and a request counted by the router is not counted again by its
+decode worker. Workers are asked over gRPC (GetMetrics) at
+scrape time, concurrently, each within a short timeout; one that does not answer is left out of
+that scrape (a debug line says why)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from baton.serving.metrics import RECORDED_BY
+from baton.v1 import worker_pb2
+
+log = logging.getLogger("baton.router")
+
+SCRAPE_TIMEOUT_S = 2.0
+
+
+def shown(family: str, role: str) -> bool:
+    """Whether the merged view shows `family`'s series from a process of `role`: the router's
+    families from the router, the rest from the workers (of what both record, requests by outcome,
+    the router's alone: a request is counted once). Families Baton does not list: every process's."""
+    who = RECORDED_BY.get(family)
+    if who is None or "every process" in who:
+        return True
+    return ("router" in who) == (role == "router")
+
+
+async def scrape(workers, timeout: float = SCRAPE_TIMEOUT_S) -> list[tuple[object, str]]:
+    """(worker, its metrics text) of each worker that answered in time."""
+    async def one(w):
+        reply = await w.stub.GetMetrics(worker_pb2.GetMetricsRequest(), timeout=timeout)
+        return w, reply.text.decode()
+    results = await asyncio.gather(*(one(w) for w in workers), return_exceptions=True)
+    out = []
+    for w, r in zip(workers, results, strict=True):
+        if isinstance(r, BaseException):
+            log.debug("metrics of %s (%s) left out of this scrape: %s", w.address, w.role, r)
+        else:
+            out.append(r)
+    return out
+
+
+class _Merged:
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def merge(own: bytes, scraped: list[tuple[object, str]]) -> bytes:
+    """The router's exposition `own` and each scraped worker's, as one, families merged by name."""
+    merged: dict[str, Metric] = {}
+
+    def add(text: str, role: str, extra: dict[str, str]) -> None:
+        for fam in text_string_to_metric_families(text):
+            out = merged.get(fam.name)
+            if out is None:         # declared even with no series shown: a dashboard finds the family
+                out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            if out.type != fam.type or not shown(fam.name.removesuffix("_created"), role):
+                continue
+            for s in fam.samples:
+                labels = {**s.labels, **{k: v for k, v in extra.items() if k not in s.labels}}
+                out.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
+
+    add(own.decode(), "router", {})
+    for w, text in scraped:
+        add(text, w.role, {"worker": w.address, "role": w.role})
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(list(merged.values())))
+    return generate_latest(registry)
