@@ -45,7 +45,7 @@ class Metrics:
                              registry=r)
         self.stage_seconds = Histogram("baton_stage_seconds", "a finished request's time by stage, on the router's clock: "
                                        "queue, admit, prefill, handover, decode (they add up to its E2E; "
-                                       "router/server.py: STAGES)", [*m, "stage"], buckets=LATENCY_BUCKETS,
+                                       "router/request_clock.py: STAGES)", [*m, "stage"], buckets=LATENCY_BUCKETS,
                                        registry=r)
         self.queue_seconds = Histogram("baton_queue_seconds", "time waiting for the router's admission slot",
                                        m, buckets=LATENCY_BUCKETS, registry=r)

@@ -237,7 +237,7 @@ def test_the_verdict_is_unavailable_without_a_path_and_ok_for_a_plain_deployment
 def test_a_requests_stages_add_up_to_its_e2e_on_either_path():
     """baton_stage_seconds: queue, admit, prefill, handover, decode for a disaggregated request;
     no handover for a colocated one; either way their sums are the E2E's."""
-    from baton.router.server import stages
+    from baton.router.request_clock import stages
 
     def observed(svc, name):
         return {s.labels["stage"]: s.value for f in svc.metrics.registry.collect() if f.name == name
