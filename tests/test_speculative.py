@@ -617,7 +617,7 @@ def test_worker_metrics_count_guesses_from_the_cores_totals():
 
 
 def test_the_engine_core_reports_its_speculation_totals(spec_llm):
-    from baton.serving.engine_core import EngineCore
+    from baton.serving.worker.engine_core import EngineCore
     core = EngineCore.__new__(EngineCore)              # only what stats() reads
     core.engine = spec_llm.engine
     stats = core.stats()
