@@ -11,7 +11,7 @@ from baton.client import build_parser as generate_parser
 from baton.launcher import build_parser as serve_parser
 from baton.router.config import build_parser as router_parser
 from baton.serving.options import markdown
-from baton.serving.worker_config import build_parser as worker_parser
+from baton.serving.worker.worker_config import build_parser as worker_parser
 
 
 def all_parsers() -> dict[str, argparse.ArgumentParser]:

@@ -29,8 +29,8 @@ from baton.serving.options import flag, parser, port_clash
 from baton.serving.processes import START_TIMEOUT_S, WILDCARD_HOSTS, devices_for, free_port
 from baton.serving.security import tls_from_args
 from baton.serving.server_config import DEFAULT_PORTS
-from baton.serving.worker_config import add_worker_args
-from baton.serving.worker_config import build_parser as worker_parser
+from baton.serving.worker.worker_config import add_worker_args
+from baton.serving.worker.worker_config import build_parser as worker_parser
 from baton.supervisor import Process, Supervisor
 
 NAMED_TOKEN = "<the --api-key / --auth-token token>"

@@ -31,7 +31,7 @@ from baton.models.cache import cache_root
 from baton.models.source import EMBEDDED, PRESETS
 from baton.router.config import build_parser as router_parser
 from baton.router.config import router_config_from_args
-from baton.serving.worker_config import worker_config_from_args
+from baton.serving.worker.worker_config import worker_config_from_args
 
 DEVICE = re.compile(r"(cpu|cuda|npu)(:\d+)?")
 

@@ -1,4 +1,4 @@
-"""Host time of one engine step's frame to the worker's front (serving/core_protocol.py):
+"""Host time of one engine step's frame to the worker's front (serving/worker/core_protocol.py):
 N requests' TokenUpdates, built, pickled and unpickled, as the engine thread and the front do.
 
     python -m baton.benchmarks.core_frames [--updates 256] [--frames 2000]
@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from baton.serving.core_protocol import CoreStats, TokenUpdate, Updates
+from baton.serving.worker.core_protocol import CoreStats, TokenUpdate, Updates
 
 STATS = CoreStats(256, 3, 10_000, 4_000)
 METRICS = [("step_seconds", ("step",), 0.012)]

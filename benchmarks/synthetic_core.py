@@ -4,7 +4,7 @@ front and the router relay tokens from a source that costs next to nothing.
 
 Run by the stock colocated worker: `baton decode --colocated --engine-core
 baton.benchmarks.synthetic_core:SyntheticCore` (benchmarks/relay.py); this module imports no
-torch of its own (the core's host module, serving/engine_core.py, still does).
+torch of its own (the core's host module, serving/worker/engine_core.py, still does).
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 
 from baton.benchmarks import environment as bench_env
-from baton.serving.core_protocol import Beat, CoreStats, TokenUpdate
-from baton.serving.engine_core import BEAT_INTERVAL_S, EngineCore
 from baton.serving.grpc_server import ServiceError
+from baton.serving.worker.core_protocol import Beat, CoreStats, TokenUpdate
+from baton.serving.worker.engine_core import BEAT_INTERVAL_S, EngineCore
 
 KV_BLOCKS = 1 << 20                         # made-up KV figures, for the router's load-aware policies
 MAX_MODEL_LEN = 1 << 17

@@ -1,4 +1,4 @@
-"""The decode worker's engine core (serving/engine_core.py): reserves a request's blocks,
+"""The decode worker's engine core (serving/worker/engine_core.py): reserves a request's blocks,
 takes its KV from the prefill worker on its own KV port, joins it into the running batch
 and decodes; the colocated role also runs whole requests. Tokens go to the front after every
 step, in one message (decode_service/server.py streams them).
@@ -29,10 +29,10 @@ from baton.kvtransfer import registry
 from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.kvtransfer.receiver import PendingTransfers
 from baton.models.multimodal import ImageInput
-from baton.serving.core_protocol import TokenUpdate, encode_error
-from baton.serving.engine_core import EngineCore
 from baton.serving.grpc_server import Server, ServiceError
 from baton.serving.processes import reachable_host
+from baton.serving.worker.core_protocol import TokenUpdate, encode_error
+from baton.serving.worker.engine_core import EngineCore
 
 
 class DecodeHandoff(KVHandoff):

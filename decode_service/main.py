@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from baton.serving.grpc_server import run_server
 from baton.serving.logs import setup_logging
-from baton.serving.worker_config import parse_worker_args
+from baton.serving.worker.worker_config import parse_worker_args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ and decodes; after every step it sends this front every request's new tokens in 
 Tokens leave on the router's token bus (Subscribe: one stream per router, every message
 carrying the new chunks of all its requests here) or, for tools, on one request's own stream
 (Stream / Generate). Either way a request's tokens wait in its `TokenStream` until its
-listener can send, then go as one chunk (serving/token_streams.py): under load, fewer and
+listener can send, then go as one chunk (serving/worker/token_streams.py): under load, fewer and
 fuller messages, never one per token.
 
 A request admitted here ends when its engine core finishes it, when a stop string matches
@@ -23,11 +23,11 @@ import grpc
 
 from baton.engine.requests.sampling_params import SamplingParams
 from baton.engine.requests.tokenizer import load_decoder
-from baton.serving.core_protocol import Command, TokenUpdate
 from baton.serving.grpc_server import ServiceError
-from baton.serving.token_streams import Bus, RequestSink, TokenStream
 from baton.serving.wire import images_from_proto, sampling_from_proto
-from baton.serving.worker import EngineWorker
+from baton.serving.worker.core_protocol import Command, TokenUpdate
+from baton.serving.worker.token_streams import Bus, RequestSink, TokenStream
+from baton.serving.worker.worker import EngineWorker
 from baton.v1 import decode_pb2, decode_pb2_grpc, worker_pb2
 
 DEFAULT_ADMIT_TIMEOUT_S = 60.0

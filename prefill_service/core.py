@@ -1,4 +1,4 @@
-"""The prefill worker's engine core (serving/engine_core.py): runs prompts in continuous
+"""The prefill worker's engine core (serving/worker/engine_core.py): runs prompts in continuous
 batches (prefix cache, chunked prefill), samples each request's first token, and pushes its
 KV to the decode worker the router chose, from this process, where the KV is.
 
@@ -37,8 +37,8 @@ from baton.kvtransfer.backend import (
 from baton.kvtransfer.grpc_options import channel_options
 from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.models.multimodal import ImageInput
-from baton.serving.engine_core import EngineCore
 from baton.serving.grpc_server import ServiceError, open_channel
+from baton.serving.worker.engine_core import EngineCore
 
 log = logging.getLogger("baton.prefill")
 DROPPED_REMEMBERED = 256        # requests whose late KV was dropped, remembered to say so once each

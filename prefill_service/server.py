@@ -9,10 +9,10 @@ import asyncio
 
 import grpc
 
-from baton.serving.core_protocol import Command
 from baton.serving.grpc_server import ServiceError
 from baton.serving.wire import images_from_proto, sampling_from_proto
-from baton.serving.worker import EngineWorker
+from baton.serving.worker.core_protocol import Command
+from baton.serving.worker.worker import EngineWorker
 from baton.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
 
 DEFAULT_TIMEOUT_S = 120.0

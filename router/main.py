@@ -18,7 +18,7 @@ from baton.models.multimodal import ImagePlaceholders
 from baton.models.source import resolve_model
 from baton.router import health
 from baton.router.config import RouterConfig, parse_router_args
-from baton.router.openai_api import OpenAIServer
+from baton.router.openai.api import OpenAIServer
 from baton.router.registry import Registry
 from baton.router.server import RouterService, RouterServicer
 from baton.serving.grpc_server import Server, run_server

@@ -10,7 +10,7 @@ A worker that fails a health check, a status call or a real request is marked un
 once and leaves rotation; the checker keeps probing it and a recovered worker returns. One that
 stops answering (a hang: the check times out), is gone (unreachable), or whose engine core has
 been stalled for HANG_GRACE_S (silent, or that long past the budget of the step it is in: the
-worker judges its own steps against their expected cost, serving/core_client.py) is also *lost*:
+worker judges its own steps against their expected cost, serving/worker/core_client.py) is also *lost*:
 what this router runs there is taken away at once (its token bus is closed, so its streams
 migrate; attempts waiting on it fail over), and a hang is counted apart from a death. A worker
 that is merely busy (one long prompt on a CPU) is neither: it stays in rotation, and routing

@@ -13,9 +13,9 @@ from cluster import REPO
 
 from baton.benchmarks.synthetic_core import FALLBACK_IDS, SyntheticCore
 from baton.engine.requests.sampling_params import SamplingParams
-from baton.serving.core_protocol import Updates
 from baton.serving.grpc_server import ServiceError
-from baton.serving.worker_config import WorkerConfig
+from baton.serving.worker.core_protocol import Updates
+from baton.serving.worker.worker_config import WorkerConfig
 
 
 def test_synthetic_core_gives_every_request_one_token_per_step_until_max_tokens(monkeypatch):

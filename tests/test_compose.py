@@ -247,7 +247,7 @@ def test_a_wildcard_bind_address_is_never_what_peers_are_told():
         assert reachable_host(host) not in WILDCARD_HOSTS
     assert reachable_host("0.0.0.0", "decode-1.decode.default.svc") == "decode-1.decode.default.svc"
     assert reachable_host("10.1.2.3") == "10.1.2.3"
-    from baton.serving.worker_config import parse_worker_args
+    from baton.serving.worker.worker_config import parse_worker_args
     for flags in (["--advertise-host", "0.0.0.0"], ["--advertise-host", "[::]"], ["--kv-advertise", "0.0.0.0:50061"]):
         with pytest.raises(SystemExit):            # said, not advertised
             parse_worker_args("decode", flags)

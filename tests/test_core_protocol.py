@@ -1,4 +1,4 @@
-"""The front <-> engine-core wire (serving/core_protocol.py): every message survives the framing
+"""The front <-> engine-core wire (serving/worker/core_protocol.py): every message survives the framing
 as itself, a core refuses a front of another protocol version with one line naming both, and
 a command is an enum member the role's core has (anything else answers a clear error)."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 
 from baton.engine import step_clock
 from baton.engine.scheduling.block_manager import KVCacheFull
-from baton.serving.core_protocol import (
+from baton.serving.grpc_server import ServiceError
+from baton.serving.worker.core_protocol import (
     PROTOCOL_VERSION,
     Beat,
     Call,
@@ -34,9 +35,8 @@ from baton.serving.core_protocol import (
     open_reader,
     read_frame,
 )
-from baton.serving.engine_core import EngineCore, _serve
-from baton.serving.grpc_server import ServiceError
-from baton.serving.worker_config import WorkerConfig
+from baton.serving.worker.engine_core import EngineCore, _serve
+from baton.serving.worker.worker_config import WorkerConfig
 
 STATS = CoreStats(2, 1, 100, 40, spec_accepted_lengths=(1, 0, 2))
 MESSAGES = [

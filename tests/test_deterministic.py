@@ -138,7 +138,7 @@ def test_more_than_two_tensor_parallel_ranks_are_refused():
 def test_the_worker_flag_reaches_the_engine():
     import argparse
 
-    from baton.serving.worker_config import add_worker_args, engine_config_from_args
+    from baton.serving.worker.worker_config import add_worker_args, engine_config_from_args
     p = argparse.ArgumentParser()
     add_worker_args(p, 50052)
     assert engine_config_from_args(p.parse_args(["--deterministic"])).deterministic

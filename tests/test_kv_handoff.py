@@ -316,7 +316,7 @@ async def workers(prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ..
     role's extra flags after the common ones."""
     from baton.decode_service.server import DecodeWorker
     from baton.prefill_service.server import PrefillWorker
-    from baton.serving.worker_config import parse_worker_args
+    from baton.serving.worker.worker_config import parse_worker_args
     common = ["--model", "tiny-llama", "--port", "0", "--kv-backend", "memory", "--num-kv-blocks", "32",
               "--max-num-batched-tokens", "16"]
     decode = DecodeWorker(parse_worker_args("decode", [*common, *decode_args]))

@@ -1,8 +1,9 @@
 """The structure the folders promise, checked on what users install: the built wheel puts
 one name, `baton`, in site-packages, and its imports keep the layering (import-linter's
 contracts in pyproject.toml: imports point down, between the folders and between the engine's
-layers, no cycles, torch-free plumbing and request types). The router takes of the engine only
-its request types (engine/requests/), which need nothing else of it."""
+layers, no cycles, the router clear of the workers' runtime (serving/worker/), torch-free plumbing
+and request types). The router takes of the engine only its request types (engine/requests/),
+which need nothing else of it."""
 from __future__ import annotations
 
 import ast
@@ -103,17 +104,19 @@ def test_imports_keep_the_layering_contracts(installed_tree, tmp_path):
     run = subprocess.run([str(lint), "--config", str(REPO / "pyproject.toml"), "--no-cache", "--no-logo"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "4 kept, 0 broken" in run.stdout
+    assert "5 kept, 0 broken" in run.stdout
 
 
 @pytest.mark.parametrize("where, code, broken", [
     ("engine", "from baton.router import server", "baton.engine.upward -> baton.router"),
     ("engine/scheduling", "from baton.engine.runner import sampler", "baton.engine.scheduling.upward -> baton.engine.runner"),
     ("engine/requests", "import torch", "baton.engine.requests.upward -> torch"),
-], ids=["engine-to-router", "scheduling-to-runner", "requests-to-torch"])
+    ("router", "from baton.serving.worker import worker_config",
+     "baton.router.upward -> baton.serving.worker.worker_config"),
+], ids=["engine-to-router", "scheduling-to-runner", "requests-to-torch", "router-to-worker-runtime"])
 def test_an_upward_import_breaks_the_contract(installed_tree, tmp_path, where, code, broken):
     """The check is live: an engine module importing the router, the scheduler's layer importing the
-    runner, a request type importing torch: each fails it."""
+    runner, a request type importing torch, the router importing the workers' runtime: each fails it."""
     tree = tmp_path / "site"
     shutil.copytree(installed_tree, tree)
     (tree / "baton" / where / "upward.py").write_text(code + "\n")

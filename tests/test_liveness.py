@@ -119,9 +119,9 @@ def test_one_outlier_step_does_not_inflate_the_budget_of_the_next_ones():
 def test_a_core_whose_engine_thread_died_is_dead_not_healthy():
     """A step loop that raised (a device out of memory) leaves a core process that still pulses and
     answers: it says FATAL instead, and the front ends the worker rather than flap healthy/unhealthy."""
-    from baton.serving.core_client import CoreClient
-    from baton.serving.core_protocol import Fatal
-    from baton.serving.worker_config import WorkerConfig
+    from baton.serving.worker.core_client import CoreClient
+    from baton.serving.worker.core_protocol import Fatal
+    from baton.serving.worker.worker_config import WorkerConfig
 
     deaths = []
 

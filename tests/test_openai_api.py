@@ -16,7 +16,7 @@ import pytest
 from cluster import REPO
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.router.openai_errors import HTTPError, from_service_error
+from baton.router.openai.errors import HTTPError, from_service_error
 from baton.serving.grpc_server import ServiceError
 from baton.v1 import router_pb2, router_pb2_grpc
 

@@ -13,7 +13,7 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from baton.engine import SamplingParams
-from baton.router.openai_fields import HONOURED, INFORMATIONAL, REFUSED
+from baton.router.openai.fields import HONOURED, INFORMATIONAL, REFUSED
 from baton.v1 import router_pb2, router_pb2_grpc
 
 MODEL = "smollm2-135m-instruct"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from baton.configuration import all_parsers, table
-from baton.serving.worker_config import parse_worker_args
+from baton.serving.worker.worker_config import parse_worker_args
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -121,7 +121,7 @@ def test_vllm_spellings_of_flags_mean_the_same():
     assert parse_worker_args("decode", ["--dtype", "bf16"]).engine.dtype == "bfloat16"
     router = parse_router_args(["--colocated", "w:1", "--served-model-name", "a", "b,c"])
     assert router.served_model_name == ["a", "b", "c"]
-    from baton.serving.worker_config import build_parser
+    from baton.serving.worker.worker_config import build_parser
     args = build_parser("decode").parse_args(["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--ssl-ca-certs",
                                               "ca.pem"])
     assert (args.tls_cert, args.tls_key, args.tls_ca) == ("c.pem", "k.pem", "ca.pem")

@@ -617,7 +617,7 @@ def test_worker_metrics_count_guesses_from_the_cores_totals():
 
 
 def test_the_engine_core_reports_its_speculation_totals(spec_llm):
-    from baton.serving.engine_core import EngineCore
+    from baton.serving.worker.engine_core import EngineCore
     core = EngineCore.__new__(EngineCore)              # only what stats() reads
     core.engine = spec_llm.engine
     stats = core.stats()
@@ -630,8 +630,8 @@ def test_the_engine_core_reports_its_speculation_totals(spec_llm):
 def test_the_per_request_opt_out_travels_the_openai_api_and_the_wire():
     """`speculative: false` (OpenAI body, or baton.v1 sampling.speculative) reaches the engine's
     SamplingParams on every worker; unset means true; anything but a boolean is a 400."""
-    from baton.router.openai_errors import HTTPError
-    from baton.router.openai_sampling import sampling
+    from baton.router.openai.errors import HTTPError
+    from baton.router.openai.sampling import sampling
     from baton.serving.wire import sampling_from_proto, sampling_to_proto
     from baton.v1 import router_pb2
     proto, _ = sampling({"speculative": False}, chat=True)

@@ -373,7 +373,7 @@ def test_a_colocated_worker_runs_a_chat_with_images_as_the_offline_engine(vl):
     """The colocated role (Decode.Generate) takes the images too; in this process, on the same checkpoint."""
     from baton.decode_service.server import DecodeWorker
     from baton.serving.wire import sampling_to_proto
-    from baton.serving.worker_config import parse_worker_args
+    from baton.serving.worker.worker_config import parse_worker_args
     _, want, path = vl
     req = as_grpc(CHATS["two images"])
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from baton.kvtransfer import registry
-from baton.serving.worker_config import WorkerConfig, build_parser, worker_config_from_args
+from baton.serving.worker.worker_config import WorkerConfig, build_parser, worker_config_from_args
 
 REPO = Path(__file__).resolve().parents[2]
 

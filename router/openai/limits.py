@@ -8,7 +8,7 @@ import asyncio
 import math
 
 from baton.router import validation
-from baton.router.openai_errors import HTTPError
+from baton.router.openai.errors import HTTPError
 from baton.v1 import router_pb2
 
 # special tokens a tokenizer may add around a text (BOS, a SentencePiece prefix...): a byte-level
@@ -18,7 +18,7 @@ ADDED_TOKENS = 8
 
 def requested(body: dict, chat: bool) -> tuple[str, int] | None:
     """The field that set the output's length, and its value; None when the request set none
-    (openai_sampling.sampling has checked its type; the first of the two a chat gives wins there too)."""
+    (sampling.py: sampling has checked its type; the first of the two a chat gives wins there too)."""
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     for name in names:
         value = body.get(name)

@@ -1,11 +1,11 @@
 """A worker's engine core: the step loop and everything that touches the device and the KV
-cache (the KV-transfer plane too), apart from the worker's front (serving/worker.py), which
+cache (the KV-transfer plane too), apart from the worker's front (serving/worker/worker.py), which
 serves its RPCs, makes the text and streams the tokens.
 
-The core runs in a process of its own (`python -m baton.serving.engine_core`, started by
-the front through serving/core_client.py), so the step loop never waits for the front's
+The core runs in a process of its own (`python -m baton.serving.worker.engine_core`, started by
+the front through serving/worker/core_client.py), so the step loop never waits for the front's
 event loop and its gRPC writes: they don't share an interpreter. After every step it sends
-the front ONE message with every request's new tokens (serving/core_protocol.py). For
+the front ONE message with every request's new tokens (serving/worker/core_protocol.py). For
 in-process tools and tests (the in-memory KV backend) the same core runs on the front's event
 loop instead; nothing else differs.
 
@@ -38,7 +38,9 @@ from baton.engine.llm_engine import LLMEngine, freeze_startup_objects
 from baton.engine.output_processor import RequestOutput
 from baton.kvtransfer import registry
 from baton.kvtransfer.layout import KVLayout
-from baton.serving.core_protocol import (
+from baton.serving.grpc_server import ServiceError
+from baton.serving.logs import setup_logging
+from baton.serving.worker.core_protocol import (
     Beat,
     Call,
     Command,
@@ -56,9 +58,7 @@ from baton.serving.core_protocol import (
     open_reader,
     read_frame,
 )
-from baton.serving.grpc_server import ServiceError
-from baton.serving.logs import setup_logging
-from baton.serving.worker_config import WorkerConfig
+from baton.serving.worker.worker_config import WorkerConfig
 
 BEAT_INTERVAL_S = 0.5              # an idle core still says it is alive this often
 PULSE_INTERVAL_S = 0.5             # and, busy or not, says what its engine thread is doing
@@ -327,7 +327,7 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m baton.serving.engine_core",
+    p = argparse.ArgumentParser(prog="python -m baton.serving.worker.engine_core",
                                 description="a worker's engine core; started by the worker, not by hand")
     p.add_argument("--fds", required=True, help="COMMAND_FD,EVENT_FD: the sockets to the front")
     args = p.parse_args(argv)

@@ -30,11 +30,11 @@ from baton.engine.requests.tokenizer import encode_text
 from baton.models.multimodal import decode_data_url
 from baton.router import health, tokens, worker_metrics
 from baton.router.config import RouterConfig
-from baton.router.openai_chat import Calls, chat_delta, chat_fields, chat_message, message_fields
-from baton.router.openai_errors import HTTPError, from_service_error
-from baton.router.openai_fields import HONOURED, refusal
-from baton.router.openai_limits import check_max_tokens
-from baton.router.openai_logprobs import (
+from baton.router.openai.chat import Calls, chat_delta, chat_fields, chat_message, message_fields
+from baton.router.openai.errors import HTTPError, from_service_error
+from baton.router.openai.fields import HONOURED, refusal
+from baton.router.openai.limits import check_max_tokens
+from baton.router.openai.logprobs import (
     Entry,
     TokenTexts,
     chat_logprobs,
@@ -42,8 +42,8 @@ from baton.router.openai_logprobs import (
     entries,
     prompt_entries,
 )
-from baton.router.openai_sampling import MAX_N, Shape, choice_request, number
-from baton.router.openai_sampling import sampling as request_sampling
+from baton.router.openai.sampling import MAX_N, Shape, choice_request, number
+from baton.router.openai.sampling import sampling as request_sampling
 from baton.serving.grpc_server import PortInUse, ServiceError
 from baton.v1 import router_pb2
 
@@ -181,9 +181,9 @@ class OpenAIServer:
     # -- endpoints ------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         """200 when a request could be served now ("ok", or "degraded" with why: router/health.py),
-        else 503 and why. It names the workers and their
-        last error (what GetServerInfo tells gRPC clients) to a caller the API would let in: an
-        open router's, or one with a known token; anyone else gets the counts."""
+        else 503 and why. It names the workers and their last error (what GetServerInfo tells gRPC
+        clients) to a caller the API would let in: an open router's, or one with a known token;
+        anyone else gets the counts."""
         reg = self.svc.registry
         draining = self.svc.server is not None and self.svc.server.draining
         verdict = health.judge(reg, draining)
@@ -408,7 +408,7 @@ class OpenAIServer:
             logprobs = None
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-                if parsed:                             # reasoning and tool calls (openai_chat.delta)
+                if parsed:                             # reasoning and tool calls (chat.py: chat_delta)
                     if not text:
                         delta.pop("content", None)
                     delta.update(parsed)

@@ -1,7 +1,7 @@
 """Every request field the OpenAI API takes, and what Baton does with it: none is silently ignored.
 
 Each field of OpenAI's completions and chat-completions schemas, and each of vLLM's common extra
-fields, is either honoured (HONOURED: router/openai_sampling.py turns it into baton.v1 sampling), taken
+fields, is either honoured (HONOURED: router/openai/sampling.py turns it into baton.v1 sampling), taken
 as information that changes no output (INFORMATIONAL, as OpenAI's own `user`), or refused with a
 400 naming it unless it holds a value that asks for nothing (REFUSED: field -> its no-op values).
 A field in none of them is refused as unknown, so a typo never passes for a default.
@@ -15,7 +15,7 @@ COMMON_HONOURED = {
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
     # vLLM's extras
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "priority",
-    # structured output (router/openai_structured.py)
+    # structured output (router/openai/structured.py)
     "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     # Baton's own: false opts a request out of speculative decoding (--speculative-method)
     "speculative",

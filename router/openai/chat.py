@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from baton.router.openai_errors import HTTPError
+from baton.router.openai.errors import HTTPError
 from baton.v1 import router_pb2
 
 

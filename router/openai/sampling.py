@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from baton.router.openai_errors import HTTPError
-from baton.router.openai_structured import structured
+from baton.router.openai.errors import HTTPError
+from baton.router.openai.structured import structured
 from baton.v1 import router_pb2
 
 

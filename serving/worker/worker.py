@@ -2,8 +2,8 @@
 metrics, drain, the engine core's life).
 
 A worker is two processes. The front (this, on one event loop) serves the worker's RPCs,
-checks requests, makes text and streams tokens; its engine core (serving/engine_core.py,
-a child process started through serving/core_client.py) runs the step loop, the device, the
+checks requests, makes text and streams tokens; its engine core (serving/worker/engine_core.py,
+a child process started through serving/worker/core_client.py) runs the step loop, the device, the
 KV cache and the KV transfers. `prefill_service` and `decode_service` subclass `EngineWorker`
 with their RPCs and name their core (`core_target`). The front never imports torch.
 
@@ -23,11 +23,11 @@ import grpc
 from prometheus_client import generate_latest
 
 from baton.engine.requests.limits import ModelLimits
-from baton.serving.core_client import CoreClient, start_core
-from baton.serving.core_protocol import MetricEvent, TokenUpdate
 from baton.serving.grpc_server import Server, ServiceError
 from baton.serving.metrics import Metrics
-from baton.serving.worker_config import WorkerConfig
+from baton.serving.worker.core_client import CoreClient, start_core
+from baton.serving.worker.core_protocol import MetricEvent, TokenUpdate
+from baton.serving.worker.worker_config import WorkerConfig
 from baton.v1 import worker_pb2
 
 log = logging.getLogger("baton.worker")

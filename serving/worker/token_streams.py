@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable
 
 from baton.engine.output_processor import TextStream
 from baton.engine.requests.sampling_params import SamplingParams
-from baton.serving.core_protocol import TokenUpdate, decode_error
 from baton.serving.grpc_server import ServiceError, status_for
 from baton.serving.wire import FINISH_TO_PROTO, STATUS_BY_NUMBER, logprobs_to_proto
+from baton.serving.worker.core_protocol import TokenUpdate, decode_error
 from baton.v1 import decode_pb2, router_pb2
 
 MAX_BUS_INTERVAL_S = 0.02              # a stream on a busy bus still gets a chunk at least this often

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from baton.engine.requests.structured_output import StructuredOutput
-from baton.router.openai_errors import HTTPError
+from baton.router.openai.errors import HTTPError
 from baton.serving.wire import structured_to_proto
 from baton.v1 import router_pb2
 

@@ -1,4 +1,4 @@
-"""The front's handle on its engine core (serving/engine_core.py): start it, call its
+"""The front's handle on its engine core (serving/worker/engine_core.py): start it, call its
 commands, hear its per-step updates, and notice when it dies or hangs.
 
 `ProcessCore` runs the core as a child process over two socket pairs (the default);
@@ -26,7 +26,8 @@ from collections.abc import Callable
 import grpc
 
 from baton.engine import step_clock
-from baton.serving.core_protocol import (
+from baton.serving.grpc_server import ServiceError
+from baton.serving.worker.core_protocol import (
     PROTOCOL_VERSION,
     Beat,
     Call,
@@ -46,8 +47,7 @@ from baton.serving.core_protocol import (
     open_reader,
     read_frame,
 )
-from baton.serving.grpc_server import ServiceError
-from baton.serving.worker_config import WorkerConfig
+from baton.serving.worker.worker_config import WorkerConfig
 
 WATCH_EVERY_S = 1.0
 SILENT_S = 1.0                     # a core quiet this long is reported stalled (it pulses every 0.5 s)
@@ -201,7 +201,7 @@ class CoreClient:
 
 
 class ProcessCore(CoreClient):
-    """The core in a child process: `python -m baton.serving.engine_core --fds C,E`."""
+    """The core in a child process: `python -m baton.serving.worker.engine_core --fds C,E`."""
 
     proc: subprocess.Popen | None = None
 
@@ -209,7 +209,7 @@ class ProcessCore(CoreClient):
         front_cmd, core_cmd = socket.socketpair()
         front_evt, core_evt = socket.socketpair()
         fds = (core_cmd.fileno(), core_evt.fileno())
-        self.proc = subprocess.Popen([sys.executable, "-m", "baton.serving.engine_core", "--fds",
+        self.proc = subprocess.Popen([sys.executable, "-m", "baton.serving.worker.engine_core", "--fds",
                                       ",".join(map(str, fds))], pass_fds=fds)
         core_cmd.close()
         core_evt.close()
@@ -271,7 +271,7 @@ class LocalCore(CoreClient):
     core = None
 
     async def _launch(self) -> None:
-        from baton.serving.engine_core import load_core  # the engine (torch) only in this mode
+        from baton.serving.worker.engine_core import load_core  # the engine (torch) only in this mode
         loop = asyncio.get_running_loop()
         self.core = load_core(self.target)(self.cfg, lambda msg: loop.call_soon_threadsafe(self._message, msg))
         try:

@@ -1,4 +1,4 @@
-"""The wire between a worker's front process and its engine core (serving/engine_core.py):
+"""The wire between a worker's front process and its engine core (serving/worker/engine_core.py):
 every message, every command, and the framing, defined here and nowhere else.
 
 Two Unix stream sockets, one per direction, carrying length-prefixed pickle frames of the
@@ -21,7 +21,7 @@ core started from another install than its front's.
                                                       the engine thread is doing and its budget (engine/step_clock.py)
 
 A Call's command is a Command member (every role's commands are listed there; a core runs them
-through a table built from the enum, serving/engine_core.py). A TokenUpdate names one request's
+through a table built from the enum, serving/worker/engine_core.py). A TokenUpdate names one request's
 tokens of a step; what only some updates carry (an error, the handover time, logprobs) is an
 optional field. `stats` is CoreStats; `metrics` a list of (metric, labels, value) the front
 records. Torch-free.
@@ -46,7 +46,7 @@ from baton.serving.grpc_server import ServiceError, status_for
 if TYPE_CHECKING:
     from baton.engine.output_processor import RequestOutput, TokenLogprob
     from baton.engine.step_clock import Pulse as Activity
-    from baton.serving.worker_config import WorkerConfig
+    from baton.serving.worker.worker_config import WorkerConfig
 
 PROTOCOL_VERSION = 1               # bump on any change to the classes below (their fields travel by position)
 FRAME = struct.Struct("!I")
