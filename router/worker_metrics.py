@@ -7,9 +7,8 @@ and KV use, which live on the workers.
 Families are merged by name, each from the processes that record it (serving/metrics.py:
 RECORDED_BY): a worker's idle copy of a router gauge, or the router's of a worker gauge, never
 shows up as a second series, and a request counted by the router is not counted again by its
-decode worker. Workers are asked over gRPC (GetMetrics) at
-scrape time, concurrently, each within a short timeout; one that does not answer is left out of
-that scrape (a debug line says why)."""
+decode worker. Workers are asked over gRPC (GetMetrics) at scrape time, concurrently, each within
+a short timeout; one that does not answer is left out of that scrape (a debug line says why)."""
 from __future__ import annotations
 
 import asyncio
