@@ -1,4 +1,4 @@
-"""The `baton` command: serve | generate | router | prefill | decode | bench | plan.
+"""The `baton` command: serve | generate | router | prefill | decode | bench | plan | top.
 
 Each subcommand parses its flags before importing anything heavy, so `--help` (and a
 mistyped flag) answer at once; torch loads only when a process starts serving.
@@ -20,6 +20,7 @@ commands:
   decode     a decode worker (--colocated: a worker doing both)
   bench      benchmarks: {bench}
   plan       which prefill/decode split of N devices serves a workload best at a TTFT and TPOT target
+  top        a live view of a running deployment: requests, stage times, workers (from its router's metrics)
 
   baton --version    the installed version
 """
@@ -64,6 +65,8 @@ def _command(name: str):
         from baton.benchmarks.cli import main
     elif name == "plan":
         from baton.benchmarks.planner import main
+    elif name == "top":
+        from baton.top import main
     else:
         return None
     return main

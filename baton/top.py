@@ -1,0 +1,221 @@
+"""`baton top`: a live view of a running deployment in the terminal, from the metrics any
+dashboard reads: the router's /metrics on its HTTP port, which under `baton serve` carries every
+worker's series too (router/worker_metrics.py), and its /health.
+
+Every refresh scrapes twice the interval apart in effect (this scrape against the last one):
+rates are counter deltas over the time between them, latency quantiles come from the histogram
+buckets that filled in between (Prometheus's interpolation), gauges are read as they are.
+
+    baton top                                   # http://127.0.0.1:8000/metrics, every 2 s
+    baton top --url http://HOST:PORT/metrics --interval 5
+    baton top --once                            # one frame (two scrapes) to stdout, then exit
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from baton.serving.options import parser
+
+STAGE_ORDER = ("queue", "admit", "prefill", "handover", "decode")
+FETCH_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Scrape:
+    at: float
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
+    health: dict
+
+
+def parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def fetch(url: str) -> Scrape:
+    """One scrape of `url` (/metrics), with the /health beside it (empty when it does not answer)."""
+    with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as r:
+        samples = parse(r.read().decode())
+    try:
+        with urllib.request.urlopen(url.removesuffix("/metrics") + "/health", timeout=FETCH_TIMEOUT_S) as r:
+            health = json.load(r)
+    except urllib.error.HTTPError as exc:          # 503 still says why
+        health = json.loads(exc.read() or b"{}")
+    except (OSError, ValueError):
+        health = {}
+    return Scrape(time.monotonic(), samples, health)
+
+
+class Interval:
+    """What happened between two scrapes of the same target."""
+
+    def __init__(self, before: Scrape, after: Scrape):
+        self.a, self.b = before.samples, after.samples
+        self.seconds = max(after.at - before.at, 1e-9)
+        self.health = after.health
+
+    def value(self, name: str, **labels) -> float:
+        """The sum of `name`'s series matching `labels`, now."""
+        return sum(v for (n, ls), v in self.b.items() if n == name and _match(ls, labels))
+
+    def rate(self, name: str, **labels) -> float:
+        """Per second, the growth of `name`'s matching series (a series that restarted counts from 0)."""
+        total = 0.0
+        for key, v in self.b.items():
+            if key[0] == name and _match(key[1], labels):
+                before = self.a.get(key, 0.0)
+                total += v - before if v >= before else v
+        return total / self.seconds
+
+    def quantile(self, q: float, name: str, **labels) -> float | None:
+        """The q-quantile of the observations `name` (a histogram) got in the interval, as
+        Prometheus's histogram_quantile interpolates it; None when none came."""
+        buckets: dict[float, float] = defaultdict(float)
+        for (n, ls), v in self.b.items():
+            if n == f"{name}_bucket" and _match(ls, labels):
+                le = dict(ls)["le"]
+                buckets[float(le)] += v - self.a.get((n, ls), 0.0)
+        return histogram_quantile(q, buckets)
+
+    def mean(self, name: str, **labels) -> float | None:
+        count = self.rate(f"{name}_count", **labels) * self.seconds
+        return self.rate(f"{name}_sum", **labels) * self.seconds / count if count > 0 else None
+
+    def workers(self) -> list[tuple[str, str]]:
+        """(address, role) of every worker whose series the target serves."""
+        found = {(dict(ls)["worker"], dict(ls).get("role", "?")) for (_, ls) in self.b if "worker" in dict(ls)}
+        return sorted(found, key=lambda w: (("prefill", "decode", "colocated").index(w[1])
+                                            if w[1] in ("prefill", "decode", "colocated") else 3, w[0]))
+
+
+def _match(labels: tuple[tuple[str, str], ...], want: dict[str, str]) -> bool:
+    have = dict(labels)
+    return all(have.get(k) == v for k, v in want.items())
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """Prometheus's interpolation over cumulative buckets {upper bound: count}."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank, lower, below = q * buckets[bounds[-1]], 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+        lower, below = le, count
+    return lower
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.1f}"
+
+
+def _rate(x: float) -> str:
+    return f"{x:,.1f}" if x < 100 else f"{x:,.0f}"
+
+
+def render(iv: Interval, url: str):
+    """One frame: a rich renderable."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    status = iv.health.get("status", "unknown")
+    style = {"ok": "green", "degraded": "yellow", "unavailable": "red"}.get(status, "dim")
+    head = Text.assemble(("baton top ", "bold"), (url, "dim"), "  status ", (status, f"bold {style}"))
+    if iv.health.get("reason"):
+        head.append(f" ({iv.health['reason']})", style=style)
+    head.append(f"  over the last {iv.seconds:.1f}s", style="dim")
+
+    done = iv.rate("baton_requests_total")
+    ok = iv.rate("baton_requests_total", status="stop") + iv.rate("baton_requests_total", status="length")
+    req = Table(title="requests (router)", title_justify="left", expand=False)
+    for col in ("running", "waiting", "finished/s", "errors/s", "prompt tok/s", "output tok/s",
+                "TTFT p50/p99 ms", "ITL p50/p99 ms", "E2E p50 ms"):
+        req.add_column(col, justify="right")
+    req.add_row(f"{iv.value('baton_router_running'):.0f}", f"{iv.value('baton_router_waiting'):.0f}", _rate(done),
+                _rate(max(done - ok - iv.rate("baton_requests_total", status="abort"), 0.0)),
+                _rate(iv.rate("baton_prompt_tokens_total")), _rate(iv.rate("baton_generation_tokens_total")),
+                f"{_ms(iv.quantile(0.5, 'baton_ttft_seconds'))} / {_ms(iv.quantile(0.99, 'baton_ttft_seconds'))}",
+                f"{_ms(iv.quantile(0.5, 'baton_itl_seconds'))} / {_ms(iv.quantile(0.99, 'baton_itl_seconds'))}",
+                _ms(iv.quantile(0.5, "baton_e2e_seconds")))
+
+    stages = Table(title="time by stage (router)", title_justify="left")
+    stages.add_column("stage")
+    stages.add_column("mean ms", justify="right")
+    stages.add_column("p99 ms", justify="right")
+    for stage in STAGE_ORDER:
+        mean = iv.mean("baton_stage_seconds", stage=stage)
+        if mean is not None:
+            stages.add_row(stage, _ms(mean), _ms(iv.quantile(0.99, "baton_stage_seconds", stage=stage)))
+
+    workers = Table(title="workers", title_justify="left")
+    for col in ("worker", "role", "running", "waiting", "KV used", "step p50/p99 ms", "KV in MB/s", "KV out MB/s"):
+        workers.add_column(col, justify="left" if col in ("worker", "role") else "right")
+    for address, role in iv.workers():
+        w = {"worker": address}
+        workers.add_row(address, role, f"{iv.value('baton_running', **w):.0f}", f"{iv.value('baton_waiting', **w):.0f}",
+                        f"{100 * iv.value('baton_kv_cache_usage_ratio', **w):.0f}%",
+                        f"{_ms(iv.quantile(0.5, 'baton_step_seconds', **w))} / "
+                        f"{_ms(iv.quantile(0.99, 'baton_step_seconds', **w))}",
+                        f"{iv.rate('baton_kv_transfer_bytes_total', direction='in', **w) / 1e6:.1f}",
+                        f"{iv.rate('baton_kv_transfer_bytes_total', direction='out', **w) / 1e6:.1f}")
+    parts = [head, req, stages if stages.row_count else Text("no request finished in this interval", style="dim"),
+             workers if workers.row_count else
+             Text("no worker series here: point --url at a router started by `baton serve`, or run the router "
+                  "with --worker-metrics", style="yellow")]
+    return Group(*parts)
+
+
+def build_parser():
+    p = parser("baton top", "a live view of a running Baton deployment, from its router's metrics",
+               usage="baton top [--url URL] [--interval SECONDS] [--once]")
+    p.add_argument("--url", default="http://127.0.0.1:8000/metrics",
+                   help="the router's metrics on its HTTP port (default: %(default)s)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: %(default)s)")
+    p.add_argument("--once", action="store_true", help="print one frame (two scrapes --interval apart) and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.interval <= 0:
+        sys.exit("baton top: --interval must be > 0 seconds")
+    from rich.console import Console
+    from rich.live import Live
+    try:
+        last = fetch(args.url)
+    except OSError as exc:
+        sys.exit(f"baton top: cannot read {args.url} ({getattr(exc, 'reason', exc)}): is the router up, with its "
+                 "HTTP API on (--http-port)? Give its address with --url http://HOST:PORT/metrics")
+    console = Console()
+    if args.once:
+        time.sleep(args.interval)
+        console.print(render(Interval(last, fetch(args.url)), args.url))
+        return
+    try:
+        with Live(console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                time.sleep(args.interval)
+                try:
+                    now = fetch(args.url)
+                except OSError as exc:
+                    live.update(f"baton top: {args.url} does not answer ({getattr(exc, 'reason', exc)}); retrying",
+                                refresh=True)
+                    continue
+                live.update(render(Interval(last, now), args.url), refresh=True)
+                last = now
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,120 @@
+"""`baton top` (baton/top.py): one frame from two scrapes of a router's merged /metrics, and the
+command against a live HTTP target."""
+from __future__ import annotations
+
+import http.server
+import io
+import json
+import subprocess
+import sys
+import threading
+
+from prometheus_client import generate_latest
+from rich.console import Console
+
+from baton.router import worker_metrics
+from baton.serving.metrics import Metrics
+from baton.top import Interval, Scrape, histogram_quantile, parse, render
+
+
+class Worker:
+    def __init__(self, address, role):
+        self.address, self.role = address, role
+
+
+def deployment():
+    router, prefill, decode = Metrics("router"), Metrics("prefill"), Metrics("decode")
+    for m in (router, prefill, decode):
+        m.serving_model("m")
+    return router, prefill, decode
+
+
+def merged(router, prefill, decode) -> str:
+    return worker_metrics.merge(generate_latest(router.registry),
+                                [(Worker("p:1", "prefill"), generate_latest(prefill.registry).decode()),
+                                 (Worker("d:1", "decode"), generate_latest(decode.registry).decode())]).decode()
+
+
+def busy(router, prefill, decode) -> None:
+    """Four requests finish in one second: 400 prompt and 40 output tokens, known stage times."""
+    for _ in range(4):
+        router.requests.labels("m", "length").inc()
+        router.ttft.labels("m").observe(0.08)
+        for stage, s in (("queue", 0.001), ("admit", 0.002), ("prefill", 0.05), ("handover", 0.004),
+                         ("decode", 0.3)):
+            router.stage_seconds.labels("m", stage).observe(s)
+    router.prompt_tokens.labels("m").inc(400)
+    router.generation_tokens.labels("m").inc(40)
+    prefill.kv_transfer_bytes.labels("out").inc(8e6)
+    decode.kv_transfer_bytes.labels("in").inc(8e6)
+    decode.running.set(3)
+    decode.kv_usage.set(0.25)
+
+
+def frame(before: str, after: str, health: dict) -> str:
+    iv = Interval(Scrape(0.0, parse(before), {}), Scrape(1.0, parse(after), health))
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(render(iv, "http://h:8000/metrics"))
+    return console.export_text()
+
+
+def test_a_frame_shows_the_rates_the_stages_and_every_worker():
+    router, prefill, decode = deployment()
+    before = merged(router, prefill, decode)
+    busy(router, prefill, decode)
+    text = frame(before, merged(router, prefill, decode), {"status": "ok"})
+    assert "status ok" in text
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if line.count("│") > 3}
+    assert rows["p:1"].split("│")[2].strip() == "prefill" and rows["d:1"].split("│")[2].strip() == "decode"
+    assert [c.strip() for c in rows["d:1"].split("│")[3:6]] == ["3", "0", "25%"]          # running, waiting, KV
+    assert rows["p:1"].split("│")[-2].strip() == "8.0" and rows["d:1"].split("│")[-3].strip() == "8.0"   # MB/s
+    requests = next(line for line in text.splitlines() if line.count("│") > 5 and "4.0" in line)
+    assert [c.strip() for c in requests.split("│")[3:7]] == ["4.0", "0.0", "400", "40.0"]
+    stages = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in text.splitlines()
+              if line.count("│") == 4}
+    assert stages == {"queue": "1.0", "admit": "2.0", "prefill": "50.0", "handover": "4.0", "decode": "300"}
+
+
+def test_a_degraded_deployment_and_a_target_without_workers_say_so():
+    router, _, _ = deployment()
+    text = generate_latest(router.registry).decode()
+    shown = frame(text, text, {"status": "degraded", "reason": "not disaggregating: no healthy prefill"})
+    assert "status degraded (not disaggregating: no healthy prefill)" in shown
+    assert "no worker series here" in shown and "no request finished in this interval" in shown
+
+
+def test_histogram_quantile_interpolates_as_prometheus_does():
+    buckets = {1.0: 1, 2.0: 3, float("inf"): 4}
+    assert histogram_quantile(0.5, buckets) == 1.5 and histogram_quantile(0.99, buckets) == 2.0
+    assert histogram_quantile(0.5, {float("inf"): 0}) is None
+
+
+def test_the_command_reads_a_live_target_once():
+    router, prefill, decode = deployment()
+    pages = [merged(router, prefill, decode)]
+    busy(router, prefill, decode)
+    pages.append(merged(router, prefill, decode))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = (json.dumps({"status": "ok"}) if self.path == "/health" else
+                    pages.pop(0) if len(pages) > 1 else pages[0]).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        out = subprocess.run([sys.executable, "-m", "baton", "top", "--url", url, "--once", "--interval", "0.2"],
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+    assert out.returncode == 0, out.stderr
+    assert "status ok" in out.stdout and "d:1" in out.stdout and "p:1" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "baton", "top", "--url", "http://127.0.0.1:1/metrics", "--once"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "is the router up" in bad.stderr
