@@ -118,6 +118,12 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
     return lower
 
 
+def _tokens_sent(iv: Interval) -> float:
+    """Output tokens a second as they reach clients (a first token, then one interval per token),
+    not when their request ends: a long stream counts while it runs."""
+    return iv.rate("baton_ttft_seconds_count") + iv.rate("baton_itl_seconds_count")
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.1f}"
 
@@ -128,6 +134,7 @@ def _rate(x: float) -> str:
 
 def render(iv: Interval, url: str):
     """One frame: a rich renderable."""
+    from rich import box
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -141,29 +148,29 @@ def render(iv: Interval, url: str):
 
     done = iv.rate("baton_requests_total")
     ok = iv.rate("baton_requests_total", status="stop") + iv.rate("baton_requests_total", status="length")
-    req = Table(title="requests (router)", title_justify="left", expand=False)
-    for col in ("running", "waiting", "finished/s", "errors/s", "prompt tok/s", "output tok/s",
-                "TTFT p50/p99 ms", "ITL p50/p99 ms", "E2E p50 ms"):
-        req.add_column(col, justify="right")
+    req = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for col in ("running", "waiting", "done/s", "err/s", "in tok/s", "out tok/s", "TTFT p50/99", "ITL p50/99",
+                "E2E p50"):
+        req.add_column(col, justify="right", no_wrap=True)
     req.add_row(f"{iv.value('baton_router_running'):.0f}", f"{iv.value('baton_router_waiting'):.0f}", _rate(done),
                 _rate(max(done - ok - iv.rate("baton_requests_total", status="abort"), 0.0)),
-                _rate(iv.rate("baton_prompt_tokens_total")), _rate(iv.rate("baton_generation_tokens_total")),
+                _rate(iv.rate("baton_prompt_tokens_total")), _rate(_tokens_sent(iv)),
                 f"{_ms(iv.quantile(0.5, 'baton_ttft_seconds'))} / {_ms(iv.quantile(0.99, 'baton_ttft_seconds'))}",
                 f"{_ms(iv.quantile(0.5, 'baton_itl_seconds'))} / {_ms(iv.quantile(0.99, 'baton_itl_seconds'))}",
                 _ms(iv.quantile(0.5, "baton_e2e_seconds")))
 
-    stages = Table(title="time by stage (router)", title_justify="left")
+    stages = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
     stages.add_column("stage")
-    stages.add_column("mean ms", justify="right")
-    stages.add_column("p99 ms", justify="right")
+    stages.add_column("mean", justify="right")
+    stages.add_column("p99", justify="right")
     for stage in STAGE_ORDER:
         mean = iv.mean("baton_stage_seconds", stage=stage)
         if mean is not None:
             stages.add_row(stage, _ms(mean), _ms(iv.quantile(0.99, "baton_stage_seconds", stage=stage)))
 
-    workers = Table(title="workers", title_justify="left")
-    for col in ("worker", "role", "running", "waiting", "KV used", "step p50/p99 ms", "KV in MB/s", "KV out MB/s"):
-        workers.add_column(col, justify="left" if col in ("worker", "role") else "right")
+    workers = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for col in ("worker", "role", "running", "waiting", "KV used", "step p50/99", "KV in MB/s", "out MB/s"):
+        workers.add_column(col, justify="left" if col in ("worker", "role") else "right", no_wrap=True)
     for address, role in iv.workers():
         w = {"worker": address}
         workers.add_row(address, role, f"{iv.value('baton_running', **w):.0f}", f"{iv.value('baton_waiting', **w):.0f}",
@@ -172,7 +179,10 @@ def render(iv: Interval, url: str):
                         f"{_ms(iv.quantile(0.99, 'baton_step_seconds', **w))}",
                         f"{iv.rate('baton_kv_transfer_bytes_total', direction='in', **w) / 1e6:.1f}",
                         f"{iv.rate('baton_kv_transfer_bytes_total', direction='out', **w) / 1e6:.1f}")
-    parts = [head, req, stages if stages.row_count else Text("no request finished in this interval", style="dim"),
+    parts = [head, Text("requests (router; latencies in ms)", style="bold"), req,
+             Text("time by stage of the requests that finished (router; ms)", style="bold"),
+             stages if stages.row_count else Text("no request finished in this interval", style="dim"),
+             Text("workers (latencies in ms)", style="bold"),
              workers if workers.row_count else
              Text("no worker series here: point --url at a router started by `baton serve`, or run the router "
                   "with --worker-metrics", style="yellow")]
