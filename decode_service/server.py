@@ -23,6 +23,7 @@ import grpc
 
 from baton.engine.requests.sampling_params import SamplingParams
 from baton.engine.requests.tokenizer import load_decoder
+from baton.serving import tracing
 from baton.serving.grpc_server import ServiceError
 from baton.serving.wire import images_from_proto, sampling_from_proto
 from baton.serving.worker.core_protocol import Command, TokenUpdate
@@ -44,6 +45,7 @@ class DecodeWorker(EngineWorker):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.streams: dict[str, TokenStream] = {}
+        self.spans: dict[str, object] = {}         # request id -> its trace span (tracing on only)
         self.buses: dict[str, Bus] = {}
         self.tokenizer = None
         self._sweeper: asyncio.Task | None = None
@@ -74,7 +76,7 @@ class DecodeWorker(EngineWorker):
         await super().stop()
 
     # -- requests ------------------------------------------------------------------------------
-    async def admit(self, req: decode_pb2.AdmitRequest) -> decode_pb2.AdmitResponse:
+    async def admit(self, req: decode_pb2.AdmitRequest, metadata=()) -> decode_pb2.AdmitResponse:
         self.check_accepting()
         rid = self._new_id(req.request_id)
         backend = req.backend or self.cfg.kv_backend
@@ -86,7 +88,7 @@ class DecodeWorker(EngineWorker):
         timeout = req.timeout_ms / 1000 if req.timeout_ms else DEFAULT_ADMIT_TIMEOUT_S
         # on a bus: until the request's deadline; else a Stream must attach before the KV is due
         limit = (req.stream_timeout_ms / 1000 or None) if bus else timeout
-        stream = self._open(rid, prompt, params, limit)
+        stream = self._open(rid, prompt, params, limit, tracing.start("decode", metadata, attributes={"baton.request_id": rid}))
         try:
             admitted = await self.core.call(Command.ADMIT, rid, prompt, _for_core(params), backend, timeout)
         except BaseException as exc:
@@ -98,7 +100,7 @@ class DecodeWorker(EngineWorker):
             stream.attach(bus)
         return decode_pb2.AdmitResponse(**admitted)
 
-    async def start_request(self, req: decode_pb2.WorkerGenerateRequest) -> TokenStream:
+    async def start_request(self, req: decode_pb2.WorkerGenerateRequest, metadata=()) -> TokenStream:
         """Colocated: a whole request here, no transfer."""
         self.check_accepting()
         if self.cfg.role != "colocated":
@@ -108,7 +110,8 @@ class DecodeWorker(EngineWorker):
         prompt, params = list(req.prompt_token_ids), sampling_from_proto(req.sampling)
         self.limits.validate(prompt, params)
         images = images_from_proto(req.images)
-        stream = self._open(rid, prompt, params, req.timeout_ms / 1000 or None)
+        stream = self._open(rid, prompt, params, req.timeout_ms / 1000 or None,
+                            tracing.start("colocated", metadata, attributes={"baton.request_id": rid}))
         try:
             await self.core.call(Command.ADD, rid, prompt, _for_core(params), images)
         except BaseException as exc:
@@ -118,11 +121,11 @@ class DecodeWorker(EngineWorker):
             raise
         return stream
 
-    async def start_on_bus(self, req: decode_pb2.WorkerGenerateRequest) -> decode_pb2.StartResponse:
+    async def start_on_bus(self, req: decode_pb2.WorkerGenerateRequest, metadata=()) -> decode_pb2.StartResponse:
         if not req.subscriber:
             raise ValueError("Start needs the subscriber whose token bus takes the request's chunks")
         bus = self._bus(req.subscriber)
-        (await self.start_request(req)).attach(bus)
+        (await self.start_request(req, metadata)).attach(bus)
         return decode_pb2.StartResponse()
 
     def abort_request(self, rid: str, reason: str = "was aborted") -> bool:
@@ -142,10 +145,13 @@ class DecodeWorker(EngineWorker):
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running here")
         return rid
 
-    def _open(self, rid: str, prompt: list[int], params: SamplingParams, limit: float | None) -> TokenStream:
+    def _open(self, rid: str, prompt: list[int], params: SamplingParams, limit: float | None,
+              span=None) -> TokenStream:
         deadline = time.monotonic() + limit if limit else None
         stream = TokenStream(rid, prompt, params, self.tokenizer, self._ended, deadline)
         self.streams[rid] = stream
+        if span is not None:                  # tracing on: the span ends with the stream (_forget)
+            self.spans[rid] = span
         return stream
 
     def _ended(self, stream: TokenStream) -> None:
@@ -163,6 +169,8 @@ class DecodeWorker(EngineWorker):
         if self.streams.get(stream.request_id) is stream:
             del self.streams[stream.request_id]
             stream.detach()
+            if self.spans:
+                tracing.end(self.spans.pop(stream.request_id, None), stream.error)
 
     # -- the core's tokens -----------------------------------------------------------------------
     def on_updates(self, updates: list[TokenUpdate]) -> None:
@@ -263,7 +271,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.w = worker
 
     async def Admit(self, request, context):
-        return await self.w.admit(request)
+        return await self.w.admit(request, context.invocation_metadata())
 
     async def Stream(self, request, context):
         async for chunk in self.w.stream(request.request_id, request.timeout_ms):
@@ -274,7 +282,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield chunk
 
     async def Start(self, request, context):
-        return await self.w.start_on_bus(request)
+        return await self.w.start_on_bus(request, context.invocation_metadata())
 
     async def Subscribe(self, request, context):
         async for batch in self.w.subscribe(request):

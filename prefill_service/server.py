@@ -9,6 +9,7 @@ import asyncio
 
 import grpc
 
+from baton.serving import tracing
 from baton.serving.grpc_server import ServiceError
 from baton.serving.wire import images_from_proto, sampling_from_proto
 from baton.serving.worker.core_protocol import Command
@@ -33,7 +34,7 @@ class PrefillWorker(EngineWorker):
     def num_active(self) -> int:
         return len(self.active)
 
-    async def prefill(self, req: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+    async def prefill(self, req: prefill_pb2.PrefillRequest, metadata=()) -> prefill_pb2.PrefillResponse:
         self.check_accepting()
         rid = req.request_id
         if not rid:
@@ -49,15 +50,23 @@ class PrefillWorker(EngineWorker):
         images = images_from_proto(req.images)
         timeout = req.timeout_ms / 1000 if req.timeout_ms else DEFAULT_TIMEOUT_S
         self.active.add(rid)
+        span = tracing.start("prefill.worker", metadata, attributes={
+            "baton.request_id": rid, "baton.prompt_tokens": len(prompt), "baton.kv_backend": backend})
+        failure: BaseException | None = None
         try:
             reply = await self.core.call(Command.PREFILL, rid, prompt, params, images,
                                          (handoff.decode_address, handoff.transfer_id, backend), timeout)
-        except asyncio.CancelledError:       # the router gave up on it: so does the core
-            self.core.cast(Command.ABORT, rid)
+            tracing.child_from_timing(span, "kv_transfer", reply.get("transfer_seconds", 0.0),
+                                      {"baton.kv_bytes": reply.get("transfer_bytes", 0), "baton.kv_backend": backend})
+        except BaseException as exc:
+            failure = exc
+            if isinstance(exc, asyncio.CancelledError):     # the router gave up on it: so does the core
+                self.core.cast(Command.ABORT, rid)
             raise
         finally:
             self.requests_served += 1
             self.active.discard(rid)
+            tracing.end(span, failure)
         return prefill_pb2.PrefillResponse(**reply)
 
     def _backend(self, asked: str) -> str:
@@ -88,7 +97,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.w = worker
 
     async def Prefill(self, request, context):
-        return await self.w.prefill(request)
+        return await self.w.prefill(request, context.invocation_metadata())
 
     async def Abort(self, request, context):
         return worker_pb2.WorkerAbortResponse(found=self.w.abort_request(request.request_id))

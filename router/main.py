@@ -21,6 +21,7 @@ from baton.router.config import RouterConfig, parse_router_args
 from baton.router.openai.api import OpenAIServer
 from baton.router.registry import Registry
 from baton.router.server import RouterService, RouterServicer
+from baton.serving import tracing
 from baton.serving.grpc_server import Server, run_server
 from baton.serving.logs import setup_logging
 from baton.serving.metrics import Metrics
@@ -122,4 +123,5 @@ def without_torch() -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_router_args(argv)
     setup_logging(cfg.log_level, cfg.log_format)
+    tracing.setup("baton-router", cfg.otlp_traces_endpoint)
     run_server(serve(cfg), "router")

@@ -31,6 +31,7 @@ from baton.router.policies import make_policy
 from baton.router.registry import KVPairs, Registry, Worker
 from baton.router.request_clock import RequestClock
 from baton.router.token_bus import SUBSCRIBER, BusBroken, Inbox, StreamStalled
+from baton.serving import tracing
 from baton.serving.grpc_server import KV_FULL, ServiceError
 from baton.serving.security import TokenAuth
 from baton.serving.wire import STATUS_BY_NUMBER, sampling_to_proto
@@ -61,6 +62,7 @@ class Active:
     images: list[router_pb2.Image] = field(default_factory=list)   # the chat's, sent with every (re-)prefill
     kv_ticket: int | None = None        # its place in the line for decode KV, once it has waited there
     marks: dict[str, float] = field(default_factory=dict)   # stage boundaries (perf_counter) until the first token
+    span: object = None                 # its trace span (serving/tracing.py; None: tracing off)
 
     @property
     def worker_id(self) -> str:
@@ -164,6 +166,9 @@ class RouterService:
         clock = RequestClock(self.metrics, len(ids)) if self.metrics else None
         if clock:
             active.marks = clock.marks
+        active.span = tracing.start("baton.request", context.invocation_metadata(),
+                                    attributes={"baton.request_id": rid, "baton.prompt_tokens": len(ids)})
+        failure: BaseException | None = None
         try:
             async with self.admission.slot(active.client, deadline, params.priority):
                 if clock:
@@ -177,6 +182,7 @@ class RouterService:
                     if active.aborted and not resp.finish_reason:     # aborted while it was sent
                         raise ServiceError(grpc.StatusCode.CANCELLED, f"request {rid} aborted")
         except (ServiceError, TimeoutError) as exc:
+            failure = exc
             timed_out = isinstance(exc, TimeoutError) or exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
             if clock:
                 clock.status = "deadline_exceeded" if timed_out else exc.code.name.lower()
@@ -187,6 +193,7 @@ class RouterService:
                      f"the router's --request-timeout of {self.cfg.request_timeout:g}s (its client set no deadline)")
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} reached {whose}") from None
         except (asyncio.CancelledError, GeneratorExit) as exc:
+            failure = exc
             if clock:
                 clock.status = "cancelled"
             # the Abort RPC: end the stream with a status, not a silent cancel
@@ -196,6 +203,7 @@ class RouterService:
         finally:
             if clock:
                 clock.done()
+            tracing.end(active.span, failure)
             self.active.pop(rid, None)
             for w, _ in active.calls:
                 w.inflight -= 1
@@ -370,7 +378,7 @@ class RouterService:
                 admit = await d.stub.Admit(decode_pb2.AdmitRequest(
                     request_id=rid, prompt_token_ids=ids, sampling=sampling, backend=kv_backend(p, d),
                     timeout_ms=_ms(handover), subscriber=SUBSCRIBER, stream_timeout_ms=_ms(deadline - loop.time())),
-                    timeout=handover)
+                    timeout=handover, **tracing.carry(active.span))
             except grpc.aio.AioRpcError as exc:
                 raise _failed(exc, d, "admit") from exc
             self._use(active, p)
@@ -379,7 +387,7 @@ class RouterService:
                 request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(handover),
                 images=active.images, handoff=prefill_pb2.Handoff(
                     decode_address=admit.kv_address or d.address, transfer_id=admit.transfer_id,
-                    backend=admit.backend)), timeout=handover))
+                    backend=admit.backend)), timeout=handover, **tracing.carry(active.span)))
             p.inflight_tokens += len(ids)
             prefill.add_done_callback(functools.partial(_unqueue, p, len(ids)))
             prefill.add_done_callback(lambda _: _mark(active, "prefill_done"))
@@ -434,7 +442,7 @@ class RouterService:
                 await w.stub.Start(decode_pb2.WorkerGenerateRequest(
                     request_id=rid, prompt_token_ids=ids, sampling=sampling, images=active.images,
                     timeout_ms=_ms(deadline - loop.time()), subscriber=SUBSCRIBER),
-                    timeout=min(self.cfg.first_token_timeout, deadline - loop.time()))
+                    timeout=min(self.cfg.first_token_timeout, deadline - loop.time()), **tracing.carry(active.span))
             except grpc.aio.AioRpcError as exc:
                 raise _failed(exc, w, "start") from exc
             chunk = _first_chunk(await _result(asyncio.ensure_future(inbox.next(deadline))), w, "generate")

@@ -25,6 +25,7 @@ class ServerConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     log_level: str = LOG_LEVEL
     log_format: str = LOG_FORMAT
+    otlp_traces_endpoint: str | None = None   # OpenTelemetry traces exported there (serving/tracing.py; None: off)
 
 
 # presets are random weights: say so where they are listed, or qwen3-8b reads as the real model
@@ -48,6 +49,10 @@ def add_common_args(p: argparse.ArgumentParser, default_port: int) -> None:
     flag(p, "--cache-dir", help="where converted models and compiled graphs are kept (unset: ~/.cache/baton)")
     flag(p, "--metrics-port", type=int, default=s.metrics_port, help="serve Prometheus metrics over HTTP on this port")
     flag(p, "--grace", type=float, default=s.grace_seconds, help="seconds in-flight requests get to finish after SIGTERM")
+    flag(p, "--otlp-traces-endpoint", default=s.otlp_traces_endpoint,
+         help="export OpenTelemetry traces of each request (router, prefill, KV transfer, decode; W3C trace context "
+              "carried between them) to this OTLP/HTTP URL, e.g. http://127.0.0.1:4318/v1/traces (unset: off; "
+              "needs pip install 'baton[trace]')")
     add_log_args(p)
     add_tls_args(p)
 
@@ -56,4 +61,4 @@ def server_settings(args: argparse.Namespace) -> dict:
     """The ServerConfig fields, from the flags add_common_args adds (ValueError: a TLS setting that
     cannot work)."""
     return dict(host=args.host, metrics_port=args.metrics_port, grace_seconds=args.grace, tls=tls_from_args(args),
-                log_level=args.log_level, log_format=args.log_format)
+                log_level=args.log_level, log_format=args.log_format, otlp_traces_endpoint=args.otlp_traces_endpoint)

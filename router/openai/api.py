@@ -44,6 +44,7 @@ from baton.router.openai.logprobs import (
 )
 from baton.router.openai.sampling import MAX_N, Shape, choice_request, number
 from baton.router.openai.sampling import sampling as request_sampling
+from baton.serving import tracing
 from baton.serving.grpc_server import PortInUse, ServiceError
 from baton.v1 import router_pb2
 
@@ -84,12 +85,14 @@ class HttpContext:
     def __init__(self, request: web.Request):
         self._auth = request.headers.get("Authorization", "")
         self._peer = request.remote or "unknown"
+        self._trace = tuple((k, request.headers[k]) for k in tracing.CARRIED if k in request.headers)
 
     def time_remaining(self):
         return None                         # HTTP clients set no deadline: --request-timeout applies
 
     def invocation_metadata(self):
-        return (("authorization", self._auth),) if self._auth else ()
+        """The bearer token and the W3C trace context, as gRPC metadata would carry them."""
+        return ((("authorization", self._auth),) if self._auth else ()) + self._trace
 
     def peer(self) -> str:
         return f"ipv4:{self._peer}:0"
