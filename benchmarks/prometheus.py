@@ -56,3 +56,44 @@ def quantiles_between(before: dict[float, float], after: dict[float, float]) -> 
     if not delta or not math.isinf(delta[-1][0]) or delta[-1][1] <= 0:
         return {"count": 0, "p50": None, "p99": None}
     return {"count": int(delta[-1][1]), "p50": histogram_quantile(0.5, delta), "p99": histogram_quantile(0.99, delta)}
+
+
+# -- the router's side: where each finished request's time went (router/request_clock.py) ---------
+STAGES = "baton_stage_seconds"
+
+
+def router_metrics_url(http_url: str) -> str:
+    """The router's /metrics from its OpenAI API's URL (http://host:port/v1)."""
+    return http_url.rstrip("/").removesuffix("/v1") + "/metrics"
+
+
+def stage_totals(url: str | None, timeout: float = 5.0) -> dict[str, tuple[float, float]]:
+    """{stage: (seconds summed, requests)} of the router's stage histogram now (summed over models);
+    {} when there is no URL or it does not answer."""
+    if not url:
+        return {}
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != STAGES:
+            continue
+        for s in family.samples:
+            if s.name in (f"{STAGES}_sum", f"{STAGES}_count"):
+                t = totals.setdefault(s.labels["stage"], [0.0, 0.0])
+                t[s.name.endswith("_count")] += s.value
+    return {stage: (t[0], t[1]) for stage, t in totals.items()}
+
+
+def stages_between(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
+    """{stage: {"count", "mean_s"}} of the requests that finished between two scrapes (their stages
+    add up to their mean E2E)."""
+    out = {}
+    for stage, (total, count) in after.items():
+        t0, c0 = before.get(stage, (0.0, 0.0))
+        if count - c0 > 0:
+            out[stage] = {"count": int(count - c0), "mean_s": (total - t0) / (count - c0)}
+    return out

@@ -196,7 +196,8 @@ def summarize_rate(rate: float, results: list[loadgen.RequestResult], wall: floa
     }
 
 
-async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str], http_url: str | None = None) -> dict:
+async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str], http_url: str | None = None,
+                router_metrics: str | None = None) -> dict:
     info, server = await loadgen.model_info(address)
     sampling = {"temperature": args.temperature, "ignore_eos": not args.respect_eos}
     common = dict(max_model_len=info.max_model_len, vocab_size=info.vocab_size, prefix_len=args.prefix_len,
@@ -209,11 +210,13 @@ async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str],
         args.rate_requests[i] = reqs            # (the same for every topology: the offline baseline runs them)
         before, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls)
         landed_before, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls, prometheus.KV_LANDED)
+        stages_before = await asyncio.to_thread(prometheus.stage_totals, router_metrics)
         processes = args.client_processes or loadgen.default_processes(len(reqs))
         results, wall = await loadgen.run_rate(address, reqs, rate, args.seed, args.max_concurrency, sampling,
                                                args.request_timeout, http_url, processes)
         after, errors = await asyncio.to_thread(prometheus.scrape, metrics_urls)
         landed_after, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls, prometheus.KV_LANDED)
+        stages_after = await asyncio.to_thread(prometheus.stage_totals, router_metrics)
         point = summarize_rate(rate, results, wall, _s(args.slo_ttft_ms), _s(args.slo_tpots_ms[0]))
         point["api"] = "openai" if http_url else "grpc"
         point["slo_attainment_by_tpot_ms"] = {
@@ -221,6 +224,7 @@ async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str],
             for slo in args.slo_tpots_ms}
         point["handover_s"] = prometheus.quantiles_between(before, after) if metrics_urls else None
         point["kv_landed_s"] = prometheus.quantiles_between(landed_before, landed_after) if metrics_urls else None
+        point["stages_s"] = prometheus.stages_between(stages_before, stages_after) if router_metrics else None
         if errors:
             point["metrics_errors"] = errors
         point["dataset"] = datasets.describe(reqs)
@@ -254,7 +258,7 @@ def _print_point(p: dict) -> None:
           f"{p['completed']}/{p['num_requests']} ok, "
           f"{p['request_throughput']:.2f} req/s, {p['output_throughput']:.1f} tok/s, TTFT p50/p99 {ms(p['ttft_s'])} ms, "
           f"TPOT {ms(p['tpot_s'])} ms, SLO {'-' if att is None else f'{100 * att:.0f}%'}"
-          + (f", errors {p['errors']}" if p["errors"] else "") + _handover(p), file=sys.stderr, flush=True)
+          + (f", errors {p['errors']}" if p["errors"] else "") + _handover(p) + _stages(p), file=sys.stderr, flush=True)
 
 
 def _handover(p: dict) -> str:
@@ -263,6 +267,15 @@ def _handover(p: dict) -> str:
         return ""
     text = f", handover p50/p99 {h['p50'] * 1e3:.1f}/{h['p99'] * 1e3:.1f} ms"
     return text + (f" (KV landed {k['p50'] * 1e3:.1f}/{k['p99'] * 1e3:.1f})" if k.get("count") else "")
+
+
+def _stages(p: dict) -> str:
+    """The router's mean time per stage of the requests that finished (queue/admit/prefill/handover/decode)."""
+    st = p.get("stages_s") or {}
+    if not st:
+        return ""
+    order = ("queue", "admit", "prefill", "handover", "decode")
+    return ", stages " + " / ".join(f"{k} {st[k]['mean_s'] * 1e3:.0f}" for k in order if k in st) + " ms"
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -291,7 +304,8 @@ def run(args: argparse.Namespace, rec: dict) -> None:
                 for api in args.apis:
                     key = _key(name, api, args.apis)
                     topologies[key] = asyncio.run(sweep(args, dep.router_address, dep.metrics_urls,
-                                                        dep.http_url if api == "openai" else None))
+                                                        dep.http_url if api == "openai" else None,
+                                                        prometheus.router_metrics_url(dep.http_url)))
                     topologies[key]["deployment"] = dep.describe() | {"kv_backend": args.kv_backend or "grpc",
                                                                       "devices": dep.devices, "api": api}
             finally:
@@ -303,7 +317,8 @@ def run(args: argparse.Namespace, rec: dict) -> None:
         http_url = args.http_url or f"http://{args.addr.rsplit(':', 1)[0]}:8000/v1"
         for api in args.apis:
             key = _key(args.label, api, args.apis)
-            topologies[key] = asyncio.run(sweep(args, args.addr, urls, http_url if api == "openai" else None))
+            topologies[key] = asyncio.run(sweep(args, args.addr, urls, http_url if api == "openai" else None,
+                                                prometheus.router_metrics_url(http_url)))
             topologies[key]["deployment"] = {"router": args.addr, "metrics_urls": urls, "api": api,
                                              "http_url": http_url if api == "openai" else None}
         rec["model"] = _shape_or_name(next(iter(topologies.values()))["model_info"]["name"])

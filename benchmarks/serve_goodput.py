@@ -124,7 +124,7 @@ def predicted(plan: dict, dataset: str, slo: SLO, topology: str) -> float | None
 # -- one deployment ------------------------------------------------------------------------------
 async def search_workload(args: argparse.Namespace, address: str, dataset: str, metrics_urls: list[str],
                           num_devices: int, starts: dict[str, float], deadline: float | None,
-                          http_url: str | None = None) -> dict:
+                          http_url: str | None = None, router_metrics: str | None = None) -> dict:
     """Every SLO pair's goodput of one workload on one running deployment."""
     info, _ = await loadgen.model_info(address)
     in_len, out_len = args.lengths[dataset]
@@ -142,9 +142,13 @@ async def search_workload(args: argparse.Namespace, address: str, dataset: str, 
         if probes:
             await asyncio.sleep(args.probe_gap_s)
         before, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls)
+        stages_before = await asyncio.to_thread(prometheus.stage_totals, router_metrics)
         p = await run_probe(load, plan, rate, len(probes))
         after, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls)
+        stages_after = await asyncio.to_thread(prometheus.stage_totals, router_metrics)
         p.info["handover_s"] = prometheus.quantiles_between(before, after) if metrics_urls else None
+        # the router's time by stage over the whole probe (warm-up and cool-down requests included)
+        p.info["stages_s"] = prometheus.stages_between(stages_before, stages_after) if router_metrics else None
         probes.append(_probe_json(p, args.slos, args.search_tolerance))
         _print_probe(dataset, probes[-1])
         return p
@@ -207,7 +211,8 @@ def run(args: argparse.Namespace, topologies: list[str], pool: list[str], log_ro
                 starts = {s.key: v for s in args.slos if (v := predicted(plan, ds, s, name))}
                 res = asyncio.run(search_workload(args, dep.router_address, ds, dep.metrics_urls,
                                                   deployment.parse(name).num_devices, starts, budget.deadline(),
-                                                  dep.http_url if args.apis == ["openai"] else None))
+                                                  dep.http_url if args.apis == ["openai"] else None,
+                                                  prometheus.router_metrics_url(dep.http_url)))
                 res["deployment"] = dep.describe() | {"kv_backend": args.kv_backend or "grpc", "devices": dep.devices}
                 res["predicted"] = {k: v for k, v in starts.items()}
                 by_workload[ds][name] = res
@@ -224,9 +229,10 @@ def run_external(args: argparse.Namespace, metrics_urls: list[str]) -> dict:
     out: dict[str, dict] = {}
     for ds in args.datasets:
         starts = {s.key: v for s in args.slos if (v := predicted(plan, ds, s, args.label))}
-        http_url = (args.http_url or f"http://{args.addr.rsplit(':', 1)[0]}:8000/v1") if args.apis == ["openai"] else None
+        api_url = args.http_url or f"http://{args.addr.rsplit(':', 1)[0]}:8000/v1"
+        http_url = api_url if args.apis == ["openai"] else None
         res = asyncio.run(search_workload(args, args.addr, ds, metrics_urls, args.num_devices or 0, starts,
-                                          budget.deadline(), http_url))
+                                          budget.deadline(), http_url, prometheus.router_metrics_url(api_url)))
         res["deployment"] = {"router": args.addr, "metrics_urls": metrics_urls}
         out[ds] = {args.label: res}
         _print_goodput(args.label, res)

@@ -445,6 +445,11 @@ def test_serve_smoke_launches_1p1d_and_reports_every_request(tmp_path):
             assert req["output_tokens"] >= 1 and len(req["itls"]) <= req["output_tokens"] - 1
             assert req["ttft"] <= req["e2e"]
         assert p["handover_s"]["count"] == 3                   # one handover per request, from decode metrics
+        stages = p["stages_s"]                                  # the router's, for the requests of this rate
+        assert set(stages) == {"queue", "admit", "prefill", "handover", "decode"} and \
+            all(s["count"] == 3 for s in stages.values())
+        mean_e2e = sum(r["e2e"] for r in p["requests"]) / 3
+        assert sum(s["mean_s"] for s in stages.values()) == pytest.approx(mean_e2e, rel=0.25)   # its clock, ours
         assert 0 <= p["slo_attainment"] <= 1
     assert {w["role"] for w in topo["deployment"]["workers"]} == {"prefill", "decode"}
     assert all(path.endswith(".png") for path in data["results"]["plots"])
