@@ -53,7 +53,7 @@ test: fresh-check $(TEST_STAMP) $(COMPOSE_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -x -rs --durations=15
 
-# The inner loop (~3 min on 2 cores): every test but the modules that start served stacks or run long
+# The inner loop (~2 min on 2 cores: 528 tests): every test but the modules that start served stacks or run long
 # parity checks (tests/conftest.py: SLOW_MODULES). Not a substitute for make test.
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -x -m "not slow" --durations=5

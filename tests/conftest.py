@@ -14,7 +14,7 @@ os.environ.setdefault("BATON_HTTP_PORT", "0")
 
 # The modules that start served stacks or run long parity checks: 12 s or more each on a 2-core
 # machine, together ~90 % of the suite's time (measured 2026-11-28 with --junitxml). `make
-# test-fast` (pytest -m "not slow") leaves them out: the inner loop, ~3 minutes; CI runs all.
+# test-fast` (pytest -m "not slow") leaves them out: the inner loop, ~2 minutes; CI runs all.
 SLOW_MODULES = frozenset({
     "test_async_scheduling", "test_benchmarks", "test_chaos", "test_choices", "test_cli", "test_compose",
     "test_contract", "test_dashboard", "test_engine", "test_first_hour", "test_goodput", "test_hub_models",
