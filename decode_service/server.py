@@ -92,7 +92,7 @@ class DecodeWorker(EngineWorker):
         try:
             admitted = await self.core.call(Command.ADMIT, rid, prompt, _for_core(params), backend, timeout)
         except BaseException as exc:
-            self._forget(stream)
+            self._forget(stream, exc)
             if isinstance(exc, asyncio.CancelledError):     # the caller left: the core may have reserved
                 self.core.cast(Command.ABORT, rid)
             raise
@@ -115,7 +115,7 @@ class DecodeWorker(EngineWorker):
         try:
             await self.core.call(Command.ADD, rid, prompt, _for_core(params), images)
         except BaseException as exc:
-            self._forget(stream)
+            self._forget(stream, exc)
             if isinstance(exc, asyncio.CancelledError):     # the caller left: the core may have queued it
                 self.core.cast(Command.ABORT, rid)
             raise
@@ -165,12 +165,12 @@ class DecodeWorker(EngineWorker):
             self.core.cast(Command.ABORT, stream.request_id)
         self._forget(stream)
 
-    def _forget(self, stream: TokenStream) -> None:
+    def _forget(self, stream: TokenStream, error: BaseException | None = None) -> None:
         if self.streams.get(stream.request_id) is stream:
             del self.streams[stream.request_id]
             stream.detach()
             if self.spans:
-                tracing.end(self.spans.pop(stream.request_id, None), stream.error)
+                tracing.end(self.spans.pop(stream.request_id, None), error or stream.error)
 
     # -- the core's tokens -----------------------------------------------------------------------
     def on_updates(self, updates: list[TokenUpdate]) -> None:
