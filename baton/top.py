@@ -13,7 +13,6 @@ buckets that filled in between (Prometheus's interpolation), gauges are read as 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 import urllib.error
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.benchmarks import stats
 from baton.serving.options import parser
 
 STAGE_ORDER = ("queue", "admit", "prefill", "handover", "decode")
@@ -103,19 +103,8 @@ def _match(labels: tuple[tuple[str, str], ...], want: dict[str, str]) -> bool:
 
 
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
-    """Prometheus's interpolation over cumulative buckets {upper bound: count}."""
-    bounds = sorted(buckets)
-    if not bounds or buckets[bounds[-1]] <= 0:
-        return None
-    rank, lower, below = q * buckets[bounds[-1]], 0.0, 0.0
-    for le in bounds:
-        count = buckets[le]
-        if count >= rank:
-            if math.isinf(le):
-                return lower
-            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 1.0)
-        lower, below = le, count
-    return lower
+    """Prometheus's interpolation (benchmarks/stats.py's) over cumulative buckets {upper bound: count}."""
+    return stats.histogram_quantile(q, list(buckets.items())) if buckets else None
 
 
 def _tokens_sent(iv: Interval) -> float:
