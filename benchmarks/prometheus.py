@@ -40,14 +40,18 @@ def scrape(urls: list[str], name: str = HANDOVER, timeout: float = 5.0) -> tuple
     errors = []
     for url in urls:
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as r:
-                text = r.read().decode()
+            text = _text(url, timeout)
         except OSError as exc:
             errors.append(f"{url}: {exc}")
             continue
         for le, count in parse_histogram(text, name).items():
             total[le] = total.get(le, 0.0) + count
     return total, errors
+
+
+def _text(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
 
 
 def quantiles_between(before: dict[float, float], after: dict[float, float]) -> dict:
@@ -73,8 +77,7 @@ def stage_totals(url: str | None, timeout: float = 5.0) -> dict[str, tuple[float
     if not url:
         return {}
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            text = r.read().decode()
+        text = _text(url, timeout)
     except OSError:
         return {}
     totals: dict[str, list[float]] = {}
