@@ -112,13 +112,16 @@ def scrape(url: str) -> str:
 
 
 def scrape_until(url: str, finished: int) -> str:
-    """The merged metrics once the worker's are in (its series carry `worker`) and the router has
-    counted every request finished (it counts as a stream ends)."""
+    """The merged metrics once the worker's are in (its series carry `worker`), the router has
+    counted every request finished (it counts as a stream ends) and its KV gauge, which says what
+    it heard at its last health check (every 0.5 s), has caught up with the idle worker."""
     deadline = time.monotonic() + 10
     while True:
         text = scrape(url)
-        done = sum(s.value for s in parse(text) if s.name == "vllm:request_success_total")
-        if (done >= finished and 'worker="' in text) or time.monotonic() > deadline:
+        samples = parse(text)
+        done = sum(s.value for s in samples if s.name == "vllm:request_success_total")
+        kv = sum(s.value for s in samples if s.name == "vllm:kv_cache_usage_perc")
+        if (done >= finished and 'worker="' in text and kv == 0) or time.monotonic() > deadline:
             return text
         time.sleep(0.2)
 
