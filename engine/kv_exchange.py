@@ -121,6 +121,28 @@ class KVExchange:
         seq.kv_ticket.block_ids = tuple(seq.block_table)
         return seq.kv_ticket
 
+    # -- a running stream moving on, with its KV (a role switch) ---------------------------------
+    def export(self, seq: Sequence) -> tuple[KVPiece, list[int]] | str:
+        """A decoding sequence's KV for the worker that continues it, and the tokens it made: the
+        blocks of its known tokens but the last (whose KV no finished step has written), packed, with
+        that last token, as a prefill's last piece carries its first token. The receiving side reserves
+        and joins it as any handed-off prompt; the caller then ends the sequence here (its blocks
+        freed once). A string says why it cannot move now: not decoding, or guesses in flight."""
+        if seq.status is not SequenceStatus.RUNNING or seq.num_completion_tokens < 1:
+            return "it is not decoding (its prompt runs, it waits for KV or memory)"
+        if seq.num_unverified_tokens:
+            return "it has speculative guesses in flight"
+        known = seq.num_known_tokens
+        num_blocks = -(-(known - 1) // self.block_manager.block_size)
+        data, ready = self.runner.pack_kv(seq.block_table[:num_blocks])
+        meta = {"cached_tokens": "0"}
+        if seq.mm is not None and seq.mm.position_offset:
+            meta[POSITION_OFFSET_META] = str(seq.mm.position_offset)
+        if seq.params.logprobs is not None:
+            meta[FIRST_LOGPROBS_META] = encode_logprobs([(seq.logprobs or {}).get(known - 1)])
+        piece = KVPiece(seq.request_id, 0, num_blocks, data, ready, seq.token_ids[known - 1], meta)
+        return piece, seq.completion_token_ids
+
     def hold(self, key: str, seq: Sequence) -> None:
         """Keep an aborted sequence's blocks out of the pool under `key` (a sender it handed them
         to may still write into them) until `release_held(key)`."""

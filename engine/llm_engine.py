@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from baton.engine.config import EngineConfig
 from baton.engine.kv_exchange import KVExchange, KVSpec
-from baton.engine.kv_handoff import KVHandoff, KVState, KVTicket
+from baton.engine.kv_handoff import KVHandoff, KVPiece, KVState, KVTicket
 from baton.engine.output_processor import RequestOutput, RequestState
 from baton.engine.requests.limits import ModelLimits
 from baton.engine.requests.sampling_params import SamplingParams, sampling_defaults
@@ -194,6 +194,13 @@ class LLMEngine:
         if seq.kv_ticket is not None and not seq.kv_ticket.try_advance(KVState.FREED):
             seq.kv_ticket.try_advance(KVState.FINISHED)
         return state.update()
+
+    def pause(self, request_id: str) -> tuple[KVPiece, list[int]] | str:
+        """A decoding request out, its KV to go on elsewhere (KVExchange.export), its blocks freed once."""
+        taken = self.kv.export(self.states[request_id].seq)
+        if not isinstance(taken, str):
+            self.abort(request_id)
+        return taken
 
     def release_held(self, key: str) -> int:
         """Free the blocks `abort(..., hold_as=key)` held (once; 0 when none are held under key)."""

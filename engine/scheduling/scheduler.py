@@ -65,6 +65,7 @@ class Scheduler:
         self.waiting = make_queue(config.policy)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefill_tokens = 0             # prompt tokens computed, ever (prefix-cache hits, landed KV: none)
         self.may_admit: Callable[[], bool] = lambda: True    # False: no waiting sequence starts (KVHandoff.may_admit)
 
     # -- queue management -------------------------------------------------------------------
@@ -203,6 +204,8 @@ class Scheduler:
         for item in out.scheduled:
             seq = item.seq
             samples = item.samples                   # (judged before the count moves)
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.prefill_tokens += min(item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
             if item.draft and ahead:
                 item.ahead = True
                 seq.num_computed_tokens += item.num_new_tokens
