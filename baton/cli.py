@@ -1,4 +1,4 @@
-"""The `baton` command: serve | generate | router | prefill | decode | bench | plan | top.
+"""The `baton` command: serve | generate | router | prefill | decode | bench | plan | top | role.
 
 Each subcommand parses its flags before importing anything heavy, so `--help` (and a
 mistyped flag) answer at once; torch loads only when a process starts serving.
@@ -21,6 +21,7 @@ commands:
   bench      benchmarks: {bench}
   plan       which prefill/decode split of N devices serves a workload best at a TTFT and TPOT target
   top        a live view of a running deployment: requests, stage times, workers (from its router's metrics)
+  role       switch a worker's role in place (prefill, decode, colocated): baton role WORKER ROLE --admin-token T
 
   baton --version    the installed version
 """
@@ -67,6 +68,8 @@ def _command(name: str):
         from baton.benchmarks.planner import main
     elif name == "top":
         from baton.top import main
+    elif name == "role":
+        from baton.client import role_main as main
     else:
         return None
     return main

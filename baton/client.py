@@ -1,4 +1,5 @@
-"""`baton generate`: a streaming client for the public Router API."""
+"""`baton generate`: a streaming client for the public Router API; `baton role`: an operator's
+role switch through a router's Admin service."""
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from baton.serving.grpc_server import open_sync_channel, retry_after_ms
 from baton.serving.options import defaults, flag, parser
 from baton.serving.security import add_tls_args, load_tokens, tls_from_args
-from baton.serving.server_config import DEFAULT_PORTS, ServerConfig
-from baton.v1 import router_pb2, router_pb2_grpc
+from baton.serving.server_config import DEFAULT_PORTS, ROLES, ServerConfig
+from baton.v1 import admin_pb2, admin_pb2_grpc, router_pb2, router_pb2_grpc
 
 DEFAULT_ADDR = f"{defaults(ServerConfig).host}:{DEFAULT_PORTS['router']}"     # where a router listens by default
 
@@ -97,6 +98,35 @@ def main(argv: list[str] | None = None) -> None:
             if hint:
                 print(hint, file=sys.stderr)
             sys.exit(1)
+
+
+def role_main(argv: list[str] | None = None) -> None:
+    """`baton role WORKER ROLE`: switch a worker's role in place, its streams moving with their KV."""
+    p = parser("baton role", "switch a worker's role in place (prefill, decode, colocated) through its router: "
+               "it takes no new work of its old role, its streams move to peers with their KV, then it serves "
+               "the new one; it rolls back if its streams cannot all move within --timeout",
+               usage="baton role WORKER ROLE [flags]")
+    p.add_argument("worker", help="the worker's address, as `GetServerInfo` (or baton top) lists it")
+    p.add_argument("role", choices=ROLES, help="its new role")
+    flag(p, "--addr", default=DEFAULT_ADDR, help="the router's address")
+    flag(p, "--admin-token", help="the router's --admin-token")
+    flag(p, "--timeout", type=float, default=60.0, help="seconds its streams get to move before it rolls back")
+    add_tls_args(p, server=False)
+    args = p.parse_args(argv)
+    try:
+        tls = tls_from_args(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    metadata = [("authorization", f"Bearer {args.admin_token}")] if args.admin_token else None
+    req = admin_pb2.AdminSwitchRoleRequest(worker=args.worker, role=args.role, timeout_ms=int(args.timeout * 1000))
+    with open_sync_channel(args.addr, tls) as ch:
+        try:
+            r = admin_pb2_grpc.AdminStub(ch).SwitchRole(req, timeout=args.timeout + 15, metadata=metadata)
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            sys.exit(1)
+    print(f"worker {r.worker}: {r.from_role} -> {r.to_role} in {r.seconds:.2f}s "
+          f"({r.streams_moved} stream(s) moved with their KV)")
 
 
 def _token(args: argparse.Namespace) -> str | None:

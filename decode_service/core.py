@@ -1,7 +1,9 @@
 """The decode worker's engine core (serving/worker/engine_core.py): reserves a request's blocks,
 takes its KV from the prefill worker on its own KV port, joins it into the running batch
 and decodes; the colocated role also runs whole requests. Tokens go to the front after every
-step, in one message (decode_service/server.py streams them).
+step, in one message (decode_service/server.py streams them). It has the KV plane's sending
+half too (serving/worker/kv_push.py): it pushes a running stream's KV to the worker taking it
+over, and prefills prompts for decode workers once its worker switched to the prefill role.
 
 Per request, its `KVTicket` (engine/kv_handoff.py) says who owns its blocks: RESERVED at
 admission (the engine allocated them) -> RECEIVING (a sender claimed the transfer) -> LANDED
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from baton.engine.kv_handoff import KVHandoff, KVState, KVTicket
+from baton.engine.kv_handoff import KVState, KVTicket
 from baton.engine.output_processor import RequestOutput
 from baton.engine.requests.sampling_params import SamplingParams
 from baton.kvtransfer import registry
@@ -32,14 +34,16 @@ from baton.models.multimodal import ImageInput
 from baton.serving.grpc_server import Server, ServiceError
 from baton.serving.processes import reachable_host
 from baton.serving.worker.core_protocol import TokenUpdate, encode_error
-from baton.serving.worker.engine_core import EngineCore
+from baton.serving.worker.kv_push import PrefillHandoff, PushingCore
 
 
-class DecodeHandoff(KVHandoff):
+class DecodeHandoff(PrefillHandoff):
     """The decode worker's half of the engine's seam: tickets whose KV landed, for the engine
-    to join at its next step (appended on the event loop, taken on the engine thread)."""
+    to join at its next step (appended on the event loop, taken on the engine thread); and the
+    prefill side's, for prompts run here in the prefill role."""
 
     def __init__(self):
+        super().__init__()
         self._landed: collections.deque[KVTicket] = collections.deque()
 
     def land(self, ticket: KVTicket, payload, first_token: int, meta: dict[str, str]) -> bool:
@@ -67,7 +71,7 @@ class Reservation:
     prefill_done_unix: float | None = None    # the prefill worker's clock at its last forward
 
 
-class DecodeCore(EngineCore):
+class DecodeCore(PushingCore):
     def __init__(self, cfg, emit):
         super().__init__(cfg, emit)
         self.handoff = DecodeHandoff()
@@ -80,6 +84,7 @@ class DecodeCore(EngineCore):
 
     # -- the KV plane --------------------------------------------------------------------------
     async def start_transport(self) -> None:
+        await super().start_transport()          # the sending half
         cfg = self.cfg
         self.kv_server = Server(cfg.host, cfg.kv_port, registry.services(cfg.kv_backend), tls=cfg.tls)
         self.layout = self.kv_layout()
@@ -107,6 +112,7 @@ class DecodeCore(EngineCore):
         return {**super().hello(), "kv_address": self.kv_address}
 
     async def stop_transport(self) -> None:
+        await super().stop_transport()
         for receiver in self.receivers:
             await receiver.close()
         if self.kv_server is not None:
@@ -148,8 +154,10 @@ class DecodeCore(EngineCore):
         if r is not None and self.by_transfer.pop(r.transfer_id, None) is not None:
             self.pending.cancel(r.transfer_id)
             held = r.transfer_id if self.pending.held(r.transfer_id) else None
+        if held is None:
+            return await super().cmd_abort(rid) or r is not None     # (a prompt prefilled here, a paused stream)
         self.engine.abort(rid, hold_as=held)
-        return r is not None
+        return True
 
     # -- the KV's arrival ----------------------------------------------------------------------
     def _reservation(self, transfer_id: str, done: bool) -> tuple[str | None, Reservation | None]:

@@ -11,11 +11,20 @@ fuller messages, never one per token.
 
 A request admitted here ends when its engine core finishes it, when a stop string matches
 here, on Abort, at its deadline, when its listener goes away, or when its KV never arrives
-intact; the core frees its blocks exactly once whichever comes first.
+intact; the core frees its blocks exactly once whichever comes first. Or it moves: Pause takes
+it out of the batch with its KV packed, Export pushes that KV to the worker its router chose to
+continue it (router/moves.py), and it leaves here without a last chunk.
+
+The role can change in place (SwitchRole, an operator's call): the worker stops taking new
+work of its old role, reports `switching_to` in its status so that every router moves its
+streams off it with their KV (queued prompts finish here), then serves the new role; a switch
+whose streams could not all move within its timeout rolls back. It serves `baton.v1.Prefill`
+for that (serving/worker/prefill_front.py), refusing prompts unless its role is prefill.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import replace
 
@@ -24,26 +33,37 @@ import grpc
 from baton.engine.requests.sampling_params import SamplingParams
 from baton.engine.requests.tokenizer import load_decoder
 from baton.serving import tracing
-from baton.serving.grpc_server import ServiceError
+from baton.serving.grpc_server import ServiceError, check_admin
+from baton.serving.server_config import ROLES
 from baton.serving.wire import images_from_proto, sampling_from_proto
 from baton.serving.worker.core_protocol import Command, TokenUpdate
+from baton.serving.worker.prefill_front import PrefillFront, PrefillServicer
 from baton.serving.worker.token_streams import Bus, RequestSink, TokenStream
 from baton.serving.worker.worker import EngineWorker
-from baton.v1 import decode_pb2, decode_pb2_grpc, worker_pb2
+from baton.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
+
+log = logging.getLogger("baton.decode")
 
 DEFAULT_ADMIT_TIMEOUT_S = 60.0
 # a stream with no deadline of its own ends only if its engine goes this long without a token for
 # it (a wedged engine, never a long answer)
 STREAM_IDLE_LIMIT_S = 600.0
 SWEEP_EVERY_S = 0.1
+SWITCH_TIMEOUT_S = 60.0         # a role switch whose streams have not all moved by then rolls back
+SWITCH_POLL_S = 0.02
+EXPORT_TIMEOUT_S = 30.0
 
 
-class DecodeWorker(EngineWorker):
-    service_names = ("baton.v1.Decode",)
+class DecodeWorker(PrefillFront, EngineWorker):
+    service_names = ("baton.v1.Decode", "baton.v1.Prefill")
     core_target = "baton.decode_service.core:DecodeCore"
+    switchable = True
 
     def __init__(self, cfg):
         super().__init__(cfg)
+        self.active: set[str] = set()             # prompts prefilling here (the prefill role)
+        self.paused: set[str] = set()             # streams taken out to move, until their Export
+        self.moved = 0                            # streams that left with their KV
         self.streams: dict[str, TokenStream] = {}
         self.spans: dict[str, object] = {}         # request id -> its trace span (tracing on only)
         self.buses: dict[str, Bus] = {}
@@ -57,6 +77,7 @@ class DecodeWorker(EngineWorker):
 
     def add_services(self, server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)
+        prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), server)
 
     def ready_note(self) -> str:
         if self.cfg.role != "decode":
@@ -68,7 +89,17 @@ class DecodeWorker(EngineWorker):
         return self.info["kv_address"]
 
     def num_active(self) -> int:
-        return len(self.streams)
+        return len(self.streams) + len(self.active)
+
+    def check_prefill_role(self) -> None:
+        self._check_role("prefill")
+
+    def _check_role(self, *roles: str) -> None:
+        """New work of a role this worker does not serve now (or is switching away from) goes elsewhere."""
+        if self.role not in roles or self.switching:
+            now = f"is switching from {self.role} to {self.switching}" if self.switching else f"serves {self.role}"
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"this worker {now}: {' or '.join(roles)} work goes to another worker")
 
     async def stop(self) -> None:
         if self._sweeper is not None:
@@ -78,6 +109,7 @@ class DecodeWorker(EngineWorker):
     # -- requests ------------------------------------------------------------------------------
     async def admit(self, req: decode_pb2.AdmitRequest, metadata=()) -> decode_pb2.AdmitResponse:
         self.check_accepting()
+        self._check_role("decode", "colocated")
         rid = self._new_id(req.request_id)
         backend = req.backend or self.cfg.kv_backend
         if backend not in self.kv_backends():
@@ -103,9 +135,10 @@ class DecodeWorker(EngineWorker):
     async def start_request(self, req: decode_pb2.WorkerGenerateRequest, metadata=()) -> TokenStream:
         """Colocated: a whole request here, no transfer."""
         self.check_accepting()
-        if self.cfg.role != "colocated":
+        if self.role != "colocated":
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               "Start and Generate are served by colocated workers; this one is a decode worker")
+                               f"Start and Generate are served by colocated workers; this one is a {self.role} worker")
+        self._check_role("colocated")
         rid = self._new_id(req.request_id or f"gen-{time.monotonic_ns()}")
         prompt, params = list(req.prompt_token_ids), sampling_from_proto(req.sampling)
         self.limits.validate(prompt, params)
@@ -131,8 +164,9 @@ class DecodeWorker(EngineWorker):
     def abort_request(self, rid: str, reason: str = "was aborted") -> bool:
         stream = self.streams.get(rid)
         self.core.cast(Command.ABORT, rid)
+        self.paused.discard(rid)
         if stream is None:
-            return False
+            return rid in self.active
         stream.fail(ServiceError(grpc.StatusCode.ABORTED, f"request {rid} {reason}"))
         self.requests_served += 1
         self._forget(stream)
@@ -204,6 +238,71 @@ class DecodeWorker(EngineWorker):
             return
         stream.deadline = None
         stream.fail(TimeoutError(f"request {stream.request_id} passed its client's deadline while decoding"))
+
+    # -- moving streams, switching roles ---------------------------------------------------------
+    async def pause(self, rid: str) -> decode_pb2.PauseResponse:
+        """Take a running stream out of the batch, its KV packed, for its router to move it (Export);
+        every token it made here is in the reply (the last chunks may still be on their way)."""
+        stream = self.streams.get(rid)
+        if stream is None or stream.done or rid in self.paused:
+            return decode_pb2.PauseResponse(found=False)
+        reply = await self.core.call(Command.PAUSE, rid)
+        if reply.get("paused"):
+            self.paused.add(rid)
+        return decode_pb2.PauseResponse(**reply)
+
+    async def export(self, req: decode_pb2.ExportRequest) -> decode_pb2.ExportResponse:
+        """Push a paused stream's KV to the worker continuing it; the stream leaves here either way."""
+        rid = req.request_id
+        if rid not in self.paused:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"request {rid!r} is not paused here")
+        if not req.kv_address or not req.transfer_id:
+            raise ValueError("kv_address and transfer_id are required (the receiving worker's AdmitResponse)")
+        timeout = req.timeout_ms / 1000 if req.timeout_ms else EXPORT_TIMEOUT_S
+        try:
+            reply = await self.core.call(Command.EXPORT, rid, req.kv_address, req.transfer_id,
+                                         req.backend or self.cfg.kv_backend, timeout)
+        finally:
+            self.paused.discard(rid)
+            stream = self.streams.get(rid)
+            if stream is not None:            # its router goes on elsewhere: no last chunk from here
+                self._forget(stream)
+        self.moved += 1
+        return decode_pb2.ExportResponse(**reply)
+
+    async def switch_role(self, req: decode_pb2.SwitchRoleRequest, metadata=()) -> decode_pb2.SwitchRoleResponse:
+        """Serve `req.role` from now on, without a restart: no new work of the old role; the old
+        role's work leaves (streams moved by their routers, prompts finished); then the new role.
+        Rolls back (ABORTED) if that work has not left within the timeout."""
+        check_admin(self.cfg.admin_token, metadata)
+        to = req.role
+        if to not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {to!r}")
+        if self.switching:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"a switch to {self.switching} is under way")
+        if self.server is not None and self.server.draining:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        old, t0, moved = self.role, time.monotonic(), self.moved
+        timeout = req.timeout_ms / 1000 if req.timeout_ms else SWITCH_TIMEOUT_S
+        if to != old:
+            self.switching = to
+            log.info("switching role %s -> %s: %d stream(s) and %d prompt(s) to leave first", old, to,
+                     len(self.streams), len(self.active))
+            try:
+                while self.streams or self.active:
+                    if time.monotonic() - t0 > timeout:
+                        raise ServiceError(grpc.StatusCode.ABORTED, (
+                            f"the switch to {to} rolled back: after {timeout:g}s {len(self.streams)} stream(s) and "
+                            f"{len(self.active)} prompt(s) were still here (no peer of role {old} to take them?); "
+                            f"it serves as {old} again"))
+                    await asyncio.sleep(SWITCH_POLL_S)
+            finally:
+                self.switching = ""
+            self.role = to
+        seconds = time.monotonic() - t0
+        log.info("role %s -> %s in %.2fs (%d stream(s) moved)", old, to, seconds, self.moved - moved)
+        return decode_pb2.SwitchRoleResponse(from_role=old, to_role=to, seconds=seconds,
+                                             streams_moved=self.moved - moved)
 
     # -- listeners -----------------------------------------------------------------------------
     def _bus(self, name: str) -> Bus:
@@ -296,6 +395,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def GetMetrics(self, request, context):
         return self.w.metrics_text()
+
+    async def Pause(self, request, context):
+        return await self.w.pause(request.request_id)
+
+    async def Export(self, request, context):
+        return await self.w.export(request)
+
+    async def SwitchRole(self, request, context):
+        return await self.w.switch_role(request, context.invocation_metadata())
 
 
 __all__ = ["DecodeWorker"]

@@ -17,6 +17,7 @@ from baton.engine.requests.tokenizer import eos_token_ids, load_tokenizer
 from baton.models.multimodal import ImagePlaceholders
 from baton.models.source import resolve_model
 from baton.router import health
+from baton.router.admin import AdminServicer
 from baton.router.config import RouterConfig, parse_router_args
 from baton.router.openai.api import OpenAIServer
 from baton.router.registry import Registry
@@ -26,7 +27,7 @@ from baton.serving.grpc_server import Server, run_server
 from baton.serving.logs import setup_logging
 from baton.serving.metrics import Metrics
 from baton.serving.security import TokenAuth
-from baton.v1 import router_pb2, router_pb2_grpc
+from baton.v1 import admin_pb2_grpc, router_pb2, router_pb2_grpc
 
 
 async def serve(cfg: RouterConfig) -> None:
@@ -34,7 +35,7 @@ async def serve(cfg: RouterConfig) -> None:
     # ports first: a clash is reported in a second, not after the tokenizer has loaded
     auth = TokenAuth(cfg.auth_tokens) if cfg.auth_tokens else None
     # a hard bound under admission control: gRPC itself refuses RPCs beyond it
-    server = Server(cfg.host, cfg.port, ["baton.v1.Router"], tls=cfg.tls, interceptors=[auth] if auth else [],
+    server = Server(cfg.host, cfg.port, ["baton.v1.Router", "baton.v1.Admin"], tls=cfg.tls, interceptors=[auth] if auth else [],
                     max_concurrent_rpcs=cfg.max_inflight + cfg.max_queued + 256)
     metrics = Metrics("router")
     metrics.serve(cfg.metrics_port, cfg.host)
@@ -60,6 +61,7 @@ async def serve(cfg: RouterConfig) -> None:
                         vision=ImagePlaceholders.from_config(hf))
     svc.auth, svc.metrics, svc.server = auth, metrics, server
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(svc), server.server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(svc), server.server)
     await server.start()
     if http is not None:
         http.attach(svc, source.name)

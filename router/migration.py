@@ -11,6 +11,10 @@ the start of a possible stop string), and a stop string may straddle the two wor
 after a migration the router makes the text itself from the tokens, with the engine's own
 detokenizer seeded exactly as the first worker's was, and checks the stop strings across
 the seam; the survivor's text is not used.
+
+A stream moved with its KV (a role switch, router/moves.py) continues the same way, but with no
+prefill: the next worker takes the KV of every token but the last, and the last token as its
+first (`continuation`), which the client already has.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class Ledger:
         self.tokenizer = tokenizer
         self.limit = limit              # migrations allowed for this request
         self.migrations = 0
+        self.moves = 0                  # times it moved with its KV (no prefill)
         self.tokens: list[int] = []     # sent to the client
         self.sent_chars = 0             # length of the text sent to the client
         self.detok = None                # the router's own text, once migrated
@@ -55,6 +60,15 @@ class Ledger:
                                                   min_tokens=max(0, self.params.min_tokens - len(self.tokens)),
                                                   prior_output_tokens=self.params.prior_output_tokens + len(self.tokens))
 
+    def continuation(self) -> tuple[list[int], SamplingParams]:
+        """A stream moving with its KV: the prompt whose KV moves (every token so far but the last,
+        which arrives as the first token) and the sampling that goes on from there."""
+        n = len(self.tokens)
+        return self.prompt + self.tokens[:-1], replace(
+            self.params, max_tokens=self.budget + 1, prompt_logprobs=None,
+            min_tokens=max(0, self.params.min_tokens - (n - 1)),
+            prior_output_tokens=self.params.prior_output_tokens + n - 1)
+
     def why_not(self) -> str | None:
         """None if the stream may migrate once more, else why not."""
         if self.limit <= 0:
@@ -66,6 +80,10 @@ class Ledger:
     def migrate(self) -> None:
         """Before the next attempt: take over the text from here on."""
         self.migrations += 1
+        self.take_over_text()
+
+    def take_over_text(self) -> None:
+        """From here on the text is made here, from the tokens (the next worker's is not used)."""
         if self.detok is None and self.tokenizer is not None:
             self.detok = make_detokenizer(self.tokenizer, self.prompt)
             for t in self.tokens:
@@ -141,7 +159,7 @@ class Ledger:
         """Usage as the client's request saw it: its prompt, every token it was sent."""
         if usage is None and not always:
             return None
-        if not self.migrations and usage is not None:
+        if not self.migrations and not self.moves and usage is not None:
             return usage
         cached = min(usage.cached_prompt_tokens, len(self.prompt)) if usage is not None else 0
         return router_pb2.Usage(prompt_tokens=len(self.prompt), completion_tokens=len(self.tokens),

@@ -15,6 +15,10 @@ what this router runs there is taken away at once (its token bus is closed, so i
 migrate; attempts waiting on it fail over), and a hang is counted apart from a death. A worker
 that is merely busy (one long prompt on a CPU) is neither: it stays in rotation, and routing
 weighs the work queued there. A draining worker is only out of rotation: its streams finish there.
+
+A worker whose role may change in place (`switchable`, a decode worker) is followed: the role it
+reports is the one it gets work for. While it reports `switching_to`, it gets none, and
+`on_switching` hears of it after every check (the router moves its streams off it, router/moves.py).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.kvtransfer import registry as kv_registry
 from baton.router.token_bus import TokenBus
 from baton.serving.grpc_server import CHANNEL_OPTIONS, open_channel
 from baton.serving.security import TLSConfig
@@ -78,7 +83,7 @@ async def resolve_target(target: str) -> list[str]:
 @dataclass(slots=True)
 class Worker:
     address: str
-    role: str                                     # prefill | decode | colocated
+    role: str                                     # prefill | decode | colocated (what it serves now)
     target: str = ""                              # the configured HOST:PORT it was found through
     channel: grpc.aio.Channel | None = None
     stub: object = None
@@ -100,10 +105,25 @@ class Worker:
             # dialled by IP, verified as the name it was configured by (the name the cert carries)
             options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", host)]
         self.channel = open_channel(self.address, tls, options)
-        stub_cls = prefill_pb2_grpc.PrefillStub if self.role == "prefill" else decode_pb2_grpc.DecodeStub
-        self.stub = stub_cls(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.bus = TokenBus(self.stub, self.address) if self.role != "prefill" else None
+        self._serve_role()
+
+    @property
+    def decode_stub(self) -> decode_pb2_grpc.DecodeStub:
+        """The Decode service's stub, whatever the role (a switchable worker serves it in every role)."""
+        return decode_pb2_grpc.DecodeStub(self.channel)
+
+    def _serve_role(self) -> None:
+        """The stub (and, for the roles that stream, the token bus) of its role now."""
+        self.stub = prefill_pb2_grpc.PrefillStub(self.channel) if self.role == "prefill" else self.decode_stub
+        if self.role != "prefill" and self.bus is None:
+            self.bus = TokenBus(self.stub, self.address)
+
+    def adopt_role(self, role: str) -> None:
+        """It switched role in place (it reports `switchable`): route it work of its new role."""
+        log.info("worker %s now serves the %s role (was %s)", self.address, role, self.role)
+        self.role = role
+        self._serve_role()
 
     def load(self) -> int:
         return max(self.inflight, self.status.running + self.status.waiting)
@@ -164,12 +184,13 @@ class Registry:
         self.workers: list[Worker] = []
         self.on_lost: Callable[[Worker, str], None] | None = None     # (worker, "hung" | "dead"): metrics
         self.on_checked: Callable[[list[Worker]], None] | None = None  # after each round of checks: KVPairs
+        self.on_switching: Callable[[Worker], None] | None = None    # a worker reports switching_to: move streams
         self._unresolved: dict[str, str] = {}         # target -> the error last logged for it
         self._task: asyncio.Task | None = None
 
     def healthy(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:
         return [w for w in self.workers if w.role == role and w.healthy and not w.retired
-                and not w.status.draining and w.address not in exclude]
+                and not w.status.draining and not w.status.switching_to and w.address not in exclude]
 
     async def start(self) -> None:
         await self.resolve()
@@ -209,8 +230,8 @@ class Registry:
                 self._unresolved[target] = why
                 continue
             self._unresolved.pop(target, None)
-            mine = {w.address: w for w in self.workers if w.target == target and w.role == role}
-            taken = {w.address for w in self.workers if w.role == role and w.target != target}
+            mine = {w.address: w for w in self.workers if w.target == target}     # (whatever role it serves now)
+            taken = {w.address for w in self.workers if w.target != target}
             for address in addresses:
                 w = mine.get(address)
                 if w is None and address not in taken:
@@ -257,8 +278,10 @@ class Registry:
             self._lose(w, "hung", f"its engine core made no progress for {status.stalled_seconds:.1f}s")
             return
         if status.role != w.role:
-            w.mark_down(f"configured as {w.role} but reports role {status.role!r}")
-            return
+            if not status.switchable:
+                w.mark_down(f"configured as {w.role} but reports role {status.role!r}")
+                return
+            w.adopt_role(status.role)
         if self.model and status.model != self.model:
             w.mark_down(f"serves model {status.model!r}, router serves {self.model!r}")
             return
@@ -266,6 +289,8 @@ class Registry:
             log.info("worker %s (%s) healthy", w.address, w.role)
             w.lost.clear()
         w.status, w.healthy, w.last_seen = status, True, time.monotonic()
+        if status.switching_to and self.on_switching is not None:
+            self.on_switching(w)
 
     def _lose(self, w: Worker, how: str, reason: str) -> None:
         if not w.lost.is_set() and self.on_lost is not None:
@@ -342,3 +367,15 @@ class KVPairs:
         self.retry_at.pop(key, None)
         log.info("KV pair %s -> %s (%s) warm in %.0f ms", p.address, d.address, backend or "default",
                  (time.perf_counter() - t0) * 1e3)
+
+
+def kv_backend(sender: Worker, receiver: Worker) -> str:
+    """The best KV transport both workers speak ("": let the receiving worker choose); the rules
+    (preference, which backends two workers on one accelerator may use) are the registry's."""
+    return kv_registry.pick(sender.status.kv_backends, receiver.status.kv_backends, _same_accelerator(sender, receiver))
+
+
+def _same_accelerator(a: Worker, b: Worker) -> bool:
+    device = a.status.device
+    return (bool(device) and device != "cpu" and device == b.status.device
+            and a.address.rsplit(":", 1)[0] == b.address.rsplit(":", 1)[0])

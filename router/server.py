@@ -4,7 +4,8 @@ A disaggregated request: pick a decode worker D and Admit (it reserves KV blocks
 D's token stream, ask a prefill worker P to prefill and push the KV to D, relay D's tokens
 to the client. Anything failing before the first token reaches the client is retried on
 other workers; a worker lost after that is survived by migrating the stream to another
-(migration.py). Cancel, Abort and deadlines propagate to both workers, which free the request's blocks.
+(migration.py). A stream whose worker switches role moves to a peer with its KV (moves.py).
+Cancel, Abort and deadlines propagate to both workers, which free the request's blocks.
 """
 from __future__ import annotations
 
@@ -19,22 +20,23 @@ from dataclasses import dataclass, field
 import grpc
 
 from baton.engine.requests.structured_output import StructuredOutput
-from baton.kvtransfer import registry as kv_registry
 from baton.models.multimodal import ImagePlaceholders
-from baton.router import health, tokens, tool_calls, validation
+from baton.router import health, moves, tokens, tool_calls, validation
 from baton.router.admission import Admission, KVWaitLine
 from baton.router.chat_output import ChatOutput
 from baton.router.config import RouterConfig
 from baton.router.images import ImagePolicy
 from baton.router.migration import Ledger
+from baton.router.moves import MoveFailed, StreamMoving
 from baton.router.policies import make_policy
-from baton.router.registry import KVPairs, Registry, Worker
+from baton.router.registry import KVPairs, Registry, Worker, kv_backend
 from baton.router.request_clock import RequestClock
-from baton.router.token_bus import SUBSCRIBER, BusBroken, Inbox, StreamStalled
+from baton.router.token_bus import SUBSCRIBER, BusBroken, Inbox, MoveAsked, StreamStalled
 from baton.serving import tracing
 from baton.serving.grpc_server import KV_FULL, ServiceError
 from baton.serving.security import TokenAuth
 from baton.serving.wire import STATUS_BY_NUMBER, sampling_to_proto
+from baton.serving.wire import timeout_ms as _ms
 from baton.v1 import decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 log = logging.getLogger("baton.router")
@@ -63,6 +65,9 @@ class Active:
     kv_ticket: int | None = None        # its place in the line for decode KV, once it has waited there
     marks: dict[str, float] = field(default_factory=dict)   # stage boundaries (perf_counter) until the first token
     span: object = None                 # its trace span (serving/tracing.py; None: tracing off)
+    relaying: str = ""                  # the worker id whose chunks it relays now (past the first: it may move)
+    base: int = 0                       # tokens the client had when that worker began ("its" tokens follow)
+    moving: bool = False                # asked to move with its KV (moves.py), until that is settled
 
     @property
     def worker_id(self) -> str:
@@ -114,6 +119,7 @@ class RouterService:
         registry.on_lost = self._count_loss
         self.kv_pairs = KVPairs(kv_backend)          # warmed after each round of health checks
         registry.on_checked = self.kv_pairs.reconcile
+        registry.on_switching = functools.partial(moves.ask, self)
         self._warm_pairs_now()
         self._background: set[asyncio.Task] = set()
 
@@ -229,31 +235,39 @@ class RouterService:
         return ChatOutput(self.cfg.reasoning_parser, tools, forced)
 
     async def _route(self, active: Active, ids: list[int], params, deadline: float):
-        """Stream the request to the client; if its worker dies mid-stream, migrate it and go on."""
+        """Stream the request to the client; if its worker dies mid-stream, migrate it and go on; if
+        its worker switches role, move it with its KV and go on."""
         ledger = Ledger(ids, params, self.tokenizer, self.cfg.max_migrations)
         tried: set[str] = set()
+        moved = None                           # a move's continuation of the stream (moves.py)
         while True:
             prompt, sampling = ledger.request()
             try:
-                async for chunk in self._attempts(active, prompt, sampling_to_proto(sampling), deadline, tried):
+                if moved is None:
+                    active.base = len(ledger.tokens)
+                chunks, moved = moved or self._attempts(active, prompt, sampling_to_proto(sampling), deadline,
+                                                        tried), None
+                async for chunk in chunks:
                     resp = ledger.relay(active.request_id, chunk)
                     yield resp
                     if resp.finish_reason != router_pb2.FINISH_REASON_UNSPECIFIED:
                         # ended by the worker, or here (a stop string across a migration's seam)
                         active.finished = chunk.finish_reason != router_pb2.FINISH_REASON_UNSPECIFIED
                         return
-            except StreamBroke as exc:
+            except StreamMoving as exc:
+                moved = moves.moved_stream(self, active, ledger, exc, deadline, tried)
+            except (StreamBroke, MoveFailed) as exc:
                 why = ledger.why_not()
                 if why is None and not self.registry.healthy(exc.worker.role, tried | {exc.worker.address}):
                     why = f"no other {exc.worker.role} worker is healthy"
                 if why is not None:
-                    self._count_migration("refused")
+                    self.count_migration("refused")
                     raise ServiceError(exc.code, f"request {active.request_id}: {exc} after {len(ledger.tokens)} "
                                                  f"token(s) and cannot migrate: {why}") from None
                 tried.add(exc.worker.address)
-                self._forget(active, active.worker_id)
+                self.forget(active, active.worker_id)
                 ledger.migrate()
-                self._count_migration("migrated")
+                self.count_migration("migrated")
                 log.warning("request %s: %s after %d token(s); migrating (%d of at most %d)", active.request_id,
                             exc, len(ledger.tokens), ledger.migrations, ledger.limit)
                 last = ledger.out_of_budget(active.request_id)
@@ -266,11 +280,11 @@ class RouterService:
         if self.metrics:
             self.metrics.worker_losses.labels(worker.role, how).inc()
 
-    def _count_migration(self, outcome: str) -> None:
+    def count_migration(self, outcome: str) -> None:
         if self.metrics:
             self.metrics.migrations.labels(outcome).inc()
 
-    def _forget(self, active: Active, worker_id: str) -> None:
+    def forget(self, active: Active, worker_id: str) -> None:
         """Drop an attempt's calls; tell their workers to free the request (in the background:
         a dead worker must not hold up the migration)."""
         old = [c for c in active.calls if c[1] == worker_id]
@@ -360,7 +374,7 @@ class RouterService:
         workers = [w for w in self.registry.healthy(role, tried) or self.registry.healthy(role) if warm(w)]
         return policy.pick(workers, ids) if workers else self._pick(role, policy, ids, tried)
 
-    def _use(self, active: Active, w: Worker) -> None:
+    def use(self, active: Active, w: Worker) -> None:
         active.calls.append((w, active.worker_id))
         w.inflight += 1
 
@@ -368,7 +382,7 @@ class RouterService:
         loop = asyncio.get_running_loop()
         rid = active.worker_id
         d, p = self._pick_pair(ids, tried)
-        self._use(active, d)
+        self.use(active, d)
         # the KV must land, and the prefill end, before the first token is due: bounded whatever the deadline
         handover = min(self.cfg.first_token_timeout, deadline - loop.time())
         inbox = await self._listen(d, rid, handover)
@@ -381,7 +395,7 @@ class RouterService:
                     timeout=handover, **tracing.carry(active.span))
             except grpc.aio.AioRpcError as exc:
                 raise _failed(exc, d, "admit") from exc
-            self._use(active, p)
+            self.use(active, p)
             _mark(active, "prefill_sent")
             prefill = asyncio.ensure_future(p.stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(handover),
@@ -402,13 +416,17 @@ class RouterService:
                                     f"no first token within {self.cfg.first_token_timeout:.0f}s from prefill "
                                     f"{p.address} via decode {d.address} (stalled KV handover?)", None, (p, d))
             chunk = _first_chunk(await _result(first), d, "decode stream")
-            async for rest in self._relay(chunk, inbox, d, deadline):
+            async for rest in self.relay(active, chunk, inbox, d, deadline):
                 yield rest
+        except StreamMoving:
+            inbox = None                            # the move takes it over (moves.py)
+            raise
         finally:
             for fut in (prefill, first):            # an attempt abandoned mid-wait leaves no task behind
                 if fut is not None and not fut.done():
                     fut.cancel()
-            d.bus.unregister(rid)
+            if inbox is not None:
+                d.bus.unregister(rid)
 
     async def _await_first(self, first: asyncio.Future, prefill: asyncio.Future, p: Worker, first_by: float) -> None:
         """Until the first token is back, the prefill failed, its worker was left (a hung prefill worker:
@@ -433,7 +451,7 @@ class RouterService:
     async def _colocated(self, active: Active, ids, sampling, deadline, tried):
         loop = asyncio.get_running_loop()
         w = self._pick("colocated", self.colocated_policy, ids, tried)
-        self._use(active, w)
+        self.use(active, w)
         rid = active.worker_id
         inbox = await self._listen(w, rid, min(self.cfg.first_token_timeout, deadline - loop.time()))
         try:
@@ -446,10 +464,14 @@ class RouterService:
             except grpc.aio.AioRpcError as exc:
                 raise _failed(exc, w, "start") from exc
             chunk = _first_chunk(await _result(asyncio.ensure_future(inbox.next(deadline))), w, "generate")
-            async for rest in self._relay(chunk, inbox, w, deadline):
+            async for rest in self.relay(active, chunk, inbox, w, deadline):
                 yield rest
+        except StreamMoving:
+            inbox = None                            # the move takes it over (moves.py)
+            raise
         finally:
-            w.bus.unregister(rid)
+            if inbox is not None:
+                w.bus.unregister(rid)
 
     async def _listen(self, w: Worker, rid: str, timeout: float) -> Inbox:
         """The inbox of request `rid` on `w`'s token bus (opened here if it is not yet)."""
@@ -459,19 +481,24 @@ class RouterService:
             code = getattr(exc, "code", grpc.StatusCode.UNAVAILABLE)
             raise AttemptFailed(code, f"token stream of {w.address}: {exc or 'no answer'}", w) from None
 
-    async def _relay(self, chunk, inbox: Inbox, worker: Worker, deadline: float):
-        """The worker's chunks after the first; a worker lost mid-stream raises StreamBroke."""
+    async def relay(self, active: Active, chunk, inbox: Inbox, worker: Worker, deadline: float):
+        """`chunk` (None: none yet) and the worker's chunks after it, of the attempt under way; a worker
+        lost mid-stream raises StreamBroke, a move asked of the stream (moves.ask) StreamMoving."""
+        wid = active.relaying = active.worker_id
         while True:
-            yield chunk
-            if chunk.finish_reason != router_pb2.FINISH_REASON_UNSPECIFIED:
-                return
-            pace = self._pace()
-            if pace:
-                await inbox.gather(pace)
+            if chunk is not None:
+                yield chunk
+                if chunk.finish_reason != router_pb2.FINISH_REASON_UNSPECIFIED:
+                    return
+                pace = self._pace()
+                if pace:
+                    await inbox.gather(pace)
             try:
                 chunk = await self._next_chunk(inbox, worker, deadline)
             except BusBroken as exc:
                 chunk = decode_pb2.TokenChunk(error_code=exc.code.value[0], error_message=str(exc))
+            except MoveAsked:
+                raise StreamMoving(worker, inbox, wid) from None
             if chunk.error_code:
                 code = STATUS_BY_NUMBER[chunk.error_code]
                 if code == grpc.StatusCode.UNAVAILABLE:
@@ -540,12 +567,6 @@ class RouterService:
             for w in self.registry.workers])
 
 
-def kv_backend(prefill: Worker, decode: Worker) -> str:
-    """The best KV transport both workers speak ("": let the decode worker choose); the rules
-    (preference, which backends two workers on one accelerator may use) are the registry's."""
-    return kv_registry.pick(prefill.status.kv_backends, decode.status.kv_backends, _same_accelerator(prefill, decode))
-
-
 def _kv_full(exc: AttemptFailed) -> bool:
     """A decode worker refused the request for want of free KV blocks (it may have them later)."""
     return exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and KV_FULL in str(exc) and exc.worker is not None \
@@ -560,12 +581,6 @@ def _blocks(prompt_len: int, w: Worker) -> int:
 
 def _unqueue(w: Worker, tokens: int, _fut: asyncio.Future) -> None:
     w.inflight_tokens -= tokens
-
-
-def _same_accelerator(a: Worker, b: Worker) -> bool:
-    device = a.status.device
-    return (bool(device) and device != "cpu" and device == b.status.device
-            and a.address.rsplit(":", 1)[0] == b.address.rsplit(":", 1)[0])
 
 
 async def _result(first: asyncio.Future):
@@ -606,11 +621,6 @@ def _failed(exc: BaseException, worker: Worker, what: str) -> AttemptFailed:
     if isinstance(exc, grpc.aio.AioRpcError):
         return AttemptFailed(exc.code(), f"{what} on {worker.address}: {exc.code().name}: {exc.details()}", worker)
     return AttemptFailed(grpc.StatusCode.UNAVAILABLE, f"{what} on {worker.address}: {exc!r}", worker)
-
-
-def _ms(seconds: float) -> int:
-    """A downstream call's timeout_ms: 0 (none) when the request has no deadline."""
-    return 0 if math.isinf(seconds) else max(1, int(seconds * 1000))
 
 
 def _seconds(seconds: float) -> float | None:

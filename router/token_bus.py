@@ -42,6 +42,11 @@ class StreamStalled(BusBroken):
         super().__init__(grpc.StatusCode.UNAVAILABLE, message)
 
 
+class MoveAsked(Exception):
+    """Put in a request's inbox to have its stream moved off its worker (a role switch,
+    router/moves.py): `next` raises it once the chunks before it are taken."""
+
+
 class Inbox:
     """One request's chunks off the bus. `next` returns every chunk that arrived since the
     last call merged into one: a client that fell behind gets one fuller message, and so does
@@ -55,6 +60,8 @@ class Inbox:
     def put(self, item) -> None:
         self._items.append(item)
         self._wake.set()
+        if isinstance(item, MoveAsked):
+            return
         if isinstance(item, BusBroken) or item.finish_reason or item.error_code:
             self._ended.set()
 
@@ -81,7 +88,7 @@ class Inbox:
                     raise StreamStalled("no token for its stall limit") from None
                 raise
         item = self._items.popleft()
-        if isinstance(item, BusBroken):
+        if isinstance(item, (BusBroken, MoveAsked)):
             raise item
         while not (item.finish_reason or item.error_code) and self._items and _mergeable(self._items[0]):
             merge(item, self._items.popleft())
@@ -89,7 +96,7 @@ class Inbox:
 
 
 def _mergeable(item) -> bool:
-    return not isinstance(item, BusBroken) and not item.error_code
+    return not isinstance(item, (BusBroken, MoveAsked)) and not item.error_code
 
 
 def merge(into: decode_pb2.TokenChunk, chunk: decode_pb2.TokenChunk) -> None:
@@ -117,6 +124,9 @@ class TokenBus:
         await asyncio.wait_for(asyncio.shield(self._open), timeout)
         inbox = self._inboxes[worker_request_id] = Inbox()
         return inbox
+
+    def inbox(self, worker_request_id: str) -> Inbox | None:
+        return self._inboxes.get(worker_request_id)
 
     def unregister(self, worker_request_id: str) -> None:
         self._inboxes.pop(worker_request_id, None)

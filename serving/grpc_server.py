@@ -7,6 +7,7 @@ RESOURCE_EXHAUSTED, TimeoutError -> DEADLINE_EXCEEDED, ServiceError -> its own c
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
 import logging
 import signal
@@ -19,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from baton.engine.scheduling.block_manager import KVCacheFull
-from baton.serving.security import TLSConfig
+from baton.serving.security import TLSConfig, bearer
 
 log = logging.getLogger("baton")
 
@@ -322,3 +323,17 @@ def run_server(main, name: str) -> None:
         log.debug("%s failed to start", name, exc_info=exc)
         print(f"baton {name}: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_admin(token: str | None, metadata) -> None:
+    """An operator's call (a role switch): its bearer token must be `token` (--admin-token); with
+    none configured every such call is refused."""
+    if not token:
+        raise ServiceError(grpc.StatusCode.PERMISSION_DENIED, "operators' calls are off here: start the router and "
+                           "its workers with the same --admin-token (env BATON_ADMIN_TOKEN)")
+    presented = bearer(metadata)
+    if presented is None:
+        raise ServiceError(grpc.StatusCode.UNAUTHENTICATED,
+                           "missing admin token: send metadata 'authorization: Bearer <--admin-token>'")
+    if not hmac.compare_digest(token.encode(), presented.encode()):
+        raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, "wrong admin token")

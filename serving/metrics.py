@@ -55,6 +55,9 @@ class Metrics:
                                                m, buckets=TOKEN_BUCKETS, registry=r)
         self.request_generation_tokens = Histogram("baton_request_generation_tokens", "tokens each finished "
                                                    "request generated", m, buckets=TOKEN_BUCKETS, registry=r)
+        self.prefill_tokens = Counter("baton_prefill_tokens", "prompt tokens this worker's engine computed (a prefix "
+                                      "cache hit, or KV that came by transfer, is none): a stream moved with its KV "
+                                      "adds none, one migrated by recompute its whole prompt", registry=r)
         self.prefix_cache_queries = Counter("baton_prefix_cache_queries", "prompt tokens of finished requests "
                                             "looked up in the workers' prefix caches", m, registry=r)
         self.prefix_cache_hits = Counter("baton_prefix_cache_hits", "of those, tokens whose KV was found there "
@@ -90,8 +93,13 @@ class Metrics:
         self.kv_landed = Histogram("baton_kv_landed_seconds", "prefill's last forward -> its KV landed on the "
                                    "decode worker (the handover's transfer part)", buckets=HANDOVER_BUCKETS, registry=r)
         self.migrations = Counter("baton_migrations", "running streams whose worker died: moved to a survivor "
-                                  "(migrated) or ended (refused: no survivor or --max-migrations reached)",
+                                  "(migrated) or ended (refused: no survivor or --max-migrations reached); or "
+                                  "whose worker switched role: moved to a peer with their KV (moved)",
                                   ["outcome"], registry=r)
+        self.role_switches = Histogram("baton_role_switch_seconds", "workers' role switches asked of this router "
+                                       "(Admin.SwitchRole), by outcome (switched, rolled_back, refused): seconds "
+                                       "from the call to the new role", ["outcome"], buckets=LATENCY_BUCKETS,
+                                       registry=r)
         self.step_seconds = Histogram("baton_step_seconds", "engine step time", ["kind"],
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.worker_losses = Counter("baton_worker_losses", "workers the router left while serving through them, "
@@ -247,6 +255,7 @@ RECORDED_BY = {
     "baton_ttft_seconds": "router", "baton_itl_seconds": "router", "baton_e2e_seconds": "router",
     "baton_queue_seconds": "router", "baton_prompt_tokens": "router", "baton_generation_tokens": "router",
     "baton_router_running": "router", "baton_router_waiting": "router", "baton_migrations": "router",
+    "baton_role_switch_seconds": "router",    "baton_prefill_tokens": "prefill, decode, colocated",
     "baton_running": "workers", "baton_waiting": "workers", "baton_kv_blocks_total": "workers",
     "baton_kv_blocks_free": "workers", "baton_kv_cache_usage_ratio": "workers",
     "baton_kv_transfer_bytes": "prefill (out), decode (in)", "baton_kv_transfer_seconds": "prefill",

@@ -24,6 +24,7 @@ from baton.serving.options import defaults, flag
 
 AUTH_HEADER = "authorization"
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")   # never behind the token
+OWN_AUTH_SERVICES = ("/baton.v1.Admin/",)      # behind the --admin-token instead (grpc_server.check_admin)
 
 
 @dataclass(slots=True)
@@ -154,7 +155,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         return found
 
     async def intercept_service(self, continuation, details):
-        if details.method.startswith(OPEN_SERVICES) or self.client_of(details.invocation_metadata):
+        if details.method.startswith(OPEN_SERVICES + OWN_AUTH_SERVICES) or \
+                self.client_of(details.invocation_metadata):
             return await continuation(details)
         handler = await continuation(details)
         if handler is None:

@@ -14,6 +14,7 @@ from baton.serving.logs import LOG_FORMAT, LOG_LEVEL, add_log_args
 from baton.serving.options import add_config_arg, defaults, flag
 from baton.serving.security import TLSConfig, add_tls_args, tls_from_args
 
+ROLES = ("prefill", "decode", "colocated")      # a worker's
 DEFAULT_PORTS = {"router": 50051, "prefill": 50071, "decode": 50061, "colocated": 50061}
 
 
@@ -26,6 +27,7 @@ class ServerConfig:
     log_level: str = LOG_LEVEL
     log_format: str = LOG_FORMAT
     otlp_traces_endpoint: str | None = None   # OpenTelemetry traces exported there (serving/tracing.py; None: off)
+    admin_token: str | None = None      # operators' calls (a role switch) need it as a bearer token (None: refused)
 
 
 # presets are random weights: say so where they are listed, or qwen3-8b reads as the real model
@@ -53,6 +55,9 @@ def add_common_args(p: argparse.ArgumentParser, default_port: int) -> None:
          help="export OpenTelemetry traces of each request (router, prefill, KV transfer, decode; W3C trace context "
               "carried between them) to this OTLP/HTTP URL, e.g. http://127.0.0.1:4318/v1/traces (unset: off; "
               "needs pip install 'baton[trace]')")
+    flag(p, "--admin-token", default=s.admin_token,
+         help="operators' calls (switching a worker's role: `baton role`) must carry 'authorization: Bearer <this>'; "
+              "give the router and its workers the same one (unset: such calls are refused)")
     add_log_args(p)
     add_tls_args(p)
 
@@ -61,4 +66,5 @@ def server_settings(args: argparse.Namespace) -> dict:
     """The ServerConfig fields, from the flags add_common_args adds (ValueError: a TLS setting that
     cannot work)."""
     return dict(host=args.host, metrics_port=args.metrics_port, grace_seconds=args.grace, tls=tls_from_args(args),
-                log_level=args.log_level, log_format=args.log_format, otlp_traces_endpoint=args.otlp_traces_endpoint)
+                log_level=args.log_level, log_format=args.log_format, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                admin_token=args.admin_token or None)

@@ -24,6 +24,11 @@ FINISH_TO_PROTO = {
 STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
+def timeout_ms(seconds: float) -> int:
+    """A downstream call's timeout_ms: 0 (none) when the request has no deadline (inf)."""
+    return 0 if math.isinf(seconds) else max(1, int(seconds * 1000))
+
+
 def sampling_from_proto(p: router_pb2.SamplingParams, defaults: dict | None = None) -> SamplingParams:
     """Unset fields take `defaults` (the model's generation config, engine/requests/sampling_params.py),
     else the contract's; range checks are SamplingParams.validate's."""

@@ -105,6 +105,7 @@ class EngineCore:
         self._last_emit = 0.0
         self._sent_stats: CoreStats | None = None
         self._pulsing = threading.Event()
+        self._prefill_tokens = 0                   # the engine's count, as last reported
 
     @property
     def llm(self) -> LLMEngine:
@@ -213,6 +214,10 @@ class EngineCore:
     def _stepped(self, llm: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Engine thread, after each step: one message with every request's new tokens."""
         self.metrics.add("step_seconds", llm.last_step_seconds, "step")
+        computed = llm.scheduler.prefill_tokens
+        if computed != self._prefill_tokens:
+            self.metrics.add("prefill_tokens", computed - self._prefill_tokens)
+            self._prefill_tokens = computed
         self.send_updates([self.update_of(out) for out in outputs])
 
     def _idle(self, llm: LLMEngine) -> None:

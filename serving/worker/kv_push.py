@@ -1,6 +1,9 @@
-"""The prefill worker's engine core (serving/worker/engine_core.py): runs prompts in continuous
-batches (prefix cache, chunked prefill), samples each request's first token, and pushes its
-KV to the decode worker the router chose, from this process, where the KV is.
+"""The sending half of the KV plane, in an engine core (serving/worker/engine_core.py): a prompt run
+here with its KV pushed to the decode worker the router chose (`cmd_prefill`), the senders
+warmed before any request needs them (`cmd_connect`), and a running stream's KV packed and
+pushed to the worker that takes it over (`cmd_pause`, `cmd_export`: a role switch moves streams
+so). The prefill worker's core is this (prefill_service/core.py); the decode worker's is this
+too, with the receiving half (decode_service/core.py): so a worker can change role in place.
 
 One pipeline whatever the KV backend: the transfer opens when the request is queued, so
 the decode worker stages it while the prefill runs; after each prefill step the engine packs
@@ -40,8 +43,9 @@ from baton.models.multimodal import ImageInput
 from baton.serving.grpc_server import ServiceError, open_channel
 from baton.serving.worker.engine_core import EngineCore
 
-log = logging.getLogger("baton.prefill")
+log = logging.getLogger("baton.kv_push")
 DROPPED_REMEMBERED = 256        # requests whose late KV was dropped, remembered to say so once each
+EXPORT_HOLD_S = 60.0            # a paused stream's packed KV waits this long for its Export, then goes
 
 
 class PrefillHandoff(KVHandoff):
@@ -129,7 +133,9 @@ class PrefillHandoff(KVHandoff):
                  rid)
 
 
-class PrefillCore(EngineCore):
+class PushingCore(EngineCore):
+    """An engine core that sends KV: prompts it prefills, streams it hands over."""
+
     def __init__(self, cfg, emit):
         super().__init__(cfg, emit)
         self.handoff = PrefillHandoff()
@@ -139,6 +145,7 @@ class PrefillCore(EngineCore):
         self.handshakes: dict[tuple[str, str], asyncio.Future] = {}   # ...and its handshake, awaited by all
         self.kv_auth = KVPeerAuth(cfg.kv_secret) if cfg.kv_secret else None
         self.layout = None
+        self.exports: dict[str, tuple[KVPiece, asyncio.TimerHandle]] = {}   # paused streams' KV, until Export
 
     async def start_transport(self) -> None:
         self.handoff.loop = asyncio.get_running_loop()
@@ -204,7 +211,58 @@ class PrefillCore(EngineCore):
         self.engine.abort(rid)
         if task is not None:
             task.cancel()
-        return task is not None
+        return self._drop_export(rid) or task is not None
+
+    # -- a running stream moving on with its KV (a role switch) ---------------------------------
+    async def cmd_pause(self, rid: str) -> dict:
+        """Take decoding request `rid` out of the batch with its KV packed (LLMEngine.pause), to wait
+        for `cmd_export`; the reply's fields are PauseResponse's. Its blocks are free at once."""
+        try:
+            taken = await self.engine.call(lambda e: e.pause(rid))
+        except KeyError:
+            return {"found": False}
+        if isinstance(taken, str):
+            return {"found": True, "paused": False, "reason": taken}
+        piece, tokens = taken
+        expire = asyncio.get_running_loop().call_later(EXPORT_HOLD_S, self._drop_export, rid)
+        self.exports[rid] = (piece, expire)
+        return {"found": True, "paused": True, "output_token_ids": tokens, "num_blocks": piece.num_blocks}
+
+    async def cmd_export(self, rid: str, address: str, transfer_id: str, backend: str, timeout: float) -> dict:
+        """Push paused `rid`'s KV to the worker that admitted its continuation (transfer_id); the
+        reply's fields are ExportResponse's. The packed copy goes either way."""
+        held = self.exports.get(rid)
+        if held is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"request {rid!r} is not paused here (or waited "
+                                                          f"over {EXPORT_HOLD_S:.0f}s for its export)")
+        piece = held[0]
+        self._drop_export(rid)
+        t0 = time.perf_counter()
+        transfer = TransferDescriptor(transfer_id, nbytes=self.layout.payload_nbytes(piece.num_blocks),
+                                      backend=backend)
+        try:
+            async with asyncio.timeout(timeout):
+                outgoing = await (await self.sender_for(address, backend, timeout)).open(transfer, timeout)
+                try:
+                    await outgoing.piece(piece)
+                    stats = await outgoing.done()
+                except BaseException as exc:
+                    outgoing.abandon(f"{exc!r}")
+                    raise
+        except TimeoutError:
+            raise TimeoutError(f"the KV of {rid} did not reach {address} within {timeout:.1f}s") from None
+        except KVTransferError as exc:
+            raise self._push_failed(address, backend, exc) from exc
+        seconds = time.perf_counter() - t0
+        self.metrics.add("kv_transfer_bytes", stats.nbytes, "out")
+        self.metrics.add("kv_transfer_seconds", seconds)
+        return {"transfer_bytes": stats.nbytes, "transfer_seconds": seconds}
+
+    def _drop_export(self, rid: str) -> bool:
+        held = self.exports.pop(rid, None)
+        if held is not None:
+            held[1].cancel()
+        return held is not None
 
     # -- one request ---------------------------------------------------------------------------
     async def _run(self, rid: str, prompt: list[int], images: list[ImageInput], params, handoff: tuple[str, str, str],

@@ -1,7 +1,8 @@
-"""The prefill worker's front: checks a Prefill request and hands it to its engine core
-(prefill_service/core.py), which runs the prompt, pushes its KV to the decode worker the
-router chose, and answers with the first token; Abort ends it there. The front holds no KV
-and no model: only what the RPCs need.
+"""The prefill role's front (the `baton.v1.Prefill` service): checks a Prefill request and hands
+it to its engine core (serving/worker/kv_push.py), which runs the prompt, pushes its KV to the
+decode worker the router chose, and answers with the first token; Abort ends it there. The
+front holds no KV and no model: only what the RPCs need. The prefill worker is this
+(prefill_service/server.py); a decode worker serves it too, once switched to the prefill role.
 """
 from __future__ import annotations
 
@@ -13,29 +14,23 @@ from baton.serving import tracing
 from baton.serving.grpc_server import ServiceError
 from baton.serving.wire import images_from_proto, sampling_from_proto
 from baton.serving.worker.core_protocol import Command
-from baton.serving.worker.worker import EngineWorker
 from baton.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
 
 DEFAULT_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 60.0        # a KV warm-up without a timeout: a device pair's communicator may take seconds
 
 
-class PrefillWorker(EngineWorker):
-    service_names = ("baton.v1.Prefill",)
-    core_target = "baton.prefill_service.core:PrefillCore"
+class PrefillFront:
+    """Mixed into an EngineWorker whose core is a PushingCore: the Prefill RPCs' bodies."""
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.active: set[str] = set()
+    active: set[str]            # prompts prefilling here
 
-    def add_services(self, server) -> None:
-        prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), server)
-
-    def num_active(self) -> int:
-        return len(self.active)
+    def check_prefill_role(self) -> None:
+        """A worker of another role refuses prompts (a decode worker serves the service to switch)."""
 
     async def prefill(self, req: prefill_pb2.PrefillRequest, metadata=()) -> prefill_pb2.PrefillResponse:
         self.check_accepting()
+        self.check_prefill_role()
         rid = req.request_id
         if not rid:
             raise ValueError("request_id is required")
@@ -87,13 +82,13 @@ class PrefillWorker(EngineWorker):
         reply = await self.core.call(Command.CONNECT, req.decode_address, backend, timeout)
         return prefill_pb2.ConnectKVResponse(**reply)
 
-    def abort_request(self, rid: str) -> bool:
+    def abort_prefill(self, rid: str) -> bool:
         self.core.cast(Command.ABORT, rid)
         return rid in self.active
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, worker: PrefillWorker):
+    def __init__(self, worker):
         self.w = worker
 
     async def Prefill(self, request, context):
@@ -112,4 +107,4 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return self.w.metrics_text()
 
 
-__all__ = ["PrefillWorker"]
+__all__ = ["PrefillFront", "PrefillServicer"]

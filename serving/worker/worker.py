@@ -38,9 +38,12 @@ STEP_WINDOW = 512                  # recent steps the reported step p99 is taken
 class EngineWorker:
     service_names: tuple[str, ...] = ()
     core_target = ""               # "module:Class" of the role's engine core
+    switchable = False             # may change role in place (decode_service/server.py)
 
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
+        self.role = cfg.role           # what it serves now (a switchable worker changes it)
+        self.switching = ""            # the role it is switching to, while it does
         self.metrics = Metrics(cfg.role)
         self.core: CoreClient | None = None
         self.server: Server | None = None
@@ -137,7 +140,7 @@ class EngineWorker:
     def status(self) -> worker_pb2.WorkerStatus:
         s, info, busy = self.core.stats, self.info, self.core.busy()
         return worker_pb2.WorkerStatus(
-            role=self.cfg.role, model=info["model"], running=s.running, waiting=s.waiting,
+            role=self.role, switching_to=self.switching, switchable=self.switchable, model=info["model"], running=s.running, waiting=s.waiting,
             kv_blocks_total=s.kv_blocks_total, kv_blocks_free=s.kv_blocks_free, block_size=info["block_size"],
             max_model_len=info["max_model_len"], kv_backends=self.kv_backends(), device=self.cfg.engine.device,
             draining=bool(self.server and self.server.draining), requests_served=self.requests_served,

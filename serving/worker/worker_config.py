@@ -25,9 +25,8 @@ from baton.kvtransfer import registry
 from baton.kvtransfer.peer_auth import load_secret
 from baton.serving.options import defaults, flag, parser, port_clash
 from baton.serving.processes import WILDCARD_HOSTS
-from baton.serving.server_config import DEFAULT_PORTS, ServerConfig, add_common_args, server_settings
+from baton.serving.server_config import DEFAULT_PORTS, ROLES, ServerConfig, add_common_args, server_settings
 
-ROLES = ("prefill", "decode", "colocated")
 KV_BACKENDS = (*registry.NAMES, registry.AUTO)
 
 

@@ -26,29 +26,41 @@ from baton.v1 import router_pb2 as baton_dot_v1_dot_router__pb2
 from baton.v1 import worker_pb2 as baton_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/decode.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/router.proto\x1a\x15\x62\x61ton/v1/worker.proto\"\xbc\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x12\n\nsubscriber\x18\x06 \x01(\t\x12\x19\n\x11stream_timeout_ms\x18\x07 \x01(\r\"c\n\rAdmitResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\tJ\x04\x08\x04\x10\x05\"7\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\"\xba\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\x12\x1f\n\x06images\x18\x05 \x03(\x0b\x32\x0f.baton.v1.Image\x12\x12\n\nsubscriber\x18\x06 \x01(\t\"\x0f\n\rStartResponse\"&\n\x10SubscribeRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"2\n\nTokenBatch\x12$\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x14.baton.v1.TokenChunk\"\xb0\x02\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x18\n\x10handover_seconds\x18\x05 \x01(\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nerror_code\x18\x07 \x01(\r\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12(\n\x08logprobs\x18\t \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x16.baton.v1.TokenLogprob2\x91\x04\n\x06\x44\x65\x63ode\x12\x38\n\x05\x41\x64mit\x12\x16.baton.v1.AdmitRequest\x1a\x17.baton.v1.AdmitResponse\x12\x39\n\x06Stream\x12\x17.baton.v1.StreamRequest\x1a\x14.baton.v1.TokenChunk0\x01\x12\x43\n\x08Generate\x12\x1f.baton.v1.WorkerGenerateRequest\x1a\x14.baton.v1.TokenChunk0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.baton.v1.WorkerAbortRequest\x1a\x1d.baton.v1.WorkerAbortResponse\x12?\n\tGetStatus\x12\x1a.baton.v1.GetStatusRequest\x1a\x16.baton.v1.WorkerStatus\x12\x42\n\nGetMetrics\x12\x1b.baton.v1.GetMetricsRequest\x1a\x17.baton.v1.WorkerMetrics\x12?\n\tSubscribe\x12\x1a.baton.v1.SubscribeRequest\x1a\x14.baton.v1.TokenBatch0\x01\x12\x41\n\x05Start\x12\x1f.baton.v1.WorkerGenerateRequest\x1a\x17.baton.v1.StartResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/decode.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/router.proto\x1a\x15\x62\x61ton/v1/worker.proto\"\"\n\x0cPauseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"l\n\rPauseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\"q\n\rExportRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nkv_address\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\"B\n\x0e\x45xportResponse\x12\x16\n\x0etransfer_bytes\x18\x01 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x02 \x01(\x01\"5\n\x11SwitchRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\"`\n\x12SwitchRoleResponse\x12\x11\n\tfrom_role\x18\x01 \x01(\t\x12\x0f\n\x07to_role\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x15\n\rstreams_moved\x18\x04 \x01(\r\"\xbc\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x12\n\nsubscriber\x18\x06 \x01(\t\x12\x19\n\x11stream_timeout_ms\x18\x07 \x01(\r\"c\n\rAdmitResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\tJ\x04\x08\x04\x10\x05\"7\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\"\xba\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\x12\x1f\n\x06images\x18\x05 \x03(\x0b\x32\x0f.baton.v1.Image\x12\x12\n\nsubscriber\x18\x06 \x01(\t\"\x0f\n\rStartResponse\"&\n\x10SubscribeRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"2\n\nTokenBatch\x12$\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x14.baton.v1.TokenChunk\"\xb0\x02\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x18\n\x10handover_seconds\x18\x05 \x01(\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nerror_code\x18\x07 \x01(\r\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12(\n\x08logprobs\x18\t \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x16.baton.v1.TokenLogprob2\xd1\x05\n\x06\x44\x65\x63ode\x12\x38\n\x05\x41\x64mit\x12\x16.baton.v1.AdmitRequest\x1a\x17.baton.v1.AdmitResponse\x12\x39\n\x06Stream\x12\x17.baton.v1.StreamRequest\x1a\x14.baton.v1.TokenChunk0\x01\x12\x43\n\x08Generate\x12\x1f.baton.v1.WorkerGenerateRequest\x1a\x14.baton.v1.TokenChunk0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.baton.v1.WorkerAbortRequest\x1a\x1d.baton.v1.WorkerAbortResponse\x12?\n\tGetStatus\x12\x1a.baton.v1.GetStatusRequest\x1a\x16.baton.v1.WorkerStatus\x12\x42\n\nGetMetrics\x12\x1b.baton.v1.GetMetricsRequest\x1a\x17.baton.v1.WorkerMetrics\x12?\n\tSubscribe\x12\x1a.baton.v1.SubscribeRequest\x1a\x14.baton.v1.TokenBatch0\x01\x12\x41\n\x05Start\x12\x1f.baton.v1.WorkerGenerateRequest\x1a\x17.baton.v1.StartResponse\x12\x38\n\x05Pause\x12\x16.baton.v1.PauseRequest\x1a\x17.baton.v1.PauseResponse\x12;\n\x06\x45xport\x12\x17.baton.v1.ExportRequest\x1a\x18.baton.v1.ExportResponse\x12G\n\nSwitchRole\x12\x1b.baton.v1.SwitchRoleRequest\x1a\x1c.baton.v1.SwitchRoleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ADMITREQUEST']._serialized_start=82
-  _globals['_ADMITREQUEST']._serialized_end=270
-  _globals['_ADMITRESPONSE']._serialized_start=272
-  _globals['_ADMITRESPONSE']._serialized_end=371
-  _globals['_STREAMREQUEST']._serialized_start=373
-  _globals['_STREAMREQUEST']._serialized_end=428
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=431
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=617
-  _globals['_STARTRESPONSE']._serialized_start=619
-  _globals['_STARTRESPONSE']._serialized_end=634
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=636
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=674
-  _globals['_TOKENBATCH']._serialized_start=676
-  _globals['_TOKENBATCH']._serialized_end=726
-  _globals['_TOKENCHUNK']._serialized_start=729
-  _globals['_TOKENCHUNK']._serialized_end=1033
-  _globals['_DECODE']._serialized_start=1036
-  _globals['_DECODE']._serialized_end=1565
+  _globals['_PAUSEREQUEST']._serialized_start=81
+  _globals['_PAUSEREQUEST']._serialized_end=115
+  _globals['_PAUSERESPONSE']._serialized_start=117
+  _globals['_PAUSERESPONSE']._serialized_end=225
+  _globals['_EXPORTREQUEST']._serialized_start=227
+  _globals['_EXPORTREQUEST']._serialized_end=340
+  _globals['_EXPORTRESPONSE']._serialized_start=342
+  _globals['_EXPORTRESPONSE']._serialized_end=408
+  _globals['_SWITCHROLEREQUEST']._serialized_start=410
+  _globals['_SWITCHROLEREQUEST']._serialized_end=463
+  _globals['_SWITCHROLERESPONSE']._serialized_start=465
+  _globals['_SWITCHROLERESPONSE']._serialized_end=561
+  _globals['_ADMITREQUEST']._serialized_start=564
+  _globals['_ADMITREQUEST']._serialized_end=752
+  _globals['_ADMITRESPONSE']._serialized_start=754
+  _globals['_ADMITRESPONSE']._serialized_end=853
+  _globals['_STREAMREQUEST']._serialized_start=855
+  _globals['_STREAMREQUEST']._serialized_end=910
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=913
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=1099
+  _globals['_STARTRESPONSE']._serialized_start=1101
+  _globals['_STARTRESPONSE']._serialized_end=1116
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1118
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1156
+  _globals['_TOKENBATCH']._serialized_start=1158
+  _globals['_TOKENBATCH']._serialized_end=1208
+  _globals['_TOKENCHUNK']._serialized_start=1211
+  _globals['_TOKENCHUNK']._serialized_end=1515
+  _globals['_DECODE']._serialized_start=1518
+  _globals['_DECODE']._serialized_end=2239
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,68 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PauseRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class PauseResponse(_message.Message):
+    __slots__ = ("found", "paused", "reason", "output_token_ids", "num_blocks")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    paused: bool
+    reason: str
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_blocks: int
+    def __init__(self, found: _Optional[bool] = ..., paused: _Optional[bool] = ..., reason: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ExportRequest(_message.Message):
+    __slots__ = ("request_id", "kv_address", "transfer_id", "backend", "timeout_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    kv_address: str
+    transfer_id: str
+    backend: str
+    timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ExportResponse(_message.Message):
+    __slots__ = ("transfer_bytes", "transfer_seconds")
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_bytes: int
+    transfer_seconds: float
+    def __init__(self, transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
+
+class SwitchRoleRequest(_message.Message):
+    __slots__ = ("role", "timeout_ms")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    timeout_ms: int
+    def __init__(self, role: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class SwitchRoleResponse(_message.Message):
+    __slots__ = ("from_role", "to_role", "seconds", "streams_moved")
+    FROM_ROLE_FIELD_NUMBER: _ClassVar[int]
+    TO_ROLE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    from_role: str
+    to_role: str
+    seconds: float
+    streams_moved: int
+    def __init__(self, from_role: _Optional[str] = ..., to_role: _Optional[str] = ..., seconds: _Optional[float] = ..., streams_moved: _Optional[int] = ...) -> None: ...
+
 class AdmitRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "timeout_ms", "backend", "subscriber", "stream_timeout_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

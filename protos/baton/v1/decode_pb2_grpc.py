@@ -75,6 +75,21 @@ class DecodeStub:
                 request_serializer=baton_dot_v1_dot_decode__pb2.WorkerGenerateRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_decode__pb2.StartResponse.FromString,
                 _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/baton.v1.Decode/Pause',
+                request_serializer=baton_dot_v1_dot_decode__pb2.PauseRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_decode__pb2.PauseResponse.FromString,
+                _registered_method=True)
+        self.Export = channel.unary_unary(
+                '/baton.v1.Decode/Export',
+                request_serializer=baton_dot_v1_dot_decode__pb2.ExportRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_decode__pb2.ExportResponse.FromString,
+                _registered_method=True)
+        self.SwitchRole = channel.unary_unary(
+                '/baton.v1.Decode/SwitchRole',
+                request_serializer=baton_dot_v1_dot_decode__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_decode__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -130,6 +145,27 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pause(self, request, context):
+        """Moving a running stream to another worker with its KV (no prefix recomputed): Pause takes it out of
+        the batch and packs its KV; Export pushes that KV to the worker that admitted its continuation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Export(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SwitchRole(self, request, context):
+        """Change this worker's role in place (authenticated: 'authorization: Bearer <--admin-token>').
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +208,21 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Start,
                     request_deserializer=baton_dot_v1_dot_decode__pb2.WorkerGenerateRequest.FromString,
                     response_serializer=baton_dot_v1_dot_decode__pb2.StartResponse.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=baton_dot_v1_dot_decode__pb2.PauseRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_decode__pb2.PauseResponse.SerializeToString,
+            ),
+            'Export': grpc.unary_unary_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=baton_dot_v1_dot_decode__pb2.ExportRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_decode__pb2.ExportResponse.SerializeToString,
+            ),
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=baton_dot_v1_dot_decode__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_decode__pb2.SwitchRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -390,6 +441,87 @@ class Decode:
             '/baton.v1.Decode/Start',
             baton_dot_v1_dot_decode__pb2.WorkerGenerateRequest.SerializeToString,
             baton_dot_v1_dot_decode__pb2.StartResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Decode/Pause',
+            baton_dot_v1_dot_decode__pb2.PauseRequest.SerializeToString,
+            baton_dot_v1_dot_decode__pb2.PauseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Decode/Export',
+            baton_dot_v1_dot_decode__pb2.ExportRequest.SerializeToString,
+            baton_dot_v1_dot_decode__pb2.ExportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Decode/SwitchRole',
+            baton_dot_v1_dot_decode__pb2.SwitchRoleRequest.SerializeToString,
+            baton_dot_v1_dot_decode__pb2.SwitchRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,138 @@
+"""A worker's role switched in place under load (issue 52): 2 prefill + 2 decode workers serve
+steady streams while decode-1 becomes a prefill worker and then a decode worker again, through
+the router's Admin service. Its streams move to decode-0 with their KV: no stream fails, every
+greedy token is the one a run without the switch gives, no prompt is prefilled again (the
+workers' own count of prompt tokens computed), no KV block stays held; the switch time is
+reported. Without the admin token the switch is refused and changes nothing."""
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from baton.v1 import admin_pb2, admin_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.cluster import Cluster
+
+TOKEN = "switch-secret"
+STREAMS, MAX_TOKENS = 6, 48
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    # no prefix cache: every run computes every prompt token once, so a recomputed prefix would show
+    # (and --max-migrations 0: a stream that could not move with its KV would fail, not recompute)
+    c = Cluster.launch(tmp_path_factory.mktemp("role-switch"), prefill=2, decode=2, env={"BATON_ADMIN_TOKEN": TOKEN},
+                       worker_args=["--no-prefix-caching"], router_args=["--max-migrations", "0", "--worker-metrics"],
+                       http=True)
+    yield c
+    c.stop()
+
+
+def prompts() -> list[str]:
+    return [f"Write item {i} of a long numbered list about the rivers of Europe." for i in range(STREAMS)]
+
+
+def run_streams(c: Cluster, during=None) -> tuple[list[list[int]], list[str]]:
+    """Every prompt streamed at once (greedy, ignore_eos); `during()` runs once they all have tokens."""
+    stub = c.stub()
+    tokens: list[list[int]] = [[] for _ in range(STREAMS)]
+    errors: list[str] = []
+    started = threading.Barrier(STREAMS + 1)
+
+    def one(i: int, text: str) -> None:
+        req = router_pb2.GenerateRequest(text=text, sampling=router_pb2.SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        first = True
+        try:
+            for resp in stub.Generate(req, timeout=120):
+                tokens[i].extend(resp.token_ids)
+                if first and len(tokens[i]) >= 4:
+                    first = False
+                    started.wait(60)
+        except grpc.RpcError as exc:
+            errors.append(f"stream {i}: {exc.code().name}: {exc.details()}")
+        if first:
+            started.abort()
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts())]
+    for t in threads:
+        t.start()
+    started.wait(120)
+    if during is not None:
+        during()
+    for t in threads:
+        t.join(180)
+    return tokens, errors
+
+
+def admin(c: Cluster, worker: str, role: str, token: str | None = TOKEN) -> admin_pb2.AdminSwitchRoleResponse:
+    stub = admin_pb2_grpc.AdminStub(grpc.insecure_channel(c.router.address))
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    return stub.SwitchRole(admin_pb2.AdminSwitchRoleRequest(worker=worker, role=role, timeout_ms=30_000),
+                           timeout=60, metadata=metadata)
+
+
+def prefill_tokens(c: Cluster) -> int:
+    """Prompt tokens every worker's engine computed (their metrics, through the router's /metrics)."""
+    text = urllib.request.urlopen(c.http_url.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
+    return int(sum(float(v) for v in re.findall(r"^baton_prefill_tokens_total\{[^}]*\} (\S+)$", text, re.M)))
+
+
+def roles(c: Cluster) -> dict[str, str]:
+    return {w.address: w.role for w in c.server_info().workers}
+
+
+def test_a_decode_worker_switches_to_prefill_and_back_under_load(cluster):
+    c = cluster
+    expected, errors = run_streams(c)
+    assert not errors and all(len(t) == MAX_TOKENS for t in expected)
+    assert c.wait_workers_idle() == 0
+    computed = prefill_tokens(c)
+    assert computed > 0
+    target = c.worker("decode-1").address
+    switched: list = []
+
+    def switch_there_and_back() -> None:
+        switched.append(admin(c, target, "prefill"))
+        switched.append(roles(c)[target])
+        switched.append(admin(c, target, "decode"))
+    got, errors = run_streams(c, switch_there_and_back)
+    assert not errors, errors
+    there, role_between, back = switched
+    assert (there.from_role, there.to_role, role_between) == ("decode", "prefill", "prefill")
+    assert (back.from_role, back.to_role) == ("prefill", "decode")
+    assert there.streams_moved >= 1, there          # some streams were running on decode-1
+    assert 0 < there.seconds < 30 and back.seconds < 30
+    assert got == expected                          # token for token, as without the switch
+    # the moved streams' prefixes were not computed again: the second run computed its prompts, no more
+    assert prefill_tokens(c) - computed == computed
+    assert c.wait_workers_idle() == 0               # no block held on any worker
+    assert roles(c)[target] == "decode"
+
+
+def test_a_switch_without_the_admin_token_is_refused(cluster):
+    c = cluster
+    target = c.worker("decode-0").address
+    for token in (None, "wrong"):
+        with pytest.raises(grpc.RpcError) as err:
+            admin(c, target, "prefill", token)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # nor straight to the worker, bypassing the router
+    from baton.v1 import decode_pb2, decode_pb2_grpc
+    worker = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(target))
+    with pytest.raises(grpc.RpcError) as err:
+        worker.SwitchRole(decode_pb2.SwitchRoleRequest(role="prefill"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    time.sleep(0.6)
+    assert roles(c)[target] == "decode"
+    # a prefill worker (`baton prefill`) cannot switch, and says so
+    with pytest.raises(grpc.RpcError) as err:
+        admin(c, c.worker("prefill-0").address, "decode")
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    out = router_pb2_grpc.RouterStub(grpc.insecure_channel(c.router.address)).Generate(
+        router_pb2.GenerateRequest(text="Hello", sampling=router_pb2.SamplingParams(temperature=0, max_tokens=4)),
+        timeout=60)
+    assert sum(len(r.token_ids) for r in out) == 4
