@@ -314,3 +314,14 @@ def test_triton_w4a16_kernels_match_the_reference_in_the_interpreter(checkpoints
         code = f"import test_int4; test_int4.check_triton_kernel({str(checkpoints[variant][0])!r})"
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0 and "w4a16 kernels ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def test_the_int4_decode_benchmark_runs_on_the_cpu(tmp_path):
+    """benchmarks/int4_decode.py end to end on a tiny config of qwen3-8b (the GPU run's arguments and imports)."""
+    from baton.benchmarks import int4_decode
+    int4_decode.main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--batches", "1,2", "--gemm-ms", "1",
+                      "--steps", "2", "--context", "16"])
+    rows = [json.loads(line) for line in (tmp_path / "int4_decode.jsonl").read_text().splitlines()]
+    assert {(r["kind"], r.get("weights")) for r in rows} == {("gemm", None), ("decode", "int4-awq-g128"), ("decode", "bf16")}
+    assert all(r["rel_err"] < 1e-5 for r in rows if r["kind"] == "gemm")
+    assert {r["quantization"] for r in rows if r["kind"] == "decode"} == {"awq", None}
