@@ -75,8 +75,8 @@ def gemms(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit) -> No
             ref = x.float() @ wide.t()
             got = platform.w4a16_matmul(x, w)
             err = float((got.float() - ref).norm() / ref.norm())
-            t_bf16 = timer(lambda: torch.nn.functional.linear(x, dense))     # noqa: B023
-            t_int4 = timer(lambda: platform.w4a16_matmul(x, w))             # noqa: B023
+            t_bf16 = timer(lambda x=x, d=dense: torch.nn.functional.linear(x, d))
+            t_int4 = timer(lambda x=x, w=w: platform.w4a16_matmul(x, w))
             emit({"kind": "gemm", "proj": name, "n": n, "k": k, "m": m, "dtype": str(dtype).split(".")[-1],
                   "bf16_us": round(t_bf16, 2), "w4a16_us": round(t_int4, 2), "speedup": round(t_bf16 / t_int4, 3),
                   "rel_err": err})
