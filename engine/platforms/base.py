@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from baton.models.layers import quantization
+from baton.models.layers import int4, quantization
 
 if TYPE_CHECKING:
     from baton.models.attention_metadata import AttnMetadata
@@ -288,6 +288,16 @@ class Platform(ABC):
         xq, xs = quantization.quantize_rows_int8(x)
         acc = torch._int_mm(xq, weight.t())
         return (acc.float() * xs * scale).to(x.dtype)
+
+    def w4a16_layout(self, w: int4.Int4Weight, dtype: torch.dtype) -> int4.Int4Weight:
+        """An INT4 layer's packed weight (models/layers/int4.py's layout) as this platform's W4A16 GEMM
+        reads it, for activations of `dtype`."""
+        return w
+
+    def w4a16_matmul(self, x: torch.Tensor, w: int4.Int4Weight) -> torch.Tensor:
+        """x [M, K] (its columns already in w's row order) times the INT4 weight -> [M, N] in x's dtype.
+        The reference: the weight dequantized per call ((q - zero) * scale in float32, then x's dtype)."""
+        return F.linear(x, int4.dequantize(w, x.dtype))
 
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:  # noqa: B027
         """Raise ValueError naming the constraint if the KV layout is unsupported here."""

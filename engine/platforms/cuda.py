@@ -129,6 +129,11 @@ class CudaPlatform(Platform):
     def int8_linear(self) -> None:
         raise ValueError("--quantization w8a8 is the Ascend (and CPU) path; on CUDA use --quantization fp8")
 
+    def w4a16_matmul(self, x, w):
+        """INT4 weights: the Triton W4A16 GEMM (triton_kernels/w4a16.py; large M: dequantized, then cuBLAS)."""
+        from baton.engine.platforms.triton_kernels import w4a16
+        return w4a16.w4a16_matmul(x, w)
+
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
         if is_fp8(dtype):
             major, minor = torch.cuda.get_device_capability(self.device)

@@ -21,6 +21,7 @@ import torch
 from baton.engine.config import PlatformOptions
 from baton.engine.platforms.base import LayerOps, Platform
 from baton.models.attention_metadata import AttnMetadata
+from baton.models.layers import int4
 
 MASK_SIZE = 2048            # fused attention's compressed causal mask (sparse_mode 2/3/4) is 2048x2048
 PAGED_PREFILL_BLOCK = 128   # FIA paged KV with Q_S > 1 needs block_size in [128, 512], a multiple of 128
@@ -217,6 +218,27 @@ class NpuPlatform(Platform):
         output_dtype x's dtype) = x1 @ x2 * scale * pertoken_scale (docs/npu.md, "W8A8")."""
         xq, xs = self.npu.npu_dynamic_quant(x)
         return self.npu.npu_quant_matmul(xq, weight.t(), scale, pertoken_scale=xs, output_dtype=x.dtype)
+
+    def w4a16_layout(self, w, dtype):
+        """INT4 weights as npu_weight_quant_batchmatmul takes them (docs/npu.md, "W4A16"): the 4-bit values
+        signed (q - 8, in [-8, 7]) as int32 [K, N], packed eight to an int32 by npu_convert_weight_to_int4pack
+        ([K, N/8]); antiquant_scale the scales and antiquant_offset 8 - zero, both [K/g, N] in x's dtype (the
+        op's rule), so (w + offset) * scale = (q - zero) * scale. Per-channel (one group) as [N]."""
+        if w.group_size != w.in_features and w.group_size % 32:
+            raise ValueError(f"INT4 group_size {w.group_size} cannot run on Ascend (npu_weight_quant_batchmatmul's "
+                             "antiquant_group_size is a multiple of 32); supported: 32, 64, 128, ... or per channel")
+        signed = int4.unpack_rows(w.qweight).to(torch.int32) - 8
+        packed = self.npu.npu_convert_weight_to_int4pack(signed.contiguous())
+        scale, offset = w.scales.to(dtype), (8 - w.zeros.to(torch.int32)).to(dtype)
+        if w.group_size == w.in_features:
+            scale, offset = scale.reshape(-1), offset.reshape(-1)
+        return w._replace(qweight=packed, scales=scale, zeros=offset)
+
+    def w4a16_matmul(self, x, w):
+        """npu_weight_quant_batchmatmul(x [M, K], weight int4pack [K, N/8], antiquant_scale, antiquant_offset,
+        antiquant_group_size g; 0 per channel) = x @ ((weight + offset) * scale)."""
+        group = 0 if w.group_size == w.in_features else w.group_size
+        return self.npu.npu_weight_quant_batchmatmul(x, w.qweight, w.scales, w.zeros, antiquant_group_size=group)
 
     def check_kv_layout(self, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
         if dtype == torch.float8_e4m3fn:

@@ -1,6 +1,6 @@
 """The runner's model, loaded: its layers built on the platform's device, its weights read from the
 checkpoint (or drawn at random), and its linear layers quantized (--quantization, else the
-checkpoint's own method; FP8 weights rounded with GPTQ on request, engine/runner/fp8_rounding.py).
+checkpoint's own method: FP8, or AWQ / GPTQ INT4 kept packed; FP8 weights rounded with GPTQ on request, engine/runner/fp8_rounding.py).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from baton.engine.config import EngineConfig
 from baton.engine.platforms import Platform
 from baton.models.decoder import fuse_fp8_inputs
+from baton.models.layers.int4 import INT4_METHODS, finish_int4
 from baton.models.layers.quantization import checkpoint_method, quantize_fp8, quantize_w8a8
 from baton.models.loader import build_model, init_random_weights, load_weights
 from baton.models.source import ModelSource
@@ -37,22 +38,30 @@ def load_model(config: EngineConfig, source: ModelSource, platform: Platform, dt
     else:
         load_weights(model, source.weights_path)
     model.eval()
-    method = quantize(model, config, source, platform)
+    method = quantize(model, config, source, platform, dtype)
     if time.perf_counter() - t0 > 5:
         print(f"[baton] model {source.name} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return model, method
 
 
-def quantize(model: torch.nn.Module, config: EngineConfig, source: ModelSource, platform: Platform) -> str | None:
+def quantize(model: torch.nn.Module, config: EngineConfig, source: ModelSource, platform: Platform,
+             dtype: torch.dtype) -> str | None:
     """--quantization, else what the checkpoint was quantized with: the linear layers' weights
-    to FP8 or int8 (models/layers/quantization.py); their bf16 copies go back to the device first."""
-    method = config.quantization or checkpoint_method(source.hf_config)
+    to FP8 or int8 (models/layers/quantization.py), their bf16 copies going back to the device first;
+    or an AWQ / GPTQ checkpoint's INT4 weights, loaded packed, laid out for the platform (models/layers/int4.py)."""
+    stored = checkpoint_method(source.hf_config)
+    method = config.quantization or stored
     if method is None:
         return None
     if config.deterministic:
         raise ValueError(f"--deterministic does not cover quantized matmuls, and this checkpoint is {method}: "
                          "serve it without --deterministic")
-    if method == "w8a8":
+    if stored in INT4_METHODS:
+        if config.quantization is not None:
+            raise ValueError(f"this checkpoint is INT4 ({stored}) and has no bf16 weights to quantize with "
+                             f"--quantization {config.quantization}: serve it without --quantization")
+        finish_int4(model, platform, dtype)
+    elif method == "w8a8":
         platform.int8_linear()               # ValueError where the platform has no int8 GEMM path
         quantize_w8a8(model, platform)
     else:

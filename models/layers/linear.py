@@ -34,6 +34,7 @@ class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo, dtype):
         super().__init__()
         self.tp = tp
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -43,7 +44,20 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(loaded)
+        if param.dim() == 2 and self.input_shard() is not None:
+            offset, size = self.input_shard()
+            loaded = loaded.narrow(1, offset, size)
+        dst, size, src = self.output_shard(shard_id)
+        param.data.narrow(0, dst, size).copy_(loaded.narrow(0, src, size))
+
+    def output_shard(self, shard_id=None) -> tuple[int, int, int]:
+        """Where a checkpoint tensor's output rows land: (offset in this rank's rows, how many,
+        offset in the checkpoint tensor's rows). Packed layouts (models/layers/int4.py) shard by it too."""
+        return 0, self.out_features, 0
+
+    def input_shard(self) -> tuple[int, int] | None:
+        """This rank's input columns of the checkpoint tensor, (offset, how many); None: all of them."""
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight, self.bias)
@@ -61,9 +75,8 @@ class ColumnParallelLinear(LinearBase):
         tp = tp or TPInfo()
         super().__init__(in_features, _divide(out_features, tp.size, "output features"), bias, tp, dtype)
 
-    def weight_loader(self, param, loaded, shard_id=None):
-        n = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
+    def output_shard(self, shard_id=None):
+        return 0, self.out_features, self.tp.rank * self.out_features
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -73,10 +86,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, tp, dtype)
 
-    def weight_loader(self, param, loaded, shard_id: int = 0):
+    def output_shard(self, shard_id: int = 0):
         size = self.output_sizes[shard_id] // self.tp.size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+        return sum(self.output_sizes[:shard_id]) // self.tp.size, size, self.tp.rank * size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -92,12 +104,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden_size, out, bias, tp, dtype)
 
-    def weight_loader(self, param, loaded, shard_id: str = "q"):
+    def output_shard(self, shard_id: str = "q"):
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         rank = self.tp.rank if shard_id == "q" else self.tp.rank // self.kv_replicas
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+        return offset, size, rank * size
 
 
 class RowParallelLinear(LinearBase):
@@ -111,8 +123,10 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:            # bias: added once, on rank 0
             param.data.copy_(loaded if self.tp.rank == 0 else torch.zeros_like(loaded))
             return
-        n = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
+        super().weight_loader(param, loaded, shard_id)
+
+    def input_shard(self):
+        return self.tp.rank * self.in_features, self.in_features
 
     def forward(self, x):
         y = self.matmul(x, self.weight, self.bias)

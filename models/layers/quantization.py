@@ -43,10 +43,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from baton.models.layers.int4 import INT4_METHODS, Int4Scheme, int4_scheme
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max             # 448
 INT8_MAX = 127
-CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
+# read from a checkpoint's quantization_config; awq / gptq: INT4 weight-only (models/layers/int4.py)
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 SCALE_EPS = 1e-12
 
 
@@ -252,7 +255,8 @@ def quantize_w8a8(model: nn.Module, platform) -> int:
 # -- pre-quantized checkpoints -----------------------------------------------------------------
 
 def checkpoint_method(hf_config) -> str | None:
-    """The quantization a checkpoint's config.json declares (None: plain weights); ValueError
+    """The quantization a checkpoint's config.json declares (None: plain weights): "fp8" (its FP8
+    weights are widened at load and re-quantized), "awq" or "gptq" (INT4, kept packed); ValueError
     for one Baton cannot read."""
     qc = getattr(hf_config, "quantization_config", None)
     if not qc:
@@ -260,8 +264,11 @@ def checkpoint_method(hf_config) -> str | None:
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
     if method not in CHECKPOINT_METHODS:
-        raise ValueError(f"checkpoint quantization {method!r} is not supported (supported: "
-                         f"{', '.join(CHECKPOINT_METHODS)} with float8 e4m3 weights)")
+        raise ValueError(f"checkpoint quantization {method!r} is not supported (supported: fp8 and "
+                         "compressed-tensors with float8 e4m3 weights, awq and gptq with 4-bit weights)")
+    if method in INT4_METHODS:
+        int4_scheme(qc)                  # ValueError for what the INT4 path cannot read
+        return method
     if method == "fp8" and qc.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"fp8 checkpoints with activation_scheme {qc['activation_scheme']!r} are not supported "
                          "(supported: dynamic)")
@@ -276,6 +283,14 @@ def _check_compressed_tensors(qc: dict) -> None:
         if w.get("num_bits") != 8 or w.get("type") != "float" or w.get("strategy") not in ("channel", "tensor"):
             raise ValueError(f"compressed-tensors group {name!r}: only 8-bit float weights per channel or per "
                              f"tensor are supported, got {w}")
+
+
+def checkpoint_int4_scheme(hf_config) -> Int4Scheme | None:
+    """The INT4 scheme of an awq / gptq checkpoint (None: any other)."""
+    if checkpoint_method(hf_config) not in INT4_METHODS:
+        return None
+    qc = hf_config.quantization_config
+    return int4_scheme(qc if isinstance(qc, dict) else qc.to_dict())
 
 
 def scale_name(name: str, keys) -> str | None:

@@ -149,7 +149,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "activations per token, scaled FP8 GEMMs; a MoE's routed experts too, one scale per expert and "
               "output channel, in the fused expert kernel: FP8 x FP8 (activations per token) at every size "
               "(CUDA compute capability 8.9+; the CPU runs the same numbers; not on Ascend). Unset: what the checkpoint's quantization_config says (fp8 and "
-              "compressed-tensors FP8 checkpoints), else none. w8a8: int8 weights per output channel and int8 "
+              "compressed-tensors FP8 checkpoints; AWQ and GPTQ INT4 ones, kept packed, which take no flag), else none. w8a8: int8 weights per output channel and int8 "
               "tokens (per-token dynamic scales), int32 accumulation: torch_npu's npu_dynamic_quant + "
               "npu_quant_matmul on Ascend, torch._int_mm on the CPU (not CUDA)")
     flag(g, "--fp8-rounding", default=e.fp8_rounding, choices=FP8_ROUNDINGS,

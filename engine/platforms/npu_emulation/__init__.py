@@ -57,6 +57,10 @@ from baton.engine.platforms.npu_emulation.moe import (
     npu_moe_token_unpermute,
 )
 from baton.engine.platforms.npu_emulation.quant import npu_dynamic_quant, npu_quant_matmul
+from baton.engine.platforms.npu_emulation.weight_quant import (
+    npu_convert_weight_to_int4pack,
+    npu_weight_quant_batchmatmul,
+)
 
 
 def emulated_torch_npu() -> SimpleNamespace:
@@ -88,6 +92,8 @@ def emulated_torch_npu() -> SimpleNamespace:
         npu_moe_token_unpermute=_kernel(npu_moe_token_unpermute),
         npu_dynamic_quant=_kernel(npu_dynamic_quant),
         npu_quant_matmul=_kernel(npu_quant_matmul),
+        npu_convert_weight_to_int4pack=npu_convert_weight_to_int4pack,       # at load, never captured
+        npu_weight_quant_batchmatmul=_kernel(npu_weight_quant_batchmatmul),
         npu=runtime,
         device=_device,
     )

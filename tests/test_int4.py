@@ -1,0 +1,327 @@
+"""INT4 weight-only checkpoints (AWQ, GPTQ; models/layers/int4.py): written here in their on-disk formats,
+they load packed (~1/4 of bf16's bytes), every projection multiplies as its dequantized weight does, the
+engine decodes the greedy tokens transformers decodes from the dequantized weights, bad checkpoints are
+refused clearly, and the Ascend path (emulated) and the Triton kernel (interpreted) give the reference's
+numbers."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from baton.engine.platforms.cpu import CpuPlatform
+from baton.models import loader
+from baton.models.layers import int4
+
+PROMPTS = [[5, 70, 80, 90, 100, 7, 300, 12], [3, 4, 200, 201, 202, 203, 50, 9, 9, 1000, 77]]
+SHAPE = dict(hidden_size=128, intermediate_size=256)       # K of every projection: a multiple of 128
+VARIANTS = {"awq-g128": ("awq", 128, False), "awq-g32": ("awq", 32, False), "gptq-g64": ("gptq", 64, False),
+            "gptq-act-g32": ("gptq", 32, True), "gptq_v2-act-g128": ("gptq_v2", 128, True)}
+
+
+# -- the formats, as AutoAWQ's and AutoGPTQ's packers write them ---------------------------------
+
+def _pack_columns(q: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    """uint8 [R, C] of 0..15 -> int32 [R, C/8]: nibble i of word c holds column 8c + order[i]."""
+    q = q.long().reshape(q.shape[0], -1, 8)[..., list(order)]
+    words = (q << torch.arange(0, 32, 4)).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def _quantize(w: torch.Tensor, group: int, g_idx: torch.Tensor):
+    """w [N, K] asymmetric 4-bit per group of input rows (g_idx: each row's group): (q uint8 [K, N],
+    zeros uint8 [G, N], scales fp16 [G, N]), min/max as AutoAWQ / AutoGPTQ (sym false) compute them."""
+    wt = w.t().float()                                                  # [K, N]
+    groups = wt.shape[0] // group
+    rows = [wt[g_idx == g] for g in range(groups)]
+    hi = torch.stack([r.amax(0) for r in rows]).clamp(min=0)
+    lo = torch.stack([r.amin(0) for r in rows]).clamp(max=0)
+    scales = ((hi - lo).clamp(min=1e-5) / 15).half()
+    zeros = torch.round(-lo / scales.float()).clamp(0, 15)
+    q = torch.round(wt / scales.float()[g_idx] + zeros[g_idx]).clamp(0, 15)
+    return q.to(torch.uint8), zeros.to(torch.uint8), scales
+
+
+def _dequantized(q, zeros, scales, g_idx) -> torch.Tensor:
+    return ((q.float() - zeros.float()[g_idx]) * scales.float()[g_idx]).t().contiguous()     # [N, K]
+
+
+def save_int4_checkpoint(src: Path, dst: Path, fmt: str, group: int, act_order: bool, seed: int = 0,
+                         edit_config=None) -> tuple[Path, Path]:
+    """Checkpoint `src`'s decoder projections as AWQ (GEMM) or GPTQ (v1 "gptq" / "gptq_v2") INT4, and a plain
+    float32 checkpoint of the dequantized weights (transformers' reference). Returns (int4 dir, reference dir)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors, plain, orders = {}, {}, {}
+    for name, w in load_file(Path(src) / "model.safetensors").items():
+        if not (name.endswith("proj.weight") and ".layers." in name):
+            tensors[name] = plain[name] = w
+            continue
+        k = w.shape[1]
+        g_idx = torch.arange(k) // group
+        if act_order:        # the rows quantized in another order, groups scattered; one order per input (GPTQ's
+            shared = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+            order = orders.setdefault(shared, torch.argsort(torch.rand(k, generator=gen)))   # Hessian is the input's)
+            g_idx = g_idx[order]
+        q, zeros, scales = _quantize(w, group, g_idx)
+        base = name[: -len("weight")]
+        plain[name] = _dequantized(q, zeros, scales, g_idx)
+        if fmt == "awq":
+            tensors[base + "qweight"] = _pack_columns(q, int4.AWQ_ORDER)
+            tensors[base + "qzeros"] = _pack_columns(zeros, int4.AWQ_ORDER)
+        else:
+            tensors[base + "qweight"] = _pack_columns(q.t().contiguous()).t().contiguous()   # along K
+            stored = zeros.long() - 1 if fmt == "gptq" else zeros.long()      # v1 stores zero - 1
+            tensors[base + "qzeros"] = _pack_columns((stored & 0xF).to(torch.uint8))
+            tensors[base + "g_idx"] = g_idx.to(torch.int32)
+        tensors[base + "scales"] = scales
+    config = json.loads((Path(src) / "config.json").read_text())
+    out, ref = Path(f"{dst}-{fmt}"), Path(f"{dst}-ref")
+    for path, weights, qc in ((out, tensors, _quant_config(fmt, group, act_order)), (ref, plain, None)):
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(path / "model.safetensors"))
+        cfg = dict(config, **({"quantization_config": qc} if qc else {}))
+        if edit_config is not None and qc:
+            edit_config(cfg)
+        (path / "config.json").write_text(json.dumps(cfg))
+        for f in Path(src).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+                (path / f.name).write_bytes(f.read_bytes())
+    return out, ref
+
+
+def _quant_config(fmt: str, group: int, act_order: bool) -> dict:
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": False,
+            "checkpoint_format": fmt}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, request):
+    from helpers import save_tiny_checkpoint
+    tokenizer = os.environ.get("BATON_TOKENIZER") or request.getfixturevalue("embedded_source").tokenizer_path
+    root = tmp_path_factory.mktemp("int4")
+    return save_tiny_checkpoint("qwen3", root / "bf16", tokenizer, **SHAPE), root
+
+
+@pytest.fixture(scope="module")
+def checkpoints(source):
+    src, root = source
+    return {name: save_int4_checkpoint(src, root / name, fmt, group, act)
+            for name, (fmt, group, act) in VARIANTS.items()}
+
+
+def _cpu_model(path):
+    from transformers import AutoConfig
+
+    from baton.models.layers.int4 import finish_int4
+    platform = CpuPlatform(torch.device("cpu"))
+    model = loader.build_model(AutoConfig.from_pretrained(path), torch.float32, "cpu", platform.ops)
+    loader.load_weights(model, path)
+    finish_int4(model, platform, torch.float32)
+    return model.eval(), platform
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_projection_multiplies_as_its_dequantized_weight(checkpoints, variant):
+    """Each packed layer (qkv, o, gate_up, down of every decoder layer) times x equals x times the
+    weights the checkpoint dequantizes to, to float32 rounding; the embedding, head and norms stay float."""
+    path, ref = checkpoints[variant]
+    model, _ = _cpu_model(path)
+    plain = load_file(ref / "model.safetensors")
+    layers = int4.int4_layers(model)
+    assert len(layers) == 4 * 2 and model.lm_head.weight.dtype == torch.float32
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    for name, layer in layers:
+        assert layer.weight is None and layer.qweight.dtype == torch.int32
+        stem = "model." + name.split("model.", 1)[1].rsplit(".", 1)[0] + "."
+        parts = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+        proj = name.rsplit(".", 1)[1]
+        w = torch.cat([plain[f"{stem}{p}.weight"] for p in parts.get(proj, [proj])])
+        xs = x[:, : w.shape[1]]
+        torch.testing.assert_close(layer(xs), xs @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["awq-g128", "gptq-g64", "gptq-act-g32"])
+def test_engine_decodes_what_transformers_decodes_from_the_dequantized_weights(checkpoints, variant):
+    from helpers import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    from baton.engine import LLM, SamplingParams
+    path, ref = checkpoints[variant]
+    llm = LLM(str(path), num_kv_blocks=32, max_model_len=128)
+    assert llm.engine.runner.quantization == VARIANTS[variant][0].split("_")[0]
+    got = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]
+    hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    assert got == hf_greedy(hf, PROMPTS, 8)
+
+
+def test_int4_weights_take_about_a_quarter_of_bf16s_bytes(checkpoints):
+    """Packed on the device: 0.5 byte a weight, plus a float16 scale and a byte of zero point per group of 128
+    and column (0.52 a weight against bf16's 2)."""
+    model, _ = _cpu_model(checkpoints["awq-g128"][0])
+    packed = weights = 0
+    for _, layer in int4.int4_layers(model):
+        packed += sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scales, layer.qzeros))
+        weights += layer.in_features * layer.out_features
+    assert packed / (2 * weights) == pytest.approx((0.5 + 3 / 128) / 2, rel=1e-6)
+
+
+def _bad(source, tmp_path, edit_config=None, drop=None, group=32):
+    src, _ = source
+    path, _ = save_int4_checkpoint(src, tmp_path / "bad", "gptq", group, False, edit_config=edit_config)
+    if drop:
+        tensors = {k: v for k, v in load_file(path / "model.safetensors").items() if not k.endswith(drop)}
+        save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def test_bad_checkpoints_are_refused_naming_what_is_supported(source, tmp_path):
+    from transformers import AutoConfig
+    platform = CpuPlatform(torch.device("cpu"))
+
+    def load(path):
+        model = loader.build_model(AutoConfig.from_pretrained(path), torch.float32, "cpu", platform.ops)
+        loader.load_weights(model, path)
+
+    with pytest.raises(ValueError, match=r"bits=8 are not supported \(supported: bits=4"):
+        load(_bad(source, tmp_path, lambda c: c["quantization_config"].update(bits=8)))
+    with pytest.raises(ValueError, match="group_size 96 does not divide .*proj's 128 input features"):
+        load(_bad(source, tmp_path, lambda c: c["quantization_config"].update(group_size=96)))
+    with pytest.raises(ValueError, match="missing .* weights, e.g. .*qzeros"):
+        load(_bad(source, tmp_path, drop="qzeros"))
+    with pytest.raises(ValueError, match="AWQ version 'gemv' is not supported"):
+        load(_bad(source, tmp_path, lambda c: c["quantization_config"].update(quant_method="awq", version="gemv")))
+    with pytest.raises(ValueError, match=r"expected \d+ rows \(group_size 64"):     # groups of 32 read as 64
+        load(_bad(source, tmp_path, lambda c: c["quantization_config"].update(group_size=64)))
+
+
+def test_int4_refuses_a_quantization_flag_and_a_tp_split_that_cuts_groups(checkpoints, source, tmp_path):
+    from baton.engine import LLM
+    with pytest.raises(ValueError, match="INT4 \\(awq\\).*serve it without --quantization"):
+        LLM(str(checkpoints["awq-g128"][0]), quantization="fp8", num_kv_blocks=32, max_model_len=128)
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(checkpoints["awq-g128"][0])
+    with pytest.raises(ValueError, match="cuts its groups of 128 rows"):
+        loader.build_model(config, torch.float32, "cpu", CpuPlatform(torch.device("cpu")).ops, tp_rank=0, tp_size=2)
+    config = AutoConfig.from_pretrained(checkpoints["gptq-act-g32"][0])
+    with pytest.raises(ValueError, match="act-order .* --tp-size 1"):
+        loader.build_model(config, torch.float32, "cpu", CpuPlatform(torch.device("cpu")).ops, tp_rank=0, tp_size=2)
+
+
+def test_tensor_parallel_shards_of_packed_weights_rebuild_the_layer(checkpoints):
+    """Two ranks' shards (columns of qkv / gate_up, rows and groups of o / down): concatenated outputs and
+    summed partials equal one rank's layer."""
+    from transformers import AutoConfig
+    path = checkpoints["gptq-g64"][0]
+    config = AutoConfig.from_pretrained(path)
+    platform = CpuPlatform(torch.device("cpu"))
+    one, _ = _cpu_model(path)
+    ranks = []
+    for rank in range(2):
+        m = loader.build_model(config, torch.float32, "cpu", platform.ops, tp_rank=rank, tp_size=2)
+        loader.load_weights(m, path)
+        int4.finish_int4(m, platform, torch.float32)
+        ranks.append(m)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    layer = lambda m, name: dict(m.named_modules())[name]          # noqa: E731
+    gate_up = [layer(m, "model.layers.1.mlp.gate_up_proj")(x[:, :128]) for m in ranks]
+    want = layer(one, "model.layers.1.mlp.gate_up_proj")(x[:, :128])
+    got = torch.cat([gate_up[0][:, :128], gate_up[1][:, :128], gate_up[0][:, 128:], gate_up[1][:, 128:]], -1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    down = sum(layer(m, "model.layers.1.mlp.down_proj").matmul(x[:, 128 * r:128 * (r + 1)], None)
+               for r, m in enumerate(ranks))
+    torch.testing.assert_close(down, layer(one, "model.layers.1.mlp.down_proj")(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_emulated_ascend_weight_quant_matmul_gives_the_cpu_references_numbers(checkpoints):
+    """npu_convert_weight_to_int4pack + npu_weight_quant_batchmatmul (emulated from their documents; signed
+    int4 with offset 8 - zero) against the CPU reference, in bfloat16; and the engine on npu:0 (emulated,
+    decode graphs) gives the CPU's prompt logprobs, to bfloat16 rounding (the scales are bfloat16 there, the
+    op's rule: measured 0.03 at most; the tiny model's logits are too flat for its tokens to be compared)."""
+    from baton.engine import LLM, SamplingParams
+    from baton.engine.platforms.npu import NpuPlatform
+    from baton.engine.platforms.npu_emulation import NpuEmulationError, emulated_torch_npu
+    npu = emulated_torch_npu()
+    model, cpu = _cpu_model(checkpoints["gptq-act-g32"][0])
+    platform = NpuPlatform(torch.device("cpu"), npu)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    for _, layer in int4.int4_layers(model):
+        w = layer.matmul.w
+        xs = x[:, : w.in_features]
+        on_npu = platform.w4a16_matmul(xs, platform.w4a16_layout(w, torch.bfloat16))
+        torch.testing.assert_close(on_npu, cpu.w4a16_matmul(xs, w), rtol=2e-2, atol=2e-2)
+    with pytest.raises(NpuEmulationError, match="antiquant_group_size must be a multiple of 32"):
+        npu.npu_weight_quant_batchmatmul(x[:, :64], torch.zeros(64, 2, dtype=torch.int32),
+                                         torch.ones(4, 16, dtype=torch.bfloat16), antiquant_group_size=16)
+    kw = dict(dtype="bfloat16", block_size=128, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=128)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    path = str(checkpoints["awq-g128"][0])
+    want = LLM(path, **kw).generate(PROMPTS, sp)
+    llm = LLM(path, device="npu:0", npu_emulation=True, fused_ops=False, **kw)
+    assert llm.engine.runner.graphs is not None
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.qweight.shape == (256, 128 // 8)    # int4pack [K, N/8]
+    for a, b in zip(want, llm.generate(PROMPTS, sp), strict=True):
+        la, lb = (torch.tensor([e.logprob for e in o.prompt_logprobs[1:]]) for o in (a, b))
+        assert float((la - lb).abs().max()) < 0.06
+
+
+# -- the Triton kernel, through Triton's interpreter (no GPU here) ------------------------------
+
+def _triton_path() -> str | None:
+    """Where triton imports from: the venv, or BATON_TRITON_PATH (`pip install --target DIR triton`:
+    beside the venv, not in it)."""
+    if importlib.util.find_spec("triton") is not None:
+        return ""
+    return os.environ.get("BATON_TRITON_PATH") or None
+
+
+def check_triton_kernel(path: str) -> None:
+    """Run under TRITON_INTERPRET=1: the GEMM (decode and prefill tiles, split-K) and the dequantizer
+    against the reference, float16 and float32 activations, groups 32 and 128, act-order included."""
+    from baton.engine.platforms.triton_kernels import w4a16
+    model, cpu = _cpu_model(path)
+    gen = torch.Generator().manual_seed(4)
+    for _, layer in int4.int4_layers(model)[:4]:
+        w = layer.matmul.w
+        for m, dtype in ((1, torch.float32), (5, torch.float16), (40, torch.float32)):
+            x = torch.randn(m, w.in_features, generator=gen).to(dtype)
+            want = cpu.w4a16_matmul(x.float(), w)
+            for cfg in (None, w4a16.W4a16Config(16 if m <= 16 else 64, 32, 32, 2)):
+                got = w4a16.w4a16_gemm(x, w, cfg).float()
+                torch.testing.assert_close(got, want, rtol=2e-3 if dtype == torch.float16 else 1e-5,
+                                           atol=2e-3 if dtype == torch.float16 else 1e-5)
+        torch.testing.assert_close(w4a16.w4a16_dequantize(w, torch.float32), int4.dequantize(w).t())
+    print("w4a16 kernels ok")
+
+
+def test_triton_w4a16_kernels_match_the_reference_in_the_interpreter(checkpoints):
+    where = _triton_path()
+    if where is None:
+        pytest.skip("triton is absent: install it beside the venv (pip install --target DIR triton) and set "
+                    "BATON_TRITON_PATH=DIR to check the W4A16 kernels through TRITON_INTERPRET=1")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(p for p in (where, str(Path(__file__).parent), os.environ.get("PYTHONPATH"))
+                                          if p))
+    for variant in ("awq-g128", "gptq-act-g32"):
+        code = f"import test_int4; test_int4.check_triton_kernel({str(checkpoints[variant][0])!r})"
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and "w4a16 kernels ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def test_the_int4_decode_benchmark_runs_on_the_cpu(tmp_path):
+    """benchmarks/int4_decode.py end to end on a tiny config of qwen3-8b (the GPU run's arguments and imports)."""
+    from baton.benchmarks import int4_decode
+    int4_decode.main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--batches", "1,2", "--gemm-ms", "1",
+                      "--steps", "2", "--context", "16"])
+    rows = [json.loads(line) for line in (tmp_path / "int4_decode.jsonl").read_text().splitlines()]
+    assert {(r["kind"], r.get("weights")) for r in rows} == {("gemm", None), ("decode", "int4-awq-g128"), ("decode", "bf16")}
+    assert all(r["rel_err"] < 1e-5 for r in rows if r["kind"] == "gemm")
+    assert {r["quantization"] for r in rows if r["kind"] == "decode"} == {"awq", None}
