@@ -136,7 +136,8 @@ def decode(model: str, device: str, batches: list[int], context: int, steps: int
     from baton.engine import LLMEngine
     from baton.engine.config import EngineConfig
     cfg = EngineConfig(model=model, tokenizer=tokenizer, device=device, enforce_eager=eager, max_num_seqs=max(batches),
-                       max_model_len=context + steps + 64, max_num_batched_tokens=8192)
+                       max_model_len=context + steps + 64, max_num_batched_tokens=8192,
+                       gpu_memory_utilization=0.4)        # (both engines of the run fit one GPU: memory is not freed between)
     engine = LLMEngine(cfg)
     for b in batches:
         step_times(engine, b, context, 3)                            # warm-up
