@@ -1,4 +1,5 @@
-"""The `baton` command: serve | generate | router | prefill | decode | bench | plan | top | role.
+"""The `baton` command: serve | generate | router | prefill | decode | bench | plan | top | role |
+elastic.
 
 Each subcommand parses its flags before importing anything heavy, so `--help` (and a
 mistyped flag) answer at once; torch loads only when a process starts serving.
@@ -22,6 +23,7 @@ commands:
   plan       which prefill/decode split of N devices serves a workload best at a TTFT and TPOT target
   top        a live view of a running deployment: requests, stage times, workers (from its router's metrics)
   role       switch a worker's role in place (prefill, decode, colocated): baton role WORKER ROLE --admin-token T
+  elastic    switch workers' roles as the traffic mix moves, by a plan (baton plan --output)
 
   baton --version    the installed version
 """
@@ -70,6 +72,8 @@ def _command(name: str):
         from baton.top import main
     elif name == "role":
         from baton.client import role_main as main
+    elif name == "elastic":
+        from baton.elastic import main
     else:
         return None
     return main

@@ -284,7 +284,8 @@ class DecodeWorker(PrefillFront, EngineWorker):
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "worker is draining")
         old, t0, moved = self.role, time.monotonic(), self.moved
         timeout = req.timeout_ms / 1000 if req.timeout_ms else SWITCH_TIMEOUT_S
-        if to != old:
+        streaming = ("decode", "colocated")
+        if to != old and not (old in streaming and to in streaming):     # (decode <-> colocated: its streams stay)
             self.switching = to
             log.info("switching role %s -> %s: %d stream(s) and %d prompt(s) to leave first", old, to,
                      len(self.streams), len(self.active))
@@ -298,7 +299,7 @@ class DecodeWorker(PrefillFront, EngineWorker):
                     await asyncio.sleep(SWITCH_POLL_S)
             finally:
                 self.switching = ""
-            self.role = to
+        self.role = to
         seconds = time.monotonic() - t0
         log.info("role %s -> %s in %.2fs (%d stream(s) moved)", old, to, seconds, self.moved - moved)
         return decode_pb2.SwitchRoleResponse(from_role=old, to_role=to, seconds=seconds,

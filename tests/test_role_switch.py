@@ -6,7 +6,10 @@ workers' own count of prompt tokens computed), no KV block stays held; the switc
 reported. Without the admin token the switch is refused and changes nothing."""
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -136,3 +139,34 @@ def test_a_switch_without_the_admin_token_is_refused(cluster):
         router_pb2.GenerateRequest(text="Hello", sampling=router_pb2.SamplingParams(temperature=0, max_tokens=4)),
         timeout=60)
     assert sum(len(r.token_ids) for r in out) == 4
+
+
+def test_baton_elastic_moves_a_worker_toward_the_plans_split_for_the_mix(cluster, tmp_path):
+    """`baton elastic` against this deployment: output-heavy traffic, a plan that wants colocated
+    replicas for it; after one window it switches one decode worker to colocated (the move that keeps
+    its streams), and requests go on."""
+    c = cluster
+    plan = {"workloads": {
+        "prefill-heavy": {"lengths": {"input": [1000, 2000], "output": [8, 32]}, "slos": {"1000/15": {"best": "2p2d"}}},
+        "decode-heavy": {"lengths": {"input": [4, 32], "output": [16, 64]},
+                         "slos": {"1000/15": {"best": "4colocated"}}}}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    elastic = subprocess.Popen(
+        [sys.executable, "-m", "baton", "elastic", "--plan", str(tmp_path / "plan.json"), "--addr", c.router.address,
+         "--metrics-url", c.http_url.removesuffix("/v1") + "/metrics", "--window", "6", "--windows", "1",
+         "--cooldown", "0", "--once"], env=dict(c.env, BATON_ADMIN_TOKEN=TOKEN), stderr=subprocess.PIPE, text=True)
+    stub = c.stub()
+    for _ in range(3):
+        chunks = stub.Generate(router_pb2.GenerateRequest(text="Hi", sampling=router_pb2.SamplingParams(
+            temperature=0, max_tokens=24, ignore_eos=True)), timeout=60)
+        assert sum(len(r.token_ids) for r in chunks) == 24
+    _, err = elastic.communicate(timeout=90)
+    assert elastic.returncode == 0, err
+    assert "decode-heavy -> 4colocated (1/1)" in err and "decode -> colocated in" in err, err
+    now = roles(c)
+    switched = [a for a, role in now.items() if role == "colocated"]
+    assert len(switched) == 1 and sorted(now.values()) == ["colocated", "decode", "prefill", "prefill"]
+    out = stub.Generate(router_pb2.GenerateRequest(text="Hello", sampling=router_pb2.SamplingParams(
+        temperature=0, max_tokens=4)), timeout=60)
+    assert sum(len(r.token_ids) for r in out) == 4
+    assert admin(c, switched[0], "decode").to_role == "decode"

@@ -234,6 +234,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     add_worker_args(p, DEFAULT_PORTS[role])
     if role != "prefill":
         flag(p, "--colocated", type=bool, default=False, help="also run prefill here (role colocated)")
+        flag(p, "--role", choices=ROLES, default=role,
+             help="the role it starts in; a decode worker may switch role in place later (`baton role`), so "
+                  "prefill capacity that may become decode capacity starts here as --role prefill")
     return p
 
 
@@ -273,8 +276,7 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerConfig:
     a bad value ends the program with the parser's usage and the reason."""
     p = build_parser(role)
     args = p.parse_args(argv)
-    if getattr(args, "colocated", False):
-        role = "colocated"
+    role = "colocated" if getattr(args, "colocated", False) else getattr(args, "role", role)
     try:
         return worker_config_from_args(args, role)
     except ValueError as exc:
