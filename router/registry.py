@@ -14,11 +14,13 @@ worker judges its own steps against their expected cost, serving/worker/core_cli
 what this router runs there is taken away at once (its token bus is closed, so its streams
 migrate; attempts waiting on it fail over), and a hang is counted apart from a death. A worker
 that is merely busy (one long prompt on a CPU) is neither: it stays in rotation, and routing
-weighs the work queued there. A draining worker is only out of rotation: its streams finish there.
+weighs the work queued there. A draining worker is out of rotation; its streams finish there, or,
+on a worker that can move them (a decode worker), move to peers with their KV.
 
 A worker whose role may change in place (`switchable`, a decode worker) is followed: the role it
-reports is the one it gets work for. While it reports `switching_to`, it gets none, and
-`on_switching` hears of it after every check (the router moves its streams off it, router/moves.py).
+reports is the one it gets work for. While it reports `switching_to`, or drains, it gets none, and
+`on_switching` hears of it after every check (the router moves its streams off it with their KV,
+router/moves.py: a drain ends as soon as they have moved, not when they finish).
 """
 from __future__ import annotations
 
@@ -264,6 +266,8 @@ class Registry:
             reply = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=CHECK_TIMEOUT_S)
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
                 w.mark_down("health: not serving (draining?)")
+                if w.status.switchable and self.on_switching is not None:
+                    self.on_switching(w)            # a draining worker: its streams move on with their KV
                 return
             status = await w.stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -78,10 +79,12 @@ def admin(c: Cluster, worker: str, role: str, token: str | None = TOKEN) -> admi
                            timeout=60, metadata=metadata)
 
 
-def prefill_tokens(c: Cluster) -> int:
-    """Prompt tokens every worker's engine computed (their metrics, through the router's /metrics)."""
+def prefill_tokens(c: Cluster, but: str = "") -> int:
+    """Prompt tokens every worker's engine computed (their metrics, through the router's /metrics);
+    `but`: leave that worker out (one that restarts: its count starts over)."""
     text = urllib.request.urlopen(c.http_url.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
-    return int(sum(float(v) for v in re.findall(r"^baton_prefill_tokens_total\{[^}]*\} (\S+)$", text, re.M)))
+    found = re.findall(r"^baton_prefill_tokens_total\{([^}]*)\} (\S+)$", text, re.M)
+    return int(sum(float(v) for labels, v in found if not but or f'worker="{but}"' not in labels))
 
 
 def roles(c: Cluster) -> dict[str, str]:
@@ -170,3 +173,31 @@ def test_baton_elastic_moves_a_worker_toward_the_plans_split_for_the_mix(cluster
         temperature=0, max_tokens=4)), timeout=60)
     assert sum(len(r.token_ids) for r in out) == 4
     assert admin(c, switched[0], "decode").to_role == "decode"
+
+
+def test_a_draining_decode_worker_hands_its_streams_over_with_their_kv(cluster):
+    """SIGTERM on a decode worker under load: its streams move to the other decode worker with their KV
+    (no prompt computed again, no stream failed, the fault-free tokens), so it exits long before its
+    grace (30 s) would let its streams finish there."""
+    c = cluster
+    victim = c.worker("decode-1")
+    before = prefill_tokens(c, but=victim.address)
+    expected, errors = run_streams(c)
+    assert not errors
+    computed = prefill_tokens(c, but=victim.address) - before
+    drained: list[float] = []
+
+    def drain() -> None:
+        t0 = time.monotonic()
+        victim.popen.send_signal(signal.SIGTERM)
+        assert victim.popen.wait(25) == 0
+        drained.append(time.monotonic() - t0)
+    got, errors = run_streams(c, drain)
+    assert not errors, errors
+    assert got == expected
+    assert drained[0] < 15, drained
+    assert prefill_tokens(c, but=victim.address) - before == 2 * computed
+    victim.start(c.env, c.log_dir)
+    victim.wait_ready()
+    c.wait_health(victim.address, healthy=True)
+    assert c.wait_workers_idle() == 0
