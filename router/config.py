@@ -120,7 +120,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     """What `baton serve` passes on to its router as well: how a worker is picked, sampling defaults,
     the HTTP API, chats, auth and limits."""
     flag(p, "--policy", default=defaults(RouterConfig).policy, choices=POLICIES,
-         help="how the router picks a worker for a request")
+         help="how the router picks a worker for a request: round_robin, least_loaded (the work queued there), "
+              "prefix_aware (a hash of the prompt's first tokens), kv_aware (the workers' prefix caches, from their "
+              "KV events, weighed against their queues)")
     add_generation_config(p)
     add_http_api(p)
     add_chat(p)

@@ -4,7 +4,9 @@
 requests, breaking ties by free KV (for prefill: the least expected work, the prompt tokens
 queued there times its measured time per token, so a slow worker gets less but is never left); `prefix_aware` sends prompts that share their first
 block(s) to the same prefill worker (rendezvous hashing, so a worker leaving moves only
-its own prefixes) and places decode by load.
+its own prefixes) and places decode by load; `kv_aware` sends a prompt where its expected first
+token comes soonest: the work queued there plus the part of the prompt that worker's prefix cache
+does not hold, as the workers' own KV events say (router/prefix_index.py), and places decode by load.
 """
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import hashlib
 import itertools
 from collections.abc import Sequence as Seq
 
+from baton.engine.requests.prefix_hash import prompt_block_hashes
+from baton.router.prefix_index import PrefixIndex
 from baton.router.registry import Worker
 
-POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 PREFIX_TOKENS = 64          # how much of the prompt identifies a shared prefix
 
 
@@ -55,11 +59,32 @@ class PrefixAware(Policy):
         return max(workers, key=lambda w: hashlib.blake2b(key + w.address.encode(), digest_size=8).digest())
 
 
-def make_policy(name: str, role: str) -> Policy:
+class KVAware(Policy):
+    name = "kv_aware"
+
+    def __init__(self, index: PrefixIndex):
+        self.index = index
+
+    def pick(self, workers, prompt):
+        size = workers[0].status.block_size or 16
+        hashes = prompt_block_hashes(prompt, size)
+
+        def first_token_cost(w: Worker) -> float:
+            """Seconds (tokens, before it measured any) until its first token: the prompt tokens
+            queued there, then this prompt's tokens its prefix cache lacks."""
+            per_token = w.status.seconds_per_token or 1.0
+            missing = len(prompt) - self.index.hits(w.address, hashes) * size
+            return w.expected_wait() + missing * per_token
+        return min(workers, key=lambda w: (first_token_cost(w), w.load(), w.address))
+
+
+def make_policy(name: str, role: str, index: PrefixIndex | None = None) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {POLICIES}")
     if name == "round_robin":
         return RoundRobin()
     if name == "prefix_aware" and role in ("prefill", "colocated"):
         return PrefixAware()
+    if name == "kv_aware" and role in ("prefill", "colocated"):
+        return KVAware(index if index is not None else PrefixIndex())
     return LeastLoaded(role)

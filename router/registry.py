@@ -187,6 +187,7 @@ class Registry:
         self.on_lost: Callable[[Worker, str], None] | None = None     # (worker, "hung" | "dead"): metrics
         self.on_checked: Callable[[list[Worker]], None] | None = None  # after each round of checks: KVPairs
         self.on_switching: Callable[[Worker], None] | None = None    # a worker reports switching_to: move streams
+        self.prefix_index = None          # --policy kv_aware: router/prefix_index.py, refreshed after each check
         self._unresolved: dict[str, str] = {}         # target -> the error last logged for it
         self._task: asyncio.Task | None = None
 
@@ -293,12 +294,16 @@ class Registry:
             log.info("worker %s (%s) healthy", w.address, w.role)
             w.lost.clear()
         w.status, w.healthy, w.last_seen = status, True, time.monotonic()
+        if self.prefix_index is not None and w.role in ("prefill", "colocated"):
+            await self.prefix_index.refresh(w)
         if status.switching_to and self.on_switching is not None:
             self.on_switching(w)
 
     def _lose(self, w: Worker, how: str, reason: str) -> None:
         if not w.lost.is_set() and self.on_lost is not None:
             self.on_lost(w, how)
+        if self.prefix_index is not None:
+            self.prefix_index.drop(w.address)
         w.abandon(f"{how}: {reason}")
 
 

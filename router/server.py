@@ -29,6 +29,7 @@ from baton.router.images import ImagePolicy
 from baton.router.migration import Ledger
 from baton.router.moves import MoveFailed, StreamMoving
 from baton.router.policies import make_policy
+from baton.router.prefix_index import PrefixIndex
 from baton.router.registry import KVPairs, Registry, Worker, kv_backend
 from baton.router.request_clock import RequestClock
 from baton.router.token_bus import SUBSCRIBER, BusBroken, Inbox, MoveAsked, StreamStalled
@@ -107,9 +108,11 @@ class RouterService:
         self.registry = registry
         self.tokenizer = tokenizer
         self.model_info = model_info
-        self.prefill_policy = make_policy(cfg.policy, "prefill")
+        if cfg.policy == "kv_aware":           # the workers' KV events, followed after each round of checks
+            registry.prefix_index = PrefixIndex()
+        self.prefill_policy = make_policy(cfg.policy, "prefill", registry.prefix_index)
         self.decode_policy = make_policy(cfg.policy, "decode")
-        self.colocated_policy = make_policy(cfg.policy, "colocated")
+        self.colocated_policy = make_policy(cfg.policy, "colocated", registry.prefix_index)
         self.active: dict[str, Active] = {}
         self.admission = Admission(cfg.max_inflight, cfg.max_queued, cfg.queue_timeout, cfg.max_per_client)
         self.kv_line = KVWaitLine(cfg.max_queued)

@@ -3,7 +3,9 @@
 Torch-free. A full block of a sequence is identified by hash(parent block's hash, its
 tokens); blocks whose refcount falls to zero stay findable by hash until reused, oldest
 first (LRU). A hash hit is trusted only after comparing the stored tokens and parent
-hash, so a collision can never hand out another prompt's KV.
+hash, so a collision can never hand out another prompt's KV. Once asked (`take_kv_events`), it
+records which hashes become findable and which stop being so: the KV events a router's prefix
+index follows (router/prefix_index.py).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from baton.engine.requests.prefix_hash import block_hash
 from baton.engine.scheduling.sequence import Sequence
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
@@ -22,8 +25,7 @@ class KVCacheFull(Exception):
     later or elsewhere (RESOURCE_EXHAUSTED), never a host out-of-memory."""
 
 
-def default_block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+default_block_hash = block_hash       # (engine/requests/prefix_hash.py: the router hashes prompts alike)
 
 
 @dataclass(slots=True)
@@ -51,6 +53,16 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}    # hash -> block_id
         self.num_hits = 0
+        self.kv_events: list[tuple[bool, int]] | None = None    # (stored?, hash), once take_kv_events asked
+
+    def take_kv_events(self) -> tuple[list[tuple[bool, int]], bool]:
+        """The prefix cache's changes since the last call, (stored?, hash) in order, and whether they
+        are a snapshot: the first call turns the record on and lists every cached hash as stored."""
+        if self.kv_events is None:
+            self.kv_events = []
+            return [(True, h) for h in self.cached], True
+        taken, self.kv_events = self.kv_events, []
+        return taken, False
 
     # -- accounting -------------------------------------------------------------------------
     @property
@@ -112,7 +124,8 @@ class BlockManager:
             if b.hash is None:
                 h = self.hash_fn(parent, tokens)
                 b.hash, b.parent_hash, b.token_ids = h, parent, tokens
-                self.cached.setdefault(h, b.block_id)
+                if self.cached.setdefault(h, b.block_id) == b.block_id and self.kv_events is not None:
+                    self.kv_events.append((True, h))
             parent = b.hash
         seq.num_hashed_blocks = max(start, n_full)
 
@@ -149,6 +162,8 @@ class BlockManager:
         b = self.blocks[block_id]
         if b.hash is not None and self.cached.get(b.hash) == block_id:
             del self.cached[b.hash]
+            if self.kv_events is not None:
+                self.kv_events.append((False, b.hash))
         b.forget()
         b.ref_count = 1
         return block_id

@@ -63,6 +63,7 @@ class Command(enum.Enum):
     ADMIT = "admit"                # decode: reserve a request's blocks, expect its KV
     ADD = "add"                    # decode (colocated): a whole request here, no transfer
     ABORT = "abort"                # every role: end a request wherever it is
+    KV_EVENTS = "kv_events"        # every role: the prefix cache's changes since the last call
     PAUSE = "pause"                # decode: take a running stream out, its KV packed, to move it
     EXPORT = "export"              # decode: push a paused stream's KV to the worker continuing it
 

@@ -179,6 +179,11 @@ class EngineCore:
         known = ", ".join(c.name for c in Command)
         return f"{command!r} is no engine-core command (core_protocol.Command: {known})"
 
+    async def cmd_kv_events(self) -> tuple[list[tuple[bool, int]], bool]:
+        """The prefix cache's changes since the last call, and whether they are a snapshot
+        (BlockManager.take_kv_events): what the front numbers for routers (GetKVEvents)."""
+        return await self.engine.call(lambda e: e.block_manager.take_kv_events())
+
     async def stop(self) -> None:
         """Release the KV plane (device communicators), then stop the engine."""
         self._pulsing.clear()

@@ -106,5 +106,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def GetMetrics(self, request, context):
         return self.w.metrics_text()
 
+    async def GetKVEvents(self, request, context):
+        return await self.w.get_kv_events(request)
+
 
 __all__ = ["PrefillFront", "PrefillServicer"]

@@ -27,6 +27,7 @@ from baton.serving.grpc_server import Server, ServiceError
 from baton.serving.metrics import Metrics
 from baton.serving.worker.core_client import CoreClient, start_core
 from baton.serving.worker.core_protocol import MetricEvent, TokenUpdate
+from baton.serving.worker.kv_events import KVEventLog
 from baton.serving.worker.worker_config import WorkerConfig
 from baton.v1 import worker_pb2
 
@@ -44,6 +45,7 @@ class EngineWorker:
         self.cfg = cfg
         self.role = cfg.role           # what it serves now (a switchable worker changes it)
         self.switching = ""            # the role it is switching to, while it does
+        self.kv_events = KVEventLog()  # its prefix cache's changes, for routers (GetKVEvents)
         self.metrics = Metrics(cfg.role)
         self.core: CoreClient | None = None
         self.server: Server | None = None
@@ -136,6 +138,9 @@ class EngineWorker:
         """This worker's Prometheus metrics (what --metrics-port serves), for a router that serves
         them beside its own."""
         return worker_pb2.WorkerMetrics(text=generate_latest(self.metrics.registry))
+
+    async def get_kv_events(self, req: worker_pb2.GetKVEventsRequest) -> worker_pb2.KVEvents:
+        return await self.kv_events.answer(self.core, req, self.info["block_size"])
 
     def status(self) -> worker_pb2.WorkerStatus:
         s, info, busy = self.core.stats, self.info, self.core.busy()

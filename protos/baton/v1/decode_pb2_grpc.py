@@ -65,6 +65,11 @@ class DecodeStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.GetMetricsRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerMetrics.FromString,
                 _registered_method=True)
+        self.GetKVEvents = channel.unary_unary(
+                '/baton.v1.Decode/GetKVEvents',
+                request_serializer=baton_dot_v1_dot_worker__pb2.GetKVEventsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.KVEvents.FromString,
+                _registered_method=True)
         self.Subscribe = channel.unary_stream(
                 '/baton.v1.Decode/Subscribe',
                 request_serializer=baton_dot_v1_dot_decode__pb2.SubscribeRequest.SerializeToString,
@@ -128,6 +133,13 @@ class DecodeServicer:
 
     def GetMetrics(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetKVEvents(self, request, context):
+        """its prefix cache, for kv_aware routing
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -198,6 +210,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.GetMetrics,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.GetMetricsRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.WorkerMetrics.SerializeToString,
+            ),
+            'GetKVEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVEvents,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.GetKVEventsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.KVEvents.SerializeToString,
             ),
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
@@ -387,6 +404,33 @@ class Decode:
             '/baton.v1.Decode/GetMetrics',
             baton_dot_v1_dot_worker__pb2.GetMetricsRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.WorkerMetrics.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Decode/GetKVEvents',
+            baton_dot_v1_dot_worker__pb2.GetKVEventsRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.KVEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,6 +55,11 @@ class PrefillStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.GetMetricsRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerMetrics.FromString,
                 _registered_method=True)
+        self.GetKVEvents = channel.unary_unary(
+                '/baton.v1.Prefill/GetKVEvents',
+                request_serializer=baton_dot_v1_dot_worker__pb2.GetKVEventsRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.KVEvents.FromString,
+                _registered_method=True)
         self.ConnectKV = channel.unary_unary(
                 '/baton.v1.Prefill/ConnectKV',
                 request_serializer=baton_dot_v1_dot_prefill__pb2.ConnectKVRequest.SerializeToString,
@@ -91,6 +96,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKVEvents(self, request, context):
+        """its prefix cache, for kv_aware routing
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ConnectKV(self, request, context):
         """Warms this worker's KV sender to a decode worker before a request needs it: the channel, the
         layout handshake and the backend's one-time set-up (a direct pair's communicator, NIXL's
@@ -123,6 +135,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetMetrics,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.GetMetricsRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.WorkerMetrics.SerializeToString,
+            ),
+            'GetKVEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVEvents,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.GetKVEventsRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.KVEvents.SerializeToString,
             ),
             'ConnectKV': grpc.unary_unary_rpc_method_handler(
                     servicer.ConnectKV,
@@ -238,6 +255,33 @@ class Prefill:
             '/baton.v1.Prefill/GetMetrics',
             baton_dot_v1_dot_worker__pb2.GetMetricsRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.WorkerMetrics.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Prefill/GetKVEvents',
+            baton_dot_v1_dot_worker__pb2.GetKVEventsRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.KVEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -65,6 +65,36 @@ class WorkerMetrics(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: bytes
     def __init__(self, text: _Optional[bytes] = ...) -> None: ...
+
+class GetKVEventsRequest(_message.Message):
+    __slots__ = ("epoch", "since")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    since: int
+    def __init__(self, epoch: _Optional[str] = ..., since: _Optional[int] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("block_hash", "removed")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    block_hash: int
+    removed: bool
+    def __init__(self, block_hash: _Optional[int] = ..., removed: _Optional[bool] = ...) -> None: ...
+
+class KVEvents(_message.Message):
+    __slots__ = ("epoch", "seq", "reset", "events", "block_size")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    seq: int
+    reset: bool
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    block_size: int
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., reset: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
