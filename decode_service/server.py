@@ -397,6 +397,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def GetMetrics(self, request, context):
         return self.w.metrics_text()
 
+    async def GetKVEvents(self, request, context):
+        return await self.w.get_kv_events(request)
+
     async def Pause(self, request, context):
         return await self.w.pause(request.request_id)
 
