@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from baton import environment
 from baton.models.layers import int4
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     if "decode" not in skip:
         batches = [int(b) for b in args.batches.split(",")]
         eager = platform.device.type == "cpu"
-        tokenizer = args.tokenizer or os.environ.get("BATON_TOKENIZER") or source.tokenizer_dir()
+        tokenizer = args.tokenizer or environment.get(environment.twin("--tokenizer")) or source.tokenizer_dir()
         t0 = time.perf_counter()
         ckpt = write_awq_checkpoint(hf_config, out / "int4-ckpt", tokenizer)
         print(f"[int4] wrote {ckpt} in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)

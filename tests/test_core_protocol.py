@@ -127,7 +127,8 @@ def _handle(command, *args):
 
 
 def test_a_command_runs_through_the_table_built_from_the_enum():
-    assert AbortOnlyCore.COMMANDS == {Command.ABORT: AbortOnlyCore.cmd_abort}
+    # (every core answers KV_EVENTS: EngineCore's own)
+    assert AbortOnlyCore.COMMANDS == {Command.ABORT: AbortOnlyCore.cmd_abort, Command.KV_EVENTS: EngineCore.cmd_kv_events}
     assert _handle(Command.ABORT, "known") is True
 
 
