@@ -140,6 +140,8 @@ class KVExchange:
             meta[POSITION_OFFSET_META] = str(seq.mm.position_offset)
         if seq.params.logprobs is not None:
             meta[FIRST_LOGPROBS_META] = encode_logprobs([(seq.logprobs or {}).get(known - 1)])
+        if seq.spec_hidden is not None:       # a draft head's state goes too (a stale one costs guesses, not tokens)
+            meta[HEAD_STATE_META] = self.runner.drafts.encode_state(seq.spec_hidden)
         piece = KVPiece(seq.request_id, 0, num_blocks, data, ready, seq.token_ids[known - 1], meta)
         return piece, seq.completion_token_ids
 
