@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -170,6 +171,37 @@ def test_landed_kv_joins_streams_and_finishes_with_every_block_back(engine, hook
         outs += engine.step()
     assert outs[-1].finished and outs[-1].completion_tokens == 4 and outs[-1].cached_tokens == 32
     assert ticket.history[-2:] == [KVState.JOINED, KVState.FINISHED]
+
+
+def _run(engine, rid: str, until: int | None = None) -> list[int]:
+    tokens = []
+    while engine.sequence(rid) is not None and (until is None or len(tokens) < until):
+        tokens += [t for out in engine.step() if out.request_id == rid for t in out.new_token_ids]
+    return tokens
+
+
+def test_a_decoding_request_paused_with_its_kv_goes_on_elsewhere_token_for_token(engine, hook):
+    """LLMEngine.pause (a role switch moves streams so): the request leaves with the KV of every token
+    but the last, and its blocks come back at once; another engine that reserves the continuation and
+    lands that KV decodes the very tokens the first would have, computing no prompt token."""
+    prompt, params = fresh_prompt(), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine.add_request(prompt, params, request_id="whole")
+    whole = _run(engine, "whole")
+    engine.add_request(prompt, params, request_id="m")
+    assert engine.pause("m") == "it is not decoding (its prompt runs, it waits for KV or memory)"
+    made = _run(engine, "m", until=4)
+    piece, tokens = engine.pause("m")
+    assert tokens == made == whole[:len(made)] and engine.sequence("m") is None
+    assert piece.first_token == made[-1] and piece.num_blocks == -(-(len(prompt) + len(made) - 1) // 16)
+    other = LLMEngine(EngineConfig(model="tiny-llama", num_kv_blocks=32, max_num_batched_tokens=16), handoff=Hook())
+    computed = other.scheduler.prefill_tokens
+    rest = replace(params, max_tokens=params.max_tokens - len(made) + 1, prior_output_tokens=len(made) - 1)
+    ticket = other.reserve("m", prompt + made[:-1], rest)
+    other.handoff.land(ticket, piece.data, piece.first_token, piece.meta)
+    went_on = _run(other, "m")
+    assert made[:-1] + went_on == whole
+    assert other.scheduler.prefill_tokens == computed                 # no prefix computed again
+    assert other.block_manager.num_free_blocks == other.block_manager.num_blocks
 
 
 def test_an_abort_of_a_joined_request_finishes_it(engine, hook):
