@@ -43,6 +43,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = platform default
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
+    kv_offloading_size: float = 0.0     # GiB of host memory for blocks the prefix cache evicts (0: none)
     enforce_eager: bool = False         # no graph capture
     prefill_graphs: bool = True         # prefill and mixed steps replayed piecewise (engine/prefill_graphs.py)
     seed: int = 0                       # random weights for presets and unseeded sampling
@@ -99,6 +100,9 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= block_size, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_offloading_size < 0 or (self.kv_offloading_size and self.tp_size > 1):
+            raise ValueError("--kv-offloading-size must be >= 0 GiB, and is not built for --tp-size > 1 yet (each "
+                             f"rank would need the same copies), got {self.kv_offloading_size} with tp {self.tp_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:

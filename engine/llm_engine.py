@@ -74,7 +74,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.sampling_defaults = sampling_defaults(self.source.generation_config(self.config.generation_config))
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+                                          self.config.enable_prefix_caching, lower=self.runner.host_tier)
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len,
                             self.config.scheduling_policy),

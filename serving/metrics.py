@@ -58,6 +58,9 @@ class Metrics:
         self.prefill_tokens = Counter("baton_prefill_tokens", "prompt tokens this worker's engine computed (a prefix "
                                       "cache hit, or KV that came by transfer, is none): a stream moved with its KV "
                                       "adds none, one migrated by recompute its whole prompt", registry=r)
+        self.kv_offload_blocks = Counter("baton_kv_offload_blocks", "KV blocks the prefix cache's host tier "
+                                         "(--kv-offloading-size) took from the device (out) and brought back to it "
+                                         "(in: each a block of prompt not computed again)", ["direction"], registry=r)
         self.prefix_cache_queries = Counter("baton_prefix_cache_queries", "prompt tokens of finished requests "
                                             "looked up in the workers' prefix caches", m, registry=r)
         self.prefix_cache_hits = Counter("baton_prefix_cache_hits", "of those, tokens whose KV was found there "
@@ -256,6 +259,7 @@ RECORDED_BY = {
     "baton_queue_seconds": "router", "baton_prompt_tokens": "router", "baton_generation_tokens": "router",
     "baton_router_running": "router", "baton_router_waiting": "router", "baton_migrations": "router",
     "baton_role_switch_seconds": "router",    "baton_prefill_tokens": "prefill, decode, colocated",
+    "baton_kv_offload_blocks": "prefill, colocated (with --kv-offloading-size)",
     "baton_running": "workers", "baton_waiting": "workers", "baton_kv_blocks_total": "workers",
     "baton_kv_blocks_free": "workers", "baton_kv_cache_usage_ratio": "workers",
     "baton_kv_transfer_bytes": "prefill (out), decode (in)", "baton_kv_transfer_seconds": "prefill",

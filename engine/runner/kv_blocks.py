@@ -30,7 +30,7 @@ def pack_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
     index = _block_index(kv, block_ids)
     gathered = kv.index_select(2, index)             # contiguous, on kv's device
     if gathered.device.type != "cpu":
-        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=_can_pin())
+        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=can_pin())
         host.copy_(gathered)                          # waits for the device: bytes are final on return
         gathered = host
     return gathered.reshape(-1).view(torch.uint8)
@@ -114,7 +114,7 @@ def _as_uint8(payload) -> torch.Tensor:
         return torch.frombuffer(view, dtype=torch.uint8)
 
 
-def _can_pin() -> bool:
+def can_pin() -> bool:
     try:
         return torch.cuda.is_available() or (hasattr(torch, "npu") and torch.npu.is_available())
     except RuntimeError:

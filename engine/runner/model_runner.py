@@ -16,6 +16,7 @@ from baton.engine.platforms import Platform, get_platform
 from baton.engine.runner.draft_head import DraftHead, load_head
 from baton.engine.runner.executor import StepExecutor
 from baton.engine.runner.forward import Forward
+from baton.engine.runner.host_tier import HostTier
 from baton.engine.runner.input_builder import StepInputBuilder
 from baton.engine.runner.kv_cache import KVCache, cpu_kv_cache_default
 from baton.engine.runner.logits_processing import MaskBuffers
@@ -69,6 +70,8 @@ class ModelRunner:
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         self.kv = KVCache(config, self.platform, self.model, hf, self.model.num_layers + (self.head is not None),
                           kv_dtype, self.attention, self.scale, tp_group)
+        self.host_tier = None if not config.kv_offloading_size else HostTier(   # --kv-offloading-size
+            self.kv.tensor, self.kv.block_bytes(), int(config.kv_offloading_size * (1 << 30)))
         self.forward = Forward(self.model, self.kv.layers, self.attention, self.scale, self.kv.scales,
                                hf.hidden_size if self.head is not None else None)
         self.upload = HostUpload(self.device)

@@ -13,11 +13,22 @@ from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from baton.engine.requests.prefix_hash import block_hash
 from baton.engine.scheduling.sequence import Sequence
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
+
+
+class LowerTier(Protocol):
+    """Where cached blocks go when the device lets them go, and come back from (engine/runner/host_tier.py)."""
+
+    def offload(self, block_id: int, h: int, parent: int | None, tokens: tuple) -> None: ...
+
+    def find(self, h: int, parent: int | None, tokens: tuple) -> bool: ...
+
+    def load(self, h: int, block_id: int) -> None: ...
 
 
 class KVCacheFull(Exception):
@@ -42,7 +53,7 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn = default_block_hash):
+                 hash_fn: HashFn = default_block_hash, lower: LowerTier | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.block_size = block_size
@@ -53,6 +64,8 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}    # hash -> block_id
         self.num_hits = 0
+        self.lower = lower if enable_prefix_caching else None    # a host tier (--kv-offloading-size)
+        self.num_lower_hits = 0                                  # blocks brought back from it
         self.kv_events: list[tuple[bool, int]] | None = None    # (stored?, hash), once take_kv_events asked
 
     def take_kv_events(self) -> tuple[list[tuple[bool, int]], bool]:
@@ -95,7 +108,12 @@ class BlockManager:
             h = self.hash_fn(parent, tokens)
             block_id = self.cached.get(h)
             if block_id is None or not self._verified(block_id, h, parent, tokens):
-                break
+                block_id = self._bring_back(h, parent, tokens)
+                if block_id is None:
+                    break
+                seq.block_table.append(block_id)
+                parent = h
+                continue
             self._ref(block_id)
             seq.block_table.append(block_id)
             parent = h
@@ -103,6 +121,21 @@ class BlockManager:
         self.num_hits += len(seq.block_table)
         seq.num_hashed_blocks = len(seq.block_table)
         return cached
+
+    def _bring_back(self, h: int, parent: int | None, tokens: tuple) -> int | None:
+        """A free device block holding the lower tier's copy of this block, cached under `h` again
+        (its copy queued ahead of the step that reads it); None when the tier lacks it or no block is free."""
+        if self.lower is None or not self.free or not self.lower.find(h, parent, tokens):
+            return None
+        block_id = self._take_free()
+        self.lower.load(h, block_id)
+        b = self.blocks[block_id]
+        b.hash, b.parent_hash, b.token_ids = h, parent, tokens
+        self.cached[h] = block_id
+        if self.kv_events is not None:
+            self.kv_events.append((True, h))
+        self.num_lower_hits += 1
+        return block_id
 
     def _verified(self, block_id: int, h: int, parent: int | None, tokens: tuple[int, ...]) -> bool:
         b = self.blocks[block_id]
@@ -162,6 +195,8 @@ class BlockManager:
         b = self.blocks[block_id]
         if b.hash is not None and self.cached.get(b.hash) == block_id:
             del self.cached[b.hash]
+            if self.lower is not None:        # kept in the lower tier before anything overwrites it
+                self.lower.offload(block_id, b.hash, b.parent_hash, b.token_ids)
             if self.kv_events is not None:
                 self.kv_events.append((False, b.hash))
         b.forget()

@@ -106,6 +106,7 @@ class EngineCore:
         self._sent_stats: CoreStats | None = None
         self._pulsing = threading.Event()
         self._prefill_tokens = 0                   # the engine's count, as last reported
+        self._offload_seen = (0, 0)                # its host tier's blocks out and in, as last reported
 
     @property
     def llm(self) -> LLMEngine:
@@ -223,6 +224,11 @@ class EngineCore:
         if computed != self._prefill_tokens:
             self.metrics.add("prefill_tokens", computed - self._prefill_tokens)
             self._prefill_tokens = computed
+        tier = llm.runner.host_tier
+        if tier is not None and (tier.offloaded, tier.loaded) != self._offload_seen:
+            self.metrics.add("kv_offload_blocks", tier.offloaded - self._offload_seen[0], "out")
+            self.metrics.add("kv_offload_blocks", tier.loaded - self._offload_seen[1], "in")
+            self._offload_seen = (tier.offloaded, tier.loaded)
         self.send_updates([self.update_of(out) for out in outputs])
 
     def _idle(self, llm: LLMEngine) -> None:

@@ -107,6 +107,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="share of accelerator memory for weights, activations and the KV cache")
     flag(g, "--prefix-caching", "--enable-prefix-caching", type=bool, default=e.enable_prefix_caching,
          help="reuse the KV of prompt prefixes seen before")
+    flag(g, "--kv-offloading-size", type=float, default=e.kv_offloading_size,
+         help="GiB of host memory that keep the prefix cache's blocks the device evicts, brought back when a "
+              "prompt needs them again (a returning conversation pays a copy, not its prefill); 0: off")
     flag(g, "--enforce-eager", type=bool, default=e.enforce_eager, help="no graph capture (decode, and prefill's pieces)")
     flag(g, "--prefill-graphs", type=bool, default=e.prefill_graphs,
          help="replay prefill and mixed steps from graphs of everything but attention (CUDA; "
@@ -246,6 +249,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.prefix_caching,
+        kv_offloading_size=args.kv_offloading_size,
         enforce_eager=args.enforce_eager, prefill_graphs=args.prefill_graphs, seed=args.seed, tp_size=args.tp_size,
         tp_devices=args.tp_devices,
         tp_port=args.tp_port, tokenizer=args.tokenizer, cache_dir=args.cache_dir, fused_ops=args.fused_ops,
