@@ -19,6 +19,8 @@ BENCHMARKS = {
     "serve": ("baton.benchmarks.serve", "B2: online serving sweep against a baton.v1.Router deployment"),
     "kv": ("baton.benchmarks.kv", "B3: KV-transfer latency and bandwidth per backend and request size"),
     "relay": ("baton.benchmarks.relay", "tokens per second one router process relays (synthetic workers)"),
+    "multiturn": ("baton.benchmarks.multiturn", "multi-turn chat: later turns' TTFT and prefix-cache hits; "
+                  "--compare-offload: without and with the host KV tier"),
 }
 VERBS = " | ".join(BENCHMARKS)      # "offline | serve | kv | relay": every help text that lists them reads this
 

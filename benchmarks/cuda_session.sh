@@ -46,6 +46,9 @@
 # (the accuracy check on cuda:0 in bf16: Baton's modes, transformers bf16 and its FP8 path, on the embedded
 # SmolLM2; its 93 MB wheel exceeds one carry, so it travels in two halves, .carry-smol1 and .carry-smol2, over two
 # calls of one lease: a call carrying either half stashes it in bench-results/smol, quantacc runs once both are there)
+# The prefix cache's host tier (issue 51, one GPU): multiturn (baton bench multiturn --compare-offload: 32 users x 6
+# turns on one colocated worker whose device KV holds a third of their conversations, without then with
+# --kv-offloading-size; MT_ARGS for more flags, MT_MODEL for another model)
 # INT4 weight-only (issue 54, one GPU): int4 (tests/test_int4.py's kernel and layer tests, the interpreter's on the
 # device's triton; then benchmarks/int4_decode.py: the W4A16 GEMM vs bf16 at qwen3-8b's shapes, M 1-256, and the decode
 # step of qwen3-8b with random AWQ group-128 weights vs bf16 at batches 1, 4, 8, 16; INT4_ARGS: more flags)
@@ -166,6 +169,10 @@ for step in $STEPS; do
               tests/test_int4.py -k "triton or projection" 2>&1 | tail -5 | tee "$OUT/int4-tests.txt"
             timeout ${INT4_TIMEOUT:-500} python3 -m baton.benchmarks.int4_decode --out "$OUT" ${INT4_ARGS:-} \
               2>"$OUT/int4_decode.log" | tee "$OUT/int4_decode.txt" ;;   # W4A16 GEMM vs bf16; qwen3-8b decode, AWQ vs bf16
+    multiturn) timeout ${MT_TIMEOUT:-540} python3 -m baton bench multiturn --compare-offload --model ${MT_MODEL:-qwen3-8b} \
+              --device cuda:0 ${MT_ARGS:-} --output "$OUT/multiturn-${MT_MODEL:-qwen3-8b}.json" \
+              --log-dir "$OUT/multiturn-logs" 2>&1 | grep "^\[bench\]" | tee "$OUT/multiturn.txt"
+            tar czf "$OUT/multiturn-logs.tgz" -C "$OUT" multiturn-logs && rm -rf "$OUT/multiturn-logs" ;;
     moefp8) timeout ${MOEFP8_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \
               -k "${MOEFP8_TESTS:-fused_moe or qwen3_moe}" 2>&1 | tail -15 | tee "$OUT/moe-fp8-tests.txt"
             timeout ${MOEFP8_TIMEOUT:-150} python3 -m baton.benchmarks.moe_kernel --fp8 --out "$OUT" ${MOEFP8_ARGS:-} \

@@ -1,0 +1,154 @@
+"""`baton bench multiturn`: multi-turn chat. --users conversations at once, each --turns turns:
+a turn's prompt is the whole conversation so far (its system prompt, every earlier message and
+answer) plus a new message, sent after a think time (exponential, mean --think-s) once the last
+answer ended. What a prefix cache is for: every turn after the first could find all but its new
+message cached. Reported: TTFT of the later turns (p50 / p90), output tokens per second over the
+run, and the share of prompt tokens found cached, per deployment.
+
+--compare-offload launches one colocated worker on --device twice, its device KV cache sized so
+the conversations' working set is --working-set-x times it (--num-kv-blocks), first without and
+then with the prefix cache's host tier (--kv-offloading-size --offload-gib), and runs the same
+conversations (same seed) against each: the host tier's figure, same device, same run. Without
+it, the conversations run against --addr.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import statistics
+import time
+from pathlib import Path
+
+import grpc
+
+from baton.benchmarks import deployment, record
+from baton.benchmarks.datasets import MAX_TOKEN_ID
+from baton.benchmarks.loadgen import CHANNEL_OPTIONS
+from baton.engine.config import DEFAULT_MODEL
+from baton.v1 import router_pb2, router_pb2_grpc
+
+FULL = dict(users=32, turns=6, system_len=1024, message_len=128, output_len=128, think_s=1.0, device="cuda:0")
+SMOKE = dict(users=4, turns=3, system_len=48, message_len=8, output_len=8, think_s=0.05, device="cpu")
+BLOCK_SIZE = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--addr", default="127.0.0.1:50051", help="the router (without --compare-offload)")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--device", default=None, help=f"--compare-offload's device (default: {FULL['device']})")
+    for name, kind in (("users", int), ("turns", int), ("system-len", int), ("message-len", int),
+                       ("output-len", int), ("think-s", float)):
+        p.add_argument(f"--{name}", type=kind, default=None, help=f"(default: {FULL[name.replace('-', '_')]})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-offload", action="store_true",
+                   help="launch one colocated worker without, then with the host tier, and compare")
+    p.add_argument("--working-set-x", type=float, default=3.0, help="the conversations' KV over the device cache's")
+    p.add_argument("--offload-gib", type=float, default=16.0, help="the host tier's size (--kv-offloading-size)")
+    p.add_argument("--worker-args", default="", help="more flags for the launched worker")
+    p.add_argument("--log-dir", default=None)
+
+
+def resolve(args: argparse.Namespace) -> None:
+    base = SMOKE if args.smoke else FULL
+    for key, value in base.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.users < 1 or args.turns < 2:
+        raise ValueError("--users must be >= 1 and --turns >= 2 (the first turn finds nothing cached)")
+
+
+def working_set_tokens(args: argparse.Namespace) -> int:
+    return args.users * (args.system_len + args.turns * (args.message_len + args.output_len))
+
+
+def device_blocks(args: argparse.Namespace) -> int:
+    """A device KV cache the conversations' working set is --working-set-x times, yet one that holds
+    the longest conversation's last turn."""
+    longest = args.system_len + args.turns * (args.message_len + args.output_len)
+    need = math.ceil(working_set_tokens(args) / args.working_set_x / BLOCK_SIZE)
+    return max(need, 2 * math.ceil(longest / BLOCK_SIZE))
+
+
+async def converse(stub, rng: random.Random, args: argparse.Namespace, user: int, t_zero: float) -> list[dict]:
+    history = [rng.randrange(1, MAX_TOKEN_ID) for _ in range(args.system_len)]
+    turns = []
+    for turn in range(args.turns):
+        await asyncio.sleep(rng.expovariate(1 / args.think_s) if args.think_s > 0 else 0)
+        prompt = history + [rng.randrange(1, MAX_TOKEN_ID) for _ in range(args.message_len)]
+        req = router_pb2.GenerateRequest(tokens=router_pb2.TokenIds(ids=prompt), sampling=router_pb2.SamplingParams(
+            temperature=0, max_tokens=args.output_len, ignore_eos=True))
+        start, ttft, out, cached, status = time.perf_counter(), None, [], 0, "OK"
+        try:
+            async for resp in stub.Generate(req, timeout=600):
+                if resp.token_ids and ttft is None:
+                    ttft = time.perf_counter() - start
+                out += resp.token_ids
+                if resp.HasField("usage"):
+                    cached = resp.usage.cached_prompt_tokens
+        except grpc.aio.AioRpcError as exc:
+            status = exc.code().name
+        turns.append({"user": user, "turn": turn, "sent_at": start - t_zero, "prompt_tokens": len(prompt),
+                      "output_tokens": len(out), "cached_tokens": cached, "ttft": ttft,
+                      "e2e": time.perf_counter() - start, "status": status})
+        if status != "OK":
+            break
+        history = prompt + out
+    return turns
+
+
+async def drive(address: str, args: argparse.Namespace) -> dict:
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        t_zero = time.perf_counter()
+        runs = await asyncio.gather(*(converse(stub, random.Random(args.seed * 1000 + u), args, u, t_zero)
+                                      for u in range(args.users)))
+        wall = time.perf_counter() - t_zero
+    turns = [t for run in runs for t in run]
+    later = sorted(t["ttft"] for t in turns if t["turn"] > 0 and t["ttft"] is not None)
+    ok = [t for t in turns if t["status"] == "OK"]
+    return {"wall_s": wall, "turns": turns, "errors": len(turns) - len(ok),
+            "ttft_p50_s": statistics.median(later) if later else None,
+            "ttft_p90_s": later[int(0.9 * (len(later) - 1))] if later else None,
+            "output_tok_s": sum(t["output_tokens"] for t in ok) / wall,
+            "cached_share": sum(t["cached_tokens"] for t in ok) / max(1, sum(t["prompt_tokens"] for t in ok))}
+
+
+def run(args: argparse.Namespace, rec: dict) -> None:
+    rec["workload"] = {"users": args.users, "turns": args.turns, "system_len": args.system_len,
+                       "message_len": args.message_len, "output_len": args.output_len, "think_s": args.think_s,
+                       "working_set_tokens": working_set_tokens(args)}
+    if not args.compare_offload:
+        rec["results"] = {"external": asyncio.run(drive(args.addr, args))}
+        _print("external", rec["results"]["external"])
+        return
+    blocks = device_blocks(args)
+    rec["device"] = record.device_info([args.device])
+    rec["workload"] |= {"device_kv_blocks": blocks, "working_set_x": working_set_tokens(args) / (blocks * BLOCK_SIZE),
+                        "offload_gib": args.offload_gib}
+    log_root = Path(args.log_dir) if args.log_dir else Path(args.output).with_suffix("").with_name(
+        Path(args.output).stem + "-logs")
+    rec["results"] = {}
+    for name, extra in (("device only", []), ("host tier", ["--kv-offloading-size", str(args.offload_gib)])):
+        worker_args = ["--num-kv-blocks", str(blocks), "--block-size", str(BLOCK_SIZE), *args.worker_args.split(),
+                       *extra]
+        dep = deployment.launch("1colocated", args.model, [args.device], worker_args, log_root / name.replace(" ", "-"))
+        try:
+            rec["results"][name] = asyncio.run(drive(dep.router_address, args))
+        finally:
+            dep.stop()
+        _print(name, rec["results"][name])
+    a, b = rec["results"]["device only"], rec["results"]["host tier"]
+    if a["ttft_p50_s"] and b["ttft_p50_s"]:
+        rec["host_tier_over_device"] = {"ttft_p50": a["ttft_p50_s"] / b["ttft_p50_s"],
+                                        "output_tok_s": b["output_tok_s"] / a["output_tok_s"]}
+        print(f"[bench] host tier vs device only: TTFT p50 {rec['host_tier_over_device']['ttft_p50']:.2f}x lower, "
+              f"throughput {rec['host_tier_over_device']['output_tok_s']:.2f}x", flush=True)
+
+
+def _print(name: str, r: dict) -> None:
+    ms = (lambda s: f"{s * 1e3:.0f} ms" if s is not None else "-")
+    print(f"[bench] {name}: TTFT p50 {ms(r['ttft_p50_s'])} p90 {ms(r['ttft_p90_s'])}, {r['output_tok_s']:.0f} "
+          f"output tok/s, {100 * r['cached_share']:.0f} % of prompt tokens cached, {r['errors']} error(s), "
+          f"{r['wall_s']:.1f} s", flush=True)
