@@ -147,8 +147,11 @@ def run(args: argparse.Namespace, rec: dict) -> None:
               f"throughput {rec['host_tier_over_device']['output_tok_s']:.2f}x", flush=True)
 
 
+def _ms(s: float | None) -> str:
+    return f"{s * 1e3:.0f} ms" if s is not None else "-"
+
+
 def _print(name: str, r: dict) -> None:
-    ms = (lambda s: f"{s * 1e3:.0f} ms" if s is not None else "-")
-    print(f"[bench] {name}: TTFT p50 {ms(r['ttft_p50_s'])} p90 {ms(r['ttft_p90_s'])}, {r['output_tok_s']:.0f} "
+    print(f"[bench] {name}: TTFT p50 {_ms(r['ttft_p50_s'])} p90 {_ms(r['ttft_p90_s'])}, {r['output_tok_s']:.0f} "
           f"output tok/s, {100 * r['cached_share']:.0f} % of prompt tokens cached, {r['errors']} error(s), "
           f"{r['wall_s']:.1f} s", flush=True)
