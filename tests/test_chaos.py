@@ -71,7 +71,10 @@ def link():
 def cluster(tmp_path_factory, link):
     metrics_port = free_port()
     c = Cluster.launch(tmp_path_factory.mktemp("logs"), prefill=2, decode=2,
-                       worker_args=["--num-kv-blocks", "256", "--grace", "60", "--fault-hooks"],
+                       # (a worker's own watchdog ends a hung core after --engine-hang-timeout: the hang tests
+                       # hold one for as long as its streams take to migrate, on a loaded 2-core box 25-35 s)
+                       worker_args=["--num-kv-blocks", "256", "--grace", "60", "--fault-hooks",
+                                    "--engine-hang-timeout", "90"],
                        router_args=["--policy", "round_robin", "--first-token-timeout", str(FIRST_TOKEN_TIMEOUT_S),
                                     "--grace", "60", "--metrics-port", str(metrics_port)],
                        extra={"decode-0": ["--kv-port", str(link.kv_port), "--kv-advertise", link.address]})
