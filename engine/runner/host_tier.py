@@ -55,7 +55,10 @@ class HostTier:
         """Copy the block kept under `h` into device block `block_id`."""
         slot = self.index[h][0]
         self.index.move_to_end(h)
-        unpack_blocks(self.kv, [block_id], self.store[slot])
+        data = self.store[slot]
+        if self.kv.device.type != "cpu":    # queued on the engine's stream, the engine thread goes on: the
+            data = data.to(self.kv.device, non_blocking=True)   # slot is only ever rewritten on that stream
+        unpack_blocks(self.kv, [block_id], data)
         self.loaded += 1
 
     @property
