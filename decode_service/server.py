@@ -52,6 +52,7 @@ SWEEP_EVERY_S = 0.1
 SWITCH_TIMEOUT_S = 60.0         # a role switch whose streams have not all moved by then rolls back
 SWITCH_POLL_S = 0.02
 EXPORT_TIMEOUT_S = 30.0
+PAUSE_HOLD_S = 60.0             # a paused stream its router never moves is ended then (the core drops its KV too)
 
 
 class DecodeWorker(PrefillFront, EngineWorker):
@@ -249,7 +250,12 @@ class DecodeWorker(PrefillFront, EngineWorker):
         reply = await self.core.call(Command.PAUSE, rid)
         if reply.get("paused"):
             self.paused.add(rid)
+            asyncio.get_running_loop().call_later(PAUSE_HOLD_S, self._unclaimed, rid, stream)
         return decode_pb2.PauseResponse(**reply)
+
+    def _unclaimed(self, rid: str, stream: TokenStream) -> None:
+        if rid in self.paused and self.streams.get(rid) is stream:
+            self.abort_request(rid, f"was paused to move, and its router did not move it within {PAUSE_HOLD_S:.0f}s")
 
     async def export(self, req: decode_pb2.ExportRequest) -> decode_pb2.ExportResponse:
         """Push a paused stream's KV to the worker continuing it; the stream leaves here either way."""
