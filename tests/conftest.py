@@ -20,7 +20,7 @@ SLOW_MODULES = frozenset({
     "test_contract", "test_dashboard", "test_engine", "test_first_hour", "test_goodput", "test_hub_models",
     "test_kv_direct", "test_kv_warm", "test_lm_eval", "test_logprobs", "test_long_prompts", "test_models",
     "test_openai_api", "test_openai_fields", "test_planner", "test_platform_contract", "test_quantization",
-    "test_sampling", "test_security", "test_services", "test_speculative", "test_startup_errors",
+    "test_role_switch", "test_sampling", "test_security", "test_services", "test_speculative", "test_startup_errors",
     "test_structured_output", "test_tools_api", "test_vl_serving",
 })
 

@@ -93,8 +93,9 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
+@pytest.mark.slow
 def test_kv_aware_routing_finds_each_conversations_prefix(cluster):
-    """Six conversations of four turns, three at a time: each turn is the last one's prompt and
+    """Four conversations of four turns, two at a time: each turn is the last one's prompt and
     answer plus new tokens, so a worker that served the last turn holds all but the new tail."""
     c = cluster
     stub = c.stub()
@@ -115,7 +116,7 @@ def test_kv_aware_routing_finds_each_conversations_prefix(cluster):
                     oracle[0] += (previous // bs) * bs
             previous = len(prompt)
             prompt = prompt + out + [2000 + 11 * k + turn * 3 + i for i in range(9)]
-    for wave in (range(3), range(3, 6)):
+    for wave in (range(2), range(2, 4)):
         threads = [threading.Thread(target=conversation, args=(k,)) for k in wave]
         for t in threads:
             t.start()
@@ -127,6 +128,7 @@ def test_kv_aware_routing_finds_each_conversations_prefix(cluster):
     assert c.wait_workers_idle() == 0
 
 
+@pytest.mark.slow
 def test_after_a_worker_restarts_the_index_follows_what_it_holds_now(cluster):
     """The restarted worker's events come from a new epoch: the index drops what it knew of it (the
     unit test above checks that exactly) and learns its cache afresh, so prefixes are found again."""
