@@ -13,6 +13,7 @@ import torch
 
 from baton.engine.config import EngineConfig
 from baton.engine.platforms import Platform, get_platform
+from baton.engine.runner import kv_checksum
 from baton.engine.runner.draft_head import DraftHead, load_head
 from baton.engine.runner.executor import StepExecutor
 from baton.engine.runner.forward import Forward
@@ -194,6 +195,18 @@ class ModelRunner:
     def write_kv(self, block_ids: list[int], payload) -> None:
         """Copy a transferred payload (bytes, a uint8 tensor, or Pieces) into these blocks."""
         self.kv.write(block_ids, payload)
+
+    def prove_kv(self, data, first_block: int, num_blocks: int, so_far=None):
+        """A transfer's running checksum through this packed piece: KVCache.prove."""
+        return self.kv.prove(data, first_block, num_blocks, so_far)
+
+    def land_kv(self, block_ids: list[int], payload, prove: bool):
+        """Write a landed payload into these blocks, and its checksum (queued): KVCache.land."""
+        return self.kv.land(block_ids, payload, prove)
+
+    def checksums_hex(self, totals: list) -> list[str]:
+        """Checksums from land_kv, read back in one host sync."""
+        return kv_checksum.hex_all(totals)
 
     # -- one step ---------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> list[int | None]:
