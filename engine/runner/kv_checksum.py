@@ -44,11 +44,8 @@ def partial(data: torch.Tensor, rows: int, num_blocks: int, first_block: int = 0
     data = data.reshape(-1)
     if num_blocks < 1 or rows < 1 or data.numel() % (rows * num_blocks):
         raise ValueError(f"{data.numel()} bytes are not {num_blocks} blocks of {rows} rows")
-    row_bytes = data.numel() // (rows * num_blocks)
-    sums = _words(data, row_bytes).view(rows, num_blocks, -1).sum(-1, dtype=torch.int64)
-    place = (torch.arange(rows, dtype=torch.int64, device=data.device) << 32)[:, None] \
-        + torch.arange(first_block + 1, first_block + num_blocks + 1, dtype=torch.int64, device=data.device)
-    return torch.stack((sums.sum(), (sums * place).sum()))
+    words = _words(data, data.numel() // (rows * num_blocks)).view(rows, num_blocks, -1)
+    return _weigh(words.sum(-1, dtype=torch.int64), first_block)
 
 
 def of_payload(payload, rows: int, num_blocks: int, device: torch.device | None = None) -> torch.Tensor:
@@ -60,9 +57,13 @@ def of_payload(payload, rows: int, num_blocks: int, device: torch.device | None 
 
 
 def of_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
-    """The checksum of blocks `block_ids` of the paged cache `kv`, as if packed in that order."""
-    gathered = kv.index_select(2, _block_index(kv, block_ids))
-    return partial(gathered.reshape(-1).view(torch.uint8), kv.shape[0] * kv.shape[1], len(block_ids))
+    """The checksum of blocks `block_ids` of the paged cache `kv`, as if packed in that order: the
+    blocks' words gathered as whole rows (a cache's block dimension is not its first)."""
+    index = _block_index(kv, block_ids)
+    rows, num_blocks = kv.shape[0] * kv.shape[1], kv.shape[2]
+    data = kv.reshape(-1).view(torch.uint8)
+    words = _words(data, data.numel() // (rows * num_blocks)).view(rows, num_blocks, -1)
+    return _weigh(words.index_select(1, index).sum(-1, dtype=torch.int64), 0)
 
 
 def to_hex(total: torch.Tensor) -> str:
@@ -76,6 +77,14 @@ def hex_all(totals: list[torch.Tensor]) -> list[str]:
         return []
     on_host = torch.stack([t.to(totals[0].device) for t in totals]).cpu()
     return [to_hex(t) for t in on_host]
+
+
+def _weigh(sums: torch.Tensor, first_block: int) -> torch.Tensor:
+    """[A, B] from the word sums of each (row, block) of blocks first_block, first_block + 1, ..."""
+    rows, num_blocks = sums.shape
+    place = (torch.arange(rows, dtype=torch.int64, device=sums.device) << 32)[:, None] \
+        + torch.arange(first_block + 1, first_block + num_blocks + 1, dtype=torch.int64, device=sums.device)
+    return torch.stack((sums.sum(), (sums * place).sum()))
 
 
 def _at(data, rows: int, num_blocks: int, first_block: int, device: torch.device | None) -> torch.Tensor:
