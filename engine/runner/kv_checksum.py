@@ -11,6 +11,7 @@ One read of the bytes, no Python loop: what it costs is measured by benchmarks/k
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,11 +81,17 @@ def hex_all(totals: list[torch.Tensor]) -> list[str]:
 
 
 def _weigh(sums: torch.Tensor, first_block: int) -> torch.Tensor:
-    """[A, B] from the word sums of each (row, block) of blocks first_block, first_block + 1, ..."""
-    rows, num_blocks = sums.shape
-    place = (torch.arange(rows, dtype=torch.int64, device=sums.device) << 32)[:, None] \
-        + torch.arange(first_block + 1, first_block + num_blocks + 1, dtype=torch.int64, device=sums.device)
-    return torch.stack((sums.sum(), (sums * place).sum()))
+    """[A, B] from the word sums of each (row, block) of blocks first_block, first_block + 1, ...:
+    two kernels, the weights kept (building them is more launches than the sums' read)."""
+    return (sums * _weights(*sums.shape, first_block, sums.device)).sum((1, 2))
+
+
+@functools.lru_cache(maxsize=32)
+def _weights(rows: int, num_blocks: int, first_block: int, device: torch.device) -> torch.Tensor:
+    """[2, rows, num_blocks]: ones (A), and each (row, block)'s place in the transfer (B)."""
+    place = (torch.arange(rows, dtype=torch.int64, device=device) << 32)[:, None] \
+        + torch.arange(first_block + 1, first_block + num_blocks + 1, dtype=torch.int64, device=device)
+    return torch.stack((torch.ones_like(place), place))
 
 
 def _at(data, rows: int, num_blocks: int, first_block: int, device: torch.device | None) -> torch.Tensor:
