@@ -49,6 +49,8 @@ class Requests(Protocol):
 
     def fail_request(self, request_id: str, why: str) -> RequestOutput: ...
 
+    in_flight: object | None          # the step running on the device now, if any
+
 
 class KVExchange:
     """Moves prompt KV between engines through `handoff`, the services' hook (the base class
@@ -62,6 +64,8 @@ class KVExchange:
         self.placeholders = placeholders      # None: a text-only model
         self.handoff = handoff
         self.held: dict[str, list[int]] = {}        # hold(key, seq): blocks kept out of the pool until released
+        self.proving: list[tuple[KVTicket, object | None, bool]] = []   # landed KV the device checks: (ticket,
+        #                                                   its checksum (kv_checksum.Proof), queued this call)
 
     @property
     def spec(self) -> KVSpec:
@@ -164,25 +168,37 @@ class KVExchange:
     def num_held_blocks(self) -> int:
         return sum(map(len, list(self.held.values())))
 
+    def has_landed(self) -> bool:
+        """Is landed KV waiting to join (so an idle engine steps to join it)?"""
+        return bool(self.proving) or self.handoff.has_landed()
+
     def join_landed(self, requests: Requests) -> list[RequestOutput]:
         """Copy every landed payload into its request's reserved blocks (unless a backend wrote
-        it there: InPlace), check it is the request's KV (engine/kv_proof.py: one host sync for
-        all of them) and run the request from the next step on; its first token is emitted now.
-        KV that is not the request's fails it, its blocks freed, before any token comes of it."""
-        outputs, landed = [], []
+        it there: InPlace), check it is the request's KV (engine/kv_proof.py) and run the request
+        from the next step on; its first token is emitted then. KV that is not the request's fails
+        it, its blocks freed, before any token comes of it. The checksum is queued on the device:
+        while a step runs there, it is read at the next call, so the engine never waits for that
+        step here (the request joins one step later); otherwise at once."""
+        outputs = []
         for ticket in self.handoff.take_landed():
-            seq = requests.sequence(ticket.request_id)
-            if seq is None or seq.kv_ticket is not ticket or ticket.state is not KVState.LANDED:
+            seq = self._awaiting(requests, ticket)
+            if seq is None:
                 continue                              # aborted meanwhile: its blocks are free already
             try:
-                landed.append((seq, ticket, self._land(seq, ticket)))
+                self.proving.append((ticket, self._land(seq, ticket), True))
             except Exception as exc:
                 outputs.append(self._refuse(requests, ticket, exc))
-        checksums = iter(self.runner.checksums_hex([total for *_, total in landed if total is not None]))
-        for seq, ticket, total in landed:
+        proving, self.proving = self.proving, []
+        for ticket, proof, now in proving:
+            if now and proof is not None and requests.in_flight is not None and not proof.done():
+                self.proving.append((ticket, proof, False))
+                continue
+            seq = self._awaiting(requests, ticket)
+            if seq is None:
+                continue
             try:
-                if total is not None:
-                    check_checksum(ticket, next(checksums))
+                if proof is not None:
+                    check_checksum(ticket, proof.hex())
             except KVRefused as exc:
                 outputs.append(self._refuse(requests, ticket, exc))
                 continue
@@ -190,9 +206,17 @@ class KVExchange:
             outputs.append(requests.take_output(seq.request_id))
         return outputs
 
+    @staticmethod
+    def _awaiting(requests: Requests, ticket: KVTicket) -> Sequence | None:
+        """The ticket's sequence, if it still awaits its KV (not aborted meanwhile)."""
+        seq = requests.sequence(ticket.request_id)
+        if seq is None or seq.kv_ticket is not ticket or ticket.state is not KVState.LANDED:
+            return None
+        return seq
+
     def _land(self, seq: Sequence, ticket: KVTicket):
-        """Check the payload's claims and write it into the blocks; its checksum (queued on the
-        device), or None when none is to be checked."""
+        """Check the payload's claims and write it into the blocks; its checksum (a Proof, queued on
+        the device), or None when none is to be checked."""
         payload, in_place = ticket.payload, isinstance(ticket.payload, InPlace)
         if in_place and tuple(payload.block_ids) != tuple(seq.block_table):
             raise KVRefused("stale", f"the KV was written into blocks {list(payload.block_ids)[:8]}..., "

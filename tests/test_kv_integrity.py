@@ -208,6 +208,54 @@ def test_a_truncated_payload_is_refused(pair, how):
     assert_refused(outs, ticket, unrefs, "partial")
 
 
+class NotYet:
+    """A device event the device has not passed (what a step in flight leaves ahead of a checksum)."""
+
+    def __init__(self):
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.waited
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+@pytest.mark.parametrize("then", ["joins", "is-aborted"])
+def test_while_a_step_runs_the_checksum_is_read_at_the_next_join_not_waited_for(pair, monkeypatch, then):
+    prefill, decode, unrefs = pair
+    prompt = fresh_prompt()
+    payload, first, meta = prefilled(prefill, prompt, "e1")
+    land, events = decode.runner.land_kv, []
+
+    def land_on_a_busy_device(*args):
+        proof = land(*args)
+        proof.ready = NotYet()
+        events.append(proof.ready)
+        return proof
+    monkeypatch.setattr(decode.runner, "land_kv", land_on_a_busy_device)
+    ticket = decode.reserve("d", prompt, GREEDY)
+    ticket.epoch = "e1"
+    decode.handoff.land(ticket, payload, first, meta)
+    decode.in_flight = object()                    # a step on the device
+    try:
+        assert decode.kv.join_landed(decode) == [] and not events[0].waited
+        assert ticket.state is KVState.LANDED and decode.has_work      # an idle engine steps again for it
+        if then == "is-aborted":
+            decode.abort("d")
+            assert sorted(unrefs) == sorted(ticket.block_ids) and set(unrefs.values()) == {1}
+        outs = decode.kv.join_landed(decode)       # the step it was queued behind has ended
+    finally:
+        decode.in_flight = None
+    if then == "is-aborted":
+        assert outs == [] and ticket.state is KVState.FREED and not decode.kv.proving
+        assert set(unrefs.values()) == {1}, "freed once"
+        return
+    assert events[0].waited and [o.new_token_ids for o in outs] == [[first]] and ticket.state is KVState.JOINED
+    while decode.has_unfinished:
+        decode.step()
+
+
 # -- both services in one process, over each CPU backend -----------------------------------------
 def spoiling(piece):
     """The last piece's bytes changed after the engine proved them (between the pack and the wire:

@@ -66,7 +66,7 @@ class KVCache:
         host = total.to("cpu", non_blocking=True)      # (page-locked from a device: final after the event)
         return kv_checksum.Proof(total, host, self.platform.record_event())
 
-    def land(self, block_ids: list[int], payload, prove: bool) -> torch.Tensor | None:
+    def land(self, block_ids: list[int], payload, prove: bool) -> kv_checksum.Proof | None:
         """Write a landed payload into these blocks (an InPlace one is there already) and, if `prove`,
         return its checksum, queued on the device: of the payload where it lies on this device (one
         read), else of the blocks it went into (a host payload bound for a device, an InPlace one)."""
@@ -77,7 +77,9 @@ class KVCache:
             self.write(block_ids, payload)
         if prove and total is None:
             total = kv_checksum.of_blocks(self.tensor, block_ids)
-        return total
+        if total is None:
+            return None
+        return kv_checksum.Proof(total, total.to("cpu", non_blocking=True), self.platform.record_event())
 
     # -- set-up -----------------------------------------------------------------------------
     def _size(self, config: EngineConfig, model: torch.nn.Module, hf_config, tp_group) -> int:

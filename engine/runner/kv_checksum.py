@@ -31,6 +31,10 @@ class Proof:
     host: torch.Tensor
     ready: object | None = None
 
+    def done(self) -> bool:
+        """Has the device finished it (reading it waits for nothing)?"""
+        return self.ready is None or self.ready.query()
+
     def hex(self) -> str:
         """The checksum as the transfer's meta carries it; waits for the device (call it off the
         event loop)."""
@@ -70,14 +74,6 @@ def of_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
 def to_hex(total: torch.Tensor) -> str:
     a, b = (int(v) & MASK for v in total.tolist())
     return f"{a:016x}{b:016x}"
-
-
-def hex_all(totals: list[torch.Tensor]) -> list[str]:
-    """Several checksums read back in one host sync."""
-    if not totals:
-        return []
-    on_host = torch.stack([t.to(totals[0].device) for t in totals]).cpu()
-    return [to_hex(t) for t in on_host]
 
 
 def _weigh(sums: torch.Tensor, first_block: int) -> torch.Tensor:

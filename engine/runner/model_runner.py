@@ -13,7 +13,6 @@ import torch
 
 from baton.engine.config import EngineConfig
 from baton.engine.platforms import Platform, get_platform
-from baton.engine.runner import kv_checksum
 from baton.engine.runner.draft_head import DraftHead, load_head
 from baton.engine.runner.executor import StepExecutor
 from baton.engine.runner.forward import Forward
@@ -203,10 +202,6 @@ class ModelRunner:
     def land_kv(self, block_ids: list[int], payload, prove: bool):
         """Write a landed payload into these blocks, and its checksum (queued): KVCache.land."""
         return self.kv.land(block_ids, payload, prove)
-
-    def checksums_hex(self, totals: list) -> list[str]:
-        """Checksums from land_kv, read back in one host sync."""
-        return kv_checksum.hex_all(totals)
 
     # -- one step ---------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> list[int | None]:
