@@ -129,6 +129,7 @@ class DecodeCore(PushingCore):
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already admitted here")
         ticket = await self.engine.call(lambda e: e.reserve(rid, prompt, params))
         r = Reservation(uuid.uuid4().hex, ticket)
+        ticket.epoch = r.transfer_id             # what the landed KV must prove it was sent for (engine/kv_proof.py)
         self.reservations[rid] = r
         self.by_transfer[r.transfer_id] = rid
         num_blocks = -(-len(prompt) // self.llm.config.block_size)
@@ -195,6 +196,8 @@ class DecodeCore(PushingCore):
     # -- what the front hears (engine thread) ----------------------------------------------------
     def update_of(self, out: RequestOutput) -> TokenUpdate:
         r = self.reservations.pop(out.request_id, None)        # a reserved request's first output: its join
+        if r is not None and r.ticket.refused:                  # ... or its KV refused there
+            self.metrics.add("kv_transfer_failures", 1, r.ticket.refused)
         handover = self._handover(r) if r is not None else 0.0
         return TokenUpdate.of(out, encode_error(self.failure(out)) if out.error else None, handover)
 

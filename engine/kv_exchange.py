@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from baton.engine.kv_handoff import InPlace, KVHandoff, KVPiece, KVState, KVTicket
+from baton.engine.kv_proof import KVRefused, check_checksum, check_claims
 from baton.engine.requests.logprobs import decode as decode_logprobs
 from baton.engine.requests.logprobs import encode as encode_logprobs
 from baton.engine.scheduling.block_manager import BlockManager
@@ -48,6 +49,8 @@ class Requests(Protocol):
 
     def fail_request(self, request_id: str, why: str) -> RequestOutput: ...
 
+    in_flight: object | None          # the step running on the device now, if any
+
 
 class KVExchange:
     """Moves prompt KV between engines through `handoff`, the services' hook (the base class
@@ -61,6 +64,8 @@ class KVExchange:
         self.placeholders = placeholders      # None: a text-only model
         self.handoff = handoff
         self.held: dict[str, list[int]] = {}        # hold(key, seq): blocks kept out of the pool until released
+        self.proving: list[tuple[KVTicket, object | None, bool]] = []   # landed KV the device checks: (ticket,
+        #                                                   its checksum (kv_checksum.Proof), queued this call)
 
     @property
     def spec(self) -> KVSpec:
@@ -96,6 +101,7 @@ class KVExchange:
 
     def _hand_off_piece(self, seq: Sequence, ticket: KVTicket, first: int, final: int, token: int | None) -> None:
         data, ready = self.runner.pack_kv(seq.block_table[first:final])
+        ticket.proof = self.runner.prove_kv(data, first, final - first, ticket.proof)     # (kv_proof.py)
         meta = {}
         if token is not None:
             meta = {"prefill_done_unix": repr(time.time()), "cached_tokens": str(seq.num_cached_tokens)}
@@ -104,7 +110,8 @@ class KVExchange:
             meta.update(_logprobs_meta(seq))
             if seq.spec_hidden is not None:       # a draft head's last state: the decode side drafts from it
                 meta[HEAD_STATE_META] = self.runner.drafts.encode_state(seq.spec_hidden)
-        self.handoff.on_prompt_kv(KVPiece(seq.request_id, first, final - first, data, ready, token, meta))
+        self.handoff.on_prompt_kv(KVPiece(seq.request_id, first, final - first, data, ready, token, meta,
+                                          ticket.proof))
         state = KVState.PREFILLED if token is not None else KVState.PREFILLING
         if ticket.state is not state:           # (pieces after the first leave it PREFILLING)
             ticket.advance(state)
@@ -142,7 +149,8 @@ class KVExchange:
             meta[FIRST_LOGPROBS_META] = encode_logprobs([(seq.logprobs or {}).get(known - 1)])
         if seq.spec_hidden is not None:       # a draft head's state goes too (a stale one costs guesses, not tokens)
             meta[HEAD_STATE_META] = self.runner.drafts.encode_state(seq.spec_hidden)
-        piece = KVPiece(seq.request_id, 0, num_blocks, data, ready, seq.token_ids[known - 1], meta)
+        piece = KVPiece(seq.request_id, 0, num_blocks, data, ready, seq.token_ids[known - 1], meta,
+                        self.runner.prove_kv(data, 0, num_blocks))
         return piece, seq.completion_token_ids
 
     def hold(self, key: str, seq: Sequence) -> None:
@@ -160,28 +168,70 @@ class KVExchange:
     def num_held_blocks(self) -> int:
         return sum(map(len, list(self.held.values())))
 
+    def has_landed(self) -> bool:
+        """Is landed KV waiting to join (so an idle engine steps to join it)?"""
+        return bool(self.proving) or self.handoff.has_landed()
+
     def join_landed(self, requests: Requests) -> list[RequestOutput]:
         """Copy every landed payload into its request's reserved blocks (unless a backend wrote
-        it there: InPlace) and run the request from the next step on; its first token is
-        emitted now."""
+        it there: InPlace), check it is the request's KV (engine/kv_proof.py) and run the request
+        from the next step on; its first token is emitted then. KV that is not the request's fails
+        it, its blocks freed, before any token comes of it. The checksum is queued on the device:
+        while a step runs there, it is read at the next call, so the engine never waits for that
+        step here (the request joins one step later); otherwise at once."""
         outputs = []
         for ticket in self.handoff.take_landed():
-            seq = requests.sequence(ticket.request_id)
-            if seq is None or seq.kv_ticket is not ticket or ticket.state is not KVState.LANDED:
+            seq = self._awaiting(requests, ticket)
+            if seq is None:
                 continue                              # aborted meanwhile: its blocks are free already
             try:
-                if not isinstance(ticket.payload, InPlace):
-                    self.runner.write_kv(seq.block_table, ticket.payload)
-                elif tuple(ticket.payload.block_ids) != tuple(seq.block_table):
-                    raise ValueError(f"the KV was written into blocks {list(ticket.payload.block_ids)[:8]}..., "
-                                     f"not the request's {seq.block_table[:8]}...")
+                self.proving.append((ticket, self._land(seq, ticket), True))
             except Exception as exc:
-                log.warning("request %s: the landed KV could not be joined: %s", ticket.request_id, exc)
-                outputs.append(requests.fail_request(ticket.request_id, f"could not join the transferred KV: {exc}"))
+                outputs.append(self._refuse(requests, ticket, exc))
+        proving, self.proving = self.proving, []
+        for ticket, proof, now in proving:
+            if now and proof is not None and requests.in_flight is not None and not proof.done():
+                self.proving.append((ticket, proof, False))
+                continue
+            seq = self._awaiting(requests, ticket)
+            if seq is None:
+                continue
+            try:
+                if proof is not None:
+                    check_checksum(ticket, proof.hex())
+            except KVRefused as exc:
+                outputs.append(self._refuse(requests, ticket, exc))
                 continue
             self._join(seq, ticket)
             outputs.append(requests.take_output(seq.request_id))
         return outputs
+
+    @staticmethod
+    def _awaiting(requests: Requests, ticket: KVTicket) -> Sequence | None:
+        """The ticket's sequence, if it still awaits its KV (not aborted meanwhile)."""
+        seq = requests.sequence(ticket.request_id)
+        if seq is None or seq.kv_ticket is not ticket or ticket.state is not KVState.LANDED:
+            return None
+        return seq
+
+    def _land(self, seq: Sequence, ticket: KVTicket):
+        """Check the payload's claims and write it into the blocks; its checksum (a Proof, queued on
+        the device), or None when none is to be checked."""
+        payload, in_place = ticket.payload, isinstance(ticket.payload, InPlace)
+        if in_place and tuple(payload.block_ids) != tuple(seq.block_table):
+            raise KVRefused("stale", f"the KV was written into blocks {list(payload.block_ids)[:8]}..., "
+                            f"not the request's {seq.block_table[:8]}...")
+        nbytes = None if in_place else getattr(payload, "nbytes", None) or len(payload)
+        prove = check_claims(ticket, nbytes, self.runner.block_bytes() * len(seq.block_table))
+        try:
+            return self.runner.land_kv(seq.block_table, payload, prove)
+        except ValueError as exc:                     # pieces out of order, short of the blocks
+            raise KVRefused("partial", str(exc)) from exc
+
+    def _refuse(self, requests: Requests, ticket: KVTicket, exc: Exception) -> RequestOutput:
+        ticket.refused = getattr(exc, "reason", None)
+        log.warning("request %s: the landed KV could not be joined: %s", ticket.request_id, exc)
+        return requests.fail_request(ticket.request_id, f"could not join the transferred KV: {exc}")
 
     def _join(self, seq: Sequence, ticket: KVTicket) -> None:
         seq.num_computed_tokens = seq.num_prompt_tokens

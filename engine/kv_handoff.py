@@ -13,7 +13,8 @@ KV, so that each block is freed exactly once whatever ends the request, and when
                      '-----------'-> FREED                      (abort, deadline, failed push)
     decode side    RESERVED -> RECEIVING -> LANDED -> JOINED -> FINISHED
                      |            |           |
-                     '------------'-----------'-> FREED          (abort, deadline, peer death, bad bytes)
+                     '------------'-----------'-> FREED          (abort, deadline, peer death, bad bytes,
+                                                                  KV that cannot prove it is this request's)
 
 On the prefill side the engine's sequence owns the blocks; they are freed (and stay in the
 prefix cache) when the sequence finishes or is aborted. Nothing is held past the step that
@@ -78,7 +79,7 @@ class KVTicket:
     and the engine thread (join, finish, abort), so every move takes its lock."""
 
     __slots__ = ("request_id", "side", "state", "history", "payload", "first_token", "meta", "joined_at",
-                 "block_ids", "_lock", "_transitions")
+                 "block_ids", "epoch", "proof", "refused", "_lock", "_transitions")
 
     def __init__(self, request_id: str, side: str):
         if side not in ("prefill", "decode"):
@@ -94,6 +95,9 @@ class KVTicket:
         self.meta: dict[str, str] = {}
         self.joined_at: float | None = None     # decode side: time.time() of the join
         self.block_ids: tuple[int, ...] = ()    # decode side: the blocks `reserve` gave it, in order
+        self.epoch: str | None = None           # decode side: what the landed KV must prove it is for (kv_proof.py)
+        self.proof: object | None = None        # prefill side: the running checksum of the pieces packed so far
+        self.refused: str | None = None         # decode side: why its landed KV was refused (kv_proof.REASONS)
 
     @property
     def done(self) -> bool:
@@ -157,7 +161,9 @@ class KVPiece:
     contiguously (engine.kv_blocks layout, uint8) on the engine's device. `data` is final once
     the device event `ready` has passed (None: already final, e.g. on the CPU). The last piece
     carries the first sampled token and `meta` (when the prompt's last forward ended, how many
-    prompt tokens the prefix cache served)."""
+    prompt tokens the prefix cache served). `proof`: the checksum of the transfer's blocks up to
+    this piece's last, computed on the device (engine/runner/kv_checksum.py; opaque here): the
+    sender seals the last piece with it (engine/kv_proof.py: `seal`)."""
 
     request_id: str
     first_block: int
@@ -166,6 +172,7 @@ class KVPiece:
     ready: object | None = None
     first_token: int | None = None
     meta: dict[str, str] = field(default_factory=dict)
+    proof: object | None = None
 
     @property
     def last(self) -> bool:

@@ -217,7 +217,7 @@ class LLMEngine:
     @property
     def has_work(self) -> bool:
         """Something to step for: scheduled work, a step in flight, or landed KV to join."""
-        return self.scheduler.has_work or self.in_flight is not None or self.handoff.has_landed()
+        return self.scheduler.has_work or self.in_flight is not None or self.kv.has_landed()
 
     @property
     def handoff(self) -> KVHandoff:

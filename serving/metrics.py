@@ -82,8 +82,11 @@ class Metrics:
         self.kv_transfer_bytes = Counter("baton_kv_transfer_bytes", "KV bytes moved", ["direction"], registry=r)
         self.kv_transfer_seconds = Histogram("baton_kv_transfer_seconds", "KV transfer latency",
                                              buckets=LATENCY_BUCKETS, registry=r)
-        self.kv_transfer_failures = Counter("baton_kv_transfer_failures", "failed KV transfers", ["reason"],
-                                            registry=r)
+        self.kv_transfer_failures = Counter("baton_kv_transfer_failures", "failed KV transfers, by reason: send "
+                                            "or receive (the transfer broke), or the landed KV refused before a "
+                                            "token came of it (engine/kv_proof.py): stale (sent for another "
+                                            "reservation), partial (wrong size), corrupt (checksum mismatch), "
+                                            "unproven (no epoch and checksum came)", ["reason"], registry=r)
         self.kv_handshakes = Counter("baton_kv_handshakes", "KV senders opened (channel + layout handshake) to a "
                                      "decode worker, by what needed one first: a warm-up (the router's ConnectKV, "
                                      "before traffic) or a request (its transfer waited for it)", ["backend", "by"],
@@ -263,7 +266,7 @@ RECORDED_BY = {
     "baton_running": "workers", "baton_waiting": "workers", "baton_kv_blocks_total": "workers",
     "baton_kv_blocks_free": "workers", "baton_kv_cache_usage_ratio": "workers",
     "baton_kv_transfer_bytes": "prefill (out), decode (in)", "baton_kv_transfer_seconds": "prefill",
-    "baton_kv_transfer_failures": "prefill (send), decode (receive)", "baton_kv_handshakes": "prefill",
+    "baton_kv_transfer_failures": "prefill (send), decode (the rest)", "baton_kv_handshakes": "prefill",
     "baton_kv_warmup_seconds": "prefill", "baton_handover_seconds": "decode",
     "baton_kv_landed_seconds": "decode", "baton_step_seconds": "workers", "baton_worker_losses": "router",
     "baton_stream_stalls": "router", "baton_request_prompt_tokens": "router",

@@ -7,10 +7,11 @@ from __future__ import annotations
 import torch
 
 from baton.engine.config import EngineConfig
+from baton.engine.kv_handoff import InPlace
 from baton.engine.platforms import Platform
 from baton.engine.platforms.base import is_fp8
-from baton.engine.runner import kv_scales
-from baton.engine.runner.kv_blocks import pack_blocks_on_device, unpack_blocks
+from baton.engine.runner import kv_checksum, kv_scales
+from baton.engine.runner.kv_blocks import Pieces, pack_blocks_on_device, unpack_blocks
 from baton.models.forward_context import AttentionBackend
 
 CPU_KV_CACHE_MAX = 1 << 30              # the CPU's default KV cache: sized to the model, at most this
@@ -55,6 +56,31 @@ class KVCache:
         """Copy a transferred payload (bytes, a uint8 tensor, or Pieces) into these blocks."""
         unpack_blocks(self.tensor, block_ids, payload)
 
+    def prove(self, data: torch.Tensor, first_block: int, num_blocks: int,
+              so_far: kv_checksum.Proof | None = None) -> kv_checksum.Proof:
+        """A transfer's checksum through `data`, the packed blocks [first_block, first_block +
+        num_blocks) of it, added to the pieces' before it: queued on the device after the pack."""
+        total = kv_checksum.partial(data, 2 * self.num_layers, num_blocks, first_block)
+        if so_far is not None:
+            total = total + so_far.total
+        host = total.to("cpu", non_blocking=True)      # (page-locked from a device: final after the event)
+        return kv_checksum.Proof(total, host, self.platform.record_event())
+
+    def land(self, block_ids: list[int], payload, prove: bool) -> kv_checksum.Proof | None:
+        """Write a landed payload into these blocks (an InPlace one is there already) and, if `prove`,
+        return its checksum, queued on the device: of the payload where it lies on this device (one
+        read), else of the blocks it went into (a host payload bound for a device, an InPlace one)."""
+        rows, in_place = 2 * self.num_layers, isinstance(payload, InPlace)
+        here = not in_place and _device_of(payload) == self.tensor.device
+        total = kv_checksum.of_payload(payload, rows, len(block_ids)) if prove and here else None
+        if not in_place:
+            self.write(block_ids, payload)
+        if prove and total is None:
+            total = kv_checksum.of_blocks(self.tensor, block_ids)
+        if total is None:
+            return None
+        return kv_checksum.Proof(total, total.to("cpu", non_blocking=True), self.platform.record_event())
+
     # -- set-up -----------------------------------------------------------------------------
     def _size(self, config: EngineConfig, model: torch.nn.Module, hf_config, tp_group) -> int:
         if config.num_kv_blocks is not None:
@@ -97,6 +123,12 @@ class KVCache:
             return found
         positions = getattr(hf_config, "max_position_embeddings", kv_scales.CALIBRATION_TOKENS)
         return kv_scales.calibrate(model, attention, scale, hf_config.vocab_size, positions, device)
+
+
+def _device_of(payload) -> torch.device:
+    if isinstance(payload, Pieces):
+        return _device_of(payload.parts[0][2]) if payload.parts else torch.device("cpu")
+    return payload.device if isinstance(payload, torch.Tensor) else torch.device("cpu")
 
 
 def _activation_reserve(config: EngineConfig, hf_config) -> int:

@@ -195,6 +195,14 @@ class ModelRunner:
         """Copy a transferred payload (bytes, a uint8 tensor, or Pieces) into these blocks."""
         self.kv.write(block_ids, payload)
 
+    def prove_kv(self, data, first_block: int, num_blocks: int, so_far=None):
+        """A transfer's running checksum through this packed piece: KVCache.prove."""
+        return self.kv.prove(data, first_block, num_blocks, so_far)
+
+    def land_kv(self, block_ids: list[int], payload, prove: bool):
+        """Write a landed payload into these blocks, and its checksum (queued): KVCache.land."""
+        return self.kv.land(block_ids, payload, prove)
+
     # -- one step ---------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> list[int | None]:
         """Run the model on the scheduled tokens; the sampled token per sequence, or None."""

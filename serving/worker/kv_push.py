@@ -27,6 +27,7 @@ import grpc
 
 from baton.engine.async_engine import EngineDead
 from baton.engine.kv_handoff import KVHandoff, KVPiece, KVState, KVTicket
+from baton.engine.kv_proof import seal
 from baton.engine.output_processor import RequestOutput
 from baton.engine.requests.sampling_params import SamplingParams
 from baton.kvtransfer import registry
@@ -244,7 +245,7 @@ class PushingCore(EngineCore):
             async with asyncio.timeout(timeout):
                 outgoing = await (await self.sender_for(address, backend, timeout)).open(transfer, timeout)
                 try:
-                    await outgoing.piece(piece)
+                    await outgoing.piece(await asyncio.to_thread(seal, piece, transfer_id))
                     stats = await outgoing.done()
                 except BaseException as exc:
                     outgoing.abandon(f"{exc!r}")
@@ -324,6 +325,8 @@ class PushingCore(EngineCore):
         try:
             while not outgoing.token_sent:
                 piece = await pieces.get()
+                if piece.last:          # its epoch and checksum (engine/kv_proof.py), once the device made it
+                    piece = await asyncio.to_thread(seal, piece, transfer.transfer_id)
                 await outgoing.piece(piece)
                 self.handoff.sent(piece.request_id, piece)
         except BaseException as exc:
