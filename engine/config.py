@@ -44,6 +44,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
     kv_offloading_size: float = 0.0     # GiB of host memory for blocks the prefix cache evicts (0: none)
+    kv_checksum: str = "auto"           # landed KV's checksum checked: on | off | auto (on a CPU engine only)
     enforce_eager: bool = False         # no graph capture
     prefill_graphs: bool = True         # prefill and mixed steps replayed piecewise (engine/prefill_graphs.py)
     seed: int = 0                       # random weights for presets and unseeded sampling
@@ -103,6 +104,8 @@ class EngineConfig:
         if self.kv_offloading_size < 0 or (self.kv_offloading_size and self.tp_size > 1):
             raise ValueError("--kv-offloading-size must be >= 0 GiB, and is not built for --tp-size > 1 yet (each "
                              f"rank would need the same copies), got {self.kv_offloading_size} with tp {self.tp_size}")
+        if self.kv_checksum not in ("auto", "on", "off"):
+            raise ValueError(f"--kv-checksum must be auto, on or off, got {self.kv_checksum!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:

@@ -107,6 +107,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="share of accelerator memory for weights, activations and the KV cache")
     flag(g, "--prefix-caching", "--enable-prefix-caching", type=bool, default=e.enable_prefix_caching,
          help="reuse the KV of prompt prefixes seen before")
+    flag(g, "--kv-checksum", choices=("auto", "on", "off"), default=e.kv_checksum,
+         help="check a checksum of every byte of KV that lands here before decoding from it (its epoch and size "
+              "are always checked): auto = on a CPU engine only, where it costs a fiftieth of a gRPC transfer's time; "
+              "on an accelerator it reads the KV again (a fourteenth of a device-direct transfer's) and may join a "
+              "request a step later")
     flag(g, "--kv-offloading-size", type=float, default=e.kv_offloading_size,
          help="GiB of host memory that keep the prefix cache's blocks the device evicts, brought back when a "
               "prompt needs them again (a returning conversation pays a copy, not its prefill); 0: off")
@@ -249,7 +254,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.prefix_caching,
-        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_size=args.kv_offloading_size, kv_checksum=args.kv_checksum,
         enforce_eager=args.enforce_eager, prefill_graphs=args.prefill_graphs, seed=args.seed, tp_size=args.tp_size,
         tp_devices=args.tp_devices,
         tp_port=args.tp_port, tokenizer=args.tokenizer, cache_dir=args.cache_dir, fused_ops=args.fused_ops,
