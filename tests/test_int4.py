@@ -284,7 +284,7 @@ def _triton_path() -> str | None:
 
 
 def check_triton_kernel(path: str) -> None:
-    """Run under TRITON_INTERPRET=1: the GEMV and the dot kernel (decode and 64-row tiles, split-K) and the
+    """Run under TRITON_INTERPRET=1: the GEMV and the dot kernel (both unpackings; decode and 64-row tiles, split-K) and the
     dequantizer, on the CUDA platform's layout (w4a16.relayout), against the reference, float16 and float32
     activations, groups 32 and 128, act-order included."""
     from baton.engine.platforms.triton_kernels import w4a16
@@ -298,7 +298,9 @@ def check_triton_kernel(path: str) -> None:
             x = torch.randn(m, w.in_features, generator=gen).to(dtype)
             want = cpu.w4a16_matmul(x.float(), ref_w)
             split = 2 if w.in_features >= 256 else 1
-            configs = (None, w4a16.W4a16Config("gemv", 32, split), w4a16.W4a16Config("dot", 32, split, 16 if m <= 16 else 64))
+            bm = 16 if m <= 16 else 64
+            configs = (None, w4a16.W4a16Config("gemv", 32, split), w4a16.W4a16Config("dot", 32, split, bm),
+                       w4a16.W4a16Config("dotshift", 32, 1, bm))
             for cfg in configs:
                 got = w4a16.w4a16_gemm(x, w, cfg).float()
                 torch.testing.assert_close(got, want, rtol=2e-3 if dtype == torch.float16 else 1e-5,

@@ -13,16 +13,20 @@ models/layers/int4.py has it, but within each block of 128 input rows, word 16b 
 consecutive rows 16j..16j+15: the activations a plane multiplies are a contiguous slice of x, and a plane lies
 in one group (groups are multiples of 16 rows), so its zero point and scale are one [BLOCK_N] vector.
 
-The unpack: a nibble q ORed into the float32 bits 0x4B000000 reads as 2^23 + q, so (q | 0x4B000000) - (2^23 +
-zero) is q - zero exactly, without an integer-to-float conversion (a quarter-rate instruction): shift, and-or,
-subtract per weight. q - zero (-15..15) is exact in every float type; the group's scale multiplies the fp32 sums,
-not the weights, so the only rounding is the accumulation's (and the output's cast).
+The unpack (`_plane`): a nibble q ORed into the float32 bits 0x4B000000 reads as 2^23 + q, without an
+integer-to-float conversion (a quarter-rate instruction); masked in place (no shift) plane j reads 2^23 + q * 16^j
+(j < 4; planes 4..7 from the words shifted by 16 once), and one FFMA by 16^-j (a power of two: exact) minus
+2^23 * 16^-j + zero gives q - zero exactly. q - zero (-15..15) is exact in every float type; the group's scale
+multiplies the fp32 sums, not the weights, so the only rounding is the accumulation's (and the output's cast).
 
   _w4a16_gemv (M = 1, and small M one row a program): CUDA cores. A program owns BLOCK_N columns of one row
     and a K slice; per plane: t[16, BLOCK_N] += x[16] * (q - zero); per group: acc += sum(t) * scale.
-    ~4 instructions a weight, so at M = 1 the SMs' issue rate (~33 T lanes/s) is about the bytes' floor.
+    ~4.3 instructions a weight (ptxas, sm_90), so at M = 1 the SMs' issue rate (~33 T lanes/s) is about the
+    bytes' floor.
   _w4a16_dot (M = 2..64): per plane a [BLOCK_M, 16] x [16, BLOCK_N] tensor-core dot of x's slice with the
-    plane's (q - zero) in x's dtype, fp32 sums, times the group's scale per group.
+    plane's (q - zero) in x's dtype, fp32 sums, times the group's scale per group. Kernel "dotshift" unpacks by
+    shift and mask instead: more instructions, but Triton then converts the packed words (not the bf16 planes)
+    to the MMA operand layout; which wins is the sweep's to say.
 Split-K: SPLIT programs share an output tile, each writes an fp32 partial, _w4a16_reduce adds them in split
 order (deterministic) and casts. The tile, the kernel and the split per shape come from TABLE (measured on an
 H200 by `benchmarks/int4_decode.py --sweep`), `pick_config`'s rule otherwise.
@@ -47,7 +51,8 @@ GEMV_MAX_M = 1              # rows the rule gives the GEMV (TABLE may say otherw
 
 @dataclass(frozen=True, slots=True)
 class W4a16Config:
-    kernel: str             # gemv | dot | cublas (dequantize, then cuBLAS: TABLE may pick it up to MAX_GEMM_M)
+    kernel: str             # gemv | dot | dotshift (the dot, planes by shift and mask) | cublas (dequantize, then
+                            # cuBLAS: TABLE may pick it up to MAX_GEMM_M)
     block_n: int
     split_k: int = 1
     block_m: int = 16       # dot only (the GEMV takes one row a program)
@@ -72,21 +77,36 @@ def _split(k: int, programs: int, target: int) -> int:
 
 
 def pick_config(m: int, n: int, k: int, num_sms: int) -> W4a16Config:
-    """TABLE's config for this shape, or the rule: the GEMV for one row (128 columns a program), the dot above
-    (16 / 32 / 64 rows, 64 columns); split-K up to ~4 programs an SM."""
+    """TABLE's config for this shape, or the rule: the GEMV for one row (256 columns a program, 4 warps), the
+    dot above (16 rows x 128 columns, 4 warps; 64 x 128, 8 warps past 16 rows); split-K up to ~4 programs an SM.
+    (The rule's tiles are those with the fewest instructions a weight in ptxas's code for sm_90, no spills:
+    GEMV ~4.3, dot ~5.5 at 16 rows, ~9 at 64; not yet timed on a GPU.)"""
     cfg = TABLE.get((n, k, _m_bucket(m)))
     if cfg is not None and k % (cfg.split_k * BLOCK_ROWS) == 0:
         return cfg
     if m <= GEMV_MAX_M:
-        return W4a16Config("gemv", 128, _split(k, m * triton.cdiv(n, 128), 4 * num_sms), num_warps=4)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
-    return W4a16Config("dot", 64, _split(k, tiles, 4 * num_sms), block_m)
+        return W4a16Config("gemv", 256, _split(k, m * triton.cdiv(n, 256), 4 * num_sms), num_warps=4)
+    block_m, warps = (16, 4) if m <= 16 else (64, 8)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 128)
+    return W4a16Config("dot", 128, _split(k, tiles, 4 * num_sms), block_m, warps)
 
 
-@triton.jit(do_not_specialize=["K_SPLIT"])
+@triton.jit
+def _plane(words, high, z, j: tl.constexpr, nib):
+    """Plane j of a block's words, q - zero in float32 (exact): the nibble masked in place (no shift) and ORed
+    into 0x4B000000 reads as 2^23 + q * 16^jj; times 16^-jj (a power of two: exact) minus 2^23 * 16^-jj + zero
+    is q - zero, one LOP3 and one FFMA a weight. Planes 4..7 come from `high` (words >> 16, once per word). `nib`
+    is 0xF passed at run time: as an immediate, ptxas re-materializes the mask before every LOP3 (a MOV each)."""
+    jj: tl.constexpr = j % 4
+    inv: tl.constexpr = 1.0 / (1 << (4 * jj))
+    src = words if j < 4 else high
+    f = ((src & (nib << (4 * jj))) | 0x4B000000).to(tl.float32, bitcast=True)
+    return f * inv - (z + 8388608.0 * inv)[None, :]
+
+
+@triton.jit(do_not_specialize=["K_SPLIT", "NIB"])
 def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K_SPLIT, stride_xm, stride_qk, stride_sg, stride_zg,
-                stride_os, stride_om, GROUP: tl.constexpr, PPG: tl.constexpr, BLOCK_N: tl.constexpr):
+                stride_os, stride_om, NIB, GROUP: tl.constexpr, PPG: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_i = tl.arange(0, 16)
@@ -96,28 +116,28 @@ def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K_SPLIT, stride_xm, str
     k_start = pid_k * K_SPLIT
     for k0 in range(k_start, k_start + K_SPLIT, 128):
         words = tl.load(qw_ptr + (k0 // 8 + offs_i)[:, None] * stride_qk + offs_n[None, :], mask=n_ok[None, :], other=0)
+        high = words >> 16                        # planes 4..7 in bits 0..15 (the bits above are never read)
         g = k0 // GROUP
-        zc = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_ok, other=0).to(tl.float32) + 8388608.0
+        z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_ok, other=0).to(tl.float32)
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         t = tl.zeros((16, BLOCK_N), dtype=tl.float32)
         for j in tl.static_range(8):
             if j % PPG == 0 and j > 0:            # (groups of 16..64 rows: a new group every PPG planes)
                 acc += tl.sum(t, axis=0) * s
                 g = (k0 + 16 * j) // GROUP
-                zc = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_ok, other=0).to(tl.float32) + 8388608.0
+                z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_ok, other=0).to(tl.float32)
                 s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
                 t = tl.zeros((16, BLOCK_N), dtype=tl.float32)
             xj = tl.load(x_row + k0 + 16 * j).to(tl.float32)
-            f = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)      # 2^23 + q
-            t += xj[:, None] * (f - zc[None, :])
+            t += xj[:, None] * _plane(words, high, z, j, NIB)
         acc += tl.sum(t, axis=0) * s
     tl.store(out_ptr + pid_k * stride_os + pid_m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit(do_not_specialize=["M", "K_SPLIT"])
+@triton.jit(do_not_specialize=["M", "K_SPLIT", "NIB"])
 def _w4a16_dot(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K_SPLIT, stride_xm, stride_qk, stride_sg, stride_zg,
-               stride_os, stride_om, GROUP: tl.constexpr, PPG: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+               stride_os, stride_om, NIB, GROUP: tl.constexpr, PPG: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SHIFT: tl.constexpr):
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,20 +148,24 @@ def _w4a16_dot(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K_SPLIT, stride_xm, s
     k_start = pid_k * K_SPLIT
     for k0 in range(k_start, k_start + K_SPLIT, 128):
         words = tl.load(qw_ptr + (k0 // 8 + offs_i)[:, None] * stride_qk + offs_n[None, :], mask=n_ok[None, :], other=0)
+        high = words >> 16                        # planes 4..7 in bits 0..15 (the bits above are never read)
         g = k0 // GROUP
-        zc = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_ok, other=0).to(tl.float32) + 8388608.0
+        z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_ok, other=0).to(tl.float32)
         s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j in tl.static_range(8):
             if j % PPG == 0 and j > 0:
                 acc += part * s[None, :]
                 g = (k0 + 16 * j) // GROUP
-                zc = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_ok, other=0).to(tl.float32) + 8388608.0
+                z = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_ok, other=0).to(tl.float32)
                 s = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             a = tl.load(x_rows + k0 + 16 * j, mask=m_ok[:, None], other=0.0)
-            f = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            b = (f - zc[None, :]).to(x_ptr.dtype.element_ty)                 # q - zero: exact
+            if SHIFT:            # shift-and-mask: Triton 3.9 then unpacks in the MMA operand layout (no round trip)
+                f = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+                b = (f - (z + 8388608.0)[None, :]).to(x_ptr.dtype.element_ty)
+            else:                # in place: fewer instructions, the bf16 plane through shared memory
+                b = _plane(words, high, z, j, NIB).to(x_ptr.dtype.element_ty)      # q - zero: exact
             if IEEE:
                 part = tl.dot(a, b, part, input_precision="ieee")
             else:
@@ -218,7 +242,7 @@ def w4a16_gemm(x: torch.Tensor, w, config: W4a16Config | None = None) -> torch.T
     stride_os = 0 if split == 1 else part.stride(0)
     ppg = min(8, w.group_size // PLANE)
     args = (x, w.qweight, w.scales, w.zeros, part)
-    strides = (x.stride(0), w.qweight.stride(0), w.scales.stride(0), w.zeros.stride(0), stride_os, n)
+    strides = (x.stride(0), w.qweight.stride(0), w.scales.stride(0), w.zeros.stride(0), stride_os, n, 0xF)
     if cfg.kernel == "gemv":
         grid = (m, triton.cdiv(n, cfg.block_n), split)
         _w4a16_gemv[grid](*args, n, k // split, *strides, GROUP=w.group_size, PPG=ppg, BLOCK_N=cfg.block_n,
@@ -226,7 +250,8 @@ def w4a16_gemm(x: torch.Tensor, w, config: W4a16Config | None = None) -> torch.T
     else:
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
         _w4a16_dot[grid](*args, m, n, k // split, *strides, GROUP=w.group_size, PPG=ppg, BLOCK_M=cfg.block_m,
-                         BLOCK_N=cfg.block_n, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
+                         BLOCK_N=cfg.block_n, IEEE=x.dtype == torch.float32, SHIFT=cfg.kernel == "dotshift",
+                         num_warps=cfg.num_warps,
                          num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
