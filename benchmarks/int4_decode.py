@@ -95,16 +95,17 @@ def _candidates(m: int) -> list:
     splits = (1, 2, 4, 8, 16, 32)
     out = []
     if m <= 4:
-        for bn, warps in ((64, 2), (128, 4), (256, 4), (256, 8), (512, 4), (512, 8))[: 6 if m == 1 else 3]:
+        for bn, warps in ((256, 4), (128, 4), (64, 2), (256, 8), (512, 8))[: 5 if m == 1 else 2]:
             out += [C("gemv", bn, sp, num_warps=warps) for sp in splits]
     if m >= 2:
         bm = 16 if m <= 16 else m
-        tiles = (((32, 2, 3), (32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3)) if bm == 16
-                 else ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3)))
+        tiles = (((128, 4, 3), (128, 4, 4), (128, 8, 3), (64, 4, 3), (64, 4, 4), (32, 2, 3)) if bm == 16
+                 else ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 3)))
         for bn, warps, stages in tiles:
             out += [C("dot", bn, sp, bm, warps, stages) for sp in splits[:5]]
+        out += [C("dotshift", bn, sp, bm, warps, stages) for bn, warps, stages in tiles[:3] for sp in splits[:5]]
     if m == 1:
-        out += [C("dot", bn, sp, 16, 4, 3) for bn in (32, 64) for sp in (4, 8, 16)]
+        out += [C("dot", 128, sp, 16, 4, 3) for sp in (2, 4, 8, 16)]
     if m >= 32:
         out.append(C("cublas", 0))
     return out
