@@ -2,15 +2,19 @@
 
     python -m baton.benchmarks.int4_decode --out DIR [--device cuda:0] [--batches 1,4,8,16]
     python -m baton.benchmarks.int4_decode --out DIR --device cpu --tiny      # the CPU smoke (tests run it)
+    python -m baton.benchmarks.int4_decode --out DIR --sweep --skip decode    # the kernels' configs, timed
 
 1. The GEMMs: per projection of qwen3-8b (qkv 6144x4096, o 4096x4096, gate_up 24576x4096, down 4096x12288) and
    per M, the bf16 GEMM against the platform's W4A16 matmul (CUDA: triton_kernels/w4a16.py's GEMM up to
    MAX_GEMM_M rows, dequantize + cuBLAS above), timed with triton's do_bench (L2 flushed), the error against
    the float32 product of the dequantized weight.
+   --sweep first times each candidate config (kernel, tile, split-K, warps, stages) of the W4A16 kernels at
+   each shape and M bucket (rows kind "sweep"), and prints the best per shape as w4a16.TABLE's entries.
 2. The decode step: an AWQ checkpoint of qwen3-8b's config with random 4-bit weights, zero points and
    scales (0.5 GB a billion weights) written to DIR/int4-ckpt and served through the loader as any AWQ
    checkpoint is; bf16 the qwen3-8b preset's random weights. Median step time at each batch, context 512,
-   decode graphs (the engine's default).
+   decode graphs (the engine's default). Each engine runs in a process of its own (bf16 first), so the first
+   one's memory is given back before the second starts.
 One JSON line per measurement on stdout, all of them in DIR/int4_decode.jsonl.
 
 The ceiling (predicted, not measured): a decode step at small batch streams the weights once. qwen3-8b's
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,9 +72,10 @@ def gemms(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit) -> No
     device, timer = platform.device, _timer(platform.device)
     gen = torch.Generator().manual_seed(0)
     for name, (n, k) in shapes.items():
-        w = random_int4(n, k, device, gen)
-        wide = int4.dequantize(w, torch.float32)                   # [N, K]
+        canonical = random_int4(n, k, device, gen)
+        wide = int4.dequantize(canonical, torch.float32)           # [N, K]
         dense = wide.to(dtype)
+        w = platform.w4a16_layout(canonical, dtype)                # as the loader lays it out
         for m in ms:
             x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
             ref = x.float() @ wide.t()
@@ -80,7 +86,79 @@ def gemms(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit) -> No
             emit({"kind": "gemm", "proj": name, "n": n, "k": k, "m": m, "dtype": str(dtype).split(".")[-1],
                   "bf16_us": round(t_bf16, 2), "w4a16_us": round(t_int4, 2), "speedup": round(t_bf16 / t_int4, 3),
                   "rel_err": err})
-        del w, wide, dense
+        del w, canonical, wide, dense
+
+
+def _candidates(m: int) -> list:
+    """The configs --sweep times at M rows (triton_kernels/w4a16.py's W4a16Config)."""
+    from baton.engine.platforms.triton_kernels.w4a16 import W4a16Config as C
+    splits = (1, 2, 4, 8, 16, 32)
+    out = []
+    if m <= 4:
+        for bn, warps in ((256, 4), (128, 4), (64, 2), (256, 8), (512, 8))[: 5 if m == 1 else 2]:
+            out += [C("gemv", bn, sp, num_warps=warps) for sp in splits]
+    if m >= 2:
+        bm = 16 if m <= 16 else m
+        tiles = (((128, 4, 3), (128, 4, 4), (128, 8, 3), (64, 4, 3), (64, 4, 4), (32, 2, 3)) if bm == 16
+                 else ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 3)))
+        for bn, warps, stages in tiles:
+            out += [C("dot", bn, sp, bm, warps, stages) for sp in splits[:5]]
+        out += [C("dotshift", bn, sp, bm, warps, stages) for bn, warps, stages in tiles[:3] for sp in splits[:5]]
+    if m == 1:
+        out += [C("dot", 128, sp, 16, 4, 3) for sp in (2, 4, 8, 16)]
+    if m >= 32:
+        out.append(C("cublas", 0))
+    return out
+
+
+def sweep(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit) -> None:
+    """Each candidate config of the W4A16 kernels timed at each M (in the order given) and shape, L2 flushed;
+    the best per shape printed as w4a16.TABLE entries. A config that fails is reported and skipped."""
+    from triton.testing import do_bench
+
+    from baton.engine.platforms.triton_kernels import w4a16
+    gen = torch.Generator().manual_seed(0)
+    weights = {}
+    for name, (n, k) in shapes.items():
+        canonical = random_int4(n, k, platform.device, gen)
+        wide = int4.dequantize(canonical, torch.float32)
+        weights[name] = (wide, wide.to(dtype), w4a16.relayout(canonical))
+    best = {}
+    for m in ms:
+        for name, (n, k) in shapes.items():
+            wide, dense, w = weights[name]
+            x = torch.randn(m, k, generator=gen).to(device=platform.device, dtype=dtype)
+            ref = x.float() @ wide.t()
+            t_bf16 = 1000 * do_bench(lambda x=x, d=dense: torch.nn.functional.linear(x, d), warmup=5, rep=25)
+            rows = []
+            for cfg in _candidates(m):
+                if cfg.kernel != "cublas" and k % (cfg.split_k * w4a16.BLOCK_ROWS):
+                    continue
+                fn = ((lambda x=x, w=w: x @ w4a16.w4a16_dequantize(w, dtype)) if cfg.kernel == "cublas"
+                      else (lambda x=x, w=w, cfg=cfg: w4a16.w4a16_gemm(x, w, cfg)))
+                try:
+                    err = float((fn().float() - ref).norm() / ref.norm())
+                    t = 1000 * do_bench(fn, warmup=3, rep=15)
+                except Exception as e:                        # noqa: BLE001 (a tile the GPU refuses)
+                    print(f"[sweep] {name} m={m} {cfg}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
+                    continue
+                if err < 1e-2:
+                    rows.append((t, cfg))
+                emit({"kind": "sweep", "proj": name, "n": n, "k": k, "m": m, "config": list(_fields(cfg)),
+                      "w4a16_us": round(t, 2), "bf16_us": round(t_bf16, 2), "speedup": round(t_bf16 / t, 3),
+                      "rel_err": round(err, 5)})
+            if rows:
+                t, cfg = min(rows, key=lambda r: r[0])
+                best[(n, k, m)] = cfg
+                emit({"kind": "sweep-best", "proj": name, "n": n, "k": k, "m": m, "config": list(_fields(cfg)),
+                      "w4a16_us": round(t, 2), "bf16_us": round(t_bf16, 2), "speedup": round(t_bf16 / t, 3)})
+            print("TABLE = {" + "".join(f"\n    ({n}, {k}, {m}): W4a16Config{_fields(c)}," for (n, k, m), c in best.items())
+                  + "\n}", file=sys.stderr, flush=True)
+    del weights
+
+
+def _fields(cfg) -> tuple:
+    return (cfg.kernel, cfg.block_n, cfg.split_k, cfg.block_m, cfg.num_warps, cfg.num_stages)
 
 
 def write_awq_checkpoint(hf_config, path: Path, tokenizer: str | None, seed: int = 0) -> Path:
@@ -137,7 +215,7 @@ def decode(model: str, device: str, batches: list[int], context: int, steps: int
     from baton.engine.config import EngineConfig
     cfg = EngineConfig(model=model, tokenizer=tokenizer, device=device, enforce_eager=eager, max_num_seqs=max(batches),
                        max_model_len=context + steps + 64, max_num_batched_tokens=8192,
-                       gpu_memory_utilization=0.4)        # (both engines of the run fit one GPU: memory is not freed between)
+                       gpu_memory_utilization=0.85)       # (each engine in a process of its own: main's _decode_in_process)
     engine = LLMEngine(cfg)
     for b in batches:
         step_times(engine, b, context, 3)                            # warm-up
@@ -146,6 +224,19 @@ def decode(model: str, device: str, batches: list[int], context: int, steps: int
               "context": context, "median_step_ms": round(1000 * statistics.median(t), 3),
               "p90_step_ms": round(1000 * sorted(t)[int(0.9 * len(t))], 3)})
     del engine
+
+
+def _decode_in_process(args, model: str, tag: str, tokenizer: str | None) -> None:
+    """decode() in a child process (this module with --decode-only), so its engine's memory is the process's
+    and is given back when it exits; its rows go to the same stdout and jsonl."""
+    cmd = [sys.executable, "-m", "baton.benchmarks.int4_decode", "--out", args.out, "--device", args.device,
+           "--model", args.model, "--batches", args.batches, "--context", str(args.context), "--steps",
+           str(args.steps), "--decode-only", model, "--decode-tag", tag] + (["--tiny"] if args.tiny else [])
+    if tokenizer:
+        cmd += ["--tokenizer", tokenizer]
+    run = subprocess.run(cmd, stdout=sys.stdout, stderr=sys.stderr)
+    if run.returncode:
+        print(f"[int4] the {tag} decode process exited {run.returncode}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,6 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (unset: the preset's)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 128-wide config of the preset (a smoke run)")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: gemm, decode")
+    p.add_argument("--sweep", action="store_true", help="time the W4A16 kernels' candidate configs first (CUDA)")
+    p.add_argument("--sweep-ms", default="1,16,4,8,2,64,32", help="M of the sweep, in this order")
+    p.add_argument("--decode-only", default=None, help=argparse.SUPPRESS)     # (the child process: this model)
+    p.add_argument("--decode-tag", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         row = {"model": args.model + ("-tiny" if args.tiny else ""), "device": args.device, **row}
         print(json.dumps(row), flush=True)
         sink.write(json.dumps(row) + "\n")
+        sink.flush()
 
     from baton.engine.config import PlatformOptions
     from baton.engine.platforms import get_platform
@@ -179,24 +275,29 @@ def main(argv: list[str] | None = None) -> None:
     hf_config = source.hf_config
     for key, value in (TINY.items() if args.tiny else ()):
         setattr(hf_config, key, value)
+    if args.decode_only:
+        eager = platform.device.type == "cpu"
+        decode(args.decode_only, args.device, [int(b) for b in args.batches.split(",")], args.context, args.steps,
+               args.tokenizer, eager, args.decode_tag, emit)
+        sink.close()
+        return
     skip = set(filter(None, args.skip.split(",")))
+    if args.sweep:
+        sweep(platform, SHAPES, [int(m) for m in args.sweep_ms.split(",")], dtype, emit)
     if "gemm" not in skip:
         shapes = SHAPES if not args.tiny else {"o": (128, 128), "down": (128, 256)}
         gemms(platform, shapes, [int(m) for m in args.gemm_ms.split(",")], dtype, emit)
     if "decode" not in skip:
-        batches = [int(b) for b in args.batches.split(",")]
-        eager = platform.device.type == "cpu"
         tokenizer = args.tokenizer or environment.get(environment.twin("--tokenizer")) or source.tokenizer_dir()
         t0 = time.perf_counter()
         ckpt = write_awq_checkpoint(hf_config, out / "int4-ckpt", tokenizer)
         print(f"[int4] wrote {ckpt} in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-        decode(str(ckpt), args.device, batches, args.context, args.steps, tokenizer, eager, "int4-awq-g128", emit)
         if args.tiny:                 # the bf16 side of the same tiny config: the int4 checkpoint's shapes
             bf16 = out / "bf16-ckpt"
             _bf16_checkpoint(ckpt, bf16)
-            decode(str(bf16), args.device, batches, args.context, args.steps, tokenizer, eager, "bf16", emit)
-        else:
-            decode(args.model, args.device, batches, args.context, args.steps, tokenizer, eager, "bf16", emit)
+        sink.flush()
+        _decode_in_process(args, str(bf16) if args.tiny else args.model, "bf16", tokenizer)
+        _decode_in_process(args, str(ckpt), "int4-awq-g128", tokenizer)
     sink.close()
     print("done", file=sys.stderr)
 

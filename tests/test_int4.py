@@ -284,21 +284,28 @@ def _triton_path() -> str | None:
 
 
 def check_triton_kernel(path: str) -> None:
-    """Run under TRITON_INTERPRET=1: the GEMM (decode and prefill tiles, split-K) and the dequantizer
-    against the reference, float16 and float32 activations, groups 32 and 128, act-order included."""
+    """Run under TRITON_INTERPRET=1: the GEMV and the dot kernel (both unpackings; decode and 64-row tiles, split-K) and the
+    dequantizer, on the CUDA platform's layout (w4a16.relayout), against the reference, float16 and float32
+    activations, groups 32 and 128, act-order included."""
     from baton.engine.platforms.triton_kernels import w4a16
     model, cpu = _cpu_model(path)
     gen = torch.Generator().manual_seed(4)
     for _, layer in int4.int4_layers(model)[:4]:
-        w = layer.matmul.w
-        for m, dtype in ((1, torch.float32), (5, torch.float16), (40, torch.float32)):
+        ref_w = layer.matmul.w
+        assert w4a16.supported(ref_w)
+        w = w4a16.relayout(ref_w)
+        for m, dtype in ((1, torch.float32), (3, torch.float16), (5, torch.float16), (40, torch.float32)):
             x = torch.randn(m, w.in_features, generator=gen).to(dtype)
-            want = cpu.w4a16_matmul(x.float(), w)
-            for cfg in (None, w4a16.W4a16Config(16 if m <= 16 else 64, 32, 32, 2)):
+            want = cpu.w4a16_matmul(x.float(), ref_w)
+            split = 2 if w.in_features >= 256 else 1
+            bm = 16 if m <= 16 else 64
+            configs = (None, w4a16.W4a16Config("gemv", 32, split), w4a16.W4a16Config("dot", 32, split, bm),
+                       w4a16.W4a16Config("dotshift", 32, 1, bm))
+            for cfg in configs:
                 got = w4a16.w4a16_gemm(x, w, cfg).float()
                 torch.testing.assert_close(got, want, rtol=2e-3 if dtype == torch.float16 else 1e-5,
                                            atol=2e-3 if dtype == torch.float16 else 1e-5)
-        torch.testing.assert_close(w4a16.w4a16_dequantize(w, torch.float32), int4.dequantize(w).t())
+        torch.testing.assert_close(w4a16.w4a16_dequantize(w, torch.float32), int4.dequantize(ref_w).t())
     print("w4a16 kernels ok")
 
 

@@ -129,8 +129,14 @@ class CudaPlatform(Platform):
     def int8_linear(self) -> None:
         raise ValueError("--quantization w8a8 is the Ascend (and CPU) path; on CUDA use --quantization fp8")
 
+    def w4a16_layout(self, w, dtype):
+        """INT4 weights re-packed at load as the W4A16 kernels read them (triton_kernels/w4a16.py: a block of
+        128 rows interleaved so each nibble plane is 16 consecutive rows)."""
+        from baton.engine.platforms.triton_kernels import w4a16
+        return w4a16.w4a16_layout(w)
+
     def w4a16_matmul(self, x, w):
-        """INT4 weights: the Triton W4A16 GEMM (triton_kernels/w4a16.py; large M: dequantized, then cuBLAS)."""
+        """INT4 weights: the Triton W4A16 GEMV / GEMM (triton_kernels/w4a16.py; large M: dequantized, then cuBLAS)."""
         from baton.engine.platforms.triton_kernels import w4a16
         return w4a16.w4a16_matmul(x, w)
 
