@@ -65,7 +65,36 @@ def _m_bucket(m: int) -> int:
 
 
 # (N, K, M bucket) -> the config measured best on an H200 (benchmarks/int4_decode.py --sweep); qwen3-8b's shapes
-TABLE: dict[tuple[int, int, int], W4a16Config] = {}
+TABLE: dict[tuple[int, int, int], W4a16Config] = {
+    (6144, 4096, 1): W4a16Config('gemv', 256, 8, 16, 8, 3),
+    (4096, 4096, 1): W4a16Config('gemv', 256, 32, 16, 8, 3),
+    (24576, 4096, 1): W4a16Config('gemv', 256, 16, 16, 4, 3),
+    (4096, 12288, 1): W4a16Config('gemv', 256, 32, 16, 4, 3),
+    (6144, 4096, 16): W4a16Config('dotshift', 128, 8, 16, 8, 3),
+    (4096, 4096, 16): W4a16Config('dotshift', 128, 16, 16, 4, 4),
+    (24576, 4096, 16): W4a16Config('dotshift', 128, 8, 16, 8, 3),
+    (4096, 12288, 16): W4a16Config('dotshift', 128, 16, 16, 4, 3),
+    (6144, 4096, 4): W4a16Config('dotshift', 128, 8, 16, 8, 3),
+    (4096, 4096, 4): W4a16Config('dotshift', 128, 16, 16, 4, 3),
+    (24576, 4096, 4): W4a16Config('dotshift', 128, 2, 16, 8, 3),
+    (4096, 12288, 4): W4a16Config('dotshift', 128, 16, 16, 4, 3),
+    (6144, 4096, 8): W4a16Config('dotshift', 128, 8, 16, 4, 3),
+    (4096, 4096, 8): W4a16Config('dotshift', 128, 16, 16, 4, 4),
+    (24576, 4096, 8): W4a16Config('dotshift', 128, 8, 16, 4, 3),
+    (4096, 12288, 8): W4a16Config('dotshift', 128, 16, 16, 4, 3),
+    (6144, 4096, 2): W4a16Config('gemv', 256, 8, 16, 4, 3),
+    (4096, 4096, 2): W4a16Config('gemv', 256, 16, 16, 4, 3),
+    (24576, 4096, 2): W4a16Config('gemv', 256, 8, 16, 4, 3),
+    (4096, 12288, 2): W4a16Config('gemv', 256, 16, 16, 4, 3),
+    (6144, 4096, 64): W4a16Config('cublas', 0, 1, 16, 4, 3),
+    (4096, 4096, 64): W4a16Config('cublas', 0, 1, 16, 4, 3),
+    (24576, 4096, 64): W4a16Config('dotshift', 128, 4, 64, 4, 3),
+    (4096, 12288, 64): W4a16Config('dot', 128, 8, 64, 4, 3),
+    (6144, 4096, 32): W4a16Config('dot', 128, 4, 32, 8, 3),
+    (4096, 4096, 32): W4a16Config('cublas', 0, 1, 16, 4, 3),
+    (24576, 4096, 32): W4a16Config('dot', 128, 4, 32, 8, 3),
+    (4096, 12288, 32): W4a16Config('cublas', 0, 1, 16, 4, 3),
+}
 
 
 def _split(k: int, programs: int, target: int) -> int:
