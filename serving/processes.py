@@ -3,6 +3,7 @@ benchmark harness and the tests share. Torch-free.
 """
 from __future__ import annotations
 
+import collections
 import signal
 import socket
 import subprocess
@@ -54,10 +55,20 @@ class Child:
     proc: subprocess.Popen
 
 
+_GIVEN: collections.deque[int] = collections.deque(maxlen=1024)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free now, and not one this process was given lately: a caller that picks two ports before
+    binding either (a worker's gRPC and KV ports) must not get the same one twice."""
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            break
+    _GIVEN.append(port)
+    return port
 
 
 def devices_for(spec: str | None, default: str, n: int) -> list[str]:
