@@ -261,7 +261,9 @@ def test_cpu_workers_are_sized_to_the_model(stack):
         for pid in stack.children(module):
             core, = children(pid)
             peaks[module] = (peak_rss_mib(pid), peak_rss_mib(core))
-    assert len(peaks) == 2 and max(front + core for front, core in peaks.values()) < 1700, peaks
+    # (1,701 MiB measured for the decode worker on 2026-11-28, once its core also sends KV and checks it
+    # and the engine carries INT4 and the host tier: the bound moved from 1,700 with it)
+    assert len(peaks) == 2 and max(front + core for front, core in peaks.values()) < 1800, peaks
     assert max(front for front, _ in peaks.values()) < 250, peaks
 
 
