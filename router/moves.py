@@ -153,7 +153,7 @@ async def _continue(svc, active, ledger, w: Worker, old: str, deadline: float, t
     inbox = None
     try:
         inbox = await d.bus.register(wid, timeout)
-        admit = await d.stub.Admit(decode_pb2.AdmitRequest(
+        admit = await d.decode_stub.Admit(decode_pb2.AdmitRequest(
             request_id=wid, prompt_token_ids=prompt, sampling=sampling_to_proto(params), backend=kv_backend(w, d),
             timeout_ms=timeout_ms(timeout), subscriber=SUBSCRIBER,
             stream_timeout_ms=timeout_ms(deadline - loop.time())), timeout=timeout)

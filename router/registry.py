@@ -88,7 +88,12 @@ class Worker:
     role: str                                     # prefill | decode | colocated (what it serves now)
     target: str = ""                              # the configured HOST:PORT it was found through
     channel: grpc.aio.Channel | None = None
-    stub: object = None
+    stub: object = None                           # the stub of its role now (status, metrics, its token bus)
+    # Its Prefill and Decode services' stubs, whatever its role (a switchable worker serves both):
+    # a request's calls of one role go through these, not `stub`, for the worker may switch role
+    # between the router's pick and the call; it then answers FAILED_PRECONDITION, retried elsewhere.
+    prefill_stub: object = None
+    decode_stub: object = None
     health: object = None
     healthy: bool = False
     status: worker_pb2.WorkerStatus = field(default_factory=worker_pb2.WorkerStatus)
@@ -108,16 +113,13 @@ class Worker:
             options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", host)]
         self.channel = open_channel(self.address, tls, options)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.prefill_stub = prefill_pb2_grpc.PrefillStub(self.channel)
+        self.decode_stub = decode_pb2_grpc.DecodeStub(self.channel)
         self._serve_role()
-
-    @property
-    def decode_stub(self) -> decode_pb2_grpc.DecodeStub:
-        """The Decode service's stub, whatever the role (a switchable worker serves it in every role)."""
-        return decode_pb2_grpc.DecodeStub(self.channel)
 
     def _serve_role(self) -> None:
         """The stub (and, for the roles that stream, the token bus) of its role now."""
-        self.stub = prefill_pb2_grpc.PrefillStub(self.channel) if self.role == "prefill" else self.decode_stub
+        self.stub = self.prefill_stub if self.role == "prefill" else self.decode_stub
         if self.role != "prefill" and self.bus is None:
             self.bus = TokenBus(self.stub, self.address)
 
@@ -359,7 +361,7 @@ class KVPairs:
         key, (kv_address, backend) = (p.address, d.address), self._channel(p, d)
         t0 = time.perf_counter()
         try:
-            await p.stub.ConnectKV(prefill_pb2.ConnectKVRequest(
+            await p.prefill_stub.ConnectKV(prefill_pb2.ConnectKVRequest(
                 decode_address=kv_address, backend=backend, timeout_ms=int(self.timeout * 1000)),
                 timeout=self.timeout + 2.0)           # (the worker's own timeout, with its reason, first)
         except Exception as exc:

@@ -392,7 +392,7 @@ class RouterService:
         prefill = first = None
         try:
             try:
-                admit = await d.stub.Admit(decode_pb2.AdmitRequest(
+                admit = await d.decode_stub.Admit(decode_pb2.AdmitRequest(
                     request_id=rid, prompt_token_ids=ids, sampling=sampling, backend=kv_backend(p, d),
                     timeout_ms=_ms(handover), subscriber=SUBSCRIBER, stream_timeout_ms=_ms(deadline - loop.time())),
                     timeout=handover, **tracing.carry(active.span))
@@ -400,7 +400,7 @@ class RouterService:
                 raise _failed(exc, d, "admit") from exc
             self.use(active, p)
             _mark(active, "prefill_sent")
-            prefill = asyncio.ensure_future(p.stub.Prefill(prefill_pb2.PrefillRequest(
+            prefill = asyncio.ensure_future(p.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(handover),
                 images=active.images, handoff=prefill_pb2.Handoff(
                     decode_address=admit.kv_address or d.address, transfer_id=admit.transfer_id,
@@ -460,7 +460,7 @@ class RouterService:
         try:
             _mark(active, "prefill_sent")
             try:
-                await w.stub.Start(decode_pb2.WorkerGenerateRequest(
+                await w.decode_stub.Start(decode_pb2.WorkerGenerateRequest(
                     request_id=rid, prompt_token_ids=ids, sampling=sampling, images=active.images,
                     timeout_ms=_ms(deadline - loop.time()), subscriber=SUBSCRIBER),
                     timeout=min(self.cfg.first_token_timeout, deadline - loop.time()), **tracing.carry(active.span))

@@ -63,7 +63,7 @@ class FakeWorker:
 
 def worker(address: str, role: str, fake: FakeWorker) -> Worker:
     w = Worker(address, role, healthy=True)
-    w.stub = fake
+    w.stub = w.prefill_stub = w.decode_stub = fake
     w.bus = TokenBus(fake, address) if role in ("decode", "colocated") else None
     return w
 
@@ -256,3 +256,24 @@ def test_a_requests_stages_add_up_to_its_e2e_on_either_path():
     # boundaries out of order (the first token before the prefill's answer) stay in order
     got = stages(0.0, {"admitted": 1.0, "prefill_sent": 2.0, "prefill_done": 5.0, "first": 4.0}, 6.0)
     assert got == [("queue", 1.0), ("admit", 1.0), ("prefill", 2.0), ("handover", 0.0), ("decode", 2.0)]
+
+
+def test_a_worker_switching_role_between_the_pick_and_the_call_is_retried_elsewhere():
+    """The prefill worker the router picked became a decode worker while the decode side admitted
+    the request (a role switch under load; the router's poll already swapped its role's `stub` for
+    the Decode one): the Prefill call still reaches its Prefill service, whose refusal
+    (FAILED_PRECONDITION) sends the request to the other prefill worker."""
+    class Switched(FakeWorker):
+        calls = 0
+
+        async def Prefill(self, req, timeout=None):
+            Switched.calls += 1
+            raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "this worker serves decode: prefill work goes to another worker")
+
+    gone, other = worker("p1:1", "prefill", FakeWorker()), worker("p2:1", "prefill", FakeWorker())
+    gone.prefill_stub, gone.stub = Switched(), decode_pb2.AdmitResponse()      # (a stub without Prefill)
+    other.inflight = 3                                           # the pick goes to the switching one first
+    svc = service([gone, worker("d:1", "decode", FakeWorker()), other])
+    assert len(asyncio.run(asyncio.wait_for(collect(svc, request(3)), 10))) == 3
+    assert Switched.calls == 1

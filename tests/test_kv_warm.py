@@ -183,6 +183,7 @@ def test_a_pair_whose_warm_up_fails_is_retried_later_and_one_that_left_is_forgot
 
     p1, p2, d = worker("p1:1", "prefill"), worker("p2:1", "prefill"), worker("d:1", "decode")
     p1.stub, p2.stub = Stub(fail=False), Stub(fail=True)
+    p1.prefill_stub, p2.prefill_stub = p1.stub, p2.stub
     pairs = KVPairs(kv_backend, timeout=1.0, retry_after=0.3)
 
     async def main():

@@ -214,7 +214,7 @@ class FakeWorkers:
 
     def worker(self, address, role):
         w = Worker(address, role, healthy=True)
-        w.stub = FakeStub(self)
+        w.stub = w.prefill_stub = w.decode_stub = FakeStub(self)
         w.bus = TokenBus(w.stub, address)
         return w
 
