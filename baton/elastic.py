@@ -31,17 +31,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from baton.benchmarks import deployment
+from baton.benchmarks.deployment import ROLES, next_move, split_counts
 from baton.serving.grpc_server import open_sync_channel
 from baton.serving.options import flag, parser
 from baton.serving.security import add_tls_args, tls_from_args
 from baton.v1 import admin_pb2, admin_pb2_grpc, router_pb2, router_pb2_grpc
 
-ROLES = ("prefill", "decode", "colocated")
 COUNTERS = {"prompt": "baton_prompt_tokens_total", "output": "baton_generation_tokens_total",
             "requests": "baton_requests_total"}
-# decode <-> colocated keeps a worker's streams; anything to or from prefill moves them (or waits for prompts)
-CHEAP = {("decode", "colocated"), ("colocated", "decode")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,14 +65,6 @@ def window_mix(before: dict[str, float], after: dict[str, float]) -> Mix | None:
     return Mix(n, (after["prompt"] - before["prompt"]) / n, (after["output"] - before["output"]) / n)
 
 
-def split_counts(topology: str) -> dict[str, int] | None:
-    """Workers per role of a plan's topology; None for a tensor-parallel one (not switchable here)."""
-    topo = deployment.parse(topology)
-    if any(tp != 1 for _, tp in topo.workers):
-        return None
-    return {role: sum(r == role for r, _ in topo.workers) for role in ROLES}
-
-
 def nearest_workload(plan: dict, mix: Mix) -> str:
     """The plan's workload whose typical lengths (the middle of its input and output ranges) are
     nearest the mix's means, in log length."""
@@ -92,16 +81,6 @@ def planned_split(plan: dict, workload: str, slo: str) -> str | None:
         known = sorted(plan["workloads"][workload]["slos"])
         raise ValueError(f"the plan has no SLO pair {slo!r} for {workload}; it has {', '.join(known)}")
     return entry["best"]
-
-
-def next_move(current: dict[str, int], want: dict[str, int]) -> tuple[str, str] | None:
-    """One worker's (from role, to role) that brings `current` closer to `want`; the cheap moves first."""
-    surplus = [r for r in ROLES if current.get(r, 0) > want.get(r, 0)]
-    deficit = [r for r in ROLES if current.get(r, 0) < want.get(r, 0)]
-    moves = [(a, b) for a in surplus for b in deficit]
-    if not moves:
-        return None
-    return min(moves, key=lambda m: (m not in CHEAP, ROLES.index(m[0]), ROLES.index(m[1])))
 
 
 @dataclass

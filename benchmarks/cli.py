@@ -21,6 +21,8 @@ BENCHMARKS = {
     "relay": ("baton.benchmarks.relay", "tokens per second one router process relays (synthetic workers)"),
     "multiturn": ("baton.benchmarks.multiturn", "multi-turn chat: later turns' TTFT and prefix-cache hits; "
                   "--compare-offload: without and with the host KV tier"),
+    "flip": ("baton.benchmarks.flip", "a load whose mix flips: static splits against roles that follow it "
+             "(baton elastic), goodput over the run"),
 }
 VERBS = " | ".join(BENCHMARKS)      # "offline | serve | kv | relay": every help text that lists them reads this
 

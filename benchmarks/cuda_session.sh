@@ -70,6 +70,9 @@
 # as a bracket. One call's files: gpu.txt, plan/profile JSON, g2-$G_TAG.json, g2-$G_TAG.tgz (plots, logs).
 #   STEPS="plan goodput" G_DATASETS=prefill-heavy G_TOPOLOGIES=auto bash benchmarks/cuda_session.sh
 #   STEPS=goodput G_DATASETS=mixed G_TOPOLOGIES=4colocated,3p1d G_TAG=-mixed bash benchmarks/cuda_session.sh
+# Roles that follow the load (issue 52; four GPUs): flip (bench flip: prefill-heavy then decode-heavy, each split of
+# FLIP_RUNS held by role switches, and `elastic` switching by the plan in .carry/ or bench-results/g2; FLIP_ARGS: more)
+#   STEPS=flip FLIP_ARGS="--phases prefill-heavy:60:60,decode-heavy:380:60" bash benchmarks/cuda_session.sh
 # On two GPUs (nvidia-h200-x2): G_NDEV=2 G_DEVICES=cuda:0,cuda:1 G_TOPOLOGIES=2colocated,1p1d (or auto with a
 # plan made for two devices).
 set -uo pipefail
@@ -262,6 +265,16 @@ runpy.run_module('baton', run_name='__main__')" bench offline --model $m --devic
                 --slo-tpot-ms ${B2_TPOT:-50,25,15,10} --output "$OUT/b2-$ds${B2_TAG:-}.json" 2>&1 \
                 | tee "$OUT/b2-$ds${B2_TAG:-}.log" | grep "^\[bench\]" | tail -30
             done ;;
+    flip)   plan=""      # roles that follow the load (issue 52): static splits vs baton elastic, one mix flip
+            for f in bench-results/g2/plan-${G_MODEL:-qwen3-8b}.json .carry/plan-${G_MODEL:-qwen3-8b}.json; do
+              [ -z "$plan" ] && [ -f "$f" ] && plan=$f; done
+            left=$(( ${G_CALL_S:-530} - ($(date +%s) - SESSION_START) ))
+            timeout $(( left + 60 )) python3 -m baton bench flip --model ${G_MODEL:-qwen3-8b} \
+              --devices ${G_DEVICES:-cuda:0,cuda:1,cuda:2,cuda:3} --kv-backend ${G_KV:-direct} --plan "$plan" \
+              --runs ${FLIP_RUNS:-elastic,2p2d,4colocated} ${FLIP_ARGS:-} --time-budget-s $left \
+              --output "$OUT/flip${FLIP_TAG:-}.json" --log-dir "$OUT/flip${FLIP_TAG:-}-logs" 2>&1 \
+              | tee "$OUT/flip${FLIP_TAG:-}.log" | grep "^\[bench\]" | grep -v "requests done"
+            tar czf "$OUT/flip${FLIP_TAG:-}-logs.tgz" -C "$OUT" "flip${FLIP_TAG:-}-logs" && rm -rf "$OUT/flip${FLIP_TAG:-}-logs" ;;
     plan)   mkdir -p bench-results/g2     # one profile + prediction; later calls of a warm machine reuse both
             timeout ${PLAN_TIMEOUT:-240} python3 -m baton plan --model ${G_MODEL:-qwen3-8b} --devices ${G_NDEV:-4} --device cuda:0 \
               --dataset ${G_PLAN_DATASETS:-prefill-heavy,decode-heavy,mixed} --input-len "$G_IN" --output-len "$G_OUTL" \

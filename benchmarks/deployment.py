@@ -31,6 +31,11 @@ _PATTERN = re.compile(r"^(?:(\d+)p(\d+)d(?:-ptp(\d+))?(?:-dtp(\d+))?|(\d+)coloca
 GRAMMAR = "XpYd[-ptpK][-dtpK] (e.g. 1p1d, 3p1d, 1p2d-ptp2) or Ncolocated[-tpK] (e.g. 4colocated, 2colocated-tp2)"
 
 
+ROLES = ("prefill", "decode", "colocated")
+# decode <-> colocated keeps a worker's streams; anything to or from prefill moves them (or waits for prompts)
+CHEAP = {("decode", "colocated"), ("colocated", "decode")}
+
+
 class LaunchError(RuntimeError):
     """A process of the deployment did not come up; the message ends with its log."""
 
@@ -151,8 +156,10 @@ def _env(workers: list[tuple[str, list[str]]]) -> dict:
 
 
 def launch(topology: str, model: str, devices: list[str], worker_args: list[str], log_dir: Path,
-           router_args: list[str] = (), host: str = "127.0.0.1") -> Deployment:
-    """Start the workers, then the router; return once every process reports SERVING."""
+           router_args: list[str] = (), host: str = "127.0.0.1", switchable: bool = False) -> Deployment:
+    """Start the workers, then the router; return once every process reports SERVING. `switchable`:
+    every worker is a `baton decode --role ROLE` one, whose role can change in place (a `baton
+    prefill` worker's cannot)."""
     workers = plan(topology, devices)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = _env(workers)
@@ -169,9 +176,9 @@ def launch(topology: str, model: str, devices: list[str], worker_args: list[str]
     try:
         for i, (role, ranks) in enumerate(workers):
             port, mport = free_port(host), free_port(host)
-            module = "baton.prefill_service" if role == "prefill" else "baton.decode_service"
-            extra = ["--metrics-port", str(mport), *worker_args, *tp_flags(ranks),
-                     *(["--colocated"] if role == "colocated" else [])]
+            module = "baton.prefill_service" if role == "prefill" and not switchable else "baton.decode_service"
+            as_role = ["--role", role] if switchable else ["--colocated"] if role == "colocated" else []
+            extra = ["--metrics-port", str(mport), *worker_args, *tp_flags(ranks), *as_role]
             name = f"{role}-{i}"
             start(name, worker_command(module, host, port, model, ranks[0], extra), f"{host}:{port}")
             dep.workers.append({"role": role, "address": f"{host}:{port}", "device": ranks[0], "devices": ranks,
@@ -206,3 +213,23 @@ def wait_ready(child: Child, log_dir: Path) -> None:
         log = log_dir / f"{child.name}.log"
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:]) if log.exists() else ""
         raise LaunchError(f"{exc}\n--- {log} ---\n{tail}") from exc
+
+
+# -- a topology reached by role switches (baton elastic, bench flip) ---------------------------------
+
+def split_counts(topology: str) -> dict[str, int] | None:
+    """Workers per role of a topology; None for a tensor-parallel one (not reachable by role switches)."""
+    topo = parse(topology)
+    if any(tp != 1 for _, tp in topo.workers):
+        return None
+    return {role: sum(r == role for r, _ in topo.workers) for role in ROLES}
+
+
+def next_move(current: dict[str, int], want: dict[str, int]) -> tuple[str, str] | None:
+    """One worker's (from role, to role) that brings `current` closer to `want`; the cheap moves first."""
+    surplus = [r for r in ROLES if current.get(r, 0) > want.get(r, 0)]
+    deficit = [r for r in ROLES if current.get(r, 0) < want.get(r, 0)]
+    moves = [(a, b) for a in surplus for b in deficit]
+    if not moves:
+        return None
+    return min(moves, key=lambda m: (m not in CHEAP, ROLES.index(m[0]), ROLES.index(m[1])))
