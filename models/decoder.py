@@ -21,7 +21,8 @@ from baton.models.layers.linear import (
 )
 from baton.models.layers.norm import RMSNorm
 from baton.models.layers.quantization import Fp8Matmul
-from baton.models.layers.rotary import RotaryEmbedding, rope_parameters
+from baton.models.layers.rope_config import rope_parameters
+from baton.models.layers.rotary import RotaryEmbedding
 
 
 def head_dim_of(config) -> int:

@@ -28,7 +28,8 @@ from baton.models.forward_context import ForwardContext
 from baton.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from baton.models.layers.linear import QKVParallelLinear, ReplicatedLinear, TPInfo
 from baton.models.layers.norm import RMSNorm
-from baton.models.layers.rotary import RotaryEmbedding, context_length, rope_parameters
+from baton.models.layers.rope_config import context_length, rope_parameters
+from baton.models.layers.rotary import RotaryEmbedding
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 

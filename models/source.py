@@ -22,6 +22,7 @@ from pathlib import Path
 
 from baton.models import hub
 from baton.models.cache import cache_root
+from baton.models.layers.rope_config import check_stated_fields
 from baton.models.multimodal import PROCESSOR_ATTR
 from baton.models.presets import PRESETS
 from baton.models.registry import SUPPORTED_ARCHITECTURES
@@ -274,6 +275,7 @@ def _from_hf_dir(path: Path, name: str) -> ModelSource:
         config = AutoConfig.from_pretrained(str(path))
     except Exception as exc:
         raise ValueError(f"cannot read the model config in {path}: {exc}") from exc
+    check_stated_fields(json.loads((path / "config.json").read_text()))     # what transformers filled in
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     mirror_text_config(config)
     processor = path / "preprocessor_config.json"

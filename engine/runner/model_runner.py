@@ -29,7 +29,7 @@ from baton.engine.runner.weights import load_model, model_dtype
 from baton.engine.scheduling.scheduler import SchedulerOutput
 from baton.models.attention_metadata import AttnMetadata
 from baton.models.decoder import DecoderForCausalLM
-from baton.models.layers.rotary import check_max_model_len
+from baton.models.layers.rope_config import check_max_model_len
 from baton.models.source import ModelSource, resolve_model
 
 __all__ = ["ModelRunner", "cpu_kv_cache_default"]     # (benchmarks/offline_transformers.py imports the second)

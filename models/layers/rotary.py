@@ -3,7 +3,9 @@
 Inverse frequencies are computed exactly as Hugging Face transformers does (modeling_rope_utils:
 linear, dynamic NTK, YaRN, Llama 3), so positions rotate identically and greedy tokens match.
 LongRoPE follows MiniCPM's published modeling code (see `longrope_factors`). Dynamic NTK is the one
-kind a table indexed by position alone can only follow in part: see `rotary_angles`.
+kind a table indexed by position alone can only follow in part: see `rotary_angles`. Every
+platform (CPU, CUDA's fused Triton kernel, the NPU's npu_rotary_mul) reads these tables at the
+step's positions; none derives angles from theta itself. Reading the config: rope_config.py.
 """
 from __future__ import annotations
 
@@ -12,60 +14,14 @@ import math
 import torch
 from torch import nn
 
-SCALINGS = ("linear", "dynamic", "yarn", "llama3", "longrope")
-
-
-def rope_parameters(config) -> tuple[float, dict | None]:
-    """(theta, scaling dict or None) from a transformers 4.x or 5.x config."""
-    params = getattr(config, "rope_parameters", None)
-    scaling = getattr(config, "rope_scaling", None)
-    theta = getattr(config, "rope_theta", None)
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", theta)
-        if params.get("rope_type", "default") != "default":
-            scaling = params
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return float(theta if theta is not None else 10000.0), scaling
-
-
-def scaling_kind(scaling: dict | None) -> str:
-    """"default" without scaling, else one of SCALINGS (ValueError naming them for any other)."""
-    if scaling is None:
-        return "default"
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind not in SCALINGS:
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SCALINGS)})")
-    return kind
-
-
-def context_length(max_positions: int, scaling: dict | None) -> int:
-    """The positions a scaled rotary reaches, as vLLM derives them: max_position_embeddings times
-    `factor` for linear and dynamic NTK, original_max_position_embeddings times `factor` for YaRN
-    (never fewer than max_position_embeddings); Llama 3 and LongRoPE configs state the extended length."""
-    kind = scaling_kind(scaling)
-    if kind in ("linear", "dynamic"):
-        return max(max_positions, int(max_positions * _factor(scaling)))
-    if kind == "yarn":
-        original = _original_max_positions(scaling, max_positions)
-        return max(max_positions, int(original * _yarn_factor(scaling, max_positions)))
-    return max_positions
-
-
-def check_max_model_len(config, max_model_len: int | None) -> None:
-    """ValueError when --max-model-len asks for positions the model's rotary does not reach."""
-    text = getattr(config, "text_config", None) or config      # a vision-language model: its decoder's
-    _, scaling = rope_parameters(text)
-    max_positions = getattr(text, "max_position_embeddings", None)
-    if max_model_len is None or max_positions is None:
-        return
-    reach = context_length(max_positions, scaling)
-    if max_model_len > reach:
-        how = (f"rope_scaling {scaling_kind(scaling)} extends max_position_embeddings {max_positions} to {reach}"
-               if reach > max_positions else
-               f"max_position_embeddings is {max_positions}; a checkpoint reaches further with a rope_scaling "
-               f"({', '.join(SCALINGS[:3])}) in its config.json")
-        raise ValueError(f"max_model_len {max_model_len} is past the model's context: {how}")
+from baton.models.layers.rope_config import (
+    check_scaling,
+    context_length,
+    original_max_positions,
+    scaling_factor,
+    scaling_kind,
+    yarn_factor,
+)
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None,
@@ -78,7 +34,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None,
         return yarn_frequencies(head_dim, theta, scaling, max_positions)
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if kind == "linear":
-        return inv / _factor(scaling)
+        return inv / scaling_factor(scaling)
     if kind == "longrope":
         return inv / longrope_factors(head_dim, scaling, max_positions)
     if kind == "llama3":
@@ -104,9 +60,9 @@ def yarn_frequencies(head_dim: int, theta: float, scaling: dict, max_positions: 
     """YaRN ("NTK-by-parts"): dimensions that turn more than beta_fast times over the original context
     keep their frequency, those turning fewer than beta_slow times are divided by `factor`, and a
     linear ramp blends the dimensions between. The same float32 steps as transformers, in its order."""
-    original = _original_max_positions(scaling, max_positions)
+    original = original_max_positions(scaling, max_positions)
     powers = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    kept, interpolated = 1.0 / powers, 1.0 / (_yarn_factor(scaling, max_positions) * powers)
+    kept, interpolated = 1.0 / powers, 1.0 / (yarn_factor(scaling, max_positions) * powers)
     low, high = _yarn_ramp_ends(head_dim, theta, original, scaling)
     if low == high:
         high += 0.001
@@ -129,7 +85,7 @@ def yarn_attention_factor(scaling: dict, max_positions: int | None) -> float:
     the ratio of two such terms)."""
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-    factor = _yarn_factor(scaling, max_positions)
+    factor = yarn_factor(scaling, max_positions)
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if mscale and mscale_all_dim:
         return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
@@ -145,7 +101,7 @@ def dynamic_ntk_frequencies(head_dim: int, theta: float, scaling: dict, max_posi
     """[len(seq_lens), head_dim / 2]: dynamic NTK's frequencies for a sequence of each length. Past
     max_position_embeddings the base grows to theta (factor len / max - (factor - 1)) ^ (d / (d - 2));
     float32 throughout, as transformers computes it from the tensor of positions in a forward."""
-    factor = _factor(scaling)
+    factor = scaling_factor(scaling)
     seq_lens = seq_lens.to(torch.int64).clamp(min=max_positions)
     base = theta * (factor * seq_lens / max_positions - (factor - 1)) ** (head_dim / (head_dim - 2))
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -177,7 +133,7 @@ def longrope_factors(head_dim: int, scaling: dict, max_positions: int | None) ->
     """MiniCPM's LongRoPE divides each frequency by a per-dimension factor. Its published code
     builds one table for max_position_embeddings, so the choice is static: the long factors when
     that exceeds original_max_position_embeddings, else the short ones (MiniCPM4-0.5B: equal, short)."""
-    original = _original_max_positions(scaling)
+    original = original_max_positions(scaling)
     if max_positions is None:
         raise ValueError("longrope needs max_position_embeddings to pick its factors")
     key = "long_factor" if max_positions > original else "short_factor"
@@ -197,32 +153,8 @@ def rotary_magnitude(scaling: dict | None, max_positions: int) -> float:
         return yarn_attention_factor(scaling, max_positions)
     if kind != "longrope":
         return 1.0
-    original = _original_max_positions(scaling)
+    original = original_max_positions(scaling)
     return math.sqrt(1 + math.log(max_positions / original) / math.log(original))
-
-
-def _factor(scaling: dict) -> float:
-    factor = scaling.get("factor")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-        raise ValueError(f"rope_scaling {scaling_kind(scaling)} needs a positive factor, got {factor!r}")
-    return factor
-
-
-def _yarn_factor(scaling: dict, max_positions: int | None) -> float:
-    """`factor`; transformers takes max_position_embeddings / original_max_position_embeddings
-    where the config leaves it null."""
-    if scaling.get("factor") is None and max_positions is not None:
-        return max_positions / _original_max_positions(scaling, max_positions)
-    return _factor(scaling)
-
-
-def _original_max_positions(scaling: dict, default: int | None = None) -> int:
-    """original_max_position_embeddings (YaRN: max_position_embeddings where it is absent, as
-    transformers fills it in)."""
-    original = scaling.get("original_max_position_embeddings", default)
-    if isinstance(original, bool) or not isinstance(original, int) or original < 2:
-        raise ValueError(f"{scaling_kind(scaling)} needs original_max_position_embeddings >= 2, got {original!r}")
-    return original
 
 
 class RotaryEmbedding(nn.Module):
@@ -233,6 +165,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  length: int | None = None):
         super().__init__()
+        check_scaling(scaling, max_positions)
         length = max(length or 0, context_length(max_positions, scaling))
         freqs = rotary_angles(head_dim, max_positions, theta, scaling, length)
         emb = torch.cat((freqs, freqs), dim=-1)
