@@ -408,6 +408,7 @@ class RouterService:
             p.inflight_tokens += len(ids)
             prefill.add_done_callback(functools.partial(_unqueue, p, len(ids)))
             prefill.add_done_callback(lambda _: _mark(active, "prefill_done"))
+            prefill.add_done_callback(_retrieve)         # it may fail after the first token came: no warning
             first = asyncio.ensure_future(inbox.next())
             first.add_done_callback(_retrieve)           # abandoned on a failed attempt: no warning
             await self._await_first(first, prefill, p, loop.time() + handover)
