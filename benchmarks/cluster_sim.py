@@ -34,6 +34,9 @@ class Hardware:
     tp_speedup: float = 1.5            # a TP2 worker's steps against one device's (assumed, not profiled)
     kv_bandwidth: float = 100e9        # bytes/s of a prefill -> decode KV transfer
     kv_latency: float = 0.005          # seconds a transfer costs beyond its bytes
+    # seconds of a prefill worker's own time per request it hands off, beside its steps (the Prefill
+    # RPC, packing the KV, starting its send): what caps a prefill worker at short prompts
+    handoff_s: float = 0.0
 
     def worker_cost(self, tp: int) -> StepCost:
         return self.cost.with_tp(tp, self.tp_speedup)
@@ -144,7 +147,11 @@ class _Worker:
                 self.sim.at(now + self.sim.hw.transfer_s(req.prompt), req.decode.land, req)
             else:
                 self._first_token(req, now)
-        self._start(now)
+        handoffs = len(done) * self.sim.hw.handoff_s if self.hands_off else 0.0
+        if handoffs > 0:                             # the worker's host time before its next step
+            self.sim.at(now + handoffs, self._start)
+        else:
+            self._start(now)
 
     def _first_token(self, req: Req, now: float) -> None:
         req.first = now

@@ -37,6 +37,9 @@ DEFAULT_TP_SPEEDUP = 1.5           # TP2 against one device: assumed (one device
 # a prefill -> decode KV transfer: device-direct on accelerators (B3: hundreds of GB/s, a few ms of
 # control per transfer under load), gRPC bytes on the CPU
 KV_LINKS = {"accel": (100e9, 0.005), "cpu": (0.5e9, 0.005)}
+# a prefill worker's time per request beyond its steps: one H200 prefill worker of qwen3-8b fed
+# 80-token prompts held 208 req/s (two GPUs) and fell behind at 220 (four): ~4.5 ms a request
+HANDOFF_MS = 4.5
 LENGTH_SAMPLES = 400               # requests drawn to describe the workload to the queueing model
 
 
@@ -61,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bandwidth-gbs", type=float, default=None,
                    help="prefill -> decode KV bandwidth, GB/s (default 100 on accelerators, 0.5 on the CPU)")
     p.add_argument("--kv-latency-ms", type=float, default=5.0, help="a KV transfer's cost beyond its bytes")
+    p.add_argument("--handoff-ms", type=float, default=HANDOFF_MS,
+                   help="a prefill worker's own time per request it hands to decode, beside its steps (the "
+                        "Prefill call, packing and sending its KV; measured on H200s, not profiled here)")
     p.add_argument("--profile", default=None, help="profile cache (JSON): read when it matches the model, device "
                    "kind and engine settings, else measured and written there")
     p.add_argument("--reprofile", action="store_true", help="measure again even if --profile matches")
@@ -109,6 +115,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
                              f"{args.devices}")
     if args.tp_speedup <= 0:
         raise ValueError(f"--tp-speedup must be > 0, got {args.tp_speedup}")
+    if args.handoff_ms < 0:
+        raise ValueError(f"--handoff-ms must be >= 0, got {args.handoff_ms}")
     args.engine = engine_settings(args)
     return args
 
@@ -149,7 +157,7 @@ def hardware(profile: device_profile.Profile, args: argparse.Namespace) -> Hardw
     e = profile.engine
     return Hardware(profile.cost, e["max_num_batched_tokens"], e["max_num_seqs"], e["kv_capacity_tokens"],
                     profile.weight_bytes, profile.kv_bytes_per_token, args.tp_speedup, bandwidth,
-                    args.kv_latency_ms / 1e3)
+                    args.kv_latency_ms / 1e3, args.handoff_ms / 1e3)
 
 
 def predict_workload(job: dict) -> dict:
@@ -206,7 +214,8 @@ def predict(profile: device_profile.Profile, args: argparse.Namespace) -> dict:
 def _hardware_json(hw: Hardware) -> dict:
     return {"budget": hw.budget, "max_num_seqs": hw.max_num_seqs, "kv_capacity": hw.kv_capacity,
             "weight_bytes": hw.weight_bytes, "kv_bytes_per_token": hw.kv_bytes_per_token,
-            "tp_speedup": hw.tp_speedup, "kv_bandwidth": hw.kv_bandwidth, "kv_latency": hw.kv_latency}
+            "tp_speedup": hw.tp_speedup, "kv_bandwidth": hw.kv_bandwidth, "kv_latency": hw.kv_latency,
+            "handoff_s": hw.handoff_s}
 
 
 def _tables(done: list[dict], args: argparse.Namespace) -> dict:

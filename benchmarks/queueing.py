@@ -163,7 +163,7 @@ def _disaggregated(topology: Topology, hw: Hardware, work: Workload, slo: SLO, r
     p_cost, d_cost = hw.worker_cost(topology.tp("prefill")), hw.worker_cost(topology.tp("decode"))
     n_p, n_d = topology.count("prefill"), topology.count("decode")
     full = _full_step(hw, p_cost, work, 0, 0)
-    service = [p * full / hw.budget for p, _ in work.lengths]
+    service = [p * full / hw.budget + hw.handoff_s for p, _ in work.lengths]
     queue = _mgc(n_p, rate, service)
     decode = _decode_fixed_point(hw, d_cost, work, rate / n_d, hw.worker_kv(topology.tp("decode")))
     if queue is None or decode is None:

@@ -3,6 +3,8 @@ checked against queueing theory, the closed-form model checked against the simul
 `baton plan` end to end on the CPU (a tiny random-weight model: the embedded one takes ~30 s)."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import random
 import subprocess
@@ -85,7 +87,10 @@ def test_the_simulated_decode_batch_obeys_littles_law():
 CASES = [(H100ISH, SLO(1.0, 0.025), "prefill-heavy", ((1024, 2048), (8, 32)), ["3p1d", "2p2d", "4colocated", "1p2d-ptp2"]),
          (H100ISH, SLO(1.0, 0.025), "mixed", ((32, 4096), (8, 256)), ["2p2d", "3p1d", "2colocated-tp2", "4colocated"]),
          (H100ISH, SLO(1.0, 0.015), "mixed", ((32, 4096), (8, 256)), ["3p1d", "2colocated-tp2", "4colocated"]),
-         (H100ISH, SLO(1.0, 0.025), "decode-heavy", ((32, 128), (32, 96)), ["1p3d", "2p2d", "4colocated"])]
+         (H100ISH, SLO(1.0, 0.025), "decode-heavy", ((32, 128), (32, 96)), ["1p3d", "2p2d", "4colocated"]),
+         # a prefill worker's per-request hand-off, as measured on H200s: 1P3D's one prefill worker is its limit
+         (dataclasses.replace(H100ISH, handoff_s=0.0045), SLO(1.0, 0.015), "decode-heavy", ((32, 128), (64, 192)),
+          ["1p3d", "2p2d"])]
 
 
 @pytest.mark.parametrize("hw,slo,dataset,lengths,topologies", CASES)
@@ -103,6 +108,8 @@ def test_the_queueing_model_predicts_what_the_simulation_measures(hw, slo, datas
         assert r["converged"]
         assert model[name] == pytest.approx(sim[name], rel=0.25), (name, model[name], sim[name])
     assert sim[max(model, key=model.get)] >= 0.9 * max(sim.values())
+    if hw.handoff_s:                      # requests, not tokens, cap the prefill workers
+        assert model["1p3d"] < 1 / hw.handoff_s and sim["1p3d"] < 1 / hw.handoff_s
 
 
 def test_the_plan_ranks_topologies_and_names_the_pick_per_workload_and_slo(tmp_path):
