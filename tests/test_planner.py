@@ -4,7 +4,6 @@ checked against queueing theory, the closed-form model checked against the simul
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import random
 import subprocess
