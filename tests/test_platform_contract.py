@@ -350,3 +350,16 @@ def test_emulation_refuses_documented_misuse():
     graph = npu.npu.NPUGraph()
     with pytest.raises(NpuEmulationError, match="tolist"), npu.npu.graph(graph):
         torch.arange(3).tolist()
+
+
+def test_the_cpus_free_memory_counts_the_page_cache_the_kernel_gives_back():
+    """The CPU's default KV cache is sized from free memory: MemAvailable (page cache included), not
+    MemFree, or a long run's file I/O shrinks the cache and with it the context a worker serves."""
+    import os
+
+    from baton.engine.platforms.cpu import CpuPlatform
+    free, total = CpuPlatform().memory_info()
+    mem_free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    assert free >= mem_free and abs(free - available) < 256 << 20 and free <= total
