@@ -358,7 +358,7 @@ def test_the_cpus_free_memory_counts_the_page_cache_the_kernel_gives_back():
     import os
 
     from baton.engine.platforms.cpu import CpuPlatform
-    free, total = CpuPlatform().memory_info()
+    free, total = CpuPlatform("cpu").memory_info()
     mem_free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
