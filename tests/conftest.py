@@ -80,3 +80,16 @@ def pd_cluster(tmp_path_factory):
     c.metrics_urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="session")
+def colocated_cluster(tmp_path_factory):
+    """One router + one colocated worker, the OpenAI API on, chats rendered with the Hermes / Qwen3-style
+    tools template: the tools tests' stack, which the logprobs tests reuse for their colocated
+    comparison (token-id requests: the template does not touch them)."""
+    from cluster import Cluster
+    c = Cluster.launch(tmp_path_factory.mktemp("colocated-logs"), prefill=0, decode=0, colocated=1, http=True,
+                       worker_args=["--num-kv-blocks", "128", "--max-num-seqs", "8"],
+                       router_args=["--chat-template", "hermes_tools", "--reasoning-parser", "qwen3"])
+    yield c
+    c.stop()
