@@ -53,8 +53,9 @@ test: fresh-check $(TEST_STAMP) $(COMPOSE_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -x -rs --durations=15
 
-# The inner loop (~2 min on 2 cores: 528 tests): every test but the modules that start served stacks or run long
-# parity checks (tests/conftest.py: SLOW_MODULES). Not a substitute for make test.
+# The inner loop (745 tests, ~2.5 min of CI's 2-core durations): every test but the modules that start served
+# stacks or run long parity checks (tests/conftest.py: SLOW_MODULES), the tests that use a shared stack and
+# the ones marked slow. Not a substitute for make test.
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -x -m "not slow" --durations=5
 

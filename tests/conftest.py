@@ -14,7 +14,9 @@ os.environ.setdefault("BATON_HTTP_PORT", "0")
 
 # The modules that start served stacks or run long parity checks: 12 s or more each on a 2-core
 # machine, together ~90 % of the suite's time (measured 2026-11-28 with --junitxml). `make
-# test-fast` (pytest -m "not slow") leaves them out: the inner loop, ~2 minutes; CI runs all.
+# test-fast` (pytest -m "not slow") leaves them out, and every test elsewhere that needs a shared
+# served stack (SHARED_STACKS) or is marked slow itself: the inner loop, ~2.5 minutes of CI's
+# durations (2026-11-28); CI runs all.
 SLOW_MODULES = frozenset({
     "test_async_scheduling", "test_benchmarks", "test_chaos", "test_choices", "test_cli", "test_compose",
     "test_contract", "test_dashboard", "test_engine", "test_first_hour", "test_goodput", "test_hub_models",
@@ -25,10 +27,15 @@ SLOW_MODULES = frozenset({
 })
 
 
+SHARED_STACKS = frozenset({"pd_cluster", "colocated_cluster"})
+
+
 def pytest_collection_modifyitems(config, items):
     slow = pytest.mark.slow
     for item in items:
         if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(slow)
+        elif SHARED_STACKS.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(slow)
 
 
@@ -78,5 +85,18 @@ def pd_cluster(tmp_path_factory):
                        extra={"prefill-0": ["--max-num-batched-tokens", "16", "--metrics-port", str(ports["prefill-0"])],
                               "decode-0": ["--metrics-port", str(ports["decode-0"])]})
     c.metrics_urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
+def colocated_cluster(tmp_path_factory):
+    """One router + one colocated worker, the OpenAI API on, chats rendered with the Hermes / Qwen3-style
+    tools template: the tools tests' stack, which the logprobs tests reuse for their colocated
+    comparison (token-id requests: the template does not touch them)."""
+    from cluster import Cluster
+    c = Cluster.launch(tmp_path_factory.mktemp("colocated-logs"), prefill=0, decode=0, colocated=1, http=True,
+                       worker_args=["--num-kv-blocks", "128", "--max-num-seqs", "8"],
+                       router_args=["--chat-template", "hermes_tools", "--reasoning-parser", "qwen3"])
     yield c
     c.stop()

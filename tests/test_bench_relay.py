@@ -43,6 +43,7 @@ def test_synthetic_core_gives_every_request_one_token_per_step_until_max_tokens(
     assert core.stats().running == 0 and core.blocks_used == 0
 
 
+@pytest.mark.slow
 def test_relay_smoke_relays_every_token_of_every_stream(tmp_path):
     out = tmp_path / "relay.json"
     r = subprocess.run([sys.executable, "-m", "baton", "bench", "relay", "--smoke", "--output", str(out)],

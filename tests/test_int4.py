@@ -323,6 +323,7 @@ def test_triton_w4a16_kernels_match_the_reference_in_the_interpreter(checkpoints
         assert run.returncode == 0 and "w4a16 kernels ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_the_int4_decode_benchmark_runs_on_the_cpu(tmp_path):
     """benchmarks/int4_decode.py end to end on a tiny config of qwen3-8b (the GPU run's arguments and imports)."""
     from baton.benchmarks import int4_decode

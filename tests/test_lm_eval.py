@@ -30,7 +30,9 @@ def evaluate(model, task: str, **kw) -> tuple[dict, list]:
     """The task's scores, and each document's raw answers (log-likelihoods, or generated text)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-    out = simple_evaluate(model=model, tasks=[task], task_manager=TaskManager(include_path=str(TASKS)),
+    # only our tasks: indexing lm-eval's thousands of built-in task files takes ~15 s a call
+    tasks = TaskManager(include_path=str(TASKS), include_defaults=False)
+    out = simple_evaluate(model=model, tasks=[task], task_manager=tasks,
                           random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
                           log_samples=True, **kw)
     answers = [s["resps"] for s in sorted(out["samples"][task], key=lambda s: s["doc_id"])]

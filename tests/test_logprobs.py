@@ -152,30 +152,26 @@ def test_chat_logprobs_and_top_logprobs_whole_and_streamed(client, embedded_llm,
     assert err.value.body["param"] == "top_logprobs"
 
 
-def test_a_colocated_worker_serves_the_same_logprobs_and_penalties(tmp_path_factory, embedded_llm, stub):
-    """One worker doing both roles: no hand-off, the same values as the disaggregated stack's."""
-    from cluster import Cluster
-    c = Cluster.launch(tmp_path_factory.mktemp("colocated-logs"), prefill=0, decode=0, colocated=1,
-                       worker_args=["--num-kv-blocks", "64"])
-    try:
-        colocated = router_pb2_grpc.RouterStub(grpc.insecure_channel(c.router.address))
-        ids = encode_text(embedded_llm.tokenizer, PROMPT)
-        request = router_pb2.GenerateRequest(tokens=router_pb2.TokenIds(ids=ids), sampling=router_pb2.SamplingParams(
-            temperature=0.7, seed=9, max_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=0,
-            presence_penalty=1.0, min_p=0.05))
+def test_a_colocated_worker_serves_the_same_logprobs_and_penalties(colocated_cluster, embedded_llm, stub):
+    """One worker doing both roles (the session's colocated stack): no hand-off, the same values as the
+    disaggregated stack's."""
+    c = colocated_cluster
+    colocated = router_pb2_grpc.RouterStub(grpc.insecure_channel(c.router.address))
+    ids = encode_text(embedded_llm.tokenizer, PROMPT)
+    request = router_pb2.GenerateRequest(tokens=router_pb2.TokenIds(ids=ids), sampling=router_pb2.SamplingParams(
+        temperature=0.7, seed=9, max_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=0,
+        presence_penalty=1.0, min_p=0.05))
 
-        def answer(router) -> tuple[list[int], list[float], list[float]]:
-            tokens, logprobs, prompt = [], [], []
-            for r in router.Generate(request, timeout=60):
-                tokens += r.token_ids
-                logprobs += [e.logprob for e in r.logprobs]
-                prompt += [e.logprob for e in r.prompt_logprobs]
-            return tokens, logprobs, prompt
-        here, there = answer(colocated), answer(stub)
-        assert here[0] == there[0] and len(here[2]) == len(ids) - 1
-        assert here[1] == pytest.approx(there[1], abs=TOL) and here[2] == pytest.approx(there[2], abs=TOL)
-        offline = embedded_llm.generate([ids], SamplingParams(temperature=0.7, seed=9, max_tokens=6, ignore_eos=True,
-                                                              presence_penalty=1.0, min_p=0.05))[0]
-        assert offline.token_ids == here[0]
-    finally:
-        c.stop()
+    def answer(router) -> tuple[list[int], list[float], list[float]]:
+        tokens, logprobs, prompt = [], [], []
+        for r in router.Generate(request, timeout=60):
+            tokens += r.token_ids
+            logprobs += [e.logprob for e in r.logprobs]
+            prompt += [e.logprob for e in r.prompt_logprobs]
+        return tokens, logprobs, prompt
+    here, there = answer(colocated), answer(stub)
+    assert here[0] == there[0] and len(here[2]) == len(ids) - 1
+    assert here[1] == pytest.approx(there[1], abs=TOL) and here[2] == pytest.approx(there[2], abs=TOL)
+    offline = embedded_llm.generate([ids], SamplingParams(temperature=0.7, seed=9, max_tokens=6, ignore_eos=True,
+                                                          presence_penalty=1.0, min_p=0.05))[0]
+    assert offline.token_ids == here[0]

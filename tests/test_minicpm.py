@@ -115,6 +115,7 @@ def test_minicpm_cuda_decode_graphs_give_the_eager_tokens(minicpm):
     assert [o.token_ids for o in graphs.generate(prompts, _greedy())] == want
 
 
+@pytest.mark.slow
 def test_minicpm_served_by_one_prefill_and_one_decode_worker_matches_llama_cpp(minicpm, tmp_path):
     from cluster import Cluster
     from test_services import collect

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from cluster import Cluster
 from helpers import hf_greedy, save_tiny_checkpoint
@@ -13,6 +14,7 @@ from test_services import collect
 from baton.v1 import router_pb2
 
 
+@pytest.mark.slow
 def test_moe_model_served_by_one_prefill_and_one_decode_worker_matches_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -15,7 +15,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from cluster import Cluster
 
 from baton import __version__
 from baton.router import chat_templates
@@ -31,12 +30,9 @@ GREEDY = dict(model=MODEL, temperature=0, max_tokens=40)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    c = Cluster.launch(tmp_path_factory.mktemp("tools-logs"), prefill=0, decode=0, colocated=1, http=True,
-                       worker_args=["--num-kv-blocks", "128", "--max-num-seqs", "8"],
-                       router_args=["--chat-template", "hermes_tools", "--reasoning-parser", "qwen3"])
-    yield c
-    c.stop()
+def stack(colocated_cluster):
+    """The session's colocated stack (tests/conftest.py): hermes_tools template, qwen3 reasoning parser."""
+    return colocated_cluster
 
 
 @pytest.fixture(scope="module")
