@@ -78,10 +78,13 @@ def all_back(engine: LLMEngine) -> bool:
 
 def test_turn_two_reuses_turn_ones_blocks_answer_included_token_for_token(pd):
     p, d = pd
+    d.block_manager.take_kv_events()                               # (the record starts)
     first, t1, _ = pd_turn(p, d, "t1", TURN1, ANSWER, reuse=True)
     assert t1.skip_blocks == 0                                     # a cold cache: everything is sent
     turn2 = TURN1 + first + list(range(700, 720))                  # 70 tokens, 5 blocks
     cached = [d.block_manager.cached[h] for h in _hashes(turn2[:3 * BS])]
+    stored = {h for was_stored, h in d.block_manager.take_kv_events()[0] if was_stored}
+    assert set(_hashes(turn2[:3 * BS])) <= stored                  # KV events a router's prefix index follows
     reused, t2, pieces = pd_turn(p, d, "t2", turn2, 8, reuse=True)
     assert t2.skip_blocks == 3 and not set(t2.block_ids) & set(cached) and len(t2.block_ids) == 2
     assert pieces[0].first_block == 0 and sum(x.num_blocks for x in pieces) == 2     # the checksum held: it joined
