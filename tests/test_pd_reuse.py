@@ -16,7 +16,7 @@ from test_kv_handoff import PROMPT, Hook, collect, core, idle, payload_for, work
 
 from baton.engine import LLMEngine, SamplingParams
 from baton.engine.config import EngineConfig
-from baton.engine.kv_handoff import KVState
+from baton.engine.kv_handoff import InPlace, KVState
 from baton.engine.kv_proof import seal
 from baton.engine.runner.kv_blocks import Pieces
 from baton.engine.scheduling.block_manager import KVCacheFull
@@ -124,6 +124,25 @@ def test_every_end_of_a_request_sharing_cached_blocks_gives_each_block_back_once
     assert d.block_manager.num_free_blocks == free and d.sequence("big") is None
     assert all(d.block_manager.blocks[x].ref_count == 1 for x in shared)
     assert d.release_held("late") == 4 and d.release_held("late") == 0
+    assert all_back(p) and all_back(d)
+
+
+def test_kv_written_in_place_after_the_reused_blocks_proves_itself_and_decodes_alike(pd):
+    """nixl's way: the sender writes the blocks the decode side lacks straight into `block_ids`; the
+    checksum of those blocks is the one the prefill side computed over the pieces it sent."""
+    p, d = pd
+    prompt = list(range(1500, 1550))
+    pd_turn(p, d, "warm", prompt, 1, reuse=True)
+    longer = prompt + list(range(1600, 1630))                      # 80 tokens: 3 blocks reused, 2 written
+    ticket = d.reserve("w", longer, greedy(6), reuse_prefix=True)
+    pieces = prefill(p, "w", longer, ticket.skip_blocks)
+    d.runner.write_kv(list(ticket.block_ids), Pieces(tuple((x.first_block, x.num_blocks, x.data) for x in pieces)))
+    ticket.epoch = "e"
+    last = seal(pieces[-1], "e")
+    d.handoff.land(ticket, InPlace(ticket.block_ids, 0), last.first_token, last.meta)
+    in_place = run(d, "w")
+    assert ticket.skip_blocks == 3 and ticket.state is KVState.FINISHED
+    assert in_place == pd_turn(p, d, "plain", longer, 6, reuse=False)[0]
     assert all_back(p) and all_back(d)
 
 
