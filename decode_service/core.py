@@ -123,25 +123,30 @@ class DecodeCore(PushingCore):
 
     # -- commands ------------------------------------------------------------------------------
     async def cmd_admit(self, rid: str, prompt: list[int], params: SamplingParams, backend: str,
-                        timeout: float) -> dict:
-        """Reserve the request's blocks and expect its KV within `timeout` seconds."""
+                        timeout: float, reuse_prefix: bool = False) -> dict:
+        """Reserve the request's blocks and expect its KV within `timeout` seconds. `reuse_prefix`:
+        its prefill worker can skip blocks, so the prompt's prefix cached here is pinned and not
+        sent again (--decode-prefix-reuse); the transfer holds the blocks after `skip_blocks`."""
         if rid in self.reservations or rid in self.llm.states:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already admitted here")
-        ticket = await self.engine.call(lambda e: e.reserve(rid, prompt, params))
+        reuse = reuse_prefix and self.cfg.decode_prefix_reuse
+        ticket = await self.engine.call(lambda e: e.reserve(rid, prompt, params, reuse_prefix=reuse))
         r = Reservation(uuid.uuid4().hex, ticket)
         ticket.epoch = r.transfer_id             # what the landed KV must prove it was sent for (engine/kv_proof.py)
         self.reservations[rid] = r
         self.by_transfer[r.transfer_id] = rid
-        num_blocks = -(-len(prompt) // self.llm.config.block_size)
+        num_blocks = len(ticket.block_ids)
         try:
             self.pending.expect(r.transfer_id, self.layout.payload_nbytes(num_blocks), timeout,
                                 self._on_kv_complete, self._on_kv_fail, self._on_kv_claimed,
-                                pages=ticket.block_ids[:num_blocks], on_release=self.engine.release_held)
+                                pages=ticket.block_ids, on_release=self.engine.release_held)
         except BaseException:
             await self.cmd_abort(rid)
             raise
+        if ticket.skip_blocks:
+            self.metrics.add("pd_reused_tokens", ticket.skip_blocks * self.llm.config.block_size)
         return {"transfer_id": r.transfer_id, "num_blocks": num_blocks, "kv_address": self.kv_address,
-                "backend": backend}
+                "backend": backend, "skip_blocks": ticket.skip_blocks}
 
     async def cmd_add(self, rid: str, prompt: list[int], params: SamplingParams, images: list[ImageInput]) -> None:
         """Colocated: the whole request here, no transfer."""

@@ -123,7 +123,8 @@ class DecodeWorker(PrefillFront, EngineWorker):
         limit = (req.stream_timeout_ms / 1000 or None) if bus else timeout
         stream = self._open(rid, prompt, params, limit, tracing.start("decode", metadata, attributes={"baton.request_id": rid}))
         try:
-            admitted = await self.core.call(Command.ADMIT, rid, prompt, _for_core(params), backend, timeout)
+            admitted = await self.core.call(Command.ADMIT, rid, prompt, _for_core(params), backend, timeout,
+                                            req.reuse_prefix)
         except BaseException as exc:
             self._forget(stream, exc)
             if isinstance(exc, asyncio.CancelledError):     # the caller left: the core may have reserved

@@ -45,14 +45,17 @@ class AsyncEngine:
 
     # -- the services' calls (event loop) ------------------------------------------------------
     async def add(self, request_id: str, prompt: list[int], params: SamplingParams,
-                  hand_off_kv: bool = False, images: Sequence[ImageInput] = ()) -> tuple[asyncio.Queue, KVTicket | None]:
+                  hand_off_kv: bool = False, images: Sequence[ImageInput] = (),
+                  skip_blocks: int = 0) -> tuple[asyncio.Queue, KVTicket | None]:
         """Queue a request; its outputs arrive on the returned queue (close_stream when done).
-        With `hand_off_kv`, also its KV ticket (its prompt's KV goes to the engine's handoff).
-        `images`: a vision-language prompt's images, its placeholders already expanded."""
+        With `hand_off_kv`, also its KV ticket (its prompt's KV goes to the engine's handoff, but
+        for the first `skip_blocks` blocks). `images`: a vision-language prompt's images, its
+        placeholders already expanded."""
         queue = self.open_stream(request_id)
 
         def add(engine: LLMEngine) -> KVTicket | None:
-            engine.add_request(prompt, params, request_id=request_id, hand_off_kv=hand_off_kv, images=images)
+            engine.add_request(prompt, params, request_id=request_id, hand_off_kv=hand_off_kv, images=images,
+                               skip_blocks=skip_blocks)
             return engine.kv_ticket(request_id)
         try:
             ticket = await self.call(add)

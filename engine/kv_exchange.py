@@ -80,6 +80,18 @@ class KVExchange:
                       r.model.num_kv_heads, r.model.head_dim, r.kv_scales_checksum)
 
     # -- prefill side -----------------------------------------------------------------------
+    def prefill_ticket(self, seq: Sequence, skip_blocks: int = 0) -> KVTicket:
+        """The ticket of a handed-off request whose first `skip_blocks` prompt blocks the decode side
+        has already (its own prefix cache): its pieces start after them (ValueError: more than the
+        full blocks a prefix cache could serve, which always leaves the last token's block to send)."""
+        most = (seq.num_prompt_tokens - 1) // self.block_manager.block_size
+        if not 0 <= skip_blocks <= most:
+            raise ValueError(f"skip_blocks must be in [0, {most}] for a prompt of {seq.num_prompt_tokens} tokens, "
+                             f"got {skip_blocks}")
+        ticket = KVTicket(seq.request_id, "prefill")
+        ticket.skip_blocks = seq.num_blocks_handed_off = skip_blocks
+        return ticket
+
     def hand_off(self, out: SchedulerOutput, sampled: list[int | None]) -> dict[str, str]:
         """Pack the prompt blocks this step made final, for every handed-off request: the full
         ones its prefill has covered, and the last, partial one once the prompt is done, with
@@ -106,7 +118,8 @@ class KVExchange:
 
     def _hand_off_piece(self, seq: Sequence, ticket: KVTicket, first: int, final: int, token: int | None) -> None:
         data, ready = self.runner.pack_kv(seq.block_table[first:final])
-        ticket.proof = self.runner.prove_kv(data, first, final - first, ticket.proof)     # (kv_proof.py)
+        n, first = final - first, first - ticket.skip_blocks    # numbered within the transfer, as it lands
+        ticket.proof = self.runner.prove_kv(data, first, n, ticket.proof)     # (kv_proof.py)
         meta = {}
         if token is not None:
             meta = {"prefill_done_unix": repr(time.time()), "cached_tokens": str(seq.num_cached_tokens)}
@@ -115,23 +128,36 @@ class KVExchange:
             meta.update(_logprobs_meta(seq))
             if seq.spec_hidden is not None:       # a draft head's last state: the decode side drafts from it
                 meta[HEAD_STATE_META] = self.runner.drafts.encode_state(seq.spec_hidden)
-        self.handoff.on_prompt_kv(KVPiece(seq.request_id, first, final - first, data, ready, token, meta,
-                                          ticket.proof))
+        self.handoff.on_prompt_kv(KVPiece(seq.request_id, first, n, data, ready, token, meta, ticket.proof))
         state = KVState.PREFILLED if token is not None else KVState.PREFILLING
         if ticket.state is not state:           # (pieces after the first leave it PREFILLING)
             ticket.advance(state)
 
     # -- decode side ------------------------------------------------------------------------
-    def reserve(self, seq: Sequence) -> KVTicket:
+    def reserve(self, seq: Sequence, reuse_prefix: bool = False) -> KVTicket:
         """Blocks for `seq`, whose prompt KV another worker computes (KVCacheFull if they are not
-        free), and its ticket; it awaits the KV until `join_landed`."""
-        # fresh blocks only (no prefix match): a backend may write the KV straight into them, so
-        # none may be shared with another sequence until the join
-        self.block_manager.allocate(seq, seq.num_prompt_tokens)
+        free: nothing is then held), and its ticket; it awaits the KV until `join_landed`. With
+        `reuse_prefix`, the prompt's leading full blocks this engine's prefix cache holds are pinned
+        (ticket.skip_blocks: the prefill side sends none of them) and only the rest are reserved."""
+        skip = self._match_own_prefix(seq) if reuse_prefix else 0
+        try:    # the rest fresh: a backend may write the KV straight into them, so none is shared until the join
+            self.block_manager.allocate(seq, seq.num_prompt_tokens)
+        except BaseException:
+            self.block_manager.free_sequence(seq)       # the pinned prefix goes back: a refusal holds nothing
+            raise
         seq.status = SequenceStatus.AWAITING_KV
         seq.kv_ticket = KVTicket(seq.request_id, "decode")
-        seq.kv_ticket.block_ids = tuple(seq.block_table)
+        seq.kv_ticket.skip_blocks = skip
+        seq.kv_ticket.block_ids = tuple(seq.block_table[skip:])
         return seq.kv_ticket
+
+    def _match_own_prefix(self, seq: Sequence) -> int:
+        """Pin the prompt's cached leading blocks (BlockManager.match_prefix); how many. A prompt with
+        images matches only up to its first image: their pads alone do not say which image it was."""
+        if self.placeholders is not None:
+            seq.mm = MultimodalPrompt.remote(seq.token_ids, self.placeholders.image_token_id, 0)
+        self.block_manager.match_prefix(seq)
+        return len(seq.block_table)
 
     # -- a running stream moving on, with its KV (a role switch) ---------------------------------
     def export(self, seq: Sequence) -> tuple[KVPiece, list[int]] | str:
@@ -223,13 +249,14 @@ class KVExchange:
         """Check the payload's claims and write it into the blocks; its checksum (a Proof, queued on
         the device), or None when none is to be checked."""
         payload, in_place = ticket.payload, isinstance(ticket.payload, InPlace)
-        if in_place and tuple(payload.block_ids) != tuple(seq.block_table):
+        blocks = seq.block_table[ticket.skip_blocks:]       # (those before: this engine's own prefix cache)
+        if in_place and tuple(payload.block_ids) != tuple(blocks):
             raise KVRefused("stale", f"the KV was written into blocks {list(payload.block_ids)[:8]}..., "
-                            f"not the request's {seq.block_table[:8]}...")
+                            f"not the request's {blocks[:8]}...")
         nbytes = None if in_place else getattr(payload, "nbytes", None) or len(payload)
-        prove = check_claims(ticket, nbytes, self.runner.block_bytes() * len(seq.block_table)) and self.checksum
+        prove = check_claims(ticket, nbytes, self.runner.block_bytes() * len(blocks)) and self.checksum
         try:
-            return self.runner.land_kv(seq.block_table, payload, prove)
+            return self.runner.land_kv(blocks, payload, prove)
         except ValueError as exc:                     # pieces out of order, short of the blocks
             raise KVRefused("partial", str(exc)) from exc
 

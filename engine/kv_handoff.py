@@ -19,8 +19,11 @@ KV, so that each block is freed exactly once whatever ends the request, and when
 On the prefill side the engine's sequence owns the blocks; they are freed (and stay in the
 prefix cache) when the sequence finishes or is aborted. Nothing is held past the step that
 made a block final: each `KVPiece` is a packed copy, ordered on the device after that step.
-On the decode side the sequence owns its blocks from `reserve` on (fresh blocks, never
-shared through the prefix cache, listed in the ticket's `block_ids`). A staging transfer
+On the decode side the sequence owns its blocks from `reserve` on: fresh blocks, never shared
+through the prefix cache until the join, listed in the ticket's `block_ids`; and, where the
+decode engine reuses its own prefix cache (`reserve(..., reuse_prefix=True)`), the cached blocks
+of the prompt's first `skip_blocks` blocks before them, pinned like any prefix hit, whose KV the
+prefill side then does not send (its pieces number the blocks from the first one sent). A staging transfer
 writes only into its own buffer, and the engine copies a landed payload into the blocks when
 it joins the request, so an abort in any state frees the blocks at once and a late payload is
 simply dropped. A backend that writes straight into the blocks (nixl) lands an `InPlace`
@@ -79,7 +82,7 @@ class KVTicket:
     and the engine thread (join, finish, abort), so every move takes its lock."""
 
     __slots__ = ("request_id", "side", "state", "history", "payload", "first_token", "meta", "joined_at",
-                 "block_ids", "epoch", "proof", "refused", "_lock", "_transitions")
+                 "block_ids", "epoch", "proof", "refused", "skip_blocks", "_lock", "_transitions")
 
     def __init__(self, request_id: str, side: str):
         if side not in ("prefill", "decode"):
@@ -94,7 +97,8 @@ class KVTicket:
         self.first_token: int | None = None
         self.meta: dict[str, str] = {}
         self.joined_at: float | None = None     # decode side: time.time() of the join
-        self.block_ids: tuple[int, ...] = ()    # decode side: the blocks `reserve` gave it, in order
+        self.block_ids: tuple[int, ...] = ()    # decode side: the blocks its KV is written into, in order
+        self.skip_blocks = 0                    # the prompt's leading blocks the decode side has already (not sent)
         self.epoch: str | None = None           # decode side: what the landed KV must prove it is for (kv_proof.py)
         self.proof: object | None = None        # prefill side: the running checksum of the pieces packed so far
         self.refused: str | None = None         # decode side: why its landed KV was refused (kv_proof.REASONS)
@@ -157,7 +161,8 @@ class InPlace:
 
 @dataclass(frozen=True, slots=True)
 class KVPiece:
-    """Prompt blocks [first_block, first_block + num_blocks) of one request, packed
+    """Blocks [first_block, first_block + num_blocks) of one request's transfer (prompt blocks
+    from the ticket's `skip_blocks` on: those before it are never sent), packed
     contiguously (engine.kv_blocks layout, uint8) on the engine's device. `data` is final once
     the device event `ready` has passed (None: already final, e.g. on the CPU). The last piece
     carries the first sampled token and `meta` (when the prompt's last forward ended, how many

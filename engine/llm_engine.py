@@ -2,12 +2,10 @@
 
 One instance per process; the services drive it from a dedicated thread, the offline `LLM`
 drives it in a loop. All user input is validated here, before anything is queued, so a bad
-request never changes engine state. Disaggregated serving goes through one seam,
-`KVHandoff` (engine/kv_handoff.py), which the engine's `KVExchange` (engine/kv_exchange.py)
-drives: a prefill engine hands each handed-off request's prompt KV to it as pieces; a decode
-engine reserves blocks for a request whose KV comes from elsewhere and joins it once the hook
-says it landed.
-"""
+request never changes engine state. Disaggregated serving goes through one seam, `KVHandoff`
+(engine/kv_handoff.py), driven by the engine's `KVExchange` (engine/kv_exchange.py): a prefill
+engine hands a request's prompt KV to it as pieces; a decode engine reserves blocks for a request
+whose KV comes from elsewhere and joins it once the hook says it landed."""
 from __future__ import annotations
 
 import gc
@@ -120,10 +118,11 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, hand_off_kv: bool = False,
-                    images: Seq[ImageInput] = ()) -> str:
+                    images: Seq[ImageInput] = (), skip_blocks: int = 0) -> str:
         """Queue a request. With `hand_off_kv` (prefill side) its prompt's KV goes to the
         handoff hook as pieces, each right after the step that made its blocks final; the last
-        piece carries the token that step sampled. Its ticket: `kv_ticket(request_id)`.
+        piece carries the token that step sampled; the first `skip_blocks` blocks (the decode side
+        has them) go in none. Its ticket: `kv_ticket(request_id)`.
         `images`: a vision-language model's images, in order; the prompt holds each one's
         placeholders already expanded (ImagePlaceholders.expand)."""
         params = params or SamplingParams()
@@ -134,7 +133,7 @@ class LLMEngine:
         seq = self._new_sequence(request_id, token_ids, params)
         seq.mm = mm
         if hand_off_kv:
-            seq.kv_ticket = KVTicket(request_id, "prefill")
+            seq.kv_ticket = self.kv.prefill_ticket(seq, skip_blocks)
         self.scheduler.add(seq)
         self.states[request_id] = RequestState(seq, self._detokenizer_for(params))
         return request_id
@@ -146,13 +145,14 @@ class LLMEngine:
     def _multimodal(self, token_ids: list[int], images: list[ImageInput]) -> MultimodalPrompt | None:
         return MultimodalPrompt.of(token_ids, images, self.placeholders, self.source.name)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> KVTicket:
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                reuse_prefix: bool = False) -> KVTicket:
         """Decode side: blocks for a request whose prompt KV another worker computes (KVCacheFull
-        if they are not free). It joins the running batch once the hook reports its KV landed;
-        `abort` frees the blocks in any state before that."""
+        if they are not free), its cached prefix reused if `reuse_prefix` (KVExchange.reserve). It joins
+        the running batch once the hook reports its KV landed; `abort` frees the blocks in any state before."""
         self.validate(prompt_token_ids, params)
         seq = self._new_sequence(request_id, prompt_token_ids, params)
-        ticket = self.kv.reserve(seq)
+        ticket = self.kv.reserve(seq, reuse_prefix)
         self.states[request_id] = RequestState(seq, self._detokenizer_for(params))
         return ticket
 

@@ -394,7 +394,8 @@ class RouterService:
             try:
                 admit = await d.decode_stub.Admit(decode_pb2.AdmitRequest(
                     request_id=rid, prompt_token_ids=ids, sampling=sampling, backend=kv_backend(p, d),
-                    timeout_ms=_ms(handover), subscriber=SUBSCRIBER, stream_timeout_ms=_ms(deadline - loop.time())),
+                    timeout_ms=_ms(handover), subscriber=SUBSCRIBER, stream_timeout_ms=_ms(deadline - loop.time()),
+                    reuse_prefix=p.status.kv_skip_blocks),     # (a prefill that predates skip_blocks sends all)
                     timeout=handover, **tracing.carry(active.span))
             except grpc.aio.AioRpcError as exc:
                 raise _failed(exc, d, "admit") from exc
@@ -404,7 +405,8 @@ class RouterService:
                 request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(handover),
                 images=active.images, handoff=prefill_pb2.Handoff(
                     decode_address=admit.kv_address or d.address, transfer_id=admit.transfer_id,
-                    backend=admit.backend)), timeout=handover, **tracing.carry(active.span)))
+                    backend=admit.backend, skip_blocks=admit.skip_blocks)), timeout=handover,
+                **tracing.carry(active.span)))
             p.inflight_tokens += len(ids)
             prefill.add_done_callback(functools.partial(_unqueue, p, len(ids)))
             prefill.add_done_callback(lambda _: _mark(active, "prefill_done"))

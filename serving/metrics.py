@@ -87,6 +87,10 @@ class Metrics:
                                             "token came of it (engine/kv_proof.py): stale (sent for another "
                                             "reservation), partial (wrong size), corrupt (checksum mismatch), "
                                             "unproven (no epoch and checksum came)", ["reason"], registry=r)
+        self.pd_reused_tokens = Counter("baton_pd_reused_tokens", "prompt tokens whose KV a decode worker's own "
+                                        "prefix cache held at admission (an earlier turn of the conversation, its "
+                                        "answer included), so the prefill worker did not send it "
+                                        "(--decode-prefix-reuse)", registry=r)
         self.kv_handshakes = Counter("baton_kv_handshakes", "KV senders opened (channel + layout handshake) to a "
                                      "decode worker, by what needed one first: a warm-up (the router's ConnectKV, "
                                      "before traffic) or a request (its transfer waited for it)", ["backend", "by"],
@@ -267,7 +271,7 @@ RECORDED_BY = {
     "baton_kv_blocks_free": "workers", "baton_kv_cache_usage_ratio": "workers",
     "baton_kv_transfer_bytes": "prefill (out), decode (in)", "baton_kv_transfer_seconds": "prefill",
     "baton_kv_transfer_failures": "prefill (send), decode (the rest)", "baton_kv_handshakes": "prefill",
-    "baton_kv_warmup_seconds": "prefill", "baton_handover_seconds": "decode",
+    "baton_kv_warmup_seconds": "prefill", "baton_handover_seconds": "decode", "baton_pd_reused_tokens": "decode",
     "baton_kv_landed_seconds": "decode", "baton_step_seconds": "workers", "baton_worker_losses": "router",
     "baton_stream_stalls": "router", "baton_request_prompt_tokens": "router",
     "baton_request_generation_tokens": "router", "baton_prefix_cache_queries": "router",

@@ -74,6 +74,38 @@ def test_chat_request_answers_paris(cluster):
     assert last.usage.prompt_tokens > 0 and last.request_id
 
 
+def test_a_conversations_second_turn_sends_only_the_kv_the_decode_worker_lacks(pd_cluster, embedded_llm):
+    """Turn 2 is turn 1's prompt and answer and a new question: the decode worker reuses every full
+    block of turn 1 it holds, its answer's included (--decode-prefix-reuse, on by default), the
+    prefill worker pushes the KV of the rest only, and the tokens are the offline engine's."""
+    from test_kv_warm import scrape
+    bs, urls = 16, pd_cluster.metrics_urls
+
+    def counters() -> tuple[float, float]:
+        out = scrape(urls["prefill-0"]).get(("baton_kv_transfer_bytes_total", (("direction", "out"),)), 0.0)
+        return out, scrape(urls["decode-0"]).get(("baton_pd_reused_tokens_total", ()), 0.0)
+
+    def turn(ids: list[int], n: int) -> tuple[list[int], int, int]:
+        """(answer, bytes pushed, blocks reused) of one request, once the workers' counters have it."""
+        pd_cluster.wait_blocks_free()
+        before, deadline = counters(), time.monotonic() + 10
+        got = collect(pd_cluster.stub(), router_pb2.GenerateRequest(tokens=router_pb2.TokenIds(ids=ids),
+                                                                     sampling=greedy(n)))[0]
+        while (after := counters())[0] == before[0] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return got, int(after[0] - before[0]), int(after[1] - before[1]) // bs
+
+    turn1 = embedded_llm.apply_chat_template([{"role": "user", "content": "Name three rivers of Europe."}])
+    answer, bytes1, reused1 = turn(turn1, 24)
+    turn2 = turn1 + answer + embedded_llm.engine.tokenize(" Which of them is the longest?")
+    second, bytes2, reused2 = turn(turn2, 12)
+    want = embedded_llm.generate([turn2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert second == want.token_ids
+    assert reused2 == (len(turn1) + len(answer) - 1) // bs > reused1     # turn 1's blocks, its answer's too
+    blocks1, blocks2 = -(-len(turn1) // bs) - reused1, -(-len(turn2) // bs) - reused2
+    assert bytes1 and bytes2 * blocks1 == bytes1 * blocks2               # the same bytes a block: only those sent
+
+
 def test_model_and_server_info(cluster):
     stub = cluster.stub()
     info = stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=5)

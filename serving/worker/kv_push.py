@@ -161,13 +161,13 @@ class PushingCore(EngineCore):
 
     # -- commands ------------------------------------------------------------------------------
     async def cmd_prefill(self, rid: str, prompt: list[int], params: SamplingParams, images: list[ImageInput],
-                          handoff: tuple[str, str, str], timeout: float) -> dict:
-        """Prefill `rid` and push its KV to (decode address, transfer id, backend); the reply's
-        fields are PrefillResponse's."""
+                          handoff: tuple[str, str, str], timeout: float, skip_blocks: int = 0) -> dict:
+        """Prefill `rid` and push its KV to (decode address, transfer id, backend), but for its first
+        `skip_blocks` blocks (the decode worker has them); the reply's fields are PrefillResponse's."""
         if rid in self.tasks:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already prefilling here")
-        task = asyncio.ensure_future(asyncio.wait_for(self._run(rid, prompt, images, params, handoff, timeout),
-                                                      timeout))
+        run = self._run(rid, prompt, images, params, handoff, timeout, skip_blocks)
+        task = asyncio.ensure_future(asyncio.wait_for(run, timeout))
         self.tasks[rid] = task
         try:
             return await task
@@ -267,15 +267,16 @@ class PushingCore(EngineCore):
 
     # -- one request ---------------------------------------------------------------------------
     async def _run(self, rid: str, prompt: list[int], images: list[ImageInput], params, handoff: tuple[str, str, str],
-                   timeout: float) -> dict:
+                   timeout: float, skip_blocks: int = 0) -> dict:
         address, transfer_id, backend = handoff
         t0 = time.perf_counter()
+        bs = self.llm.config.block_size
         pieces = self.handoff.open(rid)
-        num_blocks = -(-len(prompt) // self.llm.config.block_size)
+        num_blocks = -(-len(prompt) // bs) - skip_blocks
         transfer = TransferDescriptor(transfer_id, nbytes=self.layout.payload_nbytes(num_blocks),
-                                      num_tokens=len(prompt), backend=backend)
+                                      num_tokens=len(prompt) - skip_blocks * bs, backend=backend)
         streaming = asyncio.ensure_future(self._stream(address, transfer, pieces, timeout))
-        prefill = asyncio.ensure_future(self._prefill(rid, prompt, images, params))
+        prefill = asyncio.ensure_future(self._prefill(rid, prompt, images, params, skip_blocks))
         try:
             await asyncio.wait({streaming, prefill}, return_when=asyncio.FIRST_COMPLETED)
             if streaming.done() and streaming.exception() is not None:
@@ -299,13 +300,14 @@ class PushingCore(EngineCore):
         return self._done(out, stats, t0, t1)
 
     async def _prefill(self, rid: str, prompt: list[int], images: list[ImageInput],
-                       params) -> tuple[RequestOutput, KVTicket]:
+                       params, skip_blocks: int = 0) -> tuple[RequestOutput, KVTicket]:
         """Run the prompt (and its images: the vision encoder runs here) with its KV handed off
         (one token here; the decode worker continues with the request's own limits); returns the
         output carrying the first token, and the request's KV ticket."""
         # (min_tokens: the first token is masked alike, whatever it is past 1)
         here = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=[])
-        queue, ticket = await self.engine.add(rid, prompt, here, images=images, hand_off_kv=True)
+        queue, ticket = await self.engine.add(rid, prompt, here, images=images, hand_off_kv=True,
+                                              skip_blocks=skip_blocks)
         try:
             out = await queue.get()
         finally:

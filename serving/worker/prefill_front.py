@@ -42,6 +42,10 @@ class PrefillFront:
         backend = self._backend(handoff.backend)
         prompt, params = list(req.prompt_token_ids), sampling_from_proto(req.sampling)
         self.limits.validate(prompt, params)
+        most = (len(prompt) - 1) // self.info["block_size"]      # (LLMEngine.add_request checks it too)
+        if handoff.skip_blocks > most:
+            raise ValueError(f"handoff.skip_blocks {handoff.skip_blocks} is past the {most} full blocks a decode "
+                             f"worker's prefix cache can hold of this {len(prompt)}-token prompt")
         images = images_from_proto(req.images)
         timeout = req.timeout_ms / 1000 if req.timeout_ms else DEFAULT_TIMEOUT_S
         self.active.add(rid)
@@ -50,7 +54,8 @@ class PrefillFront:
         failure: BaseException | None = None
         try:
             reply = await self.core.call(Command.PREFILL, rid, prompt, params, images,
-                                         (handoff.decode_address, handoff.transfer_id, backend), timeout)
+                                         (handoff.decode_address, handoff.transfer_id, backend), timeout,
+                                         handoff.skip_blocks)
             tracing.child_from_timing(span, "kv_transfer", reply.get("transfer_seconds", 0.0),
                                       {"baton.kv_bytes": reply.get("transfer_bytes", 0), "baton.kv_backend": backend})
         except BaseException as exc:

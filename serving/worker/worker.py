@@ -151,7 +151,7 @@ class EngineWorker:
             draining=bool(self.server and self.server.draining), requests_served=self.requests_served,
             kv_address=info.get("kv_address", ""), step_p99_ms=self.step_p99() * 1e3,
             stalled_seconds=self.core.stalled_seconds(), busy_seconds=busy.busy_s, busy_budget_seconds=busy.budget_s,
-            busy_tokens=busy.tokens, seconds_per_token=busy.seconds_per_token)
+            busy_tokens=busy.tokens, seconds_per_token=busy.seconds_per_token, kv_skip_blocks=True)
 
     def step_p99(self) -> float:
         """Seconds: the p99 of the engine's recent steps (0 before any)."""

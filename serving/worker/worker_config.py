@@ -44,6 +44,7 @@ class WorkerConfig(ServerConfig):
     engine_process: bool | None = None  # the engine core in its own process (None: unless the KV backend is in-process)
     engine_hang_timeout: float = 30.0   # a core silent, or this long past its step's budget, is hung: the worker ends
     kv_port: int = 0                    # decode: where the core's KV services listen (0: a free port)
+    decode_prefix_reuse: bool = True    # decode: a prompt's prefix cached here is not sent again by the prefill
     engine_core: str = ""               # "module:Class" of the engine core (unset: the role's own)
     fault_hooks: bool = False           # tests: SIGUSR1 holds the core's next step until SIGUSR2 (a hang inside a step)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -226,6 +227,11 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
               "counts it hung and exits, so its streams move elsewhere (0: never)")
     flag(g, "--kv-port", type=int, default=w.kv_port, help="decode: the port the engine core takes KV pushes on "
                                                            "(0: a free one, told to prefill workers at admission)")
+    flag(g, "--decode-prefix-reuse", "--disaggregation-decode-enable-radix-cache", type=bool,
+         default=w.decode_prefix_reuse,
+         help="decode: a prompt's leading blocks this worker's prefix cache holds (an earlier turn of the "
+              "conversation, its answer included) are reused, so the prefill worker pushes only the KV after "
+              "them; needs --prefix-caching (SGLang's spelling is the second name)")
     flag(g, "--engine-core", default=w.engine_core, hidden=True,
          help="TEST ONLY: the engine core to run, module:Class (unset: the role's own; `baton bench relay` runs a "
               "synthetic token source here)")
@@ -274,7 +280,8 @@ def worker_config_from_args(args: argparse.Namespace, role: str) -> WorkerConfig
                        kv_options={f.dest: getattr(args, f.dest) for f in registry.all_flags()},
                        gil_switch_ms=args.gil_switch_ms,
                        engine_process=args.engine_process, engine_hang_timeout=args.engine_hang_timeout,
-                       kv_port=args.kv_port, engine_core=args.engine_core, fault_hooks=args.fault_hooks,
+                       kv_port=args.kv_port, decode_prefix_reuse=args.decode_prefix_reuse,
+                       engine_core=args.engine_core, fault_hooks=args.fault_hooks,
                        engine=engine_config_from_args(args))
     cfg.validate()
     return cfg

@@ -71,7 +71,7 @@ class SwitchRoleResponse(_message.Message):
     def __init__(self, from_role: _Optional[str] = ..., to_role: _Optional[str] = ..., seconds: _Optional[float] = ..., streams_moved: _Optional[int] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "timeout_ms", "backend", "subscriber", "stream_timeout_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "timeout_ms", "backend", "subscriber", "stream_timeout_ms", "reuse_prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class AdmitRequest(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
     STREAM_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    REUSE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _router_pb2.SamplingParams
@@ -86,19 +87,22 @@ class AdmitRequest(_message.Message):
     backend: str
     subscriber: str
     stream_timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., backend: _Optional[str] = ..., subscriber: _Optional[str] = ..., stream_timeout_ms: _Optional[int] = ...) -> None: ...
+    reuse_prefix: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., backend: _Optional[str] = ..., subscriber: _Optional[str] = ..., stream_timeout_ms: _Optional[int] = ..., reuse_prefix: _Optional[bool] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
-    __slots__ = ("transfer_id", "num_blocks", "kv_address", "backend")
+    __slots__ = ("transfer_id", "num_blocks", "kv_address", "backend", "skip_blocks")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     num_blocks: int
     kv_address: str
     backend: str
-    def __init__(self, transfer_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., kv_address: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    skip_blocks: int
+    def __init__(self, transfer_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., kv_address: _Optional[str] = ..., backend: _Optional[str] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("request_id", "timeout_ms")

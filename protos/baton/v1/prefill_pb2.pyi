@@ -27,14 +27,16 @@ class ConnectKVResponse(_message.Message):
     def __init__(self, seconds: _Optional[float] = ..., handshaken: _Optional[bool] = ...) -> None: ...
 
 class Handoff(_message.Message):
-    __slots__ = ("decode_address", "transfer_id", "backend")
+    __slots__ = ("decode_address", "transfer_id", "backend", "skip_blocks")
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     decode_address: str
     transfer_id: str
     backend: str
-    def __init__(self, decode_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    skip_blocks: int
+    def __init__(self, decode_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., backend: _Optional[str] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "handoff", "timeout_ms", "images")

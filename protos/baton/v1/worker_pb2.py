@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\"\x12\n\x10GetStatusRequest\"\xc8\x03\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x13\n\x0bkv_backends\x18\t \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x17\n\x0frequests_served\x18\x0c \x01(\x04\x12\x12\n\nkv_address\x18\r \x01(\t\x12\x13\n\x0bstep_p99_ms\x18\x0e \x01(\x02\x12\x17\n\x0fstalled_seconds\x18\x0f \x01(\x02\x12\x14\n\x0c\x62usy_seconds\x18\x10 \x01(\x02\x12\x1b\n\x13\x62usy_budget_seconds\x18\x11 \x01(\x02\x12\x13\n\x0b\x62usy_tokens\x18\x12 \x01(\r\x12\x19\n\x11seconds_per_token\x18\x13 \x01(\x02\x12\x14\n\x0cswitching_to\x18\x14 \x01(\t\x12\x12\n\nswitchable\x18\x15 \x01(\x08\"\x13\n\x11GetMetricsRequest\"\x1d\n\rWorkerMetrics\x12\x0c\n\x04text\x18\x01 \x01(\x0c\"2\n\x12GetKVEventsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\r\n\x05since\x18\x02 \x01(\x04\".\n\x07KVEvent\x12\x12\n\nblock_hash\x18\x01 \x01(\x12\x12\x0f\n\x07removed\x18\x02 \x01(\x08\"l\n\x08KVEvents\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12!\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x11.baton.v1.KVEvent\x12\x12\n\nblock_size\x18\x05 \x01(\r\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\"\x12\n\x10GetStatusRequest\"\xe0\x03\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x13\n\x0bkv_backends\x18\t \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x17\n\x0frequests_served\x18\x0c \x01(\x04\x12\x12\n\nkv_address\x18\r \x01(\t\x12\x13\n\x0bstep_p99_ms\x18\x0e \x01(\x02\x12\x17\n\x0fstalled_seconds\x18\x0f \x01(\x02\x12\x14\n\x0c\x62usy_seconds\x18\x10 \x01(\x02\x12\x1b\n\x13\x62usy_budget_seconds\x18\x11 \x01(\x02\x12\x13\n\x0b\x62usy_tokens\x18\x12 \x01(\r\x12\x19\n\x11seconds_per_token\x18\x13 \x01(\x02\x12\x14\n\x0cswitching_to\x18\x14 \x01(\t\x12\x12\n\nswitchable\x18\x15 \x01(\x08\x12\x16\n\x0ekv_skip_blocks\x18\x16 \x01(\x08\"\x13\n\x11GetMetricsRequest\"\x1d\n\rWorkerMetrics\x12\x0c\n\x04text\x18\x01 \x01(\x0c\"2\n\x12GetKVEventsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\r\n\x05since\x18\x02 \x01(\x04\".\n\x07KVEvent\x12\x12\n\nblock_hash\x18\x01 \x01(\x12\x12\x0f\n\x07removed\x18\x02 \x01(\x08\"l\n\x08KVEvents\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12!\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x11.baton.v1.KVEvent\x12\x12\n\nblock_size\x18\x05 \x01(\r\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=35
   _globals['_GETSTATUSREQUEST']._serialized_end=53
   _globals['_WORKERSTATUS']._serialized_start=56
-  _globals['_WORKERSTATUS']._serialized_end=512
-  _globals['_GETMETRICSREQUEST']._serialized_start=514
-  _globals['_GETMETRICSREQUEST']._serialized_end=533
-  _globals['_WORKERMETRICS']._serialized_start=535
-  _globals['_WORKERMETRICS']._serialized_end=564
-  _globals['_GETKVEVENTSREQUEST']._serialized_start=566
-  _globals['_GETKVEVENTSREQUEST']._serialized_end=616
-  _globals['_KVEVENT']._serialized_start=618
-  _globals['_KVEVENT']._serialized_end=664
-  _globals['_KVEVENTS']._serialized_start=666
-  _globals['_KVEVENTS']._serialized_end=774
-  _globals['_WORKERABORTREQUEST']._serialized_start=776
-  _globals['_WORKERABORTREQUEST']._serialized_end=816
-  _globals['_WORKERABORTRESPONSE']._serialized_start=818
-  _globals['_WORKERABORTRESPONSE']._serialized_end=854
+  _globals['_WORKERSTATUS']._serialized_end=536
+  _globals['_GETMETRICSREQUEST']._serialized_start=538
+  _globals['_GETMETRICSREQUEST']._serialized_end=557
+  _globals['_WORKERMETRICS']._serialized_start=559
+  _globals['_WORKERMETRICS']._serialized_end=588
+  _globals['_GETKVEVENTSREQUEST']._serialized_start=590
+  _globals['_GETKVEVENTSREQUEST']._serialized_end=640
+  _globals['_KVEVENT']._serialized_start=642
+  _globals['_KVEVENT']._serialized_end=688
+  _globals['_KVEVENTS']._serialized_start=690
+  _globals['_KVEVENTS']._serialized_end=798
+  _globals['_WORKERABORTREQUEST']._serialized_start=800
+  _globals['_WORKERABORTREQUEST']._serialized_end=840
+  _globals['_WORKERABORTRESPONSE']._serialized_start=842
+  _globals['_WORKERABORTRESPONSE']._serialized_end=878
 # @@protoc_insertion_point(module_scope)

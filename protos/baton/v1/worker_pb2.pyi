@@ -11,7 +11,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "model", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "block_size", "max_model_len", "kv_backends", "device", "draining", "requests_served", "kv_address", "step_p99_ms", "stalled_seconds", "busy_seconds", "busy_budget_seconds", "busy_tokens", "seconds_per_token", "switching_to", "switchable")
+    __slots__ = ("role", "model", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "block_size", "max_model_len", "kv_backends", "device", "draining", "requests_served", "kv_address", "step_p99_ms", "stalled_seconds", "busy_seconds", "busy_budget_seconds", "busy_tokens", "seconds_per_token", "switching_to", "switchable", "kv_skip_blocks")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class WorkerStatus(_message.Message):
     SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SWITCHING_TO_FIELD_NUMBER: _ClassVar[int]
     SWITCHABLE_FIELD_NUMBER: _ClassVar[int]
+    KV_SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     running: int
@@ -54,7 +55,8 @@ class WorkerStatus(_message.Message):
     seconds_per_token: float
     switching_to: str
     switchable: bool
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_backends: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., draining: _Optional[bool] = ..., requests_served: _Optional[int] = ..., kv_address: _Optional[str] = ..., step_p99_ms: _Optional[float] = ..., stalled_seconds: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., busy_budget_seconds: _Optional[float] = ..., busy_tokens: _Optional[int] = ..., seconds_per_token: _Optional[float] = ..., switching_to: _Optional[str] = ..., switchable: _Optional[bool] = ...) -> None: ...
+    kv_skip_blocks: bool
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_backends: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., draining: _Optional[bool] = ..., requests_served: _Optional[int] = ..., kv_address: _Optional[str] = ..., step_p99_ms: _Optional[float] = ..., stalled_seconds: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., busy_budget_seconds: _Optional[float] = ..., busy_tokens: _Optional[int] = ..., seconds_per_token: _Optional[float] = ..., switching_to: _Optional[str] = ..., switchable: _Optional[bool] = ..., kv_skip_blocks: _Optional[bool] = ...) -> None: ...
 
 class GetMetricsRequest(_message.Message):
     __slots__ = ()
