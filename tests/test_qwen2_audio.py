@@ -64,6 +64,19 @@ def test_text_one_clip_and_two_clips_batched_match_transformers(llm, ckpt):
     assert got[1].token_ids != got[0].token_ids
 
 
+def test_chunked_prefill_splitting_a_clip_and_a_prefix_hit_through_it(ckpt):
+    """Chunks of 16 tokens cut the clip's 25 tokens apart; the second run of the same chat (the clip
+    as raw bytes this time) hits the prefix cache through the clip (same digest), same tokens."""
+    llm = LLM(str(ckpt[0]), block_size=16, num_kv_blocks=32, max_num_batched_tokens=16, dtype="float32")
+    chat = user("Listen:", clip(ONE_SECOND), "and answer.")
+    want = reference(llm, ckpt, chat)
+    first = llm.chat(chat, GREEDY)[0]
+    second = llm.chat(user("Listen:", {"type": "audio", "audio": ONE_SECOND, "format": "wav"}, "and answer."),
+                      GREEDY)[0]
+    assert first.token_ids == want and second.token_ids == want
+    assert first.cached_tokens == 0 and second.cached_tokens >= 32
+
+
 def test_clip_token_counts_follow_the_processor(llm):
     p: AudioPlaceholders = llm.engine.placeholders
     assert p.n_samples == 32000 and p.token_id == AUDIO_PAD
