@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import re
+import subprocess
 import sys
 
 import grpc
@@ -176,3 +177,19 @@ def test_bad_audio_over_grpc_is_invalid_argument_and_leaves_no_blocks_held(serve
         assert says in err.value.details()
     info = c.wait_blocks_free()
     assert all(w.healthy and w.kv_blocks_free == w.kv_blocks_total for w in info.workers)
+
+
+def test_baton_generate_sends_audio_files_before_the_prompt(served, tmp_path):
+    """`baton generate "..." --audio a.wav --audio b.mp3`: the CLI's answer is the router's for the
+    same chat (clips first, then the prompt; each clip's format from its file name)."""
+    c, _, _ = served
+    (tmp_path / "a.wav").write_bytes(WAV)
+    (tmp_path / "b.mp3").write_bytes(MP3)
+    req = chat_request((WAV, "wav"), (MP3, "mp3"), "compare")
+    req.sampling.ignore_eos = False                      # as the CLI sends it
+    _, text, last = collect(c.stub(), req)
+    out = subprocess.run([sys.executable, "-m", "baton", "generate", "compare", "--audio", str(tmp_path / "a.wav"),
+                          "--audio", str(tmp_path / "b.mp3"), "--addr", c.router.address, "--temperature", "0",
+                          "--max-tokens", str(MAX_TOKENS)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == text and f"prompt {last.usage.prompt_tokens}," in out.stderr
