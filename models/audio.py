@@ -24,7 +24,9 @@ import numpy as np
 
 AUDIO_MODEL_TYPES = ("qwen2_audio",)
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
-PROCESSOR_ATTR = "image_processor"      # preprocessor_config.json on the config (models/multimodal.py's)
+# the checkpoint's preprocessor_config.json (an image processor's or a feature extractor's settings), on its
+# config (models/source.py sets it; the name is transformers' for the file's role)
+PROCESSOR_ATTR = "image_processor"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,8 @@ def decode_audio(audio: AudioInput, sampling_rate: int, max_seconds: float, inde
     if not len(samples):
         raise ValueError(f"audio {index} holds no samples")
     mono = samples.mean(axis=1)
+    if not np.isfinite(mono).all():
+        raise ValueError(f"audio {index} holds samples that are not finite numbers")
     if rate != sampling_rate:
         import soxr
         mono = soxr.resample(mono, rate, sampling_rate).astype(np.float32)

@@ -22,13 +22,12 @@ import io
 import math
 from dataclasses import dataclass, field
 
-from baton.models.audio import AudioInput, AudioPlaceholders, decode_base64_audio
+from baton.models.audio import PROCESSOR_ATTR, AudioInput, AudioPlaceholders, decode_base64_audio
 
 # Qwen3-VL's preprocessor_config.json ("size": shortest_edge / longest_edge, in pixels)
 QWEN3_VL_MIN_PIXELS = 65536
 QWEN3_VL_MAX_PIXELS = 16777216
 QWEN3_VL_MEAN = QWEN3_VL_STD = (0.5, 0.5, 0.5)
-PROCESSOR_ATTR = "image_processor"      # the checkpoint's preprocessor_config.json, on its config
 # Refuse to decode anything larger (a decompression bomb costs memory before any resize)
 MAX_DECODED_PIXELS = 64 * 1024 * 1024
 MAX_ASPECT_RATIO = 200

@@ -24,6 +24,19 @@ ONE_SECOND = sine(1.0)                                  # 16 kHz: 100 mel frames
 SHORT_MP3 = sine(0.6, hz=300, rate=8000, fmt="MP3")     # 8 kHz, resampled to 16 kHz
 
 
+def nan_wav() -> bytes:
+    """A float WAV of one second with a NaN in it."""
+    import io
+
+    import numpy as np
+    import soundfile
+    x = np.zeros(16000, np.float32)
+    x[100] = np.nan
+    buf = io.BytesIO()
+    soundfile.write(buf, x, 16000, format="WAV", subtype="FLOAT")
+    return buf.getvalue()
+
+
 def clip(data: bytes, fmt: str = "wav") -> dict:
     return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
 
@@ -89,6 +102,7 @@ def test_clip_token_counts_follow_the_processor(llm):
     (clip(sine(0.0)), "could not be decoded|holds no samples"),
     (clip(sine(0.005)), "too short for one audio token"),
     (clip(sine(2.5)), "2.5 s long; this model takes at most 2 s"),
+    (clip(nan_wav()), "holds samples that are not finite numbers"),
     ({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}, "bad base64"),
     (clip(ONE_SECOND, "aiff"), "'format' must be one of wav, mp3"),
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "takes no images"),
