@@ -46,7 +46,8 @@ class ImagePolicy:
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # per encoded image
 
     def collect(self, req: router_pb2.GenerateRequest) -> list[ChatImage]:
-        """The request's images in prompt order, each checked against the limits (nothing decoded yet)."""
+        """The request's images (or audio clips) in prompt order, each checked against the limits and
+        the kind the model takes (nothing decoded yet)."""
         if req.WhichOneof("input") != "chat":
             return []
         parts = [(p, f"chat.messages[{i}].parts[{j}]") for i, m in enumerate(req.chat.messages)
