@@ -8,6 +8,8 @@ It runs eagerly once per request on the prefill side, in plain torch (no tensor 
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -18,16 +20,21 @@ from baton.models.audio import AudioInput, AudioPlaceholders
 
 def log_mel_features(clips: list[AudioInput], placeholders: AudioPlaceholders) -> tuple[np.ndarray, list[int]]:
     """(features [clips, mel bins, window frames] float32, each clip's frame count)."""
-    from transformers import WhisperFeatureExtractor
     p = placeholders
-    extractor = WhisperFeatureExtractor(feature_size=p.num_mel_bins, sampling_rate=p.sampling_rate,
-                                        hop_length=p.hop_length, n_fft=p.n_fft)
-    extractor.n_samples, extractor.nb_max_frames = p.n_samples, p.n_samples // p.hop_length
     samples = [p.decode(clip, k) for k, clip in enumerate(clips)]
-    out = extractor(samples, sampling_rate=p.sampling_rate, padding="max_length", return_attention_mask=True,
-                    return_tensors="np")
+    out = _extractor(p.num_mel_bins, p.sampling_rate, p.hop_length, p.n_fft, p.n_samples)(
+        samples, sampling_rate=p.sampling_rate, padding="max_length", return_attention_mask=True, return_tensors="np")
     frames = [int(m.sum()) for m in out["attention_mask"]]
     return np.asarray(out["input_features"], dtype=np.float32), frames
+
+
+@functools.lru_cache(maxsize=4)
+def _extractor(mel_bins: int, rate: int, hop: int, n_fft: int, n_samples: int):
+    """transformers' WhisperFeatureExtractor with the checkpoint's settings (its mel filters made once)."""
+    from transformers import WhisperFeatureExtractor
+    extractor = WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=rate, hop_length=hop, n_fft=n_fft)
+    extractor.n_samples, extractor.nb_max_frames = n_samples, n_samples // hop     # the window, in samples
+    return extractor
 
 
 class AudioAttention(nn.Module):
