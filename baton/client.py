@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton.models.audio import AUDIO_FORMATS
 from baton.serving.grpc_server import open_sync_channel, retry_after_ms
 from baton.serving.options import defaults, flag, parser
 from baton.serving.security import add_tls_args, load_tokens, tls_from_args
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image file sent before the prompt in the chat message (repeatable; "
                         "vision-language models such as Qwen3-VL)")
+    r.add_argument("--audio", action="append", default=[], metavar="PATH",
+                   help="an audio file (WAV, MP3, FLAC, Ogg) sent before the prompt in the chat message "
+                        "(repeatable; audio-language models such as Qwen2-Audio)")
     add_tls_args(p, server=False)
     return p
 
@@ -56,13 +60,15 @@ def request_from_args(args: argparse.Namespace) -> router_pb2.GenerateRequest:
             setattr(sampling, name, value)
     req = router_pb2.GenerateRequest(sampling=sampling)
     if args.raw and not args.chat:
-        if args.image:
-            raise ValueError("--image goes in a chat message: drop --raw")
+        if args.image or args.audio:
+            raise ValueError(f"--{'image' if args.image else 'audio'} goes in a chat message: drop --raw")
         req.text = args.prompt
-    elif args.image:         # the images, then the question, as Qwen-VL's own examples put them
+    elif args.image or args.audio:   # the media, then the question, as Qwen-VL's and Qwen2-Audio's examples put them
         message = req.chat.messages.add(role="user")
         for path in args.image:
             message.parts.add(image=_read_image(path))
+        for path in args.audio:
+            message.parts.add(audio=_read_audio(path))
         message.parts.add(text=args.prompt)
     else:       # an instruct model answers best through its chat template
         req.chat.messages.add(role="user", content=args.prompt)
@@ -75,6 +81,15 @@ def _read_image(path: str) -> router_pb2.Image:
     except OSError as exc:
         raise ValueError(f"--image {path}: {exc.strerror or exc}") from None
     return router_pb2.Image(data=data, mime_type=mimetypes.guess_type(path)[0] or "")
+
+
+def _read_audio(path: str) -> router_pb2.Audio:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"--audio {path}: {exc.strerror or exc}") from None
+    suffix = Path(path).suffix.lower().lstrip(".")
+    return router_pb2.Audio(data=data, format=suffix if suffix in AUDIO_FORMATS else "")   # else: the bytes decide
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,7 +35,7 @@ from baton.engine.requests.tokenizer import load_decoder
 from baton.serving import tracing
 from baton.serving.grpc_server import ServiceError, check_admin
 from baton.serving.server_config import ROLES
-from baton.serving.wire import images_from_proto, sampling_from_proto
+from baton.serving.wire import media_from_proto, sampling_from_proto
 from baton.serving.worker.core_protocol import Command, TokenUpdate
 from baton.serving.worker.prefill_front import PrefillFront, PrefillServicer
 from baton.serving.worker.token_streams import Bus, RequestSink, TokenStream
@@ -144,7 +144,7 @@ class DecodeWorker(PrefillFront, EngineWorker):
         rid = self._new_id(req.request_id or f"gen-{time.monotonic_ns()}")
         prompt, params = list(req.prompt_token_ids), sampling_from_proto(req.sampling)
         self.limits.validate(prompt, params)
-        images = images_from_proto(req.images)
+        images = media_from_proto(req)          # images or audio clips
         stream = self._open(rid, prompt, params, req.timeout_ms / 1000 or None,
                             tracing.start("colocated", metadata, attributes={"baton.request_id": rid}))
         try:

@@ -23,6 +23,7 @@ from baton.engine.speculation.speculative import HEAD_STATE_META
 if TYPE_CHECKING:
     from baton.engine.output_processor import RequestOutput
     from baton.engine.runner.model_runner import ModelRunner
+    from baton.models.audio import AudioPlaceholders
     from baton.models.multimodal import ImagePlaceholders
 
 log = logging.getLogger("baton.engine")
@@ -57,7 +58,7 @@ class KVExchange:
     hands nothing off). Runs on the engine thread."""
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, scheduler: Scheduler,
-                 placeholders: ImagePlaceholders | None, handoff: KVHandoff):
+                 placeholders: ImagePlaceholders | AudioPlaceholders | None, handoff: KVHandoff):
         self.runner = runner
         self.block_manager = block_manager
         self.scheduler = scheduler
@@ -268,8 +269,8 @@ class KVExchange:
     def _join(self, seq: Sequence, ticket: KVTicket) -> None:
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = int(ticket.meta.get("cached_tokens") or 0)   # the prefill's prefix-cache hit
-        if self.placeholders is not None:     # images were encoded on the prefill side: only the offset comes
-            seq.mm = MultimodalPrompt.remote(seq.token_ids, self.placeholders.image_token_id,
+        if self.placeholders is not None:     # images / audio were encoded on the prefill side: only the offset comes
+            seq.mm = MultimodalPrompt.remote(seq.token_ids, self.placeholders.token_id,
                                              int(ticket.meta.get(POSITION_OFFSET_META) or 0))
         seq.append_token(ticket.first_token)
         _join_logprobs(seq, ticket.meta)

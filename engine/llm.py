@@ -9,7 +9,8 @@ from baton.engine.llm_engine import LLMEngine, freeze_startup_objects
 from baton.engine.output_processor import CompletionOutput
 from baton.engine.requests.sampling_params import SamplingParams
 from baton.engine.requests.tokenizer import render_chat
-from baton.models.multimodal import ImageInput, split_content_parts
+from baton.engine.scheduling.multimodal import check_kinds
+from baton.models.multimodal import MediaInput, split_content_parts
 from baton.progress import Progress
 
 Prompt = str | list[int]
@@ -38,7 +39,7 @@ class LLM:
         token_lists = [self.engine.tokenize(p) for p in prompts]
         return self._generate(token_lists, [()] * len(token_lists), sampling_params, progress)
 
-    def _generate(self, token_lists: list[list[int]], images: list[Seq[ImageInput]], sampling_params,
+    def _generate(self, token_lists: list[list[int]], images: list[Seq[MediaInput]], sampling_params,
                   progress: bool) -> list[CompletionOutput]:
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
@@ -68,7 +69,8 @@ class LLM:
         """One conversation ([{"role", "content"}, ...]) or a list of them. `content`: a string,
         or OpenAI-style parts: {"type": "text", "text"}, {"type": "image_url", "image_url":
         {"url": "data:image/png;base64,..."}} or {"type": "image", "image": <encoded bytes>}
-        (images: vision-language models only). `tools`: OpenAI-style function tools the template
+        (images: vision-language models only), {"type": "input_audio", "input_audio": {"data": <base64>,
+        "format": "wav"}} or {"type": "audio", "audio": <encoded bytes>} (audio-language models only). `tools`: OpenAI-style function tools the template
         renders (messages may hold an assistant's `tool_calls` and `tool` results);
         `chat_template`: a template of your own; `chat_template_kwargs`: its extra variables,
         e.g. {"enable_thinking": False}. The output is the model's text, as vLLM's LLM.chat."""
@@ -77,17 +79,18 @@ class LLM:
         token_lists, images = [], []
         for c in conversations:
             messages, imgs = split_content_parts(c)
+            check_kinds(imgs, self.engine.placeholders, self.engine.source.name)   # before its template
             ids = render_chat(self.tokenizer, messages, tools, chat_template, chat_template_kwargs)
             if imgs or (self.engine.placeholders is not None
-                        and self.engine.placeholders.image_token_id in ids):
-                ids = self._placeholders().expand(ids, imgs)        # one pad per image -> the image's count
+                        and self.engine.placeholders.token_id in ids):
+                ids = self._placeholders().expand(ids, imgs)        # one pad per image (clip) -> its count
             token_lists.append(ids)
             images.append(imgs)
         return self._generate(token_lists, images, sampling_params, progress)
 
     def _placeholders(self):
         if self.engine.placeholders is None:
-            raise ValueError(f"model {self.engine.source.name} takes no images; send text only")
+            raise ValueError(f"model {self.engine.source.name} takes no images or audio; send text only")
         return self.engine.placeholders
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:

@@ -30,7 +30,7 @@ from baton.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from baton.engine.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 from baton.engine.speculation.speculative import Speculator
 from baton.engine.step_clock import CostModel, StepClock
-from baton.models.multimodal import ImageInput, ImagePlaceholders
+from baton.models.multimodal import MediaInput, media_placeholders
 
 
 def freeze_startup_objects() -> None:
@@ -81,7 +81,7 @@ class LLMEngine:
         # streaming text costs two tokenizer calls per token per request (5 ms a step at batch
         # 256 on an H100 host); the offline API turns it off and decodes each output once
         self.stream_text = True
-        self.placeholders = ImagePlaceholders.from_config(self.source.hf_config)   # None: a text-only model
+        self.placeholders = media_placeholders(self.source.hf_config)   # images or audio; None: a text-only model
         self.kv = KVExchange(self.runner, self.block_manager, self.scheduler, self.placeholders,
                              handoff or KVHandoff())
         self.scheduler.may_admit = lambda: self.handoff.may_admit()
@@ -118,13 +118,12 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, hand_off_kv: bool = False,
-                    images: Seq[ImageInput] = (), skip_blocks: int = 0) -> str:
+                    images: Seq[MediaInput] = (), skip_blocks: int = 0) -> str:
         """Queue a request. With `hand_off_kv` (prefill side) its prompt's KV goes to the
         handoff hook as pieces, each right after the step that made its blocks final; the last
         piece carries the token that step sampled; the first `skip_blocks` blocks (the decode side
-        has them) go in none. Its ticket: `kv_ticket(request_id)`.
-        `images`: a vision-language model's images, in order; the prompt holds each one's
-        placeholders already expanded (ImagePlaceholders.expand)."""
+        has them) go in none. Its ticket: `kv_ticket(request_id)`. `images`: a multimodal model's
+        images or audio clips, in order; the prompt holds their placeholders already expanded."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
@@ -138,11 +137,11 @@ class LLMEngine:
         self.states[request_id] = RequestState(seq, self._detokenizer_for(params))
         return request_id
 
-    def check_images(self, token_ids: list[int], images: list[ImageInput]) -> None:
+    def check_images(self, token_ids: list[int], images: list[MediaInput]) -> None:
         """ValueError unless the prompt's expanded placeholders match `images` (add_request checks too)."""
         self._multimodal(token_ids, images)
 
-    def _multimodal(self, token_ids: list[int], images: list[ImageInput]) -> MultimodalPrompt | None:
+    def _multimodal(self, token_ids: list[int], images: list[MediaInput]) -> MultimodalPrompt | None:
         return MultimodalPrompt.of(token_ids, images, self.placeholders, self.source.name)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

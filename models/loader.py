@@ -96,8 +96,8 @@ def _load_one(model, params: dict, name: str, tensor: torch.Tensor) -> str:
         params[pname].weight_loader(params[pname], tensor, shard)
         return pname
     for part, (target, shard) in getattr(model, "packed_modules_mapping", {}).items():
-        if f".{part}." in name:
-            pname = name.replace(f".{part}.", f".{target}.")
+        pname = name.replace(f".{part}.", f".{target}.")
+        if pname != name and pname in params:      # (an unpacked module of that name, e.g. an audio tower's, loads as is)
             param = params[pname]
             param.weight_loader(param, tensor, shard)
             return pname

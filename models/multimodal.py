@@ -4,7 +4,8 @@
 - `ImagePlaceholders`: a vision-language model's placeholder tokens and its resize rule, so the
   router and the engine agree on how many `<|image_pad|>` tokens an image takes in the prompt.
 - `split_content_parts`: OpenAI-style chat content parts -> messages a HF chat template renders,
-  plus the images in order.
+  plus the images (or audio clips: models/audio.py) in order.
+- `media_placeholders`: a model's placeholders, whichever kind of media it takes.
 
 The resize rule is Qwen2-VL / Qwen3-VL's `smart_resize`: both sides rounded to a multiple of
 patch_size * merge_size, the pixel count kept within [min_pixels, max_pixels], aspect ratio kept.
@@ -21,11 +22,12 @@ import io
 import math
 from dataclasses import dataclass, field
 
+from baton.models.audio import PROCESSOR_ATTR, AudioInput, AudioPlaceholders, decode_base64_audio
+
 # Qwen3-VL's preprocessor_config.json ("size": shortest_edge / longest_edge, in pixels)
 QWEN3_VL_MIN_PIXELS = 65536
 QWEN3_VL_MAX_PIXELS = 16777216
 QWEN3_VL_MEAN = QWEN3_VL_STD = (0.5, 0.5, 0.5)
-PROCESSOR_ATTR = "image_processor"      # the checkpoint's preprocessor_config.json, on its config
 # Refuse to decode anything larger (a decompression bomb costs memory before any resize)
 MAX_DECODED_PIXELS = 64 * 1024 * 1024
 MAX_ASPECT_RATIO = 200
@@ -46,6 +48,9 @@ class ImageInput:
     def digest(self) -> str:
         """sha256 hex of the bytes: what the prefix cache keys an image's blocks by."""
         return hashlib.sha256(self.data).hexdigest()
+
+
+MediaInput = ImageInput | AudioInput      # what a multimodal prompt carries besides its tokens
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -97,6 +102,7 @@ class ImagePlaceholders:
     image_mean: tuple[float, ...] = QWEN3_VL_MEAN
     image_std: tuple[float, ...] = QWEN3_VL_STD
     rescale_factor: float = 1 / 255
+    kind = "image"
     _sizes: dict = field(default_factory=dict, compare=False, repr=False)  # digest -> (h, w) decoded
 
     @classmethod
@@ -122,6 +128,15 @@ class ImagePlaceholders:
                    image_mean=tuple(map(float, proc.get("image_mean") or QWEN3_VL_MEAN)),
                    image_std=tuple(map(float, proc.get("image_std") or QWEN3_VL_STD)),
                    rescale_factor=float(proc.get("rescale_factor") or 1 / 255))
+
+    @property
+    def token_id(self) -> int:
+        return self.image_token_id
+
+    def rope_positions(self, token_ids: list[int], spans: list[tuple[int, int]], images: list[ImageInput]):
+        """([3, n] MRoPE positions, offset of the generated tokens) of an expanded prompt."""
+        grids = [self.grid_thw(im, k) for k, im in enumerate(images)]
+        return mrope_positions(token_ids, spans, grids, self.merge_size)
 
     def resized_size(self, height: int, width: int) -> tuple[int, int]:
         return smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
@@ -188,12 +203,17 @@ class ImagePlaceholders:
         return size
 
 
+def media_placeholders(config) -> ImagePlaceholders | AudioPlaceholders | None:
+    """The placeholders of a model that takes images or audio (a HF config, object or dict); None: text only."""
+    return ImagePlaceholders.from_config(config) or AudioPlaceholders.from_config(config)
+
+
 # ---- OpenAI-style chat content parts ----
 
-def split_content_parts(messages: list[dict]) -> tuple[list[dict], list[ImageInput]]:
-    """OpenAI-style messages (content: str, or a list of text / image_url / image parts) ->
-    (messages for the chat template, images in order). A message without images gets its text
-    parts joined into one string, so text-only chat templates render it too."""
+def split_content_parts(messages: list[dict]) -> tuple[list[dict], list[MediaInput]]:
+    """OpenAI-style messages (content: str, or a list of text / image_url / image / input_audio /
+    audio parts) -> (messages for the chat template, images and audio clips in order). A message
+    without media gets its text parts joined into one string, so text-only templates render it too."""
     out, images = [], []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -205,14 +225,14 @@ def split_content_parts(messages: list[dict]) -> tuple[list[dict], list[ImageInp
         if not isinstance(content, list):
             raise ValueError(f"chat message {i}: content must be a string or a list of parts")
         parts = [_template_part(p, i, images) for p in content]
-        if any(p["type"] == "image" for p in parts):
+        if any(p["type"] != "text" for p in parts):
             out.append({**m, "content": parts})
         else:
             out.append({**m, "content": "\n".join(p["text"] for p in parts)})
     return out, images
 
 
-def _template_part(part, msg: int, images: list[ImageInput]) -> dict:
+def _template_part(part, msg: int, images: list[MediaInput]) -> dict:
     if not isinstance(part, dict):
         raise ValueError(f"chat message {msg}: each content part must be an object")
     kind = part.get("type")
@@ -232,8 +252,24 @@ def _template_part(part, msg: int, images: list[ImageInput]) -> dict:
             raise ValueError(f"chat message {msg}: an image part needs the encoded bytes in 'image'")
         images.append(ImageInput(bytes(data)))
         return {"type": "image"}
+    if kind == "input_audio":
+        clip = part.get("input_audio")
+        if not isinstance(clip, dict):
+            raise ValueError(f"chat message {msg}: an input_audio part needs {{'data': base64, 'format': 'wav'}}")
+        images.append(decode_base64_audio(clip.get("data"), clip.get("format"), _clips(images)))
+        return {"type": "audio"}
+    if kind == "audio":
+        data = part.get("audio")
+        if not isinstance(data, (bytes, bytearray)) or not data:
+            raise ValueError(f"chat message {msg}: an audio part needs the encoded bytes in 'audio'")
+        images.append(AudioInput(bytes(data), part.get("format") or ""))
+        return {"type": "audio"}
     raise ValueError(f"chat message {msg}: unknown content part type {kind!r} "
-                     "(supported: text, image_url, image)")
+                     "(supported: text, image_url, image, input_audio, audio)")
+
+
+def _clips(media: list) -> int:
+    return sum(isinstance(m, AudioInput) for m in media)
 
 
 def decode_data_url(url, index: int = 0) -> ImageInput:

@@ -11,6 +11,7 @@ MODELS = {
     "LlamaForCausalLM": "baton.models.llama",
     "MiniCPMForCausalLM": "baton.models.minicpm",
     "Qwen2ForCausalLM": "baton.models.qwen2",
+    "Qwen2AudioForConditionalGeneration": "baton.models.qwen2_audio",
     "Qwen3ForCausalLM": "baton.models.qwen3",
     "Qwen3MoeForCausalLM": "baton.models.qwen3_moe",
     "Qwen3VLForConditionalGeneration": "baton.models.qwen3_vl",

@@ -279,7 +279,7 @@ def _from_hf_dir(path: Path, name: str) -> ModelSource:
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     mirror_text_config(config)
     processor = path / "preprocessor_config.json"
-    if processor.is_file():                 # an image processor's settings: read where images are (multimodal.py)
+    if processor.is_file():                 # an image processor's or feature extractor's settings (multimodal.py, audio.py)
         try:
             setattr(config, PROCESSOR_ATTR, json.loads(processor.read_text()))
         except ValueError as exc:

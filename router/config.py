@@ -169,9 +169,9 @@ def add_auth_and_limits(p: argparse.ArgumentParser) -> None:
     flag(a, "--max-prompt-tokens", type=int, default=r.max_prompt_tokens, help="longest prompt accepted (0: the model's context)")
     flag(a, "--max-new-tokens", type=int, default=r.max_new_tokens, help="largest max_tokens accepted (0: the model's context)")
     flag(a, "--max-images", type=int, default=r.max_images,
-         help="images one chat request may carry (models that take images; 0: none)")
+         help="images (or audio clips) one chat request may carry (models that take them; 0: none)")
     flag(a, "--max-image-bytes", type=int, default=r.max_image_bytes,
-         help="largest encoded image accepted, in bytes; --max-images times this must fit in 56 MiB")
+         help="largest encoded image (or audio clip) accepted, in bytes; --max-images times this must fit in 56 MiB")
     flag(a, "--max-inflight", type=int, default=r.max_inflight, help="requests routed to workers at once")
     flag(a, "--max-queued", type=int, default=r.max_queued,
          help="requests waiting for a slot; more are refused with RESOURCE_EXHAUSTED")

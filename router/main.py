@@ -14,7 +14,7 @@ from pathlib import Path
 from baton import environment
 from baton.engine.requests.sampling_params import sampling_defaults
 from baton.engine.requests.tokenizer import eos_token_ids, load_tokenizer
-from baton.models.multimodal import ImagePlaceholders
+from baton.models.multimodal import media_placeholders
 from baton.models.source import resolve_model
 from baton.router import health
 from baton.router.admin import AdminServicer
@@ -58,7 +58,7 @@ async def serve(cfg: RouterConfig) -> None:
     metrics.watch_degraded(lambda: health.judge(registry).status == "degraded")
     svc = RouterService(registry, tokenizer, info, cfg,
                         sampling_defaults(source.generation_config(cfg.generation_config)),
-                        vision=ImagePlaceholders.from_config(hf))
+                        vision=media_placeholders(hf))
     svc.auth, svc.metrics, svc.server = auth, metrics, server
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(svc), server.server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(svc), server.server)

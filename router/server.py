@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from baton.engine.requests.structured_output import StructuredOutput
+from baton.models.audio import AudioPlaceholders
 from baton.models.multimodal import ImagePlaceholders
 from baton.router import health, moves, tokens, tool_calls, validation
 from baton.router.admission import Admission, KVWaitLine
 from baton.router.chat_output import ChatOutput
 from baton.router.config import RouterConfig
-from baton.router.images import ImagePolicy
+from baton.router.images import ImagePolicy, by_kind
 from baton.router.migration import Ledger
 from baton.router.moves import MoveFailed, StreamMoving
 from baton.router.policies import make_policy
@@ -63,6 +64,7 @@ class Active:
     finished: bool = False
     attempt: int = -1                   # attempts so far (retries and migrations), from 0
     images: list[router_pb2.Image] = field(default_factory=list)   # the chat's, sent with every (re-)prefill
+    audios: list[router_pb2.Audio] = field(default_factory=list)   # ...and its audio clips, likewise
     kv_ticket: int | None = None        # its place in the line for decode KV, once it has waited there
     marks: dict[str, float] = field(default_factory=dict)   # stage boundaries (perf_counter) until the first token
     span: object = None                 # its trace span (serving/tracing.py; None: tracing off)
@@ -99,10 +101,10 @@ class StreamBroke(Exception):
 class RouterService:
     def __init__(self, registry: Registry, tokenizer, model_info: router_pb2.ModelInfo,
                  cfg: RouterConfig | None = None, sampling_defaults: dict | None = None,
-                 vision: ImagePlaceholders | None = None):
+                 vision: ImagePlaceholders | AudioPlaceholders | None = None):
         cfg = cfg or RouterConfig()
         self.cfg = cfg
-        # `vision`: the model's image placeholders (models/multimodal.py); None: it takes no images
+        # `vision`: the model's image or audio placeholders (models/multimodal.py); None: text only
         self.images = ImagePolicy(model_info.name, vision, cfg.max_images, cfg.max_image_bytes)
         self.sampling_defaults = sampling_defaults or {}     # the model's generation config
         self.registry = registry
@@ -169,8 +171,8 @@ class RouterService:
         # the client's deadline, else --request-timeout (0: none): never one nobody asked for
         limit = remaining if remaining is not None else (self.cfg.request_timeout or math.inf)
         deadline = loop.time() + limit
-        active = Active(rid, asyncio.current_task(), self.client_of(context),
-                        images=[c.to_proto() for c in images])
+        pictures, clips = by_kind(images)
+        active = Active(rid, asyncio.current_task(), self.client_of(context), images=pictures, audios=clips)
         self.active[rid] = active
         clock = RequestClock(self.metrics, len(ids)) if self.metrics else None
         if clock:
@@ -403,7 +405,7 @@ class RouterService:
             _mark(active, "prefill_sent")
             prefill = asyncio.ensure_future(p.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=ids, sampling=sampling, timeout_ms=_ms(handover),
-                images=active.images, handoff=prefill_pb2.Handoff(
+                images=active.images, audios=active.audios, handoff=prefill_pb2.Handoff(
                     decode_address=admit.kv_address or d.address, transfer_id=admit.transfer_id,
                     backend=admit.backend, skip_blocks=admit.skip_blocks)), timeout=handover,
                 **tracing.carry(active.span)))
@@ -465,7 +467,7 @@ class RouterService:
             try:
                 await w.decode_stub.Start(decode_pb2.WorkerGenerateRequest(
                     request_id=rid, prompt_token_ids=ids, sampling=sampling, images=active.images,
-                    timeout_ms=_ms(deadline - loop.time()), subscriber=SUBSCRIBER),
+                    audios=active.audios, timeout_ms=_ms(deadline - loop.time()), subscriber=SUBSCRIBER),
                     timeout=min(self.cfg.first_token_timeout, deadline - loop.time()), **tracing.carry(active.span))
             except grpc.aio.AioRpcError as exc:
                 raise _failed(exc, w, "start") from exc

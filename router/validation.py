@@ -108,7 +108,9 @@ def _part(part: router_pb2.ChatContentPart, where: str) -> dict:
         return {"type": "text", "text": part.text}
     if kind == "image":
         return {"type": "image", "image": part.image.data}
-    raise ValueError(f"{where} is empty: set its text or its image")
+    if kind == "audio":
+        return {"type": "audio", "audio": part.audio.data, "format": part.audio.format.lower()}
+    raise ValueError(f"{where} is empty: set its text, its image or its audio")
 
 
 def check_limits(req: router_pb2.GenerateRequest, prompt_len: int, max_prompt_tokens: int,

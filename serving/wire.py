@@ -8,7 +8,8 @@ import grpc
 from baton.engine.output_processor import RequestOutput
 from baton.engine.requests.sampling_params import SamplingParams
 from baton.engine.requests.structured_output import StructuredOutput
-from baton.models.multimodal import ImageInput
+from baton.models.audio import AudioInput
+from baton.models.multimodal import ImageInput, MediaInput
 from baton.v1 import decode_pb2, router_pb2
 
 CONTRACT = SamplingParams()     # baton.v1's value of each field a request leaves unset (engine/sampling_params.py)
@@ -104,11 +105,15 @@ def logprobs_to_proto(entries) -> list[router_pb2.TokenLogprob]:
             for e in entries]
 
 
-def images_from_proto(images) -> list[ImageInput]:
-    """A request's baton.v1.Image list -> the engine's ImageInputs (bytes as the client sent them)."""
-    if any(not image.data for image in images):
+def media_from_proto(req) -> list[MediaInput]:
+    """A worker request's images (baton.v1.Image) and audio clips (baton.v1.Audio) -> the engine's
+    inputs, bytes as the client sent them (a model takes one kind, so the order within it is all)."""
+    if any(not image.data for image in req.images):
         raise ValueError("an image of the request has no bytes")
-    return [ImageInput(image.data, image.mime_type) for image in images]
+    if any(not clip.data for clip in req.audios):
+        raise ValueError("an audio clip of the request has no bytes")
+    return ([ImageInput(image.data, image.mime_type) for image in req.images]
+            + [AudioInput(clip.data, clip.format) for clip in req.audios])
 
 
 def chunk_from_output(out: RequestOutput, handover_seconds: float = 0.0) -> decode_pb2.TokenChunk:

@@ -63,7 +63,8 @@ def test_split_content_parts():
     assert [i.data for i in images] == [data, b"xy", data] and images[0].mime_type == "image/png"
     for bad, match in [({"type": "image_url", "image_url": {"url": "https://x/y.png"}}, "network"),
                        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}, "base64"),
-                       ({"type": "audio"}, "unknown content part type")]:
+                       ({"type": "audio"}, "an audio part needs the encoded bytes"),
+                       ({"type": "video"}, "unknown content part type")]:
         with pytest.raises(ValueError, match=match):
             split_content_parts([{"role": "user", "content": [bad]}])
 
@@ -83,6 +84,6 @@ def test_image_parts_through_a_text_only_chat_template_are_a_clear_error():
     from baton.engine.requests.tokenizer import load_tokenizer, render_chat
     from baton.models.source import resolve_model
     tokenizer = load_tokenizer(resolve_model(None))
-    with pytest.raises(ValueError, match="cannot render image parts.*own tokenizer files"):
+    with pytest.raises(ValueError, match="cannot render image or audio parts.*own tokenizer files"):
         render_chat(tokenizer, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}])
     assert render_chat(tokenizer, [{"role": "user", "content": "what?"}])        # text renders as before

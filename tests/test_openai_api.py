@@ -196,6 +196,14 @@ def test_an_image_to_a_text_only_model_is_400(client):
     assert "takes no images" in err.value.body["message"]
 
 
+def test_audio_to_a_text_only_model_is_400(client):
+    clip = {"data": "UklGRgAAAABXQVZF", "format": "wav"}        # never decoded: refused before that
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": clip}, {"type": "text", "text": "What is this sound?"}]}])
+    assert "takes no audio" in err.value.body["message"]
+
+
 def test_an_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-4o", messages=QUESTION)

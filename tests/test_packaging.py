@@ -45,6 +45,8 @@ def test_floors_are_what_the_code_needs():
     # Qwen3-VL (Qwen3VLForConditionalGeneration) arrived in transformers 4.57.0
     assert deps["transformers"].specifier.contains("4.57.0") and not deps["transformers"].specifier.contains("4.56.2")
     assert {"huggingface-hub", "pyyaml"} <= set(deps)      # Hub names; --config FILE.yaml
+    # audio clips: soundfile's wheels from 0.12.1 bundle a libsndfile that decodes MP3; soxr resamples
+    assert not deps["soundfile"].specifier.contains("0.12.0") and "soxr" in deps
     for req in deps.values():                              # every runtime dependency has a floor and a cap
         ops = {s.operator for s in req.specifier}
         assert ">=" in ops and "<" in ops, req

@@ -203,6 +203,16 @@ def test_images_to_a_text_only_model_are_refused(cluster):
     assert "model smollm2-135m-instruct takes no images (chat.messages[0].parts[1] is one)" in err.value.details()
 
 
+def test_audio_to_a_text_only_model_is_refused(cluster):
+    clip = router_pb2.ChatContentPart(audio=router_pb2.Audio(data=b"RIFF\0\0\0\0WAVE", format="wav"))
+    chat = router_pb2.Chat(messages=[router_pb2.ChatMessage(role="user", parts=[
+        clip, router_pb2.ChatContentPart(text="What is this sound?")])])
+    with pytest.raises(grpc.RpcError) as err:
+        collect(cluster.stub(), router_pb2.GenerateRequest(chat=chat, sampling=greedy(4)), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model smollm2-135m-instruct takes no audio (chat.messages[0].parts[0] is one)" in err.value.details()
+
+
 def test_servers_are_healthy_and_clean_after_bad_input(cluster):
     info = cluster.wait_blocks_free()
     assert all(w.healthy for w in info.workers)

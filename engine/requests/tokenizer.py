@@ -88,10 +88,11 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
         ids = tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=template,
                                             add_generation_prompt=True, tokenize=True, **kwargs)
     except (TypeError, jinja2.TemplateError) as e:
-        if any(isinstance(m.get("content"), list) for m in messages):      # a text-only template meeting images
-            raise ValueError(f"this model's chat template cannot render image parts ({e}): images need a "
-                             "vision-language model's own tokenizer files (a Qwen3-VL checkpoint directory); "
-                             "the random-weight presets use SmolLM2's tokenizer, which has no image tokens") from e
+        if any(isinstance(m.get("content"), list) for m in messages):      # a text-only template meeting media
+            raise ValueError(f"this model's chat template cannot render image or audio parts ({e}): they need a "
+                             "multimodal model's own tokenizer files (a Qwen3-VL or Qwen2-Audio checkpoint "
+                             "directory); the random-weight presets use SmolLM2's tokenizer, which has no image "
+                             "or audio tokens") from e
         if isinstance(e, TypeError):
             raise
         raise ValueError(f"the chat template failed on this chat: {e}") from e
@@ -101,7 +102,7 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
 
 
 def _check_content(i: int, content) -> None:
-    """A string, or template parts ({"type": "text", "text"} / {"type": "image"}: what
+    """A string, or template parts ({"type": "text", "text"} / {"type": "image"} / {"type": "audio"}: what
     baton.models.multimodal.split_content_parts makes of OpenAI-style parts)."""
     if content is None or isinstance(content, str):
         return
@@ -109,7 +110,8 @@ def _check_content(i: int, content) -> None:
         raise ValueError(f"chat message {i}: content must be a string or a list of parts")
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "image" or (kind == "text" and isinstance(part.get("text"), str)):
+        if kind in ("image", "audio") or (kind == "text" and isinstance(part.get("text"), str)):
             continue
-        raise ValueError(f"chat message {i}: content parts must be {{'type': 'text', 'text': ...}} or "
-                         f"{{'type': 'image'}} (split OpenAI parts with split_content_parts), got {part!r:.80}")
+        raise ValueError(f"chat message {i}: content parts must be {{'type': 'text', 'text': ...}}, "
+                         f"{{'type': 'image'}} or {{'type': 'audio'}} (split OpenAI parts with split_content_parts), "
+                         f"got {part!r:.80}")

@@ -1,12 +1,15 @@
-"""The device half of a multimodal prefill step: encode a sequence's images (once, at its first
-chunk that holds image tokens) and pick the embeddings of the step's image rows. Any model
-keeping models/vision_language.py's `VisionLanguageModel` protocol will do."""
+"""The device half of a multimodal prefill step: encode a sequence's images or audio clips (once, at
+its first chunk that holds their tokens) and pick the embeddings of the step's pad rows. Any model
+keeping models/vision_language.py's `VisionLanguageModel` protocol will do; an audio-language model
+(Qwen2-Audio) brings `encode_audio` instead of `encode_images`, and no deepstack."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from baton.engine.scheduling.multimodal import ImageChunk, MultimodalPrompt
+from baton.models.audio import AudioInput, AudioPlaceholders
+from baton.models.layers.audio import log_mel_features
 from baton.models.layers.vision import preprocess_image
 from baton.models.multimodal import ImagePlaceholders
 from baton.models.vision_language import MultimodalStep, VisionLanguageModel
@@ -40,6 +43,10 @@ def _encode(model: VisionLanguageModel, hf_config, mm: MultimodalPrompt, device:
     sequence's images, in prompt order."""
     if not mm.images_available:
         raise RuntimeError("this sequence's images are not on this worker; it cannot be recomputed here")
+    where = np.concatenate([np.arange(s, e) for s, e in mm.spans])
+    if isinstance(mm.images[0], AudioInput):
+        features, frames = log_mel_features(list(mm.images), AudioPlaceholders.from_config(hf_config))
+        return model.encode_audio(torch.from_numpy(features).to(device), frames), [], where
     placeholders = ImagePlaceholders.from_config(hf_config)
     pixels, grids = [], []
     for k, image in enumerate(mm.images):
@@ -48,5 +55,4 @@ def _encode(model: VisionLanguageModel, hf_config, mm: MultimodalPrompt, device:
         grids.append(grid)
     x = torch.from_numpy(np.concatenate(pixels)).to(device)
     emb, deep = model.encode_images(x, grids)
-    where = np.concatenate([np.arange(s, e) for s, e in mm.spans])
     return emb, deep, where

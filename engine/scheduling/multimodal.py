@@ -1,7 +1,9 @@
-"""A sequence's images, as the engine keeps them (torch-free, like the rest above the runner).
+"""A sequence's images (or audio clips), as the engine keeps them (torch-free, like the rest above
+the runner). An audio-language model's clips travel the same road as images: their pads, spans and
+digests alike; their positions are plain 1-D (AudioPlaceholders.rope_positions) and offset 0.
 
-- Prefill side (and colocated): the images themselves, the token span each fills, its grid,
-  the prompt's 3-D MRoPE positions and the offset generated tokens sit at. The vision encoder's
+- Prefill side (and colocated): the images themselves, the token span each fills, the
+  prompt's 3-D MRoPE positions and the offset generated tokens sit at. The vision encoder's
   output is held in `encoded` from the first chunk that needs it until the prompt's last image
   is computed; a recompute after preemption encodes again from the images.
 - Decode side: only the spans (from the placeholder runs) and `position_offset` (from the
@@ -11,50 +13,46 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from baton.models.multimodal import ImageInput, ImagePlaceholders, mrope_positions
+from baton.models.audio import AudioInput, AudioPlaceholders, token_runs
+from baton.models.multimodal import ImagePlaceholders, MediaInput
 
 POSITION_OFFSET_META = "position_offset"        # the KV piece meta key (the VL contract)
 
 
 @dataclass(slots=True)
 class MultimodalPrompt:
-    spans: list[tuple[int, int]]                 # [start, end) of each image's pads in the prompt
+    spans: list[tuple[int, int]]                 # [start, end) of each image's (or clip's) pads in the prompt
     position_offset: int                         # generated token i sits at rotary position i + offset
-    images: tuple[ImageInput, ...] = ()          # () where the images are not here (decode side)
-    grids: list[tuple[int, int, int]] = field(default_factory=list)
+    images: tuple[MediaInput, ...] = ()   # () where they are not here (decode side)
     positions: np.ndarray | None = None          # [3, num_prompt_tokens] int64 (prefill side)
-    encoded: object = None                       # the vision encoder's output, on the device, while needed
+    encoded: object = None                       # the encoder's output, on the device, while needed
 
     @classmethod
-    def of(cls, token_ids: list[int], images: list[ImageInput], placeholders: ImagePlaceholders | None,
-           model: str) -> MultimodalPrompt | None:
-        """A prompt's images and MRoPE positions (None: a text prompt); ValueError when the placeholders
-        and the images disagree or the model takes no images (`placeholders` None)."""
-        if placeholders is None:
-            if images:
-                raise ValueError(f"model {model} takes no images; send text only")
-            return None
-        if not images and placeholders.image_token_id not in token_ids:
+    def of(cls, token_ids: list[int], images: list[MediaInput],
+           placeholders: ImagePlaceholders | AudioPlaceholders | None, model: str) -> MultimodalPrompt | None:
+        """A prompt's images (or audio clips) and rotary positions (None: a text prompt); ValueError
+        when the placeholders and the media disagree or the model takes no such media."""
+        check_kinds(images, placeholders, model)
+        if placeholders is None or (not images and placeholders.token_id not in token_ids):
             return None
         return cls.for_prompt(token_ids, images, placeholders)
 
     @classmethod
-    def for_prompt(cls, token_ids: list[int], images: list[ImageInput],
-                   placeholders: ImagePlaceholders) -> MultimodalPrompt:
-        """Prefill side: validates pads vs images (ValueError) and computes the positions."""
+    def for_prompt(cls, token_ids: list[int], images: list[MediaInput],
+                   placeholders: ImagePlaceholders | AudioPlaceholders) -> MultimodalPrompt:
+        """Prefill side: validates pads vs media (ValueError) and computes the positions."""
         spans = placeholders.spans(token_ids, images)
-        grids = [placeholders.grid_thw(im, k) for k, im in enumerate(images)]
-        positions, offset = mrope_positions(token_ids, spans, grids, placeholders.merge_size)
-        return cls(spans, offset, tuple(images), grids, positions)
+        positions, offset = placeholders.rope_positions(token_ids, spans, images)
+        return cls(spans, offset, tuple(images), positions)
 
     @classmethod
-    def remote(cls, token_ids: list[int], image_token_id: int, position_offset: int) -> MultimodalPrompt | None:
-        """Decode side: the image spans of a prompt whose images were encoded elsewhere (None: no images)."""
-        spans = pad_runs(token_ids, image_token_id)
+    def remote(cls, token_ids: list[int], pad_token_id: int, position_offset: int) -> MultimodalPrompt | None:
+        """Decode side: the pad spans of a prompt whose images (or clips) were encoded elsewhere (None: none)."""
+        spans = pad_runs(token_ids, pad_token_id)
         if not spans and not position_offset:
             return None
         return cls(spans, position_offset)
@@ -90,11 +88,22 @@ class MultimodalPrompt:
         return np.concatenate([head, np.broadcast_to(tail, (3, len(tail)))], axis=1)
 
 
+def check_kinds(images: list[MediaInput], placeholders: ImagePlaceholders | AudioPlaceholders | None,
+                model: str) -> None:
+    """ValueError unless the model takes every kind of media in `images`."""
+    taken = placeholders.kind if placeholders is not None else None
+    refused = sorted({media_kind(m) for m in images} - {taken})
+    if refused:
+        raise ValueError(f"model {model} takes no {'images' if refused[0] == 'image' else 'audio'}; "
+                         + ("send text only" if taken is None else f"send text and {taken} parts only"))
+
+
 def pad_runs(token_ids: list[int], pad: int) -> list[tuple[int, int]]:
-    ids = np.asarray(token_ids)
-    is_pad = np.concatenate([[False], ids == pad, [False]])
-    edges = np.flatnonzero(is_pad[1:] != is_pad[:-1])
-    return [(int(s), int(e)) for s, e in zip(edges[::2], edges[1::2], strict=True)]
+    return token_runs(token_ids, pad)
+
+
+def media_kind(item: MediaInput) -> str:
+    return "audio" if isinstance(item, AudioInput) else "image"
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton import __version__
 from baton.engine.requests.tokenizer import encode_text
+from baton.models.audio import decode_base64_audio
 from baton.models.multimodal import decode_data_url
 from baton.router import health, tokens, worker_metrics
 from baton.router.config import RouterConfig
@@ -532,7 +533,7 @@ async def _json(request: web.Request, endpoint: str) -> dict:
 
 
 def _chat_request(body: dict) -> router_pb2.GenerateRequest:
-    """A chat body's messages (text, images, tool calls) and tools as a gRPC chat request."""
+    """A chat body's messages (text, images, audio, tool calls) and tools as a gRPC chat request."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise HTTPError(400, "messages must be a non-empty list of {role, content}", param="messages")
@@ -544,7 +545,7 @@ def _chat_request(body: dict) -> router_pb2.GenerateRequest:
         content = m.get("content")
         if _has_images(content):
             parts = _parts(content, i, images)
-            images += sum(p.HasField("image") for p in parts)
+            images += sum(p.HasField("image") or p.HasField("audio") for p in parts)
             message = req.chat.messages.add(role=m["role"], parts=parts)
         else:
             message = req.chat.messages.add(role=m["role"], content=_content(content, i))
@@ -562,11 +563,11 @@ def _content(content, i: int) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise HTTPError(400, f"messages[{i}].content: each part must be a text or image_url object",
+                raise HTTPError(400, f"messages[{i}].content: each part must be a text, image_url or input_audio object",
                                 param="messages")
             parts.append(part["text"])
         return "\n".join(parts)         # as the offline LLM.chat and gRPC parts join text-only parts
-    raise HTTPError(400, f"messages[{i}].content must be a string or a list of text / image_url parts",
+    raise HTTPError(400, f"messages[{i}].content must be a string or a list of text / image_url / input_audio parts",
                     param="messages")
 
 
@@ -575,9 +576,9 @@ def _has_images(content) -> bool:
 
 
 def _parts(content: list, i: int, images_before: int) -> list[router_pb2.ChatContentPart]:
-    """Text and image_url parts -> the gRPC chat's parts (`images_before`: the chat's images in
-    earlier messages). Images come inline as data: URLs (base64); an http(s) URL is refused,
-    since the server fetches nothing from the network."""
+    """Text, image_url and input_audio parts -> the gRPC chat's parts (`images_before`: the chat's
+    images and clips in earlier messages). Images come inline as data: URLs (base64), audio as
+    input_audio's base64 data; an http(s) URL is refused, since the server fetches nothing from the network."""
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -592,7 +593,17 @@ def _parts(content: list, i: int, images_before: int) -> list[router_pb2.ChatCon
                 raise HTTPError(400, f"messages[{i}].content[{j}]: {exc}", param="messages") from None
             parts.append(router_pb2.ChatContentPart(image=router_pb2.Image(data=image.data,
                                                                             mime_type=image.mime_type)))
+        elif kind == "input_audio":
+            clip = part.get("input_audio")
+            try:
+                if not isinstance(clip, dict):
+                    raise ValueError("input_audio must be an object {data: base64, format: wav | mp3}")
+                audio = decode_base64_audio(clip.get("data"), clip.get("format"),
+                                            images_before + sum(p.HasField("audio") for p in parts))
+            except ValueError as exc:
+                raise HTTPError(400, f"messages[{i}].content[{j}]: {exc}", param="messages") from None
+            parts.append(router_pb2.ChatContentPart(audio=router_pb2.Audio(data=audio.data, format=audio.format)))
         else:
-            raise HTTPError(400, f"messages[{i}].content[{j}] must be a text part or an image_url part "
-                                 "(a data: URL)", param="messages")
+            raise HTTPError(400, f"messages[{i}].content[{j}] must be a text part, an image_url part "
+                                 "(a data: URL) or an input_audio part", param="messages")
     return parts

@@ -12,7 +12,7 @@ import grpc
 
 from baton.serving import tracing
 from baton.serving.grpc_server import ServiceError
-from baton.serving.wire import images_from_proto, sampling_from_proto
+from baton.serving.wire import media_from_proto, sampling_from_proto
 from baton.serving.worker.core_protocol import Command
 from baton.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
 
@@ -46,7 +46,7 @@ class PrefillFront:
         if handoff.skip_blocks > most:
             raise ValueError(f"handoff.skip_blocks {handoff.skip_blocks} is past the {most} full blocks a decode "
                              f"worker's prefix cache can hold of this {len(prompt)}-token prompt")
-        images = images_from_proto(req.images)
+        images = media_from_proto(req)          # images or audio clips
         timeout = req.timeout_ms / 1000 if req.timeout_ms else DEFAULT_TIMEOUT_S
         self.active.add(rid)
         span = tracing.start("prefill.worker", metadata, attributes={

@@ -113,20 +113,22 @@ class StreamRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "timeout_ms", "images", "subscriber")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "timeout_ms", "images", "subscriber", "audios")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBER_FIELD_NUMBER: _ClassVar[int]
+    AUDIOS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _router_pb2.SamplingParams
     timeout_ms: int
     images: _containers.RepeatedCompositeFieldContainer[_router_pb2.Image]
     subscriber: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., images: _Optional[_Iterable[_Union[_router_pb2.Image, _Mapping]]] = ..., subscriber: _Optional[str] = ...) -> None: ...
+    audios: _containers.RepeatedCompositeFieldContainer[_router_pb2.Audio]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., images: _Optional[_Iterable[_Union[_router_pb2.Image, _Mapping]]] = ..., subscriber: _Optional[str] = ..., audios: _Optional[_Iterable[_Union[_router_pb2.Audio, _Mapping]]] = ...) -> None: ...
 
 class StartResponse(_message.Message):
     __slots__ = ()

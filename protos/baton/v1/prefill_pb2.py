@@ -26,7 +26,7 @@ from baton.v1 import router_pb2 as baton_dot_v1_dot_router__pb2
 from baton.v1 import worker_pb2 as baton_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x61ton/v1/prefill.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/router.proto\x1a\x15\x62\x61ton/v1/worker.proto\"O\n\x10\x43onnectKVRequest\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"8\n\x11\x43onnectKVResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x12\n\nhandshaken\x18\x02 \x01(\x08\"b\n\x07Handoff\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\rJ\x04\x08\x04\x10\x05\"\xc3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\"\n\x07handoff\x18\x04 \x01(\x0b\x32\x11.baton.v1.Handoff\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\x1f\n\x06images\x18\x06 \x03(\x0b\x32\x0f.baton.v1.Image\"\x8f\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x32\x9b\x03\n\x07Prefill\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.baton.v1.WorkerAbortRequest\x1a\x1d.baton.v1.WorkerAbortResponse\x12?\n\tGetStatus\x12\x1a.baton.v1.GetStatusRequest\x1a\x16.baton.v1.WorkerStatus\x12\x42\n\nGetMetrics\x12\x1b.baton.v1.GetMetricsRequest\x1a\x17.baton.v1.WorkerMetrics\x12?\n\x0bGetKVEvents\x12\x1c.baton.v1.GetKVEventsRequest\x1a\x12.baton.v1.KVEvents\x12\x44\n\tConnectKV\x12\x1a.baton.v1.ConnectKVRequest\x1a\x1b.baton.v1.ConnectKVResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x62\x61ton/v1/prefill.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/router.proto\x1a\x15\x62\x61ton/v1/worker.proto\"O\n\x10\x43onnectKVRequest\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\"8\n\x11\x43onnectKVResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x12\x12\n\nhandshaken\x18\x02 \x01(\x08\"b\n\x07Handoff\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\rJ\x04\x08\x04\x10\x05\"\xe4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\"\n\x07handoff\x18\x04 \x01(\x0b\x32\x11.baton.v1.Handoff\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x12\x1f\n\x06images\x18\x06 \x03(\x0b\x32\x0f.baton.v1.Image\x12\x1f\n\x06\x61udios\x18\x07 \x03(\x0b\x32\x0f.baton.v1.Audio\"\x8f\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x32\x9b\x03\n\x07Prefill\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.baton.v1.WorkerAbortRequest\x1a\x1d.baton.v1.WorkerAbortResponse\x12?\n\tGetStatus\x12\x1a.baton.v1.GetStatusRequest\x1a\x16.baton.v1.WorkerStatus\x12\x42\n\nGetMetrics\x12\x1b.baton.v1.GetMetricsRequest\x1a\x17.baton.v1.WorkerMetrics\x12?\n\x0bGetKVEvents\x12\x1c.baton.v1.GetKVEventsRequest\x1a\x12.baton.v1.KVEvents\x12\x44\n\tConnectKV\x12\x1a.baton.v1.ConnectKVRequest\x1a\x1b.baton.v1.ConnectKVResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,9 +40,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDOFF']._serialized_start=221
   _globals['_HANDOFF']._serialized_end=319
   _globals['_PREFILLREQUEST']._serialized_start=322
-  _globals['_PREFILLREQUEST']._serialized_end=517
-  _globals['_PREFILLRESPONSE']._serialized_start=520
-  _globals['_PREFILLRESPONSE']._serialized_end=663
-  _globals['_PREFILL']._serialized_start=666
-  _globals['_PREFILL']._serialized_end=1077
+  _globals['_PREFILLREQUEST']._serialized_end=550
+  _globals['_PREFILLRESPONSE']._serialized_start=553
+  _globals['_PREFILLRESPONSE']._serialized_end=696
+  _globals['_PREFILL']._serialized_start=699
+  _globals['_PREFILL']._serialized_end=1110
 # @@protoc_insertion_point(module_scope)

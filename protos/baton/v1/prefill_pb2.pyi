@@ -39,20 +39,22 @@ class Handoff(_message.Message):
     def __init__(self, decode_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., backend: _Optional[str] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "handoff", "timeout_ms", "images")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "handoff", "timeout_ms", "images", "audios")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    AUDIOS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _router_pb2.SamplingParams
     handoff: Handoff
     timeout_ms: int
     images: _containers.RepeatedCompositeFieldContainer[_router_pb2.Image]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., images: _Optional[_Iterable[_Union[_router_pb2.Image, _Mapping]]] = ...) -> None: ...
+    audios: _containers.RepeatedCompositeFieldContainer[_router_pb2.Audio]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., timeout_ms: _Optional[int] = ..., images: _Optional[_Iterable[_Union[_router_pb2.Image, _Mapping]]] = ..., audios: _Optional[_Iterable[_Union[_router_pb2.Audio, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "cached_prompt_tokens", "prefill_seconds", "transfer_seconds", "transfer_bytes")

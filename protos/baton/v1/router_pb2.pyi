@@ -99,12 +99,14 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class ChatContentPart(_message.Message):
-    __slots__ = ("text", "image")
+    __slots__ = ("text", "image", "audio")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
     text: str
     image: Image
-    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[Image, _Mapping]] = ...) -> None: ...
+    audio: Audio
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[Image, _Mapping]] = ..., audio: _Optional[_Union[Audio, _Mapping]] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data", "mime_type")
@@ -113,6 +115,14 @@ class Image(_message.Message):
     data: bytes
     mime_type: str
     def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
+
+class Audio(_message.Message):
+    __slots__ = ("data", "format")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    format: str
+    def __init__(self, data: _Optional[bytes] = ..., format: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "prior_output_tokens", "logprobs", "prompt_logprobs", "structured", "priority", "speculative")
