@@ -52,6 +52,9 @@
 # The prefix cache's host tier (issue 51, one GPU): multiturn (baton bench multiturn --compare-offload: 32 users x 6
 # turns on one colocated worker whose device KV holds a third of their conversations, without then with
 # --kv-offloading-size; MT_ARGS for more flags, MT_MODEL for another model)
+# Decode-side prefix reuse in PD (issue 51): pdreuse (baton bench multiturn --compare-pd-reuse: the multiturn
+# conversations through 1P1D on PDR_DEVICES, default cuda:0,cuda:1, with the decode side's reuse off, then on; KV bytes
+# sent and TTFT; PDR_KV: the KV backend, e.g. grpc where both workers share one GPU: PDR_DEVICES=cuda:0,cuda:0)
 # INT4 weight-only (issue 54, one GPU): int4 (tests/test_int4.py's kernel and layer tests, the interpreter's on the
 # device's triton; then benchmarks/int4_decode.py: the W4A16 GEMM vs bf16 at qwen3-8b's shapes, M 1-256, and the decode
 # step of qwen3-8b with random AWQ group-128 weights vs bf16 at batches 1, 4, 8, 16; INT4_ARGS: more flags)
@@ -179,6 +182,11 @@ for step in $STEPS; do
               --device cuda:0 ${MT_ARGS:-} --output "$OUT/multiturn-${MT_MODEL:-qwen3-8b}.json" \
               --log-dir "$OUT/multiturn-logs" 2>&1 | grep "^\[bench\]" | tee "$OUT/multiturn.txt"
             tar czf "$OUT/multiturn-logs.tgz" -C "$OUT" multiturn-logs && rm -rf "$OUT/multiturn-logs" ;;
+    pdreuse) timeout ${PDR_TIMEOUT:-540} python3 -m baton bench multiturn --compare-pd-reuse --model ${MT_MODEL:-qwen3-8b} \
+              --devices ${PDR_DEVICES:-cuda:0,cuda:1} ${PDR_KV:+--kv-backend $PDR_KV} ${MT_ARGS:-} \
+              --output "$OUT/pdreuse-${MT_MODEL:-qwen3-8b}${PDR_TAG:-}.json" --log-dir "$OUT/pdreuse-logs" 2>&1 \
+              | grep "^\[bench\]" | tee "$OUT/pdreuse${PDR_TAG:-}.txt"
+            tar czf "$OUT/pdreuse-logs${PDR_TAG:-}.tgz" -C "$OUT" pdreuse-logs && rm -rf "$OUT/pdreuse-logs" ;;
     moefp8) timeout ${MOEFP8_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \
               -k "${MOEFP8_TESTS:-fused_moe or qwen3_moe}" 2>&1 | tail -15 | tee "$OUT/moe-fp8-tests.txt"
             timeout ${MOEFP8_TIMEOUT:-150} python3 -m baton.benchmarks.moe_kernel --fp8 --out "$OUT" ${MOEFP8_ARGS:-} \

@@ -10,6 +10,13 @@ the conversations' working set is --working-set-x times it (--num-kv-blocks), fi
 then with the prefix cache's host tier (--kv-offloading-size --offload-gib), and runs the same
 conversations (same seed) against each: the host tier's figure, same device, same run. Without
 it, the conversations run against --addr.
+
+--compare-pd-reuse launches one prefill and one decode worker (--devices, --kv-backend) twice, first
+with the decode side's prefix reuse off (--no-decode-prefix-reuse: every turn's whole prompt KV is
+sent) and then on (the decode worker keeps its own prefix cache; the prefill worker sends only the
+blocks it lacks), and runs the same conversations against each. Beside TTFT it reports the KV bytes
+the prefill worker sent and the prompt tokens the decode side reused (the workers' metrics): the bytes
+should fall by the reused fraction.
 """
 from __future__ import annotations
 
@@ -23,14 +30,16 @@ from pathlib import Path
 
 import grpc
 
-from baton.benchmarks import deployment, record
+from baton.benchmarks import deployment, prometheus, record
 from baton.benchmarks.datasets import MAX_TOKEN_ID
 from baton.benchmarks.loadgen import CHANNEL_OPTIONS
 from baton.engine.config import DEFAULT_MODEL
 from baton.v1 import router_pb2, router_pb2_grpc
 
-FULL = dict(users=32, turns=6, system_len=1024, message_len=128, output_len=128, think_s=1.0, device="cuda:0")
-SMOKE = dict(users=4, turns=3, system_len=48, message_len=8, output_len=8, think_s=0.05, device="cpu")
+FULL = dict(users=32, turns=6, system_len=1024, message_len=128, output_len=128, think_s=1.0, device="cuda:0",
+            devices="cuda:0,cuda:1")
+SMOKE = dict(users=4, turns=3, system_len=48, message_len=8, output_len=8, think_s=0.05, device="cpu",
+             devices="cpu,cpu")
 BLOCK_SIZE = 16
 
 
@@ -46,6 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch one colocated worker without, then with the host tier, and compare")
     p.add_argument("--working-set-x", type=float, default=3.0, help="the conversations' KV over the device cache's")
     p.add_argument("--offload-gib", type=float, default=16.0, help="the host tier's size (--kv-offloading-size)")
+    p.add_argument("--compare-pd-reuse", action="store_true",
+                   help="launch 1P1D with the decode side's prefix reuse off, then on, and compare")
+    p.add_argument("--devices", default=None, help=f"--compare-pd-reuse's prefill,decode devices (default: "
+                                                   f"{FULL['devices']})")
+    p.add_argument("--kv-backend", default=None, help="--compare-pd-reuse's KV backend (default: the workers')")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="--compare-pd-reuse: each worker's device KV blocks (default: sized from free memory)")
     p.add_argument("--worker-args", default="", help="more flags for the launched worker")
     p.add_argument("--log-dir", default=None)
 
@@ -119,6 +135,10 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     rec["workload"] = {"users": args.users, "turns": args.turns, "system_len": args.system_len,
                        "message_len": args.message_len, "output_len": args.output_len, "think_s": args.think_s,
                        "working_set_tokens": working_set_tokens(args)}
+    if args.compare_offload and args.compare_pd_reuse:
+        raise ValueError("--compare-offload and --compare-pd-reuse each launch their own deployments: pick one")
+    if args.compare_pd_reuse:
+        return compare_pd_reuse(args, rec)
     if not args.compare_offload:
         rec["results"] = {"external": asyncio.run(drive(args.addr, args))}
         _print("external", rec["results"]["external"])
@@ -127,9 +147,8 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     rec["device"] = record.device_info([args.device])
     rec["workload"] |= {"device_kv_blocks": blocks, "working_set_x": working_set_tokens(args) / (blocks * BLOCK_SIZE),
                         "offload_gib": args.offload_gib}
-    log_root = Path(args.log_dir) if args.log_dir else Path(args.output).with_suffix("").with_name(
-        Path(args.output).stem + "-logs")
     rec["results"] = {}
+    log_root = _log_root(args)
     for name, extra in (("device only", []), ("host tier", ["--kv-offloading-size", str(args.offload_gib)])):
         worker_args = ["--num-kv-blocks", str(blocks), "--block-size", str(BLOCK_SIZE), *args.worker_args.split(),
                        *extra]
@@ -145,6 +164,64 @@ def run(args: argparse.Namespace, rec: dict) -> None:
                                         "output_tok_s": b["output_tok_s"] / a["output_tok_s"]}
         print(f"[bench] host tier vs device only: TTFT p50 {rec['host_tier_over_device']['ttft_p50']:.2f}x lower, "
               f"throughput {rec['host_tier_over_device']['output_tok_s']:.2f}x", flush=True)
+
+
+def _log_root(args: argparse.Namespace) -> Path:
+    return Path(args.log_dir) if args.log_dir else Path(args.output).with_suffix("").with_name(
+        Path(args.output).stem + "-logs")
+
+
+KV_BYTES, REUSED = "baton_kv_transfer_bytes_total", "baton_pd_reused_tokens_total"
+
+
+def _counters(dep: deployment.Deployment) -> dict[str, float]:
+    """KV bytes the prefill worker sent and prompt tokens the decode worker reused, as of now."""
+    out = {"kv_bytes_sent": 0.0, "reused_tokens": 0.0}
+    for w in dep.workers:
+        if w["role"] == "prefill":
+            out["kv_bytes_sent"] += prometheus.counter_sum(w["metrics_url"], KV_BYTES, direction="out")
+        else:
+            out["reused_tokens"] += prometheus.counter_sum(w["metrics_url"], REUSED)
+    return out
+
+
+def compare_pd_reuse(args: argparse.Namespace, rec: dict) -> None:
+    """The same conversations through 1P1D with the decode side's prefix reuse off, then on."""
+    devices = args.devices.split(",")
+    if len(devices) != 2:
+        raise ValueError(f"--devices wants two devices (prefill,decode), got {args.devices!r}")
+    rec["device"] = record.device_info(devices)
+    rec["workload"] |= {"devices": devices, "kv_backend": args.kv_backend or "default"}
+    rec["results"] = {}
+    common = ["--block-size", str(BLOCK_SIZE), *args.worker_args.split()]
+    common += ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
+    common += ["--kv-backend", args.kv_backend] if args.kv_backend else []
+    for name, switch in (("reuse off", "--no-decode-prefix-reuse"), ("reuse on", "--decode-prefix-reuse")):
+        dep = deployment.launch("1p1d", args.model, devices, [*common, switch], _log_root(args) / name.replace(" ", "-"))
+        try:
+            before = _counters(dep)
+            result = asyncio.run(drive(dep.router_address, args))
+            after = _counters(dep)
+        finally:
+            dep.stop()
+        result |= {key: after[key] - before[key] for key in after}
+        prompt = sum(t["prompt_tokens"] for t in result["turns"] if t["status"] == "OK")
+        result["reused_share"] = result["reused_tokens"] / max(1, prompt)
+        rec["results"][name] = result
+        _print(name, result)
+        print(f"[bench] {name}: {result['kv_bytes_sent'] / 2**20:.0f} MiB of KV sent, "
+              f"{100 * result['reused_share']:.0f} % of prompt tokens reused on the decode side", flush=True)
+    off, on = rec["results"]["reuse off"], rec["results"]["reuse on"]
+    if off["kv_bytes_sent"] and off["ttft_p50_s"] and on["ttft_p50_s"]:
+        rec["reuse_over_no_reuse"] = {
+            "ttft_p50": off["ttft_p50_s"] / on["ttft_p50_s"],
+            "output_tok_s": on["output_tok_s"] / off["output_tok_s"],
+            "bytes_fall": 1 - on["kv_bytes_sent"] / off["kv_bytes_sent"],
+            "reused_share": on["reused_share"]}
+        r = rec["reuse_over_no_reuse"]
+        print(f"[bench] decode-side reuse vs none: TTFT p50 {r['ttft_p50']:.2f}x lower, throughput "
+              f"{r['output_tok_s']:.2f}x, KV bytes {100 * r['bytes_fall']:.0f} % fewer for "
+              f"{100 * r['reused_share']:.0f} % of prompt tokens reused", flush=True)
 
 
 def _ms(s: float | None) -> str:

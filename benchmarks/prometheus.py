@@ -54,6 +54,16 @@ def _text(url: str, timeout: float) -> str:
         return r.read().decode()
 
 
+def counter_sum(url: str, name: str, timeout: float = 5.0, **labels: str) -> float:
+    """Samples `name` (a counter's `_total`) at `url` whose labels include `labels`, summed."""
+    total = 0.0
+    for family in text_string_to_metric_families(_text(url, timeout)):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
 def quantiles_between(before: dict[float, float], after: dict[float, float]) -> dict:
     """Count, p50 and p99 of what the histogram observed between two scrapes."""
     delta = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
