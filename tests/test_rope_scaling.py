@@ -220,11 +220,14 @@ def test_max_model_len_may_reach_the_scaled_context_and_no_further(overrides, re
 
 
 def test_qwen3_with_its_documented_yarn_reaches_131072_tokens():
-    """Qwen3-8B's own config (max_position_embeddings 40960) with the rope_scaling Qwen documents."""
+    """Qwen3-8B's own config (max_position_embeddings 40960) with the rope_scaling Qwen documents
+    (the qwen3-8b-yarn preset: qwen3-8b's fields and that rope_scaling, nothing else)."""
     from transformers import AutoConfig
-    fields = dict(PRESETS["qwen3-8b"])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields, rope_scaling={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    yarn = dict(PRESETS["qwen3-8b-yarn"])
+    assert yarn.pop("rope_scaling") == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert yarn == PRESETS["qwen3-8b"]
+    fields = dict(PRESETS["qwen3-8b-yarn"])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     check_max_model_len(config, 131072)
     with pytest.raises(ValueError, match="rope_scaling yarn extends max_position_embeddings 40960 to 131072"):
         check_max_model_len(config, 131073)
