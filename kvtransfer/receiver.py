@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import grpc
 
 from baton.engine.kv_handoff import InPlace
-from baton.engine.scheduling.block_manager import KVCacheFull
 
 log = logging.getLogger("baton.kvtransfer")
 
@@ -121,9 +120,6 @@ class PendingTransfers:
             raise ValueError(f"transfer id {transfer_id!r} was already used")
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        if nbytes > self.max_staged_bytes:
-            raise KVCacheFull(f"a KV payload of {nbytes} bytes can never be staged here (limit "
-                              f"{self.max_staged_bytes} bytes); raise the limit or use a shorter prompt")
         if deadline_s <= 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s}")
         loop = asyncio.get_running_loop()
@@ -209,8 +205,10 @@ class PendingTransfers:
 
     async def stage(self, t: Transfer, allocate: Callable[[int], object] | None = None) -> None:
         """Allocate t.buffer (host memory by default; `allocate(nbytes)` for e.g. a device tensor),
-        first waiting (until t's deadline) for room under max_staged_bytes."""
-        while self.staged_bytes + t.nbytes > self.max_staged_bytes:
+        first waiting (until t's deadline) for room under max_staged_bytes. A payload over the limit
+        by itself (a long prompt's KV) waits until nothing else is staged, then stages alone; where
+        even that does not fit, `allocate` fails and the backend refuses the transfer."""
+        while self.staged_bytes and self.staged_bytes + t.nbytes > self.max_staged_bytes:
             if self._staging_freed is None:
                 self._staging_freed = asyncio.Event()
             try:

@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 
 from baton.engine.kv_handoff import KVPiece
 from baton.engine.runner.kv_blocks import pack_blocks, unpack_blocks
-from baton.engine.scheduling.block_manager import KVCacheFull
 from baton.kvtransfer import peer_auth
 from baton.kvtransfer.backend import KVTransferError, TransferDescriptor
 from baton.kvtransfer.grpc_backend import GrpcKVSender, KVTransferServicer, chunk_codec
@@ -766,17 +765,36 @@ def test_cancel_ends_a_transfer_without_callbacks_and_refuses_later_chunks():
     assert code is Code.CANCELLED and "cancelled by the decode worker" in details and out.ends("ab") == 0
 
 
-def test_expect_refuses_reused_ids_and_payloads_larger_than_staging():
+def test_expect_refuses_reused_ids():
     async def main():
         pending, out = PendingTransfers(max_staged_bytes=1000), Outcomes()
         out.expect(pending, "a", 10)
         with pytest.raises(ValueError, match="already used"):
             out.expect(pending, "a", 10)
-        with pytest.raises(KVCacheFull, match="can never be staged"):
-            out.expect(pending, "b", 1001)
         pending.cancel("a")
 
     run(main())
+
+
+def test_a_payload_over_the_staging_limit_stages_alone():
+    """A long prompt's KV may exceed --kv-buffer-mib: it is admitted, waits until nothing else is
+    staged, then stages by itself (it used to be refused as "KV full", and a router waited for room
+    that never came); what is staged stays bounded by the limit or that one payload."""
+    async def main():
+        pending, out = PendingTransfers(max_staged_bytes=1000), Outcomes()
+        out.expect(pending, "small", 600)
+        out.expect(pending, "long", 2500)
+        await pending.stage(pending.lookup("small"))
+        long = asyncio.ensure_future(pending.stage(pending.lookup("long")))
+        await asyncio.sleep(0.05)
+        waited = not long.done() and pending.stats().staged_bytes == 600
+        pending.cancel("small")
+        await asyncio.wait_for(long, 2)
+        alone = pending.stats().staged_bytes
+        pending.cancel("long")
+        return waited, alone, pending.stats().staged_bytes
+
+    assert run(main()) == (True, 2500, 0)
 
 
 def test_a_sender_whose_peer_is_down_fails_within_its_timeout():
