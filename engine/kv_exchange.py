@@ -156,7 +156,7 @@ class KVExchange:
         """Pin the prompt's cached leading blocks (BlockManager.match_prefix); how many. A prompt with
         images matches only up to its first image: their pads alone do not say which image it was."""
         if self.placeholders is not None:
-            seq.mm = MultimodalPrompt.remote(seq.token_ids, self.placeholders.image_token_id, 0)
+            seq.mm = MultimodalPrompt.remote(seq.token_ids, self.placeholders.token_id, 0)
         self.block_manager.match_prefix(seq)
         return len(seq.block_table)
 

@@ -99,7 +99,8 @@ def test_a_bad_clip_is_named_by_its_part(clip, says):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """One prefill, one decode and one colocated worker; the cluster's router prefers the pair, a
-    second router knows only the colocated worker. And the offline engine's answer to each chat."""
+    second router knows only the colocated worker, a third only the pair (so a 1P1D failure cannot
+    hide behind a retry on the colocated worker). And the offline engine's answer to each chat."""
     from baton import LLM
     from baton.models.source import resolve_model
     root = tmp_path_factory.mktemp("audio")
@@ -119,16 +120,25 @@ def served(tmp_path_factory):
                     f"127.0.0.1:{port}")
         c.procs.append(solo)
         solo.start(c.env, c.log_dir)
+        port = free_port()
+        pair = Proc("router-pair", [sys.executable, "-m", "baton.router", "--port", str(port), "--model", str(path),
+                                    "--prefill", c.worker("prefill-0").address, "--decode", c.worker("decode-0").address],
+                    f"127.0.0.1:{port}")
+        c.procs.append(pair)
+        pair.start(c.env, c.log_dir)
         solo.wait_ready()
-        yield c, solo, want
+        pair.wait_ready()
+        yield c, solo, pair, want
     finally:
         c.stop()
 
 
 def test_grpc_chats_give_the_offline_engines_tokens_disaggregated_and_colocated(served):
-    c, solo, want = served
+    c, solo, pair, want = served
     from baton.v1 import router_pb2_grpc
-    stubs = {"1P1D": c.stub(), "colocated": router_pb2_grpc.RouterStub(grpc.insecure_channel(solo.address))}
+    stubs = {"1P1D": router_pb2_grpc.RouterStub(grpc.insecure_channel(pair.address)),
+             "colocated": router_pb2_grpc.RouterStub(grpc.insecure_channel(solo.address)),
+             "either": c.stub()}
     for route, stub in stubs.items():
         for name, parts in CHATS.items():
             ids, text, last = collect(stub, chat_request(*parts))
@@ -140,7 +150,7 @@ def test_grpc_chats_give_the_offline_engines_tokens_disaggregated_and_colocated(
 
 
 def test_the_openai_client_with_input_audio_gets_the_same_text(served):
-    c, _, want = served
+    c, _, _, want = served
     client = openai.OpenAI(base_url=c.http_url, api_key="unused", max_retries=0, timeout=60)
     r = client.chat.completions.create(model="tiny-qwen2-audio", temperature=0, max_tokens=MAX_TOKENS,
                                        extra_body={"ignore_eos": True},
@@ -157,7 +167,7 @@ def test_the_openai_client_with_input_audio_gets_the_same_text(served):
     ((WAV, "flac8"), "'format' must be one of"),
 ], ids=["undecodable", "empty", "too long", "bad base64", "bad format"])
 def test_bad_audio_is_400_through_the_openai_api(served, clip, says):
-    c, _, _ = served
+    c, _, _, _ = served
     client = openai.OpenAI(base_url=c.http_url, api_key="unused", max_retries=0, timeout=60)
     data = clip[0] if isinstance(clip[0], str) else base64.b64encode(clip[0]).decode()
     with pytest.raises(openai.BadRequestError) as err:
@@ -167,7 +177,7 @@ def test_bad_audio_is_400_through_the_openai_api(served, clip, says):
 
 
 def test_bad_audio_over_grpc_is_invalid_argument_and_leaves_no_blocks_held(served):
-    c, _, _ = served
+    c, _, _, _ = served
     for parts, says in ((["hi", (b"ID3 not an mp3", "mp3")], "chat.messages[0].parts[1]: audio 0 could not be decoded"),
                         ([(sine(2.2), "wav")], "chat.messages[0].parts[0]: audio 0 is refused: it is 2.2 s long")):
         with pytest.raises(grpc.RpcError) as err:
@@ -181,7 +191,7 @@ def test_bad_audio_over_grpc_is_invalid_argument_and_leaves_no_blocks_held(serve
 def test_baton_generate_sends_audio_files_before_the_prompt(served, tmp_path):
     """`baton generate "..." --audio a.wav --audio b.mp3`: the CLI's answer is the router's for the
     same chat (clips first, then the prompt; each clip's format from its file name)."""
-    c, _, _ = served
+    c, _, _, _ = served
     (tmp_path / "a.wav").write_bytes(WAV)
     (tmp_path / "b.mp3").write_bytes(MP3)
     req = chat_request((WAV, "wav"), (MP3, "mp3"), "compare")
