@@ -117,7 +117,8 @@ COMMON_FLAGS = (
     BackendFlag("--kv-buffer-mib", dict(type=int, default=BUFFER_MIB, help=(
         "device memory for KV in flight, per worker: on a prefill worker the packed KV not yet sent (past it, "
         "no new prompt starts until it drains), on a decode worker the staging of incoming KV (past it, a "
-        "transfer waits for room); on an accelerator at most half the memory the KV cache left")), minimum=1),
+        "transfer waits for room; one larger than all of it waits until nothing else is staged, then stages alone); "
+        "on an accelerator at most half the memory the KV cache left")), minimum=1),
 )
 
 
