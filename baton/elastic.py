@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from baton.benchmarks.deployment import ROLES, next_move, split_counts
+from baton.benchmarks.deployment import ROLES, next_move, split_counts, switch_one
 from baton.serving.grpc_server import open_sync_channel
 from baton.serving.options import flag, parser
 from baton.serving.security import add_tls_args, tls_from_args
-from baton.v1 import admin_pb2, admin_pb2_grpc, router_pb2, router_pb2_grpc
+from baton.v1 import admin_pb2_grpc, router_pb2, router_pb2_grpc
 
 COUNTERS = {"prompt": "baton_prompt_tokens_total", "output": "baton_generation_tokens_total",
             "requests": "baton_requests_total"}
@@ -175,13 +175,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _switch(admin, workers, move: tuple[str, str], timeout: float, metadata, ctl: Controller) -> None:
     src, dst = move
-    w = min((w for w in workers if w.role == src), key=lambda w: w.running + w.waiting)
     try:
-        r = admin.SwitchRole(admin_pb2.AdminSwitchRoleRequest(worker=w.address, role=dst,
-                                                             timeout_ms=int(timeout * 1000)),
-                             timeout=timeout + 15, metadata=metadata)
+        r = switch_one(admin, workers, move, timeout, metadata)
     except grpc.RpcError as exc:
-        print(f"[elastic] switching {w.address} {src} -> {dst} failed: {exc.code().name}: {exc.details()}",
+        print(f"[elastic] switching a {src} worker to {dst} failed: {exc.code().name}: {exc.details()}",
               file=sys.stderr, flush=True)
         ctl.last_switch = time.monotonic()          # (a refusal waits the cooldown out too: no flapping)
         return

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from baton import environment
 from baton.serving.processes import START_TIMEOUT_S, Child, free_port, stop_all, wait_serving, worker_command
+from baton.v1 import admin_pb2
 
 TOPOLOGIES = ("1p1d", "2colocated", "1colocated")     # the usual ones; any XpYd / Ncolocated is accepted
 # issue 49's comparison at four devices: colocated replicas against every split of them
@@ -233,3 +234,12 @@ def next_move(current: dict[str, int], want: dict[str, int]) -> tuple[str, str] 
     if not moves:
         return None
     return min(moves, key=lambda m: (m not in CHEAP, ROLES.index(m[0]), ROLES.index(m[1])))
+
+
+def switch_one(admin, workers, move: tuple[str, str], timeout_s: float, metadata=()):
+    """Switch the least-loaded worker of role move[0] to move[1] (Admin.SwitchRole, authenticated by
+    `metadata`); `workers`: the router's ServerInfo workers. Its answer; grpc.RpcError if refused."""
+    src, dst = move
+    w = min((w for w in workers if w.role == src), key=lambda w: w.running + w.waiting)
+    return admin.SwitchRole(admin_pb2.AdminSwitchRoleRequest(worker=w.address, role=dst, timeout_ms=int(timeout_s * 1000)),
+                            timeout=timeout_s + 15, metadata=metadata)

@@ -35,7 +35,7 @@ from baton.benchmarks.goodput import SLO
 from baton.benchmarks.stats import meets_slo, summarize
 from baton.engine.config import DEFAULT_MODEL
 from baton.serving.grpc_server import open_sync_channel
-from baton.v1 import admin_pb2, admin_pb2_grpc, router_pb2, router_pb2_grpc
+from baton.v1 import admin_pb2_grpc, router_pb2, router_pb2_grpc
 
 FULL = dict(phases="prefill-heavy:60:90,decode-heavy:380:90", runs="elastic,2p2d,3p1d,1p3d", elastic_from="3p1d",
             devices="cuda:0,cuda:1,cuda:2,cuda:3", slo_ttft_ms=1000.0, slo_tpot_ms=15.0, window=5.0, windows=2,
@@ -202,10 +202,8 @@ class Roles:
         while (move := next_move(self.counts(), want)) is not None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"could not reach {split} within {timeout_s:.0f}s: at {self.counts()}")
-            src, dst = move
-            w = min((w for w in self.workers() if w.role == src), key=lambda w: w.running + w.waiting)
-            r = self.admin.SwitchRole(admin_pb2.AdminSwitchRoleRequest(worker=w.address, role=dst, timeout_ms=60_000),
-                                      timeout=75, metadata=self.metadata)
+            dst = move[1]
+            r = deployment.switch_one(self.admin, self.workers(), move, 60.0, self.metadata)
             done.append({"worker": r.worker, "from": r.from_role, "to": r.to_role, "seconds": r.seconds})
             deadline_seen = time.monotonic() + 10     # the router adopts the new role at its next status poll
             while self.counts().get(dst, 0) < want.get(dst, 0) and next_move(self.counts(), want) == move \
