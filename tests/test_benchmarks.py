@@ -453,3 +453,24 @@ def test_serve_smoke_launches_1p1d_and_reports_every_request(tmp_path):
         assert 0 <= p["slo_attainment"] <= 1
     assert {w["role"] for w in topo["deployment"]["workers"]} == {"prefill", "decode"}
     assert all(path.endswith(".png") for path in data["results"]["plots"])
+
+
+def test_multiturn_smoke_with_pd_reuse_sends_only_the_blocks_decode_lacks(tmp_path):
+    """`bench multiturn --compare-pd-reuse`: the same conversations through 1P1D with the decode
+    side's reuse off, then on. Off: every turn's whole prompt KV is sent, none reused. On: the later
+    turns find their history on the decode side, and the bytes fall by exactly the reused blocks."""
+    out = tmp_path / "multiturn.json"
+    r = subprocess.run([*BENCH, "multiturn", "--smoke", "--compare-pd-reuse", "--output", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    data = json.loads(out.read_text())
+    off, on = data["results"]["reuse off"], data["results"]["reuse on"]
+    assert [t["prompt_tokens"] for t in off["turns"]] == [t["prompt_tokens"] for t in on["turns"]]   # same chats
+    assert all(t["status"] == "OK" and t["ttft"] is not None for t in off["turns"] + on["turns"])
+    block = 16
+    blocks = sum(math.ceil(t["prompt_tokens"] / block) for t in off["turns"])
+    block_bytes = off["kv_bytes_sent"] / blocks
+    assert off["reused_tokens"] == 0 and block_bytes == int(block_bytes) > 0       # whole blocks, every prompt
+    assert on["reused_tokens"] > 0 and on["reused_tokens"] % block == 0
+    assert on["kv_bytes_sent"] == off["kv_bytes_sent"] - on["reused_tokens"] // block * block_bytes
+    assert data["reuse_over_no_reuse"]["bytes_fall"] == pytest.approx(on["reused_tokens"] // block / blocks)
