@@ -29,6 +29,7 @@ from baton.engine.platforms.npu import NpuPlatform
 from baton.engine.runner.kv_blocks import Pieces, pack_blocks_on_device, unpack_blocks
 from baton.kvtransfer.backend import KVTransferError, TransferDescriptor
 from baton.kvtransfer.direct_backend import DirectKVReceiver, DirectKVSender, PairGroup
+from baton.kvtransfer.direct_backend import receiver as direct_receiver
 from baton.kvtransfer.grpc_backend import KVTransferServicer
 from baton.kvtransfer.grpc_options import server_options
 from baton.kvtransfer.layout import KVLayout
@@ -153,6 +154,7 @@ def test_unknown_transfer_and_wrong_size_are_refused_without_touching_others():
 def test_a_stalled_transfer_fails_by_its_deadline_frees_staging_and_the_next_one_reconnects(monkeypatch):
     src = kv(4, seed=3)
     n = LAYOUT.payload_nbytes(2)
+    monkeypatch.setattr(direct_receiver, "DRAIN_S", 1.0)        # the bytes never come: drop the pair 1 s on
 
     async def main():
         async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:
@@ -175,6 +177,36 @@ def test_a_stalled_transfer_fails_by_its_deadline_frees_staging_and_the_next_one
     assert waited < 8, f"the stall was noticed only after {waited:.1f}s (deadline 1.5s)"
     assert first_pair_gone                     # its communicator had an unmatched receive: aborted
     assert "after" in landed.completed and stats.active == 0 and stats.staged_bytes == 0
+
+
+def test_bytes_that_come_after_the_deadline_fail_their_transfer_but_keep_the_pair():
+    """A busy prefill worker's send can come after the decode side's deadline. That transfer fails
+    (its blocks freed, the sender told), but the receive it announced still completes, so the pair
+    stays in step and the next transfer goes over the same pair: other transfers on it are not lost."""
+    src = kv(4, seed=5)
+    n = LAYOUT.payload_nbytes(2)
+
+    async def main():
+        async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:
+            pending.expect("late", n, 1.0, landed.on_complete, landed.on_fail)
+            sender.stall_s = 2.0                                # the bytes go 1 s past the deadline
+            with pytest.raises(KVTransferError) as late:
+                await sender.send(TransferDescriptor("late", nbytes=n), lambda: pack_blocks_on_device(src, [0, 1]),
+                                  1, timeout=10)
+            pairs_then = set(receiver.pairs)
+            sender.stall_s = 0
+            pending.expect("next", n, 20, landed.on_complete, landed.on_fail)
+            await sender.send(TransferDescriptor("next", nbytes=n), lambda: pack_blocks_on_device(src, [2, 3]), 2)
+            return late.value, pairs_then, set(receiver.pairs), landed, pending.stats()
+    late, pairs_then, pairs_now, landed, stats = run(main())
+    assert "late" in landed.failed and "late" not in landed.completed
+    assert late.code in (Code.DEADLINE_EXCEEDED, Code.FAILED_PRECONDITION)
+    assert len(pairs_then) == 1 and pairs_now == pairs_then            # the same pair, never closed
+    payload, token, _ = landed.completed["next"]     # (its receive queued behind the late one's, on the pair)
+    dst = torch.zeros_like(src)
+    unpack_blocks(dst, [0, 1], payload)
+    assert token == 2 and torch.equal(dst[:, :, :2], src[:, :, 2:4])
+    assert stats.active == 0 and stats.staged_bytes == 0
 
 
 def test_a_sender_that_vanishes_after_ready_fails_the_transfer_at_once():

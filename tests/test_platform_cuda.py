@@ -423,11 +423,14 @@ def test_direct_kv_over_nccl_is_bit_exact_between_two_gpus():
 
 @pytest.mark.device
 @two_gpus
-def test_a_stalled_nccl_transfer_fails_frees_staging_aborts_the_pair_and_the_next_one_works():
+def test_a_stalled_nccl_transfer_fails_frees_staging_aborts_the_pair_and_the_next_one_works(monkeypatch):
     import asyncio
 
     from baton.benchmarks.kv_loopback import direct_loopback
     from baton.kvtransfer.backend import KVTransferError, TransferDescriptor
+    from baton.kvtransfer.direct_backend import receiver as direct_receiver
+
+    monkeypatch.setattr(direct_receiver, "DRAIN_S", 2.0)     # the bytes never come: the pair closes 2 s on
 
     n = 8 << 20
     payload = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda:0")

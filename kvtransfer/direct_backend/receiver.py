@@ -4,6 +4,12 @@ stream, on which transfers are multiplexed: OPEN (claim and stage a device buffe
 then each PIECE's receive posted on the pair's stream in PIECE order, and once the last
 piece's bytes have landed the payload goes to the registry (`PendingTransfers`), which hands
 it to the decode engine; DONE or REFUSED goes back.
+
+A transfer that passes its deadline with receives still posted fails (its blocks freed, REFUSED
+sent), but the pair stays: the sender posted each send when it announced the PIECE, so a late
+send (a busy prefill worker) still completes, into the orphaned buffer. Only receives still
+unmatched DRAIN_S later mean the sender never will, and close the pair (an unmatched receive
+stalls every later one on its stream).
 """
 from __future__ import annotations
 
@@ -37,6 +43,8 @@ from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 log = logging.getLogger("baton.kvtransfer")
 
+DRAIN_S = 10.0              # how long a failed transfer's posted receives may take to be matched
+
 
 @dataclass(eq=False)
 class _Incoming:
@@ -63,6 +71,7 @@ class _Control:
         # transfers that ended here -> (block count, their buffer while pieces may still come)
         self.ended: OrderedDict[str, tuple[int, torch.Tensor | None]] = OrderedDict()
         self.outbox = Outbox(self.context.write, lambda acks: Ack(batch=acks), self._write_failed)
+        self.draining: set[asyncio.Task] = set()
 
     def say(self, ack: Ack) -> None:
         self.outbox.put(ack)
@@ -180,7 +189,8 @@ class _Control:
         try:
             await self.pair.wait_done(inc.works, max(0.0, self.r.pending.time_left(inc.t)), "receive")
         except TimeoutError as exc:
-            self.r.drop(self.pair, f"a receive of transfer {tid} was left unmatched")
+            if tid in self.open:                 # (not drained by `overdue` already)
+                self._drain(tid, inc)
             self.end(tid, f"KV of transfer {tid} did not land before its deadline: {exc}", Code.DEADLINE_EXCEEDED)
             return
         except RuntimeError as exc:          # the collective failed (peer gone, aborted)
@@ -201,9 +211,27 @@ class _Control:
         inc = self.open.get(tid)
         if inc is None:
             return
-        if not all(p.completed() for p in inc.works):
-            self.r.drop(self.pair, f"a receive of transfer {tid} was left unmatched past its deadline")
+        self._drain(tid, inc)
         self.end(tid, f"the KV of transfer {tid} did not arrive before its deadline", Code.DEADLINE_EXCEEDED)
+
+    def _drain(self, tid: str, inc: _Incoming) -> None:
+        """Let `inc`'s posted receives complete after it failed (the pair stays in step), or close
+        the pair if they are still unmatched DRAIN_S from now."""
+        works = [p for p in inc.works if not p.completed()]
+        if not works:
+            return
+
+        async def drain() -> None:
+            try:
+                await self.pair.wait_done(works, DRAIN_S, "receive")
+            except TimeoutError:
+                self.r.drop(self.pair, f"a receive of transfer {tid} was still unmatched {DRAIN_S:g}s after the "
+                            "transfer failed")
+            except RuntimeError:
+                pass                         # the collective failed: the pair is closing already
+        task = asyncio.ensure_future(drain())
+        self.draining.add(task)
+        task.add_done_callback(self.draining.discard)
 
     def end(self, tid: str, reason: str, code: grpc.StatusCode) -> None:
         """Fail an open transfer (freeing its blocks) and tell the sender, unless the stream is over."""
@@ -236,6 +264,8 @@ class _Control:
         """The control stream is over: every transfer still open on it fails."""
         for tid in list(self.open):
             self.end(tid, reason, Code.CANCELLED)
+        for task in list(self.draining):     # the pair closes: nothing is left to drain into
+            task.cancel()
         self.outbox.close()
 
 
