@@ -7,6 +7,10 @@ mixed           long-tailed: lognormal prompt and output lengths (MIXED_SHAPE), 
                 --input-len / --output-len: most requests short, a few very long ones
 shared-prefix   groups of --group-size requests sharing a --prefix-len system prompt,
                 each with its own suffix (--input-len) — what prefix caching should catch
+long-8k         one long prompt's cost: 8,192-token prompts, 8 output tokens (TTFT and its stages
+long-32k        are the figure: run them one at a time, --max-concurrency 1); 32,768 tokens;
+long-128k       131,064 tokens, a 131,072-token context with the output (--max-model-len 131072 and a
+                model that reaches it, e.g. qwen3-8b-yarn)
 *.jsonl         one {"prompt": str, "max_tokens": int} per line (or "prompt_token_ids")
 
 Synthetic prompts are random token ids (sent pre-tokenized), so lengths are exact.
@@ -28,6 +32,9 @@ LENGTHS = {
     "decode-heavy": ((32, 128), (256, 1024)),
     "shared-prefix": ((32, 128), (64, 256)),
     "mixed": ((32, 4096), (8, 384)),
+    "long-8k": ((8192, 8192), (8, 8)),
+    "long-32k": ((32768, 32768), (8, 8)),
+    "long-128k": ((131064, 131064), (8, 8)),
 }
 # mixed: (median, sigma of the log) of prompt and output lengths. Public chat and API traces show
 # right-skewed lengths, near lognormal: most prompts and answers short, a tail of long ones that

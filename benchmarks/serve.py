@@ -83,8 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(launched deployments only)")
     w = p.add_argument_group("load")
     w.add_argument("--dataset", default="random",
-                   help="random | prefill-heavy | decode-heavy | mixed | shared-prefix | path/to/file.jsonl; with "
-                        "--goodput a comma list, each searched on the same deployment")
+                   help="random | prefill-heavy | decode-heavy | mixed | shared-prefix | long-8k | long-32k | "
+                        "long-128k | path/to/file.jsonl; with --goodput a comma list, each searched on the same "
+                        "deployment")
     w.add_argument("--input-len", default=None, help="MIN:MAX prompt tokens (shared-prefix: the unique suffix; "
                    "mixed: the clip of its lognormal), or per dataset: NAME=MIN:MAX,NAME=MIN:MAX; "
                    "default per dataset")

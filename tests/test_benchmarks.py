@@ -301,6 +301,17 @@ def test_poisson_arrivals_have_the_requested_mean_rate_and_inf_sends_all_at_once
         loadgen.arrival_times(3, 0.0, seed=0)
 
 
+def test_long_prompt_datasets_are_exact_lengths_and_128k_needs_its_context():
+    for name, tokens in (("long-8k", 8192), ("long-32k", 32768), ("long-128k", 131064)):
+        inp, out = datasets.LENGTHS[name]
+        [r] = datasets.build_requests(name, 1, seed=0, input_len=inp, output_len=out, max_model_len=131072,
+                                      vocab_size=151936)
+        assert len(r.prompt_ids) == tokens and r.max_tokens == 8 and len(r.prompt_ids) + r.max_tokens <= 131072
+    with pytest.raises(ValueError, match="does not fit max_model_len 40960"):         # qwen3-8b without YaRN
+        datasets.build_requests("long-128k", 1, 0, *datasets.LENGTHS["long-128k"], max_model_len=40960,
+                                vocab_size=151936)
+
+
 def test_shared_prefix_requests_share_their_groups_system_prompt(tmp_path):
     reqs = datasets.build_requests("shared-prefix", 6, seed=1, input_len=(4, 8), output_len=(2, 3),
                                    max_model_len=2048, vocab_size=49152, prefix_len=20, group_size=3)
