@@ -185,6 +185,19 @@ def _counters(dep: deployment.Deployment) -> dict[str, float]:
     return out
 
 
+def _settled_counters(dep: deployment.Deployment, quiet_s: float = 1.5, limit_s: float = 20.0) -> dict[str, float]:
+    """`_counters` once two reads `quiet_s` apart agree: a worker's engine core hands its counts to
+    the front in batches, so the last request's may land a moment after its stream ended."""
+    deadline, last = time.monotonic() + limit_s, _counters(dep)
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = _counters(dep)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def compare_pd_reuse(args: argparse.Namespace, rec: dict) -> None:
     """The same conversations through 1P1D with the decode side's prefix reuse off, then on."""
     devices = args.devices.split(",")
@@ -199,9 +212,9 @@ def compare_pd_reuse(args: argparse.Namespace, rec: dict) -> None:
     for name, switch in (("reuse off", "--no-decode-prefix-reuse"), ("reuse on", "--decode-prefix-reuse")):
         dep = deployment.launch("1p1d", args.model, devices, [*common, switch], _log_root(args) / name.replace(" ", "-"))
         try:
-            before = _counters(dep)
+            before = _settled_counters(dep)
             result = asyncio.run(drive(dep.router_address, args))
-            after = _counters(dep)
+            after = _settled_counters(dep)
         finally:
             dep.stop()
         result |= {key: after[key] - before[key] for key in after}
