@@ -116,9 +116,12 @@ def test_a_7k_token_prompt_is_answered_while_short_streams_run_beside_it(serve):
 
 def test_four_long_prompts_at_once_wait_for_decode_kv_instead_of_being_refused(serve):
     """Each needs ~440 of the decode worker's 729 KV blocks: one fits at a time. The router queues
-    the others until blocks free (first come, first served), so all four are answered. (The document
-    is the previous test's: the prefill worker's prefix cache keeps this test's compute small.)"""
-    calls = {f"doc{i}": (serve.chat, DOCUMENT + f"\n\nQuestion {i}: what did the committee review?", 8)
+    the others until blocks free (first come, first served), so all four are answered. The four share
+    a document no worker has seen (the previous test's would be found in the decode worker's own
+    prefix cache, and then all four fit at once); once the first is done, the others find it cached
+    on both workers, so only one document is computed."""
+    other = DOCUMENT.replace("committee", "board")
+    calls = {f"doc{i}": (serve.chat, other + f"\n\nQuestion {i}: what did the board review?", 8)
              for i in range(4)}
     out = concurrently(calls)
     assert {k: v[0] for k, v in out.items()} == dict.fromkeys(calls, 200), {k: v[:2] for k, v in out.items()}
