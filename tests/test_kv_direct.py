@@ -295,7 +295,11 @@ def test_a_stalled_device_transfer_ends_the_request_and_frees_blocks_on_both_sid
         with pytest.raises(grpc.RpcError) as err:
             list(c.stub().Generate(router_pb2.GenerateRequest(text=PROMPTS[0], sampling=greedy(8)), timeout=60))
         took = time.monotonic() - t0
-        assert err.value.code() in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED), err.value
+        # the pair closing (UNAVAILABLE), the router's deadline, or the decode side's own verdict that the KV
+        # did not come in time (ABORTED): whichever deadline passes first on a loaded machine
+        assert err.value.code() in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.ABORTED), err.value
+        if err.value.code() == Code.ABORTED:
+            assert "did not arrive before its deadline" in err.value.details(), err.value
         assert took < 30, f"the stalled request took {took:.0f}s to end"
         leaked = c.wait_workers_idle()                # prefill's blocks and decode's reserved ones
         out = Outcomes()
