@@ -155,18 +155,7 @@ class AudioPlaceholders:
 
     def expand(self, token_ids: list[int], clips: list[AudioInput]) -> list[int]:
         """Each single audio token becomes num_tokens(clip) of them, clips in order."""
-        pads = sum(1 for t in token_ids if t == self.audio_token_id)
-        if pads != len(clips):
-            raise ValueError(f"the prompt has {pads} audio placeholders but {len(clips)} audio clips were given")
-        out: list[int] = []
-        k = 0
-        for t in token_ids:
-            if t == self.audio_token_id:
-                out += [t] * self.num_tokens(clips[k], k)
-                k += 1
-            else:
-                out.append(t)
-        return out
+        return expand_pads(token_ids, self.audio_token_id, clips, self.num_tokens, "audio clips")
 
     def spans(self, token_ids: list[int], clips: list[AudioInput]) -> list[tuple[int, int]]:
         """(start, end) of each clip's run of audio tokens in an *expanded* prompt; ValueError unless
@@ -193,6 +182,24 @@ class AudioPlaceholders:
                 self._lengths.clear()
             n = self._lengths[audio.digest] = len(self.decode(audio, index))
         return n
+
+
+def expand_pads(token_ids: list[int], token: int, items: list, num_tokens, what: str) -> list[int]:
+    """Each single `token` becomes num_tokens(item, k) of them for the k-th item, in order (images
+    and audio clips alike); ValueError when the placeholders and the items differ in number."""
+    pads = sum(1 for t in token_ids if t == token)
+    if pads != len(items):
+        kind = "image" if what == "images" else "audio"
+        raise ValueError(f"the prompt has {pads} {kind} placeholders but {len(items)} {what} were given")
+    out: list[int] = []
+    k = 0
+    for t in token_ids:
+        if t == token:
+            out += [t] * num_tokens(items[k], k)
+            k += 1
+        else:
+            out.append(t)
+    return out
 
 
 def token_runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:

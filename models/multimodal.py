@@ -22,7 +22,7 @@ import io
 import math
 from dataclasses import dataclass, field
 
-from baton.models.audio import PROCESSOR_ATTR, AudioInput, AudioPlaceholders, decode_base64_audio
+from baton.models.audio import PROCESSOR_ATTR, AudioInput, AudioPlaceholders, decode_base64_audio, expand_pads
 
 # Qwen3-VL's preprocessor_config.json ("size": shortest_edge / longest_edge, in pixels)
 QWEN3_VL_MIN_PIXELS = 65536
@@ -157,18 +157,7 @@ class ImagePlaceholders:
 
     def expand(self, token_ids: list[int], images: list[ImageInput]) -> list[int]:
         """Each single image pad becomes num_tokens(image) pads, images in order."""
-        pads = sum(1 for t in token_ids if t == self.image_token_id)
-        if pads != len(images):
-            raise ValueError(f"the prompt has {pads} image placeholders but {len(images)} images were given")
-        out: list[int] = []
-        k = 0
-        for t in token_ids:
-            if t == self.image_token_id:
-                out += [t] * self.num_tokens(images[k], k)
-                k += 1
-            else:
-                out.append(t)
-        return out
+        return expand_pads(token_ids, self.image_token_id, images, self.num_tokens, "images")
 
     def spans(self, token_ids: list[int], images: list[ImageInput]) -> list[tuple[int, int]]:
         """(start, end) of each image's run of pads in an *expanded* prompt; ValueError unless
