@@ -55,6 +55,10 @@
 # Decode-side prefix reuse in PD (issue 51): pdreuse (baton bench multiturn --compare-pd-reuse: the multiturn
 # conversations through 1P1D on PDR_DEVICES, default cuda:0,cuda:1, with the decode side's reuse off, then on; KV bytes
 # sent and TTFT; PDR_KV: the KV backend, e.g. grpc where both workers share one GPU: PDR_DEVICES=cuda:0,cuda:0)
+# Routing policies on four workers (issue 51): policies (baton bench multiturn --compare-policies: the multiturn
+# conversations through one colocated worker per POL_DEVICES entry, default cuda:0,cuda:1,cuda:2,cuda:3 (four
+# workers on one GPU: cuda:0,cuda:0,cuda:0,cuda:0), once per POL_POLICIES entry, default least_loaded,prefix_aware,
+# kv_aware; cached tokens against the oracle's, TTFT, goodput; MT_ARGS for more flags)
 # INT4 weight-only (issue 54, one GPU): int4 (tests/test_int4.py's kernel and layer tests, the interpreter's on the
 # device's triton; then benchmarks/int4_decode.py: the W4A16 GEMM vs bf16 at qwen3-8b's shapes, M 1-256, and the decode
 # step of qwen3-8b with random AWQ group-128 weights vs bf16 at batches 1, 4, 8, 16; INT4_ARGS: more flags)
@@ -187,6 +191,11 @@ for step in $STEPS; do
               --output "$OUT/pdreuse-${MT_MODEL:-qwen3-8b}${PDR_TAG:-}.json" --log-dir "$OUT/pdreuse-logs" 2>&1 \
               | grep "^\[bench\]" | tee "$OUT/pdreuse${PDR_TAG:-}.txt"
             tar czf "$OUT/pdreuse-logs${PDR_TAG:-}.tgz" -C "$OUT" pdreuse-logs && rm -rf "$OUT/pdreuse-logs" ;;
+    policies) timeout ${POL_TIMEOUT:-540} python3 -m baton bench multiturn --compare-policies --model ${MT_MODEL:-qwen3-8b} \
+              --devices ${POL_DEVICES:-cuda:0,cuda:1,cuda:2,cuda:3} --policies ${POL_POLICIES:-least_loaded,prefix_aware,kv_aware} \
+              ${MT_ARGS:-} --output "$OUT/policies-${MT_MODEL:-qwen3-8b}${POL_TAG:-}.json" --log-dir "$OUT/policies-logs" 2>&1 \
+              | grep "^\[bench\]" | tee "$OUT/policies${POL_TAG:-}.txt"
+            tar czf "$OUT/policies-logs${POL_TAG:-}.tgz" -C "$OUT" policies-logs && rm -rf "$OUT/policies-logs" ;;
     moefp8) timeout ${MOEFP8_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \
               -k "${MOEFP8_TESTS:-fused_moe or qwen3_moe}" 2>&1 | tail -15 | tee "$OUT/moe-fp8-tests.txt"
             timeout ${MOEFP8_TIMEOUT:-150} python3 -m baton.benchmarks.moe_kernel --fp8 --out "$OUT" ${MOEFP8_ARGS:-} \

@@ -17,6 +17,13 @@ sent) and then on (the decode worker keeps its own prefix cache; the prefill wor
 blocks it lacks), and runs the same conversations against each. Beside TTFT it reports the KV bytes
 the prefill worker sent and the prompt tokens the decode side reused (the workers' metrics): the bytes
 should fall by the reused fraction.
+
+--compare-policies launches one colocated worker per --devices entry behind a router, once per routing
+policy in --policies, and runs the same conversations against each: where each policy sends a returning
+conversation decides whether its history is found cached. Beside TTFT it reports the share of prompt
+tokens found cached against an oracle's (a router that always sends a conversation back to the worker
+that served its last turn, on workers that never evict: all of the history's full blocks cached) and
+goodput: turns a second that met both --slo-ttft-ms and --slo-tpot-ms (errors count as misses).
 """
 from __future__ import annotations
 
@@ -34,12 +41,15 @@ from baton.benchmarks import deployment, prometheus, record
 from baton.benchmarks.datasets import MAX_TOKEN_ID
 from baton.benchmarks.loadgen import CHANNEL_OPTIONS
 from baton.engine.config import DEFAULT_MODEL
+from baton.router import policies as router_policies
 from baton.v1 import router_pb2, router_pb2_grpc
 
 FULL = dict(users=32, turns=6, system_len=1024, message_len=128, output_len=128, think_s=1.0, device="cuda:0",
             devices="cuda:0,cuda:1")
 SMOKE = dict(users=4, turns=3, system_len=48, message_len=8, output_len=8, think_s=0.05, device="cpu",
              devices="cpu,cpu")
+FLEET_DEVICES = {"full": "cuda:0,cuda:1,cuda:2,cuda:3", "smoke": "cpu,cpu"}
+POLICIES = "least_loaded,prefix_aware,kv_aware"
 BLOCK_SIZE = 16
 
 
@@ -50,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for name, kind in (("users", int), ("turns", int), ("system-len", int), ("message-len", int),
                        ("output-len", int), ("think-s", float)):
         p.add_argument(f"--{name}", type=kind, default=None, help=f"(default: {FULL[name.replace('-', '_')]})")
+    p.add_argument("--shared-len", type=int, default=0,
+                   help="the system prompt's first tokens every conversation shares (an app's common instructions)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-offload", action="store_true",
                    help="launch one colocated worker without, then with the host tier, and compare")
@@ -58,7 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-pd-reuse", action="store_true",
                    help="launch 1P1D with the decode side's prefix reuse off, then on, and compare")
     p.add_argument("--devices", default=None, help=f"--compare-pd-reuse's prefill,decode devices (default: "
-                                                   f"{FULL['devices']})")
+                                                   f"{FULL['devices']}); --compare-policies' workers' devices, "
+                                                   f"one worker each (default: {FLEET_DEVICES['full']})")
+    p.add_argument("--compare-policies", action="store_true",
+                   help="launch one colocated worker per --devices entry behind a router once per --policies "
+                        "entry, and compare the routing policies")
+    p.add_argument("--policies", default=POLICIES, help="--compare-policies' router policies, in order")
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="a turn's TTFT target, for goodput")
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="a turn's TPOT target, for goodput")
     p.add_argument("--kv-backend", default=None, help="--compare-pd-reuse's KV backend (default: the workers')")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="--compare-pd-reuse: each worker's device KV blocks (default: sized from free memory)")
@@ -68,11 +87,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace) -> None:
     base = SMOKE if args.smoke else FULL
+    if getattr(args, "compare_policies", False) and args.devices is None:
+        args.devices = FLEET_DEVICES["smoke" if args.smoke else "full"]
     for key, value in base.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if args.users < 1 or args.turns < 2:
         raise ValueError("--users must be >= 1 and --turns >= 2 (the first turn finds nothing cached)")
+    if not 0 <= args.shared_len <= args.system_len:
+        raise ValueError(f"--shared-len must be within 0..--system-len ({args.system_len}), got {args.shared_len}")
 
 
 def working_set_tokens(args: argparse.Namespace) -> int:
@@ -87,8 +110,13 @@ def device_blocks(args: argparse.Namespace) -> int:
     return max(need, 2 * math.ceil(longest / BLOCK_SIZE))
 
 
+def shared_prefix(args: argparse.Namespace) -> list[int]:
+    rng = random.Random(f"shared-{args.seed}")
+    return [rng.randrange(1, MAX_TOKEN_ID) for _ in range(args.shared_len)]
+
+
 async def converse(stub, rng: random.Random, args: argparse.Namespace, user: int, t_zero: float) -> list[dict]:
-    history = [rng.randrange(1, MAX_TOKEN_ID) for _ in range(args.system_len)]
+    history = shared_prefix(args) + [rng.randrange(1, MAX_TOKEN_ID) for _ in range(args.system_len - args.shared_len)]
     turns = []
     for turn in range(args.turns):
         await asyncio.sleep(rng.expovariate(1 / args.think_s) if args.think_s > 0 else 0)
@@ -105,9 +133,14 @@ async def converse(stub, rng: random.Random, args: argparse.Namespace, user: int
                     cached = resp.usage.cached_prompt_tokens
         except grpc.aio.AioRpcError as exc:
             status = exc.code().name
+        e2e = time.perf_counter() - start
+        # a sticky router on workers that never evict: every full block of the history (the last
+        # answer's final token has no KV yet) is cached
+        oracle = (len(history) - 1) // BLOCK_SIZE * BLOCK_SIZE if turn else 0
         turns.append({"user": user, "turn": turn, "sent_at": start - t_zero, "prompt_tokens": len(prompt),
-                      "output_tokens": len(out), "cached_tokens": cached, "ttft": ttft,
-                      "e2e": time.perf_counter() - start, "status": status})
+                      "output_tokens": len(out), "cached_tokens": cached, "oracle_cached_tokens": oracle,
+                      "ttft": ttft, "e2e": e2e, "status": status,
+                      "tpot": (e2e - ttft) / (len(out) - 1) if ttft is not None and len(out) > 1 else None})
         if status != "OK":
             break
         history = prompt + out
@@ -124,21 +157,31 @@ async def drive(address: str, args: argparse.Namespace) -> dict:
     turns = [t for run in runs for t in run]
     later = sorted(t["ttft"] for t in turns if t["turn"] > 0 and t["ttft"] is not None)
     ok = [t for t in turns if t["status"] == "OK"]
+    prompt_tokens = max(1, sum(t["prompt_tokens"] for t in ok))
+    good = [t for t in ok if t["ttft"] is not None and t["ttft"] * 1e3 <= args.slo_ttft_ms
+            and (t["tpot"] is None or t["tpot"] * 1e3 <= args.slo_tpot_ms)]
     return {"wall_s": wall, "turns": turns, "errors": len(turns) - len(ok),
+            "goodput_turns_s": len(good) / wall, "slo_attained": len(good) / max(1, len(turns)),
+            "oracle_share": sum(t["oracle_cached_tokens"] for t in ok) / prompt_tokens,
             "ttft_p50_s": statistics.median(later) if later else None,
             "ttft_p90_s": later[int(0.9 * (len(later) - 1))] if later else None,
             "output_tok_s": sum(t["output_tokens"] for t in ok) / wall,
-            "cached_share": sum(t["cached_tokens"] for t in ok) / max(1, sum(t["prompt_tokens"] for t in ok))}
+            "cached_share": sum(t["cached_tokens"] for t in ok) / prompt_tokens}
 
 
 def run(args: argparse.Namespace, rec: dict) -> None:
     rec["workload"] = {"users": args.users, "turns": args.turns, "system_len": args.system_len,
+                       "shared_len": args.shared_len,
                        "message_len": args.message_len, "output_len": args.output_len, "think_s": args.think_s,
                        "working_set_tokens": working_set_tokens(args)}
-    if args.compare_offload and args.compare_pd_reuse:
-        raise ValueError("--compare-offload and --compare-pd-reuse each launch their own deployments: pick one")
+    if sum((args.compare_offload, args.compare_pd_reuse, args.compare_policies)) > 1:
+        raise ValueError("--compare-offload, --compare-pd-reuse and --compare-policies each launch their own "
+                         "deployments: pick one")
+    rec["workload"] |= {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
     if args.compare_pd_reuse:
         return compare_pd_reuse(args, rec)
+    if args.compare_policies:
+        return compare_policies(args, rec)
     if not args.compare_offload:
         rec["results"] = {"external": asyncio.run(drive(args.addr, args))}
         _print("external", rec["results"]["external"])
@@ -235,6 +278,34 @@ def compare_pd_reuse(args: argparse.Namespace, rec: dict) -> None:
         print(f"[bench] decode-side reuse vs none: TTFT p50 {r['ttft_p50']:.2f}x lower, throughput "
               f"{r['output_tok_s']:.2f}x, KV bytes {100 * r['bytes_fall']:.0f} % fewer for "
               f"{100 * r['reused_share']:.0f} % of prompt tokens reused", flush=True)
+
+
+def compare_policies(args: argparse.Namespace, rec: dict) -> None:
+    """The same conversations through N colocated workers, once per routing policy."""
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = sorted(set(policies) - set(router_policies.POLICIES))
+    if len(devices) < 2 or not policies or unknown:
+        raise ValueError(f"--compare-policies wants two or more --devices and known --policies "
+                         f"({', '.join(router_policies.POLICIES)}); got {args.devices!r}, unknown {unknown}")
+    rec["device"] = record.device_info(devices)
+    rec["workload"] |= {"devices": devices, "policies": policies}
+    rec["results"] = {}
+    worker_args = ["--block-size", str(BLOCK_SIZE), *args.worker_args.split()]
+    worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
+    for policy in policies:
+        dep = deployment.launch(f"{len(devices)}colocated", args.model, devices, worker_args,
+                                _log_root(args) / policy, router_args=["--policy", policy])
+        try:
+            result = asyncio.run(drive(dep.router_address, args))
+        finally:
+            dep.stop()
+        result["share_of_oracle"] = result["cached_share"] / result["oracle_share"] if result["oracle_share"] else None
+        rec["results"][policy] = result
+        _print(policy, result)
+        print(f"[bench] {policy}: {100 * (result['share_of_oracle'] or 0):.0f} % of the oracle's cached tokens, "
+              f"goodput {result['goodput_turns_s']:.2f} turns/s ({100 * result['slo_attained']:.0f} % of turns met "
+              f"TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms)", flush=True)
 
 
 def _ms(s: float | None) -> str:
