@@ -847,3 +847,20 @@ def test_qwen3_moe_with_fp8_experts_under_graphs_gives_the_eager_tokens_and_trac
         lx = torch.tensor([e.logprob for e in x.prompt_logprobs[1:]])
         ly = torch.tensor([e.logprob for e in y.prompt_logprobs[1:]])
         assert float((lx - ly).abs().mean()) < 0.1
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU visible to torch")
+def test_the_capture_stream_sees_what_the_current_stream_queued_before_it():
+    """Prefill graphs are captured on a side stream over buffers zeroed on the current stream just
+    before. The side stream must wait for that work: here the current stream sleeps ~0.5 s before it
+    fills the buffer, and the side stream's first read must still see the fill."""
+    platform = CudaPlatform(torch.device("cuda:0"))
+    torch.cuda.Stream("cuda:0")                 # the stream pool made now, not inside the timed part
+    x = torch.zeros(1 << 16, dtype=torch.int64, device="cuda:0")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)           # ~0.5 s of a busy current stream
+    x.fill_(7)
+    with platform.capture_stream():
+        seen = x.clone()
+    torch.cuda.synchronize()
+    assert bool((seen == 7).all())

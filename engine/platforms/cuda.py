@@ -173,8 +173,15 @@ class CudaPlatform(Platform):
         return torch.cuda.graph_pool_handle()
 
     def capture_stream(self):
-        """A side stream to capture on (the legacy default stream cannot be captured), entered."""
-        return torch.cuda.stream(torch.cuda.Stream(self.device))
+        """A side stream to capture on (the legacy default stream cannot be captured), entered. It
+        first waits for the current stream: what was queued there (the static buffers' zero fills)
+        must land before the side stream reads it. Without the wait the side stream does not wait (an
+        H200 showed it: tests/test_platform_cuda.py), and with other processes keeping the device
+        busy the capture's first gather could read positions not yet zeroed: the "index out of
+        bounds" seen at start-up in 2 of 20 qwen3-8b workers started beside others on one GPU."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(stream)
 
     def begin_capture(self, pool):
         graph = torch.cuda.CUDAGraph()
