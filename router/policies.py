@@ -7,6 +7,14 @@ block(s) to the same prefill worker (rendezvous hashing, so a worker leaving mov
 its own prefixes) and places decode by load; `kv_aware` sends a prompt where its expected first
 token comes soonest: the work queued there plus the part of the prompt that worker's prefix cache
 does not hold, as the workers' own KV events say (router/prefix_index.py), and places decode by load.
+
+kv_aware weighs load in two more ways, or a prefix every prompt shares (an app's system prompt)
+would draw every new conversation to the worker that cached it first, whose cache then evicts
+their histories (measured: 37 % of an oracle's cached tokens, below least_loaded's 64 %;
+docs/benchmarks.md, "Routing policies on four workers"). A prompt no worker holds at least
+HIT_SHARE of is new work: it goes to the least loaded worker (more cached blocks break ties).
+And only workers within BALANCE_SLACK requests (or twice the load) of the least loaded one
+compete at all, so a conversation stays with its cache until that worker is clearly busier.
 """
 from __future__ import annotations
 
@@ -20,6 +28,8 @@ from baton.router.registry import Worker
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 PREFIX_TOKENS = 64          # how much of the prompt identifies a shared prefix
+HIT_SHARE = 0.5             # kv_aware: a prompt with less than this share cached anywhere is placed by load
+BALANCE_SLACK = 4           # kv_aware: requests past the least loaded worker's (or its load again) that may wait
 
 
 class Policy:
@@ -68,14 +78,18 @@ class KVAware(Policy):
     def pick(self, workers, prompt):
         size = workers[0].status.block_size or 16
         hashes = prompt_block_hashes(prompt, size)
+        cached = {w.address: self.index.hits(w.address, hashes) * size for w in workers}
+        least = min(w.load() for w in workers)
+        fair = [w for w in workers if w.load() <= least + max(BALANCE_SLACK, least)]
+        if max(cached[w.address] for w in fair) < HIT_SHARE * len(prompt):
+            return min(fair, key=lambda w: (w.load(), -cached[w.address], -w.kv_free_fraction(), w.address))
 
         def first_token_cost(w: Worker) -> float:
             """Seconds (tokens, before it measured any) until its first token: the prompt tokens
             queued there, then this prompt's tokens its prefix cache lacks."""
             per_token = w.status.seconds_per_token or 1.0
-            missing = len(prompt) - self.index.hits(w.address, hashes) * size
-            return w.expected_wait() + missing * per_token
-        return min(workers, key=lambda w: (first_token_cost(w), w.load(), w.address))
+            return w.expected_wait() + (len(prompt) - cached[w.address]) * per_token
+        return min(fair, key=lambda w: (first_token_cost(w), w.load(), w.address))
 
 
 def make_policy(name: str, role: str, index: PrefixIndex | None = None) -> Policy:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +17,7 @@ from baton.engine.requests.prefix_hash import prompt_block_hashes
 from baton.engine.requests.sampling_params import SamplingParams
 from baton.engine.scheduling.block_manager import BlockManager
 from baton.engine.scheduling.sequence import Sequence
+from baton.router.policies import make_policy
 from baton.router.prefix_index import PrefixIndex
 from baton.serving.worker.kv_events import KVEventLog
 from baton.v1 import router_pb2
@@ -83,6 +85,51 @@ def test_the_index_follows_events_restarts_and_losses():
     assert index.blocks["w"] == {9}
     index.drop("w")                                                      # lost: gone at once
     assert index.hits("w", [9]) == 0
+
+
+class _Worker:
+    """What kv_aware reads of a worker: its address, load, free KV, queued work and status."""
+
+    def __init__(self, address: str, load: int = 0):
+        self.address, self.running = address, load
+        self.status = SimpleNamespace(block_size=BS, seconds_per_token=1e-4)
+
+    def load(self) -> int:
+        return self.running
+
+    def kv_free_fraction(self) -> float:
+        return 0.5
+
+    def expected_wait(self) -> float:
+        return 0.0
+
+
+def _holds(index: PrefixIndex, address: str, tokens: list[int]) -> None:
+    log = KVEventLog()
+    log.add([(True, h) for h in prompt_block_hashes(tokens, BS)], snapshot=True)
+    index.apply(address, log.since("", 0))
+
+
+def test_kv_aware_spreads_new_conversations_that_share_only_a_system_prompt():
+    """Every conversation starts with the same instructions (8 of its 20 tokens). Cached on one
+    worker only, they must not draw each new conversation there: new work goes by load. A returning
+    conversation goes where its history is, until that worker is clearly busier than the rest."""
+    index, policy = PrefixIndex(), make_policy("kv_aware", "colocated", None)
+    policy.index = index
+    shared = list(range(1, 9))
+    workers = [_Worker("a"), _Worker("b"), _Worker("c")]
+    _holds(index, "a", shared)
+    placed = []
+    for k in range(6):                                   # six new conversations arriving together
+        w = policy.pick(workers, shared + [100 + 12 * k + i for i in range(12)])
+        w.running += 1
+        placed.append(w.address)
+    assert sorted(placed) == ["a", "a", "b", "b", "c", "c"]
+    history = shared + list(range(200, 228))             # a returning conversation, its history on c
+    _holds(index, "c", history)
+    assert policy.pick(workers, history + [7, 7, 7, 7]).address == "c"
+    workers[2].running = 2 + 4 + 1                       # c: more than the slack past the others' 2
+    assert policy.pick(workers, history + [7, 7, 7, 7]).address in ("a", "b")
 
 
 @pytest.fixture(scope="module")
