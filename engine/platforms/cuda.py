@@ -178,7 +178,7 @@ class CudaPlatform(Platform):
         must land before the side stream reads it. Without the wait the side stream does not wait (an
         H200 showed it: tests/test_platform_cuda.py), and with other processes keeping the device
         busy the capture's first gather could read positions not yet zeroed: the "index out of
-        bounds" seen at start-up in 2 of 20 qwen3-8b workers started beside others on one GPU."""
+        bounds" seen at start-up twice, with two and four workers starting on one GPU."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(stream)
