@@ -209,6 +209,39 @@ def test_bytes_that_come_after_the_deadline_fail_their_transfer_but_keep_the_pai
     assert stats.active == 0 and stats.staged_bytes == 0
 
 
+def test_a_word_that_comes_just_after_the_senders_deadline_keeps_the_pair(monkeypatch):
+    """Both sides time a transfer by the request's deadline, so the decode side's word (DONE, or
+    a refusal at its own deadline) can reach the sender a moment after the sender's deadline. The
+    sender's request fails at its deadline, but the pair, whose bytes all went, stays: the next
+    transfer goes over it. A word that never comes still closes the pair, after the grace."""
+    src, n = kv(4, seed=6), LAYOUT.payload_nbytes(2)
+    land = direct_receiver._Control._land
+
+    async def late_land(self, *args):
+        await asyncio.sleep(0.8)                         # the decode side answers 0.8 s after the bytes
+        return await land(self, *args)
+    monkeypatch.setattr(direct_receiver._Control, "_land", late_land)
+
+    async def main():
+        async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:
+            pending.expect("late", n, 5.0, landed.on_complete, landed.on_fail)
+            t0 = time.perf_counter()
+            with pytest.raises(KVTransferError) as late:       # the sender's own deadline: 0.4 s
+                await sender.send(TransferDescriptor("late", nbytes=n), lambda: pack_blocks_on_device(src, [0, 1]),
+                                  1, timeout=0.4)
+            failed_after = time.perf_counter() - t0
+            pairs_then = set(receiver.pairs)
+            await asyncio.sleep(1.0)                            # the word comes meanwhile
+            monkeypatch.setattr(direct_receiver._Control, "_land", land)
+            pending.expect("next", n, 20, landed.on_complete, landed.on_fail)
+            await sender.send(TransferDescriptor("next", nbytes=n), lambda: pack_blocks_on_device(src, [2, 3]), 2)
+            return late.value, failed_after, pairs_then, set(receiver.pairs), landed, sender.control
+    late, failed_after, pairs_then, pairs_now, landed, control = run(main())
+    assert late.code == Code.DEADLINE_EXCEEDED and failed_after < 0.7       # failed at its deadline, not later
+    assert len(pairs_then) == 1 and pairs_now == pairs_then              # the same pair, never closed
+    assert "next" in landed.completed and not control.verdicts
+
+
 def test_a_sender_that_vanishes_after_ready_fails_the_transfer_at_once():
     async def main():
         async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:

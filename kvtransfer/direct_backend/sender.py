@@ -25,12 +25,14 @@ from baton.kvtransfer.backend import (
 from baton.kvtransfer.direct_backend.messages import BACKEND, Ack, Code, Msg, status_code, strings
 from baton.kvtransfer.direct_backend.outbox import Outbox
 from baton.kvtransfer.direct_backend.pair import JOIN_TIMEOUT_S, PairGroup
+from baton.kvtransfer.direct_backend.receiver import DRAIN_S
 from baton.kvtransfer.handshake import handshake
 from baton.kvtransfer.layout import KVLayout
 from baton.kvtransfer.peer_auth import KVPeerAuth
 from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 log = logging.getLogger("baton.kvtransfer")
+VERDICT_GRACE_S = DRAIN_S + 2.0  # past a transfer's deadline, how long its word may take before the pair closes
 
 
 class _SessionLost(Exception):
@@ -52,6 +54,7 @@ class _SenderControl:
         self.lost: KVTransferError | None = None
         self.lost_event = asyncio.Event()
         self.stalling = asyncio.Lock()       # fault injection: stalled pieces go one at a time, in order
+        self.verdicts: set[asyncio.Task] = set()     # transfers past their deadline awaiting the word
         self.outbox = Outbox(call.write, lambda msgs: Msg(batch=kvtransfer_pb2.DirectBatch(messages=msgs)),
                               self._write_failed)
         self._reader = asyncio.ensure_future(self._read())
@@ -104,6 +107,8 @@ class _SenderControl:
         return item
 
     def close(self) -> None:
+        for task in list(self.verdicts):
+            task.cancel()
         self._reader.cancel()
         self.outbox.close()
         if not self.call.done():
@@ -240,7 +245,7 @@ class DirectOutgoing(OutgoingTransfer):
         try:
             ack = await self.control.next_ack(tid, self._left())
         except TimeoutError:
-            self._fail(f"transfer {tid} timed out")
+            self._await_verdict()
             raise KVTransferError(f"KV transfer {tid} to {self.sender.address} was not confirmed in time",
                                   Code.DEADLINE_EXCEEDED) from None
         except BaseException as exc:
@@ -251,6 +256,26 @@ class DirectOutgoing(OutgoingTransfer):
             raise KVTransferError(ack.reason or "the decode worker refused the KV", status_code(ack.code))
         return SendStats(nbytes=self.transfer.nbytes, chunks=self.pieces,
                          seconds=time.perf_counter() - self.opened)
+
+    def _await_verdict(self) -> None:
+        """The deadline passed with every byte posted and no word yet. The decode side still
+        answers (DONE, or a refusal at its own deadline, which may come a moment after this one),
+        and its posted receives drain (receiver.DRAIN_S): wait that long, in the background, for
+        the word before deciding the pair is out of step. The caller's request fails now."""
+        tid, control = self.transfer.transfer_id, self.control
+
+        async def wait() -> None:
+            try:
+                await control.next_ack(tid, VERDICT_GRACE_S)
+            except TimeoutError:
+                self._fail(f"transfer {tid} was not answered {VERDICT_GRACE_S:g}s past its deadline")
+                return
+            except KVTransferError:          # the pair broke meanwhile: it failed every transfer
+                pass
+            self._end()
+        task = asyncio.ensure_future(wait())
+        control.verdicts.add(task)
+        task.add_done_callback(control.verdicts.discard)
 
     def _interrupted(self, exc: BaseException) -> None:
         """End the transfer after a control-stream call failed: a broken stream may have left the
