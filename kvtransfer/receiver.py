@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import mmap
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,6 +87,7 @@ class PendingTransfers:
         self._active: dict[str, Transfer] = {}
         self._ended: OrderedDict[str, tuple[grpc.StatusCode, str]] = OrderedDict()   # id -> what late messages get
         self._staging_freed: asyncio.Event | None = None    # set (and replaced) when room frees
+        self._staging_queue: deque[Transfer] = deque()      # transfers waiting for staging room, in order
         self._held: dict[str, tuple[asyncio.TimerHandle, Callable[[str], None]]] = {}   # id -> release
         self.staged_bytes = 0
         self.completed = 0
@@ -207,19 +208,34 @@ class PendingTransfers:
         """Allocate t.buffer (host memory by default; `allocate(nbytes)` for e.g. a device tensor),
         first waiting (until t's deadline) for room under max_staged_bytes. A payload over the limit
         by itself (a long prompt's KV) waits until nothing else is staged, then stages alone; where
-        even that does not fit, `allocate` fails and the backend refuses the transfer."""
-        while self.staged_bytes and self.staged_bytes + t.nbytes > self.max_staged_bytes:
-            if self._staging_freed is None:
-                self._staging_freed = asyncio.Event()
+        even that does not fit, `allocate` fails and the backend refuses the transfer. Waiters stage
+        in arrival order: a payload that would fit does not pass one already waiting, so a steady
+        stream of small transfers cannot starve a long prompt's."""
+        if self._must_wait(t):
+            self._staging_queue.append(t)
             try:
-                await asyncio.wait_for(self._staging_freed.wait(), max(0.0, self.time_left(t)))
-            except TimeoutError:
-                self.fail(t.transfer_id, f"no room to stage the {t.nbytes}-byte KV of transfer {t.transfer_id} "
-                          f"before its deadline ({self.staged_bytes} of {self.max_staged_bytes} bytes staged)",
-                          grpc.StatusCode.DEADLINE_EXCEEDED)
-            self.check_active(t)
+                while self._must_wait(t):
+                    if self._staging_freed is None:
+                        self._staging_freed = asyncio.Event()
+                    try:
+                        await asyncio.wait_for(self._staging_freed.wait(), max(0.0, self.time_left(t)))
+                    except TimeoutError:
+                        self.fail(t.transfer_id, f"no room to stage the {t.nbytes}-byte KV of transfer "
+                                  f"{t.transfer_id} before its deadline ({self.staged_bytes} of "
+                                  f"{self.max_staged_bytes} bytes staged, {len(self._staging_queue) - 1} other "
+                                  "transfer(s) waiting)", grpc.StatusCode.DEADLINE_EXCEEDED)
+                    self.check_active(t)
+            finally:
+                self._staging_queue.remove(t)
+                self._notify_staging()               # the next in line looks again
         t.buffer = (allocate or staging_buffer)(t.nbytes)
         self.staged_bytes += t.nbytes
+
+    def _must_wait(self, t: Transfer) -> bool:
+        """Someone waits ahead of t, or t does not fit beside what is staged (alone it always may)."""
+        if self._staging_queue and self._staging_queue[0] is not t:
+            return True
+        return bool(self.staged_bytes) and self.staged_bytes + t.nbytes > self.max_staged_bytes
 
     def write_in_place(self, t: Transfer, quarantine_s: float) -> tuple[int, ...]:
         """A backend hands t's reserved blocks to its sender, to write straight into (no

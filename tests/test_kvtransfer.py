@@ -31,7 +31,7 @@ from baton.kvtransfer.grpc_backend import servicer as grpc_servicer
 from baton.kvtransfer.grpc_options import channel_options, server_options
 from baton.kvtransfer.layout import KVLayout, KVLayoutMismatch, check_compatible
 from baton.kvtransfer.peer_auth import KVPeerAuth, load_secret
-from baton.kvtransfer.receiver import PendingTransfers
+from baton.kvtransfer.receiver import PendingTransfers, TransferRejected
 from baton.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 Ack = kvtransfer_pb2.KVAck
@@ -795,6 +795,37 @@ def test_a_payload_over_the_staging_limit_stages_alone():
         return waited, alone, pending.stats().staged_bytes
 
     assert run(main()) == (True, 2500, 0)
+
+
+def test_small_payloads_do_not_pass_a_long_one_waiting_to_stage():
+    """Fairness: while a long prompt's KV waits for staging to empty, a small transfer that would
+    fit beside what is staged waits behind it, so a steady stream of small ones cannot starve it
+    until its deadline. Each stages in turn; a waiter that times out frees its place in line."""
+    async def main():
+        pending, out = PendingTransfers(max_staged_bytes=1000), Outcomes()
+        for tid, nbytes in (("small", 600), ("long", 2500), ("later", 300), ("doomed", 300)):
+            out.expect(pending, tid, nbytes, 0.3 if tid == "doomed" else 30)
+        await pending.stage(pending.lookup("small"))
+        long = asyncio.ensure_future(pending.stage(pending.lookup("long")))
+        await asyncio.sleep(0.02)
+        later = asyncio.ensure_future(pending.stage(pending.lookup("later")))      # 600 + 300 would fit
+        doomed = asyncio.ensure_future(pending.stage(pending.lookup("doomed")))
+        await asyncio.sleep(0.5)
+        behind = (not long.done(), not later.done(), pending.stats().staged_bytes)
+        doomed_error = await asyncio.wait_for(asyncio.gather(doomed, return_exceptions=True), 2)
+        pending.cancel("small")
+        await asyncio.wait_for(long, 2)
+        long_alone = (pending.stats().staged_bytes, later.done())
+        pending.cancel("long")
+        await asyncio.wait_for(later, 2)
+        after = pending.stats().staged_bytes
+        pending.cancel("later")
+        return behind, doomed_error[0], long_alone, after, pending.stats().staged_bytes
+
+    behind, doomed_error, long_alone, after, end = run(main())
+    assert behind == (True, True, 600)                     # "later" did not pass "long"
+    assert isinstance(doomed_error, TransferRejected)      # its deadline came while it waited in line
+    assert long_alone == (2500, False) and after == 300 and end == 0
 
 
 def test_a_sender_whose_peer_is_down_fails_within_its_timeout():
