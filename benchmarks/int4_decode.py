@@ -92,7 +92,7 @@ def gemms(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit) -> No
 def _candidates(m: int) -> list:
     """The configs --sweep times at M rows (triton_kernels/w4a16.py's W4a16Config). At M = 2-16 (the decode
     batches): the multi-row GEMV (gemvm: 2, 4 or 8 rows a program, the tiles without spills in ptxas's sm_90
-    code) and the dots' tiles that won the last sweep, split-K 2-16, ~30 configs a shape."""
+    code) and the dots' tiles that won the last sweep, split-K 2-16, 17-20 configs a shape."""
     from baton.engine.platforms.triton_kernels.w4a16 import W4a16Config as C
     splits = (1, 2, 4, 8, 16, 32)
     out = []
