@@ -90,30 +90,42 @@ def gemms(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit) -> No
 
 
 def _candidates(m: int) -> list:
-    """The configs --sweep times at M rows (triton_kernels/w4a16.py's W4a16Config)."""
+    """The configs --sweep times at M rows (triton_kernels/w4a16.py's W4a16Config). At M = 2-16 (the decode
+    batches): the multi-row GEMV (gemvm: 2, 4 or 8 rows a program, the tiles without spills in ptxas's sm_90
+    code) and the dots' tiles that won the last sweep, split-K 2-16, 17-20 configs a shape."""
     from baton.engine.platforms.triton_kernels.w4a16 import W4a16Config as C
     splits = (1, 2, 4, 8, 16, 32)
     out = []
-    if m <= 4:
-        for bn, warps in ((256, 4), (128, 4), (64, 2), (256, 8), (512, 8))[: 5 if m == 1 else 2]:
-            out += [C("gemv", bn, sp, num_warps=warps) for sp in splits]
-    if m >= 2:
-        bm = 16 if m <= 16 else m
-        tiles = (((128, 4, 3), (128, 4, 4), (128, 8, 3), (64, 4, 3), (64, 4, 4), (32, 2, 3)) if bm == 16
-                 else ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 3)))
-        for bn, warps, stages in tiles:
-            out += [C("dot", bn, sp, bm, warps, stages) for sp in splits[:5]]
-        out += [C("dotshift", bn, sp, bm, warps, stages) for bn, warps, stages in tiles[:3] for sp in splits[:5]]
+    if 2 <= m <= 16:
+        rows = {2: ((2, 128, 4), (2, 256, 4)), 4: ((4, 128, 8), (4, 256, 4), (2, 256, 4)),
+                8: ((8, 128, 8), (4, 128, 8), (4, 256, 4)), 16: ((8, 128, 8), (4, 256, 4))}[_bucket(m)]
+        out += [C("gemvm", bn, sp, r, warps) for r, bn, warps in rows for sp in (4, 8, 16)]
+        if m == 2:
+            out += [C("gemv", 256, sp, num_warps=4) for sp in (4, 8, 16)]
+        out += [C("dotshift", 128, sp, 16, warps, 3) for warps in (4, 8) for sp in (2, 4, 8, 16)]
+        out += [C("dot", 128, sp, 16, 4, 3) for sp in (4, 8, 16)]
+        return out
     if m == 1:
+        for bn, warps in ((256, 4), (128, 4), (64, 2), (256, 8), (512, 8)):
+            out += [C("gemv", bn, sp, num_warps=warps) for sp in splits]
         out += [C("dot", 128, sp, 16, 4, 3) for sp in (2, 4, 8, 16)]
-    if m >= 32:
-        out.append(C("cublas", 0))
+        return out
+    tiles = ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 3))
+    for bn, warps, stages in tiles:
+        out += [C("dot", bn, sp, m, warps, stages) for sp in splits[:5]]
+    out += [C("dotshift", bn, sp, m, warps, stages) for bn, warps, stages in tiles[:3] for sp in splits[:5]]
+    out.append(C("cublas", 0))
     return out
 
 
-def sweep(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit) -> None:
+def _bucket(m: int) -> int:
+    return 1 << (m - 1).bit_length()
+
+
+def sweep(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit, budget_s: float = 1e9) -> None:
     """Each candidate config of the W4A16 kernels timed at each M (in the order given) and shape, L2 flushed;
-    the best per shape printed as w4a16.TABLE entries. A config that fails is reported and skipped."""
+    the best per shape printed as w4a16.TABLE entries. A config that fails is reported and skipped; past
+    `budget_s` the sweep stops (what it measured is printed)."""
     from triton.testing import do_bench
 
     from baton.engine.platforms.triton_kernels import w4a16
@@ -123,9 +135,13 @@ def sweep(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit) -> No
         canonical = random_int4(n, k, platform.device, gen)
         wide = int4.dequantize(canonical, torch.float32)
         weights[name] = (wide, wide.to(dtype), w4a16.relayout(canonical))
-    best = {}
+    best, t0 = {}, time.perf_counter()
     for m in ms:
         for name, (n, k) in shapes.items():
+            if time.perf_counter() - t0 > budget_s:
+                print(f"[sweep] past the {budget_s:.0f} s budget: stopped before m={m} {name}", file=sys.stderr, flush=True)
+                break
+            print(f"[sweep] m={m} {name} at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
             wide, dense, w = weights[name]
             x = torch.randn(m, k, generator=gen).to(device=platform.device, dtype=dtype)
             ref = x.float() @ wide.t()
@@ -252,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 128-wide config of the preset (a smoke run)")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: gemm, decode")
     p.add_argument("--sweep", action="store_true", help="time the W4A16 kernels' candidate configs first (CUDA)")
-    p.add_argument("--sweep-ms", default="1,16,4,8,2,64,32", help="M of the sweep, in this order")
+    p.add_argument("--sweep-ms", default="2,4,8,16", help="M of the sweep, in this order (1, 32, 64: the others)")
+    p.add_argument("--sweep-budget-s", type=float, default=270, help="the sweep stops after this many seconds")
     p.add_argument("--decode-only", default=None, help=argparse.SUPPRESS)     # (the child process: this model)
     p.add_argument("--decode-tag", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -283,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     skip = set(filter(None, args.skip.split(",")))
     if args.sweep:
-        sweep(platform, SHAPES, [int(m) for m in args.sweep_ms.split(",")], dtype, emit)
+        sweep(platform, SHAPES, [int(m) for m in args.sweep_ms.split(",")], dtype, emit, args.sweep_budget_s)
     if "gemm" not in skip:
         shapes = SHAPES if not args.tiny else {"o": (128, 128), "down": (128, 256)}
         gemms(platform, shapes, [int(m) for m in args.gemm_ms.split(",")], dtype, emit)

@@ -284,7 +284,7 @@ def _triton_path() -> str | None:
 
 
 def check_triton_kernel(path: str) -> None:
-    """Run under TRITON_INTERPRET=1: the GEMV and the dot kernel (both unpackings; decode and 64-row tiles, split-K) and the
+    """Run under TRITON_INTERPRET=1: the GEMV (one row and 2-8 rows a program, M = 2, 3, 5, 8) and the dot kernel (both unpackings; decode and 64-row tiles, split-K) and the
     dequantizer, on the CUDA platform's layout (w4a16.relayout), against the reference, float16 and float32
     activations, groups 32 and 128, act-order included."""
     from baton.engine.platforms.triton_kernels import w4a16
@@ -294,13 +294,19 @@ def check_triton_kernel(path: str) -> None:
         ref_w = layer.matmul.w
         assert w4a16.supported(ref_w)
         w = w4a16.relayout(ref_w)
-        for m, dtype in ((1, torch.float32), (3, torch.float16), (5, torch.float16), (40, torch.float32)):
+        for m, dtype in ((1, torch.float32), (2, torch.float16), (3, torch.float16), (5, torch.float16),
+                         (8, torch.float32), (40, torch.float32)):
             x = torch.randn(m, w.in_features, generator=gen).to(dtype)
             want = cpu.w4a16_matmul(x.float(), ref_w)
             split = 2 if w.in_features >= 256 else 1
             bm = 16 if m <= 16 else 64
-            configs = (None, w4a16.W4a16Config("gemv", 32, split), w4a16.W4a16Config("dot", 32, split, bm),
-                       w4a16.W4a16Config("dotshift", 32, 1, bm))
+            configs = () if m in (2, 8) else (None, w4a16.W4a16Config("gemv", 32, split),
+                                                   w4a16.W4a16Config("dot", 32, split, bm),
+                                                   w4a16.W4a16Config("dotshift", 32, 1, bm))
+            # the multi-row GEMV: one and several programs over M, a partial last one (odd M: rows past M masked)
+            rows = {2: (2,), 3: (2, 4), 5: (4, 8), 8: (8,)}.get(m, ())
+            configs += tuple(w4a16.W4a16Config("gemvm", 32, split, r) for r in rows)
+            assert configs
             for cfg in configs:
                 got = w4a16.w4a16_gemm(x, w, cfg).float()
                 torch.testing.assert_close(got, want, rtol=2e-3 if dtype == torch.float16 else 1e-5,
@@ -309,6 +315,7 @@ def check_triton_kernel(path: str) -> None:
     print("w4a16 kernels ok")
 
 
+@pytest.mark.timeout(600)            # (two interpreter runs of up to 300 s each, on shared cores)
 def test_triton_w4a16_kernels_match_the_reference_in_the_interpreter(checkpoints):
     where = _triton_path()
     if where is None:

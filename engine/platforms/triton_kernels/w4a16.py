@@ -23,6 +23,8 @@ multiplies the fp32 sums, not the weights, so the only rounding is the accumulat
     and a K slice; per plane: t[16, BLOCK_N] += x[16] * (q - zero); per group: acc += sum(t) * scale.
     ~4.3 instructions a weight (ptxas, sm_90), so at M = 1 the SMs' issue rate (~33 T lanes/s) is about the
     bytes' floor.
+  w4a16_rows.gemv_rows (M = 2..16, where TABLE says so): the GEMV for 2, 4 or 8 rows a program, each word
+    unpacked once for all of them (w4a16_rows.py).
   _w4a16_dot (M = 2..64): per plane a [BLOCK_M, 16] x [16, BLOCK_N] tensor-core dot of x's slice with the
     plane's (q - zero) in x's dtype, fp32 sums, times the group's scale per group. Kernel "dotshift" unpacks by
     shift and mask instead: more instructions, but Triton then converts the packed words (not the bf16 planes)
@@ -43,6 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
+from baton.engine.platforms.triton_kernels import w4a16_rows
+from baton.engine.platforms.triton_kernels.w4a16_rows import plane as _plane
+
 MAX_GEMM_M = 64             # rows the W4A16 kernels take; above: dequantize, then cuBLAS
 BLOCK_ROWS = 128            # input rows a block of the layout interleaves (16 words of 8 nibbles a column)
 PLANE = 16                  # rows a plane holds; groups must be a multiple of it
@@ -51,11 +56,12 @@ GEMV_MAX_M = 1              # rows the rule gives the GEMV (TABLE may say otherw
 
 @dataclass(frozen=True, slots=True)
 class W4a16Config:
-    kernel: str             # gemv | dot | dotshift (the dot, planes by shift and mask) | cublas (dequantize, then
-                            # cuBLAS: TABLE may pick it up to MAX_GEMM_M)
+    kernel: str             # gemv | gemvm (the GEMV for block_m = 2, 4 or 8 rows a program: w4a16_rows.py) | dot |
+                            # dotshift (the dot, planes by shift and mask) | cublas (dequantize, then cuBLAS: TABLE
+                            # may pick it up to MAX_GEMM_M)
     block_n: int
     split_k: int = 1
-    block_m: int = 16       # dot only (the GEMV takes one row a program)
+    block_m: int = 16       # dot and gemvm (the one-row GEMV takes one row a program)
     num_warps: int = 4
     num_stages: int = 3
 
@@ -118,19 +124,6 @@ def pick_config(m: int, n: int, k: int, num_sms: int) -> W4a16Config:
     block_m, warps = (16, 4) if m <= 16 else (64, 8)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 128)
     return W4a16Config("dot", 128, _split(k, tiles, 4 * num_sms), block_m, warps)
-
-
-@triton.jit
-def _plane(words, high, z, j: tl.constexpr, nib):
-    """Plane j of a block's words, q - zero in float32 (exact): the nibble masked in place (no shift) and ORed
-    into 0x4B000000 reads as 2^23 + q * 16^jj; times 16^-jj (a power of two: exact) minus 2^23 * 16^-jj + zero
-    is q - zero, one LOP3 and one FFMA a weight. Planes 4..7 come from `high` (words >> 16, once per word). `nib`
-    is 0xF passed at run time: as an immediate, ptxas re-materializes the mask before every LOP3 (a MOV each)."""
-    jj: tl.constexpr = j % 4
-    inv: tl.constexpr = 1.0 / (1 << (4 * jj))
-    src = words if j < 4 else high
-    f = ((src & (nib << (4 * jj))) | 0x4B000000).to(tl.float32, bitcast=True)
-    return f * inv - (z + 8388608.0 * inv)[None, :]
 
 
 @triton.jit(do_not_specialize=["K_SPLIT", "NIB"])
@@ -272,7 +265,12 @@ def w4a16_gemm(x: torch.Tensor, w, config: W4a16Config | None = None) -> torch.T
     ppg = min(8, w.group_size // PLANE)
     args = (x, w.qweight, w.scales, w.zeros, part)
     strides = (x.stride(0), w.qweight.stride(0), w.scales.stride(0), w.zeros.stride(0), stride_os, n, 0xF)
-    if cfg.kernel == "gemv":
+    if cfg.kernel == "gemvm":
+        assert cfg.block_m in (2, 4, 8), cfg
+        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+        w4a16_rows.gemv_rows[grid](*args, m, n, k // split, *strides, GROUP=w.group_size, PPG=ppg, ROWS=cfg.block_m,
+                               BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    elif cfg.kernel == "gemv":
         grid = (m, triton.cdiv(n, cfg.block_n), split)
         _w4a16_gemv[grid](*args, n, k // split, *strides, GROUP=w.group_size, PPG=ppg, BLOCK_N=cfg.block_n,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
