@@ -64,12 +64,16 @@ def test_greedy_tokens_and_kv_cache_equal_the_single_device(engines):
     torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=1e-4)
 
 
-def test_cp_process_still_serves_after_a_step_too_short_to_split(engines):
-    """Short prompts (below CP_MIN_TOKENS) run replicated; the ranks stay in step."""
+def test_short_steps_run_replicated_and_tiny_pieces_still_split(engines):
+    """A step below CP_MIN_TOKENS runs whole on every rank; a 3-token prompt beside a 31-token one is split
+    (rank 0 gets one of its tokens, rank 1 two); the ranks stay in step either way."""
     single, cp = engines
-    prompts = [[5, 6, 7], list(range(10, 41))]
-    assert [o.token_ids for o in cp.generate(prompts, GREEDY)] == \
-        [o.token_ids for o in single.generate(prompts, GREEDY)]
+    sharded = _count_sharded(cp)
+    for prompts, splits in (([[5, 6, 7, 8, 9]], 0), ([[5, 6, 7], list(range(10, 41))], 1)):
+        before = sharded[0]
+        assert [o.token_ids for o in cp.generate(prompts, GREEDY)] == \
+            [o.token_ids for o in single.generate(prompts, GREEDY)]
+        assert sharded[0] - before == splits
     with pytest.raises(RuntimeError, match="rank 0's cache only"):    # landed KV would miss rank 1's copy
         cp.engine.runner.write_kv([0], b"")
 
