@@ -11,7 +11,9 @@ from helpers import save_tiny_checkpoint
 
 from baton.engine import LLM, SamplingParams
 from baton.engine.config import EngineConfig
+from baton.engine.kv_handoff import KVHandoff
 from baton.engine.runner.context_parallel import plan_step, zigzag_pieces
+from baton.engine.runner.kv_blocks import Pieces
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 OPTIONS = dict(num_kv_blocks=96, block_size=16, max_num_batched_tokens=64, device="cpu", dtype="float32")
@@ -76,6 +78,51 @@ def test_short_steps_run_replicated_and_tiny_pieces_still_split(engines):
         assert sharded[0] - before == splits
     with pytest.raises(RuntimeError, match="rank 0's cache only"):    # landed KV would miss rank 1's copy
         cp.engine.runner.write_kv([0], b"")
+
+
+class Collect(KVHandoff):
+    """The services' side, in the test: keeps the prefill's pieces, lands what the test gives."""
+
+    def __init__(self):
+        self.pieces, self.landed = [], []
+
+    def on_prompt_kv(self, piece) -> None:
+        self.pieces.append(piece)
+
+    def take_landed(self):
+        taken, self.landed = self.landed, []
+        return taken
+
+    def has_landed(self) -> bool:
+        return bool(self.landed)
+
+
+def test_a_cp_prefill_hands_off_rank_0s_kv_and_decode_elsewhere_gives_the_same_tokens(engines):
+    """The prefill role: rank 0's pieces, landed in a single-device engine, decode as that engine's
+    own prefill would."""
+    single, cp = engines
+    prompt = torch.randint(3, 49152, (203,), generator=torch.Generator().manual_seed(4)).tolist()
+    want = single.generate([prompt], GREEDY)[0].token_ids
+    sent, got = cp.engine.handoff, single.engine.handoff
+    cp.engine.handoff, single.engine.handoff = Collect(), Collect()
+    try:
+        cp.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id="p", hand_off_kv=True)
+        while cp.engine.has_unfinished:
+            cp.engine.step()
+        pieces = cp.engine.handoff.pieces
+        assert pieces and pieces[-1].last and sum(p.num_blocks for p in pieces) == -(-len(prompt) // 16)
+        ticket = single.engine.reserve("d", prompt, GREEDY)
+        payload = Pieces(tuple((p.first_block, p.num_blocks, p.data) for p in pieces))
+        assert ticket.land(payload, pieces[-1].first_token, pieces[-1].meta)
+        single.engine.handoff.landed.append(ticket)
+        tokens = []
+        while single.engine.has_unfinished:
+            tokens += [t for out in single.engine.step() for t in out.new_token_ids]
+    finally:
+        cp.engine.handoff, single.engine.handoff = sent, got
+    assert tokens == want
+    for llm in (single, cp):
+        assert llm.engine.block_manager.num_free_blocks == OPTIONS["num_kv_blocks"]
 
 
 def test_zigzag_pieces_cover_every_token_once():
