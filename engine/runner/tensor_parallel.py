@@ -56,8 +56,10 @@ def check_devices(devices: list[str], available: int | None = None) -> None:
         return
     if available is None:
         import torch
-        module = getattr(torch, kind, None)
-        available = module.device_count() if module is not None and hasattr(module, "device_count") else 0
+        module = getattr(torch, kind, None)           # (torch.npu appears once torch_npu is imported)
+        if module is None or not hasattr(module, "device_count"):
+            return                                    # the rank's platform says so when it starts
+        available = module.device_count()
     wanted = [int(d.partition(":")[2] or 0) for d in devices]
     if max(wanted) >= available:
         raise ValueError(f"{len(devices)} ranks on {', '.join(devices)}, but this host has {available} {kind} "
