@@ -125,6 +125,19 @@ def test_a_cp_prefill_hands_off_rank_0s_kv_and_decode_elsewhere_gives_the_same_t
         assert llm.engine.block_manager.num_free_blocks == OPTIONS["num_kv_blocks"]
 
 
+def test_prompt_logprobs_and_sampled_logprobs_match(engines):
+    """Every prompt row's hidden state comes back to rank 0 (all-gathered), so prompt logprobs match."""
+    single, cp = engines
+    prompt = torch.randint(3, 49152, (150,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    want, got = single.generate([prompt], params)[0], cp.generate([prompt], params)[0]
+    assert got.token_ids == want.token_ids
+    assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] is None
+    for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
 def test_zigzag_pieces_cover_every_token_once():
     for n in (1, 2, 5, 16, 45, 64, 301):
         for world in (2, 3):
