@@ -71,6 +71,8 @@ def plan_step(inputs, world: int, rank: int) -> ShardPlan | None:
             or len(inputs.input_ids) < CP_MIN_TOKENS):
         return None
     starts, lens = inputs.query_starts, inputs.seq_lens
+    if int(starts[-1]) != len(inputs.input_ids):      # rows outside every sequence (padding): not planned for
+        return None
     owned: list[list[int]] = []                        # per rank: its step rows
     mine_pieces: list[tuple[int, int, int, int]] = []  # (sequence, first step row, rows, keys) of this rank
     for r in range(world):
