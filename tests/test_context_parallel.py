@@ -12,7 +12,7 @@ from helpers import save_tiny_checkpoint
 from baton.engine import LLM, SamplingParams
 from baton.engine.config import EngineConfig
 from baton.engine.kv_handoff import KVHandoff
-from baton.engine.runner.context_parallel import plan_step, zigzag_pieces
+from baton.engine.runner.context_parallel import fingerprint, plan_step, zigzag_pieces
 from baton.engine.runner.kv_blocks import Pieces
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -136,6 +136,15 @@ def test_prompt_logprobs_and_sampled_logprobs_match(engines):
     for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_the_weights_fingerprint_sees_one_changed_weight():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 8))
+    before = fingerprint(model).item()
+    assert fingerprint(model).item() == before
+    with torch.no_grad():
+        model[0].weight[0, 0] += 0.5                   # index 0 is in every sample
+    assert fingerprint(model).item() != before
 
 
 def test_zigzag_pieces_cover_every_token_once():

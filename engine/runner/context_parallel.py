@@ -118,13 +118,25 @@ class ShardContext(ForwardContext):
         return self.platform.prefill_attention(q, k, v, k_cache, v_cache, self.meta, self.scale, kv_scale)
 
 
-class ContextParallel:
-    """One rank's side of context parallelism: plans each step's shard and runs the model on it."""
+def fingerprint(model: torch.nn.Module) -> torch.Tensor:
+    """A float64 sum over a strided sample of every parameter (the same weights: the same value)."""
+    sums = [p.detach().flatten()[::max(1, p.numel() // 4096)].double().sum() for p in model.parameters()]
+    return torch.stack(sums).sum().reshape(1)
 
-    def __init__(self, world: int, rank: int, group, device: torch.device):
+
+class ContextParallel:
+    """One rank's side of context parallelism: plans each step's shard and runs the model on it.
+    Built on every rank at the same point of start-up: it checks that the ranks loaded the same weights."""
+
+    def __init__(self, world: int, rank: int, group, device: torch.device, model: torch.nn.Module):
         self.world, self.rank, self.group = world, rank, group
         self.backend = dist.get_backend(group)
         self.upload = HostUpload(device)               # (its own staging buffers: the step's are in use)
+        self.pad = 1
+        prints = self.all_gather(fingerprint(model)).tolist()
+        if len(set(prints)) != 1:
+            raise RuntimeError(f"context-parallel ranks loaded different weights (fingerprints {prints}); every "
+                               "rank must load the same checkpoint, dtype and quantization")
         self.pad = 0
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:

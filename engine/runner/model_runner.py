@@ -88,7 +88,8 @@ class ModelRunner:
                                      config.max_num_seqs)
         if config.context_parallel_size > 1:
             from baton.engine.runner.context_parallel import ContextParallel
-            self.executor.cp = ContextParallel(config.context_parallel_size, self.executor.tp_rank, group, self.device)
+            self.executor.cp = ContextParallel(config.context_parallel_size, self.executor.tp_rank, group, self.device,
+                                            self.model)
         self.inputs = StepInputBuilder(config, self.drafts, self.executor.graphs_replay)
         if self.device.type != "cpu":
             capacity = min(self.num_blocks * self.block_size, self.max_model_len)
