@@ -67,6 +67,9 @@
 # QUANT_VARIANTS="bf16 fp8" B1_ARGS="--num-seqs 64" for B1 (61 GB of bf16 weights: an 80 GB H100 takes the short cut);
 # moedots: moefp8 with pytest -s, keeping the FP8 x FP8 tests' error lines ([fp8-dots]) and the failures
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
+# cp (issue 53: context-parallel prefill; the CP tests, then a 128k-token prefill of qwen3-8b-yarn on cuda:0 alone and
+# with --context-parallel-size 2 over cuda:0,cuda:1, benchmarks/context_parallel.py; the bar: >= 1.6x. CP_LEN: the
+# prompt, CP_ARGS: more flags, e.g. --max-num-batched-tokens 8192; files cp.jsonl, cp.txt)
 # (B3_TAG / B2_TAG: a suffix for the result files, to keep variants of one step apart)
 # Goodput on four GPUs (issue 49; nvidia-h100-x4): plan (baton plan: profile cuda:0, predict every split of
 # four GPUs for the three workloads and both SLO pairs; writes plan-$G_MODEL.json + profile-$G_MODEL.json, also
@@ -115,6 +118,14 @@ for step in $STEPS; do
   case $step in
     kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py 2>&1 \
               | tail -30 | tee "$OUT/kernels.txt" ;;
+    cp)     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py 2>&1 | tail -4 \
+              | tee "$OUT/cp-tests.txt"
+            rm -f "$OUT/cp.jsonl"
+            for n in 1 2; do
+              timeout 500 python3 -m baton.benchmarks.context_parallel --model qwen3-8b-yarn --device cuda:0 --cp-size $n \
+                --prompt-len ${CP_LEN:-131064} ${CP_ARGS:-} 2>"$OUT/cp$n.log" | tee -a "$OUT/cp.jsonl"
+            done
+            python3 -m baton.benchmarks.context_parallel --compare "$OUT/cp.jsonl" | tee "$OUT/cp.txt" ;;
     parity) BATON_TEST_DEVICE=cuda:0 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py \
               -k tiny_architectures 2>&1 | tail -4 | tee "$OUT/parity.txt" ;;
     models) BATON_TEST_DEVICE=cuda:0 timeout 300 python3 -m pytest -q -p no:cacheprovider -rs \

@@ -51,6 +51,7 @@ class EngineConfig:
     tp_size: int = 1                    # tensor-parallel ranks (processes), one device each
     tp_devices: str | None = None       # "cuda:0,cuda:1"; default: counted up from `device`
     tp_port: int = 0                    # rendezvous port on 127.0.0.1; 0 = a free one
+    context_parallel_size: int = 1      # ranks that split each prefill step's tokens (engine/runner/context_parallel.py)
     tokenizer: str | None = None        # tokenizer directory; None = the model's (presets: the embedded one's)
     cache_dir: str | None = None        # converted models, compiled graphs; None = ~/.cache/baton
     fused_ops: bool = PLATFORM.fused_ops        # fused layer kernels (Triton on CUDA, torch_npu on Ascend)
@@ -69,6 +70,11 @@ class EngineConfig:
     kv_cache_scales: str = "calibrate"  # fp8 cache: the checkpoint's k/v scales, else calibrated at load | one
     fp8_rounding: str = "nearest"       # --quantization fp8's weights: to nearest, or GPTQ's error feedback
     fp8_accumulation: str = "fast"      # FP8 GEMMs on CUDA: the tensor cores' own sums (vLLM's), or fp32
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes (one device each) the engine runs in lockstep: tensor- or context-parallel ranks."""
+        return self.tp_size * self.context_parallel_size
 
     @property
     def speculative_tokens(self) -> int:
@@ -92,6 +98,25 @@ class EngineConfig:
             raise ValueError("--speculative-method eagle3 keeps its head's KV in the model's dtype for now "
                              "(--kv-cache-dtype auto)")
 
+    def _validate_context_parallel(self) -> None:
+        cp = self.context_parallel_size
+        if cp < 1:
+            raise ValueError(f"context_parallel_size must be >= 1, got {cp}")
+        if cp == 1:
+            return
+        if self.tp_size > 1:
+            raise ValueError(f"--context-parallel-size {cp} with --tensor-parallel-size {self.tp_size}: context "
+                             "parallelism keeps the full weights on every rank and is not combined with tensor "
+                             "parallelism yet (pick one)")
+        for on, flag in ((self.speculative_method == "eagle3", "--speculative-method eagle3"),
+                         (self.kv_offloading_size > 0, "--kv-offloading-size"),
+                         (self.deterministic, "--deterministic"),
+                         (self.async_scheduling is True, "--async-scheduling")):
+            if on:
+                raise ValueError(f"--context-parallel-size {cp} does not combine with {flag} yet (every rank keeps a "
+                                 "full, identical KV cache and runs each step from rank 0's host inputs; that option breaks one or the "
+                                 "other)")
+
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -114,6 +139,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        self._validate_context_parallel()
         if not 0 <= self.tp_port < 65536:
             raise ValueError(f"tp_port must be in [0, 65535], got {self.tp_port}")
         if self.speculative_method is not None:

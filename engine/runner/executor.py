@@ -36,6 +36,7 @@ class StepExecutor:
         self.max_num_seqs = max_num_seqs
         self.graphs = None
         self.prefill_graphs = None
+        self.cp = None                         # context parallelism's side of this rank (engine/runner/context_parallel.py)
         self._token_buffers: list[torch.Tensor | None] = [None, None]   # pinned copies of sampled tokens
         self._turn = 0
 
@@ -79,6 +80,10 @@ class StepExecutor:
             from baton.engine.runner.vision_step import multimodal_step  # (text models never load it)
             mm = multimodal_step(self.model, self.hf_config, inputs.image_chunks, inputs.mrope_positions, self.device)
             return self.model(dev.input_ids, dev.positions, ctx, mm=mm)
+        if self.cp is not None:                       # a prefill step split across the context-parallel ranks
+            hidden = self.cp.forward(self.model, self.forward, inputs, dev.input_ids, dev.positions)
+            if hidden is not None:
+                return hidden
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(dev.input_ids.shape[0]):
             return self.prefill_graphs.run(dev.input_ids, dev.positions, ctx)   # all but attention replayed
         return self.model(dev.input_ids, dev.positions, ctx)

@@ -94,12 +94,12 @@ class KVCache:
                 used = total - free
                 budget = int(total * config.gpu_memory_utilization) - used - _activation_reserve(config, hf_config)
         num = budget // self.block_bytes()
-        if config.tp_size > 1:            # every rank holds the same blocks: the smallest budget wins
+        if config.num_ranks > 1:          # every rank holds the same blocks: the smallest budget wins
             n = torch.tensor([num], dtype=torch.int64, device=self.platform.device)
             torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN, group=tp_group)
             num = int(n.item())
         if num < 1:
-            where = " on the tightest tensor-parallel rank" if config.tp_size > 1 else ""
+            where = " on the tightest rank" if config.num_ranks > 1 else ""
             raise ValueError(f"no memory left for the KV cache{where} (this rank's budget {budget} bytes, "
                              f"{self.block_bytes()} per block); lower the model size or raise "
                              "--gpu-memory-utilization")

@@ -41,9 +41,12 @@ class ModelRunner:
         self.config = config
         self.tp_rank = tp_rank
         self.tp: TensorParallel | None = None
-        if config.tp_size > 1 and tp_group is None:          # rank 0: start the other ranks first
+        if config.num_ranks > 1 and tp_group is None:        # rank 0: start the other ranks first
             self.tp = TensorParallel(config, type(self))
             tp_group, device = self.tp.group, self.tp.devices[0]
+        group = tp_group                                     # every rank's (tensor- or context-parallel)
+        if config.context_parallel_size > 1:                 # full weights on every rank
+            tp_rank, tp_group = 0, None
         self.tp_group = tp_group
         self.platform: Platform = get_platform(device or config.device, config.platform_options())
         self.device = self.platform.device
@@ -69,7 +72,7 @@ class ModelRunner:
         # the KV cache's dtype: the model's, or float8 e4m3 (--kv-cache-dtype fp8)
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         self.kv = KVCache(config, self.platform, self.model, hf, self.model.num_layers + (self.head is not None),
-                          kv_dtype, self.attention, self.scale, tp_group)
+                          kv_dtype, self.attention, self.scale, group)
         self.host_tier = None if not config.kv_offloading_size else HostTier(   # --kv-offloading-size
             self.kv.tensor, self.kv.block_bytes(), int(config.kv_offloading_size * (1 << 30)))
         self.forward = Forward(self.model, self.kv.layers, self.attention, self.scale, self.kv.scales,
@@ -81,7 +84,12 @@ class ModelRunner:
         self.masks = MaskBuffers(self.device)          # structured output's bitmasks
         self.max_model_len = self._max_model_len()
         self.executor = StepExecutor(self.forward, self.platform, self.upload, self.sampler, self.drafts, hf,
-                                     tp_rank, config.max_num_seqs)
+                                     tp_rank if group is None else torch.distributed.get_rank(group),
+                                     config.max_num_seqs)
+        if config.context_parallel_size > 1:
+            from baton.engine.runner.context_parallel import ContextParallel
+            self.executor.cp = ContextParallel(config.context_parallel_size, self.executor.tp_rank, group, self.device,
+                                            self.model)
         self.inputs = StepInputBuilder(config, self.drafts, self.executor.graphs_replay)
         if self.device.type != "cpu":
             capacity = min(self.num_blocks * self.block_size, self.max_model_len)
@@ -110,7 +118,7 @@ class ModelRunner:
     def _piecewise_safe(self) -> bool:
         """Piecewise prefill graphs: a decoder-only model on one rank, no draft head, not deterministic."""
         c = self.config
-        return (c.prefill_graphs and self.platform.supports_piecewise_graphs and c.tp_size == 1
+        return (c.prefill_graphs and self.platform.supports_piecewise_graphs and c.num_ranks == 1
                 and not c.deterministic and self.drafts is None and isinstance(self.model, DecoderForCausalLM))
 
     def _capture_graphs(self) -> None:
@@ -193,6 +201,7 @@ class ModelRunner:
 
     def write_kv(self, block_ids: list[int], payload) -> None:
         """Copy a transferred payload (bytes, a uint8 tensor, or Pieces) into these blocks."""
+        self._one_cache()
         self.kv.write(block_ids, payload)
 
     def prove_kv(self, data, first_block: int, num_blocks: int, so_far=None):
@@ -201,7 +210,14 @@ class ModelRunner:
 
     def land_kv(self, block_ids: list[int], payload, prove: bool):
         """Write a landed payload into these blocks, and its checksum (queued): KVCache.land."""
+        self._one_cache()
         return self.kv.land(block_ids, payload, prove)
+
+    def _one_cache(self) -> None:
+        if self.config.context_parallel_size > 1:
+            raise RuntimeError("KV landed from another worker would reach rank 0's cache only, and every "
+                               "context-parallel rank reads its own full copy: land KV on a worker without "
+                               "--context-parallel-size")
 
     # -- one step ---------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> list[int | None]:

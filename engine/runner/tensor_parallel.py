@@ -13,6 +13,7 @@ same code on every rank, so the collectives inside it line up.
 
 The rendezvous is TCP on 127.0.0.1:`tp_port` (0: a free port). Disaggregated KV transfer
 sends one rank's payload; prefill and decode roles therefore run with tp_size 1 for now.
+Context parallelism (engine/runner/context_parallel.py) runs on the same ranks, with full weights.
 """
 from __future__ import annotations
 
@@ -48,6 +49,23 @@ def rank_devices(device: str, tp_size: int, tp_devices: str | None) -> list[str]
     return [f"{kind}:{start + r}" for r in range(tp_size)]
 
 
+def check_devices(devices: list[str], available: int | None = None) -> None:
+    """Refuse ranks on accelerators this host does not have (`available`: how many it has)."""
+    kind = devices[0].partition(":")[0]
+    if kind == "cpu":
+        return
+    if available is None:
+        import torch
+        module = getattr(torch, kind, None)           # (torch.npu appears once torch_npu is imported)
+        if module is None or not hasattr(module, "device_count"):
+            return                                    # the rank's platform says so when it starts
+        available = module.device_count()
+    wanted = [int(d.partition(":")[2] or 0) for d in devices]
+    if max(wanted) >= available:
+        raise ValueError(f"{len(devices)} ranks on {', '.join(devices)}, but this host has {available} {kind} "
+                         "devices: lower --tensor-parallel-size / --context-parallel-size or name other devices")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,8 +88,9 @@ class TensorParallel:
     needs nothing of the runner's)."""
 
     def __init__(self, config, runner_cls):
-        self.size = config.tp_size
-        self.devices = rank_devices(config.device, config.tp_size, config.tp_devices)
+        self.size = config.num_ranks                   # tensor- or context-parallel ranks
+        self.devices = rank_devices(config.device, self.size, config.tp_devices)
+        check_devices(self.devices)
         port = config.tp_port or free_port()
         ctx = mp.get_context("spawn")
         self.pipes, self.procs = [], []
@@ -82,7 +101,8 @@ class TensorParallel:
             p.start()
             self.pipes.append(mine)
             self.procs.append(p)
-        print(f"[baton] tensor parallel: {self.size} ranks on {', '.join(self.devices)} "
+        kind = "context" if config.context_parallel_size > 1 else "tensor"
+        print(f"[baton] {kind} parallel: {self.size} ranks on {', '.join(self.devices)} "
               f"(rendezvous 127.0.0.1:{port})", file=sys.stderr)
         init_group(0, self.size, port, self.devices[0], config.platform_options())
         self.group = dist.group.WORLD
@@ -133,7 +153,7 @@ def _rank_main(runner_cls, config, rank: int, port: int, device: str, pipe) -> N
     """A rank other than 0: build the same runner on its device, then run what rank 0 sends."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        init_group(rank, config.tp_size, port, device, config.platform_options())
+        init_group(rank, config.num_ranks, port, device, config.platform_options())
         runner = runner_cls(config, tp_rank=rank, tp_group=dist.group.WORLD, device=device)
     except BaseException:
         pipe.send(traceback.format_exc())

@@ -81,6 +81,10 @@ class WorkerConfig(ServerConfig):
             raise ValueError(f"--tp-size {self.engine.tp_size} on a {self.role} worker: KV transfer moves one "
                              "rank's cache, so disaggregated roles run with tp_size 1 for now (use --role colocated, "
                              "or one worker per device)")
+        if self.engine.context_parallel_size > 1 and self.role == "decode":
+            raise ValueError(f"--context-parallel-size {self.engine.context_parallel_size} on a decode worker: "
+                             "landed KV reaches rank 0's cache only, and context parallelism speeds up prefill; "
+                             "use it on prefill or colocated workers")
         if self.advertise_host is not None and self.advertise_host in WILDCARD_HOSTS:
             raise ValueError(f"--advertise-host {self.advertise_host!r} is a wildcard, which no peer can dial; give "
                              "this worker's name or IP as its peers see it (or leave it unset: the container's IP)")
@@ -128,6 +132,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="TEST ONLY: npu:N is the host CPU running the documented torch_npu op semantics")
     flag(g, "--tp-size", "--tensor-parallel-size", "-tp", type=int, default=e.tp_size,
          help="tensor-parallel ranks, one device each (colocated role only, for now)")
+    flag(g, "--context-parallel-size", "--cp-size", type=int, default=e.context_parallel_size,
+         help="context-parallel ranks, one device each with the full weights and KV cache, that split each "
+              "prefill step's tokens; decode steps run on every rank alike (prefill and colocated roles)")
     flag(g, "--tp-devices", help="devices of the ranks, e.g. cuda:0,cuda:1 (unset: counted up from --device)")
     flag(g, "--tp-port", type=int, default=e.tp_port, help="rendezvous port of the ranks on 127.0.0.1 (0: a free one)")
     flag(g, "--seed", type=int, default=e.seed, help="random weights of presets, and unseeded sampling")
@@ -262,7 +269,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.prefix_caching,
         kv_offloading_size=args.kv_offloading_size, kv_checksum=args.kv_checksum,
         enforce_eager=args.enforce_eager, prefill_graphs=args.prefill_graphs, seed=args.seed, tp_size=args.tp_size,
-        tp_devices=args.tp_devices,
+        tp_devices=args.tp_devices, context_parallel_size=args.context_parallel_size,
         tp_port=args.tp_port, tokenizer=args.tokenizer, cache_dir=args.cache_dir, fused_ops=args.fused_ops,
         npu_graph_mode=args.npu_graph_mode, npu_emulation=args.npu_emulation,
         async_scheduling=args.async_scheduling, deterministic=args.deterministic,
