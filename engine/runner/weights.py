@@ -32,7 +32,8 @@ def load_model(config: EngineConfig, source: ModelSource, platform: Platform, dt
     torch.manual_seed(config.seed)
     with torch.device(platform.device):
         model = build_model(source.hf_config, dtype, platform.device, platform.ops,
-                            tp_rank=tp_rank, tp_size=config.tp_size, tp_group=tp_group)
+                            tp_rank=tp_rank, tp_size=config.tp_size, tp_group=tp_group,
+                            expert_parallel=config.expert_parallel)
     if source.weights_path is None:
         init_random_weights(model, source.random_seed)
     else:

@@ -307,12 +307,15 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tens
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                   tiles: MoeTiles | None = None, invariant: bool = False,
-                  scales: ExpertScales | None = None, fp8_dots: bool | None = None) -> torch.Tensor:
+                  scales: ExpertScales | None = None, fp8_dots: bool | None = None,
+                  foreign: bool = False) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for SwiGLU experts w13 [E, 2I, H], w2 [E, H, I];
     x [T, H] -> [T, H] in x's dtype. `tiles` overrides the bucket's choice (benchmarks); `invariant`:
     the same tiles for every T (deterministic mode). FP8 experts (--quantization fp8): w13 and w2
     in e4m3 with `scales` per (expert, output channel), weight-only or FP8 x FP8 (`fp8_dots`; None:
-    quantization.fp8_expert_dots by the step's shape, weight-only under `invariant`)."""
+    quantization.fp8_expert_dots by the step's shape, weight-only under `invariant`). `foreign`: ids
+    equal to E mark pairs another rank computes (expert parallelism): aligned as an extra expert
+    whose blocks the GEMMs skip, their rows left zero for the sum."""
     _check(x, w13, w2, ids, weights, scales)
     t, k = ids.shape
     e, two_i, h = w13.shape
@@ -325,10 +328,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     dots = scales is not None and fp8_dots
     dtype = FP8 if dots else x.dtype
     tiles = tiles or (invariant_tiles(e, h, inter, dtype) if invariant else pick_tiles(t * k, e, h, inter, dtype))
-    blocks = align(ids, e, tiles.block_m)
+    blocks = align(ids, e + foreign, tiles.block_m)
+    blocks.num_experts = e                  # (foreign: the extra group's blocks count as past the last)
     act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
     s13, s2 = (None, None) if scales is None else scales
-    per_pair = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
+    per_pair = (torch.zeros if foreign else torch.empty)(t * k, h, dtype=torch.float32, device=x.device)
     route = weights.reshape(-1).contiguous()
     if dots:                 # FP8 x FP8: x's rows, then the SiLU product's, quantized per token
         xq, x_scale = quantize_fp8_rows(x)
