@@ -165,6 +165,9 @@ def check_fused_foreign() -> None:
             ids.fill_(place.num_local)
         want = LayerOps().moe_experts(x, w13, w2, ids, weights, foreign=True)
         torch.testing.assert_close(fused_experts(x, w13, w2, ids, weights, foreign=True), want, rtol=1e-4, atol=1e-5)
+        mine = ids.clamp(max=place.num_local - 1)                     # no foreign pairs: the plain path
+        torch.testing.assert_close(fused_experts(x, w13, w2, mine, weights),
+                                   LayerOps().moe_experts(x, w13, w2, mine, weights), rtol=1e-4, atol=1e-5)
     print("fused foreign ok")
 
 
