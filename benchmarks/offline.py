@@ -35,7 +35,7 @@ ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_mod
                 "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "prefill_graphs", "tp_size",
                 "tp_devices", "tokenizer", "async_scheduling", "deterministic", "speculative_method", "num_speculative_tokens",
                 "speculative_max_batch", "quantization", "kv_cache_dtype", "fp8_accumulation",
-                "enable_expert_parallel", "expert_parallel_dispatch")
+                "enable_expert_parallel", "expert_parallel_dispatch", "ep_redundant_experts", "ep_expert_load")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="MoE: whole experts split over the --tp-size ranks (the engine flag's)")
     e.add_argument("--expert-parallel-dispatch", choices=EP_DISPATCHES, default=d.expert_parallel_dispatch,
                    help="allreduce or alltoall (the engine flag's)")
+    e.add_argument("--ep-redundant-experts", type=int, default=d.ep_redundant_experts,
+                   help="copies of the hottest experts of --ep-expert-load (the engine flag's)")
+    e.add_argument("--ep-expert-load", default=None, help="JSON load profile (the engine flag's)")
     h = p.add_argument_group("transformers peer")
     h.add_argument("--hf-mode", choices=("auto", "continuous", "static"), default="auto",
                    help="continuous: transformers' continuous batching (paged attention, the engine behind "

@@ -54,6 +54,8 @@ class EngineConfig:
     tp_port: int = 0                    # rendezvous port on 127.0.0.1; 0 = a free one
     enable_expert_parallel: bool = False    # MoE layers: each rank holds E/tp_size whole experts, not a slice of each
     expert_parallel_dispatch: str = "allreduce"   # allreduce (graph-safe) | alltoall (eager): EP_DISPATCHES
+    ep_redundant_experts: int = 0       # a second copy of the K hottest experts (of ep_expert_load), K/tp_size a rank
+    ep_expert_load: str | None = None   # JSON load profile {"tokens_per_expert": [...]} picking them
     tokenizer: str | None = None        # tokenizer directory; None = the model's (presets: the embedded one's)
     cache_dir: str | None = None        # converted models, compiled graphs; None = ~/.cache/baton
     fused_ops: bool = PLATFORM.fused_ops        # fused layer kernels (Triton on CUDA, torch_npu on Ascend)
@@ -82,6 +84,12 @@ class EngineConfig:
         if self.expert_parallel_dispatch not in EP_DISPATCHES:
             raise ValueError(f"expert_parallel_dispatch must be one of {', '.join(EP_DISPATCHES)}, "
                              f"got {self.expert_parallel_dispatch!r}")
+        if self.ep_redundant_experts and not (self.enable_expert_parallel and self.ep_expert_load
+                                              and self.ep_redundant_experts > 0
+                                              and self.ep_redundant_experts % self.tp_size == 0):
+            raise ValueError(f"--ep-redundant-experts {self.ep_redundant_experts} copies the hottest experts of "
+                             "--ep-expert-load's profile under --enable-expert-parallel, the same number on each "
+                             f"rank: give all three, with a multiple of --tp-size ({self.tp_size})")
         if not self.enable_expert_parallel:
             return
         if self.tp_size < 2:

@@ -43,21 +43,31 @@ def _worker(rank: int, ranks: int, port: int) -> None:
         w13 = torch.randn(E, 2 * INTER, H, generator=g, dtype=torch.float64)
         w2 = torch.randn(E, H, INTER, generator=g, dtype=torch.float64)
         ops, tp = LayerOps(), TPInfo(rank, ranks, None)
-        placement = ExpertPlacement(E, rank, ranks)
-        mine = slice(placement.first, placement.first + placement.num_local)
-
-        class Local:                         # this rank's stacks, as FusedExperts holds them
-            scales = None
-        Local.w13, Local.w2 = w13[mine].contiguous(), w2[mine].contiguous()
-        for name, ids in _routings(g).items():
-            x = torch.randn(ids.shape[0], H, generator=g, dtype=torch.float64)
-            weights = torch.rand(ids.shape, generator=g, dtype=torch.float64)
-            want = ops.moe_experts(x, w13, w2, ids, weights)          # every expert on one device
-            for mode in ("allreduce", "alltoall"):
-                got = make_dispatch(mode, placement, ops, tp)(x, ids, weights, Local)
-                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=f"{mode} {name} rank {rank}")
+        for redundant in ((), tuple(range(ranks)), (3, 6, 0, 1)[:ranks]):   # hot experts: none, one rank's, spread
+            placement = ExpertPlacement(E, rank, ranks, redundant)
+            local = _local_stacks(placement, w13, w2)
+            for name, ids in _routings(g).items():
+                x = torch.randn(ids.shape[0], H, generator=g, dtype=torch.float64)
+                weights = torch.rand(ids.shape, generator=g, dtype=torch.float64)
+                want = ops.moe_experts(x, w13, w2, ids, weights)          # every expert on one device
+                for mode in ("allreduce", "alltoall"):
+                    got = make_dispatch(mode, placement, ops, tp)(x, ids, weights, local)
+                    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10,
+                                               msg=f"{mode} {name} redundant {redundant} rank {rank}")
     finally:
         dist.destroy_process_group()
+
+
+def _local_stacks(placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor):
+    """This rank's slots as FusedExperts' weight loader fills them."""
+    class Local:
+        scales = None
+    Local.w13 = torch.zeros(placement.num_local, *w13.shape[1:], dtype=w13.dtype)
+    Local.w2 = torch.zeros(placement.num_local, *w2.shape[1:], dtype=w2.dtype)
+    for e in range(w13.shape[0]):
+        for slot in placement.local_slots(e):
+            Local.w13[slot], Local.w2[slot] = w13[e], w2[e]
+    return Local
 
 
 def _free_port() -> int:
@@ -69,6 +79,34 @@ def _free_port() -> int:
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_dispatch_and_combine_match_a_dense_moe_on_uneven_loads(ranks):
     mp.spawn(_worker, args=(ranks, _free_port()), nprocs=ranks, join=True)
+
+
+def test_a_hot_experts_tokens_split_between_its_copies():
+    """Experts 0 (rank 0's) and 4 (rank 1's) are hot: each gets a second copy in the other rank's
+    extra slot, and the pairs of every other token run there; cold experts keep their home slot."""
+    ranks = [ExpertPlacement(8, r, 2, redundant=(0, 4)) for r in range(2)]
+    assert ranks[0].num_local == 5 and ranks[0].local_slots(0) == [0] and ranks[1].local_slots(0) == [4]
+    assert ranks[0].local_slots(4) == [4] and ranks[1].local_slots(4) == [0]
+    assert ranks[0].local_slots(1) == [1] and ranks[1].local_slots(1) == []
+    ids = torch.tensor([[0, 5]] * 6)
+    owners = torch.div(ranks[0].slots(ids), 5, rounding_mode="floor")
+    assert owners[:, 0].tolist() == [0, 1, 0, 1, 0, 1] and owners[:, 1].tolist() == [1] * 6
+    assert (ranks[0].localize(ids) < 5).sum() == 3 and (ranks[1].localize(ids) < 5).sum() == 9
+
+
+def test_the_hottest_experts_come_from_the_load_profile_and_are_counted_by_the_moe_block(tmp_path):
+    from baton.models.layers.expert_parallel import hot_experts
+    block = SparseMoeBlock(tiny_hf_config("qwen3_moe"), LayerOps(), TPInfo(), torch.float32)
+    torch.nn.init.normal_(block.gate.weight)
+    block.count_load()
+    ids, _ = block.route(torch.randn(40, 64))
+    assert block.expert_load.tolist() == torch.bincount(ids.reshape(-1), minlength=8).tolist()
+    profile = tmp_path / "load.json"
+    profile.write_text('{"tokens_per_expert": [5, 90, 7, 90, 1, 0, 60, 2]}')
+    assert hot_experts(str(profile), 2) == (1, 3) and hot_experts(str(profile), 4) == (1, 3, 6, 2)
+    profile.write_text('{"experts": [1, 2]}')
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        hot_experts(str(profile), 2)
 
 
 def test_foreign_pairs_add_nothing_on_one_device():
@@ -100,15 +138,20 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (7, 30, 4)]
 
 
-@pytest.mark.parametrize("dispatch", [None, "allreduce", "alltoall"])
-def test_expert_parallel_ranks_give_the_single_device_tokens(moe_checkpoint, single_device_tokens, dispatch):
-    """EP=2 (each rank 4 of the 8 experts) and plain TP=2 decode what tp_size 1 does."""
+@pytest.mark.parametrize("dispatch,redundant", [(None, 0), ("allreduce", 0), ("alltoall", 0), ("allreduce", 2)])
+def test_expert_parallel_ranks_give_the_single_device_tokens(moe_checkpoint, single_device_tokens, dispatch,
+                                                             redundant, tmp_path):
+    """EP=2 (each rank 4 of the 8 experts; with 2 redundant, a copy of the 2 hottest too) and plain
+    TP=2 decode what tp_size 1 does."""
     ep = {} if dispatch is None else dict(enable_expert_parallel=True, expert_parallel_dispatch=dispatch)
+    if redundant:
+        (tmp_path / "load.json").write_text('{"tokens_per_expert": [1, 9, 1, 1, 1, 1, 8, 1]}')
+        ep.update(ep_redundant_experts=redundant, ep_expert_load=str(tmp_path / "load.json"))
     llm = LLM(str(moe_checkpoint), num_kv_blocks=64, dtype="float32", tp_size=2, **ep)
     try:
         got = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
         moe = llm.engine.runner.model.model.layers[0].mlp          # rank 0, in this process
-        assert moe.experts.w13.shape[0] == (8 if dispatch is None else 4)
+        assert moe.experts.w13.shape[0] == (8 if dispatch is None else 4 + redundant // 2)
         assert (moe.dispatch is None) == (dispatch is None)
     finally:
         llm.engine.runner.close()
@@ -133,6 +176,9 @@ def test_each_rank_holds_only_its_whole_experts():
     (dict(tp_size=2, enable_expert_parallel=True, device="npu:0"), "Ascend"),
     (dict(tp_size=2, enable_expert_parallel=True, quantization="w8a8"), "w8a8"),
     (dict(tp_size=2, enable_expert_parallel=True, expert_parallel_dispatch="ring"), "allreduce, alltoall"),
+    (dict(tp_size=2, ep_redundant_experts=2, ep_expert_load="load.json"), "--ep-redundant-experts 2"),
+    (dict(tp_size=2, enable_expert_parallel=True, ep_redundant_experts=2), "--ep-redundant-experts 2"),
+    (dict(tp_size=2, enable_expert_parallel=True, ep_redundant_experts=3, ep_expert_load="l.json"), "multiple"),
 ])
 def test_bad_expert_parallel_options_are_refused(options, match):
     with pytest.raises(ValueError, match=match):
@@ -140,7 +186,7 @@ def test_bad_expert_parallel_options_are_refused(options, match):
 
 
 def test_experts_not_divisible_by_the_ranks_are_refused():
-    with pytest.raises(ValueError, match="8 experts over the 3 ranks"):
+    with pytest.raises(ValueError, match="8 experts .* over the 3 ranks"):
         SparseMoeBlock(tiny_hf_config("qwen3_moe"), LayerOps(), TPInfo(0, 3, None, "allreduce"), torch.float32)
 
 

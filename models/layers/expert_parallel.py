@@ -16,8 +16,10 @@ the dense layers stay tensor-parallel. Two ways to bring tokens to their experts
   needs, where tokens are not replicated; beside TP attention it moves fewer bytes only when
   k*H*(N-1)/N per token beats the all-reduce's.
 
-A redundant-expert load balancer is not built yet (docs/parallelism.md says what it would do);
-`ExpertPlacement` is the one place a placement map would replace the contiguous split.
+Load balance (--ep-redundant-experts K): the K hottest experts of a load profile (tokens per
+expert, `hot_experts`) get a second copy on another rank, and their pairs alternate between the
+copies (`ExpertPlacement`). The profile is a file; `SparseMoeBlock.expert_load` counts a run's
+routed pairs per expert to make one (docs/parallelism.md).
 """
 from __future__ import annotations
 
@@ -26,28 +28,55 @@ import torch.distributed as dist
 
 
 class ExpertPlacement:
-    """Which experts this rank holds: a contiguous slice of E/N ids."""
+    """Which experts each rank holds, as slots: rank r's slot j is global slot r*S + j, S =
+    E/N + K/N. Expert e's home slot is e (rank e // (E/N)); each of the K `redundant` (hot) experts
+    gets one more copy in an extra slot, on the next rank after its home with one free (its own
+    only when the others' are taken: hot experts sharing a home outnumber them). A pair goes to one copy
+    of its expert, picked by its token's row (row % copies), so a hot expert's tokens split
+    evenly between its copies; weights and results are the same whichever copy runs."""
 
-    def __init__(self, num_experts: int, rank: int, ranks: int):
-        if num_experts % ranks:
-            raise ValueError(f"--enable-expert-parallel splits the {num_experts} experts over the {ranks} ranks "
-                             "evenly; that does not divide (use a --tp-size that divides the expert count)")
+    def __init__(self, num_experts: int, rank: int, ranks: int, redundant: tuple[int, ...] = ()):
+        if num_experts % ranks or len(redundant) % ranks:
+            raise ValueError(f"--enable-expert-parallel splits the {num_experts} experts (and the {len(redundant)} "
+                             f"redundant copies) over the {ranks} ranks evenly; that does not divide (use a "
+                             "--tp-size that divides both)")
+        if len(set(redundant)) != len(redundant) or not all(0 <= e < num_experts for e in redundant):
+            raise ValueError(f"redundant experts must be distinct ids below {num_experts}, got {list(redundant)}")
         self.num_experts, self.rank, self.ranks = num_experts, rank, ranks
-        self.num_local = num_experts // ranks
-        self.first = rank * self.num_local
+        self.per_rank = num_experts // ranks
+        self.num_local = self.per_rank + len(redundant) // ranks       # slots a rank holds
+        copies = [[self._slot(e // self.per_rank, e % self.per_rank)] for e in range(num_experts)]
+        used = [0] * ranks
+        for e in redundant:
+            home = e // self.per_rank
+            r = next(r for r in ((home + i) % ranks for i in range(1, ranks + 1)) if used[r] < len(redundant) // ranks)
+            copies[e].append(self._slot(r, self.per_rank + used[r]))
+            used[r] += 1
+        width = max(len(c) for c in copies)
+        self.table = torch.tensor([c + c[:1] * (width - len(c)) for c in copies])       # [E, copies]
+        self.copies = torch.tensor([len(c) for c in copies])
+        self._mine = {e: [s - rank * self.num_local for s in c if s // self.num_local == rank]
+                      for e, c in enumerate(copies)}
 
-    def local_index(self, expert: int) -> int | None:
-        """Where global expert `expert` sits in this rank's stacks; None: another rank holds it."""
-        local = expert - self.first
-        return local if 0 <= local < self.num_local else None
+    def _slot(self, rank: int, local: int) -> int:
+        return rank * self.num_local + local
+
+    def local_slots(self, expert: int) -> list[int]:
+        """This rank's slots holding global expert `expert` (none, its home, a redundant copy)."""
+        return self._mine[expert]
+
+    def slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global ids [T, k] -> the global slot each pair runs in."""
+        table, copies = self.table.to(ids.device), self.copies.to(ids.device)
+        if table.shape[1] == 1:
+            return table[ids, 0]
+        rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
+        return table[ids, rows % copies[ids]]
 
     def localize(self, ids: torch.Tensor) -> torch.Tensor:
-        """Global ids [T, k] -> this rank's local ids, num_local for a pair another rank computes."""
-        local = ids - self.first
+        """Global ids [T, k] -> this rank's local slots, num_local for a pair another rank computes."""
+        local = self.slots(ids) - self.rank * self.num_local
         return torch.where((local >= 0) & (local < self.num_local), local, self.num_local)
-
-    def owner(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.div(ids, self.num_local, rounding_mode="floor")
 
 
 class ExpertDispatch:
@@ -77,17 +106,17 @@ class AllToAllDispatch(ExpertDispatch):
         n, r = self.placement.ranks, self.placement.rank
         bounds = _shares(x.shape[0], n)
         lo, hi = bounds[r], bounds[r + 1]
-        k = ids.shape[1]
-        pair_ids = ids[lo:hi].reshape(-1)
-        order = torch.argsort(self.placement.owner(pair_ids), stable=True)   # pairs grouped by owning rank
-        send = torch.bincount(self.placement.owner(pair_ids), minlength=n)
+        k, per = ids.shape[1], self.placement.num_local
+        slots = self.placement.slots(ids[lo:hi]).reshape(-1)
+        owner = torch.div(slots, per, rounding_mode="floor")
+        order = torch.argsort(owner, stable=True)                         # pairs grouped by owning rank
+        send = torch.bincount(owner, minlength=n)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.tp.group)
         send_n, recv_n = send.tolist(), recv.tolist()
         rows = x[lo:hi][order // k]
         got_rows = self._exchange(rows, recv_n, send_n)
-        got_ids = self._exchange(pair_ids[order], recv_n, send_n)
-        local = (got_ids - self.placement.first).unsqueeze(1)
+        local = self._exchange(slots[order] % per, recv_n, send_n).unsqueeze(1)
         ones = torch.ones(local.shape, dtype=x.dtype, device=x.device)
         done = self.ops.moe_experts(got_rows, experts.w13, experts.w2, local, ones, scales=experts.scales)
         back = self._exchange(done, send_n, recv_n)                 # results in `order`'s pair order
@@ -129,3 +158,15 @@ def make_dispatch(mode: str, placement: ExpertPlacement, ops, tp) -> ExpertDispa
     if mode not in DISPATCHES:
         raise ValueError(f"expert-parallel dispatch must be one of {', '.join(DISPATCHES)}, got {mode!r}")
     return DISPATCHES[mode](placement, ops, tp)
+
+
+def hot_experts(path: str, k: int) -> tuple[int, ...]:
+    """The k experts with the most tokens in a load profile: a JSON file {"tokens_per_expert":
+    [count of expert 0, ...]} (summed over the MoE layers); ties go to the lower id."""
+    import json
+    with open(path) as f:
+        counts = json.load(f).get("tokens_per_expert")
+    if not isinstance(counts, list) or len(counts) < k or not all(isinstance(c, (int, float)) for c in counts):
+        raise ValueError(f"--ep-expert-load {path}: need {{\"tokens_per_expert\": [a count per expert]}} with at "
+                         f"least {k} experts (--ep-redundant-experts)")
+    return tuple(sorted(range(len(counts)), key=lambda e: (-counts[e], e))[:k])

@@ -54,13 +54,16 @@ class FusedExperts(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int, str]) -> None:
         """One expert's checkpoint tensor (gate_proj / up_proj [I, H], down_proj [H, I]) into
-        this rank's slice of the stacked parameter (expert-parallel: its own experts whole, the
-        others' skipped)."""
+        this rank's slice of the stacked parameter (expert-parallel: into each of this rank's slots
+        holding that expert, whole; the others' skipped)."""
         expert, which = shard
-        if self.placement is not None:
-            expert = self.placement.local_index(expert)
-            if expert is None:
-                return
+        if self.placement is None:
+            self._load_into(param, loaded, expert, which)
+            return
+        for slot in self.placement.local_slots(expert):
+            self._load_into(param, loaded, slot, which)
+
+    def _load_into(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, which: str) -> None:
         n, r = self.intermediate, self.shard
         if which == "down_proj":
             param.data[expert].copy_(loaded[:, r * n:(r + 1) * n])
@@ -81,15 +84,25 @@ class SparseMoeBlock(nn.Module):
         self.gate.keep_dtype = True         # the router stays in the model dtype under --quantization
         placement = dispatch = None
         if tp.expert_parallel is not None:
-            placement = ExpertPlacement(config.num_experts, tp.rank, tp.size)
+            placement = ExpertPlacement(config.num_experts, tp.rank, tp.size, tp.redundant_experts)
             dispatch = make_dispatch(tp.expert_parallel, placement, ops, tp)
         self.dispatch = dispatch
         self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, tp, dtype,
                                     placement)
 
+        self.expert_load: torch.Tensor | None = None     # routed pairs per expert, while counting (`count_load`)
+
+    def count_load(self, on: bool = True) -> None:
+        """Count routed pairs per expert from now on (a load profile for --ep-expert-load; run eager:
+        a graph's padding rows would count too); off drops the counts."""
+        self.expert_load = torch.zeros(self.gate.out_features, dtype=torch.int64, device=self.gate.weight.device) \
+            if on else None
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k expert ids [T, k], their weights [T, k] in x's dtype)."""
         ids, weights = self.ops.moe_route(self.gate(x), self.top_k, self.norm_topk_prob)
+        if self.expert_load is not None:
+            self.expert_load.index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
         return ids, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

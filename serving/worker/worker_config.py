@@ -138,6 +138,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="how tokens reach the experts' ranks: allreduce = every rank runs its experts on the replicated "
               "tokens, one all-reduce (decode graphs kept); alltoall = pairs sent to their experts' ranks and back "
               "(eager steps)")
+    flag(g, "--ep-redundant-experts", type=int, default=e.ep_redundant_experts,
+         help="expert parallelism's load balance: a second copy of the K hottest experts of --ep-expert-load, on "
+              "other ranks, their tokens split between the copies (K a multiple of --tp-size; 0: none)")
+    flag(g, "--ep-expert-load", help="a load profile, JSON {\"tokens_per_expert\": [...]}, naming the hottest "
+         "experts for --ep-redundant-experts (docs/parallelism.md)")
     flag(g, "--seed", type=int, default=e.seed, help="random weights of presets, and unseeded sampling")
     flag(g, "--deterministic", type=bool, default=e.deterministic,
          help="a request's tokens do not depend on its batch, chunking, prefix-cache hits or which worker "
@@ -271,7 +276,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_offloading_size=args.kv_offloading_size, kv_checksum=args.kv_checksum,
         enforce_eager=args.enforce_eager, prefill_graphs=args.prefill_graphs, seed=args.seed, tp_size=args.tp_size,
         tp_devices=args.tp_devices, enable_expert_parallel=args.enable_expert_parallel,
-        expert_parallel_dispatch=args.expert_parallel_dispatch,
+        expert_parallel_dispatch=args.expert_parallel_dispatch, ep_redundant_experts=args.ep_redundant_experts,
+        ep_expert_load=args.ep_expert_load,
         tp_port=args.tp_port, tokenizer=args.tokenizer, cache_dir=args.cache_dir, fused_ops=args.fused_ops,
         npu_graph_mode=args.npu_graph_mode, npu_emulation=args.npu_emulation,
         async_scheduling=args.async_scheduling, deterministic=args.deterministic,
