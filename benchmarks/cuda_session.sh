@@ -66,6 +66,11 @@
 # Qwen3-30B-A3B's expert step, bf16 vs e4m3 weights, decode batch sizes); b1quant with QUANT_MODELS=qwen3-30b-a3b
 # QUANT_VARIANTS="bf16 fp8" B1_ARGS="--num-seqs 64" for B1 (61 GB of bf16 weights: an 80 GB H100 takes the short cut);
 # moedots: moefp8 with pytest -s, keeping the FP8 x FP8 tests' error lines ([fp8-dots]) and the failures
+# Expert parallelism (issue 54): eptest (two GPUs: tests/test_expert_parallel.py, the fused experts skipping another
+# rank's pairs, EP=2 == TP=1 greedy with decode graphs), then ep (EP_TP GPUs, default four: B1 on qwen3-30b-a3b, 256
+# sequences, throughput and decode TPOT, per variant of EP_VARIANTS: tp = experts sliced as today, ep =
+# --enable-expert-parallel (allreduce dispatch), epa2a = its alltoall dispatch; one variant a call at the 61 GB load):
+#   STEPS=ep EP_VARIANTS=tp bash benchmarks/cuda_session.sh    # then EP_VARIANTS=ep, on nvidia-h200-x4
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2
 # cp (issue 53: context-parallel prefill; the CP tests, then a 128k-token prefill of qwen3-8b-yarn on cuda:0 alone and
 # with --context-parallel-size 2 over cuda:0,cuda:1, benchmarks/context_parallel.py; the bar: >= 1.6x. CP_LEN: the
@@ -269,6 +274,15 @@ runpy.run_module('baton', run_name='__main__')" bench offline --model $m --devic
             done ;;
     relay)  timeout 300 python3 -m baton bench relay --model qwen3-0.6b --tokenizer .carry/tokenizer ${RELAY_ARGS:-} \
               --output "$OUT/relay.json" 2>&1 | tee "$OUT/relay.log" | grep "^\[bench\] relay:" ;;
+    eptest) timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_expert_parallel.py 2>&1 | tail -30 \
+              | tee "$OUT/eptest.txt" ;;
+    ep)     for v in ${EP_VARIANTS:-tp ep}; do
+              case $v in tp) a="" ;; ep) a="--enable-expert-parallel" ;;
+                epa2a) a="--enable-expert-parallel --expert-parallel-dispatch alltoall" ;; esac
+              timeout ${EP_TIMEOUT:-580} python3 -m baton bench offline --model ${EP_MODEL:-qwen3-30b-a3b} --device cuda:0 \
+                --tp-size ${EP_TP:-4} $a ${B1_ARGS:-} --output "$OUT/b1-ep${EP_TP:-4}-$v.json" 2>&1 \
+                | tee "$OUT/b1-ep${EP_TP:-4}-$v.log" | grep "^\[bench\] baton:" | sed "s/^/$v /"
+            done ;;
     tp)     timeout 200 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=100 \
               tests/test_platform_cuda.py -k "${TP_TESTS:-tp2}" 2>&1 | tail -60 | tee "$OUT/tp.txt" ;;
     direct) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py \

@@ -19,6 +19,7 @@ from baton.benchmarks.stats import summarize
 from baton.benchmarks.workload import OfflineWorkload, nano_vllm_workload, warmup_workload
 from baton.engine.config import (
     DEFAULT_MODEL,
+    EP_DISPATCHES,
     FP8_ACCUMULATIONS,
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
@@ -33,7 +34,8 @@ SMOKE = dict(model=DEFAULT_MODEL, num_seqs=8, min_input_len=16, max_input_len=64
 ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                 "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "prefill_graphs", "tp_size",
                 "tp_devices", "tokenizer", "async_scheduling", "deterministic", "speculative_method", "num_speculative_tokens",
-                "speculative_max_batch", "quantization", "kv_cache_dtype", "fp8_accumulation")
+                "speculative_max_batch", "quantization", "kv_cache_dtype", "fp8_accumulation",
+                "enable_expert_parallel", "expert_parallel_dispatch", "ep_redundant_experts", "ep_expert_load")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one device each")
     e.add_argument("--tp-devices", default=None, help="devices of the ranks, e.g. cuda:0,cuda:1 "
                    "(default: counted up from --device)")
+    e.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: whole experts split over the --tp-size ranks (the engine flag's)")
+    e.add_argument("--expert-parallel-dispatch", choices=EP_DISPATCHES, default=d.expert_parallel_dispatch,
+                   help="allreduce or alltoall (the engine flag's)")
+    e.add_argument("--ep-redundant-experts", type=int, default=d.ep_redundant_experts,
+                   help="copies of the hottest experts of --ep-expert-load (the engine flag's)")
+    e.add_argument("--ep-expert-load", default=None, help="JSON load profile (the engine flag's)")
     h = p.add_argument_group("transformers peer")
     h.add_argument("--hf-mode", choices=("auto", "continuous", "static"), default="auto",
                    help="continuous: transformers' continuous batching (paged attention, the engine behind "

@@ -15,6 +15,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")       # auto: the model dtype; fp8: float8 e4m
 KV_CACHE_SCALES = ("calibrate", "one")  # a float8 cache's per-head K/V scales (engine/kv_scales.py)
 FP8_ROUNDINGS = ("nearest", "gptq")     # how --quantization fp8 rounds weights (engine/fp8_rounding.py)
 FP8_ACCUMULATIONS = ("fp32", "fast")    # FP8 GEMMs' sums on CUDA: promoted to float32, or the tensor cores' own
+EP_DISPATCHES = ("allreduce", "alltoall")   # how expert-parallel ranks reach their experts (models/layers/expert_parallel.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,10 @@ class EngineConfig:
     tp_devices: str | None = None       # "cuda:0,cuda:1"; default: counted up from `device`
     tp_port: int = 0                    # rendezvous port on 127.0.0.1; 0 = a free one
     context_parallel_size: int = 1      # ranks that split each prefill step's tokens (engine/runner/context_parallel.py)
+    enable_expert_parallel: bool = False    # MoE layers: each rank holds E/tp_size whole experts, not a slice of each
+    expert_parallel_dispatch: str = "allreduce"   # allreduce (graph-safe) | alltoall (eager): EP_DISPATCHES
+    ep_redundant_experts: int = 0       # a second copy of the K hottest experts (of ep_expert_load), K/tp_size a rank
+    ep_expert_load: str | None = None   # JSON load profile {"tokens_per_expert": [...]} picking them
     tokenizer: str | None = None        # tokenizer directory; None = the model's (presets: the embedded one's)
     cache_dir: str | None = None        # converted models, compiled graphs; None = ~/.cache/baton
     fused_ops: bool = PLATFORM.fused_ops        # fused layer kernels (Triton on CUDA, torch_npu on Ascend)
@@ -75,6 +80,33 @@ class EngineConfig:
     def num_ranks(self) -> int:
         """Processes (one device each) the engine runs in lockstep: tensor- or context-parallel ranks."""
         return self.tp_size * self.context_parallel_size
+
+    @property
+    def expert_parallel(self) -> str | None:
+        """The expert-parallel dispatch the MoE layers use; None: experts tensor-parallel."""
+        return self.expert_parallel_dispatch if self.enable_expert_parallel else None
+
+    def _validate_expert_parallel(self) -> None:
+        if self.expert_parallel_dispatch not in EP_DISPATCHES:
+            raise ValueError(f"expert_parallel_dispatch must be one of {', '.join(EP_DISPATCHES)}, "
+                             f"got {self.expert_parallel_dispatch!r}")
+        if self.ep_redundant_experts and not (self.enable_expert_parallel and self.ep_expert_load
+                                              and self.ep_redundant_experts > 0
+                                              and self.ep_redundant_experts % self.tp_size == 0):
+            raise ValueError(f"--ep-redundant-experts {self.ep_redundant_experts} copies the hottest experts of "
+                             "--ep-expert-load's profile under --enable-expert-parallel, the same number on each "
+                             f"rank: give all three, with a multiple of --tp-size ({self.tp_size})")
+        if not self.enable_expert_parallel:
+            return
+        if self.tp_size < 2:
+            raise ValueError("--enable-expert-parallel splits the experts over the tensor-parallel ranks: it needs "
+                             f"--tp-size 2 or more, got {self.tp_size}")
+        if self.device.startswith("npu"):
+            raise ValueError("--enable-expert-parallel is not built for Ascend yet (its grouped-matmul MoE has no "
+                             "path for another rank's experts): serve without it")
+        if self.quantization == "w8a8" or self.deterministic:
+            raise ValueError("--enable-expert-parallel is built for bf16/fp16/fp32 and --quantization fp8 experts, "
+                             "not w8a8 or --deterministic")
 
     @property
     def speculative_tokens(self) -> int:
@@ -151,6 +183,7 @@ class EngineConfig:
             if self.speculative_max_batch < 1:
                 raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         self._validate_draft_head()
+        self._validate_expert_parallel()
         if self.deterministic and self.tp_size > DETERMINISTIC_MAX_TP:
             raise ValueError(f"--deterministic takes at most {DETERMINISTIC_MAX_TP} tensor-parallel ranks (an "
                              f"all-reduce of more sums in an order NCCL picks by message size), got "

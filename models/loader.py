@@ -24,14 +24,18 @@ KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(k|v|kv)_scale$")
 
 
 def build_model(hf_config, dtype: torch.dtype, device, ops, tp_rank: int = 0, tp_size: int = 1,
-                tp_group=None) -> nn.Module:
+                tp_group=None, expert_parallel: str | None = None,
+                redundant_experts: tuple[int, ...] = ()) -> nn.Module:
     """An empty (uninitialised) model for this config on `device`; load or init weights next. An AWQ /
     GPTQ checkpoint's projections are INT4 (models/layers/int4.py): their bf16 weights, allocated by the
     layers, are freed here, before any is read (the peak while building is the bf16 model's)."""
     cls = model_class((getattr(hf_config, "architectures", None) or ["?"])[0])
+    if expert_parallel is not None and not getattr(cls, "uses_moe", False):
+        raise ValueError(f"--enable-expert-parallel splits routed experts over the ranks; {cls.__name__} has none "
+                         "(serve it without the flag: its layers are tensor-parallel)")
     scheme = quantization.checkpoint_int4_scheme(hf_config)
     with torch.device(device):
-        model = cls(hf_config, ops, dtype=dtype, tp=TPInfo(tp_rank, tp_size, tp_group))
+        model = cls(hf_config, ops, dtype=dtype, tp=TPInfo(tp_rank, tp_size, tp_group, expert_parallel, redundant_experts))
         if scheme is not None:          # INT4 projections: packed tensors whose loaders read AWQ / GPTQ
             prepare_int4(model, scheme)
     return model

@@ -17,6 +17,11 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     # (LayerOps.moe_graph_safe; engine/runner/model_runner.py asks)
     uses_moe = True
 
+    def __init__(self, config, ops, dtype=None, tp=None):
+        super().__init__(config, ops, dtype=dtype, tp=tp)
+        # the alltoall expert dispatch reads its pair counts on the host: eager steps only
+        self.graph_safe = tp is None or tp.expert_parallel != "alltoall"
+
     def make_mlp(self, config, layer_idx, ops, tp, dtype):
         if is_moe_layer(config, layer_idx):
             return SparseMoeBlock(config, ops, tp, dtype)

@@ -114,9 +114,10 @@ class LayerOps:
 
     def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor, scales: quantization.ExpertScales | None = None,
-                    fp8_dots: bool | None = None) -> torch.Tensor:
+                    fp8_dots: bool | None = None, foreign: bool = False) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), experts SwiGLU with stacked weights
-        w13 [E, 2I, H], w2 [E, H, I]. Tokens are grouped by expert and each expert hit runs
+        w13 [E, 2I, H], w2 [E, H, I]. `foreign`: an id equal to E marks a pair another rank computes
+        (expert parallelism, models/layers/expert_parallel.py); it adds nothing. Tokens are grouped by expert and each expert hit runs
         once, added in expert order (as transformers adds them, so fp32 sums match). The
         per-expert counts are read on the host, so this is not capturable (moe_graph_safe =
         False); the CUDA platform's fused path is (triton_kernels/moe.py). With `scales` the
@@ -131,7 +132,7 @@ class LayerOps:
         dots = scales is not None and fp8_dots
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()[:w13.shape[0]]   # (foreign pairs sort last)
         flat_weights = weights.reshape(-1)
         s13, s2 = scales or (None, None)
         out = torch.zeros_like(x)

@@ -70,10 +70,10 @@ class TritonLayerOps(LayerOps):
             return super().moe_route(router_logits, top_k, renormalize)
         return moe_routing.route(router_logits, top_k, renormalize)
 
-    def moe_experts(self, x, w13, w2, ids, weights, scales=None, fp8_dots=None):
+    def moe_experts(self, x, w13, w2, ids, weights, scales=None, fp8_dots=None, foreign=False):
         from baton.engine.platforms.triton_kernels import moe
         return moe.fused_experts(x, w13, w2, ids, weights, invariant=self.moe_invariant, scales=scales,
-                                 fp8_dots=fp8_dots)
+                                 fp8_dots=fp8_dots, foreign=foreign)
 
     def make_batch_invariant(self, linear) -> None:
         """One tile shape whatever the batch: each output sums its K dimension in the same pieces

@@ -76,9 +76,11 @@ class NpuMoeOps(LayerOps):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids.long(), weights
 
-    def moe_experts(self, x, w13, w2, ids, weights, scales=None, fp8_dots=None):
+    def moe_experts(self, x, w13, w2, ids, weights, scales=None, fp8_dots=None, foreign=False):
         """Sort the (token, slot) rows by expert, run every expert's SwiGLU MLP as two grouped
         matmuls over its rows, then gather each token's k rows back, weighted and summed."""
+        if foreign:                  # (EngineConfig refuses --enable-expert-parallel on npu before a model loads)
+            raise ValueError("expert parallelism is not built for Ascend yet")
         if scales is not None:       # (the platform refuses --quantization fp8 before a model loads)
             raise ValueError("FP8 experts are not supported on Ascend (W8A8 is its quantized path)")
         t, k = ids.shape

@@ -12,6 +12,7 @@ import torch
 from baton.engine.config import EngineConfig
 from baton.engine.platforms import Platform
 from baton.models.decoder import fuse_fp8_inputs
+from baton.models.layers.expert_parallel import hot_experts
 from baton.models.layers.int4 import INT4_METHODS, finish_int4
 from baton.models.layers.quantization import checkpoint_method, quantize_fp8, quantize_w8a8
 from baton.models.loader import build_model, init_random_weights, load_weights
@@ -25,6 +26,13 @@ def model_dtype(config: EngineConfig, platform: Platform) -> torch.dtype:
     return DTYPES[config.dtype] if config.dtype else platform.default_dtype()
 
 
+def redundant_experts(config: EngineConfig) -> tuple[int, ...]:
+    """The hot experts that get a second copy (--ep-redundant-experts of --ep-expert-load's profile)."""
+    if not config.ep_redundant_experts:
+        return ()
+    return hot_experts(config.ep_expert_load, config.ep_redundant_experts)
+
+
 def load_model(config: EngineConfig, source: ModelSource, platform: Platform, dtype: torch.dtype,
                tp_rank: int = 0, tp_group=None) -> tuple[torch.nn.Module, str | None]:
     """(the model, ready to run; its quantization method, None: none)."""
@@ -32,7 +40,8 @@ def load_model(config: EngineConfig, source: ModelSource, platform: Platform, dt
     torch.manual_seed(config.seed)
     with torch.device(platform.device):
         model = build_model(source.hf_config, dtype, platform.device, platform.ops,
-                            tp_rank=tp_rank, tp_size=config.tp_size, tp_group=tp_group)
+                            tp_rank=tp_rank, tp_size=config.tp_size, tp_group=tp_group,
+                            expert_parallel=config.expert_parallel, redundant_experts=redundant_experts(config))
     if source.weights_path is None:
         init_random_weights(model, source.random_seed)
     else:

@@ -12,8 +12,13 @@ from torch import nn
 
 
 class TPInfo:
-    def __init__(self, rank: int = 0, size: int = 1, group=None):
+    def __init__(self, rank: int = 0, size: int = 1, group=None, expert_parallel: str | None = None,
+                 redundant_experts: tuple[int, ...] = ()):
         self.rank, self.size, self.group = rank, size, group
+        # None: MoE layers split every expert like a dense MLP; else the ranks hold whole experts and
+        # this names the dispatch, with a second copy of each redundant (hot) expert
+        # (models/layers/expert_parallel.py)
+        self.expert_parallel, self.redundant_experts = expert_parallel, tuple(redundant_experts)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

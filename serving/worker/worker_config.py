@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from baton import environment
 from baton.engine.config import (
+    EP_DISPATCHES,
     FP8_ACCUMULATIONS,
     FP8_ROUNDINGS,
     KV_CACHE_DTYPES,
@@ -137,6 +138,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "prefill step's tokens; decode steps run on every rank alike (prefill and colocated roles)")
     flag(g, "--tp-devices", help="devices of the ranks, e.g. cuda:0,cuda:1 (unset: counted up from --device)")
     flag(g, "--tp-port", type=int, default=e.tp_port, help="rendezvous port of the ranks on 127.0.0.1 (0: a free one)")
+    flag(g, "--enable-expert-parallel", type=bool, default=e.enable_expert_parallel,
+         help="MoE models: each tensor-parallel rank holds its share of whole experts instead of a slice of every "
+              "expert; attention stays tensor-parallel (needs --tp-size 2 or more; docs/parallelism.md)")
+    flag(g, "--expert-parallel-dispatch", choices=EP_DISPATCHES, default=e.expert_parallel_dispatch,
+         help="how tokens reach the experts' ranks: allreduce = every rank runs its experts on the replicated "
+              "tokens, one all-reduce (decode graphs kept); alltoall = pairs sent to their experts' ranks and back "
+              "(eager steps)")
+    flag(g, "--ep-redundant-experts", type=int, default=e.ep_redundant_experts,
+         help="expert parallelism's load balance: a second copy of the K hottest experts of --ep-expert-load, on "
+              "other ranks, their tokens split between the copies (K a multiple of --tp-size; 0: none)")
+    flag(g, "--ep-expert-load", help="a load profile, JSON {\"tokens_per_expert\": [...]}, naming the hottest "
+         "experts for --ep-redundant-experts (docs/parallelism.md)")
     flag(g, "--seed", type=int, default=e.seed, help="random weights of presets, and unseeded sampling")
     flag(g, "--deterministic", type=bool, default=e.deterministic,
          help="a request's tokens do not depend on its batch, chunking, prefix-cache hits or which worker "
@@ -270,6 +283,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_offloading_size=args.kv_offloading_size, kv_checksum=args.kv_checksum,
         enforce_eager=args.enforce_eager, prefill_graphs=args.prefill_graphs, seed=args.seed, tp_size=args.tp_size,
         tp_devices=args.tp_devices, context_parallel_size=args.context_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        expert_parallel_dispatch=args.expert_parallel_dispatch, ep_redundant_experts=args.ep_redundant_experts,
+        ep_expert_load=args.ep_expert_load,
         tp_port=args.tp_port, tokenizer=args.tokenizer, cache_dir=args.cache_dir, fused_ops=args.fused_ops,
         npu_graph_mode=args.npu_graph_mode, npu_emulation=args.npu_emulation,
         async_scheduling=args.async_scheduling, deterministic=args.deterministic,

@@ -112,12 +112,17 @@ def invariant_tiles(num_experts: int, hidden: int, intermediate: int, dtype: tor
 
 
 @triton.jit
-def _sum_pairs_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum_j src[t * TOP_K + j] in float32, in a fixed order, rounded once."""
+def _sum_pairs_kernel(src_ptr, out_ptr, ids_ptr, E, H, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                      FOREIGN: tl.constexpr):
+    """out[t] = sum_j src[t * TOP_K + j] in float32, in a fixed order, rounded once. FOREIGN: pairs
+    whose id (ids [T, TOP_K]) is E are another rank's, their rows never written: left out."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, K_PAD)
-    v = tl.load(src_ptr + (t * TOP_K + j)[:, None] * H + cols[None, :], mask=(j < TOP_K)[:, None] & (cols < H)[None, :],
+    keep = j < TOP_K
+    if FOREIGN:
+        keep = keep & (tl.load(ids_ptr + t * TOP_K + j, mask=j < TOP_K, other=E) < E)
+    v = tl.load(src_ptr + (t * TOP_K + j)[:, None] * H + cols[None, :], mask=keep[:, None] & (cols < H)[None, :],
                 other=0.0)
     tl.store(out_ptr + t * H + cols, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty), mask=cols < H)
 
@@ -307,12 +312,15 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tens
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                   tiles: MoeTiles | None = None, invariant: bool = False,
-                  scales: ExpertScales | None = None, fp8_dots: bool | None = None) -> torch.Tensor:
+                  scales: ExpertScales | None = None, fp8_dots: bool | None = None,
+                  foreign: bool = False) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for SwiGLU experts w13 [E, 2I, H], w2 [E, H, I];
     x [T, H] -> [T, H] in x's dtype. `tiles` overrides the bucket's choice (benchmarks); `invariant`:
     the same tiles for every T (deterministic mode). FP8 experts (--quantization fp8): w13 and w2
     in e4m3 with `scales` per (expert, output channel), weight-only or FP8 x FP8 (`fp8_dots`; None:
-    quantization.fp8_expert_dots by the step's shape, weight-only under `invariant`)."""
+    quantization.fp8_expert_dots by the step's shape, weight-only under `invariant`). `foreign`: ids
+    equal to E mark pairs another rank computes (expert parallelism): aligned as an extra expert
+    whose blocks the GEMMs skip and whose rows the sum leaves out."""
     _check(x, w13, w2, ids, weights, scales)
     t, k = ids.shape
     e, two_i, h = w13.shape
@@ -325,7 +333,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     dots = scales is not None and fp8_dots
     dtype = FP8 if dots else x.dtype
     tiles = tiles or (invariant_tiles(e, h, inter, dtype) if invariant else pick_tiles(t * k, e, h, inter, dtype))
-    blocks = align(ids, e, tiles.block_m)
+    blocks = align(ids, e + foreign, tiles.block_m)
+    blocks.num_experts = e                  # (foreign: the extra group's blocks count as past the last)
     act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
     s13, s2 = (None, None) if scales is None else scales
     per_pair = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
@@ -339,7 +348,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
         launch_w13(x, w13, act, blocks, k, tiles, s13)
         launch_w2(act, w2, per_pair, blocks, route, tiles, s2)
     out = torch.empty_like(x)
-    launch_sum(per_pair, out, k)
+    launch_sum(per_pair, out, k, ids if foreign else None, e)
     return out
 
 
@@ -396,8 +405,12 @@ def _check_swap(scale: torch.Tensor | None, act_scale: torch.Tensor | None) -> N
         raise ValueError("swapped tiles (MoeTiles.swap) are for FP8 x FP8 only: e4m3 weights and activations")
 
 
-def launch_sum(per_pair: torch.Tensor, out: torch.Tensor, top_k: int) -> None:
-    """out[t] = the sum of its top_k rows of per_pair, rounded once: step 4."""
+def launch_sum(per_pair: torch.Tensor, out: torch.Tensor, top_k: int, foreign_ids: torch.Tensor | None = None,
+               num_experts: int = 0) -> None:
+    """out[t] = the sum of its top_k rows of per_pair, rounded once: step 4 (`foreign_ids`: the
+    routing, whose ids equal to `num_experts` mark rows to leave out)."""
     t, h = out.shape
-    _sum_pairs_kernel[(t, triton.cdiv(h, 256))](per_pair, out, h, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-                                                BLOCK=256, num_warps=4)
+    ids = per_pair if foreign_ids is None else foreign_ids.contiguous()
+    _sum_pairs_kernel[(t, triton.cdiv(h, 256))](per_pair, out, ids, num_experts, h, TOP_K=top_k,
+                                                K_PAD=triton.next_power_of_2(top_k), BLOCK=256, num_warps=4,
+                                                FOREIGN=foreign_ids is not None)
