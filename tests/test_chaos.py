@@ -46,6 +46,18 @@ STORY_TOKENS = 40                # long enough that every stream is mid-flight a
 FIRST_TOKEN_TIMEOUT_S = 8
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The known answers computed here on one torch thread, as the workers run (OMP_NUM_THREADS=1): two
+    threads on a box whose cores the stack's processes share spin against them, several times slower
+    (12 stories of 40 tokens: 72 s against 14 s on a loaded 2-core box)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def greedy(n: int) -> router_pb2.SamplingParams:
     return router_pb2.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
