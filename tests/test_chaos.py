@@ -34,7 +34,7 @@ from baton.serving.grpc_server import retry_after_ms
 from baton.serving.processes import free_port
 from baton.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 
 SOAK = os.environ.get("BATON_SOAK") == "1"
 PROMPTS = ["The quick brown fox", "def quicksort(arr):", "1, 2, 3,", "Once upon a time"]
@@ -44,18 +44,6 @@ N_TOKENS = 6
 STORIES = [f"Story {i}: once upon a time" for i in range(12)]
 STORY_TOKENS = 40                # long enough that every stream is mid-flight at the fault, no longer
 FIRST_TOKEN_TIMEOUT_S = 8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The known answers computed here on one torch thread, as the workers run (OMP_NUM_THREADS=1): two
-    threads on a box whose cores the stack's processes share spin against them, several times slower
-    (12 stories of 40 tokens: 72 s against 14 s on a loaded 2-core box)."""
-    import torch
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def greedy(n: int) -> router_pb2.SamplingParams:
