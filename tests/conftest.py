@@ -51,6 +51,19 @@ def embedded_llm():
     return LLM()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch in this process on one thread for a module whose served stack shares the cores with the
+    reference answers it computes here, as the workers run (OMP_NUM_THREADS=1): two threads spin
+    against the stack's processes, several times slower (test_chaos's 12 stories of 40 tokens: 72 s
+    against 14 s on a loaded 2-core box)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def hf_embedded(embedded_source):
     import torch

@@ -34,7 +34,7 @@ from baton.serving.grpc_server import retry_after_ms
 from baton.serving.processes import free_port
 from baton.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 
 SOAK = os.environ.get("BATON_SOAK") == "1"
 PROMPTS = ["The quick brown fox", "def quicksort(arr):", "1, 2, 3,", "Once upon a time"]
@@ -68,7 +68,7 @@ def link():
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, link):
+def stack(tmp_path_factory, link):
     metrics_port = free_port()
     c = Cluster.launch(tmp_path_factory.mktemp("logs"), prefill=2, decode=2,
                        # (a worker's own watchdog ends a hung core after --engine-hang-timeout: the hang tests
@@ -81,6 +81,27 @@ def cluster(tmp_path_factory, link):
     c.router_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     yield c
     c.stop()
+
+
+def revive(c: Cluster, but: tuple[str, ...] = ()) -> None:
+    """Start again, all at once, every process an earlier scenario left dead (but those named), and
+    wait until each serves and the router counts it healthy: a scenario that kills a process leaves
+    its restart to the next one that needs it (one start, not two, where that one kills it anyway)."""
+    dead = [p for p in c.procs if not p.alive and p.name not in but]
+    for p in dead:
+        p.start(c.env, c.log_dir)
+    for p in dead:
+        p.wait_ready(c.tls)
+    for p in dead:
+        if p is not c.router:
+            c.wait_health(p.address, healthy=True)
+
+
+@pytest.fixture
+def cluster(stack):
+    """The module's stack with every process up."""
+    revive(stack)
+    return stack
 
 
 def known_load(cluster, known, n: int, deadline: float = 60.0, prompts=PROMPTS, stub=None) -> Load:
@@ -146,10 +167,7 @@ def test_the_same_decode_worker_killed_again_and_aborts_during_the_migration(clu
     """decode-1 back, then killed again under 24 streams, and 8 of them aborted by their
     clients right as they migrate: the aborted end CANCELLED (or finish, if they were done), the
     others finish exactly, and no block stays held anywhere."""
-    victim = cluster.worker("decode-1")
-    victim.start(cluster.env, cluster.log_dir)
-    victim.wait_ready()
-    cluster.wait_health(victim.address, healthy=True)
+    victim = cluster.worker("decode-1")            # back: the fixture started it again
     ids = {i: f"migrating-abort-{i}" for i in range(0, 24, 3)}
     load = story_load(cluster, known_long, ids=ids)
     load.wait_streaming(5)
@@ -165,13 +183,13 @@ def test_the_same_decode_worker_killed_again_and_aborts_during_the_migration(clu
     leaked = settle(cluster)
     reliability.record("SIGKILL the same decode again, 8 clients abort as it migrates", out, leaked_blocks=leaked,
                        client_stall_s=round(load.longest_gap_s, 2))
-    victim.start(cluster.env, cluster.log_dir)
-    victim.wait_ready()
-    cluster.wait_health(victim.address, healthy=True)
     assert leaked == 0
 
 
-def test_restarted_decode_worker_returns_to_rotation(cluster, known):
+def test_restarted_decode_worker_returns_to_rotation(stack, known):
+    """decode-1 killed (by the scenario before, or here) and started again takes requests."""
+    cluster = stack
+    revive(cluster, but=("decode-1",))
     victim = cluster.worker("decode-1")
     victim.kill()
     victim.start(cluster.env, cluster.log_dir)
@@ -222,9 +240,6 @@ def test_json_schema_streams_keep_their_grammar_across_a_migration(cluster, know
     assert on_victim > 0
     leaked = settle(cluster)
     reliability.record("SIGKILL decode under 12 JSON-schema streams", out, leaked_blocks=leaked, migrated=on_victim)
-    victim.start(cluster.env, cluster.log_dir)
-    victim.wait_ready()
-    cluster.wait_health(victim.address, healthy=True)
     assert leaked == 0
 
 
@@ -374,8 +389,6 @@ def test_sigkill_of_a_prefill_worker_is_retried_on_the_other(cluster, known, rel
     cluster.wait_health(victim.address, healthy=False)
     leaked = settle(cluster)
     reliability.record("SIGKILL idle prefill (retry)", out, leaked_blocks=leaked)
-    cluster.restart("prefill-0")
-    cluster.wait_health(victim.address, healthy=True)
     assert leaked == 0
 
 
@@ -415,8 +428,6 @@ def test_sigkill_of_a_prefill_worker_mid_transfer(cluster, link, known, reliabil
     leaked = settle(cluster)
     reliability.record("SIGKILL prefill mid-transfer", out, leaked_blocks=leaked,
                        transfer_cut_after_kib=256)
-    cluster.restart(victim.name)
-    cluster.wait_health(victim.address, healthy=True)
     assert leaked == 0
 
 
@@ -591,32 +602,6 @@ def test_sigterm_drains_a_decode_worker(cluster, known, reliability):
     leaked = settle(cluster)
     reliability.record("SIGTERM drain of a decode worker", out, leaked_blocks=leaked,
                        drained_in_s=round(drained_in, 1), grace_s=60, refused_while_draining="UNAVAILABLE")
-    victim.start(cluster.env, cluster.log_dir)
-    victim.wait_ready()
-    cluster.wait_health(victim.address, healthy=True)
-    assert leaked == 0
-
-
-def test_sigterm_drains_the_router(cluster, known, reliability):
-    long = Load(cluster.stub(), workers=4)
-    for i in range(3):
-        long.submit(router_pb2.GenerateRequest(text=f"Router drain {i}:", sampling=greedy(30)), None, 120)
-    time.sleep(2.0)
-    t0 = time.monotonic()
-    cluster.router.popen.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    with pytest.raises(grpc.RpcError) as err:
-        list(cluster.stub().Generate(router_pb2.GenerateRequest(text="late", sampling=greedy(2)), timeout=5))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    out = long.wait()
-    out.assert_clean()
-    assert out.completed == out.sent, out.summary()
-    assert cluster.router.popen.wait(70) == 0
-    drained_in = time.monotonic() - t0
-    leaked = settle(cluster)
-    reliability.record("SIGTERM drain of the router", out, leaked_blocks=leaked, drained_in_s=round(drained_in, 1),
-                       refused_while_draining="UNAVAILABLE")
-    cluster.restart("router")
     assert leaked == 0
 
 
@@ -703,4 +688,27 @@ def test_beyond_capacity_is_resource_exhausted_with_a_retry_hint(cluster, known,
     leaked = settle(cluster)
     reliability.record("overload: 24 at once into 2 running + 2 queued", out, leaked_blocks=leaked,
                        retry_after_ms_range=[min(hints), max(hints)])
+    assert leaked == 0
+
+
+# last: the router it drains is not started again (the overload scenarios run their own routers)
+def test_sigterm_drains_the_router(cluster, known, reliability):
+    long = Load(cluster.stub(), workers=4)
+    for i in range(3):
+        long.submit(router_pb2.GenerateRequest(text=f"Router drain {i}:", sampling=greedy(30)), None, 120)
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    cluster.router.popen.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(grpc.RpcError) as err:
+        list(cluster.stub().Generate(router_pb2.GenerateRequest(text="late", sampling=greedy(2)), timeout=5))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    out = long.wait()
+    out.assert_clean()
+    assert out.completed == out.sent, out.summary()
+    assert cluster.router.popen.wait(70) == 0
+    drained_in = time.monotonic() - t0
+    leaked = settle(cluster)
+    reliability.record("SIGTERM drain of the router", out, leaked_blocks=leaked, drained_in_s=round(drained_in, 1),
+                       refused_while_draining="UNAVAILABLE")
     assert leaked == 0
