@@ -488,20 +488,23 @@ def test_multiturn_smoke_with_pd_reuse_sends_only_the_blocks_decode_lacks(tmp_pa
 
 
 def test_multiturn_smoke_compares_routing_policies_against_the_oracle(tmp_path):
-    """`bench multiturn --compare-policies`: the same conversations through two colocated workers,
-    once per policy. kv_aware sends a returning conversation where its history is (>= 90 % of the
-    oracle's cached tokens); round_robin cannot do better; the oracle is every full block of the
-    history; with targets every turn meets, goodput is every turn over the wall time."""
+    """`bench multiturn --compare-policies`: the conversations through two colocated workers, once
+    per policy (one here: each costs a stack). kv_aware sends a returning conversation where its
+    history is (>= 90 % of the oracle's cached tokens); the oracle is every full block of the
+    history; with targets every turn meets, goodput is every turn over the wall time. (That it
+    beats the others is tests/test_kv_events.py's and the GPU figure's business.)"""
     out = tmp_path / "multiturn.json"
-    r = subprocess.run([*BENCH, "multiturn", "--smoke", "--compare-policies", "--policies", "round_robin,kv_aware",
-                        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "10000", "--output", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*BENCH, "multiturn", "--smoke", "--compare-policies", "--policies", "kv_aware",
+                        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "10000", "--output", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     data = json.loads(out.read_text())
-    rr, kv = data["results"]["round_robin"], data["results"]["kv_aware"]
-    assert [t["prompt_tokens"] for t in rr["turns"]] == [t["prompt_tokens"] for t in kv["turns"]]   # same chats
-    for t in rr["turns"] + kv["turns"]:
+    assert list(data["results"]) == ["kv_aware"] and data["workload"]["devices"] == ["cpu", "cpu"]
+    kv = data["results"]["kv_aware"]
+    assert len(kv["turns"]) == data["workload"]["users"] * data["workload"]["turns"]
+    for t in kv["turns"]:
         assert t["status"] == "OK" and t["tpot"] is not None and 0 <= t["cached_tokens"] <= t["prompt_tokens"]
         history = t["prompt_tokens"] - data["workload"]["message_len"]
         assert t["oracle_cached_tokens"] == ((history - 1) // 16 * 16 if t["turn"] else 0)
-    assert kv["share_of_oracle"] >= 0.9 and rr["cached_share"] <= kv["cached_share"]
+    assert kv["share_of_oracle"] >= 0.9
     assert kv["slo_attained"] == 1 and kv["goodput_turns_s"] == pytest.approx(len(kv["turns"]) / kv["wall_s"])
