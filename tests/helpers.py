@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from baton.engine.kv_handoff import KVHandoff, KVPiece, KVTicket
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 
@@ -150,3 +152,29 @@ def fp8_expert_dots_mirror(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = (aq.to(d) @ w2[expert].to(d).T) * a_scale.to(d) * scales.w2[expert].to(d)
         out.index_add_(0, tokens, y * route[slots, None])
     return out
+
+
+class Hook(KVHandoff):
+    """A test double of the services' side of the KV seam: collects a prefill engine's pieces,
+    lands what the test says on a decode engine."""
+
+    def __init__(self):
+        self.pieces: list[KVPiece] = []
+        self.landed: list[KVTicket] = []
+        self.fail_pieces = False
+
+    def on_prompt_kv(self, piece: KVPiece) -> None:
+        if self.fail_pieces:
+            raise RuntimeError("the transfer is gone")
+        self.pieces.append(piece)
+
+    def land(self, ticket: KVTicket, payload, first_token: int, meta=None) -> None:
+        assert ticket.land(payload, first_token, meta or {})
+        self.landed.append(ticket)
+
+    def take_landed(self) -> list[KVTicket]:
+        taken, self.landed = self.landed, []
+        return taken
+
+    def has_landed(self) -> bool:
+        return bool(self.landed)

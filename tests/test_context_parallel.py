@@ -7,11 +7,10 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import save_tiny_checkpoint
+from helpers import Hook, save_tiny_checkpoint
 
 from baton.engine import LLM, SamplingParams
 from baton.engine.config import EngineConfig
-from baton.engine.kv_handoff import KVHandoff
 from baton.engine.runner.context_parallel import fingerprint, plan_step, zigzag_pieces
 from baton.engine.runner.kv_blocks import Pieces
 
@@ -80,21 +79,6 @@ def test_short_steps_run_replicated_and_tiny_pieces_still_split(engines):
         cp.engine.runner.write_kv([0], b"")
 
 
-class Collect(KVHandoff):
-    """The services' side, in the test: keeps the prefill's pieces, lands what the test gives."""
-
-    def __init__(self):
-        self.pieces, self.landed = [], []
-
-    def on_prompt_kv(self, piece) -> None:
-        self.pieces.append(piece)
-
-    def take_landed(self):
-        taken, self.landed = self.landed, []
-        return taken
-
-    def has_landed(self) -> bool:
-        return bool(self.landed)
 
 
 def test_a_cp_prefill_hands_off_rank_0s_kv_and_decode_elsewhere_gives_the_same_tokens(engines):
@@ -104,7 +88,7 @@ def test_a_cp_prefill_hands_off_rank_0s_kv_and_decode_elsewhere_gives_the_same_t
     prompt = torch.randint(3, 49152, (203,), generator=torch.Generator().manual_seed(4)).tolist()
     want = single.generate([prompt], GREEDY)[0].token_ids
     sent, got = cp.engine.handoff, single.engine.handoff
-    cp.engine.handoff, single.engine.handoff = Collect(), Collect()
+    cp.engine.handoff, single.engine.handoff = Hook(), Hook()
     try:
         cp.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id="p", hand_off_kv=True)
         while cp.engine.has_unfinished:

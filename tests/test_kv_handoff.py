@@ -15,6 +15,7 @@ from dataclasses import replace
 import grpc
 import pytest
 import torch
+from helpers import Hook
 
 from baton.engine import LLMEngine, SamplingParams
 from baton.engine.config import EngineConfig
@@ -23,7 +24,6 @@ from baton.engine.kv_handoff import (
     PREFILL_TRANSITIONS,
     IllegalTransition,
     InPlace,
-    KVHandoff,
     KVPiece,
     KVState,
     KVTicket,
@@ -86,29 +86,6 @@ def test_a_payload_landing_after_the_request_ended_is_dropped():
 
 
 # -- the engine, stepped by hand ---------------------------------------------------------------
-class Hook(KVHandoff):
-    """A test double of the services' side: collects pieces, lands what the test says."""
-
-    def __init__(self):
-        self.pieces: list[KVPiece] = []
-        self.landed: list[KVTicket] = []
-        self.fail_pieces = False
-
-    def on_prompt_kv(self, piece: KVPiece) -> None:
-        if self.fail_pieces:
-            raise RuntimeError("the transfer is gone")
-        self.pieces.append(piece)
-
-    def land(self, ticket: KVTicket, payload, first_token: int, meta=None) -> None:
-        assert ticket.land(payload, first_token, meta or {})
-        self.landed.append(ticket)
-
-    def take_landed(self) -> list[KVTicket]:
-        taken, self.landed = self.landed, []
-        return taken
-
-    def has_landed(self) -> bool:
-        return bool(self.landed)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import Hook
 from vl_helpers import (
     IMAGE_PAD,
     VISION_END,
@@ -26,7 +27,6 @@ from vl_helpers import (
 
 from baton import LLM, SamplingParams
 from baton.engine.config import EngineConfig
-from baton.engine.kv_handoff import KVHandoff
 from baton.engine.llm_engine import LLMEngine
 from baton.engine.requests.tokenizer import render_chat
 from baton.engine.runner.kv_blocks import Pieces
@@ -157,21 +157,6 @@ def test_decode_graphs_give_the_eager_tokens(vl, llm):
     assert [o.token_ids for o in llm.chat(chats, GREEDY)] == [o.token_ids for o in eager.chat(chats, GREEDY)]
 
 
-class Hook(KVHandoff):
-    """Collects a prefill engine's KV pieces; lands what the test says on a decode engine."""
-
-    def __init__(self):
-        self.pieces, self.landed = [], []
-
-    def on_prompt_kv(self, piece) -> None:
-        self.pieces.append(piece)
-
-    def take_landed(self):
-        taken, self.landed = self.landed, []
-        return taken
-
-    def has_landed(self) -> bool:
-        return bool(self.landed)
 
 
 def test_disaggregated_request_decodes_at_the_offset_and_a_preempted_one_ends_with_an_error(vl, llm):
