@@ -59,10 +59,13 @@ def test_greedy_tokens_and_kv_cache_equal_the_single_device(engines):
     assert sharded[0] >= 6, sharded                    # the long prompt's chunks at least were split
     for llm in (single, cp):
         assert llm.engine.block_manager.num_free_blocks == OPTIONS["num_kv_blocks"]
-    # same requests, same blocks: rank 0's cache holds what the single device's holds
+    # same requests, same blocks: rank 0's cache holds what the single device's holds. Not bit for bit: a
+    # rank's matmuls see half the rows, and a CPU's BLAS may sum those in another order (one CI machine
+    # differed by 2.5e-4 on values near 3). A wrong block, position or shard differs by the values' size.
     mine, theirs = cp.engine.runner.kv_cache, single.engine.runner.kv_cache
-    assert theirs.abs().sum() > 0
-    torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=1e-4)
+    scale = theirs.abs().max().item()
+    assert scale > 0
+    torch.testing.assert_close(mine, theirs, atol=1e-3 * scale, rtol=1e-3)
 
 
 def test_short_steps_run_replicated_and_tiny_pieces_still_split(engines):
