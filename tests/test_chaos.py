@@ -579,15 +579,19 @@ def test_sigterm_drains_a_decode_worker(cluster, known, reliability):
     streams = known_load(cluster, known, 4, deadline=120)
     long = Load(cluster.stub(), workers=4)
     for i in range(4):
-        long.submit(router_pb2.GenerateRequest(text=f"Drain {i}: a long story", sampling=greedy(40)), None, 120)
+        long.submit(router_pb2.GenerateRequest(text=f"Drain {i}: a long story", sampling=greedy(80)), None, 120)
     deadline = time.monotonic() + 20
     while victim.status().running == 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert victim.status().running > 0
     t0 = time.monotonic()
     victim.popen.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    assert _health(victim.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+    # asked at once, not after a pause: on a fast machine the streams in flight finish (and the worker
+    # exits) within half a second
+    deadline = time.monotonic() + 5
+    while (state := _health(victim.address)) == health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert state == health_pb2.HealthCheckResponse.NOT_SERVING
     with grpc.insecure_channel(victim.address) as ch:      # new work is refused while it drains
         with pytest.raises(grpc.RpcError) as err:
             decode_pb2_grpc.DecodeStub(ch).Admit(decode_pb2.AdmitRequest(request_id="late", prompt_token_ids=[1, 2]),
