@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from helpers import hf_greedy, save_tiny_checkpoint
+from helpers import Hook, hf_greedy, save_tiny_checkpoint
 
 from baton.engine import LLM, SamplingParams
 
@@ -202,15 +202,12 @@ def test_streamed_kv_passes_each_prompt_block_once_in_order_as_its_chunk_ends(em
     order, chunk by chunk, with its final KV already written, and the first token with the
     last: the pieces, packed when they were passed, equal the blocks the request held; the
     request's ticket ends PREFILLED with every block free again."""
-    from baton.engine.kv_handoff import KVHandoff, KVState
+    from baton.engine.kv_handoff import KVState
     from baton.engine.runner.kv_blocks import pack_blocks
 
-    class Collect(KVHandoff):
-        def __init__(self):
-            self.pieces = []
-
+    class Collect(Hook):
         def on_prompt_kv(self, piece):
-            self.pieces.append(piece)
+            super().on_prompt_kv(piece)
             if piece.last:                  # the request's blocks, as it holds them at the end
                 self.table = list(e.states[piece.request_id].seq.block_table)
 
