@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -208,6 +209,21 @@ def test_an_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-4o", messages=QUESTION)
     assert err.value.body["code"] == "model_not_found" and MODEL in err.value.body["message"]
+
+
+def test_a_path_or_method_not_served_says_what_is(client, pd_cluster):
+    """An endpoint Baton does not serve (embeddings) is a 404 that lists the ones it does; a GET
+    where only POST is served is a 405 that says to POST. Both in OpenAI's shape."""
+    with pytest.raises(openai.NotFoundError) as err:
+        client.embeddings.create(model=MODEL, input="hi")
+    message = err.value.body["message"]
+    assert "POST /v1/embeddings is not served here" in message
+    assert "POST /v1/chat/completions" in message and "GET /v1/models" in message, message
+    req = urllib.request.Request(pd_cluster.http_url + "/chat/completions", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as got:
+        urllib.request.urlopen(req, timeout=10)
+    body = json.loads(got.value.read())
+    assert got.value.code == 405 and body["error"]["message"] == "GET /v1/chat/completions: use POST", body
 
 
 # -- tools on a model whose chat template has none (the embedded SmolLM2's) -----------------------

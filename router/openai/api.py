@@ -172,7 +172,7 @@ class OpenAIServer:
         except ValueError as exc:           # the router's validation, exactly as for gRPC
             return HTTPError(400, str(exc), param=_field_named(str(exc))).response()
         except web.HTTPException as exc:    # aiohttp's own (404 path, 405 method, 413 size)
-            return HTTPError(exc.status, exc.reason or "error", "invalid_request_error").response()
+            return HTTPError(exc.status, _unrouted(request, exc), "invalid_request_error").response()
 
     def _authenticate(self, request: web.Request) -> None:
         header = request.headers.get("Authorization")
@@ -483,6 +483,19 @@ class OpenAIServer:
             raise HTTPError(404, f"model {model!r} does not exist here; GET /v1/models lists {self.names}",
                             "invalid_request_error", param="model", code="model_not_found")
         return model
+
+
+def _unrouted(request: web.Request, exc: web.HTTPException) -> str:
+    """What a client that asked for a path or method this API does not serve should do instead."""
+    served = sorted({(r.method, r.resource.canonical) for r in request.app.router.routes() if r.method != "HEAD"},
+                    key=lambda mp: mp[1])
+    if exc.status == 404:
+        paths = ", ".join(f"{m} {p}" for m, p in served)
+        return f"{request.method} {request.path} is not served here (Baton serves {paths})"
+    if exc.status == 405:
+        methods = sorted({m for m, p in served if p == request.path})
+        return f"{request.method} {request.path}: use {' or '.join(methods)}"
+    return exc.reason or "error"
 
 
 def _field_named(message: str) -> str | None:
