@@ -175,3 +175,15 @@ def test_no_stop_string_ends_the_text_before_min_tokens(embedded_llm):
                                                                      min_tokens=min_tokens))[0].text
     assert text(0) == text(3) == " 5"            # the comma is the third token: it may stop
     assert text(4) == " 5, 6"                    # the first comma is too early: the next one stops
+
+
+def test_sampling_params_take_vllms_spellings_of_none_and_one_stop_string(embedded_llm):
+    """stop / stop_token_ids / logit_bias of None mean none, and one stop string may come bare, as
+    vLLM's SamplingParams takes them; the output is what the list spelling gives."""
+    bare = SamplingParams(temperature=0, max_tokens=12, stop=" 5", stop_token_ids=None, logit_bias=None)
+    assert (bare.stop, bare.stop_token_ids, bare.logit_bias) == ([" 5"], [], {})
+    listed = SamplingParams(temperature=0, max_tokens=12, stop=[" 5"])
+    nothing = SamplingParams(temperature=0, max_tokens=4, stop=None)
+    got = embedded_llm.generate(["1, 2, 3,", "1, 2, 3,", "Hi"], [bare, listed, nothing])
+    assert got[0].text == got[1].text and got[0].finish_reason == "stop", got[0]
+    assert nothing.stop == [] and len(got[2].token_ids) == 4

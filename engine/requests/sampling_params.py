@@ -47,6 +47,17 @@ class SamplingParams:
     # output must match; e.g. SamplingParams(structured=StructuredOutput.json(schema))
     structured: StructuredOutput | None = None
 
+    def __post_init__(self):
+        # as vLLM's SamplingParams takes them: one stop string alone, and None for "none"
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.logit_bias is None:
+            self.logit_bias = {}
+
     @property
     def processes_logits(self) -> bool:
         """Whether its logits need more than temperature / top-k / top-p (logits_processing.py)."""
