@@ -6,7 +6,8 @@ queued there times its measured time per token, so a slow worker gets less but i
 block(s) to the same prefill worker (rendezvous hashing, so a worker leaving moves only
 its own prefixes) and places decode by load; `kv_aware` sends a prompt where its expected first
 token comes soonest: the work queued there plus the part of the prompt that worker's prefix cache
-does not hold, as the workers' own KV events say (router/prefix_index.py), and places decode by load.
+does not hold, as the workers' own KV events say and where it sent prompts since
+(router/prefix_index.py), and places decode by load.
 
 kv_aware weighs load in two more ways, or a prefix every prompt shares (an app's system prompt)
 would draw every new conversation to the worker that cached it first, whose cache then evicts
@@ -82,14 +83,16 @@ class KVAware(Policy):
         least = min(w.load() for w in workers)
         fair = [w for w in workers if w.load() <= least + max(BALANCE_SLACK, least)]
         if max(cached[w.address] for w in fair) < HIT_SHARE * len(prompt):
-            return min(fair, key=lambda w: (w.load(), -cached[w.address], -w.kv_free_fraction(), w.address))
-
-        def first_token_cost(w: Worker) -> float:
-            """Seconds (tokens, before it measured any) until its first token: the prompt tokens
-            queued there, then this prompt's tokens its prefix cache lacks."""
-            per_token = w.status.seconds_per_token or 1.0
-            return w.expected_wait() + (len(prompt) - cached[w.address]) * per_token
-        return min(fair, key=lambda w: (first_token_cost(w), w.load(), w.address))
+            chosen = min(fair, key=lambda w: (w.load(), -cached[w.address], -w.kv_free_fraction(), w.address))
+        else:
+            def first_token_cost(w: Worker) -> float:
+                """Seconds (tokens, before it measured any) until its first token: the prompt tokens
+                queued there, then this prompt's tokens its prefix cache lacks."""
+                per_token = w.status.seconds_per_token or 1.0
+                return w.expected_wait() + (len(prompt) - cached[w.address]) * per_token
+            chosen = min(fair, key=lambda w: (first_token_cost(w), w.load(), w.address))
+        self.index.expect(chosen.address, hashes)      # its next turn may come back before the worker's events
+        return chosen
 
 
 def make_policy(name: str, role: str, index: PrefixIndex | None = None) -> Policy:

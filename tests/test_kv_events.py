@@ -132,6 +132,36 @@ def test_kv_aware_spreads_new_conversations_that_share_only_a_system_prompt():
     assert policy.pick(workers, history + [7, 7, 7, 7]).address in ("a", "b")
 
 
+def test_a_conversation_back_before_the_workers_events_goes_where_it_was_sent():
+    """An agent's next call can come back within the 0.5 s between rounds of KV events: where the
+    policy sent the last one counts as cached there, until an event says otherwise or it expires."""
+    index, policy = PrefixIndex(), make_policy("kv_aware", "colocated", None)
+    policy.index = index
+    workers = [_Worker("a"), _Worker("b")]
+    logs = {w.address: KVEventLog() for w in workers}
+    for address, log in logs.items():                    # the router has followed both since they started
+        log.add([], snapshot=True)
+        index.apply(address, log.since("", 0))
+    first = [300 + i for i in range(24)]
+    went = policy.pick(workers, first)
+    other = next(w for w in workers if w is not went)
+    other.running = 1                                    # what load alone would not choose
+    again = first + [7] * 8
+    assert policy.pick(workers, again) is went           # no event has come: the routing remembers
+    log = logs[went.address]
+    log.add([(False, prompt_block_hashes(first, BS)[2])], snapshot=False)      # evicted before it was asked
+    reply = log.since(*index.cursor[went.address])
+    assert not reply.reset
+    index.apply(went.address, reply)
+    assert index.hits(went.address, prompt_block_hashes(again, BS)) == 2       # an event outranks the hint
+    index.expect("b", prompt_block_hashes(first, BS), now=0.0)
+    assert index.hits("b", prompt_block_hashes(again, BS), now=1.0) == 5
+    assert index.hits("b", prompt_block_hashes(again, BS), now=1e9) == 0     # never confirmed: expired
+    index.expect("b", prompt_block_hashes(first, BS))
+    index.drop("b")                                      # the worker was lost
+    assert index.hits("b", prompt_block_hashes(again, BS)) == 0
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = Cluster.launch(tmp_path_factory.mktemp("kv-aware"), prefill=0, decode=0, colocated=2,
