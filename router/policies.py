@@ -7,7 +7,9 @@ block(s) to the same prefill worker (rendezvous hashing, so a worker leaving mov
 its own prefixes) and places decode by load; `kv_aware` sends a prompt where its expected first
 token comes soonest: the work queued there plus the part of the prompt that worker's prefix cache
 does not hold, as the workers' own KV events say and where it sent prompts since
-(router/prefix_index.py), and places decode by load.
+(router/prefix_index.py). Its decode workers are picked the same way, by the blocks they hold
+(--decode-prefix-reuse): the prefill worker sends them only what they lack, so a returning
+conversation's history crosses the KV link once, not every turn.
 
 kv_aware weighs load in two more ways, or a prefix every prompt shares (an app's system prompt)
 would draw every new conversation to the worker that cached it first, whose cache then evicts
@@ -73,8 +75,9 @@ class PrefixAware(Policy):
 class KVAware(Policy):
     name = "kv_aware"
 
-    def __init__(self, index: PrefixIndex):
+    def __init__(self, index: PrefixIndex, role: str = "colocated"):
         self.index = index
+        self.by_bytes = role == "decode"    # a decode worker's cache saves KV transfer, not prefill time
 
     def pick(self, workers, prompt):
         size = workers[0].status.block_size or 16
@@ -84,6 +87,8 @@ class KVAware(Policy):
         fair = [w for w in workers if w.load() <= least + max(BALANCE_SLACK, least)]
         if max(cached[w.address] for w in fair) < HIT_SHARE * len(prompt):
             chosen = min(fair, key=lambda w: (w.load(), -cached[w.address], -w.kv_free_fraction(), w.address))
+        elif self.by_bytes:
+            chosen = min(fair, key=lambda w: (-cached[w.address], w.load(), -w.kv_free_fraction(), w.address))
         else:
             def first_token_cost(w: Worker) -> float:
                 """Seconds (tokens, before it measured any) until its first token: the prompt tokens
@@ -102,6 +107,6 @@ def make_policy(name: str, role: str, index: PrefixIndex | None = None) -> Polic
         return RoundRobin()
     if name == "prefix_aware" and role in ("prefill", "colocated"):
         return PrefixAware()
-    if name == "kv_aware" and role in ("prefill", "colocated"):
-        return KVAware(index if index is not None else PrefixIndex())
+    if name == "kv_aware":
+        return KVAware(index if index is not None else PrefixIndex(), role)
     return LeastLoaded(role)

@@ -296,7 +296,7 @@ class Registry:
             log.info("worker %s (%s) healthy", w.address, w.role)
             w.lost.clear()
         w.status, w.healthy, w.last_seen = status, True, time.monotonic()
-        if self.prefix_index is not None and w.role in ("prefill", "colocated"):
+        if self.prefix_index is not None:
             await self.prefix_index.refresh(w)
         if status.switching_to and self.on_switching is not None:
             self.on_switching(w)

@@ -113,7 +113,7 @@ class RouterService:
         if cfg.policy == "kv_aware":           # the workers' KV events, followed after each round of checks
             registry.prefix_index = PrefixIndex()
         self.prefill_policy = make_policy(cfg.policy, "prefill", registry.prefix_index)
-        self.decode_policy = make_policy(cfg.policy, "decode")
+        self.decode_policy = make_policy(cfg.policy, "decode", registry.prefix_index)
         self.colocated_policy = make_policy(cfg.policy, "colocated", registry.prefix_index)
         self.active: dict[str, Active] = {}
         self.admission = Admission(cfg.max_inflight, cfg.max_queued, cfg.queue_timeout, cfg.max_per_client)

@@ -1,14 +1,16 @@
 """KV events and the router's prefix index (issue 51): the block manager records what its prefix
 cache stores and evicts, the worker numbers those events for routers, the router's index follows
-them (and forgets a worker that restarted or was lost), and `--policy kv_aware` sends each turn of
-a conversation where its prefix is: against two colocated workers, the prefix-cache hits reach 90 %
-of what sending every conversation to one worker (the oracle) would get, with the conversations
-spread over both."""
+them (and forgets a worker that restarted or was lost, and remembers where it just sent a prompt),
+and `--policy kv_aware` sends each turn of a conversation where its prefix is. Through 1P2D the
+decode workers reuse 90 % of the blocks sending every conversation to one decode worker (the
+oracle) would, with the conversations spread over both. (Two colocated workers: the same bar,
+through `bench multiturn --compare-policies --smoke` in tests/test_benchmarks.py.)"""
 from __future__ import annotations
 
 import subprocess
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -162,36 +164,78 @@ def test_a_conversation_back_before_the_workers_events_goes_where_it_was_sent():
     assert index.hits("b", prompt_block_hashes(again, BS)) == 0
 
 
+def test_kv_aware_sends_a_returning_conversations_decode_where_its_history_is():
+    """In PD the decode workers keep their own prefix caches (--decode-prefix-reuse) and the prefill
+    worker sends only what they lack: a returning conversation's decode goes where its history is,
+    even to a somewhat busier worker; new conversations and a clearly busier worker go by load."""
+    index = PrefixIndex()
+    policy = make_policy("kv_aware", "decode", index)
+    workers = [_Worker("d0"), _Worker("d1", load=3)]
+    history = list(range(500, 540))
+    _holds(index, "d1", history)
+    assert policy.pick(workers, history + [9] * 6).address == "d1"               # 3 more streams: it waits
+    assert policy.pick(workers, list(range(600, 646))).address == "d0"           # new: by load
+    workers[1].running = 9                                                       # past the slack
+    assert policy.pick(workers, history + [9] * 6).address == "d0"
+    assert make_policy("kv_aware", "prefill", index).index is index              # one index, every role
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster.launch(tmp_path_factory.mktemp("kv-aware"), prefill=0, decode=0, colocated=2,
-                       router_args=["--policy", "kv_aware"])
+    """1P2D behind a kv_aware router: the prefill worker's cache and each decode worker's
+    (--decode-prefix-reuse) are followed by their events. (Two colocated workers behind kv_aware:
+    `bench multiturn --compare-policies --smoke`, tests/test_benchmarks.py.)"""
+    from baton.serving.processes import free_port
+    ports = {name: free_port() for name in ("decode-0", "decode-1")}
+    c = Cluster.launch(tmp_path_factory.mktemp("kv-aware"), prefill=1, decode=2,
+                       router_args=["--policy", "kv_aware"],
+                       extra={name: ["--metrics-port", str(port)] for name, port in ports.items()})
+    c.metrics_urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
     yield c
     c.stop()
 
 
+def reused_tokens(c: Cluster) -> float:
+    """Prompt tokens the decode workers found in their own caches (the prefill worker did not send)."""
+    from test_kv_warm import scrape
+    return sum(scrape(url).get(("baton_pd_reused_tokens_total", ()), 0.0) for url in c.metrics_urls.values())
+
+
+def settled(read, quiet_s: float = 0.5, limit_s: float = 10.0) -> float:
+    """`read()` once two reads `quiet_s` apart agree (an engine core hands its counts over in batches)."""
+    deadline, last = time.monotonic() + limit_s, read()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        if (now := read()) == last:
+            return now
+        last = now
+    return last
+
+
 @pytest.mark.slow
-def test_kv_aware_routing_finds_each_conversations_prefix(cluster):
-    """Four conversations of four turns, two at a time: each turn is the last one's prompt and
-    answer plus new tokens, so a worker that served the last turn holds all but the new tail."""
+def test_kv_aware_sends_each_turns_decode_where_its_history_is(cluster):
+    """Four conversations of four turns, two at a time, through 1P2D: each turn is the last one's
+    prompt and answer plus new tokens, so the decode worker that served the last turn holds every
+    full block of it (the answer's too) and the prefill worker need send only the rest. The decode
+    side reuses >= 90 % of what sending every conversation to one decode worker (the oracle) would,
+    with the conversations spread over both."""
     c = cluster
     stub = c.stub()
-    bs = c.worker("colocated-0").status().block_size
-    hits, oracle = [0], [0]
+    bs = c.worker("decode-0").status().block_size
+    oracle = [0]
     lock = threading.Lock()
+    before = settled(lambda: reused_tokens(c))
 
     def conversation(k: int) -> None:
-        prompt, previous = [1000 + 37 * k + i for i in range(70)], 0
+        prompt, held = [1000 + 37 * k + i for i in range(70)], 0
         for turn in range(4):
             resp = list(stub.Generate(router_pb2.GenerateRequest(
                 tokens=router_pb2.TokenIds(ids=prompt), sampling=router_pb2.SamplingParams(
                     temperature=0, max_tokens=12, ignore_eos=True)), timeout=120))
             out = [t for r in resp for t in r.token_ids]
             with lock:
-                if turn:
-                    hits[0] += resp[-1].usage.cached_prompt_tokens
-                    oracle[0] += (previous // bs) * bs
-            previous = len(prompt)
+                oracle[0] += held
+            held = (len(prompt) + len(out) - 1) // bs * bs           # what this turn leaves cached
             prompt = prompt + out + [2000 + 11 * k + turn * 3 + i for i in range(9)]
     for wave in (range(2), range(2, 4)):
         threads = [threading.Thread(target=conversation, args=(k,)) for k in wave]
@@ -199,26 +243,29 @@ def test_kv_aware_routing_finds_each_conversations_prefix(cluster):
             t.start()
         for t in threads:
             t.join(300)
-    assert oracle[0] > 0 and hits[0] >= 0.9 * oracle[0], (hits, oracle)
-    served = [c.worker(f"colocated-{i}").status().requests_served for i in range(2)]
-    assert all(served), f"every conversation went to one worker ({served}): kv_aware must weigh load too"
+    reused = settled(lambda: reused_tokens(c)) - before
+    assert oracle[0] > 0 and reused >= 0.9 * oracle[0], (reused, oracle)
+    served = [c.worker(f"decode-{i}").status().requests_served for i in range(2)]
+    assert all(served), f"every conversation went to one decode worker ({served}): kv_aware must weigh load too"
     assert c.wait_workers_idle() == 0
 
 
 @pytest.mark.slow
-def test_after_a_worker_restarts_the_index_follows_what_it_holds_now(cluster):
+def test_after_a_decode_worker_restarts_the_index_follows_what_it_holds_now(cluster):
     """The restarted worker's events come from a new epoch: the index drops what it knew of it (the
     unit test above checks that exactly) and learns its cache afresh, so prefixes are found again."""
     c = cluster
-    victim = c.worker("colocated-0")
+    victim = c.worker("decode-0")
     victim.kill()
     victim.start(c.env, c.log_dir)
     victim.wait_ready()
     c.wait_health(victim.address, healthy=True)
     prompt = [5000 + i for i in range(70)]
+    before = settled(lambda: reused_tokens(c))
     for _ in range(2):
         resp = list(c.stub().Generate(router_pb2.GenerateRequest(
             tokens=router_pb2.TokenIds(ids=prompt), sampling=router_pb2.SamplingParams(temperature=0, max_tokens=4)),
             timeout=60))
         assert sum(len(r.token_ids) for r in resp) == 4
-    assert resp[-1].usage.cached_prompt_tokens >= 64         # the second went where the first's prefix is
+    assert settled(lambda: reused_tokens(c)) - before >= 64     # the second's decode went where the first's is
+    assert c.wait_workers_idle() == 0
