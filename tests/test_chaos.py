@@ -699,14 +699,20 @@ def test_beyond_capacity_is_resource_exhausted_with_a_retry_hint(cluster, known,
 def test_sigterm_drains_the_router(cluster, known, reliability):
     long = Load(cluster.stub(), workers=4)
     for i in range(3):
-        long.submit(router_pb2.GenerateRequest(text=f"Router drain {i}:", sampling=greedy(30)), None, 120)
-    time.sleep(2.0)
+        long.submit(router_pb2.GenerateRequest(text=f"Router drain {i}:", sampling=greedy(80)), None, 120)
+    long.wait_streaming(2)
     t0 = time.monotonic()
     cluster.router.popen.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    with pytest.raises(grpc.RpcError) as err:
-        list(cluster.stub().Generate(router_pb2.GenerateRequest(text="late", sampling=greedy(2)), timeout=5))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    deadline = time.monotonic() + 5
+    while True:                  # refused as soon as it drains (however long the signal takes to land)
+        try:
+            list(cluster.stub().Generate(router_pb2.GenerateRequest(text="late", sampling=greedy(2)), timeout=5))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            break
+        assert time.monotonic() < deadline, "the router took new work 5 s after SIGTERM"
+        time.sleep(0.02)
+    assert any(p[0] < 80 for p in long.progress), long.progress     # refused while streams were still running
     out = long.wait()
     out.assert_clean()
     assert out.completed == out.sent, out.summary()

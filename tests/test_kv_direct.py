@@ -224,6 +224,7 @@ def test_a_word_that_comes_just_after_the_senders_deadline_keeps_the_pair(monkey
 
     async def main():
         async with decode_side() as (pending, landed, address, receiver), sender_to(address) as sender:
+            await sender.warm(10)                # the pair built first: 0.4 s is the bytes' deadline alone
             pending.expect("late", n, 5.0, landed.on_complete, landed.on_fail)
             t0 = time.perf_counter()
             with pytest.raises(KVTransferError) as late:       # the sender's own deadline: 0.4 s
@@ -531,7 +532,7 @@ def test_dead_peers_mid_stream_end_with_a_status_and_the_survivors_serve(tmp_pat
         for i in range(6):
             streams.submit(router_pb2.GenerateRequest(text=f"Story {i}: once upon a time", sampling=greedy(60)),
                            None, 120)
-        time.sleep(2.0)                                  # streams under way on both decode workers
+        streams.wait_streaming(3)                        # streams under way on both decode workers
         c.worker("decode-1").kill()
         during = Load(stub, workers=4)
         for p in PROMPTS[:4]:

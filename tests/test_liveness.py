@@ -70,6 +70,7 @@ class _LongStepEngine:
         self.runner = SimpleNamespace(platform=SimpleNamespace(bind_thread=lambda: None))
         self.pending = threading.Event()
         self.pending.set()
+        self.stepping = threading.Event()
 
     @property
     def has_work(self) -> bool:
@@ -77,6 +78,7 @@ class _LongStepEngine:
 
     def step(self):
         self.clock._busy = step_clock._Busy("step", time.monotonic(), self.budget_s, 7000, 1.0)
+        self.stepping.set()
         time.sleep(self.step_s)
         self.clock.end()
         self.pending.clear()
@@ -85,8 +87,9 @@ class _LongStepEngine:
 
 def _call_during_a_long_step(step_s: float, budget_s: float, timeout: float):
     async def main():
-        engine = AsyncEngine(_LongStepEngine(step_s, budget_s), asyncio.get_running_loop())
-        await asyncio.sleep(0.1)                      # the step is running
+        core = _LongStepEngine(step_s, budget_s)
+        engine = AsyncEngine(core, asyncio.get_running_loop())
+        assert await asyncio.to_thread(core.stepping.wait, 5)     # the step is running
         t0 = time.monotonic()
         try:
             return await engine.call(lambda e: "done", timeout=timeout), time.monotonic() - t0

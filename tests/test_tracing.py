@@ -79,8 +79,9 @@ def test_one_pd_request_is_one_trace_across_router_prefill_transfer_and_decode()
     assert spans["kv_transfer"].parent.span_id == spans["prefill.worker"].context.span_id
     assert spans["kv_transfer"].attributes["baton.kv_bytes"] > 0
     assert all(s.status.is_ok for s in spans.values())
-    for name in ("prefill.worker", "kv_transfer", "decode"):      # inside the request, in time
-        assert request.start_time <= spans[name].start_time <= spans[name].end_time <= request.end_time + 10**8
+    for name in ("prefill.worker", "kv_transfer", "decode"):      # inside the request, in time (decode's span
+        # ends when the worker's stream is taken, a moment after the router's: up to 1 s on a loaded box)
+        assert request.start_time <= spans[name].start_time <= spans[name].end_time <= request.end_time + 10**9
 
 
 def test_tracing_off_makes_no_span_and_adds_no_metadata():
