@@ -58,7 +58,8 @@
 # Routing policies on four workers (issue 51): policies (baton bench multiturn --compare-policies: the multiturn
 # conversations through one colocated worker per POL_DEVICES entry, default cuda:0,cuda:1,cuda:2,cuda:3 (four
 # workers on one GPU: cuda:0,cuda:0,cuda:0,cuda:0), once per POL_POLICIES entry, default least_loaded,prefix_aware,
-# kv_aware; cached tokens against the oracle's, TTFT, goodput; MT_ARGS for more flags)
+# kv_aware; cached tokens against the oracle's, TTFT, goodput; MT_ARGS for more flags; POL_TOPOLOGY, e.g. 1p3d or
+# 2p2d: that deployment instead, whose decode workers' own reuse and KV bytes are reported too; POL_TAG names the files)
 # INT4 weight-only (issue 54, one GPU): int4 (tests/test_int4.py's kernel and layer tests, the interpreter's on the
 # device's triton; then benchmarks/int4_decode.py: the W4A16 GEMM vs bf16 at qwen3-8b's shapes, M 1-256, and the decode
 # step of qwen3-8b with random AWQ group-128 weights vs bf16 at batches 1, 4, 8, 16; INT4_ARGS: more flags)
@@ -209,6 +210,7 @@ for step in $STEPS; do
             tar czf "$OUT/pdreuse-logs${PDR_TAG:-}.tgz" -C "$OUT" pdreuse-logs && rm -rf "$OUT/pdreuse-logs" ;;
     policies) timeout ${POL_TIMEOUT:-540} python3 -m baton bench multiturn --compare-policies --model ${MT_MODEL:-qwen3-8b} \
               --devices ${POL_DEVICES:-cuda:0,cuda:1,cuda:2,cuda:3} --policies ${POL_POLICIES:-least_loaded,prefix_aware,kv_aware} \
+              ${POL_TOPOLOGY:+--topology $POL_TOPOLOGY} \
               ${MT_ARGS:-} --output "$OUT/policies-${MT_MODEL:-qwen3-8b}${POL_TAG:-}.json" --log-dir "$OUT/policies-logs" 2>&1 \
               | grep "^\[bench\]" | tee "$OUT/policies${POL_TAG:-}.txt"
             tar czf "$OUT/policies-logs${POL_TAG:-}.tgz" -C "$OUT" policies-logs && rm -rf "$OUT/policies-logs" ;;

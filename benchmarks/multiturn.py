@@ -75,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch one colocated worker per --devices entry behind a router once per --policies "
                         "entry, and compare the routing policies")
     p.add_argument("--policies", default=POLICIES, help="--compare-policies' router policies, in order")
+    p.add_argument("--topology", default=None,
+                   help="--compare-policies' deployment, e.g. 1p2d or 2p2d, its workers placed on --devices in "
+                        "order (default: one colocated worker per --devices entry); a PD one also reports the "
+                        "decode workers' own reuse against the oracle's")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="a turn's TTFT target, for goodput")
     p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="a turn's TPOT target, for goodput")
     p.add_argument("--kv-backend", default=None, help="--compare-pd-reuse's KV backend (default: the workers')")
@@ -280,30 +284,44 @@ def compare_pd_reuse(args: argparse.Namespace, rec: dict) -> None:
 
 
 def compare_policies(args: argparse.Namespace, rec: dict) -> None:
-    """The same conversations through N colocated workers, once per routing policy."""
+    """The same conversations through N colocated workers (or --topology's xPyD), once per routing
+    policy. In PD `share_of_oracle` is the prefill workers' prefix cache and `decode_share_of_oracle`
+    the decode workers' own (--decode-prefix-reuse: the blocks the prefill worker did not send)."""
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    topology = args.topology or f"{len(devices)}colocated"
+    pd = not deployment.parse(topology).colocated
     if len(devices) < 2 or not policies:       # (an unknown policy: the router refuses it at start-up)
         raise ValueError(f"--compare-policies wants two or more --devices and one or more --policies; got "
                          f"{args.devices!r} and {args.policies!r}")
     rec["device"] = record.device_info(devices)
-    rec["workload"] |= {"devices": devices, "policies": policies}
+    rec["workload"] |= {"devices": devices, "policies": policies, "topology": topology}
     rec["results"] = {}
     worker_args = ["--block-size", str(BLOCK_SIZE), *args.worker_args.split()]
     worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []
     for policy in policies:
-        dep = deployment.launch(f"{len(devices)}colocated", args.model, devices, worker_args,
-                                _log_root(args) / policy, router_args=["--policy", policy])
+        dep = deployment.launch(topology, args.model, devices, worker_args, _log_root(args) / policy,
+                                router_args=["--policy", policy])
         try:
+            before = _settled_counters(dep) if pd else {}
             result = asyncio.run(drive(dep.router_address, args))
+            after = _settled_counters(dep) if pd else {}
         finally:
             dep.stop()
+        result |= {key: after[key] - before[key] for key in after}
         result["share_of_oracle"] = result["cached_share"] / result["oracle_share"] if result["oracle_share"] else None
+        if pd:
+            oracle = sum(t["oracle_cached_tokens"] for t in result["turns"] if t["status"] == "OK")
+            result["decode_share_of_oracle"] = result["reused_tokens"] / oracle if oracle else None
         rec["results"][policy] = result
         _print(policy, result)
-        print(f"[bench] {policy}: {100 * (result['share_of_oracle'] or 0):.0f} % of the oracle's cached tokens, "
-              f"goodput {result['goodput_turns_s']:.2f} turns/s ({100 * result['slo_attained']:.0f} % of turns met "
-              f"TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms)", flush=True)
+        where = (f"{100 * (result['share_of_oracle'] or 0):.0f} % of the oracle's cached tokens on the prefill "
+                 f"side, {100 * (result['decode_share_of_oracle'] or 0):.0f} % on the decode side "
+                 f"({result['kv_bytes_sent'] / 2**20:.1f} MiB of KV sent)" if pd else
+                 f"{100 * (result['share_of_oracle'] or 0):.0f} % of the oracle's cached tokens")
+        print(f"[bench] {policy}: {where}, goodput {result['goodput_turns_s']:.2f} turns/s "
+              f"({100 * result['slo_attained']:.0f} % of turns met TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= "
+              f"{args.slo_tpot_ms:g} ms)", flush=True)
 
 
 def _ms(s: float | None) -> str:
