@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 from baton.engine.config import DEFAULT_MODEL, EngineConfig
 from baton.engine.llm_engine import LLMEngine, freeze_startup_objects
 from baton.engine.output_processor import CompletionOutput
-from baton.engine.requests.sampling_params import SamplingParams
+from baton.engine.requests.sampling_params import SamplingParams, sample_seed
 from baton.engine.requests.tokenizer import render_chat
 from baton.engine.scheduling.multimodal import check_kinds
 from baton.models.multimodal import MediaInput, split_content_parts
@@ -49,20 +50,25 @@ class LLM:
             self.engine.validate(ids, p)
             self.engine.check_images(ids, list(imgs))
         results: dict[str, CompletionOutput] = {}
-        order = []
+        firsts: list[CompletionOutput] = []
         try:
             streamed = set()
             for ids, p, imgs in zip(token_lists, params, images, strict=True):
-                rid = self.engine.add_request(ids, p, images=imgs)
-                results[rid] = CompletionOutput(rid, ids)
-                order.append(rid)
-                if p.stop:                  # stop strings need the text as it grows
-                    streamed.add(rid)
+                for j in range(p.n):        # one request a sample (SamplingParams.n), a seed of its own each
+                    pj = p if j == 0 else replace(p, seed=None if p.seed is None else sample_seed(p.seed, j))
+                    rid = self.engine.add_request(ids, pj, images=imgs)
+                    results[rid] = out = CompletionOutput(rid, ids, index=j)
+                    if j == 0:
+                        firsts.append(out)
+                    else:
+                        firsts[-1].samples.append(out)
+                    if p.stop:              # stop strings need the text as it grows
+                        streamed.add(rid)
             self._run(results, streamed, progress)
         finally:
-            for rid in order:                 # on an exception mid-run: free everything we queued
+            for rid in results:             # on an exception mid-run: free everything we queued
                 self.engine.abort(rid)
-        return [results[r] for r in order]
+        return firsts
 
     def chat(self, conversations, sampling_params=None, progress: bool = False, tools: list[dict] | None = None,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[CompletionOutput]:

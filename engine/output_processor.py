@@ -29,7 +29,8 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """The offline API's result for one prompt."""
+    """The offline API's result for one prompt: its first sample, and with SamplingParams.n > 1
+    the others in `outputs` (vLLM's `RequestOutput.outputs`; `outputs[0]` is this one)."""
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -38,6 +39,13 @@ class CompletionOutput:
     cached_tokens: int = 0
     logprobs: list[TokenLogprob | None] | None = None         # of token_ids (SamplingParams.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # of prompt_token_ids (prompt_logprobs)
+    index: int = 0                                            # which sample of its prompt
+    samples: list[CompletionOutput] = field(default_factory=list, repr=False)   # samples 1..n-1
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """Every sample of the prompt, in order: this one, then the rest."""
+        return [self, *self.samples]
 
 
 class TextStream:

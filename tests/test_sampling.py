@@ -1,6 +1,7 @@
 """Sampling and streaming semantics on the embedded model: seeds, top-k/top-p, stops, UTF-8."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from baton.engine import SamplingParams
@@ -16,6 +17,28 @@ def test_same_seed_same_tokens_whatever_the_batch(embedded_llm):
     different = embedded_llm.generate(["Tell me a story"], SamplingParams(
         temperature=1.0, top_p=0.9, seed=4321, max_tokens=16, ignore_eos=True))[0].token_ids
     assert different != alone
+
+
+def test_n_samples_of_a_prompt_are_seeded_requests_of_their_own(embedded_llm):
+    """vLLM's `n` offline: `outputs` holds n samples, the first the request as sent, each other one
+    the request with a seed derived from the prompt's (the OpenAI API's `n` derives them alike), so
+    they differ yet repeat; a bad `n` is refused before anything is queued."""
+    from baton.engine.requests.sampling_params import sample_seed
+    p = SamplingParams(temperature=0.9, max_tokens=10, seed=11, n=3, ignore_eos=True)
+    first, other = embedded_llm.generate(["Tell me a story", "Name a colour"], p)
+    assert [s.index for s in first.outputs] == [0, 1, 2] and len(other.outputs) == 3
+    assert len({tuple(s.token_ids) for s in first.outputs}) == 3                   # they differ
+    for j, sample in enumerate(first.outputs):
+        alone = SamplingParams(temperature=0.9, max_tokens=10, seed=sample_seed(11, j), ignore_eos=True)
+        assert sample.token_ids == embedded_llm.generate("Tell me a story", alone)[0].token_ids
+        assert sample.prompt_token_ids == first.prompt_token_ids and sample.finish_reason == "length"
+    greedy = embedded_llm.generate("Hi", SamplingParams(temperature=0, max_tokens=6, n=2))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    free = embedded_llm.engine.block_manager.num_free_blocks
+    for bad in (0, 129, 2.0):
+        with pytest.raises(ValueError, match="n must be an integer in"):
+            embedded_llm.generate("Hi", SamplingParams(n=bad))
+    assert embedded_llm.engine.block_manager.num_free_blocks == free and not embedded_llm.engine.has_unfinished
 
 
 def test_top_k_one_is_greedy(embedded_llm):

@@ -12,6 +12,14 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20                   # top alternatives per token, as vLLM's default --max-logprobs
 MAX_LOGIT_BIAS = 300                # entries of logit_bias (OpenAI's limit)
+MAX_N = 128                         # samples of one prompt (offline `n`, the OpenAI API's `n`)
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def sample_seed(seed: int, j: int) -> int:
+    """The seed of sample `j` of a prompt sent with `seed`: sample 0 keeps it, the others get one of
+    their own derived from it, so the samples differ yet each is reproducible."""
+    return (seed + j * _SEED_MIX) % 2**64
 
 
 @dataclass(slots=True)
@@ -46,6 +54,9 @@ class SamplingParams:
     # structured output (engine/structured_output.py): a JSON schema, regex, choice or grammar the
     # output must match; e.g. SamplingParams(structured=StructuredOutput.json(schema))
     structured: StructuredOutput | None = None
+    # the offline API's samples per prompt (LLM.generate / chat: CompletionOutput.outputs), as vLLM's
+    # `n`; served requests ask for several with the OpenAI API's `n` (the router runs one request each)
+    n: int = 1
 
     def __post_init__(self):
         # as vLLM's SamplingParams takes them: one stop string alone, and None for "none"
@@ -88,6 +99,8 @@ class SamplingParams:
                 raise ValueError(f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}] (samples per prompt), got {self.n!r}")
         self._validate_processing(vocab_size)
 
     def _validate_processing(self, vocab_size: int | None) -> None:

@@ -26,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton import __version__
+from baton.engine.requests.sampling_params import MAX_N
 from baton.engine.requests.tokenizer import encode_text
 from baton.models.audio import decode_base64_audio
 from baton.models.multimodal import decode_data_url
@@ -43,7 +44,7 @@ from baton.router.openai.logprobs import (
     entries,
     prompt_entries,
 )
-from baton.router.openai.sampling import MAX_N, Shape, choice_request, number
+from baton.router.openai.sampling import Shape, choice_request, number
 from baton.router.openai.sampling import sampling as request_sampling
 from baton.serving import tracing
 from baton.serving.grpc_server import PortInUse, ServiceError

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from baton.engine.requests.sampling_params import sample_seed
 from baton.router.openai.errors import HTTPError
 from baton.router.openai.structured import structured
 from baton.v1 import router_pb2
@@ -21,8 +22,6 @@ class Shape:
     echo_only: bool = False         # ...and max_tokens 0: the prompt alone (one token is run, not shown)
 
 
-MAX_N = 128
-_SEED_MIX = 0x9E3779B97F4A7C15
 
 
 def choice_request(prompt: router_pb2.GenerateRequest, sampling: router_pb2.SamplingParams, j: int):
@@ -33,7 +32,7 @@ def choice_request(prompt: router_pb2.GenerateRequest, sampling: router_pb2.Samp
     req.CopyFrom(prompt)
     req.sampling.CopyFrom(sampling)
     if j and sampling.HasField("seed"):
-        req.sampling.seed = (sampling.seed + j * _SEED_MIX) % 2**64
+        req.sampling.seed = sample_seed(sampling.seed, j)
     return req
 
 
