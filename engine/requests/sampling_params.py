@@ -1,4 +1,5 @@
-"""Sampling parameters: the same fields and defaults as `baton.v1.SamplingParams`.
+"""Sampling parameters: the same fields and defaults as `baton.v1.SamplingParams`, and `n` (the
+offline API's samples per prompt; served requests take the OpenAI API's `n` at the router).
 
 Plain Python (no torch) so the router, scheduler and tests can use it anywhere.
 """
