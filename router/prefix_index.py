@@ -62,7 +62,10 @@ class PrefixIndex:
     def expect(self, address: str, hashes: list[int], now: float | None = None) -> None:
         """A prompt with these block hashes was just sent to `address`: its prefill will cache them."""
         until = (time.monotonic() if now is None else now) + EXPECT_TTL_S
-        self.expected.setdefault(address, {}).update(dict.fromkeys(hashes, until))
+        held, expected = self.blocks.get(address, ()), self.expected.setdefault(address, {})
+        for h in hashes:                 # (what its events already said it holds needs no hint: the
+            if h not in held:            # hints stay as few as the blocks not yet confirmed)
+                expected[h] = until
 
     def drop(self, address: str) -> None:
         self.blocks.pop(address, None)
