@@ -230,3 +230,56 @@ def test_services_free_every_block_once_when_transfers_sharing_a_prefix_fail():
             return refs, (cut, full, bad)
     refs, admitted = asyncio.run(main())
     assert [a.skip_blocks for a in admitted] == [3, 3, 3] and not any(refs)
+
+
+def test_the_router_asks_for_reuse_only_of_a_prefill_worker_that_can_skip():
+    """Mixed versions: a prefill worker that predates `skip_blocks` (its status does not report
+    kv_skip_blocks) would send every block whatever the decode side holds, so the router admits
+    with reuse_prefix off and the decode side reserves every block; one that reports it gets turn 2
+    with turn 1's blocks reused. The tokens are the same."""
+    from fake_worker import FakeContext
+
+    from baton.router.config import RouterConfig
+    from baton.router.registry import Registry
+    from baton.router.server import RouterService
+    from baton.v1 import router_pb2
+
+    async def conversation(skips: bool) -> tuple[list[tuple[bool, int]], list[list[int]]]:
+        async with workers() as (prefill, decode):
+            if not skips:
+                status = prefill.status
+                prefill.status = lambda: _without_skip(status())
+            reg = Registry([prefill.server.address], [decode.server.address], [], "tiny-llama")
+            await reg.start()
+            try:
+                svc = RouterService(reg, None, router_pb2.ModelInfo(name="tiny-llama", max_model_len=2048,
+                                                                      vocab_size=32_000),
+                                    RouterConfig(prefill=["p"], decode=["d"]))
+                d = next(w for w in reg.workers if w.role == "decode")
+                admits, stub_admit = [], d.decode_stub.Admit
+
+                async def admit(req, **kw):
+                    reply = await stub_admit(req, **kw)
+                    admits.append((req.reuse_prefix, reply.skip_blocks))
+                    return reply
+                d.decode_stub.Admit = admit
+                answers, prompt = [], TURN1
+                for _ in range(2):
+                    req = router_pb2.GenerateRequest(tokens=router_pb2.TokenIds(ids=prompt),
+                                                     sampling=router_pb2.SamplingParams(temperature=0, max_tokens=12,
+                                                                                        ignore_eos=True))
+                    answers.append([t async for r in svc.generate(req, FakeContext()) for t in r.token_ids])
+                    prompt = prompt + answers[-1] + list(range(1200, 1206))
+                await idle(prefill, decode)
+                return admits, answers
+            finally:
+                await reg.stop()
+    new, new_answers = asyncio.run(conversation(skips=True))
+    old, old_answers = asyncio.run(conversation(skips=False))
+    assert new == [(True, 0), (True, (len(TURN1) + 12 - 1) // BS)]      # turn 1's blocks, its answer's too
+    assert old == [(False, 0), (False, 0)] and old_answers == new_answers
+
+
+def _without_skip(status):
+    status.kv_skip_blocks = False
+    return status
