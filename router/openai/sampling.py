@@ -22,8 +22,6 @@ class Shape:
     echo_only: bool = False         # ...and max_tokens 0: the prompt alone (one token is run, not shown)
 
 
-
-
 def choice_request(prompt: router_pb2.GenerateRequest, sampling: router_pb2.SamplingParams, j: int):
     """The request of choice `j` of a prompt: choice 0 is the request as sent; with a seed, choice j
     samples with a seed of its own derived from it (the same choices for the same seed), so the
