@@ -231,9 +231,10 @@ def _counters(dep: deployment.Deployment) -> dict[str, float]:
     return out
 
 
-def _settled_counters(dep: deployment.Deployment, quiet_s: float = 1.5, limit_s: float = 20.0) -> dict[str, float]:
+def _settled_counters(dep: deployment.Deployment, quiet_s: float = 0.8, limit_s: float = 20.0) -> dict[str, float]:
     """`_counters` once two reads `quiet_s` apart agree: a worker's engine core hands its counts to
-    the front in batches, so the last request's may land a moment after its stream ended."""
+    the front with its next message, at the latest its next beat (every 0.5 s: BEAT_INTERVAL_S), so
+    the last request's may land a moment after its stream ended."""
     deadline, last = time.monotonic() + limit_s, _counters(dep)
     while time.monotonic() < deadline:
         time.sleep(quiet_s)

@@ -552,7 +552,7 @@ def test_router_restart_while_workers_live(cluster, known, reliability):
     streams = Load(cluster.stub(), workers=4)
     for i in range(4):
         streams.submit(router_pb2.GenerateRequest(text=f"Long {i}: the history of", sampling=greedy(300)), None, 120)
-    time.sleep(2.0)
+    streams.wait_streaming(2)
     cluster.router.kill()                  # SIGKILL: the workers see their streams cancelled
     out = streams.wait()
     leaked = settle(cluster, 20)           # asked of each worker directly: no router up
