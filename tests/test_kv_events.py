@@ -58,6 +58,29 @@ def test_the_block_manager_records_what_its_prefix_cache_gains_and_loses():
     bm.free_sequence(second)
 
 
+def test_unasked_for_events_stop_at_a_bound_and_the_next_ask_gets_a_snapshot():
+    """A router that asked once and left must not make the block manager record forever: past
+    max_kv_events unasked-for events it stops, and the next ask gets the whole set again, which
+    the worker's log hands its followers as a reset (an eviction meanwhile is not lost)."""
+    bm = BlockManager(4, BS)
+    log, index = KVEventLog(), PrefixIndex()
+    bm.free_sequence(run_prompt(bm, list(range(9)), "a"))
+    log.add(*bm.take_kv_events())                        # a router asks: recording on
+    index.apply("w", log.since("", 0))
+    assert index.blocks["w"] == set(prompt_block_hashes(list(range(9)), BS))
+    bm.max_kv_events = 3
+    for k in range(3):                                   # its router is gone: nobody asks
+        bm.free_sequence(run_prompt(bm, [100 * (k + 1) + i for i in range(9)], f"x{k}"))
+    assert bm.kv_events is None                          # stopped at the bound
+    events, snapshot = bm.take_kv_events()               # a router asks again
+    assert snapshot and {h for _, h in events} == set(bm.cached)
+    log.add(events, snapshot)
+    reply = log.since(*index.cursor["w"])                # the old follower: a reset, not a gap
+    assert reply.reset
+    index.apply("w", reply)
+    assert index.blocks["w"] == set(bm.cached) and not set(prompt_block_hashes(list(range(9)), BS)) & set(bm.cached)
+
+
 def test_a_prompts_block_hashes_are_the_same_in_every_process():
     """The router hashes prompts in its own process: the hash must not depend on the process (Python
     3.11 salts hash(None) by address, which the first block's parent once was)."""

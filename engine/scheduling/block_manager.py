@@ -5,7 +5,8 @@ tokens); blocks whose refcount falls to zero stay findable by hash until reused,
 first (LRU). A hash hit is trusted only after comparing the stored tokens and parent
 hash, so a collision can never hand out another prompt's KV. Once asked (`take_kv_events`), it
 records which hashes become findable and which stop being so: the KV events a router's prefix
-index follows (router/prefix_index.py).
+index follows (router/prefix_index.py). Unasked for MAX_KV_EVENTS events (its router left), it
+stops recording, and the next ask gets a snapshot again: memory stays bounded.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from baton.engine.requests.prefix_hash import block_hash
 from baton.engine.scheduling.sequence import Sequence
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
+MAX_KV_EVENTS = 1 << 16      # unasked-for KV events kept (a router asks every 0.5 s; ~10 s of heavy churn)
 
 
 class LowerTier(Protocol):
@@ -67,6 +69,7 @@ class BlockManager:
         self.lower = lower if enable_prefix_caching else None    # a host tier (--kv-offloading-size)
         self.num_lower_hits = 0                                  # blocks brought back from it
         self.kv_events: list[tuple[bool, int]] | None = None    # (stored?, hash), once take_kv_events asked
+        self.max_kv_events = MAX_KV_EVENTS
 
     def take_kv_events(self) -> tuple[list[tuple[bool, int]], bool]:
         """The prefix cache's changes since the last call, (stored?, hash) in order, and whether they
@@ -76,6 +79,12 @@ class BlockManager:
             return [(True, h) for h in self.cached], True
         taken, self.kv_events = self.kv_events, []
         return taken, False
+
+    def _record(self, stored: bool, h: int) -> None:
+        if self.kv_events is not None:
+            self.kv_events.append((stored, h))
+            if len(self.kv_events) > self.max_kv_events:     # nobody asks any more: off until asked again
+                self.kv_events = None
 
     # -- accounting -------------------------------------------------------------------------
     @property
@@ -132,8 +141,7 @@ class BlockManager:
         b = self.blocks[block_id]
         b.hash, b.parent_hash, b.token_ids = h, parent, tokens
         self.cached[h] = block_id
-        if self.kv_events is not None:
-            self.kv_events.append((True, h))
+        self._record(True, h)
         self.num_lower_hits += 1
         return block_id
 
@@ -157,8 +165,8 @@ class BlockManager:
             if b.hash is None:
                 h = self.hash_fn(parent, tokens)
                 b.hash, b.parent_hash, b.token_ids = h, parent, tokens
-                if self.cached.setdefault(h, b.block_id) == b.block_id and self.kv_events is not None:
-                    self.kv_events.append((True, h))
+                if self.cached.setdefault(h, b.block_id) == b.block_id:
+                    self._record(True, h)
             parent = b.hash
         seq.num_hashed_blocks = max(start, n_full)
 
@@ -197,8 +205,7 @@ class BlockManager:
             del self.cached[b.hash]
             if self.lower is not None:        # kept in the lower tier before anything overwrites it
                 self.lower.offload(block_id, b.hash, b.parent_hash, b.token_ids)
-            if self.kv_events is not None:
-                self.kv_events.append((False, b.hash))
+            self._record(False, b.hash)
         b.forget()
         b.ref_count = 1
         return block_id

@@ -29,8 +29,10 @@ class KVEventLog:
         self._lock = asyncio.Lock()
 
     def add(self, events: list[tuple[bool, int]], snapshot: bool) -> None:
-        if snapshot:
-            self.cached.clear()
+        if snapshot:                  # (the core stopped recording, or just began): what was logged no
+            self.cached.clear()       # longer adds up to the set, so every cursor before now gets a reset
+            self.log.clear()
+            self.seq += 1
         for stored, h in events:
             self.seq += 1
             self.log.append((self.seq, stored, h))
