@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import math
 import random
 import statistics
@@ -231,20 +232,6 @@ def _counters(dep: deployment.Deployment) -> dict[str, float]:
     return out
 
 
-def _settled_counters(dep: deployment.Deployment, quiet_s: float = 0.8, limit_s: float = 20.0) -> dict[str, float]:
-    """`_counters` once two reads `quiet_s` apart agree: a worker's engine core hands its counts to
-    the front with its next message, at the latest its next beat (every 0.5 s: BEAT_INTERVAL_S), so
-    the last request's may land a moment after its stream ended."""
-    deadline, last = time.monotonic() + limit_s, _counters(dep)
-    while time.monotonic() < deadline:
-        time.sleep(quiet_s)
-        now = _counters(dep)
-        if now == last:
-            return now
-        last = now
-    return last
-
-
 def compare_pd_reuse(args: argparse.Namespace, rec: dict) -> None:
     """The same conversations through 1P1D with the decode side's prefix reuse off, then on."""
     devices = args.devices.split(",")
@@ -259,9 +246,9 @@ def compare_pd_reuse(args: argparse.Namespace, rec: dict) -> None:
     for name, switch in (("reuse off", "--no-decode-prefix-reuse"), ("reuse on", "--decode-prefix-reuse")):
         dep = deployment.launch("1p1d", args.model, devices, [*common, switch], _log_root(args) / name.replace(" ", "-"))
         try:
-            before = _settled_counters(dep)
+            before = prometheus.settled(functools.partial(_counters, dep))
             result = asyncio.run(drive(dep.router_address, args))
-            after = _settled_counters(dep)
+            after = prometheus.settled(functools.partial(_counters, dep))
         finally:
             dep.stop()
         result |= {key: after[key] - before[key] for key in after}
@@ -304,9 +291,9 @@ def compare_policies(args: argparse.Namespace, rec: dict) -> None:
         dep = deployment.launch(topology, args.model, devices, worker_args, _log_root(args) / policy,
                                 router_args=["--policy", policy])
         try:
-            before = _settled_counters(dep) if pd else {}
+            before = prometheus.settled(functools.partial(_counters, dep)) if pd else {}
             result = asyncio.run(drive(dep.router_address, args))
-            after = _settled_counters(dep) if pd else {}
+            after = prometheus.settled(functools.partial(_counters, dep)) if pd else {}
         finally:
             dep.stop()
         result |= {key: after[key] - before[key] for key in after}

@@ -5,7 +5,10 @@ each rate gets its own quantiles."""
 from __future__ import annotations
 
 import math
+import time
 import urllib.request
+from collections.abc import Callable
+from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -62,6 +65,22 @@ def counter_sum(url: str, name: str, timeout: float = 5.0, **labels: str) -> flo
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
+
+
+T = TypeVar("T")
+
+
+def settled(read: Callable[[], T], quiet_s: float = 0.8, limit_s: float = 20.0) -> T:
+    """`read()` once two reads `quiet_s` apart agree: a worker's engine core hands its counts to the
+    front with its next message, at the latest its next beat (every 0.5 s: BEAT_INTERVAL_S), so the
+    last request's may land a moment after its stream ended. After `limit_s`, the last read."""
+    deadline, last = time.monotonic() + limit_s, read()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        if (now := read()) == last:
+            return now
+        last = now
+    return last
 
 
 def quantiles_between(before: dict[float, float], after: dict[float, float]) -> dict:

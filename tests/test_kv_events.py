@@ -10,11 +10,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 
+from baton.benchmarks import prometheus
 from baton.engine.requests.prefix_hash import prompt_block_hashes
 from baton.engine.requests.sampling_params import SamplingParams
 from baton.engine.scheduling.block_manager import BlockManager
@@ -222,19 +222,7 @@ def cluster(tmp_path_factory):
 
 def reused_tokens(c: Cluster) -> float:
     """Prompt tokens the decode workers found in their own caches (the prefill worker did not send)."""
-    from test_kv_warm import scrape
-    return sum(scrape(url).get(("baton_pd_reused_tokens_total", ()), 0.0) for url in c.metrics_urls.values())
-
-
-def settled(read, quiet_s: float = 0.8, limit_s: float = 10.0) -> float:
-    """`read()` once two reads `quiet_s` apart agree (an engine core hands its counts over in batches)."""
-    deadline, last = time.monotonic() + limit_s, read()
-    while time.monotonic() < deadline:
-        time.sleep(quiet_s)
-        if (now := read()) == last:
-            return now
-        last = now
-    return last
+    return sum(prometheus.counter_sum(url, "baton_pd_reused_tokens_total") for url in c.metrics_urls.values())
 
 
 @pytest.mark.slow
@@ -249,7 +237,7 @@ def test_kv_aware_sends_each_turns_decode_where_its_history_is(cluster):
     bs = c.worker("decode-0").status().block_size
     oracle = [0]
     lock = threading.Lock()
-    before = settled(lambda: reused_tokens(c))
+    before = prometheus.settled(lambda: reused_tokens(c))
 
     def conversation(k: int) -> None:
         prompt, held = [1000 + 37 * k + i for i in range(70)], 0
@@ -268,7 +256,7 @@ def test_kv_aware_sends_each_turns_decode_where_its_history_is(cluster):
             t.start()
         for t in threads:
             t.join(300)
-    reused = settled(lambda: reused_tokens(c)) - before
+    reused = prometheus.settled(lambda: reused_tokens(c)) - before
     assert oracle[0] > 0 and reused >= 0.9 * oracle[0], (reused, oracle)
     served = [c.worker(f"decode-{i}").status().requests_served for i in range(2)]
     assert all(served), f"every conversation went to one decode worker ({served}): kv_aware must weigh load too"
@@ -286,11 +274,11 @@ def test_after_a_decode_worker_restarts_the_index_follows_what_it_holds_now(clus
     victim.wait_ready()
     c.wait_health(victim.address, healthy=True)
     prompt = [5000 + i for i in range(70)]
-    before = settled(lambda: reused_tokens(c))
+    before = prometheus.settled(lambda: reused_tokens(c))
     for _ in range(2):
         resp = list(c.stub().Generate(router_pb2.GenerateRequest(
             tokens=router_pb2.TokenIds(ids=prompt), sampling=router_pb2.SamplingParams(temperature=0, max_tokens=4)),
             timeout=60))
         assert sum(len(r.token_ids) for r in resp) == 4
-    assert settled(lambda: reused_tokens(c)) - before >= 64     # the second's decode went where the first's is
+    assert prometheus.settled(lambda: reused_tokens(c)) - before >= 64     # the second's decode went where the first's is
     assert c.wait_workers_idle() == 0
