@@ -284,7 +284,8 @@ def _triton_path() -> str | None:
 
 
 def check_triton_kernel(path: str) -> None:
-    """Run under TRITON_INTERPRET=1: the GEMV (one row and 2-8 rows a program, M = 2, 3, 5, 8) and the dot kernel (both unpackings; decode and 64-row tiles, split-K) and the
+    """Run under TRITON_INTERPRET=1: the GEMV (one row and 2-8 rows a program, M = 2, 3, 5, 8) and the dot kernel
+    (both unpackings; decode and 64-row tiles, split-K reduced in the kernel and by a second one) and the
     dequantizer, on the CUDA platform's layout (w4a16.relayout), against the reference, float16 and float32
     activations, groups 32 and 128, act-order included."""
     from baton.engine.platforms.triton_kernels import w4a16
@@ -311,6 +312,13 @@ def check_triton_kernel(path: str) -> None:
                 got = w4a16.w4a16_gemm(x, w, cfg).float()
                 torch.testing.assert_close(got, want, rtol=2e-3 if dtype == torch.float16 else 1e-5,
                                            atol=2e-3 if dtype == torch.float16 else 1e-5)
+                if cfg is not None and cfg.split_k > 1 and cfg.kernel != "gemvm":
+                    # split-K's reduce in the kernel (tickets) and as a second kernel: the same sums, bit for bit
+                    w4a16.FOLD_SPLIT_K = False
+                    separate = w4a16.w4a16_gemm(x, w, cfg).float()
+                    w4a16.FOLD_SPLIT_K = True
+                    assert torch.equal(got, separate), cfg
+                    assert not w4a16._TICKETS[x.device].any(), "every tile's ticket is back at zero"
         torch.testing.assert_close(w4a16.w4a16_dequantize(w, torch.float32), int4.dequantize(ref_w).t())
     print("w4a16 kernels ok")
 

@@ -29,8 +29,9 @@ multiplies the fp32 sums, not the weights, so the only rounding is the accumulat
     plane's (q - zero) in x's dtype, fp32 sums, times the group's scale per group. Kernel "dotshift" unpacks by
     shift and mask instead: more instructions, but Triton then converts the packed words (not the bf16 planes)
     to the MMA operand layout; which wins is the sweep's to say.
-Split-K: SPLIT programs share an output tile, each writes an fp32 partial, _w4a16_reduce adds them in split
-order (deterministic) and casts. The tile, the kernel and the split per shape come from TABLE (measured on an
+Split-K: SPLIT programs share an output tile, each writes an fp32 partial; the last of them to finish (an atomic
+ticket a tile, `_finish`) adds them in split order (deterministic) and casts, so a projection is one kernel
+(`_w4a16_reduce`, a second kernel, where the tickets are not there: gemvm, a capture before any eager call). The tile, the kernel and the split per shape come from TABLE (measured on an
 H200 by `benchmarks/int4_decode.py --sweep`), `pick_config`'s rule otherwise.
 
 Above MAX_GEMM_M rows (prefill) the step is compute-bound: the weight is widened once per call into a transient
@@ -52,6 +53,8 @@ MAX_GEMM_M = 64             # rows the W4A16 kernels take; above: dequantize, th
 BLOCK_ROWS = 128            # input rows a block of the layout interleaves (16 words of 8 nibbles a column)
 PLANE = 16                  # rows a plane holds; groups must be a multiple of it
 GEMV_MAX_M = 1              # rows the rule gives the GEMV (TABLE may say otherwise per shape)
+FOLD_SPLIT_K = True         # split-K's reduce in the GEMV and dot kernels' last program (False: a second kernel)
+TICKETS = 1 << 16           # split-K tiles a folded call may have (more: the second kernel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,24 +73,25 @@ def _m_bucket(m: int) -> int:
     return 1 if m <= 1 else 1 << (m - 1).bit_length()
 
 
-# (N, K, M bucket) -> the config measured best on an H200 (benchmarks/int4_decode.py --sweep); qwen3-8b's shapes
+# (N, K, M bucket) -> the config measured best on an H200 (benchmarks/int4_decode.py --sweep: each config's calls
+# replayed in a CUDA graph, split-K reduced in the kernel); qwen3-8b's shapes
 TABLE: dict[tuple[int, int, int], W4a16Config] = {
-    (6144, 4096, 1): W4a16Config('gemv', 256, 8, 16, 8, 3),
-    (4096, 4096, 1): W4a16Config('gemv', 256, 32, 16, 8, 3),
-    (24576, 4096, 1): W4a16Config('gemv', 256, 16, 16, 4, 3),
+    (6144, 4096, 1): W4a16Config('gemv', 256, 16, 16, 4, 3),
+    (4096, 4096, 1): W4a16Config('gemv', 256, 16, 16, 4, 3),
+    (24576, 4096, 1): W4a16Config('gemv', 256, 4, 16, 4, 3),
     (4096, 12288, 1): W4a16Config('gemv', 256, 32, 16, 4, 3),
     (6144, 4096, 16): W4a16Config('dotshift', 128, 8, 16, 8, 3),
-    (4096, 4096, 16): W4a16Config('dotshift', 128, 16, 16, 4, 4),
-    (24576, 4096, 16): W4a16Config('dotshift', 128, 8, 16, 8, 3),
-    (4096, 12288, 16): W4a16Config('dotshift', 128, 16, 16, 4, 3),
+    (4096, 4096, 16): W4a16Config('dotshift', 128, 16, 16, 8, 3),
+    (24576, 4096, 16): W4a16Config('dotshift', 128, 2, 16, 8, 3),
+    (4096, 12288, 16): W4a16Config('dotshift', 128, 16, 16, 8, 3),
     (6144, 4096, 4): W4a16Config('dotshift', 128, 8, 16, 8, 3),
-    (4096, 4096, 4): W4a16Config('dotshift', 128, 16, 16, 4, 3),
-    (24576, 4096, 4): W4a16Config('dotshift', 128, 2, 16, 8, 3),
-    (4096, 12288, 4): W4a16Config('dotshift', 128, 16, 16, 4, 3),
-    (6144, 4096, 8): W4a16Config('dotshift', 128, 8, 16, 4, 3),
-    (4096, 4096, 8): W4a16Config('dotshift', 128, 16, 16, 4, 4),
-    (24576, 4096, 8): W4a16Config('dotshift', 128, 8, 16, 4, 3),
-    (4096, 12288, 8): W4a16Config('dotshift', 128, 16, 16, 4, 3),
+    (4096, 4096, 4): W4a16Config('dotshift', 128, 16, 16, 8, 3),
+    (24576, 4096, 4): W4a16Config('dotshift', 128, 8, 16, 8, 3),
+    (4096, 12288, 4): W4a16Config('dotshift', 128, 16, 16, 8, 3),
+    (6144, 4096, 8): W4a16Config('dotshift', 128, 8, 16, 8, 3),
+    (4096, 4096, 8): W4a16Config('dotshift', 128, 16, 16, 8, 3),
+    (24576, 4096, 8): W4a16Config('dotshift', 128, 8, 16, 8, 3),
+    (4096, 12288, 8): W4a16Config('dotshift', 128, 16, 16, 8, 3),
     (6144, 4096, 2): W4a16Config('gemv', 256, 8, 16, 4, 3),
     (4096, 4096, 2): W4a16Config('gemv', 256, 16, 16, 4, 3),
     (24576, 4096, 2): W4a16Config('gemv', 256, 8, 16, 4, 3),
@@ -126,9 +130,33 @@ def pick_config(m: int, n: int, k: int, num_sms: int) -> W4a16Config:
     return W4a16Config("dot", 128, _split(k, tiles, 4 * num_sms), block_m, warps)
 
 
+@triton.jit
+def _finish(acc, part_ptr, y_ptr, t_ptr, offs, mask, stride_os, FOLD: tl.constexpr):
+    """A program's sums stored: without FOLD to its slice of part_ptr (the output itself when there is no
+    split-K; else fp32 partials for _w4a16_reduce). With FOLD, the split-K reduce without a second kernel: each
+    program stores its partial and takes a ticket (t_ptr[tile], an atomic count); the tile's last one adds the
+    partials in split order, as _w4a16_reduce does (the same sums: deterministic), stores y_ptr and resets the
+    ticket for the next call."""
+    pid_k = tl.program_id(2)
+    if FOLD:
+        tl.store(part_ptr + pid_k * stride_os + offs, acc, mask=mask)
+        tl.debug_barrier()                        # every thread's partial written before the ticket is taken
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        splits = tl.num_programs(2)
+        if tl.atomic_add(t_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            for k in range(1, splits):
+                total += tl.load(part_ptr + k * stride_os + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(t_ptr + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        tl.store(part_ptr + pid_k * stride_os + offs, acc.to(part_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["K_SPLIT", "NIB"])
 def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K_SPLIT, stride_xm, stride_qk, stride_sg, stride_zg,
-                stride_os, stride_om, NIB, GROUP: tl.constexpr, PPG: tl.constexpr, BLOCK_N: tl.constexpr):
+                stride_os, stride_om, NIB, y_ptr, t_ptr, GROUP: tl.constexpr, PPG: tl.constexpr,
+                BLOCK_N: tl.constexpr, FOLD: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_i = tl.arange(0, 16)
@@ -153,13 +181,14 @@ def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K_SPLIT, stride_xm, str
             xj = tl.load(x_row + k0 + 16 * j).to(tl.float32)
             t += xj[:, None] * _plane(words, high, z, j, NIB)
         acc += tl.sum(t, axis=0) * s
-    tl.store(out_ptr + pid_k * stride_os + pid_m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    _finish(acc, out_ptr, y_ptr, t_ptr, pid_m * stride_om + offs_n, n_ok, stride_os, FOLD)
 
 
 @triton.jit(do_not_specialize=["M", "K_SPLIT", "NIB"])
 def _w4a16_dot(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K_SPLIT, stride_xm, stride_qk, stride_sg, stride_zg,
-               stride_os, stride_om, NIB, GROUP: tl.constexpr, PPG: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SHIFT: tl.constexpr):
+               stride_os, stride_om, NIB, y_ptr, t_ptr, GROUP: tl.constexpr, PPG: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SHIFT: tl.constexpr,
+               FOLD: tl.constexpr):
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,8 +222,8 @@ def _w4a16_dot(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K_SPLIT, stride_xm, s
             else:
                 part = tl.dot(a, b, part)
         acc += part * s[None, :]
-    out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _finish(acc, out_ptr, y_ptr, t_ptr, offs_m[:, None] * stride_om + offs_n[None, :], m_ok[:, None] & n_ok[None, :],
+            stride_os, FOLD)
 
 
 @triton.jit
@@ -224,6 +253,20 @@ def _w4a16_dequant(qw_ptr, s_ptr, z_ptr, w_ptr, N, stride_qk, stride_sg, stride_
         w = (q - z[None, :]) * s[None, :]
         tl.store(w_ptr + (k0 + offs_i)[:, None] * stride_wk + n[None, :], w.to(w_ptr.dtype.element_ty),
                  mask=ok[None, :])
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device) -> torch.Tensor | None:
+    """The device's split-K tickets (_finish): TICKETS int32 counters, zero between calls (each tile's last
+    program resets its own), made on the first call outside a CUDA graph capture (the warm-up before capturing
+    runs the same shapes); None while capturing before that, when the separate reduce runs instead. One buffer a
+    device: the engine's projections run one after another on one stream, never two at once."""
+    t = _TICKETS.get(device)
+    if t is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        t = _TICKETS[device] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return t
 
 
 @functools.cache
@@ -265,6 +308,12 @@ def w4a16_gemm(x: torch.Tensor, w, config: W4a16Config | None = None) -> torch.T
     ppg = min(8, w.group_size // PLANE)
     args = (x, w.qweight, w.scales, w.zeros, part)
     strides = (x.stride(0), w.qweight.stride(0), w.scales.stride(0), w.zeros.stride(0), stride_os, n, 0xF)
+    rows = m if cfg.kernel == "gemv" else triton.cdiv(m, cfg.block_m)
+    tiles = rows * triton.cdiv(n, cfg.block_n)
+    fits = split > 1 and cfg.kernel != "gemvm" and FOLD_SPLIT_K and tiles <= TICKETS
+    tickets = _tickets(x.device) if fits else None
+    fold = tickets is not None
+    folded = (out, tickets if fold else out)          # y_ptr, t_ptr (unused without FOLD)
     if cfg.kernel == "gemvm":
         assert cfg.block_m in (2, 4, 8), cfg
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
@@ -272,15 +321,14 @@ def w4a16_gemm(x: torch.Tensor, w, config: W4a16Config | None = None) -> torch.T
                                BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     elif cfg.kernel == "gemv":
         grid = (m, triton.cdiv(n, cfg.block_n), split)
-        _w4a16_gemv[grid](*args, n, k // split, *strides, GROUP=w.group_size, PPG=ppg, BLOCK_N=cfg.block_n,
-                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _w4a16_gemv[grid](*args, n, k // split, *strides, *folded, GROUP=w.group_size, PPG=ppg, BLOCK_N=cfg.block_n,
+                          FOLD=fold, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
-        _w4a16_dot[grid](*args, m, n, k // split, *strides, GROUP=w.group_size, PPG=ppg, BLOCK_M=cfg.block_m,
-                         BLOCK_N=cfg.block_n, IEEE=x.dtype == torch.float32, SHIFT=cfg.kernel == "dotshift",
-                         num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages)
-    if split > 1:
+        _w4a16_dot[grid](*args, m, n, k // split, *strides, *folded, GROUP=w.group_size, PPG=ppg,
+                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IEEE=x.dtype == torch.float32,
+                         SHIFT=cfg.kernel == "dotshift", FOLD=fold, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1 and not fold:
         block = 1024
         _w4a16_reduce[(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT=split, BLOCK=block, num_warps=4)
     return out
