@@ -14,7 +14,9 @@
    scales (0.5 GB a billion weights) written to DIR/int4-ckpt and served through the loader as any AWQ
    checkpoint is; bf16 the qwen3-8b preset's random weights. Median step time at each batch, context 512,
    decode graphs (the engine's default). Each engine runs in a process of its own (bf16 first), so the first
-   one's memory is given back before the second starts.
+   one's memory is given back before the second starts. --reduce kernel,separate decodes INT4 twice: split-K's
+   partials added in the kernels' last program (the default) and by a second kernel; --profile-batches 1 adds
+   each engine's device time per kernel at batch 1.
 One JSON line per measurement on stdout, all of them in DIR/int4_decode.jsonl.
 
 The ceiling (predicted, not measured): a decode step at small batch streams the weights once. qwen3-8b's
@@ -28,6 +30,7 @@ the measurement shows on top.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -83,9 +86,15 @@ def gemms(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit) -> No
             err = float((got.float() - ref).norm() / ref.norm())
             t_bf16 = timer(lambda x=x, d=dense: torch.nn.functional.linear(x, d))
             t_int4 = timer(lambda x=x, w=w: platform.w4a16_matmul(x, w))
-            emit({"kind": "gemm", "proj": name, "n": n, "k": k, "m": m, "dtype": str(dtype).split(".")[-1],
-                  "bf16_us": round(t_bf16, 2), "w4a16_us": round(t_int4, 2), "speedup": round(t_bf16 / t_int4, 3),
-                  "rel_err": err})
+            row = {"kind": "gemm", "proj": name, "n": n, "k": k, "m": m, "dtype": str(dtype).split(".")[-1],
+                   "bf16_us": round(t_bf16, 2), "w4a16_us": round(t_int4, 2), "speedup": round(t_bf16 / t_int4, 3),
+                   "rel_err": err}
+            if device.type == "cuda":           # split-K added by a second kernel, as before: time, same sums?
+                _set_reduce("cuda", "separate")
+                row["w4a16_separate_reduce_us"] = round(timer(lambda x=x, w=w: platform.w4a16_matmul(x, w)), 2)
+                row["same_as_separate_reduce"] = bool(torch.equal(platform.w4a16_matmul(x, w), got))
+                _set_reduce("cuda", "kernel")
+            emit(row)
         del w, canonical, wide, dense
 
 
@@ -122,10 +131,33 @@ def _bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def sweep(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit, budget_s: float = 1e9) -> None:
-    """Each candidate config of the W4A16 kernels timed at each M (in the order given) and shape, L2 flushed;
-    the best per shape printed as w4a16.TABLE entries. A config that fails is reported and skipped; past
-    `budget_s` the sweep stops (what it measured is printed)."""
+GRAPH_BYTES = 256 << 20       # the weight copies a graph-timed call cycles through (5x the H200's L2)
+
+
+def _graph_us(calls: list) -> float:
+    """Microseconds a call with `calls` captured back to back in one CUDA graph, as the decode step's graph runs
+    its projections: no host launch cost (which do_bench of the Python op adds: 20-40 us), each call reading its
+    own copy of the weight so L2 does not keep it between calls."""
+    from triton.testing import do_bench
+    for call in calls:
+        call()                                   # compiled, the split-K tickets made, before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    us = 1000 * do_bench(graph.replay, warmup=3, rep=20) / len(calls)
+    del graph
+    return us
+
+
+def sweep(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit, budget_s: float = 1e9,
+          graphs: bool = True) -> None:
+    """Each candidate config of the W4A16 kernels timed at each M (in the order given) and shape, the best per
+    shape printed as w4a16.TABLE entries. `graphs`: each config's calls (one a weight copy: GRAPH_BYTES in all)
+    replayed in a CUDA graph (_graph_us); else do_bench of one Python call, L2 flushed (host-bound for the small
+    shapes). A config that fails is reported and skipped; past `budget_s` the sweep stops (what it measured is
+    printed)."""
     from triton.testing import do_bench
 
     from baton.engine.platforms.triton_kernels import w4a16
@@ -134,7 +166,12 @@ def sweep(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit, budge
     for name, (n, k) in shapes.items():
         canonical = random_int4(n, k, platform.device, gen)
         wide = int4.dequantize(canonical, torch.float32)
-        weights[name] = (wide, wide.to(dtype), w4a16.relayout(canonical))
+        packed = w4a16.relayout(canonical)
+        copies = -(-GRAPH_BYTES // (packed.qweight.numel() * 4)) if graphs else 1
+        packs = [packed] + [packed._replace(qweight=packed.qweight.clone(), scales=packed.scales.clone(),
+                                            zeros=packed.zeros.clone()) for _ in range(copies - 1)]
+        denses = [wide.to(dtype) for _ in range(copies)]
+        weights[name] = (wide, denses, packs)
     best, t0 = {}, time.perf_counter()
     for m in ms:
         for name, (n, k) in shapes.items():
@@ -142,19 +179,20 @@ def sweep(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit, budge
                 print(f"[sweep] past the {budget_s:.0f} s budget: stopped before m={m} {name}", file=sys.stderr, flush=True)
                 break
             print(f"[sweep] m={m} {name} at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-            wide, dense, w = weights[name]
+            wide, denses, packs = weights[name]
             x = torch.randn(m, k, generator=gen).to(device=platform.device, dtype=dtype)
             ref = x.float() @ wide.t()
-            t_bf16 = 1000 * do_bench(lambda x=x, d=dense: torch.nn.functional.linear(x, d), warmup=5, rep=25)
+            linears = [functools.partial(torch.nn.functional.linear, x, d) for d in denses]
+            t_bf16 = _graph_us(linears) if graphs else 1000 * do_bench(linears[0], warmup=5, rep=25)
             rows = []
             for cfg in _candidates(m):
                 if cfg.kernel != "cublas" and k % (cfg.split_k * w4a16.BLOCK_ROWS):
                     continue
-                fn = ((lambda x=x, w=w: x @ w4a16.w4a16_dequantize(w, dtype)) if cfg.kernel == "cublas"
-                      else (lambda x=x, w=w, cfg=cfg: w4a16.w4a16_gemm(x, w, cfg)))
+                calls = [(lambda x=x, w=w: x @ w4a16.w4a16_dequantize(w, dtype)) if cfg.kernel == "cublas"
+                         else functools.partial(w4a16.w4a16_gemm, x, w, cfg) for w in packs]
                 try:
-                    err = float((fn().float() - ref).norm() / ref.norm())
-                    t = 1000 * do_bench(fn, warmup=3, rep=15)
+                    err = float((calls[0]().float() - ref).norm() / ref.norm())
+                    t = _graph_us(calls) if graphs else 1000 * do_bench(calls[0], warmup=3, rep=15)
                 except Exception as e:                        # noqa: BLE001 (a tile the GPU refuses)
                     print(f"[sweep] {name} m={m} {cfg}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
                     continue
@@ -162,7 +200,7 @@ def sweep(platform, shapes: dict, ms: list[int], dtype: torch.dtype, emit, budge
                     rows.append((t, cfg))
                 emit({"kind": "sweep", "proj": name, "n": n, "k": k, "m": m, "config": list(_fields(cfg)),
                       "w4a16_us": round(t, 2), "bf16_us": round(t_bf16, 2), "speedup": round(t_bf16 / t, 3),
-                      "rel_err": round(err, 5)})
+                      "rel_err": round(err, 5), "timing": "graph" if graphs else "call"})
             if rows:
                 t, cfg = min(rows, key=lambda r: r[0])
                 best[(n, k, m)] = cfg
@@ -224,8 +262,30 @@ def _awq_pack(q: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
+def _set_reduce(device: str, reduce: str) -> None:
+    """Where the W4A16 kernels' split-K partials are added (CUDA): in the kernel's last program, or by a second
+    kernel (w4a16.FOLD_SPLIT_K), for this process."""
+    if device.startswith("cuda"):
+        from baton.engine.platforms.triton_kernels import w4a16
+        w4a16.FOLD_SPLIT_K = reduce == "kernel"
+
+
+def _profiled_kernels(engine, batch: int, context: int, steps: int, top: int) -> dict:
+    """Device time per kernel over `steps` decode steps at `batch` (graph replays: CUPTI sees each node)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from baton.benchmarks.decode_graphs import step_times
+    from baton.benchmarks.profile_steps import _kernels
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step_times(engine, batch, context, steps)
+    torch.cuda.synchronize()
+    # (the profile spans the prompts' prefill too: its kernels are the big GEMMs, listed apart by name)
+    total_ms, rows = _kernels(prof, steps, top)
+    return {"kernel_ms_per_step": round(total_ms, 3), "top": rows}
+
+
 def decode(model: str, device: str, batches: list[int], context: int, steps: int, tokenizer: str | None,
-           eager: bool, tag: str, emit) -> None:
+           eager: bool, tag: str, emit, profile_batches: tuple[int, ...] = ()) -> None:
     from baton.benchmarks.decode_graphs import step_times
     from baton.engine import LLMEngine
     from baton.engine.config import EngineConfig
@@ -239,15 +299,19 @@ def decode(model: str, device: str, batches: list[int], context: int, steps: int
         emit({"kind": "decode", "weights": tag, "quantization": engine.runner.quantization, "batch": b,
               "context": context, "median_step_ms": round(1000 * statistics.median(t), 3),
               "p90_step_ms": round(1000 * sorted(t)[int(0.9 * len(t))], 3)})
+        if b in profile_batches and engine.platform.device.type == "cuda":
+            emit({"kind": "profile", "weights": tag, "batch": b, "context": context,
+                  **_profiled_kernels(engine, b, context, steps, 16)})
     del engine
 
 
-def _decode_in_process(args, model: str, tag: str, tokenizer: str | None) -> None:
+def _decode_in_process(args, model: str, tag: str, tokenizer: str | None, reduce: str = "kernel") -> None:
     """decode() in a child process (this module with --decode-only), so its engine's memory is the process's
     and is given back when it exits; its rows go to the same stdout and jsonl."""
     cmd = [sys.executable, "-m", "baton.benchmarks.int4_decode", "--out", args.out, "--device", args.device,
            "--model", args.model, "--batches", args.batches, "--context", str(args.context), "--steps",
-           str(args.steps), "--decode-only", model, "--decode-tag", tag] + (["--tiny"] if args.tiny else [])
+           str(args.steps), "--decode-only", model, "--decode-tag", tag, "--reduce", reduce,
+           "--profile-batches", args.profile_batches] + (["--tiny"] if args.tiny else [])
     if tokenizer:
         cmd += ["--tokenizer", tokenizer]
     run = subprocess.run(cmd, stdout=sys.stdout, stderr=sys.stderr)
@@ -270,6 +334,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep", action="store_true", help="time the W4A16 kernels' candidate configs first (CUDA)")
     p.add_argument("--sweep-ms", default="2,4,8,16", help="M of the sweep, in this order (1, 32, 64: the others)")
     p.add_argument("--sweep-budget-s", type=float, default=270, help="the sweep stops after this many seconds")
+    p.add_argument("--sweep-timing", default="graph", choices=("graph", "call"),
+                   help="graph: each config's calls replayed in a CUDA graph, one weight copy a call (as in the "
+                        "decode step); call: do_bench of one Python call (adds its host launch cost)")
+    p.add_argument("--reduce", default="kernel",
+                   help="where split-K's partials are added, comma-separated to decode INT4 once each: kernel (the "
+                        "last program, the default) | separate (a second kernel, as before)")
+    p.add_argument("--profile-batches", default="", help="batches whose decode steps are also profiled (CUDA): "
+                   "device time per kernel")
     p.add_argument("--decode-only", default=None, help=argparse.SUPPRESS)     # (the child process: this model)
     p.add_argument("--decode-tag", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -292,15 +364,21 @@ def main(argv: list[str] | None = None) -> None:
     hf_config = source.hf_config
     for key, value in (TINY.items() if args.tiny else ()):
         setattr(hf_config, key, value)
+    reduces = args.reduce.split(",")
+    if not set(reduces) <= {"kernel", "separate"}:
+        p.error(f"--reduce takes kernel and/or separate, not {args.reduce!r}")
+    profile_batches = tuple(int(b) for b in args.profile_batches.split(",") if b)
     if args.decode_only:
         eager = platform.device.type == "cpu"
+        _set_reduce(args.device, reduces[0])
         decode(args.decode_only, args.device, [int(b) for b in args.batches.split(",")], args.context, args.steps,
-               args.tokenizer, eager, args.decode_tag, emit)
+               args.tokenizer, eager, args.decode_tag, emit, profile_batches)
         sink.close()
         return
     skip = set(filter(None, args.skip.split(",")))
     if args.sweep:
-        sweep(platform, SHAPES, [int(m) for m in args.sweep_ms.split(",")], dtype, emit, args.sweep_budget_s)
+        sweep(platform, SHAPES, [int(m) for m in args.sweep_ms.split(",")], dtype, emit, args.sweep_budget_s,
+              args.sweep_timing == "graph")
     if "gemm" not in skip:
         shapes = SHAPES if not args.tiny else {"o": (128, 128), "down": (128, 256)}
         gemms(platform, shapes, [int(m) for m in args.gemm_ms.split(",")], dtype, emit)
@@ -314,7 +392,9 @@ def main(argv: list[str] | None = None) -> None:
             _bf16_checkpoint(ckpt, bf16)
         sink.flush()
         _decode_in_process(args, str(bf16) if args.tiny else args.model, "bf16", tokenizer)
-        _decode_in_process(args, str(ckpt), "int4-awq-g128", tokenizer)
+        for reduce in reduces:
+            tag = "int4-awq-g128" + ("" if reduce == "kernel" else "-separate-reduce")
+            _decode_in_process(args, str(ckpt), tag, tokenizer, reduce)
     sink.close()
     print("done", file=sys.stderr)
 
