@@ -69,7 +69,10 @@ def parse_range(spec: str) -> tuple[int, int]:
 
 def build_requests(dataset: str, num: int, seed: int, input_len: tuple[int, int], output_len: tuple[int, int],
                    max_model_len: int, vocab_size: int, prefix_len: int = DEFAULT_PREFIX_LEN,
-                   group_size: int = 8) -> list[ServeRequest]:
+                   group_size: int = 8, salt: int = 0) -> list[ServeRequest]:
+    """`num` requests of `dataset`, drawn from `seed`. `salt` > 0: the same lengths and groups with other token
+    ids, for a second pass over a deployment that must not find the first pass's prompts in its prefix cache (a
+    JSONL file's prompts are what they are: the same at any salt)."""
     if num < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num}")
     if dataset.endswith(".jsonl"):
@@ -77,16 +80,22 @@ def build_requests(dataset: str, num: int, seed: int, input_len: tuple[int, int]
     if dataset not in LENGTHS:
         raise ValueError(f"unknown dataset {dataset!r}: use {', '.join(LENGTHS)} or a .jsonl file")
     rng = random.Random(seed)
+    salted = random.Random(f"{seed}/{salt}") if salt else None
     top = min(MAX_TOKEN_ID, vocab_size - 1)
+
+    def token_ids(n: int) -> list[int]:
+        ids = [rng.randint(0, top) for _ in range(n)]          # (drawn at any salt: the lengths stay the same)
+        return [salted.randint(0, top) for _ in range(n)] if salted else ids
+
     prefix = prefix_len if dataset == "shared-prefix" else 0
     _check_fits(prefix, input_len, output_len, max_model_len)
     out, prefixes = [], {}
     for i in range(num):
         group = i // group_size if prefix else None
         if group is not None and group not in prefixes:
-            prefixes[group] = [rng.randint(0, top) for _ in range(prefix)]
+            prefixes[group] = token_ids(prefix)
         n_in, n_out = draw_lengths(dataset, rng, input_len, output_len)
-        ids = prefixes.get(group, []) + [rng.randint(0, top) for _ in range(n_in)]
+        ids = prefixes.get(group, []) + token_ids(n_in)
         ids = ids[:max_model_len - 1]
         out.append(ServeRequest(max(1, min(n_out, max_model_len - len(ids))), ids, None, group))
     return out

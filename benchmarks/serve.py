@@ -53,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--smoke with neither --addr nor --launch/--topologies launches its own 1p1d)")
     t.add_argument("--label", default="external", help="topology name of the --addr deployment in the JSON")
     t.add_argument("--api", default="grpc", help="grpc | openai | grpc,openai: the router API the load goes "
-                   "through; both: the same load through each, one after the other (the HTTP layer's cost)")
+                   "through; both: the same load through each, one after the other (the HTTP layer's cost; the second "
+                   "pass's prompts have the same lengths and other token ids, so it finds nothing of the first's "
+                   "cached, except from a .jsonl dataset: add --worker-args=--no-prefix-caching there)")
     t.add_argument("--http-url", default=None, help="the --addr deployment's OpenAI API (default: "
                    "http://<--addr host>:8000/v1)")
     t.add_argument("--metrics-urls", default="",
@@ -198,7 +200,10 @@ def summarize_rate(rate: float, results: list[loadgen.RequestResult], wall: floa
 
 
 async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str], http_url: str | None = None,
-                router_metrics: str | None = None) -> dict:
+                router_metrics: str | None = None, salt: int = 0) -> dict:
+    """Every rate of args.rates against one deployment. `salt`: this deployment's pass number (one per --api
+    entry): a later pass sends prompts of the same lengths with other token ids, so it does not find the earlier
+    passes' prompts in the workers' prefix caches."""
     info, server = await loadgen.model_info(address)
     sampling = {"temperature": args.temperature, "ignore_eos": not args.respect_eos}
     common = dict(max_model_len=info.max_model_len, vocab_size=info.vocab_size, prefix_len=args.prefix_len,
@@ -207,8 +212,9 @@ async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str],
     await loadgen.run_rate(address, warm, math.inf, args.seed, None, sampling, args.request_timeout, http_url)
     points = []
     for i, rate in enumerate(args.rates):
-        reqs = datasets.build_requests(args.dataset, args.num_prompts, args.seed + i, **common)
-        args.rate_requests[i] = reqs            # (the same for every topology: the offline baseline runs them)
+        reqs = datasets.build_requests(args.dataset, args.num_prompts, args.seed + i, salt=salt, **common)
+        if not salt:                            # (the same for every topology: the offline baseline runs them)
+            args.rate_requests[i] = reqs
         before, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls)
         landed_before, _ = await asyncio.to_thread(prometheus.scrape, metrics_urls, prometheus.KV_LANDED)
         stages_before = await asyncio.to_thread(prometheus.stage_totals, router_metrics)
@@ -302,11 +308,11 @@ def run(args: argparse.Namespace, rec: dict) -> None:
             dep = deployment.launch(name, args.model, pool, worker_args, log_root / name,
                                     shlex.split(args.router_args))
             try:
-                for api in args.apis:
+                for salt, api in enumerate(args.apis):
                     key = _key(name, api, args.apis)
                     topologies[key] = asyncio.run(sweep(args, dep.router_address, dep.metrics_urls,
                                                         dep.http_url if api == "openai" else None,
-                                                        prometheus.router_metrics_url(dep.http_url)))
+                                                        prometheus.router_metrics_url(dep.http_url), salt))
                     topologies[key]["deployment"] = dep.describe() | {"kv_backend": args.kv_backend or "grpc",
                                                                       "devices": dep.devices, "api": api}
             finally:
@@ -316,10 +322,10 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     else:
         urls = [prometheus.metrics_url(u) for u in _split(args.metrics_urls)]
         http_url = args.http_url or f"http://{args.addr.rsplit(':', 1)[0]}:8000/v1"
-        for api in args.apis:
+        for salt, api in enumerate(args.apis):
             key = _key(args.label, api, args.apis)
             topologies[key] = asyncio.run(sweep(args, args.addr, urls, http_url if api == "openai" else None,
-                                                prometheus.router_metrics_url(http_url)))
+                                                prometheus.router_metrics_url(http_url), salt))
             topologies[key]["deployment"] = {"router": args.addr, "metrics_urls": urls, "api": api,
                                              "http_url": http_url if api == "openai" else None}
         rec["model"] = _shape_or_name(next(iter(topologies.values()))["model_info"]["name"])

@@ -312,6 +312,19 @@ def test_long_prompt_datasets_are_exact_lengths_and_128k_needs_its_context():
                                 vocab_size=151936)
 
 
+def test_a_salted_pass_keeps_every_length_and_group_with_other_token_ids():
+    for name in ("random", "shared-prefix", "mixed"):
+        args = dict(input_len=(4, 300), output_len=(2, 30), max_model_len=2048, vocab_size=49152, prefix_len=20,
+                    group_size=3)
+        first, again, salted = (datasets.build_requests(name, 9, seed=7, salt=salt, **args) for salt in (0, 0, 1))
+        assert [r.prompt_ids for r in first] == [r.prompt_ids for r in again]          # salt 0: as before
+        assert [(len(r.prompt_ids), r.max_tokens, r.group) for r in first] == \
+            [(len(r.prompt_ids), r.max_tokens, r.group) for r in salted]
+        assert all(a.prompt_ids[:4] != b.prompt_ids[:4] for a, b in zip(first, salted, strict=True))
+        if name == "shared-prefix":                        # groups still share their (new) system prompt
+            assert salted[0].prompt_ids[:20] == salted[2].prompt_ids[:20] != first[0].prompt_ids[:20]
+
+
 def test_shared_prefix_requests_share_their_groups_system_prompt(tmp_path):
     reqs = datasets.build_requests("shared-prefix", 6, seed=1, input_len=(4, 8), output_len=(2, 3),
                                    max_model_len=2048, vocab_size=49152, prefix_len=20, group_size=3)
@@ -445,7 +458,11 @@ def test_serve_smoke_launches_1p1d_and_reports_every_request(tmp_path):
     assert set(topos) == {"1p1d@grpc", "1p1d@openai"}
     lengths = {api: [r["output_tokens"] for p in topos[f"1p1d@{api}"]["rates"] for r in p["requests"]]
                for api in ("grpc", "openai")}
-    assert lengths["grpc"] == lengths["openai"], lengths              # the same requests, token for token
+    assert lengths["grpc"] == lengths["openai"], lengths              # the same lengths, request for request
+    # ... but other token ids: the second pass finds nothing of the first's in the prefix caches (full blocks of
+    # 16 tokens: some prompts have one)
+    second = [r for p in topos["1p1d@openai"]["rates"] for r in p["requests"]]
+    assert max(r["prompt_tokens"] for r in second) > 16 and all(r["cached_tokens"] == 0 for r in second), second
     assert topos["1p1d@openai"]["deployment"]["api"] == "openai"
     topo = topos["1p1d@grpc"]
     assert [p["request_rate"] for p in topo["rates"]] == [4.0, "inf"]
