@@ -89,13 +89,24 @@ def round_with_gptq(model: torch.nn.Module, attention, scale: float, windows: li
     """Every decoder layer's projections to e4m3 with GPTQ's rounding (models/layers/quantization.py
     `quantize_linear`, `gptq_rows`), layer by layer; returns how many projections. The rest (experts,
     layers outside the decoder's) are left to quantize_fp8."""
+    def to_fp8(_name: str, m: torch.nn.Module, hessian: torch.Tensor) -> None:
+        quantize_linear(m, ops, mode, gptq_rows(m.weight.data, hessian))
+    return calibrate_layers(model, attention, scale, windows, device, to_fp8, "FP8 weights")
+
+
+@torch.inference_mode()
+def calibrate_layers(model: torch.nn.Module, attention, scale: float, windows: list[torch.Tensor],
+                     device: torch.device, round_layer, what: str) -> int:
+    """GPTQ's order: for each decoder layer in turn, the sums of x^T x over its projections' inputs on the
+    calibration windows (through the layers already rounded), then round_layer(name, module, sums) for each
+    projection; returns how many projections."""
     layers: dict[int, list[tuple[str, torch.nn.Module]]] = defaultdict(list)
     for name, module in model.named_modules():
         found = _LAYER.search(name + ".")
         if found is not None and quantizable(module):
             layers[int(found.group(1))].append((name, module))
     t0, done = time.perf_counter(), 0
-    progress = Progress("rounding FP8 weights (GPTQ): layer", len(layers))
+    progress = Progress(f"rounding {what} (GPTQ): layer", len(layers))
     for i, (_, modules) in enumerate(sorted(layers.items())):
         inputs = _Inputs(modules, device)
         try:
@@ -110,8 +121,8 @@ def round_with_gptq(model: torch.nn.Module, attention, scale: float, windows: li
         finally:
             inputs.remove()
         for name, m in modules:
-            quantize_linear(m, ops, mode, gptq_rows(m.weight.data, inputs.sums.pop(name)))
+            round_layer(name, m, inputs.sums.pop(name))
             done += 1
         progress.update(i + 1)
-    progress.done(f"rounded {done} FP8 projections (GPTQ, {len(layers)} layers) in {time.perf_counter() - t0:.1f}s")
+    progress.done(f"rounded {done} projections' {what} (GPTQ, {len(layers)} layers) in {time.perf_counter() - t0:.1f}s")
     return done

@@ -92,6 +92,16 @@ def unpack_columns(packed: torch.Tensor, awq: bool = False) -> torch.Tensor:
     return q.reshape(packed.shape[0], -1).to(torch.uint8)
 
 
+def pack_columns(q: torch.Tensor, awq: bool = False) -> torch.Tensor:
+    """uint8 [R, C] of 0..15 -> int32 [R, C/8] packed along its columns (in order, or AWQ's interleaved order):
+    unpack_columns' inverse, as AutoGPTQ packs qzeros and AutoAWQ qweight and qzeros."""
+    q = q.long().reshape(q.shape[0], -1, PACK)
+    if awq:
+        q = q[..., list(AWQ_ORDER)]
+    words = (q << torch.tensor(SHIFTS, dtype=torch.int64, device=q.device)).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """int32 [K/8, N] packed along its rows (the layout above) -> uint8 [K, N]."""
     shifts = torch.tensor(SHIFTS, dtype=torch.int32, device=packed.device)
