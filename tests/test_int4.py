@@ -28,13 +28,6 @@ VARIANTS = {"awq-g128": ("awq", 128, False), "awq-g32": ("awq", 32, False), "gpt
 
 # -- the formats, as AutoAWQ's and AutoGPTQ's packers write them ---------------------------------
 
-def _pack_columns(q: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
-    """uint8 [R, C] of 0..15 -> int32 [R, C/8]: nibble i of word c holds column 8c + order[i]."""
-    q = q.long().reshape(q.shape[0], -1, 8)[..., list(order)]
-    words = (q << torch.arange(0, 32, 4)).sum(-1)
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-
-
 def _quantize(w: torch.Tensor, group: int, g_idx: torch.Tensor):
     """w [N, K] asymmetric 4-bit per group of input rows (g_idx: each row's group): (q uint8 [K, N],
     zeros uint8 [G, N], scales fp16 [G, N]), min/max as AutoAWQ / AutoGPTQ (sym false) compute them."""
@@ -73,12 +66,12 @@ def save_int4_checkpoint(src: Path, dst: Path, fmt: str, group: int, act_order: 
         base = name[: -len("weight")]
         plain[name] = _dequantized(q, zeros, scales, g_idx)
         if fmt == "awq":
-            tensors[base + "qweight"] = _pack_columns(q, int4.AWQ_ORDER)
-            tensors[base + "qzeros"] = _pack_columns(zeros, int4.AWQ_ORDER)
+            tensors[base + "qweight"] = int4.pack_columns(q, awq=True)
+            tensors[base + "qzeros"] = int4.pack_columns(zeros, awq=True)
         else:
-            tensors[base + "qweight"] = _pack_columns(q.t().contiguous()).t().contiguous()   # along K
+            tensors[base + "qweight"] = int4.pack_rows(q)                                  # along K
             stored = zeros.long() - 1 if fmt == "gptq" else zeros.long()      # v1 stores zero - 1
-            tensors[base + "qzeros"] = _pack_columns((stored & 0xF).to(torch.uint8))
+            tensors[base + "qzeros"] = int4.pack_columns((stored & 0xF).to(torch.uint8))
             tensors[base + "g_idx"] = g_idx.to(torch.int32)
         tensors[base + "scales"] = scales
     config = json.loads((Path(src) / "config.json").read_text())
@@ -214,6 +207,42 @@ def test_int4_refuses_a_quantization_flag_and_a_tp_split_that_cuts_groups(checkp
     config = AutoConfig.from_pretrained(checkpoints["gptq-act-g32"][0])
     with pytest.raises(ValueError, match="act-order .* --tp-size 1"):
         loader.build_model(config, torch.float32, "cpu", CpuPlatform(torch.device("cpu")).ops, tp_rank=0, tp_size=2)
+
+
+def test_gptq_rounding_keeps_a_layers_output_closer_than_rounding_to_nearest():
+    """benchmarks/int4_checkpoint.py's rounding: to nearest, every weight within half a step of its group's grid;
+    GPTQ's error feedback, on the same grid, gives a layer output closer to the float one on its inputs."""
+    from baton.benchmarks.int4_checkpoint import quantize_int4
+    gen = torch.Generator().manual_seed(3)
+    mix = torch.randn(96, 96, generator=gen)
+    x = torch.randn(512, 96, generator=gen) @ mix                       # correlated inputs, as activations are
+    w = torch.randn(40, 96, generator=gen) * 0.05
+    errors = {}
+    for name, hessian in (("rtn", None), ("gptq", x.t() @ x)):
+        q, scales, zeros = quantize_int4(w, 32, hessian)
+        assert q.shape == (96, 40) and scales.shape == zeros.shape == (3, 40) and int(q.max()) <= 15
+        deq = ((q.float() - zeros.float().repeat_interleave(32, 0)) * scales.float().repeat_interleave(32, 0)).t()
+        if hessian is None:
+            assert ((deq - w).abs() <= scales.float().repeat_interleave(32, 0).t() / 2 + 1e-6).all()
+        errors[name] = float((x @ deq.t() - x @ w.t()).norm())
+    assert errors["gptq"] < 0.8 * errors["rtn"], errors
+
+
+def test_an_int4_checkpoint_made_here_loads_as_gptq(source, tmp_path):
+    """make_checkpoint (GPTQ rounding, calibrated through the model) writes AutoGPTQ's format (v2, g_idx in
+    order) with packed projections, and the engine serves it as a GPTQ checkpoint."""
+    from baton.benchmarks.int4_checkpoint import make_checkpoint
+    from baton.engine import LLM, SamplingParams
+    src, _ = source
+    made = make_checkpoint(str(src), tmp_path / "gptq-g32", 32, "gptq")
+    config = json.loads((tmp_path / "gptq-g32" / "config.json").read_text())
+    assert config["quantization_config"]["checkpoint_format"] == "gptq_v2" and made["rounding"] == "gptq"
+    tensors = load_file(tmp_path / "gptq-g32" / "model.safetensors")
+    assert tensors["model.layers.0.mlp.down_proj.qweight"].shape == (256 // 8, 128)
+    llm = LLM(str(tmp_path / "gptq-g32"), num_kv_blocks=32, max_model_len=128)
+    assert llm.engine.runner.quantization == "gptq"
+    [out] = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out.token_ids) == 4
 
 
 def test_tensor_parallel_shards_of_packed_weights_rebuild_the_layer(checkpoints):
