@@ -16,7 +16,9 @@ Roundings:
         yet as the inverse of the layer's input Hessian weighs them (Frantar et al., 2022), a group's scale and
         zero set from its weights as they stand when its first column is reached (AutoGPTQ without static
         groups); calibrated layer by layer on engine/runner/fp8_rounding.py's texts (CPython's help topics and
-        two stdlib modules), through the layers already rounded.
+        two stdlib modules), through the layers already rounded;
+  gptq-act  GPTQ with act-order (desc_act): the rows rounded, and grouped, in order of the Hessian's diagonal,
+        largest first (g_idx unsorted; the loader sorts the groups back).
 Then each checkpoint's perplexity and greedy next-token agreement against the full-precision model, through
 Baton's engine, on benchmarks/quant_accuracy.py's text (three other stdlib modules: no overlap with the
 calibration). The issue's bar: within 5 % of full precision's perplexity.
@@ -50,13 +52,29 @@ def group_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int4(w: torch.Tensor, group: int, hessian: torch.Tensor | None = None, damp: float = 0.01,
-                  block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [N, K] to 4 bits per group of `group` input rows: (q uint8 [K, N], scales fp16 [K/g, N],
-    zeros uint8 [K/g, N]), w ~ (q - zero) * scale. Without a Hessian, to nearest; with one ([K, K], the sum of
-    x^T x over the layer's inputs), GPTQ's error feedback (the module's docstring). float32 on w's device."""
+                  block: int = 128, act_order: bool = False) -> tuple[torch.Tensor, ...]:
+    """w [N, K] to 4 bits per group of `group` input rows: (q uint8 [K, N], scales fp16 [G, N],
+    zeros uint8 [G, N], g_idx int32 [K]: each input row's group), w ~ (q - zero[g_idx]) * scale[g_idx].
+    Without a Hessian, to nearest; with one ([K, K], the sum of x^T x over the layer's inputs), GPTQ's error
+    feedback (the module's docstring); `act_order` (GPTQ's desc_act): the rows rounded, and grouped, in order of
+    their Hessian diagonal, largest first, so g_idx is not sorted. float32 on w's device."""
     n, k = w.shape
     if k % group:
         raise ValueError(f"group {group} does not divide the {k} input features")
+    perm = torch.arange(k, device=w.device)
+    if act_order and hessian is not None:
+        perm = torch.argsort(torch.diagonal(hessian), descending=True)
+        w, hessian = w[:, perm], hessian[perm][:, perm]
+    q, scales, zeros = _round(w, group, hessian, damp, block)
+    rows = torch.empty_like(perm)
+    rows[perm] = torch.arange(k, device=w.device)            # row r was rounded as the rows[r]-th
+    return q[rows], scales, zeros, (rows // group).to(torch.int32)
+
+
+def _round(w: torch.Tensor, group: int, hessian: torch.Tensor | None, damp: float,
+           block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_int4 on the rows as they are ordered: (q [K, N], scales, zeros)."""
+    n, k = w.shape
     w = w.float().clone()
     u = None
     if hessian is not None:
@@ -88,7 +106,7 @@ def quantize_int4(w: torch.Tensor, group: int, hessian: torch.Tensor | None = No
     return q.t().contiguous(), scales.half(), zeros.to(torch.uint8)
 
 
-def _split(name: str, q, scales, zeros, hf) -> dict[str, tuple]:
+def _split(name: str, q, scales, zeros, g_idx, hf) -> dict[str, tuple]:
     """Baton's fused projections (qkv_proj, gate_up_proj) back into the checkpoint's (q/k/v, gate/up), by
     output columns; GPTQ rounds each output row alone, so the split changes nothing."""
     base, proj = name.rsplit(".", 1)
@@ -99,17 +117,17 @@ def _split(name: str, q, scales, zeros, hf) -> dict[str, tuple]:
     elif proj == "gate_up_proj":
         sizes = {"gate_proj": hf.intermediate_size, "up_proj": hf.intermediate_size}
     else:
-        return {name: (q, scales, zeros)}
+        return {name: (q, scales, zeros, g_idx)}
     out, start = {}, 0
     for part, size in sizes.items():
         cols = slice(start, start + size)
-        out[f"{base}.{part}"] = (q[:, cols], scales[:, cols], zeros[:, cols])
+        out[f"{base}.{part}"] = (q[:, cols], scales[:, cols], zeros[:, cols], g_idx)
         start += size
     return out
 
 
 @torch.no_grad()
-def make_checkpoint(model: str, out: Path, group: int, rounding: str) -> dict:
+def make_checkpoint(model: str, out: Path, group: int, rounding: str, act_order: bool = False) -> dict:
     """`model`'s INT4 GPTQ checkpoint in `out` (the module's docstring); returns what was done."""
     from safetensors.torch import load_file, save_file
 
@@ -127,11 +145,13 @@ def make_checkpoint(model: str, out: Path, group: int, rounding: str) -> dict:
     t0 = time.perf_counter()
 
     def round_layer(name: str, module: torch.nn.Module, hessian: torch.Tensor | None) -> None:
-        q, scales, zeros = quantize_int4(module.weight.data, group, hessian)
-        module.weight.data.copy_(((q.float() - zeros.float().repeat_interleave(group, 0))
-                                  * scales.float().repeat_interleave(group, 0)).t())
-        packed.update(_split(name, q, scales, zeros, hf))
+        q, scales, zeros, g_idx = quantize_int4(module.weight.data, group, hessian, act_order=act_order)
+        g = g_idx.long()
+        module.weight.data.copy_(((q.float() - zeros.float()[g]) * scales.float()[g]).t())
+        packed.update(_split(name, q, scales, zeros, g_idx, hf))
 
+    if act_order and rounding != "gptq":
+        raise ValueError("act-order orders the rows by GPTQ's Hessian: it goes with --roundings gptq")
     if rounding == "gptq":        # the next layer calibrates on what the rounded ones give it, as GPTQ does
         windows = fp8_rounding.calibration_windows(
             source.tokenizer_dir(), getattr(hf, "max_position_embeddings", fp8_rounding.CALIBRATION_WINDOW))
@@ -149,11 +169,11 @@ def make_checkpoint(model: str, out: Path, group: int, rounding: str) -> dict:
         for key, t in load_file(f).items():
             stem = key[: -len(".weight")]
             if stem in packed:
-                q, scales, zeros = packed.pop(stem)
+                q, scales, zeros, g_idx = packed.pop(stem)
                 tensors[f"{stem}.qweight"] = int4.pack_rows(q.contiguous())
                 tensors[f"{stem}.qzeros"] = int4.pack_columns(zeros.contiguous())
                 tensors[f"{stem}.scales"] = scales.contiguous()
-                tensors[f"{stem}.g_idx"] = (torch.arange(q.shape[0]) // group).to(torch.int32)
+                tensors[f"{stem}.g_idx"] = g_idx.clone()          # (one per projection: q, k, v share theirs)
             else:
                 tensors[key] = t
     if packed:
@@ -161,13 +181,14 @@ def make_checkpoint(model: str, out: Path, group: int, rounding: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((Path(source.weights_path) / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
                                      "sym": False, "checkpoint_format": "gptq_v2"}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for f in Path(source.weights_path).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
             shutil.copyfile(f, out / f.name)
-    return {"checkpoint": str(out), "group": group, "rounding": rounding, "seconds": round(seconds, 1),
+    return {"checkpoint": str(out), "group": group, "rounding": rounding, "act_order": act_order,
+            "seconds": round(seconds, 1),
             "bytes": (out / "model.safetensors").stat().st_size}
 
 
@@ -176,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m-instruct", help="a model with real weights (HF directory)")
     p.add_argument("--out-dir", required=True, help="where the checkpoints go (one directory each)")
     p.add_argument("--groups", default="64,32", help="group sizes (input rows sharing a scale), comma-separated")
-    p.add_argument("--roundings", default="rtn,gptq", help="rtn and/or gptq")
+    p.add_argument("--roundings", default="rtn,gptq,gptq-act", help="rtn, gptq and/or gptq-act (GPTQ with "
+                   "act-order: desc_act, g_idx unsorted)")
     p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
                    help="score each checkpoint's perplexity against the full-precision model")
     p.add_argument("--tokens", type=int, default=20480, help="tokens of the text to score")
@@ -190,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
            "started_at": record.now_iso(), "checkpoints": [], "rows": []}
     for group in (int(g) for g in args.groups.split(",")):
         for rounding in args.roundings.split(","):
-            made = make_checkpoint(args.model, Path(args.out_dir) / f"{rounding}-g{group}", group, rounding)
+            made = make_checkpoint(args.model, Path(args.out_dir) / f"{rounding}-g{group}", group,
+                                   rounding.removesuffix("-act"), act_order=rounding.endswith("-act"))
             rec["checkpoints"].append(made)
             print(f"[int4] wrote {made['checkpoint']} ({made['bytes'] / 2 ** 20:.0f} MiB; {rounding} in "
                   f"{made['seconds']} s)", file=sys.stderr, flush=True)
@@ -206,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         rec["rows"].append(quant_accuracy.summarize("full precision (float32)", ref, None))
         for made in rec["checkpoints"]:
             scores = quant_accuracy.baton_scores(made["checkpoint"], "cpu", "float32", {}, chunks)
-            row = quant_accuracy.summarize(f"INT4 {made['rounding']} g{made['group']}", scores, ref)
+            name = f"INT4 {made['rounding']}{' act-order' if made['act_order'] else ''} g{made['group']}"
+            row = quant_accuracy.summarize(name, scores, ref)
             row["within_tolerance"] = abs(row["perplexity_vs_full"]) <= TOLERANCE
             rec["rows"].append(row)
         for row in rec["rows"]:

@@ -218,25 +218,29 @@ def test_gptq_rounding_keeps_a_layers_output_closer_than_rounding_to_nearest():
     x = torch.randn(512, 96, generator=gen) @ mix                       # correlated inputs, as activations are
     w = torch.randn(40, 96, generator=gen) * 0.05
     errors = {}
-    for name, hessian in (("rtn", None), ("gptq", x.t() @ x)):
-        q, scales, zeros = quantize_int4(w, 32, hessian)
+    for name, hessian, act in (("rtn", None, False), ("gptq", x.t() @ x, False), ("gptq-act", x.t() @ x, True)):
+        q, scales, zeros, g_idx = quantize_int4(w, 32, hessian, act_order=act)
         assert q.shape == (96, 40) and scales.shape == zeros.shape == (3, 40) and int(q.max()) <= 15
-        deq = ((q.float() - zeros.float().repeat_interleave(32, 0)) * scales.float().repeat_interleave(32, 0)).t()
+        assert sorted(g_idx.tolist()) == [g for g in range(3) for _ in range(32)]       # 32 rows a group
+        assert (g_idx.tolist() == sorted(g_idx.tolist())) != act                         # act-order: unsorted
+        g = g_idx.long()
+        deq = ((q.float() - zeros.float()[g]) * scales.float()[g]).t()
         if hessian is None:
-            assert ((deq - w).abs() <= scales.float().repeat_interleave(32, 0).t() / 2 + 1e-6).all()
+            assert ((deq - w).abs() <= scales.float()[g].t() / 2 + 1e-6).all()
         errors[name] = float((x @ deq.t() - x @ w.t()).norm())
-    assert errors["gptq"] < 0.8 * errors["rtn"], errors
+    assert errors["gptq"] < 0.8 * errors["rtn"] and errors["gptq-act"] < 0.8 * errors["rtn"], errors
 
 
 def test_an_int4_checkpoint_made_here_loads_as_gptq(source, tmp_path):
-    """make_checkpoint (GPTQ rounding, calibrated through the model) writes AutoGPTQ's format (v2, g_idx in
-    order) with packed projections, and the engine serves it as a GPTQ checkpoint."""
+    """make_checkpoint (GPTQ rounding with act-order, calibrated through the model) writes AutoGPTQ's format
+    (v2, desc_act, g_idx unsorted) with packed projections, and the engine serves it as a GPTQ checkpoint."""
     from baton.benchmarks.int4_checkpoint import make_checkpoint
     from baton.engine import LLM, SamplingParams
     src, _ = source
-    made = make_checkpoint(str(src), tmp_path / "gptq-g32", 32, "gptq")
+    made = make_checkpoint(str(src), tmp_path / "gptq-g32", 32, "gptq", act_order=True)
     config = json.loads((tmp_path / "gptq-g32" / "config.json").read_text())
     assert config["quantization_config"]["checkpoint_format"] == "gptq_v2" and made["rounding"] == "gptq"
+    assert config["quantization_config"]["desc_act"] is True
     tensors = load_file(tmp_path / "gptq-g32" / "model.safetensors")
     assert tensors["model.layers.0.mlp.down_proj.qweight"].shape == (256 // 8, 128)
     llm = LLM(str(tmp_path / "gptq-g32"), num_kv_blocks=32, max_model_len=128)
