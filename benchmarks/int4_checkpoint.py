@@ -15,8 +15,9 @@ Roundings:
   gptq  the same grid, the columns rounded in turn and each one's error spread over the columns not rounded
         yet as the inverse of the layer's input Hessian weighs them (Frantar et al., 2022), a group's scale and
         zero set from its weights as they stand when its first column is reached (AutoGPTQ without static
-        groups); calibrated layer by layer on engine/runner/fp8_rounding.py's texts (CPython's help topics and
-        two stdlib modules), through the layers already rounded;
+        groups); calibrated layer by layer on --calibration-tokens (8k: 4 windows of 2,048) of
+        engine/runner/fp8_rounding.py's texts (CPython's help topics and two stdlib modules), through the layers
+        already rounded;
   gptq-act  GPTQ with act-order (desc_act): the rows rounded, and grouped, in order of the Hessian's diagonal,
         largest first (g_idx unsorted; the loader sorts the groups back).
 Then each checkpoint's perplexity and greedy next-token agreement against the full-precision model, through
@@ -41,6 +42,10 @@ import torch
 
 TOLERANCE = 0.05            # the issue's bar: perplexity within 5 % of full precision's
 LEVELS = 15                 # 4 bits: q in 0..15
+CALIBRATION_TOKENS = 8192   # GPTQ's Hessians from this many tokens (its paper: 128 windows of 2,048; each layer's
+                            # calibration re-runs the layers before it, so the cost is tokens x layers^2: ~4 min
+                            # for the 135M model on two cores at 8k, 30+ at 32k)
+CALIBRATION_WINDOW = 2048
 
 
 def group_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +132,24 @@ def _split(name: str, q, scales, zeros, g_idx, hf) -> dict[str, tuple]:
 
 
 @torch.no_grad()
-def make_checkpoint(model: str, out: Path, group: int, rounding: str, act_order: bool = False) -> dict:
+def calibration_windows(tokenizer_dir: str, tokens: int, width: int) -> list[torch.Tensor]:
+    """`tokens` calibration token ids in windows of `width`, taken in turn from each of
+    engine/runner/fp8_rounding.py's texts (prose, code) from their starts: more than the load-time
+    rounding's two windows of 1,024 (fp8_rounding.calibration_windows)."""
+    from transformers import AutoTokenizer
+
+    from baton.engine.runner import fp8_rounding
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    texts = [tokenizer(t)["input_ids"] for t in fp8_rounding.calibration_texts()]
+    windows, i = [], 0
+    while sum(len(w) for w in windows) < tokens and any(len(t) >= (i + 1) * width for t in texts):
+        windows += [torch.tensor(t[i * width:(i + 1) * width]) for t in texts if len(t) >= (i + 1) * width]
+        i += 1
+    return windows
+
+
+def make_checkpoint(model: str, out: Path, group: int, rounding: str, act_order: bool = False,
+                    calibration_tokens: int = CALIBRATION_TOKENS) -> dict:
     """`model`'s INT4 GPTQ checkpoint in `out` (the module's docstring); returns what was done."""
     from safetensors.torch import load_file, save_file
 
@@ -153,8 +175,8 @@ def make_checkpoint(model: str, out: Path, group: int, rounding: str, act_order:
     if act_order and rounding != "gptq":
         raise ValueError("act-order orders the rows by GPTQ's Hessian: it goes with --roundings gptq")
     if rounding == "gptq":        # the next layer calibrates on what the rounded ones give it, as GPTQ does
-        windows = fp8_rounding.calibration_windows(
-            source.tokenizer_dir(), getattr(hf, "max_position_embeddings", fp8_rounding.CALIBRATION_WINDOW))
+        windows = calibration_windows(source.tokenizer_dir(), calibration_tokens,
+                                      min(CALIBRATION_WINDOW, getattr(hf, "max_position_embeddings", 2048)))
         fp8_rounding.calibrate_layers(runner.model, runner.platform, runner.model.head_dim ** -0.5, windows,
                                       runner.device, round_layer, "INT4 weights")
     elif rounding == "rtn":
@@ -188,7 +210,7 @@ def make_checkpoint(model: str, out: Path, group: int, rounding: str, act_order:
         if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
             shutil.copyfile(f, out / f.name)
     return {"checkpoint": str(out), "group": group, "rounding": rounding, "act_order": act_order,
-            "seconds": round(seconds, 1),
+            "calibration_tokens": calibration_tokens if rounding == "gptq" else 0, "seconds": round(seconds, 1),
             "bytes": (out / "model.safetensors").stat().st_size}
 
 
@@ -199,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", default="64,32", help="group sizes (input rows sharing a scale), comma-separated")
     p.add_argument("--roundings", default="rtn,gptq,gptq-act", help="rtn, gptq and/or gptq-act (GPTQ with "
                    "act-order: desc_act, g_idx unsorted)")
+    p.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS,
+                   help="GPTQ's calibration tokens (windows of 2,048 from CPython's help topics and two modules; "
+                        "the time grows with them: ~4 min for the 135M model on two cores at the default)")
     p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
                    help="score each checkpoint's perplexity against the full-precision model")
     p.add_argument("--tokens", type=int, default=20480, help="tokens of the text to score")
@@ -213,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     for group in (int(g) for g in args.groups.split(",")):
         for rounding in args.roundings.split(","):
             made = make_checkpoint(args.model, Path(args.out_dir) / f"{rounding}-g{group}", group,
-                                   rounding.removesuffix("-act"), act_order=rounding.endswith("-act"))
+                                   rounding.removesuffix("-act"), act_order=rounding.endswith("-act"),
+                                   calibration_tokens=args.calibration_tokens)
             rec["checkpoints"].append(made)
             print(f"[int4] wrote {made['checkpoint']} ({made['bytes'] / 2 ** 20:.0f} MiB; {rounding} in "
                   f"{made['seconds']} s)", file=sys.stderr, flush=True)
