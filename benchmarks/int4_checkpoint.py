@@ -15,7 +15,7 @@ Roundings:
   gptq  the same grid, the columns rounded in turn and each one's error spread over the columns not rounded
         yet as the inverse of the layer's input Hessian weighs them (Frantar et al., 2022), a group's scale and
         zero set from its weights as they stand when its first column is reached (AutoGPTQ without static
-        groups); calibrated layer by layer on --calibration-tokens (8k: 4 windows of 2,048) of
+        groups); calibrated layer by layer on --calibration-tokens (2k: the first 1,024 of each) of
         engine/runner/fp8_rounding.py's texts (CPython's help topics and two stdlib modules), through the layers
         already rounded;
   gptq-act  GPTQ with act-order (desc_act): the rows rounded, and grouped, in order of the Hessian's diagonal,
@@ -42,10 +42,10 @@ import torch
 
 TOLERANCE = 0.05            # the issue's bar: perplexity within 5 % of full precision's
 LEVELS = 15                 # 4 bits: q in 0..15
-CALIBRATION_TOKENS = 8192   # GPTQ's Hessians from this many tokens (its paper: 128 windows of 2,048; each layer's
-                            # calibration re-runs the layers before it, so the cost is tokens x layers^2: ~4 min
-                            # for the 135M model on two cores at 8k, 30+ at 32k)
-CALIBRATION_WINDOW = 2048
+CALIBRATION_TOKENS = 2048   # GPTQ's Hessians from this many tokens (its paper: 128 windows of 2,048). Each layer's
+                            # calibration re-runs the layers before it, so the cost is tokens x layers^2: ~1 min
+                            # for the 135M model on two cores, ~4 at 8k (which scored no better: docs/benchmarks.md)
+CALIBRATION_WINDOW = 1024
 
 
 def group_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,8 +134,8 @@ def _split(name: str, q, scales, zeros, g_idx, hf) -> dict[str, tuple]:
 @torch.no_grad()
 def calibration_windows(tokenizer_dir: str, tokens: int, width: int) -> list[torch.Tensor]:
     """`tokens` calibration token ids in windows of `width`, taken in turn from each of
-    engine/runner/fp8_rounding.py's texts (prose, code) from their starts: more than the load-time
-    rounding's two windows of 1,024 (fp8_rounding.calibration_windows)."""
+    engine/runner/fp8_rounding.py's texts (prose, code) from their starts (at the defaults: the first
+    1,024 of each, as the load-time FP8 rounding takes them)."""
     from transformers import AutoTokenizer
 
     from baton.engine.runner import fp8_rounding
@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--roundings", default="rtn,gptq,gptq-act", help="rtn, gptq and/or gptq-act (GPTQ with "
                    "act-order: desc_act, g_idx unsorted)")
     p.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS,
-                   help="GPTQ's calibration tokens (windows of 2,048 from CPython's help topics and two modules; "
-                        "the time grows with them: ~4 min for the 135M model on two cores at the default)")
+                   help="GPTQ's calibration tokens (windows of 1,024 from CPython's help topics and two modules; "
+                        "the time grows with them: ~1 min for the 135M model on two cores at the default)")
     p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
                    help="score each checkpoint's perplexity against the full-precision model")
     p.add_argument("--tokens", type=int, default=20480, help="tokens of the text to score")

@@ -237,7 +237,7 @@ def test_an_int4_checkpoint_made_here_loads_as_gptq(source, tmp_path):
     from baton.benchmarks.int4_checkpoint import make_checkpoint
     from baton.engine import LLM, SamplingParams
     src, _ = source
-    made = make_checkpoint(str(src), tmp_path / "gptq-g32", 32, "gptq", act_order=True, calibration_tokens=4096)
+    made = make_checkpoint(str(src), tmp_path / "gptq-g32", 32, "gptq", act_order=True, calibration_tokens=2048)
     config = json.loads((tmp_path / "gptq-g32" / "config.json").read_text())
     assert config["quantization_config"]["checkpoint_format"] == "gptq_v2" and made["rounding"] == "gptq"
     assert config["quantization_config"]["desc_act"] is True
