@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "5 ms steps, so the figure is the steady relay rather than the streams' set-up; smoke 20)")
     c.add_argument("--prompt-len", type=int, default=8, help="prompt token ids per request")
     c.add_argument("--timeout", type=float, default=None, help="seconds per run (default 300; smoke 60)")
+    c.add_argument("--api", default="grpc", choices=("grpc", "openai"),
+                   help="the router API the streams use: grpc (Router.Generate) or openai (streamed "
+                        "/v1/completions over its HTTP port, as benchmarks/loadgen.py sends them)")
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -124,6 +127,7 @@ class Deployment:
     router: Child | None = None
     workers: list[Child] = field(default_factory=list)
     router_metrics: str = ""
+    http_url: str = ""                  # the router's OpenAI API (--api openai)
 
     @property
     def children(self) -> list[Child]:
@@ -156,9 +160,11 @@ def launch(args: argparse.Namespace, step_ms: float, tokenizer: str | None, log_
         wait_ready(w, log_dir)
     address, metrics_port = f"{host}:{free_port(host)}", free_port(host)
     dep.router_metrics = f"http://{host}:{metrics_port}/metrics"
+    http_port = free_port(host) if args.api == "openai" else 0
+    dep.http_url = f"http://{host}:{http_port}/v1" if http_port else ""
     # --max-inflight: every stream runs at once (the default 512 would queue the rest)
     cmd = [sys.executable, "-m", "baton.router", "--host", host, "--port", address.rpartition(":")[2],
-           "--http-port", "0", "--colocated", ",".join(w.address for w in dep.workers), "--model", args.model,
+           "--http-port", str(http_port), "--colocated", ",".join(w.address for w in dep.workers), "--model", args.model,
            "--max-inflight", str(args.streams), "--grace", "1", "--metrics-port", str(metrics_port),
            *(["--tokenizer", args.tokenizer] if args.tokenizer else []), *args.router_args.split()]
     dep.router = _start("router", cmd, address, log_dir)
@@ -192,7 +198,7 @@ def measure(args: argparse.Namespace, dep: Deployment) -> dict:
     """Start the clients, wait until each has its connections up, release them at one instant and
     collect what they counted; CPU seconds of every server process over the same window."""
     shares = [args.streams // args.clients + (i < args.streams % args.clients) for i in range(args.clients)]
-    clients = [_client(dep.router.address, n, args) for n in shares]
+    clients = [_client(dep.http_url or dep.router.address, n, args) for n in shares]
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         for c in clients:
@@ -226,7 +232,7 @@ def _router_histograms(dep: Deployment) -> dict[str, dict[float, float]]:
 
 def _client(address: str, streams: int, args: argparse.Namespace) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "baton.benchmarks.relay", address, str(streams), str(args.max_tokens),
-           str(args.prompt_len), str(args.timeout)]
+           str(args.prompt_len), str(args.timeout), args.api]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 
@@ -300,6 +306,7 @@ def summarize_level(args: argparse.Namespace, results: list[dict], cpu: dict[str
     errors = sum((Counter(r["errors"]) for r in results), Counter())
     router_cpu = cpu["router"]
     return {
+        "api": args.api,
         "streams": args.streams, "max_tokens": args.max_tokens, "workers": args.workers, "clients": args.clients,
         "complete_streams": complete, "errors": dict(errors), "tokens": tokens, "messages": messages,
         "wall_s": wall, "tok_s": tokens / wall if wall > 0 else 0.0,
@@ -319,7 +326,7 @@ def summarize_level(args: argparse.Namespace, results: list[dict], cpu: dict[str
 def summary_line(lv: dict) -> str:
     tpot = lv["tpot_ms"]
     return (f"[bench] relay: {lv['tok_s']:,.0f} tok/s through one router process "
-            f"({lv['router_cpu_utilization']:.0%} of one core), {lv['tokens_per_message']:.2f} tokens/message; "
+            f"({lv['api']}, {lv['router_cpu_utilization']:.0%} of one core), {lv['tokens_per_message']:.2f} tokens/message; "
             f"offered {lv['offered_tok_s']:,.0f} tok/s ({lv['streams']} streams x {lv['max_tokens']} tokens, "
             f"one per {lv['step_ms']:g} ms step); {lv['complete_streams']}/{lv['streams']} streams complete; "
             f"TPOT p50 {_ms(tpot['p50'])} p99 {_ms(tpot['p99'])} ms; TTFT p50 {_ms(lv['ttft_ms']['p50'])} ms "
@@ -331,12 +338,13 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-# -- a client process: python -m baton.benchmarks.relay ADDR STREAMS MAX_TOKENS PROMPT_LEN TIMEOUT ----
+# -- a client process: python -m baton.benchmarks.relay ADDR STREAMS MAX_TOKENS PROMPT_LEN TIMEOUT API ----
 def client_main(argv: list[str]) -> None:
     """Opens its streams' connections, says {"ready": true}, reads the start instant (monotonic
     clock, shared by the host's processes) from stdin, runs the streams, prints its counts."""
-    address, streams, max_tokens, prompt_len, timeout = argv
-    out = asyncio.run(_client_run(address, int(streams), int(max_tokens), int(prompt_len), float(timeout)))
+    address, streams, max_tokens, prompt_len, timeout, api = argv
+    run = _client_run if api == "grpc" else _client_run_openai
+    out = asyncio.run(run(address, int(streams), int(max_tokens), int(prompt_len), float(timeout)))
     _say(out)
 
 
@@ -363,6 +371,39 @@ async def _client_run(address: str, n: int, max_tokens: int, prompt_len: int, ti
     finally:
         await asyncio.gather(*(ch.close() for ch in channels))
     return _client_counts(runs, max_tokens, cpu)
+
+
+async def _client_run_openai(url: str, n: int, max_tokens: int, prompt_len: int, timeout: float) -> dict:
+    """As _client_run, through the router's OpenAI API (benchmarks/loadgen.py's client: streamed
+    /v1/completions, a connection a stream)."""
+    from baton.benchmarks.datasets import ServeRequest
+    from baton.benchmarks.loadgen import OpenAIClient
+    http = OpenAIClient(url)
+    try:
+        request = ServeRequest(max_tokens, list(range(1, prompt_len + 1)))
+        sampling = {"temperature": 0.0, "ignore_eos": True}
+        await asyncio.wait_for(http.send_one(-1, ServeRequest(1, [1]), sampling, timeout, 0.0), timeout)  # (model name)
+        _say({"ready": True})
+        start_at = float(await asyncio.to_thread(sys.stdin.readline))
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        cpu0 = time.process_time()
+        runs = await asyncio.gather(*(_stream_openai(http, request, sampling, timeout) for _ in range(n)))
+        cpu = time.process_time() - cpu0
+    finally:
+        await http.close()
+    return _client_counts(runs, max_tokens, cpu)
+
+
+async def _stream_openai(http, request, sampling: dict, timeout: float) -> tuple:
+    """_stream's tuple for one streamed completion (its token-bearing events are its messages)."""
+    sent = time.monotonic()
+    res = await http.send_one(0, request, sampling, timeout, 0.0)
+    if res.ttft is None:
+        return sent, None, time.monotonic(), 0, 0, False, res.status if res.status != "OK" else "NO_TOKENS"
+    first = sent + res.ttft
+    error = None if res.status == "OK" else res.status
+    return (sent, first, first + sum(res.itls), res.output_tokens or 0, len(res.itls) + 1,
+            res.finish_reason is not None, error)
 
 
 async def _stream(stub, request, timeout: float) -> tuple:

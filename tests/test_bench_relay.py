@@ -44,15 +44,18 @@ def test_synthetic_core_gives_every_request_one_token_per_step_until_max_tokens(
 
 
 @pytest.mark.slow
-def test_relay_smoke_relays_every_token_of_every_stream(tmp_path):
+@pytest.mark.parametrize("api", ["grpc", "openai"])
+def test_relay_smoke_relays_every_token_of_every_stream(tmp_path, api):
+    """Through Router.Generate and through the router's OpenAI API (streamed /v1/completions)."""
     out = tmp_path / "relay.json"
-    r = subprocess.run([sys.executable, "-m", "baton", "bench", "relay", "--smoke", "--output", str(out)],
+    r = subprocess.run([sys.executable, "-m", "baton", "bench", "relay", "--smoke", "--api", api, "--output", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "[bench] relay:" in r.stderr and "through one router process" in r.stderr
+    assert "[bench] relay:" in r.stderr and f"through one router process ({api}," in r.stderr
     data = json.loads(out.read_text())
     assert data["benchmark"] == "relay" and data["git"] and data["device"]["type"] == "cpu"
     (level,) = data["results"]["levels"]
+    assert level["api"] == api
     streams, tokens = level["streams"], level["max_tokens"]
     assert (streams, tokens, level["workers"], level["clients"]) == (40, 20, 2, 1)
     assert level["complete_streams"] == streams and level["errors"] == {}
