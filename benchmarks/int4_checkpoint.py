@@ -7,7 +7,7 @@ No INT4 checkpoint can be downloaded here, so one is made from the only real wei
 embedded SmolLM2-135M-Instruct): every decoder projection quantized to 4 bits a weight, asymmetric, one fp16
 scale and one 4-bit zero point per group of input rows and output column (the scale and zero from the group's
 min and max, widened to hold 0, as AutoGPTQ's quantizer sets them with sym false), and written in AutoGPTQ's
-on-disk format (quant_method gptq, checkpoint_format gptq_v2, g_idx in order), which Baton loads as any GPTQ
+on-disk format (quant_method gptq, checkpoint_format gptq_v2, with g_idx), which Baton loads as any GPTQ
 checkpoint (models/layers/int4.py). The embedding, the norms and the (tied) LM head stay as they are.
 
 Roundings:
@@ -25,8 +25,9 @@ Baton's engine, on benchmarks/quant_accuracy.py's text (three other stdlib modul
 calibration). The issue's bar: within 5 % of full precision's perplexity.
 
 Groups: SmolLM2-135M's hidden size, 576, is not a multiple of 128; 64 and 32 tile every projection. Its
-weights are themselves dequantized from the GGUF's Q4_1 (4-bit, asymmetric, blocks of 32 along the input):
-groups of 32 sit on those blocks (little left to lose), 64 straddle two.
+weights are themselves dequantized from the GGUF's Q4_1 (4-bit, blocks of 32 along the input, a float minimum
+a block): groups of 32 sit on those blocks, but a 4-bit integer zero point cannot hold Q4_1's minimum, so every
+weight is rounded a second time (docs/benchmarks.md has what that costs).
 """
 from __future__ import annotations
 

@@ -30,9 +30,10 @@ multiplies the fp32 sums, not the weights, so the only rounding is the accumulat
     shift and mask instead: more instructions, but Triton then converts the packed words (not the bf16 planes)
     to the MMA operand layout; which wins is the sweep's to say.
 Split-K: SPLIT programs share an output tile, each writes an fp32 partial; the last of them to finish (an atomic
-ticket a tile, `_finish`) adds them in split order (deterministic) and casts, so a projection is one kernel
-(`_w4a16_reduce`, a second kernel, where the tickets are not there: gemvm, a capture before any eager call). The tile, the kernel and the split per shape come from TABLE (measured on an
-H200 by `benchmarks/int4_decode.py --sweep`), `pick_config`'s rule otherwise.
+ticket a tile, `_finish`) adds them in split order (deterministic) and casts, so a projection is one kernel.
+`_w4a16_reduce`, a second kernel, does it where there are no tickets (gemvm; a capture before any eager call).
+The tile, the kernel and the split per shape come from TABLE (measured on an H200 by
+`benchmarks/int4_decode.py --sweep`), `pick_config`'s rule otherwise.
 
 Above MAX_GEMM_M rows (prefill) the step is compute-bound: the weight is widened once per call into a transient
 [K, N] buffer in x's dtype (_w4a16_dequant) and cuBLAS multiplies.
