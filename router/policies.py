@@ -4,9 +4,9 @@
 requests, breaking ties by free KV (for prefill: the least expected work, the prompt tokens
 queued there times its measured time per token, so a slow worker gets less but is never left); `prefix_aware` sends prompts that share their first
 block(s) to the same prefill worker (rendezvous hashing, so a worker leaving moves only
-its own prefixes) and places decode by load; `kv_aware` sends a prompt where its expected first
-token comes soonest: the work queued there plus the part of the prompt that worker's prefix cache
-does not hold, as the workers' own KV events say and where it sent prompts since
+its own prefixes) and places decode by load; `kv_aware` sends a prompt where its first token needs
+the fewest prompt tokens prefilled: those queued there plus the part of the prompt that worker's prefix
+cache does not hold, as the workers' own KV events say and where it sent prompts since
 (router/prefix_index.py). Its decode workers are picked the same way, by the blocks they hold
 (--decode-prefix-reuse): the prefill worker sends them only what they lack, so a returning
 conversation's history crosses the KV link once, not every turn.
@@ -90,11 +90,13 @@ class KVAware(Policy):
         elif self.by_bytes:
             chosen = min(fair, key=lambda w: (-cached[w.address], w.load(), -w.kv_free_fraction(), w.address))
         else:
-            def first_token_cost(w: Worker) -> float:
-                """Seconds (tokens, before it measured any) until its first token: the prompt tokens
-                queued there, then this prompt's tokens its prefix cache lacks."""
-                per_token = w.status.seconds_per_token or 1.0
-                return w.expected_wait() + (len(prompt) - cached[w.address]) * per_token
+            def first_token_cost(w: Worker) -> int:
+                """Prompt tokens to prefill there before its first token: those this router queued
+                there, then this prompt's tokens its prefix cache lacks. Tokens, not seconds: a worker's
+                seconds_per_token averages its recent steps, decode rows and prompt tokens alike, so it
+                swings tenfold with its mix of steps rather than its speed (one that was decoding would
+                look too slow to keep a conversation whose history it holds); a pool's workers are alike."""
+                return w.inflight_tokens + len(prompt) - cached[w.address]
             chosen = min(fair, key=lambda w: (first_token_cost(w), w.load(), w.address))
         self.index.expect(chosen.address, hashes)      # its next turn may come back before the worker's events
         return chosen

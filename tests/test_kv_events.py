@@ -115,9 +115,9 @@ def test_the_index_follows_events_restarts_and_losses():
 class _Worker:
     """What kv_aware reads of a worker: its address, load, free KV, queued work and status."""
 
-    def __init__(self, address: str, load: int = 0):
-        self.address, self.running = address, load
-        self.status = SimpleNamespace(block_size=BS, seconds_per_token=1e-4)
+    def __init__(self, address: str, load: int = 0, seconds_per_token: float = 1e-4):
+        self.address, self.running, self.inflight_tokens = address, load, 0
+        self.status = SimpleNamespace(block_size=BS, seconds_per_token=seconds_per_token)
 
     def load(self) -> int:
         return self.running
@@ -155,6 +155,24 @@ def test_kv_aware_spreads_new_conversations_that_share_only_a_system_prompt():
     assert policy.pick(workers, history + [7, 7, 7, 7]).address == "c"
     workers[2].running = 2 + 4 + 1                       # c: more than the slack past the others' 2
     assert policy.pick(workers, history + [7, 7, 7, 7]).address in ("a", "b")
+
+
+def test_a_returning_conversation_stays_with_its_history_whatever_the_workers_recent_steps():
+    """A worker's seconds_per_token averages its recent steps: one that was decoding (a step a few rows)
+    reads tenfold slower per token than one that just ran a prompt. The conversation still goes where its
+    history is (24 tokens to prefill there, 72 elsewhere): what decides is tokens to prefill, not that
+    swing. Queued prompt tokens count the same way: enough of them there, and the other worker wins."""
+    index, policy = PrefixIndex(), make_policy("kv_aware", "colocated", None)
+    policy.index = index
+    decoding, prefilling = _Worker("a", seconds_per_token=3e-2), _Worker("b", seconds_per_token=2e-3)
+    history = list(range(600, 648))                      # 3 blocks, then the answer and a new message
+    _holds(index, "a", history)
+    turn = history + list(range(700, 724))
+    assert policy.pick([decoding, prefilling], turn).address == "a"
+    policy.index = index = PrefixIndex()                 # (again, without the hint that pick left)
+    _holds(index, "a", history)
+    decoding.inflight_tokens = 49                        # 49 + 24 queued and lacking there, against 72
+    assert policy.pick([decoding, prefilling], turn).address == "b"
 
 
 def test_a_conversation_back_before_the_workers_events_goes_where_it_was_sent():
