@@ -92,7 +92,8 @@ class KVAware(Policy):
         else:
             def first_token_cost(w: Worker) -> int:
                 """Prompt tokens to prefill there before its first token: those this router queued
-                there, then this prompt's tokens its prefix cache lacks. Tokens, not seconds: a worker's
+                there (counted for prefill workers; a colocated one's queue weighs through `fair` only),
+                then this prompt's tokens its prefix cache lacks. Tokens, not seconds: a worker's
                 seconds_per_token averages its recent steps, decode rows and prompt tokens alike, so it
                 swings tenfold with its mix of steps rather than its speed (one that was decoding would
                 look too slow to keep a conversation whose history it holds); a pool's workers are alike."""
