@@ -233,7 +233,7 @@ def write_awq_checkpoint(hf_config, path: Path, tokenizer: str | None, seed: int
             n, k = shape                 # random words are random nibbles in AWQ's order as in any other
             w = random_int4(n, k, "cpu", gen)
             base = name[: -len("weight")]
-            files[layer].update({base + "qweight": w.qweight.reshape(k, n // 8), base + "qzeros": _awq_pack(w.zeros),
+            files[layer].update({base + "qweight": w.qweight.reshape(k, n // 8), base + "qzeros": int4.pack_columns(w.zeros, awq=True),
                                  base + "scales": w.scales})
         elif len(shape) == 1:
             files[layer][name] = torch.ones(shape, dtype=torch.bfloat16)
@@ -255,13 +255,6 @@ def write_awq_checkpoint(hf_config, path: Path, tokenizer: str | None, seed: int
     return path
 
 
-def _awq_pack(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [R, C] -> AutoAWQ's int32 [R, C/8] (nibble i of a word: column AWQ_ORDER[i] of its eight)."""
-    q = q.long().reshape(q.shape[0], -1, 8)[..., list(int4.AWQ_ORDER)]
-    words = (q << torch.arange(0, 32, 4)).sum(-1)
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-
-
 def _set_reduce(device: str, reduce: str) -> None:
     """Where the W4A16 kernels' split-K partials are added (CUDA): in the kernel's last program, or by a second
     kernel (w4a16.FOLD_SPLIT_K), for this process."""
@@ -275,12 +268,12 @@ def _profiled_kernels(engine, batch: int, context: int, steps: int, top: int) ->
     from torch.profiler import ProfilerActivity, profile
 
     from baton.benchmarks.decode_graphs import step_times
-    from baton.benchmarks.profile_steps import _kernels
+    from baton.benchmarks.profile_steps import kernel_times
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step_times(engine, batch, context, steps)
     torch.cuda.synchronize()
     # (the profile spans the prompts' prefill too: its kernels are the big GEMMs, listed apart by name)
-    total_ms, rows = _kernels(prof, steps, top)
+    total_ms, rows = kernel_times(prof, steps, top)
     return {"kernel_ms_per_step": round(total_ms, 3), "top": rows}
 
 

@@ -23,7 +23,7 @@ from baton.engine.config import EngineConfig
 from baton.serving.options import flag
 
 
-def _kernels(prof, steps: int, top: int) -> tuple[float, list[dict]]:
+def kernel_times(prof, steps: int, top: int) -> tuple[float, list[dict]]:
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_prefill:    # one full-budget prefill step
         ids = add(max(1, args.prefill_tokens // args.context))
         prof, wall = _profiled(engine, 1)
-        kernel_ms, top = _kernels(prof, 1, args.top)
+        kernel_ms, top = kernel_times(prof, 1, args.top)
         print(json.dumps({"phase": "prefill", **tag, "tokens": args.prefill_tokens, "wall_ms": round(1000 * wall, 2),
                           "kernel_ms": round(kernel_ms, 2), "top": top}), flush=True)
         for rid in ids:
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(3):
         engine.step()
     prof, wall = _profiled(engine, args.steps)
-    kernel_ms, top = _kernels(prof, args.steps, args.top)
+    kernel_ms, top = kernel_times(prof, args.steps, args.top)
     print(json.dumps({"phase": "decode", **tag, "batch": args.batch, "context": args.context,
                       "running": len(engine.scheduler.running), "kv_blocks": engine.runner.num_blocks,
                       "wall_ms": round(1000 * wall, 2), "kernel_ms": round(kernel_ms, 2), "top": top}), flush=True)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             phases = {k: round(1000 * v, 2) for k, v in timer.totals.items()}
         else:
             prof, _ = _profiled(engine, 1)
-            kernel_ms, top = _kernels(prof, 1, args.top)
+            kernel_ms, top = kernel_times(prof, 1, args.top)
     print(json.dumps({"phase": "mixed", **tag, "decode_rows": args.batch, "tokens": args.prefill_tokens,
                       "wall_ms": round(1000 * wall, 2), "phases_ms": phases,
                       "kernel_ms": round(kernel_ms, 2), "top": top}), flush=True)
