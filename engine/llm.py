@@ -1,6 +1,7 @@
 """The offline API, as in nano-vllm / vLLM: `LLM(model).generate(prompts, params)`."""
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import replace
@@ -17,6 +18,16 @@ from baton.progress import Progress
 Prompt = str | list[int]
 
 
+def collect_frozen_objects() -> None:
+    """The other half of freeze_startup_objects, for a process that drops an engine and goes on:
+    frozen objects are never collected, and an engine's reference cycles would keep its weights
+    and KV cache alive for good. What was frozen comes back, the dead cycles are collected, and
+    what still lives is frozen again."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **config):
         unknown = set(config) - set(EngineConfig.__dataclass_fields__)
@@ -27,6 +38,14 @@ class LLM:
         freeze_startup_objects()
         self.engine.stream_text = False        # outputs are decoded once, when they finish
         self.tokenizer = self.engine.tokenizer
+
+    def __del__(self):
+        """This LLM gone, its engine's memory (weights, KV cache) goes back: freeze_startup_objects
+        put the engine's reference cycles out of the collector's reach, so they are dropped here
+        and collected, else every LLM made in a process would stay for good."""
+        if self.__dict__.pop("engine", None) is not None:
+            self.__dict__.pop("tokenizer", None)
+            collect_frozen_objects()
 
     def default_sampling_params(self) -> SamplingParams:
         """What `generate(prompts)` samples with: the model's generation-config defaults

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 
 import pytest
 import torch
@@ -48,6 +49,19 @@ def test_greedy_matches_transformers_on_embedded_model(embedded_llm, prompt_ids,
 def test_other_block_size_gives_the_same_tokens(embedded_source, prompt_ids, hf_reference):
     llm = LLM(embedded_source.name, block_size=8, num_kv_blocks=512)
     assert [o.token_ids for o in llm.generate(prompt_ids, GREEDY32)] == hf_reference
+
+
+def test_a_dropped_llm_gives_its_engine_back(embedded_source, prompt_ids, hf_reference):
+    """Each LLM freezes what start-up made (freeze_startup_objects), its engine's reference cycles
+    included: a process making LLMs one after another (a sweep, a notebook, this suite) kept every
+    engine's weights and KV cache, ~1 GiB each here, until the LLM gave them back when it went."""
+    llm = LLM(embedded_source.name, num_kv_blocks=64)
+    engine = weakref.ref(llm.engine)
+    assert [o.token_ids for o in llm.generate(prompt_ids[:2], GREEDY32)] == hf_reference[:2]
+    del llm
+    assert engine() is None
+    again = LLM(embedded_source.name, num_kv_blocks=64)       # the next one starts and answers alike
+    assert [o.token_ids for o in again.generate(prompt_ids[:2], GREEDY32)] == hf_reference[:2]
 
 
 def test_chunked_prefill_and_preemption_keep_tokens(embedded_source, prompt_ids, hf_reference):
