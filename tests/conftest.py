@@ -29,14 +29,48 @@ SLOW_MODULES = frozenset({
 
 SHARED_STACKS = frozenset({"pd_cluster", "colocated_cluster"})
 
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadfile`): each module runs
+# whole on one worker (its module-scoped stack started once). The modules go out longest first, so
+# that neither worker is left with a long one at the end, and the modules on the shared stacks one
+# after another, so that one worker takes most of them (and starts the shared stacks once).
+# CI's serial durations (2026-11-29), in seconds; the shared stacks' modules together under SHARED.
+SHARED = "shared stacks"
+MODULE_SECONDS = {
+    "test_chaos": 158, SHARED: 150, "test_long_prompts": 113, "test_benchmarks": 74, "test_kv_direct": 57,
+    "test_speculative": 49, "test_role_switch": 49, "test_flip": 48, "test_engine": 44, "test_first_hour": 27,
+    "test_kv_events": 27, "test_compose": 24, "test_hub_models": 24, "test_expert_parallel": 23,
+    "test_async_scheduling": 22, "test_goodput": 20, "test_contract": 19, "test_startup_errors": 18,
+    "test_quantization": 17, "test_planner": 15,
+}
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    # torch's OpenMP threads sleep when they wait instead of spinning: with two workers' threads and
+    # their stacks on two cores, spinning threads took the cores from the ones with work (test_engine
+    # ran 3.4x slower beside test_chaos; passive, 1.6x). Set before torch loads its OpenMP runtime.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _module_name(item) -> str:
+    return item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else item.nodeid.split("::")[0]
+
 
 def pytest_collection_modifyitems(config, items):
     slow = pytest.mark.slow
+    shared_modules = set()
     for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+        if _module_name(item) in SLOW_MODULES:
             item.add_marker(slow)
         elif SHARED_STACKS.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(slow)
+        if SHARED_STACKS.intersection(getattr(item, "fixturenames", ())):
+            shared_modules.add(_module_name(item))
+    if XDIST_WORKER:        # every worker sorts its collection alike: xdist hands the files out in this order
+        def unit(item):
+            return SHARED if _module_name(item) in shared_modules else _module_name(item)
+        first_seen = {}
+        for i, item in enumerate(items):
+            first_seen.setdefault(unit(item), i)
+        items.sort(key=lambda it: (-MODULE_SECONDS.get(unit(it), 0), first_seen[unit(it)]))
 
 
 @pytest.fixture(scope="session")

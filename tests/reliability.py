@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import fcntl
 import json
 import os
 import time
@@ -143,13 +144,25 @@ class Report:
         entry.update(figures)
 
     def write(self) -> Path | None:
+        """Under pytest-xdist every worker has its own Report: each merges what the run's other
+        workers wrote already (same run id), under a lock, so the files hold the whole run."""
         if not self.scenarios:
             return None
         out = Path(os.environ.get("BATON_RELIABILITY_DIR", Path(__file__).resolve().parent.parent / ".reliability"))
         out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_text(json.dumps({"started": self.started, "scenarios": self.scenarios},
-                                                    indent=2, sort_keys=True))
-        (out / "report.md").write_text(self.markdown())
+        run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+        with open(out / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                earlier = json.loads((out / "report.json").read_text())
+            except (OSError, ValueError):
+                earlier = {}
+            if run is not None and earlier.get("run") == run:
+                self.scenarios = {**earlier["scenarios"], **self.scenarios}
+                self.started = min(self.started, earlier["started"])
+            (out / "report.json").write_text(json.dumps({"started": self.started, "run": run,
+                                                         "scenarios": self.scenarios}, indent=2, sort_keys=True))
+            (out / "report.md").write_text(self.markdown())
         return out
 
     def markdown(self) -> str:
