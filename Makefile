@@ -56,7 +56,7 @@ test: fresh-check $(TEST_STAMP) $(COMPOSE_STAMP)
 	$(BIN)/python -m protos.generate --check
 	$(BIN)/ruff check .
 	@# the sources' bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (CI's box), each of the
-	@# suite's few hundred processes would compile the modules it imports again (~0.17 s of CPU a worker)
+	@# suite's few hundred processes would compile the modules it imports again (~0.17 s of CPU an engine)
 	$(BIN)/python -m compileall -q -j 2 $(PACKAGE_DIRS) > /dev/null
 	$(BIN)/python -m pytest -q -x -rs --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
