@@ -43,9 +43,13 @@ class LLM:
         """This LLM gone, its engine's memory (weights, KV cache) goes back: freeze_startup_objects
         put the engine's reference cycles out of the collector's reach, so they are dropped here
         and collected, else every LLM made in a process would stay for good."""
-        if self.__dict__.pop("engine", None) is not None:
+        engine = self.__dict__.pop("engine", None)
+        if engine is not None:
+            platform = engine.runner.platform
             self.__dict__.pop("tokenizer", None)
+            del engine
             collect_frozen_objects()
+            platform.release_cached_memory()    # else the next LLM's KV sizing finds the device full
 
     def default_sampling_params(self) -> SamplingParams:
         """What `generate(prompts)` samples with: the model's generation-config defaults

@@ -229,6 +229,11 @@ class Platform(ABC):
     def synchronize(self) -> None:  # noqa: B027  (host-synchronous platforms need nothing)
         return None
 
+    def release_cached_memory(self) -> None:  # noqa: B027  (the host's allocator keeps no cache of its own)
+        """Hand the device memory the framework's allocator keeps for reuse back to the driver (a
+        dropped engine's), so that the next engine's KV sizing, which asks the driver, finds it."""
+        return None
+
     def bind_thread(self) -> None:  # noqa: B027
         """Make this platform's device the calling thread's current one (accelerators keep a
         current device per thread: kernels launch there)."""

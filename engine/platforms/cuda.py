@@ -118,6 +118,10 @@ class CudaPlatform(Platform):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def release_cached_memory(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
     def fp8_linear(self) -> str:
         """FP8 tensor cores: Ada and Hopper (compute capability 8.9) and newer."""
         major, minor = torch.cuda.get_device_capability(self.device)

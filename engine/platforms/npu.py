@@ -202,6 +202,10 @@ class NpuPlatform(Platform):
     def synchronize(self) -> None:
         self.npu.npu.synchronize(self.device)
 
+    def release_cached_memory(self) -> None:
+        self.npu.npu.synchronize(self.device)
+        self.npu.npu.empty_cache()              # torch.npu.empty_cache, as torch.cuda's
+
     def bind_thread(self) -> None:
         self.npu.npu.set_device(self.device)     # the current npu is per thread, as on CUDA
 

@@ -72,6 +72,7 @@ def emulated_torch_npu() -> SimpleNamespace:
     runtime = SimpleNamespace(
         NPUGraph=EmulatedNPUGraph, graph=_GraphContext, graph_pool_handle=lambda: _PoolHandle(0),
         synchronize=lambda device=None: None, mem_get_info=_host_memory, set_device=_set_device,
+        empty_cache=lambda: None,
         device_count=lambda: 1, current_stream=lambda device=None: _STREAM,
         is_current_stream_capturing=lambda: _state.graph is not None,
         graph_task_group_begin=_group_begin, graph_task_group_end=_group_end,
