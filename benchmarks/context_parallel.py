@@ -21,11 +21,12 @@ import time
 import torch
 
 from baton.engine import LLM, SamplingParams
+from baton.serving.options import flag
 
 
 def run(args: argparse.Namespace) -> dict:
     options = dict(device=args.device, context_parallel_size=args.cp_size, enable_prefix_caching=False,
-                   max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
+                   max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, tokenizer=args.tokenizer)
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(args.model, **options)
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=8400, help="KV blocks per rank (16 tokens each)")
     p.add_argument("--max-num-batched-tokens", type=int, help="the prefill chunk (unset: the engine's)")
     p.add_argument("--compare", metavar="JSONL", help="print the speedups of earlier runs' lines and exit")
+    flag(p, "--tokenizer", help="tokenizer directory (unset: the model's; presets: the embedded model's)")
     args = p.parse_args(argv)
     if args.compare:
         print("\n".join(compare(args.compare)))

@@ -13,6 +13,8 @@ import argparse
 import json
 import time
 
+from baton.serving.options import flag
+
 
 def used_gib(device: str) -> dict:
     """The device's memory in use (free / total as the driver says, and torch's own count), or the
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m baton.benchmarks.llm_release", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--tokenizer", default=None, help="a tokenizer directory (a preset's, where the embedded model is not at hand)")
+    flag(p, "--tokenizer", help="tokenizer directory (unset: the model's; presets: the embedded model's)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
