@@ -258,7 +258,7 @@ def test_fused_experts_skip_foreign_pairs_like_the_base_ops_also_from_a_graph(to
     d = torch.float64
     wide = (w13, w2) if fp8 else (w13.to(d), w2.to(d))
     ref = LayerOps().moe_experts(x.to(d), *wide, ids, weights.to(d), scales=scales, fp8_dots=dots, foreign=True)
-    assert (out.double() - ref.cpu()).norm() / ref.norm() < 1e-2
+    assert (out.double() - ref).norm() <= 1e-2 * ref.norm()      # on cuda:0 both (0 = 0: all pairs foreign)
     graph, replayed = cuda.capture_graph(lambda: cuda.ops.moe_experts(x, w13, w2, ids, weights, scales=scales,
                                                                       foreign=True))
     ids.copy_(torch.flip(ids, dims=[0]))                                 # another routing, replayed
