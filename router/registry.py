@@ -50,6 +50,7 @@ CHECK_TIMEOUT_S = 1.5
 HANG_GRACE_S = 5.0
 STALL_FLOOR_S, STALL_STEPS, STALL_CAP_S = 10.0, 20, 30.0
 RESOLVE_INTERVAL_S = 5.0
+WAIT_POLL_S = 0.05
 KV_WARM_TIMEOUT_S = 60.0              # one pair's KV warm-up (a device pair's communicator may take seconds)
 KV_WARM_RETRY_S = 10.0                # a pair whose warm-up failed is tried again after this
 
@@ -196,6 +197,15 @@ class Registry:
     def healthy(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:
         return [w for w in self.workers if w.role == role and w.healthy and not w.retired
                 and not w.status.draining and not w.status.switching_to and w.address not in exclude]
+
+    async def wait_until(self, ready: Callable[[], bool], seconds: float) -> bool:
+        """Up to `seconds` for the health checks to make `ready()` true; whether they did."""
+        until = time.monotonic() + max(0.0, seconds)
+        while not ready():
+            if time.monotonic() >= until:
+                return False
+            await asyncio.sleep(min(WAIT_POLL_S, until - time.monotonic()))
+        return True
 
     async def start(self) -> None:
         await self.resolve()

@@ -44,6 +44,9 @@ from baton.v1 import decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc, worke
 log = logging.getLogger("baton.router")
 MAX_ATTEMPTS = 3
 ABORT_TIMEOUT_S = 2.0
+# a pool with no healthy worker now (its one worker marked down by a failed request until its next
+# check, a scale-down's survivor not yet checked): a request waits this long for one, not 0 s
+POOL_GAP_S = 3.0
 MAX_STREAM_INTERVAL_S = 0.1            # paced streams still get a message at least this often
 MIN_STREAM_INTERVAL_S = 0.002          # shorter waits buy nothing (a step is longer)
 STALL_SLACK_S = 1.0                    # a status is up to a check round old
@@ -310,6 +313,8 @@ class RouterService:
             active.attempt += 1
             if loop.time() >= deadline:
                 raise TimeoutError(f"request {active.request_id} passed its deadline before starting")
+            if not self._servable():
+                await self.registry.wait_until(self._servable, min(POOL_GAP_S, deadline - loop.time()))
             try:
                 if self.registry.healthy("colocated") and not health.disaggregated(self.registry):
                     attempt = self._colocated(active, ids, sampling, deadline, tried)
@@ -354,6 +359,10 @@ class RouterService:
         await self.kv_line.wait(active.kv_ticket, fits, deadline)
         tried.update(short_of_room(self.registry.healthy("decode")))     # the next pick goes where there is room
         return True
+
+    def _servable(self) -> bool:
+        """Some path is healthy now: a colocated worker, or a prefill and a decode worker."""
+        return bool(self.registry.healthy("colocated")) or health.disaggregated(self.registry)
 
     def _pick(self, role: str, policy, ids, tried: set[str]) -> Worker:
         workers = self.registry.healthy(role, tried) or self.registry.healthy(role)

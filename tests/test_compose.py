@@ -229,7 +229,7 @@ def test_decode_scales_from_one_to_two_and_back_under_load(compose, tmp_path):
         load.join(timeout=180)
     requests = results[0]["requests"]
     failed = [r for r in requests if not r["ok"]]
-    assert not failed, failed[:5]
+    assert not failed, "\n".join(map(json.dumps, failed[:5])) + "\n" + compose.log("router")[-4000:]
     assert sum(r["start"] > left for r in requests) >= 4, "no request ran after the scale-down"
     for name, port, role in (("prefill", 50071, "prefill"), ("decode-2", 50061, "decode")):   # nothing held
         deadline = time.monotonic() + 30

@@ -13,6 +13,7 @@ import pytest
 from fake_worker import FakeBus, FakeContext
 
 from baton.router import registry as registry_module
+from baton.router import server as server_module
 from baton.router.config import RouterConfig
 from baton.router.registry import Registry, Worker
 from baton.router.server import RouterService
@@ -136,6 +137,39 @@ def test_a_prefill_waiting_on_a_lost_worker_is_retried_at_once():
         return await task, time.monotonic() - t0
     tokens, seconds = asyncio.run(main())
     assert tokens == [103, 104, 105] and seconds < 2                  # not the 60 s first-token timeout
+
+
+def test_a_pool_whose_one_worker_is_briefly_down_serves_the_request_once_it_is_back():
+    """One failed request marks the only decode worker down until its next health check: a request
+    arriving in that gap waits for the check (not 0 s, answering UNAVAILABLE), and is served."""
+    d = worker("d:1", "decode", FakeWorker())
+    svc = service([worker("p:1", "prefill", FakeWorker()), d])
+    d.mark_down("UNAVAILABLE: one request's attempt failed")
+
+    async def main():
+        t0 = time.monotonic()
+        task = asyncio.ensure_future(collect(svc, request(3)))
+        await asyncio.sleep(0.5)
+        d.healthy = True                                    # what its next health check does
+        return await task, time.monotonic() - t0
+    tokens, seconds = asyncio.run(main())
+    assert tokens == [103, 104, 105] and 0.5 <= seconds < 2
+
+
+def test_a_pool_that_stays_down_is_unavailable_after_the_gap_not_the_deadline():
+    d = worker("d:1", "decode", FakeWorker())
+    svc = service([worker("p:1", "prefill", FakeWorker()), d])
+    d.mark_down("DEADLINE_EXCEEDED: health check")
+
+    async def main():
+        t0 = time.monotonic()
+        try:
+            await collect(svc, request(3))
+        except Exception as exc:                     # noqa: BLE001 - the error is what is checked
+            return exc, time.monotonic() - t0
+    exc, seconds = asyncio.run(main())
+    assert getattr(exc, "code", None) == grpc.StatusCode.UNAVAILABLE and "no healthy decode" in str(exc), exc
+    assert server_module.POOL_GAP_S <= seconds < server_module.POOL_GAP_S + 1
 
 
 def test_an_abort_while_a_response_is_being_sent_ends_the_stream_cancelled():
