@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import replace
@@ -39,10 +40,12 @@ class LLM:
         self.engine.stream_text = False        # outputs are decoded once, when they finish
         self.tokenizer = self.engine.tokenizer
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):       # (bound now: at exit this module's globals may be gone)
         """This LLM gone, its engine's memory (weights, KV cache) goes back: freeze_startup_objects
         put the engine's reference cycles out of the collector's reach, so they are dropped here
         and collected, else every LLM made in a process would stay for good."""
+        if _finalizing():                       # the process ends: it all goes back anyway
+            return
         engine = self.__dict__.pop("engine", None)
         if engine is not None:
             platform = engine.runner.platform

@@ -1,12 +1,14 @@
 """The README's examples, run as written against a real stack (the shared 1 prefill + 1 decode
 cluster, its addresses put in for the README's defaults): the gRPC stub snippet, the grpcurl
-request body, the OpenAI client snippet and the offline `LLM.chat` snippet each answer the
+request body, the OpenAI client snippet and the offline `LLM.chat` snippet (as a script) each answer the
 README's question right."""
 from __future__ import annotations
 
 import contextlib
 import io
 import re
+import subprocess
+import sys
 
 from cluster import REPO
 from google.protobuf import json_format
@@ -45,7 +47,11 @@ def test_the_openai_example_answers(pd_cluster):
     assert "Paris" in run(code)
 
 
-def test_the_offline_chat_example_answers():
-    out = run(block("python", "llm.chat("))
-    assert "Paris" in out and out.rstrip().endswith("stop"), out
+def test_the_offline_chat_example_answers_as_a_script_and_exits_clean():
+    """Run as a user runs it: a script whose `llm` lives until the interpreter ends (whose exit once
+    printed a traceback from LLM.__del__)."""
+    run = subprocess.run([sys.executable, "-c", block("python", "llm.chat(")], capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert run.returncode == 0 and "Paris" in run.stdout and run.stdout.rstrip().endswith("stop"), run
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr[-2000:]
 
