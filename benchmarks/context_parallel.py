@@ -20,8 +20,8 @@ import time
 
 import torch
 
+from baton.benchmarks import flags
 from baton.engine import LLM, SamplingParams
-from baton.serving.options import flag
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=8400, help="KV blocks per rank (16 tokens each)")
     p.add_argument("--max-num-batched-tokens", type=int, help="the prefill chunk (unset: the engine's)")
     p.add_argument("--compare", metavar="JSONL", help="print the speedups of earlier runs' lines and exit")
-    flag(p, "--tokenizer", help="tokenizer directory (unset: the model's; presets: the embedded model's)")
+    flags.tokenizer(p)
     args = p.parse_args(argv)
     if args.compare:
         print("\n".join(compare(args.compare)))

@@ -16,9 +16,9 @@ import time
 
 import torch
 
+from baton.benchmarks import flags
 from baton.engine import LLMEngine, SamplingParams
 from baton.engine.config import EngineConfig
-from baton.serving.options import flag
 
 
 def step_times(engine: LLMEngine, batch: int, context: int, steps: int, seed: int = 0) -> list[float]:
@@ -72,7 +72,7 @@ class PhaseTimer:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
-    flag(p, "--tokenizer", help="tokenizer directory (unset: the model's; presets: the embedded model's)")
+    flags.tokenizer(p)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--context", type=int, default=512)

@@ -20,8 +20,8 @@ import time
 
 import torch
 
+from baton.benchmarks import flags
 from baton.engine import LLM, SamplingParams
-from baton.serving.options import flag
 
 
 def workload(args) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--device", default="cuda:0")
-    flag(p, "--tokenizer", help="tokenizer directory (unset: the model's)")
+    flags.tokenizer(p, presets=False)
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-input-len", type=int, default=16)
     p.add_argument("--max-input-len", type=int, default=512)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from baton.benchmarks import datasets
+from baton.serving.options import flag
 
 
 def split(spec: str) -> list[str]:
@@ -36,3 +37,9 @@ def parse_lengths(spec: str | None, dataset: str, flag: str) -> tuple[int, int] 
             raise ValueError(f"bad {flag} {spec!r}: use MIN:MAX, or NAME=MIN:MAX,NAME=MIN:MAX")
         by_name[name.strip()] = datasets.parse_range(rng.strip())
     return by_name.get(dataset)
+
+
+def tokenizer(parser, presets: bool = True) -> None:
+    """`--tokenizer` (and its BATON_TOKENIZER twin) as every benchmark that loads a model takes it."""
+    flag(parser, "--tokenizer", help="tokenizer directory (unset: the model's"
+                                     + ("; presets: the embedded model's)" if presets else ")"))

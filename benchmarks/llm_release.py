@@ -13,7 +13,7 @@ import argparse
 import json
 import time
 
-from baton.serving.options import flag
+from baton.benchmarks import flags
 
 
 def used_gib(device: str) -> dict:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m baton.benchmarks.llm_release", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--device", default="cpu")
-    flag(p, "--tokenizer", help="tokenizer directory (unset: the model's; presets: the embedded model's)")
+    flags.tokenizer(p)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from baton.benchmarks import ceilings, record
+from baton.benchmarks import ceilings, flags, record
 from baton.benchmarks.model_shape import DTYPE_BYTES, shape_of
 from baton.benchmarks.roofline import Ceilings, CostModel, StepShape, roofline_report
 from baton.benchmarks.stats import summarize
@@ -25,7 +25,6 @@ from baton.engine.config import (
     QUANTIZATION_METHODS,
     EngineConfig,
 )
-from baton.serving.options import flag
 
 FULL = dict(model="qwen3-0.6b", num_seqs=256, min_input_len=100, max_input_len=1024, min_output_len=100,
             max_output_len=1024, device=None)
@@ -57,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     e = p.add_argument_group("baton engine knobs (EngineConfig)")
     d = EngineConfig()
-    flag(e, "--tokenizer", help="tokenizer directory (unset: the model's; presets: the embedded model's)")
+    flags.tokenizer(e)
     e.add_argument("--block-size", type=int, default=d.block_size, help="KV block size in tokens")
     e.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
     e.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="tokens per step")
