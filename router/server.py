@@ -44,8 +44,9 @@ from baton.v1 import decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc, worke
 log = logging.getLogger("baton.router")
 MAX_ATTEMPTS = 3
 ABORT_TIMEOUT_S = 2.0
-# a pool with no healthy worker now (its one worker marked down by a failed request until its next
-# check, a scale-down's survivor not yet checked): a request waits this long for one, not 0 s
+# no path now, but a worker passed a check this recently (a pool's one worker marked down by a
+# failed request until its next check, a scale-down's survivor not checked yet): a request waits
+# this long for one, not 0 s; a pool that never came up, or is gone for longer, fails at once
 POOL_GAP_S = 3.0
 MAX_STREAM_INTERVAL_S = 0.1            # paced streams still get a message at least this often
 MIN_STREAM_INTERVAL_S = 0.002          # shorter waits buy nothing (a step is longer)
@@ -313,7 +314,7 @@ class RouterService:
             active.attempt += 1
             if loop.time() >= deadline:
                 raise TimeoutError(f"request {active.request_id} passed its deadline before starting")
-            if not self._servable():
+            if not self._servable() and self.registry.seen_within(POOL_GAP_S):
                 await self.registry.wait_until(self._servable, min(POOL_GAP_S, deadline - loop.time()))
             try:
                 if self.registry.healthy("colocated") and not health.disaggregated(self.registry):

@@ -144,6 +144,7 @@ def test_a_pool_whose_one_worker_is_briefly_down_serves_the_request_once_it_is_b
     arriving in that gap waits for the check (not 0 s, answering UNAVAILABLE), and is served."""
     d = worker("d:1", "decode", FakeWorker())
     svc = service([worker("p:1", "prefill", FakeWorker()), d])
+    d.last_seen = time.monotonic()                          # its last health check passed
     d.mark_down("UNAVAILABLE: one request's attempt failed")
 
     async def main():
@@ -156,10 +157,10 @@ def test_a_pool_whose_one_worker_is_briefly_down_serves_the_request_once_it_is_b
     assert tokens == [103, 104, 105] and 0.5 <= seconds < 2
 
 
-def test_a_pool_that_stays_down_is_unavailable_after_the_gap_not_the_deadline():
+def test_a_pool_that_stays_down_is_unavailable_after_the_gap_and_one_never_up_at_once(monkeypatch):
+    monkeypatch.setattr(server_module, "POOL_GAP_S", 1.0)
     d = worker("d:1", "decode", FakeWorker())
     svc = service([worker("p:1", "prefill", FakeWorker()), d])
-    d.mark_down("DEADLINE_EXCEEDED: health check")
 
     async def main():
         t0 = time.monotonic()
@@ -167,9 +168,14 @@ def test_a_pool_that_stays_down_is_unavailable_after_the_gap_not_the_deadline():
             await collect(svc, request(3))
         except Exception as exc:                     # noqa: BLE001 - the error is what is checked
             return exc, time.monotonic() - t0
+    d.mark_down("UNAVAILABLE: connection refused")                  # never passed a check: no wait
     exc, seconds = asyncio.run(main())
     assert getattr(exc, "code", None) == grpc.StatusCode.UNAVAILABLE and "no healthy decode" in str(exc), exc
-    assert server_module.POOL_GAP_S <= seconds < server_module.POOL_GAP_S + 1
+    assert seconds < 0.5
+    d.last_seen = time.monotonic()                                  # passed one just now, then lost
+    exc, seconds = asyncio.run(main())
+    assert getattr(exc, "code", None) == grpc.StatusCode.UNAVAILABLE and "no healthy decode" in str(exc), exc
+    assert 1.0 <= seconds < 2.0
 
 
 def test_an_abort_while_a_response_is_being_sent_ends_the_stream_cancelled():
