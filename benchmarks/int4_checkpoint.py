@@ -46,7 +46,6 @@ LEVELS = 15                 # 4 bits: q in 0..15
 CALIBRATION_TOKENS = 2048   # GPTQ's Hessians from this many tokens (its paper: 128 windows of 2,048). Each layer's
                             # calibration re-runs the layers before it, so the cost is tokens x layers^2: ~1 min
                             # for the 135M model on two cores, ~4 at 8k (which scored no better: docs/benchmarks.md)
-CALIBRATION_WINDOW = 1024
 
 
 def group_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,22 +132,6 @@ def _split(name: str, q, scales, zeros, g_idx, hf) -> dict[str, tuple]:
 
 
 @torch.no_grad()
-def calibration_windows(tokenizer_dir: str, tokens: int, width: int) -> list[torch.Tensor]:
-    """`tokens` calibration token ids in windows of `width`, taken in turn from each of
-    engine/runner/fp8_rounding.py's texts (prose, code) from their starts (at the defaults: the first
-    1,024 of each, as the load-time FP8 rounding takes them)."""
-    from transformers import AutoTokenizer
-
-    from baton.engine.runner import fp8_rounding
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    texts = [tokenizer(t)["input_ids"] for t in fp8_rounding.calibration_texts()]
-    windows, i = [], 0
-    while sum(len(w) for w in windows) < tokens and any(len(t) >= (i + 1) * width for t in texts):
-        windows += [torch.tensor(t[i * width:(i + 1) * width]) for t in texts if len(t) >= (i + 1) * width]
-        i += 1
-    return windows
-
-
 def make_checkpoint(model: str, out: Path, group: int, rounding: str, act_order: bool = False,
                     calibration_tokens: int = CALIBRATION_TOKENS) -> dict:
     """`model`'s INT4 GPTQ checkpoint in `out` (the module's docstring); returns what was done."""
@@ -176,8 +159,8 @@ def make_checkpoint(model: str, out: Path, group: int, rounding: str, act_order:
     if act_order and rounding != "gptq":
         raise ValueError("act-order orders the rows by GPTQ's Hessian: it goes with --roundings gptq")
     if rounding == "gptq":        # the next layer calibrates on what the rounded ones give it, as GPTQ does
-        windows = calibration_windows(source.tokenizer_dir(), calibration_tokens,
-                                      min(CALIBRATION_WINDOW, getattr(hf, "max_position_embeddings", 2048)))
+        windows = fp8_rounding.calibration_windows(source.tokenizer_dir(), getattr(hf, "max_position_embeddings", 2048),
+                                                   calibration_tokens)
         fp8_rounding.calibrate_layers(runner.model, runner.platform, runner.model.head_dim ** -0.5, windows,
                                       runner.device, round_layer, "INT4 weights")
     elif rounding == "rtn":

@@ -46,13 +46,21 @@ def calibration_texts() -> list[str]:
             inspect.getsource(collections) + "\n\n" + inspect.getsource(functools)]
 
 
-def calibration_windows(tokenizer_dir: str, max_positions: int) -> list[torch.Tensor]:
+def calibration_windows(tokenizer_dir: str, max_positions: int, tokens: int | None = None) -> list[torch.Tensor]:
     """The calibration token ids: the first CALIBRATION_WINDOW tokens of each text (fewer where the
-    model's context is shorter)."""
+    model's context is shorter); with `tokens`, whole windows of that width taken in turn from each
+    text, from its start on, until there are that many (or the texts run out: GPTQ's calibration)."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     width = max(2, min(CALIBRATION_WINDOW, max_positions))
-    return [torch.tensor(tokenizer(text)["input_ids"][:width]) for text in calibration_texts()]
+    texts = [tokenizer(text)["input_ids"] for text in calibration_texts()]
+    if tokens is None:
+        return [torch.tensor(t[:width]) for t in texts]
+    windows, i = [], 0
+    while sum(len(w) for w in windows) < tokens and any(len(t) >= (i + 1) * width for t in texts):
+        windows += [torch.tensor(t[i * width:(i + 1) * width]) for t in texts if len(t) >= (i + 1) * width]
+        i += 1
+    return windows
 
 
 class _LayerDone(Exception):
