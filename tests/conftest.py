@@ -36,7 +36,7 @@ SHARED_STACKS = frozenset({"pd_cluster", "colocated_cluster"})
 # CI's serial durations (2026-11-29), in seconds; the shared stacks' modules together under SHARED.
 SHARED = "shared stacks"
 MODULE_SECONDS = {
-    "test_chaos": 158, SHARED: 150, "test_long_prompts": 113, "test_benchmarks": 74, "test_kv_direct": 57,
+    "test_chaos": 158, SHARED: 150, "test_long_prompts": 66, "test_benchmarks": 74, "test_kv_direct": 57,
     "test_speculative": 49, "test_role_switch": 49, "test_flip": 48, "test_engine": 44, "test_first_hour": 27,
     "test_kv_events": 27, "test_compose": 24, "test_hub_models": 24, "test_expert_parallel": 23,
     "test_async_scheduling": 22, "test_goodput": 20, "test_contract": 19, "test_startup_errors": 18,
