@@ -198,11 +198,12 @@ class Registry:
         return [w for w in self.workers if w.role == role and w.healthy and not w.retired
                 and not w.status.draining and not w.status.switching_to and w.address not in exclude]
 
-    def seen_within(self, seconds: float) -> bool:
-        """Some worker passed a health check in the last `seconds` (a pool in a gap, not one that
-        never came up or went for good)."""
+    def seen_within(self, seconds: float, roles: set[str]) -> bool:
+        """A worker of one of `roles` passed a health check in the last `seconds` (a pool in a gap,
+        not one that never came up or went for good)."""
         now = time.monotonic()
-        return any(w.last_seen and now - w.last_seen <= seconds for w in self.workers if not w.retired)
+        return any(w.last_seen and now - w.last_seen <= seconds for w in self.workers
+                   if w.role in roles and not w.retired)
 
     async def wait_until(self, ready: Callable[[], bool], seconds: float) -> bool:
         """Up to `seconds` for the health checks to make `ready()` true; whether they did."""

@@ -314,7 +314,7 @@ class RouterService:
             active.attempt += 1
             if loop.time() >= deadline:
                 raise TimeoutError(f"request {active.request_id} passed its deadline before starting")
-            if not self._servable() and self.registry.seen_within(POOL_GAP_S):
+            if not self._servable() and self.registry.seen_within(POOL_GAP_S, self._missing_roles()):
                 await self.registry.wait_until(self._servable, min(POOL_GAP_S, deadline - loop.time()))
             try:
                 if self.registry.healthy("colocated") and not health.disaggregated(self.registry):
@@ -364,6 +364,11 @@ class RouterService:
     def _servable(self) -> bool:
         """Some path is healthy now: a colocated worker, or a prefill and a decode worker."""
         return bool(self.registry.healthy("colocated")) or health.disaggregated(self.registry)
+
+    def _missing_roles(self) -> set[str]:
+        """The roles whose health would give a request a path: colocated, and prefill or decode
+        where that pool has no healthy worker."""
+        return {"colocated"} | {r for r in ("prefill", "decode") if not self.registry.healthy(r)}
 
     def _pick(self, role: str, policy, ids, tried: set[str]) -> Worker:
         workers = self.registry.healthy(role, tried) or self.registry.healthy(role)

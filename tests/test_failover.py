@@ -172,6 +172,9 @@ def test_a_pool_that_stays_down_is_unavailable_after_the_gap_and_one_never_up_at
     exc, seconds = asyncio.run(main())
     assert getattr(exc, "code", None) == grpc.StatusCode.UNAVAILABLE and "no healthy decode" in str(exc), exc
     assert seconds < 0.5
+    svc.registry.workers[0].last_seen = time.monotonic()            # the prefill worker's check: no reason to wait
+    exc, seconds = asyncio.run(main())
+    assert seconds < 0.5
     d.last_seen = time.monotonic()                                  # passed one just now, then lost
     exc, seconds = asyncio.run(main())
     assert getattr(exc, "code", None) == grpc.StatusCode.UNAVAILABLE and "no healthy decode" in str(exc), exc

@@ -50,8 +50,8 @@ def test_the_openai_example_answers(pd_cluster):
 def test_the_offline_chat_example_answers_as_a_script_and_exits_clean():
     """Run as a user runs it: a script whose `llm` lives until the interpreter ends (whose exit once
     printed a traceback from LLM.__del__)."""
-    run = subprocess.run([sys.executable, "-c", block("python", "llm.chat(")], capture_output=True, text=True,
-                         timeout=300, cwd=REPO)
-    assert run.returncode == 0 and "Paris" in run.stdout and run.stdout.rstrip().endswith("stop"), run
-    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-c", block("python", "llm.chat(")], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert proc.returncode == 0 and "Paris" in proc.stdout and proc.stdout.rstrip().endswith("stop"), proc
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
 
