@@ -25,8 +25,7 @@ def collect_frozen_objects() -> None:
     and KV cache alive for good. What was frozen comes back, the dead cycles are collected, and
     what still lives is frozen again."""
     gc.unfreeze()
-    gc.collect()
-    gc.freeze()
+    freeze_startup_objects()
 
 
 class LLM:
