@@ -33,7 +33,8 @@ SHARED_STACKS = frozenset({"pd_cluster", "colocated_cluster"})
 # whole on one worker (its module-scoped stack started once). The modules go out longest first, so
 # that neither worker is left with a long one at the end, and the modules on the shared stacks one
 # after another, so that one worker takes most of them (and starts the shared stacks once).
-# CI's serial durations (2026-11-29), in seconds; the shared stacks' modules together under SHARED.
+# CI's serial durations (2026-11-29), in seconds (test_long_prompts: after its two 7k tests became one);
+# the shared stacks' modules together under SHARED.
 SHARED = "shared stacks"
 MODULE_SECONDS = {
     "test_chaos": 158, SHARED: 150, "test_long_prompts": 66, "test_benchmarks": 74, "test_kv_direct": 57,
