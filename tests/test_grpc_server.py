@@ -1,14 +1,17 @@
-"""serving/grpc_server.py's wrappers: an error becomes its status; a call that ended under the
-answer (the client cancelled, or its deadline passed as the error was sent) ends quietly."""
+"""serving/grpc_server.py: an error becomes its status; a call that ended under the answer (the
+client cancelled, or its deadline passed as the error was sent) ends quietly; a burst of calls is
+taken whole."""
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.serving.grpc_server import ServiceError, _wrap_unary
+from baton.serving.grpc_server import Server, ServiceError, _wrap_unary
 
 
 class Context:
@@ -44,3 +47,30 @@ def test_an_error_for_a_call_that_already_ended_is_not_logged_as_one(caplog):
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(_wrap_unary(_failing)(object(), Context(ended=True)))
     assert not [r for r in caplog.records if r.levelno >= logging.INFO], caplog.text
+
+
+def test_a_burst_of_calls_is_taken_whole_not_shed_by_grpcs_pending_limit():
+    """3,000 calls at once: gRPC's default cancels those beyond 1,000 not yet taken up by the event
+    loop (a bare CANCELLED the server never sees: 758 of 3,000 here before); Baton's servers take
+    them all and leave shedding to their own queues."""
+    async def burst() -> Counter:
+        server = Server("127.0.0.1", 0, [])
+        await server.start()
+        channels = [grpc.aio.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(16)]
+        stubs = [health_pb2_grpc.HealthStub(ch) for ch in channels]
+
+        async def one(i: int) -> str:
+            try:
+                await stubs[i % len(stubs)].Check(health_pb2.HealthCheckRequest(), timeout=60)
+                return "OK"
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+        try:
+            await asyncio.gather(*(ch.channel_ready() for ch in channels))
+            return Counter(await asyncio.gather(*(one(i) for i in range(3000))))
+        finally:
+            for ch in channels:
+                await ch.close()
+            await server.server.stop(0)
+    assert asyncio.run(burst()) == {"OK": 3000}
