@@ -84,6 +84,8 @@
 # it to 5 %, from the plan's predictions; auto = the plan's picks + 4colocated). The search shares what is left
 # of G_CALL_S (default 530 s from the script's start) among the searches; what it could not finish it reports
 # as a bracket. One call's files: gpu.txt, plan/profile JSON, g2-$G_TAG.json, g2-$G_TAG.tgz (plots, logs).
+# G_ARGS: more bench serve flags, e.g. "--routers 3" (router processes sharing the port: one carries ~250 short
+# streams a second).
 #   STEPS="plan goodput" G_DATASETS=prefill-heavy G_TOPOLOGIES=auto bash benchmarks/cuda_session.sh
 #   STEPS=goodput G_DATASETS=mixed G_TOPOLOGIES=4colocated,3p1d G_TAG=-mixed bash benchmarks/cuda_session.sh
 # Roles that follow the load (issue 52; four GPUs): flip (bench flip: prefill-heavy then decode-heavy, each split of
@@ -336,7 +338,7 @@ runpy.run_module('baton', run_name='__main__')" bench offline --model $m --devic
               --topologies ${G_TOPOLOGIES:-auto} --devices ${G_DEVICES:-cuda:0,cuda:1,cuda:2,cuda:3} --kv-backend ${G_KV:-direct} \
               --dataset ${G_DATASETS:-prefill-heavy,decode-heavy,mixed} --input-len "$G_IN" --output-len "$G_OUTL" \
               --slo-ttft-ms ${G_TTFT:-1000} --slo-tpot-ms ${G_TPOT:-25,15} --worker-args="${G_WORKER_ARGS:-}" \
-              ${plan:+--plan $plan} --probe-seconds $G_PROBE_S --probe-lifetimes $G_LIFETIMES --time-budget-s $left \
+              ${plan:+--plan $plan} --probe-seconds $G_PROBE_S --probe-lifetimes $G_LIFETIMES --time-budget-s $left ${G_ARGS:-} \
               --output "$OUT/g2${G_TAG:-}.json" --log-dir "$OUT/g2${G_TAG:-}-logs" 2>&1 | tee "$OUT/g2${G_TAG:-}.log" \
               | grep "^\[bench\]" | grep -v "requests done"
             mv "$OUT"/g2${G_TAG:-}-*.png "$OUT/g2${G_TAG:-}.log" "$OUT/g2${G_TAG:-}-logs/" 2>/dev/null

@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class Deployment:
     children: list[Child] = field(default_factory=list)
     log_dir: Path | None = None
     http_url: str = ""                          # the router's OpenAI API
+    router_metrics: list[str] = field(default_factory=list)    # each router process's /metrics
 
     @property
     def metrics_urls(self) -> list[str]:
@@ -60,7 +62,7 @@ class Deployment:
 
     def describe(self) -> dict:
         return {"topology": self.topology, "router": self.router_address, "http": self.http_url,
-                "workers": self.workers,
+                "routers": max(1, len(self.router_metrics)), "workers": self.workers,
                 "log_dir": str(self.log_dir) if self.log_dir else None}
 
     def stop(self) -> None:
@@ -157,10 +159,14 @@ def _env(workers: list[tuple[str, list[str]]]) -> dict:
 
 
 def launch(topology: str, model: str, devices: list[str], worker_args: list[str], log_dir: Path,
-           router_args: list[str] = (), host: str = "127.0.0.1", switchable: bool = False) -> Deployment:
+           router_args: list[str] = (), host: str = "127.0.0.1", switchable: bool = False,
+           routers: int = 1) -> Deployment:
     """Start the workers, then the router; return once every process reports SERVING. `switchable`:
     every worker is a `baton decode --role ROLE` one, whose role can change in place (a `baton
-    prefill` worker's cannot)."""
+    prefill` worker's cannot). `routers` > 1: that many router processes share the router's ports
+    (--reuse-port), each with a metrics port of its own, as replicas behind one Service would."""
+    if routers < 1:
+        raise ValueError(f"routers must be >= 1, got {routers}")
     workers = plan(topology, devices)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = _env(workers)
@@ -199,11 +205,31 @@ def launch(topology: str, model: str, devices: list[str], worker_args: list[str]
         dep.http_url = f"http://{host}:{http_port}/v1"          # the OpenAI API, for OpenAI-API load tools
         cmd = [sys.executable, "-m", "baton.router", "--host", host, "--port", str(port), "--model", model,
                "--http-port", str(http_port), *flags, *router_args]
-        wait_ready(start("router", cmd, dep.router_address), log_dir)
+        if routers == 1:
+            dep.router_metrics = [f"http://{host}:{http_port}/metrics"]
+            wait_ready(start("router", cmd, dep.router_address), log_dir)
+        for i in range(routers if routers > 1 else 0):   # one after another: each is ready once its log says so
+            mport = free_port(host)
+            dep.router_metrics.append(f"http://{host}:{mport}/metrics")
+            wait_logged(start(f"router-{i}", [*cmd, "--reuse-port", "--metrics-port", str(mport)], dep.router_address),
+                        log_dir, "router ready on")
     except BaseException:
         dep.stop()
         raise
     return dep
+
+
+def wait_logged(child: Child, log_dir: Path, line: str) -> None:
+    """Until `child`'s log holds `line` (a process sharing its port with others, whose health check
+    any of them may answer); LaunchError, with the log's tail, if it exits or times out first."""
+    log = log_dir / f"{child.name}.log"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while line not in log.read_text(errors="replace"):
+        if child.proc.poll() is not None or time.monotonic() > deadline:
+            why = "exited" if child.proc.poll() is not None else f"not ready after {START_TIMEOUT_S:.0f}s"
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+            raise LaunchError(f"{child.name} {why}\n--- {log} ---\n{tail}")
+        time.sleep(0.2)
 
 
 def wait_ready(child: Child, log_dir: Path) -> None:

@@ -100,23 +100,22 @@ def router_metrics_url(http_url: str) -> str:
     return http_url.rstrip("/").removesuffix("/v1") + "/metrics"
 
 
-def stage_totals(url: str | None, timeout: float = 5.0) -> dict[str, tuple[float, float]]:
-    """{stage: (seconds summed, requests)} of the router's stage histogram now (summed over models);
-    {} when there is no URL or it does not answer."""
-    if not url:
-        return {}
-    try:
-        text = _text(url, timeout)
-    except OSError:
-        return {}
+def stage_totals(urls: list[str], timeout: float = 5.0) -> dict[str, tuple[float, float]]:
+    """{stage: (seconds summed, requests)} of the routers' stage histograms now (summed over models
+    and routers); {} when there is no URL or one does not answer (a partial sum would mislead)."""
     totals: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != STAGES:
-            continue
-        for s in family.samples:
-            if s.name in (f"{STAGES}_sum", f"{STAGES}_count"):
-                t = totals.setdefault(s.labels["stage"], [0.0, 0.0])
-                t[s.name.endswith("_count")] += s.value
+    for url in urls:
+        try:
+            text = _text(url, timeout)
+        except OSError:
+            return {}
+        for family in text_string_to_metric_families(text):
+            if family.name != STAGES:
+                continue
+            for s in family.samples:
+                if s.name in (f"{STAGES}_sum", f"{STAGES}_count"):
+                    t = totals.setdefault(s.labels["stage"], [0.0, 0.0])
+                    t[s.name.endswith("_count")] += s.value
     return {stage: (t[0], t[1]) for stage, t in totals.items()}
 
 

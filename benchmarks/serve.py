@@ -76,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--worker-args", default=None, help="extra flags for every launched worker, e.g. "
                    "'--num-kv-blocks 4096 --max-num-seqs 128' (smoke: '--num-kv-blocks 128 --max-num-seqs 16')")
     t.add_argument("--router-args", default="", help="extra flags for a launched router, e.g. '--policy least_loaded'")
+    t.add_argument("--routers", type=int, default=1, help="router processes of a launched deployment, sharing its "
+                   "ports (--reuse-port): one router process carries some 250 short streams a second on one core")
     t.add_argument("--log-dir", default=None, help="worker logs (default: next to the JSON)")
     t.add_argument("--device", default=None,
                    help="device whose ceilings are recorded (default: the launched prefill device; for --addr: cpu)")
@@ -200,7 +202,7 @@ def summarize_rate(rate: float, results: list[loadgen.RequestResult], wall: floa
 
 
 async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str], http_url: str | None = None,
-                router_metrics: str | None = None, salt: int = 0) -> dict:
+                router_metrics: list[str] = (), salt: int = 0) -> dict:
     """Every rate of args.rates against one deployment. `salt`: this deployment's pass number (one per --api
     entry): a later pass sends prompts of the same lengths with other token ids, so it does not find the earlier
     passes' prompts in the workers' prefix caches."""
@@ -306,13 +308,13 @@ def run(args: argparse.Namespace, rec: dict) -> None:
             if args.kv_backend and "colocated" not in name:
                 worker_args += ["--kv-backend", args.kv_backend]
             dep = deployment.launch(name, args.model, pool, worker_args, log_root / name,
-                                    shlex.split(args.router_args))
+                                    shlex.split(args.router_args), routers=args.routers)
             try:
                 for salt, api in enumerate(args.apis):
                     key = _key(name, api, args.apis)
                     topologies[key] = asyncio.run(sweep(args, dep.router_address, dep.metrics_urls,
                                                         dep.http_url if api == "openai" else None,
-                                                        prometheus.router_metrics_url(dep.http_url), salt))
+                                                        dep.router_metrics, salt))
                     topologies[key]["deployment"] = dep.describe() | {"kv_backend": args.kv_backend or "grpc",
                                                                       "devices": dep.devices, "api": api}
             finally:
@@ -325,7 +327,7 @@ def run(args: argparse.Namespace, rec: dict) -> None:
         for salt, api in enumerate(args.apis):
             key = _key(args.label, api, args.apis)
             topologies[key] = asyncio.run(sweep(args, args.addr, urls, http_url if api == "openai" else None,
-                                                prometheus.router_metrics_url(http_url), salt))
+                                                [prometheus.router_metrics_url(http_url)], salt))
             topologies[key]["deployment"] = {"router": args.addr, "metrics_urls": urls, "api": api,
                                              "http_url": http_url if api == "openai" else None}
         rec["model"] = _shape_or_name(next(iter(topologies.values()))["model_info"]["name"])

@@ -124,7 +124,7 @@ def predicted(plan: dict, dataset: str, slo: SLO, topology: str) -> float | None
 # -- one deployment ------------------------------------------------------------------------------
 async def search_workload(args: argparse.Namespace, address: str, dataset: str, metrics_urls: list[str],
                           num_devices: int, starts: dict[str, float], deadline: float | None,
-                          http_url: str | None = None, router_metrics: str | None = None) -> dict:
+                          http_url: str | None = None, router_metrics: list[str] = ()) -> dict:
     """Every SLO pair's goodput of one workload on one running deployment."""
     info, _ = await loadgen.model_info(address)
     in_len, out_len = args.lengths[dataset]
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace, topologies: list[str], pool: list[str], log_ro
         t0 = time.monotonic()
         try:
             dep = deployment.launch(name, args.model, pool, _worker_args(args, name), log_root / name,
-                                    shlex.split(args.router_args))
+                                    shlex.split(args.router_args), routers=args.routers)
         except deployment.LaunchError as exc:       # one topology that cannot start must not end the matrix
             print(f"[bench] {name}: did not start: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
             budget.launched(time.monotonic() - t0)
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace, topologies: list[str], pool: list[str], log_ro
                 res = asyncio.run(search_workload(args, dep.router_address, ds, dep.metrics_urls,
                                                   deployment.parse(name).num_devices, starts, budget.deadline(),
                                                   dep.http_url if args.apis == ["openai"] else None,
-                                                  prometheus.router_metrics_url(dep.http_url)))
+                                                  dep.router_metrics))
                 res["deployment"] = dep.describe() | {"kv_backend": args.kv_backend or "grpc", "devices": dep.devices}
                 res["predicted"] = {k: v for k, v in starts.items()}
                 by_workload[ds][name] = res
@@ -232,7 +232,7 @@ def run_external(args: argparse.Namespace, metrics_urls: list[str]) -> dict:
         api_url = args.http_url or f"http://{args.addr.rsplit(':', 1)[0]}:8000/v1"
         http_url = api_url if args.apis == ["openai"] else None
         res = asyncio.run(search_workload(args, args.addr, ds, metrics_urls, args.num_devices or 0, starts,
-                                          budget.deadline(), http_url, prometheus.router_metrics_url(api_url)))
+                                          budget.deadline(), http_url, [prometheus.router_metrics_url(api_url)]))
         res["deployment"] = {"router": args.addr, "metrics_urls": metrics_urls}
         out[ds] = {args.label: res}
         _print_goodput(args.label, res)

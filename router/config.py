@@ -51,6 +51,7 @@ class RouterConfig(ServerConfig):
     trust_request_chat_template: bool = False   # a request may bring its own chat template
     reasoning_parser: str | None = None # "qwen3" or "deepseek_r1": <think>...</think> -> reasoning (chats)
     worker_metrics: bool = False        # /metrics on the HTTP port serves the workers' metrics too (baton serve)
+    reuse_port: bool = False            # share --port / --http-port with other routers on this host (SO_REUSEPORT)
 
     def validate(self) -> None:
         for name in ("max_prompt_tokens", "max_new_tokens", "max_per_client"):
@@ -112,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
          help="serve every worker's Prometheus metrics beside the router's own on the HTTP port's /metrics, "
               "labelled by worker and role: one scrape target for a deployment (baton serve turns it on; "
               "leave it off where Prometheus scrapes each worker itself, or their series would count twice)")
+    flag(p, "--reuse-port", type=bool, default=defaults(RouterConfig).reuse_port,
+         help="share --port and --http-port with other routers started with it on this host: the kernel deals "
+              "connections out among them (SO_REUSEPORT), for a request rate one router process cannot carry; "
+              "off: a taken port is an error")
     add_router_args(p)
     return p
 
@@ -211,7 +216,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
                        stream_message_rate=args.stream_message_rate,
                        generation_config=args.generation_config, chat_template=args.chat_template,
                        trust_request_chat_template=args.trust_request_chat_template,
-                       reasoning_parser=args.reasoning_parser, worker_metrics=args.worker_metrics)
+                       reasoning_parser=args.reasoning_parser, worker_metrics=args.worker_metrics,
+                       reuse_port=args.reuse_port)
     cfg.validate()
     return cfg
 

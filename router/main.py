@@ -36,7 +36,7 @@ async def serve(cfg: RouterConfig) -> None:
     auth = TokenAuth(cfg.auth_tokens) if cfg.auth_tokens else None
     # a hard bound under admission control: gRPC itself refuses RPCs beyond it
     server = Server(cfg.host, cfg.port, ["baton.v1.Router", "baton.v1.Admin"], tls=cfg.tls, interceptors=[auth] if auth else [],
-                    max_concurrent_rpcs=cfg.max_inflight + cfg.max_queued + 256)
+                    max_concurrent_rpcs=cfg.max_inflight + cfg.max_queued + 256, reuse_port=cfg.reuse_port)
     metrics = Metrics("router")
     metrics.serve(cfg.metrics_port, cfg.host)
     http = None

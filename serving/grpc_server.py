@@ -206,11 +206,15 @@ class Server:
 
     Plaintext unless `tls` is enabled (then TLS, mutual when it requires client certs).
     `max_concurrent_rpcs` is a hard bound: gRPC itself answers RESOURCE_EXHAUSTED beyond it.
+    `reuse_port`: other servers started so may listen on the same port (SO_REUSEPORT: the kernel
+    deals connections out among them); off, a taken port is an error.
     """
 
     def __init__(self, host: str, port: int, service_names: Iterable[str], tls: TLSConfig | None = None,
-                 interceptors: Iterable[grpc.aio.ServerInterceptor] = (), max_concurrent_rpcs: int | None = None):
-        self.server = grpc.aio.server(interceptors=[*interceptors, ErrorMapper()], options=SERVER_OPTIONS,
+                 interceptors: Iterable[grpc.aio.ServerInterceptor] = (), max_concurrent_rpcs: int | None = None,
+                 reuse_port: bool = False):
+        options = [(k, 1 if k == "grpc.so_reuseport" and reuse_port else v) for k, v in SERVER_OPTIONS]
+        self.server = grpc.aio.server(interceptors=[*interceptors, ErrorMapper()], options=options,
                                       maximum_concurrent_rpcs=max_concurrent_rpcs)
         self.health = HealthService()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -219,7 +223,7 @@ class Server:
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
         self.address = f"{host}:{port}"
-        if port and not port_is_free(host, port):
+        if port and not reuse_port and not port_is_free(host, port):
             raise PortInUse(f"cannot listen on {self.address}: the port is in use (another Baton process?); stop "
                             "the other process or pick another with --port")
         try:

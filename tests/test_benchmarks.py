@@ -452,8 +452,9 @@ def test_kv_smoke_measures_grpc_direct_and_nixl_against_their_references(tmp_pat
 
 
 def test_serve_smoke_launches_1p1d_and_reports_every_request(tmp_path):
-    """The same load through the gRPC API and through the router's OpenAI API."""
-    data = _bench(tmp_path, "serve", "--smoke", "--api", "grpc,openai", timeout=400)
+    """The same load through the gRPC API and through the router's OpenAI API, served by two router
+    processes sharing the ports (--routers 2): the router's stage figures add up over both."""
+    data = _bench(tmp_path, "serve", "--smoke", "--api", "grpc,openai", "--routers", "2", timeout=400)
     topos = data["results"]["topologies"]
     assert set(topos) == {"1p1d@grpc", "1p1d@openai"}
     lengths = {api: [r["output_tokens"] for p in topos[f"1p1d@{api}"]["rates"] for r in p["requests"]]
@@ -480,6 +481,7 @@ def test_serve_smoke_launches_1p1d_and_reports_every_request(tmp_path):
         assert sum(s["mean_s"] for s in stages.values()) == pytest.approx(mean_e2e, rel=0.25)   # its clock, ours
         assert 0 <= p["slo_attainment"] <= 1
     assert {w["role"] for w in topo["deployment"]["workers"]} == {"prefill", "decode"}
+    assert topo["deployment"]["routers"] == 2
     assert all(path.endswith(".png") for path in data["results"]["plots"])
 
 

@@ -11,7 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from baton.serving.grpc_server import Server, ServiceError, _wrap_unary
+from baton.serving.grpc_server import PortInUse, Server, ServiceError, _wrap_unary
+from baton.serving.processes import free_port
 
 
 class Context:
@@ -74,3 +75,33 @@ def test_a_burst_of_calls_is_taken_whole_not_shed_by_grpcs_pending_limit():
                 await ch.close()
             await server.server.stop(0)
     assert asyncio.run(burst()) == {"OK": 3000}
+
+
+def test_servers_share_a_port_only_when_each_asks_to():
+    """`baton router --reuse-port`: several routers on one host listen on one port and the kernel deals
+    connections out among them; without it a taken port is refused at once, as before."""
+    async def run() -> set[str]:
+        first = Server("127.0.0.1", free_port(), ["first"], reuse_port=True)
+        port = first.port
+        second = Server("127.0.0.1", port, ["second"], reuse_port=True)
+        with pytest.raises(PortInUse, match="in use"):
+            Server("127.0.0.1", port, [])
+        for s in (first, second):
+            await s.start()
+        answered = set()
+        try:
+            for _ in range(40):            # a new connection each time; each server knows its own name only
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                                     options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+                    try:
+                        await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="first"),
+                                                                   timeout=10)
+                        answered.add("first")
+                    except grpc.aio.AioRpcError as exc:
+                        assert exc.code() == grpc.StatusCode.NOT_FOUND
+                        answered.add("second")
+        finally:
+            for s in (first, second):
+                await s.server.stop(0)
+        return answered
+    assert asyncio.run(run()) == {"first", "second"}

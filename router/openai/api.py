@@ -135,7 +135,8 @@ class OpenAIServer:
         if self.cfg.tls.cert:
             tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             tls.load_cert_chain(self.cfg.tls.cert, self.cfg.tls.key)
-        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.http_port, ssl_context=tls, backlog=1024)
+        site = web.TCPSite(self.runner, self.cfg.host, self.cfg.http_port, ssl_context=tls, backlog=1024,
+                           reuse_port=self.cfg.reuse_port or None)
         try:
             await site.start()
         except OSError as exc:
