@@ -192,9 +192,10 @@ def add_auth_and_limits(p: argparse.ArgumentParser) -> None:
          help="seconds a request may take in all when its client set no deadline (0: no limit; a stream that "
               "makes progress is never cut)")
     flag(a, "--stream-message-rate", type=float, default=r.stream_message_rate,
-         help="messages per second the router writes to all client streams together, at most: with more streams "
-              "than that allows one message per token, each stream's tokens gather into fuller messages, at "
-              "most 100 ms apart (0: one message per worker chunk)")
+         help="messages per second the router writes to all client streams together, at most, and fewer while "
+              "its event loop is busy over 80 %% of the time (router/pacing.py): with more streams than that allows "
+              "one message per token, each stream's tokens gather into fuller messages, at most 100 ms apart "
+              "(0: one message per worker chunk)")
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:

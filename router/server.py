@@ -29,6 +29,7 @@ from baton.router.config import RouterConfig
 from baton.router.images import ImagePolicy, by_kind
 from baton.router.migration import Ledger
 from baton.router.moves import MoveFailed, StreamMoving
+from baton.router.pacing import MessagePacer
 from baton.router.policies import make_policy
 from baton.router.prefix_index import PrefixIndex
 from baton.router.registry import KVPairs, Registry, Worker, kv_backend
@@ -48,8 +49,6 @@ ABORT_TIMEOUT_S = 2.0
 # failed request until its next check, a scale-down's survivor not checked yet): a request waits
 # this long for one, not 0 s; a pool that never came up, or is gone for longer, fails at once
 POOL_GAP_S = 3.0
-MAX_STREAM_INTERVAL_S = 0.1            # paced streams still get a message at least this often
-MIN_STREAM_INTERVAL_S = 0.002          # shorter waits buy nothing (a step is longer)
 STALL_SLACK_S = 1.0                    # a status is up to a check round old
 # a worker lost under a running stream (crashed, killed, drained): the stream may migrate
 MIGRATABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
@@ -131,6 +130,7 @@ class RouterService:
         registry.on_switching = functools.partial(moves.ask, self)
         self._warm_pairs_now()
         self._background: set[asyncio.Task] = set()
+        self.pacer = MessagePacer(cfg.stream_message_rate)
 
     def _warm_pairs_now(self) -> None:
         """The registry's first round of checks ran before this service existed: warm its healthy
@@ -513,7 +513,7 @@ class RouterService:
                 yield chunk
                 if chunk.finish_reason != router_pb2.FINISH_REASON_UNSPECIFIED:
                     return
-                pace = self._pace()
+                pace = self.pacer.interval(len(self.active))
                 if pace:
                     await inbox.gather(pace)
             try:
@@ -548,15 +548,6 @@ class RouterService:
                     self.metrics.stream_stalls.labels(worker.role).inc()
                 raise StreamBroke(exc.code, f"{worker.role} worker {worker.address} sent no token for "
                                             f"{loop.time() - waited_from:.0f}s", worker) from None
-
-    def _pace(self) -> float:
-        """Seconds a stream waits between two messages to its client, so that all of them together
-        stay within --stream-message-rate: a message costs the router ~40-80 us of CPU whatever it
-        carries, so 256 streams of 185 tok/s each, sent a token at a time, would need 2-4 router
-        cores; paced, the same tokens go in messages of a few, on one. Below the rate: no wait."""
-        rate = self.cfg.stream_message_rate
-        pace = min(MAX_STREAM_INTERVAL_S, len(self.active) / rate) if rate else 0.0
-        return pace if pace >= MIN_STREAM_INTERVAL_S else 0.0
 
     async def _abort_on_workers(self, calls: list[tuple[Worker, str]]) -> None:
         """Best effort, bounded: the workers free the request's blocks (a no-op if finished)."""
