@@ -193,7 +193,7 @@ def add_auth_and_limits(p: argparse.ArgumentParser) -> None:
               "makes progress is never cut)")
     flag(a, "--stream-message-rate", type=float, default=r.stream_message_rate,
          help="messages per second the router writes to all client streams together, at most, and fewer while "
-              "its event loop is busy over 80 %% of the time (router/pacing.py): with more streams than that allows "
+              "its event loop has little time to spare (router/pacing.py): with more streams than that allows "
               "one message per token, each stream's tokens gather into fuller messages, at most 100 ms apart "
               "(0: one message per worker chunk)")
 
