@@ -4,6 +4,8 @@ chunks within the token budget, at most max_num_seqs sequences, KV reserved for 
 output at admission), each step priced by the fitted StepCost; the router picks the prefill
 worker with the least queued work and the decode or colocated worker with the fewest requests;
 a prompt's KV reaches its decode worker after the transfer time and joins at the next step.
+Before any of that a request waits its turn at a router: `routers` servers of `router_s` each,
+first come first served (the router's whole per-request cost, charged at arrival).
 
 TTFT ends when the first token reaches the client (disaggregated: when the decode worker
 joins the request; colocated: after the step that finished the prompt); TPOT is (E2E - TTFT)
@@ -37,6 +39,15 @@ class Hardware:
     # seconds of a prefill worker's own time per request it hands off, beside its steps (the Prefill
     # RPC, packing the KV, starting its send): what caps a prefill worker at short prompts
     handoff_s: float = 0.0
+    # seconds of a router process's one core per request (its gRPC streams, mostly), and how many
+    # routers share the load: what caps a deployment at hundreds of short requests a second
+    router_s: float = 0.0
+    routers: int = 1
+
+    @property
+    def router_rate(self) -> float:
+        """Requests a second the routers can take at most (inf: not modelled)."""
+        return self.routers / self.router_s if self.router_s > 0 else float("inf")
 
     def worker_cost(self, tp: int) -> StepCost:
         return self.cost.with_tp(tp, self.tp_speedup)
@@ -181,9 +192,19 @@ class Simulation:
                         for role, tp in topology.workers if role == "prefill"]
         self.decode = [_Worker(self, hw.worker_cost(tp), hw.worker_kv(tp), False)
                        for role, tp in topology.workers if role != "prefill"]
+        self.router_free = [0.0] * max(1, hw.routers)   # when each router is next free (a heap)
 
     def at(self, t: float, fn: Callable, *args) -> None:
         heapq.heappush(self.events, (t, next(self._seq), fn, args))
+
+    def _route(self, now: float, req: Req) -> None:
+        """The request reaches the workers once a router has spent `router_s` on it."""
+        if self.hw.router_s <= 0:
+            self._arrive(now, req)
+            return
+        done = max(now, heapq.heappop(self.router_free)) + self.hw.router_s
+        heapq.heappush(self.router_free, done)
+        self.at(done, self._arrive, req)
 
     def _arrive(self, now: float, req: Req) -> None:
         d = min(self.decode, key=lambda w: w.load)
@@ -200,7 +221,7 @@ class Simulation:
         """Every request arrives at its time; the simulation stops at `until` (requests still
         running then have no finish)."""
         for r in requests:
-            self.at(r.arrival, self._arrive, r)
+            self.at(r.arrival, self._route, r)
         while self.events:
             t, _, fn, args = heapq.heappop(self.events)
             if t > until:

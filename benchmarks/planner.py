@@ -40,6 +40,10 @@ KV_LINKS = {"accel": (100e9, 0.005), "cpu": (0.5e9, 0.005)}
 # a prefill worker's time per request beyond its steps: one H200 prefill worker of qwen3-8b fed
 # 80-token prompts held 208 req/s (two GPUs) and fell behind at 220 (four): ~4.5 ms a request
 HANDOFF_MS = 4.5
+# a router process's one core per request: on an H200 host one router carried ~280 decode-heavy
+# requests a second (64-192 output tokens, its streams paced by its CPU) and no more
+ROUTER_MS = 3.5
+ROUTER_BOUND = 0.9                 # a goodput this close to what the routers take is theirs, not the devices'
 LENGTH_SAMPLES = 400               # requests drawn to describe the workload to the queueing model
 
 
@@ -67,6 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handoff-ms", type=float, default=HANDOFF_MS,
                    help="a prefill worker's own time per request it hands to decode, beside its steps (the "
                         "Prefill call, packing and sending its KV; measured on H200s, not profiled here)")
+    p.add_argument("--routers", type=int, default=1, help="router processes in front of the workers (baton router "
+                   "--reuse-port, or replicas behind one Service)")
+    p.add_argument("--router-ms", type=float, default=ROUTER_MS,
+                   help="a router's CPU time per request, ms (measured on an H200 host with ~128-token outputs, not "
+                        "profiled here; 0: routers are never the limit)")
     p.add_argument("--profile", default=None, help="profile cache (JSON): read when it matches the model, device "
                    "kind and engine settings, else measured and written there")
     p.add_argument("--reprofile", action="store_true", help="measure again even if --profile matches")
@@ -117,6 +126,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--tp-speedup must be > 0, got {args.tp_speedup}")
     if args.handoff_ms < 0:
         raise ValueError(f"--handoff-ms must be >= 0, got {args.handoff_ms}")
+    if args.routers < 1 or args.router_ms < 0:
+        raise ValueError(f"--routers must be >= 1 and --router-ms >= 0, got {args.routers} and {args.router_ms}")
     args.engine = engine_settings(args)
     return args
 
@@ -157,7 +168,7 @@ def hardware(profile: device_profile.Profile, args: argparse.Namespace) -> Hardw
     e = profile.engine
     return Hardware(profile.cost, e["max_num_batched_tokens"], e["max_num_seqs"], e["kv_capacity_tokens"],
                     profile.weight_bytes, profile.kv_bytes_per_token, args.tp_speedup, bandwidth,
-                    args.kv_latency_ms / 1e3, args.handoff_ms / 1e3)
+                    args.kv_latency_ms / 1e3, args.handoff_ms / 1e3, args.router_ms / 1e3, args.routers)
 
 
 def predict_workload(job: dict) -> dict:
@@ -215,11 +226,12 @@ def _hardware_json(hw: Hardware) -> dict:
     return {"budget": hw.budget, "max_num_seqs": hw.max_num_seqs, "kv_capacity": hw.kv_capacity,
             "weight_bytes": hw.weight_bytes, "kv_bytes_per_token": hw.kv_bytes_per_token,
             "tp_speedup": hw.tp_speedup, "kv_bandwidth": hw.kv_bandwidth, "kv_latency": hw.kv_latency,
-            "handoff_s": hw.handoff_s}
+            "handoff_s": hw.handoff_s, "router_s": hw.router_s, "routers": hw.routers}
 
 
 def _tables(done: list[dict], args: argparse.Namespace) -> dict:
     baseline = f"{args.devices}colocated"
+    router_rate = args.routers / (args.router_ms / 1e3) if args.router_ms > 0 else None
     out = {}
     for ds in args.datasets:
         rows = [d for d in done if d["dataset"] == ds]
@@ -229,12 +241,14 @@ def _tables(done: list[dict], args: argparse.Namespace) -> dict:
             for d in rows:
                 r = d["by_slo"][slo.key]
                 n = deployment.parse(d["topology"]).num_devices
-                topos[d["topology"]] = r | {"per_device": r["goodput"] / n if r["goodput"] else None, "devices": n}
+                topos[d["topology"]] = r | {"per_device": r["goodput"] / n if r["goodput"] else None, "devices": n,
+                                            "router_bound": bool(router_rate and r["goodput"]
+                                                                 and r["goodput"] >= ROUTER_BOUND * router_rate)}
             ranked = sorted((t for t in topos if topos[t]["goodput"]), key=lambda t: (-topos[t]["goodput"],
                                                                                     topos[t]["devices"]))
             best = ranked[0] if ranked else None
             base = topos.get(baseline, {}).get("goodput")
-            slos[slo.key] = {"slo": slo.to_json(), "topologies": topos, "best": best,
+            slos[slo.key] = {"slo": slo.to_json(), "topologies": topos, "best": best, "routers": args.routers,
                              "goodput": topos[best]["goodput"] if best else None, "baseline": baseline,
                              "best_over_baseline": topos[best]["goodput"] / base if best and base else None}
         out[ds] = {"lengths": {"input": list(args.lengths[ds][0]), "output": list(args.lengths[ds][1])}, "slos": slos}
@@ -290,8 +304,13 @@ def report(plan: dict) -> list[str]:
             order = sorted(s["topologies"].items(), key=lambda kv: -(kv[1]["goodput"] or 0))
             for name, t in order:
                 mark = "  <- recommended" if name == s["best"] else ""
+                mark += "  (held by the routers)" if t.get("router_bound") else ""
                 lines.append(f"  {name:<18} {_num(t['goodput']):>14} {_num(t['per_device']):>11} "
                              f"{_num(t['queueing']):>15}{mark}")
+            if any(t.get("router_bound") for t in s["topologies"].values()):
+                n = s.get("routers", 1)
+                lines.append(f"  {n} router(s) hold some of these: plan again with --routers {n + 1} (and serve with "
+                             "as many; README, Routers) to see what the devices would give")
             ratio = f" ({s['best_over_baseline']:.2f}x {s['baseline']})" \
                 if s["best_over_baseline"] and s["best"] != s["baseline"] else ""
             lines.append(f"  recommended: {s['best'] or 'none meets the targets'}"
@@ -315,7 +334,8 @@ def plan_for_bench(args: argparse.Namespace, path: Path) -> dict:
             "--dataset", ",".join(args.datasets), "--slo-ttft-ms", ",".join(f"{t:g}" for t in args.slo_ttfts_ms),
             "--slo-tpot-ms", ",".join(f"{t:g}" for t in args.slo_tpots_ms), "--worker-args", args.worker_args or "",
             "--probe-seconds", str(args.probe_seconds), "--probe-lifetimes", str(args.probe_lifetimes),
-            "--probe-min-requests", str(args.probe_min_requests), "--output", str(path)]
+            "--probe-min-requests", str(args.probe_min_requests), "--routers", str(getattr(args, "routers", 1)),
+            "--output", str(path)]
     argv += ["--input-len", ",".join(f"{ds}={i[0]}:{i[1]}" for ds, (i, _) in args.lengths.items()),
              "--output-len", ",".join(f"{ds}={o[0]}:{o[1]}" for ds, (_, o) in args.lengths.items())]
     if args.profile:

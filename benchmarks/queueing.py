@@ -21,6 +21,8 @@ from baton.benchmarks.deployment import Topology
 from baton.benchmarks.goodput import SLO
 from baton.benchmarks.stats import GOODPUT_ATTAINMENT
 
+ROUTER_LOAD = 0.98         # the share of the routers' capacity a rate can use before their queue blows up
+
 
 @dataclass(frozen=True, slots=True)
 class Workload:
@@ -72,7 +74,9 @@ def attainment(topology: Topology, hw: Hardware, work: Workload, slo: SLO, rate:
 
 def goodput(topology: Topology, hw: Hardware, work: Workload, slo: SLO, hi: float = 1e5) -> float | None:
     """The highest rate with attainment >= 90 %, by bisection on a log scale (the model's
-    attainment falls with the rate)."""
+    attainment falls with the rate). No higher than the routers can take: a request's wait for one
+    stays short until they are all but saturated (M/D/c), so they cap the rate, nothing more."""
+    hi = min(hi, ROUTER_LOAD * hw.router_rate)
     lo = 1e-3
     if attainment(topology, hw, work, slo, lo) < GOODPUT_ATTAINMENT:
         return None
