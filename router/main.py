@@ -60,6 +60,7 @@ async def serve(cfg: RouterConfig) -> None:
                         sampling_defaults(source.generation_config(cfg.generation_config)),
                         vision=media_placeholders(hf))
     svc.auth, svc.metrics, svc.server = auth, metrics, server
+    metrics.watch_pacing(lambda: svc.pacer.busy, lambda: svc.pacer.rate)
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(svc), server.server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(svc), server.server)
     await server.start()

@@ -29,6 +29,7 @@ class MessagePacer:
         """`max_rate`: --stream-message-rate (0: no pacing). `cpu`: CPU seconds of the thread that
         calls `interval` (the event loop's); both clocks injectable for tests."""
         self.max_rate = self.rate = max_rate
+        self.busy = 0.0                          # the last reading: share of the thread's time it was working
         self._clock, self._cpu = clock, cpu
         self._t, self._c = clock(), cpu()
 
@@ -36,17 +37,22 @@ class MessagePacer:
         """Seconds a stream waits after a message before the next, `streams` being relayed now."""
         if not self.max_rate:
             return 0.0
-        self._adapt()
+        self.sample()
         pace = min(MAX_INTERVAL_S, streams / self.rate)
         return pace if pace >= MIN_INTERVAL_S else 0.0
 
-    def _adapt(self) -> None:
+    def sample(self) -> None:
+        """Read the busy share if SAMPLE_S has passed since the last reading, and adjust the rate.
+        Called from the thread it measures: by `interval`, and after each round of health checks
+        (so the reading stays current while no stream is relayed)."""
         now = self._clock()
         if now - self._t < SAMPLE_S:
             return
         cpu = self._cpu()
-        busy = (cpu - self._c) / (now - self._t)
+        self.busy = busy = (cpu - self._c) / (now - self._t)
         self._t, self._c = now, cpu
+        if not self.max_rate:
+            return
         if busy > BUSY:
             self.rate = max(min(MIN_RATE, self.max_rate), self.rate * DOWN)
         elif busy < IDLE:

@@ -126,11 +126,16 @@ class RouterService:
         self.metrics = None
         registry.on_lost = self._count_loss
         self.kv_pairs = KVPairs(kv_backend)          # warmed after each round of health checks
-        registry.on_checked = self.kv_pairs.reconcile
+        registry.on_checked = self._after_checks
         registry.on_switching = functools.partial(moves.ask, self)
         self._warm_pairs_now()
         self._background: set[asyncio.Task] = set()
         self.pacer = MessagePacer(cfg.stream_message_rate)
+
+    def _after_checks(self, workers: list[Worker]) -> None:
+        """Each round of health checks: warm the KV pairs it found, and read the router's own load."""
+        self.kv_pairs.reconcile(workers)
+        self.pacer.sample()
 
     def _warm_pairs_now(self) -> None:
         """The registry's first round of checks ran before this service existed: warm its healthy

@@ -72,6 +72,12 @@ class Metrics:
                                      "over the healthy decode and colocated workers, as the router last heard",
                                      m, registry=r)
         self.router_running = Gauge("baton_router_running", "requests routed to workers now", m, registry=r)
+        self.router_busy = Gauge("baton_router_busy_ratio", "share of the router's event-loop thread's time spent "
+                                 "working over its last reading (~0.5 s); near 1 the router, not the workers, is "
+                                 "what holds requests up: run another (--reuse-port, or a replica)", registry=r)
+        self.router_message_rate = Gauge("baton_router_stream_message_rate", "messages a second the router's "
+                                         "client streams may take together now: --stream-message-rate, lowered "
+                                         "while the router is busy (router/pacing.py)", registry=r)
         self.router_waiting = Gauge("baton_router_waiting", "requests queued for an admission slot now", m,
                                     registry=r)
         self.running = Gauge("baton_running", "sequences running", registry=r)
@@ -144,6 +150,11 @@ class Metrics:
     def watch_degraded(self, degraded: Callable[[], bool]) -> None:
         """The router's degraded gauge, read from `degraded()` at each scrape."""
         self.degraded.set_function(lambda: float(degraded()))
+
+    def watch_pacing(self, busy: Callable[[], float], message_rate: Callable[[], float]) -> None:
+        """The router's busy share and its streams' message budget, read at each scrape."""
+        self.router_busy.set_function(busy)
+        self.router_message_rate.set_function(message_rate)
 
     def watch_kv_usage(self, usage: Callable[[], float]) -> None:
         """The router's KV usage gauge, read from `usage()` at each scrape."""
@@ -276,6 +287,7 @@ RECORDED_BY = {
     "baton_stream_stalls": "router", "baton_request_prompt_tokens": "router",
     "baton_request_generation_tokens": "router", "baton_prefix_cache_queries": "router",
     "baton_prefix_cache_hits": "router", "baton_router_kv_cache_usage_ratio": "router", "baton_degraded": "router", "baton_stage_seconds": "router",
+    "baton_router_busy_ratio": "router", "baton_router_stream_message_rate": "router",
     "baton_spec_draft_tokens": "decode, colocated (with --speculative-method)",
     "baton_spec_accepted_tokens": "decode, colocated (with --speculative-method)",
     "baton_spec_verified_sequences": "decode, colocated (with --speculative-method)",

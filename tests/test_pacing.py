@@ -55,3 +55,25 @@ def test_a_router_in_its_comfortable_band_keeps_its_rate():
     c.run(SAMPLE_S / 4, 1.0)                            # a burst shorter than one reading: not read yet
     p.interval(190)
     assert p.rate == 10_000.0
+
+
+def test_the_reading_stays_current_while_no_stream_is_relayed_and_is_exported():
+    """The health checks' round reads the router's load too (RouterService._after_checks), so the
+    gauge does not keep the last busy figure of a load that has ended; --stream-message-rate 0
+    turns pacing off, not the reading."""
+    from prometheus_client import generate_latest
+
+    from baton.serving.metrics import Metrics
+    p, c = pacer(0)
+    c.run(SAMPLE_S, 0.9)
+    p.sample()
+    assert p.busy == pytest.approx(0.9) and p.interval(5_000) == 0.0
+    c.run(SAMPLE_S, 0.1)
+    p.sample()
+    assert p.busy == pytest.approx(0.1)
+    m = Metrics("router")
+    m.watch_pacing(lambda: p.busy, lambda: p.rate)
+    values = dict(line.rsplit(" ", 1) for line in generate_latest(m.registry).decode().splitlines()
+                  if line.startswith("baton_router_"))
+    assert float(values["baton_router_busy_ratio"]) == pytest.approx(0.1)
+    assert float(values["baton_router_stream_message_rate"]) == 0.0
