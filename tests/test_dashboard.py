@@ -308,6 +308,8 @@ def check_value(stack, expr: str) -> None:
             assert v == sum(c <= le for c in counts), (expr, labels, v)
     elif metric.startswith(("vllm:num_requests", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")):
         assert values == [0.0], (expr, result)    # idle once the requests are done
+    elif metric == "baton_router_busy_ratio":     # a share of one thread's time; a few requests leave it low
+        assert values and all(0 <= v < 0.8 for v in values), (expr, result)
     else:
         raise AssertionError(f"no expectation for {expr}: add one")
 

@@ -73,6 +73,8 @@ PANELS = [
     ("Engine step time, p99, by kind (Baton workers)", "s",
      [(f"histogram_quantile(0.99, sum by (le, kind) (rate(baton_step_seconds_bucket{RATE})))", "{{kind}}")],
      "timeseries"),
+    ("Router busy share: near 1, the router is the limit (Baton)", "percentunit",
+     [("max(baton_router_busy_ratio)", "busiest router")], "timeseries"),
 ]
 
 
