@@ -84,8 +84,8 @@
 # it to 5 %, from the plan's predictions; auto = the plan's picks + 4colocated). The search shares what is left
 # of G_CALL_S (default 530 s from the script's start) among the searches; what it could not finish it reports
 # as a bracket. One call's files: gpu.txt, plan/profile JSON, g2-$G_TAG.json, g2-$G_TAG.tgz (plots, logs).
-# G_ARGS: more bench serve flags, e.g. "--routers 3" (router processes sharing the port: one carries ~250 short
-# streams a second).
+# G_ARGS: more bench serve flags, e.g. "--routers 2" (router processes sharing the port; default one per device:
+# one carries ~280 short requests a second).
 #   STEPS="plan goodput" G_DATASETS=prefill-heavy G_TOPOLOGIES=auto bash benchmarks/cuda_session.sh
 #   STEPS=goodput G_DATASETS=mixed G_TOPOLOGIES=4colocated,3p1d G_TAG=-mixed bash benchmarks/cuda_session.sh
 # Roles that follow the load (issue 52; four GPUs): flip (bench flip: prefill-heavy then decode-heavy, each split of

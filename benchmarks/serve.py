@@ -76,8 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--worker-args", default=None, help="extra flags for every launched worker, e.g. "
                    "'--num-kv-blocks 4096 --max-num-seqs 128' (smoke: '--num-kv-blocks 128 --max-num-seqs 16')")
     t.add_argument("--router-args", default="", help="extra flags for a launched router, e.g. '--policy least_loaded'")
-    t.add_argument("--routers", type=int, default=1, help="router processes of a launched deployment, sharing its "
-                   "ports (--reuse-port): one router process carries some 250 short streams a second on one core")
+    t.add_argument("--routers", type=int, default=None, help="router processes of a launched deployment, sharing "
+                   "its ports (--reuse-port; default: one per accelerator of --devices, one on the CPU): one "
+                   "router process carries ~280 short requests a second, and must not be what a run measures")
     t.add_argument("--log-dir", default=None, help="worker logs (default: next to the JSON)")
     t.add_argument("--device", default=None,
                    help="device whose ceilings are recorded (default: the launched prefill device; for --addr: cpu)")
@@ -152,6 +153,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.slo_ttft_ms = args.slo_ttfts_ms[0]             # the grid sweep's (one TTFT SLO)
     args.device_pool = _split(args.devices) if args.devices else _split(args.prefill_devices) + _split(args.decode_devices)
     args.num_devices = len(args.device_pool) if args.devices else None
+    if args.routers is None:
+        args.routers = default_routers(args.device_pool)
+    if args.routers < 1:
+        raise ValueError(f"--routers must be >= 1, got {args.routers}")
     args.datasets = _split(args.dataset) or ["random"]
     args.lengths = {ds: _lengths(args, ds) for ds in args.datasets}
     args.input_len, args.output_len = (list(r) for r in args.lengths[args.datasets[0]])
@@ -159,6 +164,13 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.device is None:
         args.device = args.device_pool[0] if args.topologies or args.auto else "cpu"
     return args
+
+
+def default_routers(devices: list[str]) -> int:
+    """Routers for a launched deployment: one per accelerator (two H200s serving an 8B model take
+    ~280 short requests a second, what one router process carries: one each leaves room for smaller
+    models), one on the CPU, where the router is never the limit."""
+    return max(1, sum(not d.startswith("cpu") for d in dict.fromkeys(devices)))
 
 
 def _lengths(args: argparse.Namespace, dataset: str) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -215,3 +215,11 @@ def test_the_cool_down_is_cut_once_the_measured_requests_have_ended(processes):
     assert [r.index for r in results] == list(range(400))
     assert all(r.ok for r in results[:40])
     assert sum(r.status == loadgen.CUT for r in results) >= 350 and wall < 15
+
+
+def test_a_launched_deployment_gets_a_router_per_accelerator():
+    """One router process carries ~280 short requests a second: a launched deployment gets one per
+    accelerator, so a run measures the devices, not its router; on the CPU one is plenty."""
+    from baton.benchmarks.serve import default_routers
+    assert default_routers(["cpu", "cpu"]) == 1 and default_routers(["cuda:0"]) == 1
+    assert default_routers([f"cuda:{i}" for i in range(4)]) == 4 and default_routers(["cuda:0", "cuda:0"]) == 1
