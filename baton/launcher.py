@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     flag(t, "--instances", type=int, default=1, help="colocated workers (with --colocated)")
     flag(t, "--prefill-devices", help="comma list, one per prefill instance (unset: --device)")
     flag(t, "--decode-devices", help="comma list, one per decode instance (unset: --device)")
+    flag(t, "--routers", type=int, default=1,
+         help="router processes sharing --port and --http-port (baton router --reuse-port: the kernel deals "
+              "connections out among them): one carries ~280 short requests a second; their /metrics on --http-port "
+              "is one router's, each also serves its own on a metrics port of its own (--metrics-port: the ports "
+              "after the workers')")
     add_planner_args(t)
     add_router_args(p)
     return p
@@ -98,8 +105,10 @@ def serve(args: argparse.Namespace) -> int:
         if code:
             return code
     specs = _specs(args)
+    if args.routers < 1:
+        print(f"baton serve: --routers must be >= 1, got {args.routers}", file=sys.stderr)
+        return 2
     workers, worker_flags = _workers(args, specs)
-    router = _router(args, worker_flags)
     roles = ["colocated"] if args.colocated else ["prefill", "decode"]
     wrong = preflight.problem(args, roles, [s.device for s in specs] + _split(args.tp_devices),
                               [*passed_on(args, router_parser()), *worker_flags])
@@ -124,18 +133,25 @@ def serve(args: argparse.Namespace) -> int:
     code = preflight.prepare_model(args, env, stopping)
     if code or stopping.is_set():
         return code
-    return _run(Supervisor(env, tls=tls_from_args(args)), workers, router, args, stopping)
+    ready_dir = Path(tempfile.mkdtemp(prefix="baton-serve-")) if args.routers > 1 else None
+    try:
+        return _run(Supervisor(env, tls=tls_from_args(args)), workers,
+                    _routers(args, worker_flags, len(workers), ready_dir), args, stopping)
+    finally:
+        if ready_dir is not None:
+            shutil.rmtree(ready_dir, ignore_errors=True)
 
 
-def _run(sup: Supervisor, workers: list[Process], router: Process, args, stopping: threading.Event) -> int:
+def _run(sup: Supervisor, workers: list[Process], routers: list[Process], args, stopping: threading.Event) -> int:
     try:
         print(f"[baton] starting {len(workers)} worker(s) on {args.model} ...", file=sys.stderr, flush=True)
         for w in workers:
             sup.start(w)
         for w in workers:
             sup.wait_ready(w, START_TIMEOUT_S)
-        sup.start(router)
-        sup.wait_ready(router, START_TIMEOUT_S)
+        for router in routers:           # one after another: a shared port's health says nothing of the next
+            sup.start(router)
+            sup.wait_ready(router, START_TIMEOUT_S)
         for line in ready_lines(args):
             print(line, flush=True)
         while not stopping.is_set():
@@ -220,7 +236,7 @@ def _ports(args) -> list[tuple[int, str]]:
     if args.metrics_port:
         n = args.instances if args.colocated else args.prefill_instances + args.decode_instances
         ports += [(args.metrics_port + i, f"--metrics-port{f' + {i}' if i else ''} (metrics, one port per process)")
-                  for i in range(n + 1)]
+                  for i in range(n + max(1, args.routers))]
     return ports
 
 
@@ -270,12 +286,26 @@ def _split(devices: str | None) -> list[str]:
     return [d.strip() for d in (devices or "").split(",") if d.strip()]
 
 
-def _router(args, worker_flags: list[str]) -> Process:
+def _routers(args, worker_flags: list[str], n_workers: int, ready_dir: Path | None) -> list[Process]:
+    """The router process, or --routers of them sharing the ports: each then gets a metrics port of its
+    own (--metrics-port for the first, the ports after the workers' for the others; free ones without
+    --metrics-port) and a ready file in `ready_dir`, how the supervisor tells that one is serving."""
     cmd = [sys.executable, "-m", "baton.router", "--host", args.host, "--port", str(args.port),
            *passed_on(args, router_parser()), *worker_flags, "--worker-metrics"]
-    if args.metrics_port:
-        cmd += ["--metrics-port", str(args.metrics_port)]
-    return Process("router", cmd, f"{args.host}:{args.port}", critical=True)
+    address = f"{args.host}:{args.port}"
+    if args.routers == 1:
+        return [Process("router", cmd + (["--metrics-port", str(args.metrics_port)] if args.metrics_port else []),
+                        address, critical=True)]
+    out = []
+    for i in range(args.routers):
+        if args.metrics_port:
+            mport = args.metrics_port if i == 0 else args.metrics_port + n_workers + i
+        else:
+            mport = free_port(args.host)
+        ready = ready_dir / f"router-{i}.ready"
+        out.append(Process(f"router-{i}", [*cmd, "--reuse-port", "--metrics-port", str(mport), "--ready-file",
+                                           str(ready)], address, critical=True, ready_file=ready))
+    return out
 
 
 # -- the ready lines: commands that work as printed, in the shell that started the stack ------------

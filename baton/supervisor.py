@@ -12,6 +12,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,6 +36,9 @@ class Process:
     command: list[str]
     address: str
     critical: bool = False               # the stack cannot serve without it (the router)
+    # a process sharing its address with others (routers on one port): it serves once it has written this
+    # file (baton router --ready-file), which the address's health check cannot tell
+    ready_file: Path | None = None
     proc: subprocess.Popen | None = None
     restarts: deque = field(default_factory=deque)    # when it was restarted, within the window
     restart_at: float | None = None      # dead, to be started again then
@@ -60,10 +64,14 @@ class Supervisor:
     def start(self, p: Process) -> None:
         if p not in self.processes:
             self.processes.append(p)
+        if p.ready_file is not None:
+            p.ready_file.unlink(missing_ok=True)
         p.proc = subprocess.Popen(p.command, env=self.env)
         p.ready, p.restart_at = False, None
 
     def healthy(self, p: Process, timeout: float = 0.5) -> bool:
+        if p.ready_file is not None:
+            return p.ready_file.exists()
         with open_sync_channel(p.address, self.tls) as ch:
             try:
                 reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)

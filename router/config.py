@@ -52,6 +52,7 @@ class RouterConfig(ServerConfig):
     reasoning_parser: str | None = None # "qwen3" or "deepseek_r1": <think>...</think> -> reasoning (chats)
     worker_metrics: bool = False        # /metrics on the HTTP port serves the workers' metrics too (baton serve)
     reuse_port: bool = False            # share --port / --http-port with other routers on this host (SO_REUSEPORT)
+    ready_file: str | None = None       # written once serving: how a supervisor tells routers on one port apart
 
     def validate(self) -> None:
         for name in ("max_prompt_tokens", "max_new_tokens", "max_per_client"):
@@ -117,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
          help="share --port and --http-port with other routers started with it on this host: the kernel deals "
               "connections out among them (SO_REUSEPORT), for a request rate one router process cannot carry; "
               "off: a taken port is an error")
+    flag(p, "--ready-file", help="a file this router writes (its address) once it serves: how a supervisor "
+                                 "starting routers that share a port (--reuse-port) tells each one ready")
     add_router_args(p)
     return p
 
@@ -218,7 +221,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
                        generation_config=args.generation_config, chat_template=args.chat_template,
                        trust_request_chat_template=args.trust_request_chat_template,
                        reasoning_parser=args.reasoning_parser, worker_metrics=args.worker_metrics,
-                       reuse_port=args.reuse_port)
+                       reuse_port=args.reuse_port, ready_file=args.ready_file)
     cfg.validate()
     return cfg
 

@@ -66,6 +66,8 @@ async def serve(cfg: RouterConfig) -> None:
     await server.start()
     if http is not None:
         http.attach(svc, source.name)
+    if cfg.ready_file:                        # routers sharing a port: the file says this one serves
+        Path(cfg.ready_file).write_text(server.address + "\n")
     healthy = sum(w.healthy for w in registry.workers)
     security = ("TLS" + (", mutual" if cfg.tls.require_client_cert else "")) if cfg.tls.cert else "plaintext"
     if svc.auth:

@@ -18,9 +18,11 @@ BATON = [sys.executable, "-m", "baton"]
 
 
 def test_baton_serve_then_generate_answers_paris(tmp_path):
+    """With two routers sharing the port (--routers 2): both serve before the ready line, either answers."""
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
-    serve = subprocess.Popen([*BATON, "serve", "--port", str(port), "--num-kv-blocks", "256"], cwd=REPO,
+    serve = subprocess.Popen([*BATON, "serve", "--port", str(port), "--num-kv-blocks", "256", "--routers", "2",
+                              "--http-port", str(free_port())], cwd=REPO,
                              stdout=subprocess.PIPE, stderr=log, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         deadline = time.monotonic() + 300
@@ -30,6 +32,7 @@ def test_baton_serve_then_generate_answers_paris(tmp_path):
             if b"serving on" in line:
                 break
         assert f"127.0.0.1:{port}".encode() in line, (tmp_path / "serve.log").read_text()
+        assert (tmp_path / "serve.log").read_text().count(f"router ready on 127.0.0.1:{port}") == 2
         out = subprocess.run([*BATON, "generate", "What is the capital of France?", "--addr", f"127.0.0.1:{port}",
                               "--temperature", "0", "--max-tokens", "32"], cwd=REPO, capture_output=True,
                              timeout=120, text=True)
