@@ -3,6 +3,7 @@ a flag's default is its field's, serving/options.defaults)."""
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 
 from baton.engine.config import EngineConfig
@@ -73,6 +74,8 @@ class RouterConfig(ServerConfig):
             raise ValueError("--request-timeout must be >= 0 seconds (0 = no limit) and --stream-message-rate >= 0")
         if self.queue_timeout <= 0 or self.first_token_timeout <= 0:
             raise ValueError("--queue-timeout and --first-token-timeout must be > 0 seconds")
+        if self.ready_file and not os.path.isdir(os.path.dirname(os.path.abspath(self.ready_file))):
+            raise ValueError(f"--ready-file {self.ready_file}: its directory does not exist")
         if self.resolve_interval < 0:
             raise ValueError("--resolve-interval must be >= 0 seconds (0 = resolve worker names once)")
         for address in self.prefill + self.decode + self.colocated:

@@ -1,6 +1,6 @@
 """serving/grpc_server.py: an error becomes its status; a call that ended under the answer (the
 client cancelled, or its deadline passed as the error was sent) ends quietly; a burst of calls is
-taken whole."""
+taken whole; routers share a port only when each asks to (--reuse-port, --ready-file)."""
 from __future__ import annotations
 
 import asyncio
@@ -105,3 +105,14 @@ def test_servers_share_a_port_only_when_each_asks_to():
                 await s.server.stop(0)
         return answered
     assert asyncio.run(run()) == {"first", "second"}
+
+
+def test_a_ready_file_in_a_missing_directory_is_refused_at_start(tmp_path, capsys):
+    """`baton router --ready-file`: a path it could never write is said at once, not after loading."""
+    from baton.router.config import parse_router_args
+    with pytest.raises(SystemExit):
+        parse_router_args(["--colocated", "127.0.0.1:50061", "--ready-file", str(tmp_path / "nope" / "r.ready")])
+    assert "its directory does not exist" in capsys.readouterr().err
+    cfg = parse_router_args(["--colocated", "127.0.0.1:50061", "--ready-file", str(tmp_path / "r.ready"),
+                             "--reuse-port"])
+    assert cfg.ready_file == str(tmp_path / "r.ready") and cfg.reuse_port
