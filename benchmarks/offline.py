@@ -18,6 +18,7 @@ from baton.benchmarks.roofline import Ceilings, CostModel, StepShape, roofline_r
 from baton.benchmarks.stats import summarize
 from baton.benchmarks.workload import OfflineWorkload, nano_vllm_workload, warmup_workload
 from baton.engine.config import (
+    ALL_REDUCES,
     DEFAULT_MODEL,
     EP_DISPATCHES,
     FP8_ACCUMULATIONS,
@@ -32,7 +33,7 @@ SMOKE = dict(model=DEFAULT_MODEL, num_seqs=8, min_input_len=16, max_input_len=64
              max_output_len=8, device="cpu")
 ENGINE_KNOBS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
                 "kv_cache_memory", "gpu_memory_utilization", "enforce_eager", "prefill_graphs", "tp_size",
-                "tp_devices", "tokenizer", "async_scheduling", "deterministic", "speculative_method", "num_speculative_tokens",
+                "tp_devices", "all_reduce", "tokenizer", "async_scheduling", "deterministic", "speculative_method", "num_speculative_tokens",
                 "speculative_max_batch", "quantization", "kv_cache_dtype", "fp8_accumulation",
                 "enable_expert_parallel", "expert_parallel_dispatch", "ep_redundant_experts", "ep_expert_load")
 
@@ -85,6 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one device each")
     e.add_argument("--tp-devices", default=None, help="devices of the ranks, e.g. cuda:0,cuda:1 "
                    "(default: counted up from --device)")
+    e.add_argument("--all-reduce", choices=ALL_REDUCES, default=d.all_reduce,
+                   help="the tensor-parallel all-reduce: symm, nccl or auto (the engine flag's)")
     e.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE: whole experts split over the --tp-size ranks (the engine flag's)")
     e.add_argument("--expert-parallel-dispatch", choices=EP_DISPATCHES, default=d.expert_parallel_dispatch,

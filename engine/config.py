@@ -16,6 +16,7 @@ KV_CACHE_SCALES = ("calibrate", "one")  # a float8 cache's per-head K/V scales (
 FP8_ROUNDINGS = ("nearest", "gptq")     # how --quantization fp8 rounds weights (engine/fp8_rounding.py)
 FP8_ACCUMULATIONS = ("fp32", "fast")    # FP8 GEMMs' sums on CUDA: promoted to float32, or the tensor cores' own
 EP_DISPATCHES = ("allreduce", "alltoall")   # how expert-parallel ranks reach their experts (models/layers/expert_parallel.py)
+ALL_REDUCES = ("auto", "nccl", "symm")  # the tensor-parallel all-reduce (models/layers/custom_all_reduce.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class EngineConfig:
     expert_parallel_dispatch: str = "allreduce"   # allreduce (graph-safe) | alltoall (eager): EP_DISPATCHES
     ep_redundant_experts: int = 0       # a second copy of the K hottest experts (of ep_expert_load), K/tp_size a rank
     ep_expert_load: str | None = None   # JSON load profile {"tokens_per_expert": [...]} picking them
+    all_reduce: str = "auto"            # nccl: torch.distributed's; symm: one-shot over CUDA symmetric memory; auto: symm where it runs
     tokenizer: str | None = None        # tokenizer directory; None = the model's (presets: the embedded one's)
     cache_dir: str | None = None        # converted models, compiled graphs; None = ~/.cache/baton
     fused_ops: bool = PLATFORM.fused_ops        # fused layer kernels (Triton on CUDA, torch_npu on Ascend)
@@ -117,6 +119,20 @@ class EngineConfig:
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
         return 4 if self.speculative_method == "eagle3" else 16
+
+    def _validate_all_reduce(self) -> None:
+        if self.all_reduce not in ALL_REDUCES:
+            raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
+        if self.all_reduce != "symm":
+            return
+        if not self.device.startswith("cuda"):
+            raise ValueError(f"--all-reduce symm maps the ranks' memory into each other over CUDA peer access; the "
+                             f"ranks here are on {self.device}: use --all-reduce auto or nccl")
+        if self.tp_size not in (2, 4, 8):
+            raise ValueError(f"--all-reduce symm is built for --tp-size 2, 4 or 8, got {self.tp_size}: use "
+                             "--all-reduce auto or nccl")
+        if self.deterministic:
+            raise ValueError("--deterministic keeps NCCL's fixed reduction: use --all-reduce auto or nccl with it")
 
     def _validate_draft_head(self) -> None:
         eagle = self.speculative_method == "eagle3"
@@ -184,6 +200,7 @@ class EngineConfig:
                 raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         self._validate_draft_head()
         self._validate_expert_parallel()
+        self._validate_all_reduce()
         if self.deterministic and self.tp_size > DETERMINISTIC_MAX_TP:
             raise ValueError(f"--deterministic takes at most {DETERMINISTIC_MAX_TP} tensor-parallel ranks (an "
                              f"all-reduce of more sums in an order NCCL picks by message size), got "

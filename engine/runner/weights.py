@@ -11,7 +11,9 @@ import torch
 
 from baton.engine.config import EngineConfig
 from baton.engine.platforms import Platform
+from baton.engine.runner.tensor_parallel import rank_devices
 from baton.models.decoder import fuse_fp8_inputs
+from baton.models.layers import custom_all_reduce
 from baton.models.layers.expert_parallel import hot_experts
 from baton.models.layers.int4 import INT4_METHODS, finish_int4
 from baton.models.layers.quantization import checkpoint_method, quantize_fp8, quantize_w8a8
@@ -48,9 +50,23 @@ def load_model(config: EngineConfig, source: ModelSource, platform: Platform, dt
         load_weights(model, source.weights_path)
     model.eval()
     method = quantize(model, config, source, platform, dtype)
+    attach_all_reduce(model, config, platform, tp_rank, tp_group)
     if time.perf_counter() - t0 > 5:
         print(f"[baton] model {source.name} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return model, method
+
+
+def attach_all_reduce(model: torch.nn.Module, config: EngineConfig, platform: Platform, tp_rank: int,
+                      tp_group) -> None:
+    """--all-reduce: the tensor-parallel layers' small all-reduces over CUDA symmetric memory, its buffer
+    mapped by every rank now, before KV sizing and graph capture; else torch.distributed's."""
+    if config.tp_size == 1 or tp_group is None:
+        return
+    devices = rank_devices(config.device, config.tp_size, config.tp_devices)
+    reducer = custom_all_reduce.choose(config.all_reduce, tp_group, tp_rank, devices, config.deterministic,
+                                       platform.dist_backend)
+    if reducer is not None:
+        custom_all_reduce.install(model, reducer)
 
 
 def quantize(model: torch.nn.Module, config: EngineConfig, source: ModelSource, platform: Platform,

@@ -19,10 +19,17 @@ class TPInfo:
         # this names the dispatch, with a second copy of each redundant (hot) expert
         # (models/layers/expert_parallel.py)
         self.expert_parallel, self.redundant_experts = expert_parallel, tuple(redundant_experts)
+        # the one-shot all-reduce over symmetric memory for small tensors on CUDA, set at engine start
+        # (models/layers/custom_all_reduce.py); None: torch.distributed's for every size
+        self.custom_all_reduce = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        """The sum over the ranks: `x` itself summed in place, or a new tensor (use the result)."""
+        if self.size == 1:
+            return x
+        if self.custom_all_reduce is not None and self.custom_all_reduce.fits(x):
+            return self.custom_all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from baton import environment
 from baton.engine.config import (
+    ALL_REDUCES,
     EP_DISPATCHES,
     FP8_ACCUMULATIONS,
     FP8_ROUNDINGS,
@@ -138,6 +139,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "prefill step's tokens; decode steps run on every rank alike (prefill and colocated roles)")
     flag(g, "--tp-devices", help="devices of the ranks, e.g. cuda:0,cuda:1 (unset: counted up from --device)")
     flag(g, "--tp-port", type=int, default=e.tp_port, help="rendezvous port of the ranks on 127.0.0.1 (0: a free one)")
+    flag(g, "--all-reduce", choices=ALL_REDUCES, default=e.all_reduce,
+         help="the tensor-parallel all-reduce: symm = one kernel per rank reads every rank's partial sums over "
+              "NVLink from symmetric memory (torch's one-shot all-reduce), for tensors up to 8 MiB at 2 ranks (4 at "
+              "4, 2 at 8), NCCL above (CUDA, 2, 4 or 8 ranks that are peers); nccl = torch.distributed's for all "
+              "(NCCL, HCCL on Ascend, gloo on the CPU); auto = symm where it runs (not with --deterministic), else "
+              "nccl, the reason logged")
     flag(g, "--enable-expert-parallel", type=bool, default=e.enable_expert_parallel,
          help="MoE models: each tensor-parallel rank holds its share of whole experts instead of a slice of every "
               "expert; attention stays tensor-parallel (needs --tp-size 2 or more; docs/parallelism.md)")
@@ -286,7 +293,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_expert_parallel=args.enable_expert_parallel,
         expert_parallel_dispatch=args.expert_parallel_dispatch, ep_redundant_experts=args.ep_redundant_experts,
         ep_expert_load=args.ep_expert_load,
-        tp_port=args.tp_port, tokenizer=args.tokenizer, cache_dir=args.cache_dir, fused_ops=args.fused_ops,
+        tp_port=args.tp_port, all_reduce=args.all_reduce, tokenizer=args.tokenizer, cache_dir=args.cache_dir, fused_ops=args.fused_ops,
         npu_graph_mode=args.npu_graph_mode, npu_emulation=args.npu_emulation,
         async_scheduling=args.async_scheduling, deterministic=args.deterministic,
         speculative_method=args.speculative_method, speculative_model=args.speculative_model,

@@ -1,0 +1,158 @@
+"""The tensor-parallel all-reduce of small tensors on CUDA, over symmetric (peer-mapped) memory.
+
+Each rank holds one buffer that every other rank has mapped; one kernel per rank copies its partial
+sums into its own buffer, waits for the peers, and reads and adds every rank's buffer over NVLink
+(torch's `symm_mem::one_shot_all_reduce_copy_out`). At a decode step's sizes (2 MiB for an 8B model
+at batch 256) that is a few microseconds against NCCL's tens; larger tensors (prefill activations)
+keep NCCL's ring. `choose` decides once at engine start (`--all-reduce`); `TPInfo.all_reduce` routes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("baton.models")
+
+WORLD_SIZES = (2, 4, 8)         # the one-shot kernel's specialised rank counts
+# one-shot reads world x bytes on every rank: above these, NCCL's ring (2x bytes) is as fast or faster
+MAX_BYTES = {2: 8 << 20, 4: 4 << 20, 8: 2 << 20}
+DTYPES = (torch.bfloat16, torch.float32)        # the kernel's; float16 goes to NCCL
+ALIGN = 16                      # the kernel's widest vector: the size and offset it needs for full speed
+_logged: set[str] = set()
+
+
+class SymmMemAllReduce:
+    """Sums a tensor over the ranks through `buffer` (this rank's symmetric allocation, rendezvoused
+    on `group_name`); tensors that do not `fit` go to torch.distributed instead."""
+
+    def __init__(self, buffer: torch.Tensor, group_name: str, reduce=None):
+        self.buffer, self.group_name = buffer, group_name
+        self.max_bytes = buffer.numel() * buffer.element_size()
+        self._reduce = reduce or _one_shot          # (symm view, local x, group name, out) -> out
+
+    def fits(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
+        return (x.dtype in DTYPES and x.device == self.buffer.device and x.is_contiguous()
+                and 0 < nbytes <= self.max_bytes and nbytes % ALIGN == 0
+                and x.storage_offset() * x.element_size() % ALIGN == 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """A new tensor: the sum of every rank's `x`, the same on all of them."""
+        symm = self.buffer.view(x.dtype)[: x.numel()].view(x.shape)
+        return self._reduce(symm, x, self.group_name, torch.empty_like(x))
+
+
+def _one_shot(symm: torch.Tensor, x: torch.Tensor, group_name: str, out: torch.Tensor) -> torch.Tensor:
+    # one kernel: x into this rank's buffer, a barrier on the peers' signal pads, the sum of all
+    # buffers (in rank order, so every rank gets the same bits) into out, and a barrier again, so the
+    # next call may overwrite the buffer; launch-only on the host, hence capturable in CUDA graphs
+    return torch.ops.symm_mem.one_shot_all_reduce_copy_out(symm, x, "sum", group_name, out)
+
+
+def unavailable(names: list[str], deterministic: bool = False, need_nvlink: bool = True) -> str | None:
+    """Why the ranks on devices `names` (one per rank, in rank order: cuda:0, ...) cannot take the
+    symmetric-memory all-reduce; None: they can."""
+    kind = names[0].partition(":")[0]
+    if kind != "cuda":
+        return f"the ranks are on {kind}, and symmetric memory is CUDA's"
+    devices = [torch.device(d) for d in names]
+    if len(devices) not in WORLD_SIZES:
+        return f"{len(devices)} ranks, and the one-shot kernel is built for {', '.join(map(str, WORLD_SIZES))}"
+    if len(set(devices)) < len(devices):
+        return "two ranks share a device"
+    if deterministic:
+        return "--deterministic keeps NCCL's fixed reduction"
+    if not _has_symm_mem():
+        return f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy_out"
+    for a in devices:
+        for b in devices:
+            if a != b and not torch.cuda.can_device_access_peer(a, b):
+                return f"{a} cannot map {b}'s memory (no peer access between them)"
+            if a != b and need_nvlink and _nvlink(a, b) is False:
+                return f"{a} and {b} are not NVLink peers (PCIe only; NCCL is as fast there)"
+    return None
+
+
+def _has_symm_mem() -> bool:
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+
+
+def _nvlink(a: torch.device, b: torch.device) -> bool | None:
+    """NVML's word on an NVLink between the two GPUs; None where NVML is not installed or cannot say."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        ha, hb = (pynvml.nvmlDeviceGetHandleByPciBusId_v2(_pci_bus_id(d)) for d in (a, b))
+        return pynvml.nvmlDeviceGetP2PStatus(ha, hb, pynvml.NVML_P2P_CAPS_INDEX_NVLINK) == pynvml.NVML_P2P_STATUS_OK
+    except Exception:               # no pynvml, an old driver, a property this torch lacks: unknown
+        return None
+
+
+def _pci_bus_id(device: torch.device) -> str:
+    p = torch.cuda.get_device_properties(device)
+    return f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"
+
+
+def choose(mode: str, group, rank: int, devices: list[str], deterministic: bool = False,
+           backend: str = "nccl") -> SymmMemAllReduce | None:
+    """The all-reduce of `--all-reduce mode` for this rank of `group` (devices: every rank's, in rank
+    order, e.g. cuda:0, cuda:1): a SymmMemAllReduce, or None for torch.distributed's (`backend`). Every rank decides
+    alike, from the same facts, so they all rendezvous or none does. `symm` where it cannot run is a
+    RuntimeError that says what to do; `auto` falls back and logs why, once."""
+    if mode == "nccl":
+        _log_once(rank, f"all-reduce: {backend} (--all-reduce nccl)")
+        return None
+    reason = unavailable(devices, deterministic, need_nvlink=mode == "auto")
+    if reason is None:
+        try:
+            reducer, reason = _open(group, torch.device(devices[rank]), MAX_BYTES[len(devices)])
+        except RuntimeError as e:            # the allocation, the mapping or the probe's kernel
+            reducer, reason = None, f"setting up symmetric memory failed: {e}"
+        if reducer is not None:
+            _log_once(rank, f"all-reduce: one-shot over symmetric memory up to {reducer.max_bytes >> 20} MiB, "
+                            f"{backend} above")
+            return reducer
+    if mode == "symm":
+        raise RuntimeError(f"--all-reduce symm cannot run here: {reason}. Serve with --all-reduce auto (which "
+                           f"falls back by itself) or --all-reduce nccl")
+    _log_once(rank, f"all-reduce: {backend}, not symmetric memory: {reason}")
+    return None
+
+
+def _open(group, device: torch.device, max_bytes: int) -> tuple[SymmMemAllReduce | None, str | None]:
+    """This rank's buffer, mapped by every peer (a collective), checked by one all-reduce of known sums."""
+    import torch.distributed._symmetric_memory as symm_mem
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")     # peer loads only: no NVLink multicast
+    name = group.group_name
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 11):
+        symm_mem.enable_symm_mem_for_group(name)       # torch 2.11 resolves the group's store by itself
+    buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+    symm_mem.rendezvous(buffer, name)
+    reducer = SymmMemAllReduce(buffer, name)
+    world, rank = group.size(), group.rank()
+    probe = torch.full((4096,), float(rank + 1), dtype=torch.bfloat16, device=device)
+    got = reducer(probe)
+    want = float(world * (world + 1) // 2)
+    if not bool((got == want).all()):
+        return None, f"a probe all-reduce summed to {got[0].item()}, not {want}"
+    return reducer, None
+
+
+def install(model: torch.nn.Module, reducer: SymmMemAllReduce) -> None:
+    """Every tensor-parallel layer of `model` reduces its small tensors through `reducer`."""
+    for module in model.modules():
+        tp = getattr(module, "tp", None)
+        if getattr(tp, "size", 1) > 1 and hasattr(tp, "custom_all_reduce"):
+            tp.custom_all_reduce = reducer
+
+
+def _log_once(rank: int, message: str) -> None:
+    if rank == 0 and message not in _logged:
+        _logged.add(message)
+        log.info(message)

@@ -1,0 +1,105 @@
+"""The tensor-parallel all-reduce's choice and routing (models/layers/custom_all_reduce.py) on the CPU:
+`auto` falls back to torch.distributed with its reason logged, `symm` where it cannot run stops the
+engine at start and says what to do, and two gloo ranks send the tensors that fit the symmetric
+buffer through it and the rest (too big, float16, odd sizes, misaligned views) through torch.distributed.
+tests/test_custom_all_reduce_cuda.py runs the real kernel on two GPUs."""
+from __future__ import annotations
+
+import logging
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from baton.engine.config import EngineConfig
+from baton.models.layers import custom_all_reduce
+from baton.models.layers.custom_all_reduce import SymmMemAllReduce, choose, install, unavailable
+from baton.models.layers.linear import RowParallelLinear, TPInfo
+
+BUFFER_BYTES = 1024
+
+
+def test_auto_on_the_cpu_falls_back_to_torch_distributed_and_logs_why_once(caplog, monkeypatch):
+    monkeypatch.setattr(custom_all_reduce, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="baton.models"):
+        assert choose("auto", None, 0, ["cpu", "cpu"], backend="gloo") is None
+        assert choose("auto", None, 0, ["cpu", "cpu"], backend="gloo") is None
+        assert choose("auto", None, 1, ["cpu", "cpu"], backend="gloo") is None      # rank 1 says nothing
+    said = [r.getMessage() for r in caplog.records if r.name == "baton.models"]
+    assert said == ["all-reduce: gloo, not symmetric memory: the ranks are on cpu, and symmetric memory is CUDA's"]
+
+
+def test_symm_where_it_cannot_run_is_an_error_that_says_what_to_do():
+    with pytest.raises(RuntimeError, match="--all-reduce symm cannot run here: the ranks are on cpu.*--all-reduce auto"):
+        choose("symm", None, 0, ["cpu", "cpu"], backend="gloo")
+    for config, match in ((dict(device="cpu"), "ranks here are on cpu: use --all-reduce auto or nccl"),
+                          (dict(device="npu:0"), "on npu:0"),
+                          (dict(device="cuda:0", tp_size=3), "--tp-size 2, 4 or 8, got 3"),
+                          (dict(device="cuda:0", deterministic=True), "--deterministic keeps NCCL's")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**{"tp_size": 2, "all_reduce": "symm", **config}).validate()
+    with pytest.raises(ValueError, match="all_reduce must be one of auto, nccl, symm"):
+        EngineConfig(all_reduce="custom").validate()
+    EngineConfig(device="cpu", tp_size=2, all_reduce="nccl").validate()
+
+
+def test_the_reasons_cuda_ranks_fall_back():
+    """Checked before any device is touched: these hold on a machine without GPUs."""
+    assert "3 ranks" in unavailable(["cuda:0", "cuda:1", "cuda:2"])
+    assert unavailable(["cuda:0", "cuda:0"]) == "two ranks share a device"
+    assert "--deterministic" in unavailable(["cuda:0", "cuda:1"], deterministic=True)
+
+
+def test_install_reaches_every_tensor_parallel_layer():
+    tp, single = TPInfo(0, 2, None), TPInfo()
+    model = torch.nn.ModuleList([RowParallelLinear(8, 4, tp=tp, dtype=torch.float32),
+                                 RowParallelLinear(8, 4, tp=single, dtype=torch.float32)])
+    reducer = SymmMemAllReduce(torch.empty(BUFFER_BYTES, dtype=torch.uint8), "0")
+    install(model, reducer)
+    assert tp.custom_all_reduce is reducer and single.custom_all_reduce is None
+
+
+def _through_gloo(symm, x, group_name, out):
+    """The one-shot op's contract, on gloo: x into the symmetric view, the sum of every rank's into out."""
+    _through_gloo.calls += 1
+    symm.copy_(x)
+    dist.all_reduce(symm)
+    return out.copy_(symm)
+
+
+def _worker(rank: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        tp = TPInfo(rank, 2, dist.group.WORLD)
+        tp.custom_all_reduce = SymmMemAllReduce(torch.zeros(BUFFER_BYTES, dtype=torch.uint8), "0", _through_gloo)
+        _through_gloo.calls = 0
+        base = torch.zeros(64, dtype=torch.bfloat16)
+        cases = {                      # name: (tensor, through the symmetric buffer?)
+            "small bf16": (torch.zeros(4, 64, dtype=torch.bfloat16), True),
+            "small float32, the whole buffer": (torch.zeros(16, 16), True),
+            "past the buffer": (torch.zeros(16, 17), False),
+            "float16": (torch.zeros(4, 64, dtype=torch.float16), False),
+            "size not a multiple of 16 bytes": (torch.zeros(3, dtype=torch.bfloat16), False),
+            "offset not 16-byte aligned": (base[1:9], False),
+        }
+        for name, (x, symm) in cases.items():
+            x.fill_(rank + 1)
+            before = _through_gloo.calls
+            got = tp.all_reduce(x)
+            assert (_through_gloo.calls > before) == symm, name
+            assert (got is x) != symm, f"{name}: torch.distributed sums in place, the symmetric path into a new tensor"
+            assert bool((got == 3).all()), name
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_ranks_route_by_size_dtype_and_layout():
+    mp.spawn(_worker, args=(_free_port(),), nprocs=2, join=True)
