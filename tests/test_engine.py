@@ -238,7 +238,7 @@ def test_streamed_kv_passes_each_prompt_block_once_in_order_as_its_chunk_ends(em
     e.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id="s", hand_off_kv=True)
     ticket, packed = e.kv_ticket("s"), []
     pack = e.runner.pack_kv
-    e.runner.pack_kv = lambda block_ids: packed.append(list(block_ids)) or pack(block_ids)
+    e.runner.pack_kv = lambda block_ids, *more: packed.append(list(block_ids)) or pack(block_ids, *more)
     outs = []
     while e.has_unfinished:
         outs += e.step()

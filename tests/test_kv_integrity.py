@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import importlib.util
 import itertools
+import os
 import random
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +96,63 @@ def test_a_flipped_byte_anywhere_a_swapped_pair_of_blocks_or_a_zeroed_block_chan
     zeroed = kv.clone()
     zeroed[:, :, 3] = 0
     assert kv_checksum.to_hex(kv_checksum.of_blocks(zeroed, range(6))) != good
+
+
+# -- the copy that takes the sums in its own pass (CUDA: triton_kernels/kv_pack.py) ---------------
+def check_kv_pack_kernel(device: str) -> None:
+    """kv_pack's pack and unpack against the platform's torch path (a copy, then a read), on caches of
+    every dtype, rows of whole words (so the kernel runs): the same bytes where they land and the
+    same word sums, bit for bit; a row wider than one chunk; the cache's untouched blocks untouched."""
+    from baton.engine.platforms import get_platform
+    from baton.engine.platforms.triton_kernels import kv_pack
+    reference, rng = get_platform("cpu"), random.Random(7)
+    for i, dtype in enumerate(_dtypes() * 2):
+        layers, heads, head_dim = rng.choice([1, 2, 3]), rng.choice([1, 2, 4]), rng.choice([8, 32, 64])
+        block_size = 4 if i < 3 else 64              # 64 x 4 x 64 x 2 bytes: rows of 4,096 words, four chunks
+        cache_blocks = 12
+        raw = torch.randint(0, 256, (layers, 2, cache_blocks, block_size, heads, head_dim * dtype.itemsize),
+                            dtype=torch.uint8)
+        kv = raw.view(dtype).to(device)
+        assert kv_pack.supported(kv)
+        blocks = rng.sample(range(cache_blocks), rng.randint(1, 6))
+        index = torch.tensor(blocks, device=device)
+        data, sums = kv_pack.pack(kv, index, sums=True)
+        want_data, want_sums = reference.pack_kv(raw.view(dtype), index.cpu(), sums=True)
+        assert torch.equal(data.cpu(), want_data) and torch.equal(sums.cpu(), want_sums), (i, dtype)
+        assert kv_pack.pack(kv, index, sums=False)[1] is None
+        into = rng.sample(range(cache_blocks), len(blocks))
+        dst = torch.zeros_like(kv)
+        got = kv_pack.unpack(dst, torch.tensor(into, device=device), data, sums=True)
+        assert torch.equal(got.cpu(), want_sums), (i, dtype)
+        assert torch.equal(dst[:, :, into].cpu().view(torch.uint8), raw[:, :, blocks]), "(bytes: random ones hold NaNs)"
+        rest = [b for b in range(cache_blocks) if b not in into]
+        assert not dst[:, :, rest].view(torch.uint8).any(), "blocks outside the index are untouched"
+        spoiled = data.clone()
+        spoiled[rng.randrange(spoiled.numel())] ^= 1 << rng.randrange(8)
+        assert not torch.equal(kv_pack.unpack(torch.zeros_like(kv), torch.tensor(into, device=device), spoiled,
+                                              sums=True), got), "a flipped byte changes the sums"
+    print("kv_pack kernels ok")
+
+
+def _triton_path() -> str | None:
+    """Where triton imports from: the venv, or BATON_TRITON_PATH (`pip install --target DIR triton`)."""
+    if importlib.util.find_spec("triton") is not None:
+        return ""
+    return os.environ.get("BATON_TRITON_PATH") or None
+
+
+@pytest.mark.timeout(300)
+def test_the_kv_pack_kernel_matches_the_torch_path_in_the_interpreter():
+    where = _triton_path()
+    if where is None:
+        pytest.skip("triton is absent: install it beside the venv (pip install --target DIR triton) and set "
+                    "BATON_TRITON_PATH=DIR to check the KV pack kernel through TRITON_INTERPRET=1")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(p for p in (where, str(Path(__file__).parent), os.environ.get("PYTHONPATH"))
+                                          if p))
+    code = "import test_kv_integrity; test_kv_integrity.check_kv_pack_kernel('cpu')"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0 and "kv_pack kernels ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
 
 
 # -- two engines, stepped by hand ---------------------------------------------------------------

@@ -7,6 +7,7 @@ there is no CUDA GPU or no triton; the layout checks run everywhere.
 """
 from __future__ import annotations
 
+import collections
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -386,6 +387,46 @@ def test_streamed_pieces_pack_and_unpack_on_the_gpu_bit_exact():
     dst = torch.zeros_like(kv)
     unpack_blocks(dst, into, Pieces(tuple(parts)))
     assert torch.equal(dst[:, :, into], kv[:, :, src])
+
+
+@pytest.mark.device
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU visible to torch")
+def test_the_kv_pack_kernel_matches_the_torch_path_on_the_gpu():
+    """triton_kernels/kv_pack.py natively: the same bytes and checksum sums as the CPU's copy-then-read."""
+    from test_kv_integrity import check_kv_pack_kernel
+    check_kv_pack_kernel("cuda")
+
+
+@pytest.mark.device
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU visible to torch")
+def test_a_proven_transfer_between_two_cuda_engines_decodes_like_one_and_refuses_a_flipped_byte():
+    """KVCache.pack / land on the CUDA platform (the sums in the copies' pass), --kv-checksum on: a clean
+    payload in pieces joins and decodes what a colocated engine does; a flipped byte is refused, blocks freed."""
+    import test_kv_integrity as ki
+
+    from baton.engine import LLMEngine
+    from baton.engine.config import EngineConfig
+    from baton.engine.runner.kv_blocks import Pieces
+    config = dict(model="tiny-llama", num_kv_blocks=32, max_num_batched_tokens=16, device="cuda:0", kv_checksum="on")
+    prefill = LLMEngine(EngineConfig(**config), handoff=ki.Hook())
+    decode = LLMEngine(EngineConfig(**config), handoff=ki.Hook())
+    unrefs, unref = collections.Counter(), decode.block_manager._unref
+    decode.block_manager._unref = lambda b: unrefs.update([b]) or unref(b)
+    prompt = ki.fresh_prompt()
+    payload, first, meta = ki.prefilled(prefill, prompt, "e1")
+    assert len(payload.parts) > 1 and payload.parts[0][2].is_cuda
+    outs, ticket = ki.decoded(decode, "a", prompt, "e1", payload, first, meta)
+    assert ticket.refused is None
+    assert [t for out in outs for t in out.new_token_ids] == ki.colocated(prefill, prompt)
+    unrefs.clear()
+    prefill.handoff = ki.Hook()
+    payload, first, meta = ki.prefilled(prefill, ki.fresh_prompt(), "e1")
+    first_block, n, data = payload.parts[1]
+    spoiled = data.clone()
+    spoiled[spoiled.numel() // 3] ^= 0x10
+    payload = Pieces((payload.parts[0], (first_block, n, spoiled), *payload.parts[2:]))
+    outs, ticket = ki.decoded(decode, "b", ki.fresh_prompt(), "e1", payload, first, meta)
+    ki.assert_refused(outs, ticket, unrefs, "corrupt")
 
 
 @pytest.mark.device

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from baton.engine.platforms import kv_copy
 from baton.models.layers import int4, quantization
 
 if TYPE_CHECKING:
@@ -344,6 +345,21 @@ class Platform(ABC):
         """[layers, 2, num_blocks, block_size, kv_heads, head_dim]; [l, 0] is K, [l, 1] is V."""
         return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
                            dtype=dtype, device=self.device)
+
+    def pack_kv(self, kv: torch.Tensor, index: torch.Tensor, sums: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Blocks `index` (block ids on kv's device) of the paged cache kv as one contiguous uint8
+        payload on kv's device, queued on the current stream; with `sums`, also the checksum's word
+        sums of each (row = layer x K/V, block) of it, int64 [rows, n] (engine/runner/kv_checksum.py).
+        Here a copy, then a second read for the sums (kv_copy.py); CUDA does both in one pass."""
+        return kv_copy.pack(kv, index, sums)
+
+    def unpack_kv(self, kv: torch.Tensor, index: torch.Tensor, data: torch.Tensor, sums: bool) -> torch.Tensor | None:
+        """Write the uint8 payload `data` (on kv's device, the size of `index`'s blocks) into blocks
+        `index` of kv; with `sums`, return the payload's word sums [rows, n] as pack_kv's."""
+        return kv_copy.unpack(kv, index, data, sums)
+
+    # whether pack_kv / unpack_kv take the sums in the copy's own pass (a checksum then costs no extra read)
+    sums_kv_in_pass: bool = False
 
     @abstractmethod
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

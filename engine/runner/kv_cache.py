@@ -11,7 +11,7 @@ from baton.engine.kv_handoff import InPlace
 from baton.engine.platforms import Platform
 from baton.engine.platforms.base import is_fp8
 from baton.engine.runner import kv_checksum, kv_scales
-from baton.engine.runner.kv_blocks import Pieces, pack_blocks_on_device, unpack_blocks
+from baton.engine.runner.kv_blocks import Pieces, _as_uint8, _block_index, unpack_blocks
 from baton.models.forward_context import AttentionBackend
 
 CPU_KV_CACHE_MAX = 1 << 30              # the CPU's default KV cache: sized to the model, at most this
@@ -46,40 +46,65 @@ class KVCache:
     def block_bytes(self) -> int:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    def pack(self, block_ids: list[int]):
-        """(a contiguous uint8 copy of these blocks on the device, the event after which it is
-        final; None on the CPU). Queued on the engine's stream, so later steps cannot overwrite
-        the blocks before the copy has read them."""
-        return pack_blocks_on_device(self.tensor, block_ids), self.platform.record_event()
+    def pack(self, block_ids: list[int], first_block: int = 0, so_far: kv_checksum.Proof | None = None):
+        """(a contiguous uint8 copy of these blocks on the device; the event after which it is final,
+        None on the CPU; the transfer's checksum through them, a Proof). They are blocks
+        [first_block, first_block + len) of a transfer whose earlier pieces' checksum is `so_far`.
+        Queued on the engine's stream, so later steps cannot overwrite the blocks before the copy
+        has read them; the checksum's sums are taken in the same pass where the platform can."""
+        data, sums = self.platform.pack_kv(self.tensor, _block_index(self.tensor, block_ids), sums=True)
+        total = kv_checksum.weigh(sums, first_block)
+        if so_far is not None:
+            total = total + so_far.total
+        host = total.to("cpu", non_blocking=True)      # (page-locked from a device: final after the event)
+        ready = self.platform.record_event()
+        return data, ready, kv_checksum.Proof(total, host, ready)
 
     def write(self, block_ids: list[int], payload) -> None:
         """Copy a transferred payload (bytes, a uint8 tensor, or Pieces) into these blocks."""
         unpack_blocks(self.tensor, block_ids, payload)
 
-    def prove(self, data: torch.Tensor, first_block: int, num_blocks: int,
-              so_far: kv_checksum.Proof | None = None) -> kv_checksum.Proof:
-        """A transfer's checksum through `data`, the packed blocks [first_block, first_block +
-        num_blocks) of it, added to the pieces' before it: queued on the device after the pack."""
-        total = kv_checksum.partial(data, 2 * self.num_layers, num_blocks, first_block)
-        if so_far is not None:
-            total = total + so_far.total
-        host = total.to("cpu", non_blocking=True)      # (page-locked from a device: final after the event)
-        return kv_checksum.Proof(total, host, self.platform.record_event())
-
     def land(self, block_ids: list[int], payload, prove: bool) -> kv_checksum.Proof | None:
         """Write a landed payload into these blocks (an InPlace one is there already) and, if `prove`,
-        return its checksum, queued on the device: of the payload where it lies on this device (one
-        read), else of the blocks it went into (a host payload bound for a device, an InPlace one)."""
-        rows, in_place = 2 * self.num_layers, isinstance(payload, InPlace)
-        here = not in_place and _device_of(payload) == self.tensor.device
-        total = kv_checksum.of_payload(payload, rows, len(block_ids)) if prove and here else None
-        if not in_place:
+        return its checksum, queued on the device: taken as the payload is copied in where it lies on
+        this device (Platform.unpack_kv, a piece at a time), else of the blocks it went into (a host
+        payload bound for a device, an InPlace one)."""
+        if isinstance(payload, InPlace):
+            total = kv_checksum.of_blocks(self.tensor, block_ids) if prove else None
+        elif _device_of(payload) == self.tensor.device:
+            total = self._unpack_here(block_ids, payload, prove)
+        else:
             self.write(block_ids, payload)
-        if prove and total is None:
-            total = kv_checksum.of_blocks(self.tensor, block_ids)
+            total = kv_checksum.of_blocks(self.tensor, block_ids) if prove else None
         if total is None:
             return None
         return kv_checksum.Proof(total, total.to("cpu", non_blocking=True), self.platform.record_event())
+
+    def _unpack_here(self, block_ids: list[int], payload, prove: bool):
+        """A payload on this cache's device into its blocks, piece by piece, summing as it copies."""
+        parts = payload.parts if isinstance(payload, Pieces) else ((0, len(block_ids), payload),)
+        covered = 0
+        for first, n, _ in parts:
+            if first != covered:
+                raise ValueError(f"KV pieces must cover the blocks in order: a piece starts at block {first}, "
+                                 f"expected {covered}")
+            covered += n
+        if covered != len(block_ids):
+            raise ValueError(f"KV pieces hold {covered} blocks, the request reserved {len(block_ids)}")
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"block ids must be distinct to unpack into, got {list(block_ids)[:16]}")
+        total = None
+        for first, n, data in parts:
+            data = _as_uint8(data)
+            if data.numel() != n * self.block_bytes():
+                raise ValueError(f"a KV piece of {data.numel()} bytes landed for {n} blocks of {self.block_bytes()}: "
+                                 "were both ends started with the same layout?")
+            index = _block_index(self.tensor, block_ids[first:first + n])
+            sums = self.platform.unpack_kv(self.tensor, index, data, sums=prove)
+            if prove:
+                part = kv_checksum.weigh(sums, first)
+                total = part if total is None else total + part
+        return total
 
     # -- set-up -----------------------------------------------------------------------------
     def _size(self, config: EngineConfig, model: torch.nn.Module, hf_config, tp_group) -> int:

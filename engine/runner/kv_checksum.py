@@ -7,7 +7,9 @@ summed; B, each (row, block)'s word sum weighted by its place in the whole trans
 flipped byte always changes A; a block landed in another's place, or rows swapped, change B. Both
 are additive over pieces, so the prefill sums its pieces' parts (on the device, no host sync) and
 the decode side checks the payload however it came split, or the blocks it was written into.
-One read of the bytes, no Python loop: what it costs is measured by benchmarks/kv_checksum.py.
+The word sums are taken by the copy that packs or unpacks the blocks (Platform.pack_kv / unpack_kv:
+on CUDA in the same pass, so the bytes are read once), else by one read of them; no Python loop.
+What it costs is measured by benchmarks/kv_checksum.py.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.engine.platforms.kv_copy import word_sums
 from baton.engine.runner.kv_blocks import Pieces, _as_uint8, _block_index
 
 MASK = (1 << 64) - 1
@@ -46,11 +49,7 @@ class Proof:
 def partial(data: torch.Tensor, rows: int, num_blocks: int, first_block: int = 0) -> torch.Tensor:
     """int64 [A, B] of packed blocks [first_block, first_block + num_blocks) of a transfer (a uint8
     payload of `rows` = 2 x layers rows), on data's device, queued there (no host sync)."""
-    data = data.reshape(-1)
-    if num_blocks < 1 or rows < 1 or data.numel() % (rows * num_blocks):
-        raise ValueError(f"{data.numel()} bytes are not {num_blocks} blocks of {rows} rows")
-    words = _words(data, data.numel() // (rows * num_blocks)).view(rows, num_blocks, -1)
-    return _weigh(words.sum(-1, dtype=torch.int64), first_block)
+    return weigh(word_sums(data, rows, num_blocks), first_block)
 
 
 def of_payload(payload, rows: int, num_blocks: int, device: torch.device | None = None) -> torch.Tensor:
@@ -68,7 +67,7 @@ def of_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
     rows, num_blocks = kv.shape[0] * kv.shape[1], kv.shape[2]
     data = kv.reshape(-1).view(torch.uint8)
     words = _words(data, data.numel() // (rows * num_blocks)).view(rows, num_blocks, -1)
-    return _weigh(words.index_select(1, index).sum(-1, dtype=torch.int64), 0)
+    return weigh(words.index_select(1, index).sum(-1, dtype=torch.int64), 0)
 
 
 def to_hex(total: torch.Tensor) -> str:
@@ -76,7 +75,7 @@ def to_hex(total: torch.Tensor) -> str:
     return f"{a:016x}{b:016x}"
 
 
-def _weigh(sums: torch.Tensor, first_block: int) -> torch.Tensor:
+def weigh(sums: torch.Tensor, first_block: int) -> torch.Tensor:
     """[A, B] from the word sums of each (row, block) of blocks first_block, first_block + 1, ...:
     two kernels, the weights kept (building them is more launches than the sums' read)."""
     return (sums * _weights(*sums.shape, first_block, sums.device)).sum((1, 2))

@@ -195,18 +195,15 @@ class ModelRunner:
     def block_bytes(self) -> int:
         return self.kv.block_bytes()
 
-    def pack_kv(self, block_ids: list[int]):
-        """(these blocks packed on the device, the event after which they are final): KVCache.pack."""
-        return self.kv.pack(block_ids)
+    def pack_kv(self, block_ids: list[int], first_block: int = 0, so_far=None):
+        """(these blocks packed on the device, the event after which they are final, the transfer's
+        checksum through them): KVCache.pack."""
+        return self.kv.pack(block_ids, first_block, so_far)
 
     def write_kv(self, block_ids: list[int], payload) -> None:
         """Copy a transferred payload (bytes, a uint8 tensor, or Pieces) into these blocks."""
         self._one_cache()
         self.kv.write(block_ids, payload)
-
-    def prove_kv(self, data, first_block: int, num_blocks: int, so_far=None):
-        """A transfer's running checksum through this packed piece: KVCache.prove."""
-        return self.kv.prove(data, first_block, num_blocks, so_far)
 
     def land_kv(self, block_ids: list[int], payload, prove: bool):
         """Write a landed payload into these blocks, and its checksum (queued): KVCache.land."""
