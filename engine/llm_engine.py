@@ -59,12 +59,13 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None,
-                 handoff: KVHandoff | None = None):
+                 handoff: KVHandoff | None = None, tokens_only: bool = False):
+        """`tokens_only`: prompt ids in, text made elsewhere (an engine core): no text streamed, a light tokenizer."""
         self.config = config or EngineConfig()
         self.config.validate()
         self.runner = runner or ModelRunner(self.config)
         self.source = self.runner.source
-        self.tokenizer = load_tokenizer(self.source)
+        self.tokenizer = load_tokenizer(self.source, core=tokens_only)
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_token_ids(self.source, self.tokenizer)
@@ -80,7 +81,7 @@ class LLMEngine:
         self.states: dict[str, RequestState] = {}
         # streaming text costs two tokenizer calls per token per request (5 ms a step at batch
         # 256 on an H100 host); the offline API turns it off and decodes each output once
-        self.stream_text = True
+        self.stream_text = not tokens_only
         self.placeholders = media_placeholders(self.source.hf_config)   # images or audio; None: a text-only model
         self.kv = KVExchange(self.runner, self.block_manager, self.scheduler, self.placeholders,
                              handoff or KVHandoff())

@@ -23,6 +23,7 @@ from pathlib import Path
 from baton.models import hub
 from baton.models.cache import cache_root
 from baton.models.layers.rope_config import check_stated_fields
+from baton.models.model_config import ModelConfig, read_config
 from baton.models.multimodal import PROCESSOR_ATTR
 from baton.models.presets import PRESETS
 from baton.models.registry import SUPPORTED_ARCHITECTURES
@@ -58,7 +59,7 @@ class ModelSource:
 
     def tokenizer_dir(self) -> str:
         if not self.tokenizer_path:
-            self.tokenizer_path = resolve_model(EMBEDDED, self.cache_dir).tokenizer_path
+            self.tokenizer_path = resolve_model(EMBEDDED, self.cache_dir, baton_config=True).tokenizer_path
         return self.tokenizer_path
 
     def generation_config(self, where: str = "auto") -> dict:
@@ -80,31 +81,34 @@ class ModelSource:
 
 
 def resolve_model(name_or_path: str | None = None, cache_dir: str | None = None,
-                  tokenizer: str | None = None, revision: str | None = None) -> ModelSource:
+                  tokenizer: str | None = None, revision: str | None = None,
+                  baton_config: bool = False) -> ModelSource:
     """`tokenizer`: a tokenizer directory to use instead of the model's own (presets default to
-    the embedded model's); `revision`: a Hub model's branch, tag or commit."""
+    the embedded model's); `revision`: a Hub model's branch, tag or commit; `baton_config`: the
+    config read by Baton's reader (models/model_config.py: no transformers import) where it knows
+    the model, else by transformers' AutoConfig (which a caller needing a PretrainedConfig wants)."""
     name = name_or_path or EMBEDDED
     if revision and not hub.is_hub_name(name):
         raise ValueError(f"--revision {revision}: only a Hub model (ORG/NAME) has revisions, not --model {name}")
-    source = _resolve(name, cache_dir, revision)
+    source = _resolve(name, cache_dir, revision, baton_config)
     source.cache_dir = cache_dir
     if tokenizer:
         source.tokenizer_path = str(Path(tokenizer).expanduser())
     return source
 
 
-def _resolve(name: str, cache_dir: str | None, revision: str | None = None) -> ModelSource:
+def _resolve(name: str, cache_dir: str | None, revision: str | None, baton_config: bool) -> ModelSource:
     if name == EMBEDDED:
-        return _from_hf_dir(_embedded(cache_dir), EMBEDDED)
+        return _from_hf_dir(_embedded(cache_dir), EMBEDDED, baton_config)
     if name in PRESETS:
-        return _preset(name)
+        return _preset(name, baton_config)
     path = Path(name).expanduser()
     if path.suffix == ".gguf" and path.is_file():
-        return _from_hf_dir(_converted(path, cache_dir), path.stem)
+        return _from_hf_dir(_converted(path, cache_dir), path.stem, baton_config)
     if path.is_dir() and (path / "config.json").exists():
-        return _from_hf_dir(path, path.name)
+        return _from_hf_dir(path, path.name, baton_config)
     if hub.is_hub_name(name):
-        return _from_hf_dir(hub.download(name, revision), name)
+        return _from_hf_dir(hub.download(name, revision), name, baton_config)
     raise ValueError(f"unknown model {name!r}: give {EMBEDDED!r} (the default), a preset "
                      f"({', '.join(PRESETS)}), a .gguf file, an HF directory with config.json, or a Hub "
                      "name (ORG/NAME)")
@@ -266,15 +270,17 @@ def _lock(lock, target: Path) -> None:
             time.sleep(0.5)
 
 
-def _from_hf_dir(path: Path, name: str) -> ModelSource:
-    from transformers import AutoConfig
+def _from_hf_dir(path: Path, name: str, baton_config: bool = False) -> ModelSource:
+    config = _read_config(path) if baton_config else None
+    if config is None:
+        from transformers import AutoConfig
 
-    from baton.models import minicpm_config
-    minicpm_config.register()               # a model_type transformers lacks
-    try:
-        config = AutoConfig.from_pretrained(str(path))
-    except Exception as exc:
-        raise ValueError(f"cannot read the model config in {path}: {exc}") from exc
+        from baton.models import minicpm_config
+        minicpm_config.register()               # a model_type transformers lacks
+        try:
+            config = AutoConfig.from_pretrained(str(path))
+        except Exception as exc:
+            raise ValueError(f"cannot read the model config in {path}: {exc}") from exc
     check_stated_fields(json.loads((path / "config.json").read_text()))     # what transformers filled in
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     mirror_text_config(config)
@@ -290,15 +296,27 @@ def _from_hf_dir(path: Path, name: str) -> ModelSource:
     return ModelSource(name, config, str(path), str(path), arch)
 
 
-def _preset(name: str) -> ModelSource:
+def _read_config(path: Path) -> ModelConfig | None:
+    """`path`'s config.json through Baton's reader; None where AutoConfig must read it (or say
+    what is wrong with it)."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return read_config(raw) if isinstance(raw, dict) else None
+
+
+def _preset(name: str, baton_config: bool = False) -> ModelSource:
     """Random weights in a real checkpoint's shape; no tokenizer of its own (resolve_model gives
     it the one asked for, else the embedded model's)."""
-    from transformers import AutoConfig
+    config = read_config(PRESETS[name]) if baton_config else None
+    if config is None:
+        from transformers import AutoConfig
 
-    from baton.models import minicpm_config
-    minicpm_config.register()
-    fields = dict(PRESETS[name])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        from baton.models import minicpm_config
+        minicpm_config.register()
+        fields = dict(PRESETS[name])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     mirror_text_config(config)
     return ModelSource(name, config, None, "", config.architectures[0])
 

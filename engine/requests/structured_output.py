@@ -18,6 +18,7 @@ masks the logits first). eos is allowed exactly where the grammar may end.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -27,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor, TimeoutError
 from dataclasses import dataclass
 
 import numpy as np
+
+from baton.engine.requests.tokenizer import CoreTokenizer
 
 log = logging.getLogger("baton.engine")
 
@@ -144,6 +147,22 @@ class GrammarState:
         log.warning("request %s: its output left the grammar: %s", request_id, self.matcher.get_error().split("\n")[0])
 
 
+def ll_tokenizer(tokenizer, n_vocab: int, eos: list[int] | None):
+    """llguidance's view of a vocabulary. An engine core's CoreTokenizer (engine/requests/tokenizer.py)
+    is handed over as llguidance.hf.from_tokenizer hands an HF fast tokenizer, its Rust tokenizer
+    serialized, without that module's import of transformers."""
+    import llguidance
+
+    if not isinstance(tokenizer, CoreTokenizer):
+        import llguidance.hf
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab,
+                                  eos_token=tokenizer.eos_token_id if eos is None else eos)
+
+
 class StructuredOutputs:
     """The engine's grammar side: matchers for new requests, bitmasks for each step's sampling rows."""
 
@@ -164,13 +183,10 @@ class StructuredOutputs:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            import llguidance.hf
-
             # the model's eos ids that the tokenizer has (a preset borrowing another model's tokenizer
             # may name none: then the tokenizer's own eos ends a match)
             eos = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)]
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=eos or None)
+            self._tokenizer = ll_tokenizer(self.hf_tokenizer, self.vocab_size, eos or None)
         return self._tokenizer
 
     def state(self, spec: StructuredOutput, first_output: int) -> GrammarState:

@@ -1,6 +1,7 @@
 """Loading a model's tokenizer and its end-of-sequence ids."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -9,8 +10,11 @@ import jinja2
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def load_tokenizer(source):
-    """`source`: a baton.models.source.ModelSource (its tokenizer_path)."""
+def load_tokenizer(source, core: bool = False):
+    """`source`: a baton.models.source.ModelSource (its tokenizer_path); `core`: an engine core's,
+    which gets prompts as token ids (load_core_tokenizer)."""
+    if core:
+        return load_core_tokenizer(source.tokenizer_dir())
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(source.tokenizer_dir())
 
@@ -39,6 +43,82 @@ def load_decoder(tokenizer_dir: str):
         return RustDecoder(Tokenizer.from_file(str(path)))
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+# tokenizer classes that are their tokenizer.json and nothing more (what transformers 5 writes
+# for a GGUF's tokenizer, as for the embedded model's); other classes rebuild or amend it
+PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class CoreTokenizer(RustDecoder):
+    """What an engine core needs of a model's tokenizer (its prompts come as token ids): ids to
+    text for stop strings, the vocabulary for grammars, the end-of-sequence id; from its
+    tokenizer.json alone, without transformers (~1.4 s of CPU a worker start). Anything else asked
+    of it (text to ids, a chat template) loads the full HF tokenizer on first use and asks that."""
+
+    def __init__(self, backend, eos_token_id: int | None, tokenizer_dir: str):
+        super().__init__(backend)
+        self.backend_tokenizer = backend
+        self.eos_token_id = eos_token_id
+        self.tokenizer_dir = tokenizer_dir
+        self._full = None
+
+    def __len__(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def __call__(self, *args, **kwargs):
+        return self.full(*args, **kwargs)
+
+    def __getattr__(self, name: str):       # only what the class lacks
+        if name.startswith("__") or name in ("_full", "_tokenizer", "tokenizer_dir"):
+            raise AttributeError(name)
+        return getattr(self.full, name)
+
+    @property
+    def full(self):
+        if self._full is None:
+            from transformers import AutoTokenizer
+            self._full = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        return self._full
+
+
+def load_core_tokenizer(tokenizer_dir: str):
+    """An engine core's tokenizer: a CoreTokenizer where the folder's tokenizer.json is the whole
+    tokenizer (every special token the config names is one of its added tokens), else the full HF one."""
+    light = _plain_tokenizer(Path(tokenizer_dir))
+    if light is not None:
+        return light
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _plain_tokenizer(folder: Path) -> CoreTokenizer | None:
+    path, config_path = folder / "tokenizer.json", folder / "tokenizer_config.json"
+    if not path.is_file() or any((folder / f).exists() for f in ("special_tokens_map.json", "added_tokens.json")):
+        return None
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("tokenizer_class") not in PLAIN_CLASSES:
+        return None
+    from tokenizers import Tokenizer
+    backend = Tokenizer.from_file(str(path))
+    added = {t.content: (i, t.special) for i, t in backend.get_added_tokens_decoder().items()}
+    for i, token in (config.get("added_tokens_decoder") or {}).items():
+        if not isinstance(token, dict) or added.get(token.get("content")) != (int(i), token.get("special", False)):
+            return None
+    named = [config.get(name) for name in SPECIAL_NAMES]
+    for extra in (config.get("additional_special_tokens"), config.get("extra_special_tokens")):
+        named += list(extra.values()) if isinstance(extra, dict) else list(extra or [])
+    for token in named:
+        content = token.get("content") if isinstance(token, dict) else token
+        if content is not None and (not isinstance(content, str) or not added.get(content, (0, False))[1]):
+            return None                 # transformers would add it, or mark it special: its vocabulary differs
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return CoreTokenizer(backend, None if eos is None else added[eos][0], str(folder))
 
 
 def eos_token_ids(source, tokenizer) -> list[int]:

@@ -51,7 +51,8 @@ class ModelRunner:
         self.platform: Platform = get_platform(device or config.device, config.platform_options())
         self.device = self.platform.device
         self.platform.bind_thread()          # the engine thread binds itself too (AsyncEngine)
-        self.source = source or resolve_model(config.model, config.cache_dir, config.tokenizer, config.revision)
+        self.source = source or resolve_model(config.model, config.cache_dir, config.tokenizer, config.revision,
+                                              baton_config=True)
         hf = self.source.hf_config
         check_max_model_len(hf, config.max_model_len)        # before loading: rope scaling bounds it
         self.dtype = model_dtype(config, self.platform)

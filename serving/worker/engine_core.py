@@ -119,8 +119,9 @@ class EngineCore:
         print(f"[baton] {self.cfg.role}: loading {self.cfg.engine.model} on {self.cfg.engine.device}",
               file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
-        llm = await loop.run_in_executor(None, lambda: LLMEngine(self.cfg.engine, handoff=self.handoff))
-        llm.stream_text = False            # the front makes the text (and applies stop strings)
+        # tokens only: the front makes the text (and applies stop strings)
+        llm = await loop.run_in_executor(None, lambda: LLMEngine(self.cfg.engine, handoff=self.handoff,
+                                                                 tokens_only=True))
         freeze_startup_objects()
         self.engine = AsyncEngine(llm, loop)
         self.engine.on_step = self._stepped
