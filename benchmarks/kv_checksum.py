@@ -116,33 +116,42 @@ def measure(device: torch.device, args, given: dict[str, float]) -> dict:
 
 def measure_in_pass(cache: torch.Tensor, blocks: list[int], rows: int, device: torch.device, args) -> dict:
     """What the engine runs (KVCache.pack / land): Platform.pack_kv and unpack_kv with and without
-    the sums, the sums weighed into the checksum (and, packing, copied to the host) as the engine does."""
+    the checksum; with it, its running total made first and copied to the host after, as the engine
+    does (the total's zeros and the copies are what the checksum adds beside the kernels)."""
     from baton.engine.platforms import get_platform
     platform = get_platform(str(device))
     index = torch.tensor(blocks, device=device)
     into = torch.tensor(sorted(blocks), device=device)          # a decode worker's cache, other blocks
     dst = torch.empty_like(cache)
-    data, _ = platform.pack_kv(cache, index, sums=False)
+    data = platform.pack_kv(cache, index)
+
+    def zeros():
+        return torch.zeros(2, dtype=torch.int64, device=device)
 
     def pack_proven():
-        packed, sums = platform.pack_kv(cache, index, sums=True)
-        return kv_checksum.weigh(sums, 0).to("cpu", non_blocking=True)
+        total = zeros()
+        platform.pack_kv(cache, index, total, 0)
+        return total.to("cpu", non_blocking=True, copy=True)
 
     def unpack_checked():
-        return kv_checksum.weigh(platform.unpack_kv(dst, into, data, sums=True), 0)
+        total = zeros()
+        platform.unpack_kv(dst, into, data, total, 0)
+        return total.to("cpu", non_blocking=True, copy=True)
 
-    calls = {"index_select": lambda: cache.index_select(2, index),
-             "pack": lambda: platform.pack_kv(cache, index, sums=False), "pack_proven": pack_proven,
-             "unpack": lambda: platform.unpack_kv(dst, into, data, sums=False), "unpack_checked": unpack_checked}
+    calls = {"index_select": lambda: cache.index_select(2, index), "pack": lambda: platform.pack_kv(cache, index),
+             "pack_proven": pack_proven, "unpack": lambda: platform.unpack_kv(dst, into, data),
+             "unpack_checked": unpack_checked}
     seconds = {k: statistics.median(_device_time(fn, device, args.iters) for _ in range(args.rounds))
                for k, fn in calls.items()}
-    sent = kv_checksum.to_hex(kv_checksum.weigh(platform.pack_kv(cache, index, sums=True)[1], 0))
-    landed = kv_checksum.to_hex(kv_checksum.weigh(platform.unpack_kv(dst, into, data, sums=True), 0))
-    assert sent == landed == kv_checksum.to_hex(kv_checksum.partial(data, rows, len(blocks))), "the paths disagree"
+    sent, landed = zeros(), zeros()
+    platform.pack_kv(cache, index, sent, 0)
+    platform.unpack_kv(dst, into, data, landed, 0)
+    assert kv_checksum.to_hex(sent) == kv_checksum.to_hex(landed) \
+        == kv_checksum.to_hex(kv_checksum.partial(data, rows, len(blocks))), "the paths disagree"
     for k, v in seconds.items():
         _say(f"{device}: in the pass: {k:15s} {v * 1e3:8.4f} ms  ({data.numel() / v / 1e9:6.1f} GB/s)")
     added = max(0.0, seconds["pack_proven"] - seconds["pack"]) + max(0.0, seconds["unpack_checked"] - seconds["unpack"])
-    return {"platform": platform.name, "one_pass": platform.sums_kv_in_pass, "seconds": seconds, "added_s": added,
+    return {"platform": platform.name, "one_pass": platform.checksum_in_pass, "seconds": seconds, "added_s": added,
             "pack_vs_index_select": seconds["pack"] / seconds["index_select"]}
 
 

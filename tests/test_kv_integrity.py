@@ -102,10 +102,14 @@ def test_a_flipped_byte_anywhere_a_swapped_pair_of_blocks_or_a_zeroed_block_chan
 def check_kv_pack_kernel(device: str) -> None:
     """kv_pack's pack and unpack against the platform's torch path (a copy, then a read), on caches of
     every dtype, rows of whole words (so the kernel runs): the same bytes where they land and the
-    same word sums, bit for bit; a row wider than one chunk; the cache's untouched blocks untouched."""
+    same checksum, bit for bit, a transfer's pieces added into one total; a row wider than one chunk;
+    the cache's other blocks untouched; a flipped byte changes the checksum."""
     from baton.engine.platforms import get_platform
     from baton.engine.platforms.triton_kernels import kv_pack
     reference, rng = get_platform("cpu"), random.Random(7)
+
+    def zeros(where=device):
+        return torch.zeros(2, dtype=torch.int64, device=where)
     for i, dtype in enumerate(_dtypes() * 2):
         layers, heads, head_dim = rng.choice([1, 2, 3]), rng.choice([1, 2, 4]), rng.choice([8, 32, 64])
         block_size = 4 if i < 3 else 64              # 64 x 4 x 64 x 2 bytes: rows of 4,096 words, four chunks
@@ -114,23 +118,29 @@ def check_kv_pack_kernel(device: str) -> None:
                             dtype=torch.uint8)
         kv = raw.view(dtype).to(device)
         assert kv_pack.supported(kv)
-        blocks = rng.sample(range(cache_blocks), rng.randint(1, 6))
-        index = torch.tensor(blocks, device=device)
-        data, sums = kv_pack.pack(kv, index, sums=True)
-        want_data, want_sums = reference.pack_kv(raw.view(dtype), index.cpu(), sums=True)
-        assert torch.equal(data.cpu(), want_data) and torch.equal(sums.cpu(), want_sums), (i, dtype)
-        assert kv_pack.pack(kv, index, sums=False)[1] is None
+        blocks = rng.sample(range(cache_blocks), rng.randint(2, 6))
+        cut = rng.randint(1, len(blocks) - 1)
+        want = zeros("cpu")
+        want_data = reference.pack_kv(raw.view(dtype), torch.tensor(blocks), want, 0)
+        got = zeros()
+        for first, ids in ((0, blocks[:cut]), (cut, blocks[cut:])):      # two pieces (each packed on its own),
+            kv_pack.pack(kv, torch.tensor(ids, device=device), got, first)     # one running total
+        whole = zeros()
+        data = kv_pack.pack(kv, torch.tensor(blocks, device=device), whole, 0)
+        assert torch.equal(data.cpu(), want_data), (i, dtype)
+        assert torch.equal(got.cpu(), want) and torch.equal(whole.cpu(), want), (i, dtype)
+        assert torch.equal(kv_pack.pack(kv, torch.tensor(blocks, device=device), None, 0), data)
         into = rng.sample(range(cache_blocks), len(blocks))
-        dst = torch.zeros_like(kv)
-        got = kv_pack.unpack(dst, torch.tensor(into, device=device), data, sums=True)
-        assert torch.equal(got.cpu(), want_sums), (i, dtype)
+        dst, landed = torch.zeros_like(kv), zeros()
+        kv_pack.unpack(dst, torch.tensor(into, device=device), data, landed, 0)
+        assert torch.equal(landed.cpu(), want), (i, dtype)
         assert torch.equal(dst[:, :, into].cpu().view(torch.uint8), raw[:, :, blocks]), "(bytes: random ones hold NaNs)"
         rest = [b for b in range(cache_blocks) if b not in into]
         assert not dst[:, :, rest].view(torch.uint8).any(), "blocks outside the index are untouched"
-        spoiled = data.clone()
+        spoiled, bad = data.clone(), zeros()
         spoiled[rng.randrange(spoiled.numel())] ^= 1 << rng.randrange(8)
-        assert not torch.equal(kv_pack.unpack(torch.zeros_like(kv), torch.tensor(into, device=device), spoiled,
-                                              sums=True), got), "a flipped byte changes the sums"
+        kv_pack.unpack(torch.zeros_like(kv), torch.tensor(into, device=device), spoiled, bad, 0)
+        assert not torch.equal(bad.cpu(), want), "a flipped byte changes the checksum"
     print("kv_pack kernels ok")
 
 

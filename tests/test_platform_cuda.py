@@ -407,7 +407,8 @@ def test_a_proven_transfer_between_two_cuda_engines_decodes_like_one_and_refuses
     from baton.engine import LLMEngine
     from baton.engine.config import EngineConfig
     from baton.engine.runner.kv_blocks import Pieces
-    config = dict(model="tiny-llama", num_kv_blocks=32, max_num_batched_tokens=16, device="cuda:0", kv_checksum="on")
+    config = dict(model="tiny-llama", num_kv_blocks=32, max_num_batched_tokens=16, device="cuda:0", kv_checksum="on",
+                  tokenizer=TOKENIZER)
     prefill = LLMEngine(EngineConfig(**config), handoff=ki.Hook())
     decode = LLMEngine(EngineConfig(**config), handoff=ki.Hook())
     unrefs, unref = collections.Counter(), decode.block_manager._unref

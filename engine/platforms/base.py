@@ -346,20 +346,22 @@ class Platform(ABC):
         return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
                            dtype=dtype, device=self.device)
 
-    def pack_kv(self, kv: torch.Tensor, index: torch.Tensor, sums: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def pack_kv(self, kv: torch.Tensor, index: torch.Tensor, checksum: torch.Tensor | None = None,
+                first_block: int = 0) -> torch.Tensor:
         """Blocks `index` (block ids on kv's device) of the paged cache kv as one contiguous uint8
-        payload on kv's device, queued on the current stream; with `sums`, also the checksum's word
-        sums of each (row = layer x K/V, block) of it, int64 [rows, n] (engine/runner/kv_checksum.py).
-        Here a copy, then a second read for the sums (kv_copy.py); CUDA does both in one pass."""
-        return kv_copy.pack(kv, index, sums)
+        payload on kv's device, queued on the current stream. With `checksum` (int64 [2] there), add
+        to it the checksum of these blocks as blocks first_block, ... of a transfer (kv_copy.py).
+        Here a copy, then a second read for the checksum; CUDA does both in one pass."""
+        return kv_copy.pack(kv, index, checksum, first_block)
 
-    def unpack_kv(self, kv: torch.Tensor, index: torch.Tensor, data: torch.Tensor, sums: bool) -> torch.Tensor | None:
+    def unpack_kv(self, kv: torch.Tensor, index: torch.Tensor, data: torch.Tensor,
+                  checksum: torch.Tensor | None = None, first_block: int = 0) -> None:
         """Write the uint8 payload `data` (on kv's device, the size of `index`'s blocks) into blocks
-        `index` of kv; with `sums`, return the payload's word sums [rows, n] as pack_kv's."""
-        return kv_copy.unpack(kv, index, data, sums)
+        `index` of kv, adding its checksum to `checksum` as pack_kv does."""
+        kv_copy.unpack(kv, index, data, checksum, first_block)
 
-    # whether pack_kv / unpack_kv take the sums in the copy's own pass (a checksum then costs no extra read)
-    sums_kv_in_pass: bool = False
+    # whether pack_kv / unpack_kv take the checksum in the copy's own pass (then it costs no extra read)
+    checksum_in_pass: bool = False
 
     @abstractmethod
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

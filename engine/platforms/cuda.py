@@ -196,19 +196,19 @@ class CudaPlatform(Platform):
         graph.capture_end()
 
     # -- KV cache and attention -------------------------------------------------------------
-    sums_kv_in_pass = True
+    checksum_in_pass = True
 
-    def pack_kv(self, kv, index, sums):
+    def pack_kv(self, kv, index, checksum=None, first_block=0):
         from baton.engine.platforms.triton_kernels import kv_pack
         if not kv_pack.supported(kv):
-            return super().pack_kv(kv, index, sums)
-        return kv_pack.pack(kv, index, sums)
+            return super().pack_kv(kv, index, checksum, first_block)
+        return kv_pack.pack(kv, index, checksum, first_block)
 
-    def unpack_kv(self, kv, index, data, sums):
+    def unpack_kv(self, kv, index, data, checksum=None, first_block=0):
         from baton.engine.platforms.triton_kernels import kv_pack
         if not kv_pack.supported(kv) or data.data_ptr() % 8:
-            return super().unpack_kv(kv, index, data, sums)
-        return kv_pack.unpack(kv, index, data, sums)
+            return super().unpack_kv(kv, index, data, checksum, first_block)
+        kv_pack.unpack(kv, index, data, checksum, first_block)
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping, kv_scale=None) -> None:
         from baton.engine.platforms.triton_kernels import kv_store

@@ -52,11 +52,11 @@ class KVCache:
         [first_block, first_block + len) of a transfer whose earlier pieces' checksum is `so_far`.
         Queued on the engine's stream, so later steps cannot overwrite the blocks before the copy
         has read them; the checksum's sums are taken in the same pass where the platform can."""
-        data, sums = self.platform.pack_kv(self.tensor, _block_index(self.tensor, block_ids), sums=True)
-        total = kv_checksum.weigh(sums, first_block)
-        if so_far is not None:
-            total = total + so_far.total
-        host = total.to("cpu", non_blocking=True)      # (page-locked from a device: final after the event)
+        # the running total, on the device: each piece's checksum is added to it in place (its last value was
+        # copied to the host already, in stream order, for the piece before)
+        total = so_far.total if so_far is not None else torch.zeros(2, dtype=torch.int64, device=self.tensor.device)
+        data = self.platform.pack_kv(self.tensor, _block_index(self.tensor, block_ids), total, first_block)
+        host = total.to("cpu", non_blocking=True, copy=True)     # (page-locked from a device: final after the event)
         ready = self.platform.record_event()
         return data, ready, kv_checksum.Proof(total, host, ready)
 
@@ -81,7 +81,8 @@ class KVCache:
         return kv_checksum.Proof(total, total.to("cpu", non_blocking=True), self.platform.record_event())
 
     def _unpack_here(self, block_ids: list[int], payload, prove: bool):
-        """A payload on this cache's device into its blocks, piece by piece, summing as it copies."""
+        """A payload on this cache's device into its blocks, piece by piece; with `prove`, its checksum
+        (int64 [2] on the device), taken as it is copied."""
         parts = payload.parts if isinstance(payload, Pieces) else ((0, len(block_ids), payload),)
         covered = 0
         for first, n, _ in parts:
@@ -93,17 +94,14 @@ class KVCache:
             raise ValueError(f"KV pieces hold {covered} blocks, the request reserved {len(block_ids)}")
         if len(set(block_ids)) != len(block_ids):
             raise ValueError(f"block ids must be distinct to unpack into, got {list(block_ids)[:16]}")
-        total = None
+        total = torch.zeros(2, dtype=torch.int64, device=self.tensor.device) if prove else None
         for first, n, data in parts:
             data = _as_uint8(data)
             if data.numel() != n * self.block_bytes():
                 raise ValueError(f"a KV piece of {data.numel()} bytes landed for {n} blocks of {self.block_bytes()}: "
                                  "were both ends started with the same layout?")
             index = _block_index(self.tensor, block_ids[first:first + n])
-            sums = self.platform.unpack_kv(self.tensor, index, data, sums=prove)
-            if prove:
-                part = kv_checksum.weigh(sums, first)
-                total = part if total is None else total + part
+            self.platform.unpack_kv(self.tensor, index, data, total, first)
         return total
 
     # -- set-up -----------------------------------------------------------------------------

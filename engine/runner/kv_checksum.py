@@ -7,19 +7,19 @@ summed; B, each (row, block)'s word sum weighted by its place in the whole trans
 flipped byte always changes A; a block landed in another's place, or rows swapped, change B. Both
 are additive over pieces, so the prefill sums its pieces' parts (on the device, no host sync) and
 the decode side checks the payload however it came split, or the blocks it was written into.
-The word sums are taken by the copy that packs or unpacks the blocks (Platform.pack_kv / unpack_kv:
-on CUDA in the same pass, so the bytes are read once), else by one read of them; no Python loop.
-What it costs is measured by benchmarks/kv_checksum.py.
+The engine's checksums are taken by the copies that pack and unpack the blocks (Platform.pack_kv /
+unpack_kv; the arithmetic is engine/platforms/kv_copy.py's): on CUDA in the copy's own pass, so the
+bytes are read once; elsewhere by one more read. The functions here are the torch path's, for
+payloads and blocks no copy touches. What it costs: benchmarks/kv_checksum.py.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from baton.engine.platforms.kv_copy import word_sums
+from baton.engine.platforms.kv_copy import weigh, word_sums
 from baton.engine.runner.kv_blocks import Pieces, _as_uint8, _block_index
 
 MASK = (1 << 64) - 1
@@ -73,20 +73,6 @@ def of_blocks(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
 def to_hex(total: torch.Tensor) -> str:
     a, b = (int(v) & MASK for v in total.tolist())
     return f"{a:016x}{b:016x}"
-
-
-def weigh(sums: torch.Tensor, first_block: int) -> torch.Tensor:
-    """[A, B] from the word sums of each (row, block) of blocks first_block, first_block + 1, ...:
-    two kernels, the weights kept (building them is more launches than the sums' read)."""
-    return (sums * _weights(*sums.shape, first_block, sums.device)).sum((1, 2))
-
-
-@functools.lru_cache(maxsize=32)
-def _weights(rows: int, num_blocks: int, first_block: int, device: torch.device) -> torch.Tensor:
-    """[2, rows, num_blocks]: ones (A), and each (row, block)'s place in the transfer (B)."""
-    place = (torch.arange(rows, dtype=torch.int64, device=device) << 32)[:, None] \
-        + torch.arange(first_block + 1, first_block + num_blocks + 1, dtype=torch.int64, device=device)
-    return torch.stack((torch.ones_like(place), place))
 
 
 def _at(data, rows: int, num_blocks: int, first_block: int, device: torch.device | None) -> torch.Tensor:

@@ -1,13 +1,15 @@
-"""A KV transfer's blocks packed out of the paged cache, or unpacked into it, with the checksum's
-word sums taken in the same pass (engine/runner/kv_checksum.py): the bytes are read once, where a
-copy and then a checksum read them twice.
+"""A KV transfer's blocks packed out of the paged cache, or unpacked into it, with the transfer's
+checksum taken in the same pass (engine/platforms/kv_copy.py defines it, engine/runner/
+kv_checksum.py says what it proves): the bytes are read once, where a copy and then a checksum
+read them twice, and no launch is added.
 
 The cache [layers, 2, blocks, block_size, kv_heads, head_dim] is seen as int64 words
 [rows = layers x 2, blocks, W], so one (row, block) is W contiguous words; a payload is the same
 [rows, n, W] with the transfer's n blocks in order. One program per (row, block of the transfer):
-it copies its W words in chunks of CHUNK, adds them (wrapping int64, as torch's sum does, so the
-sums equal the torch path's bit for bit) and stores the one sum. Indices are int64: a cache may
-hold more than 2^31 words.
+it copies its W words in chunks of CHUNK, adds them up (wrapping int64, as torch's sum does) and
+adds the sum, and the sum times its place, to the checksum [A, B] with two atomic adds. Integer
+addition wraps and commutes, so the result is the torch path's, bit for bit, in any order.
+Indices are int64: a cache may hold more than 2^31 words.
 """
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _pack_kernel(cache_ptr, out_ptr, index_ptr, sums_ptr, n, cache_blocks,
-                 W: tl.constexpr, CHUNK: tl.constexpr, UNPACK: tl.constexpr, SUMS: tl.constexpr):
+def _pack_kernel(cache_ptr, payload_ptr, index_ptr, checksum_ptr, n, cache_blocks, first_block,
+                 W: tl.constexpr, CHUNK: tl.constexpr, UNPACK: tl.constexpr, CHECKSUM: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
-    row = pid // n
-    block = tl.load(index_ptr + pid % n).to(tl.int64)
+    row, j = pid // n, pid % n
+    block = tl.load(index_ptr + j).to(tl.int64)
     in_cache = (row * cache_blocks + block) * W
     in_payload = pid * W
     acc = tl.zeros([CHUNK], dtype=tl.int64)
@@ -29,15 +31,18 @@ def _pack_kernel(cache_ptr, out_ptr, index_ptr, sums_ptr, n, cache_blocks,
         offs = start + tl.arange(0, CHUNK)
         mask = offs < W
         if UNPACK:
-            words = tl.load(out_ptr + in_payload + offs, mask=mask, other=0)
+            words = tl.load(payload_ptr + in_payload + offs, mask=mask, other=0)
             tl.store(cache_ptr + in_cache + offs, words, mask=mask)
         else:
             words = tl.load(cache_ptr + in_cache + offs, mask=mask, other=0)
-            tl.store(out_ptr + in_payload + offs, words, mask=mask)
-        if SUMS:
+            tl.store(payload_ptr + in_payload + offs, words, mask=mask)
+        if CHECKSUM:
             acc += words
-    if SUMS:
-        tl.store(sums_ptr + pid, tl.sum(acc, axis=0))
+    if CHECKSUM:
+        total = tl.sum(acc, axis=0)
+        place = (row << 32) + first_block + j + 1
+        tl.atomic_add(checksum_ptr, total, sem="relaxed")
+        tl.atomic_add(checksum_ptr + 1, total * place, sem="relaxed")
 
 
 def supported(kv: torch.Tensor) -> bool:
@@ -46,28 +51,25 @@ def supported(kv: torch.Tensor) -> bool:
     return kv.is_contiguous() and row_bytes % 8 == 0 and kv.data_ptr() % 8 == 0
 
 
-def pack(kv: torch.Tensor, index: torch.Tensor, sums: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(kv[:, :, index] contiguous as uint8, and with `sums` the int64 word sum of each (row, block)
-    [rows, n]), in one launch on the current stream."""
+def pack(kv: torch.Tensor, index: torch.Tensor, checksum: torch.Tensor | None, first_block: int) -> torch.Tensor:
+    """kv[:, :, index] contiguous as uint8, in one launch on the current stream; with `checksum`
+    (int64 [2] on kv's device), these blocks' checksum as blocks first_block, ... added to it."""
     words, rows, w = _words(kv)
-    n = index.numel()
-    out = torch.empty(rows * n * w, dtype=torch.int64, device=kv.device)
-    total = torch.empty(rows, n, dtype=torch.int64, device=kv.device) if sums else out
-    _launch(words, out, index, total, rows, n, w, unpack=False, sums=sums)
-    return out.view(torch.uint8), (total if sums else None)
+    out = torch.empty(rows * index.numel() * w, dtype=torch.int64, device=kv.device)
+    _launch(words, out, index, checksum, first_block, rows, w, unpack=False)
+    return out.view(torch.uint8)
 
 
-def unpack(kv: torch.Tensor, index: torch.Tensor, data: torch.Tensor, sums: bool) -> torch.Tensor | None:
-    """Write the uint8 payload `data` ([rows, n, W] words) into blocks `index` of kv; with `sums`,
-    the payload's word sums [rows, n], taken as it is copied."""
+def unpack(kv: torch.Tensor, index: torch.Tensor, data: torch.Tensor, checksum: torch.Tensor | None,
+           first_block: int) -> None:
+    """Write the uint8 payload `data` ([rows, n, W] words) into blocks `index` of kv, in one launch;
+    with `checksum`, the payload's checksum added to it as it is copied."""
     words, rows, w = _words(kv)
-    n = index.numel()
     payload = data.view(torch.int64)
-    if payload.numel() != rows * n * w:
-        raise ValueError(f"a payload of {data.numel()} bytes is not {n} blocks of {rows} rows of {w * 8} bytes")
-    total = torch.empty(rows, n, dtype=torch.int64, device=kv.device) if sums else payload
-    _launch(words, payload, index, total, rows, n, w, unpack=True, sums=sums)
-    return total if sums else None
+    if payload.numel() != rows * index.numel() * w:
+        raise ValueError(f"a payload of {data.numel()} bytes is not {index.numel()} blocks of {rows} rows "
+                         f"of {w * 8} bytes")
+    _launch(words, payload, index, checksum, first_block, rows, w, unpack=True)
 
 
 def _words(kv: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -75,10 +77,12 @@ def _words(kv: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return kv.view(-1).view(torch.uint8).view(torch.int64), rows, w
 
 
-def _launch(cache, payload, index, total, rows: int, n: int, w: int, unpack: bool, sums: bool) -> None:
-    """`total` receives the sums (any int64 tensor when not `sums`: the kernel does not touch it)."""
+def _launch(cache, payload, index, checksum, first_block: int, rows: int, w: int, unpack: bool) -> None:
+    n = index.numel()
     if rows * n == 0:
         return
-    chunk = min(1024, triton.next_power_of_2(w))
-    _pack_kernel[(rows * n,)](cache, payload, index, total, n, cache.numel() // (rows * w), W=w, CHUNK=chunk,
-                              UNPACK=unpack, SUMS=sums, num_warps=4)
+    if checksum is not None and (checksum.dtype != torch.int64 or checksum.numel() != 2):
+        raise ValueError(f"a checksum is int64 [2], got {checksum.dtype} {tuple(checksum.shape)}")
+    _pack_kernel[(rows * n,)](cache, payload, index, payload if checksum is None else checksum, n,
+                              cache.numel() // (rows * w), first_block, W=w, CHUNK=min(1024, triton.next_power_of_2(w)),
+                              UNPACK=unpack, CHECKSUM=checksum is not None, num_warps=4)
