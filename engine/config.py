@@ -177,6 +177,9 @@ class EngineConfig:
         if self.kv_offloading_size < 0 or (self.kv_offloading_size and self.tp_size > 1):
             raise ValueError("--kv-offloading-size must be >= 0 GiB, and is not built for --tp-size > 1 yet (each "
                              f"rank would need the same copies), got {self.kv_offloading_size} with tp {self.tp_size}")
+        if self.async_scheduling is True and self.tp_size > 1 and self.speculative_method is not None:
+            raise ValueError("--async-scheduling with --tp-size > 1 and speculative decoding: the other ranks would "
+                             "need the verified guesses of a step not yet back; leave --async-scheduling unset")
         if self.kv_checksum not in ("auto", "on", "off"):
             raise ValueError(f"--kv-checksum must be auto, on or off, got {self.kv_checksum!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

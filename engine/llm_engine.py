@@ -86,9 +86,9 @@ class LLMEngine:
         self.kv = KVExchange(self.runner, self.block_manager, self.scheduler, self.placeholders,
                              handoff or KVHandoff())
         self.scheduler.may_admit = lambda: self.handoff.may_admit()
-        # asynchronous scheduling: on accelerators by default (the CPU gains nothing: its kernels
-        # run on the host); one rank only, since other tensor-parallel ranks don't sample
-        auto = self.runner.device.type != "cpu" and self.config.num_ranks == 1
+        # asynchronous scheduling: on accelerators by default (the CPU gains nothing: its kernels run on
+        # the host), where every rank holds the sampled tokens (ModelRunner.tokens_on_every_rank)
+        auto = self.runner.device.type != "cpu" and self.runner.tokens_on_every_rank
         self.look_ahead = auto if self.config.async_scheduling is None else self.config.async_scheduling
         self.in_flight: LaunchedStep | None = None
         self.speculator = None if self.config.speculative_method is None else Speculator(

@@ -37,6 +37,9 @@ class StepExecutor:
         self.graphs = None
         self.prefill_graphs = None
         self.cp = None                         # context parallelism's side of this rank (engine/runner/context_parallel.py)
+        # tensor parallelism: the group over which rank 0 shares each step's sampled tokens with the other ranks
+        # (the next step, queued before they are back on the host, takes its pending inputs from them); None: not shared
+        self.token_group = None
         self._token_buffers: list[torch.Tensor | None] = [None, None]   # pinned copies of sampled tokens
         self._turn = 0
 
@@ -51,7 +54,7 @@ class StepExecutor:
         dev = self.upload_inputs(inputs)
         meta, input_ids, positions = dev.meta, dev.input_ids, dev.positions
         if len(inputs.pending_dst):                    # tokens sampled by the step still in flight
-            input_ids.index_copy_(0, dev.pending_dst, prev_tokens.index_select(0, dev.pending_src))
+            input_ids.index_copy_(0, dev.pending_dst, prev_tokens.index_select(0, dev.pending_src).to(input_ids.dtype))
         graphed = self.graphs is not None and meta.is_decode and self.graphs.can_run(meta.num_seqs)
         hidden = self.graphs.run(input_ids, positions, meta) if graphed else self._eager(inputs, dev)
         hidden, aux = self.forward.split_aux(hidden)
@@ -69,7 +72,7 @@ class StepExecutor:
             picked = hidden[meta.query_start_loc[1:].long() - 1]
         logits = StepLogits(inputs, dev, self.model.compute_logits(picked))
         if self.tp_rank != 0:                          # the LM head's gather was the last collective
-            return StepOutput(None, step_lp, head)
+            return StepOutput(self._receive_tokens(picked.shape[0]), step_lp, head)
         if inputs.constrained:                         # the engine calls ModelRunner.sample with the masks
             return StepOutput(None, step_lp, head, deferred=logits)
         return StepOutput(self.sample(logits, step_lp), step_lp, head)
@@ -101,7 +104,17 @@ class StepExecutor:
             sampled = self.drafts.reject(logits, dev.sampling, sampled, inputs.draft.checks)   # rejection sampling
         if raw is not None:
             sampled_logprobs(raw, sampled, inputs.num_logprobs, logprobs)
+        if self.token_group is not None:               # the other ranks' copy (_receive_tokens), in stream order
+            torch.distributed.broadcast(sampled.to(torch.int64).contiguous(), src=0, group=self.token_group)
         return sampled
+
+    def _receive_tokens(self, rows: int) -> torch.Tensor | None:
+        """A rank other than 0: the step's sampled tokens, as rank 0 broadcasts them when it samples."""
+        if self.token_group is None:
+            return None
+        tokens = torch.empty(rows, dtype=torch.int64, device=self.device)
+        torch.distributed.broadcast(tokens, src=0, group=self.token_group)
+        return tokens
 
     def finish(self, launched: LaunchedStep, output: StepOutput, sampled: torch.Tensor | None) -> None:
         """Hand the sampled tokens to the launched step: the draft head's pass over the step first (it

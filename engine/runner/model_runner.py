@@ -87,6 +87,8 @@ class ModelRunner:
         self.executor = StepExecutor(self.forward, self.platform, self.upload, self.sampler, self.drafts, hf,
                                      tp_rank if group is None else torch.distributed.get_rank(group),
                                      config.max_num_seqs)
+        if self.tokens_on_every_rank and config.num_ranks > 1:
+            self.executor.token_group = group
         if config.context_parallel_size > 1:
             from baton.engine.runner.context_parallel import ContextParallel
             self.executor.cp = ContextParallel(config.context_parallel_size, self.executor.tp_rank, group, self.device,
@@ -217,6 +219,14 @@ class ModelRunner:
                                "context-parallel rank reads its own full copy: land KV on a worker without "
                                "--context-parallel-size")
 
+    @property
+    def tokens_on_every_rank(self) -> bool:
+        """Does every rank hold each step's sampled tokens on its device, so the next step can be queued
+        before they are back on the host (asynchronous scheduling)? One rank, or tensor-parallel ranks
+        (rank 0 broadcasts them); not context parallelism, nor speculation (its rows and rollbacks)."""
+        c = self.config
+        return c.num_ranks == 1 or (c.context_parallel_size == 1 and c.speculative_method is None)
+
     # -- one step ---------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> list[int | None]:
         """Run the model on the scheduled tokens; the sampled token per sequence, or None."""
@@ -257,6 +267,6 @@ class ModelRunner:
 
     def run(self, inputs: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward (and, on rank 0, sampling) for host inputs; every rank runs this (the other
-        tensor-parallel ranks through it). Returns the sampled tokens on the device (None on the
-        other ranks)."""
+        tensor-parallel ranks through it). Returns the sampled tokens on the device (on the other
+        ranks rank 0's, received, where `tokens_on_every_rank`; else None)."""
         return self.executor.run(inputs, prev_tokens).sampled

@@ -5,7 +5,9 @@ processes, each holding its shard of the weights and of every KV head group. Eve
 rank 0 sends the step's host inputs (`StepInputs`: a few small numpy arrays) to each rank
 over a pipe, and all ranks run the same forward: the row-parallel layers all-reduce and the
 LM head all-gathers through torch.distributed (NCCL on CUDA, HCCL on Ascend, gloo on the
-CPU). Only rank 0 samples. Start-up (KV sizing, kernel warm-up, graph capture) runs the
+CPU). Only rank 0 samples, and broadcasts the tokens on the device: a step queued before the
+last one's tokens are back (asynchronous scheduling) takes its pending inputs from them on
+every rank. Start-up (KV sizing, kernel warm-up, graph capture) runs the
 same code on every rank, so the collectives inside it line up.
 
     EngineConfig(model=..., device="cuda:0", tp_size=2)                    # ranks on cuda:0, cuda:1
@@ -159,6 +161,7 @@ def _rank_main(runner_cls, config, rank: int, port: int, device: str, pipe) -> N
         pipe.send(traceback.format_exc())
         raise
     pipe.send("ready")
+    tokens = None                     # the last step's sampled tokens (rank 0's, received): the next step's pending ones
     while True:
         try:
             inputs = pipe.recv()
@@ -166,6 +169,6 @@ def _rank_main(runner_cls, config, rank: int, port: int, device: str, pipe) -> N
             break
         if inputs is None:
             break
-        runner.run(inputs)
+        tokens = runner.run(inputs, tokens)
     runner.graphs = None
     destroy_group()
