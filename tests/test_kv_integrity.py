@@ -141,6 +141,14 @@ def check_kv_pack_kernel(device: str) -> None:
         spoiled[rng.randrange(spoiled.numel())] ^= 1 << rng.randrange(8)
         kv_pack.unpack(torch.zeros_like(kv), torch.tensor(into, device=device), spoiled, bad, 0)
         assert not torch.equal(bad.cpu(), want), "a flipped byte changes the checksum"
+    # 66 rows x 125 blocks of one word: 8,250 pairs, four a program, the last program half empty
+    raw = torch.randint(0, 256, (33, 2, 130, 1, 1, 8), dtype=torch.uint8)
+    blocks = rng.sample(range(130), 125)
+    want = zeros("cpu")
+    want_data = reference.pack_kv(raw, torch.tensor(blocks), want, 3)
+    got = zeros()
+    data = kv_pack.pack(raw.to(device), torch.tensor(blocks, device=device), got, 3)
+    assert torch.equal(data.cpu(), want_data) and torch.equal(got.cpu(), want), "several pairs a program"
     print("kv_pack kernels ok")
 
 
