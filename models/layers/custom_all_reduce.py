@@ -21,6 +21,9 @@ MAX_BYTES = {2: 8 << 20, 4: 4 << 20, 8: 2 << 20}
 DTYPES = (torch.bfloat16, torch.float32)        # the kernel's; float16 goes to NCCL
 ALIGN = 16                      # the kernel's widest vector: the size and offset it needs for full speed
 _logged: set[str] = set()
+# groups this process has rendezvoused on: torch sets symmetric memory up once per process, and a second
+# engine's rendezvous here (a new group after the first was destroyed) hangs against fresh peers
+_opened: list[str] = []
 
 
 class SymmMemAllReduce:
@@ -109,6 +112,8 @@ def choose(mode: str, group, rank: int, devices: list[str], deterministic: bool 
         _log_once(rank, f"all-reduce: {backend} (--all-reduce nccl)")
         return None
     reason = unavailable(devices, deterministic, need_nvlink=mode == "auto")
+    if reason is None:                       # (every rank gets here, or none does: the same facts)
+        reason = _first_in_every_process(group, torch.device(devices[rank]))
     if reason is None:
         try:
             reducer, reason = _open(group, torch.device(devices[rank]), MAX_BYTES[len(devices)])
@@ -125,6 +130,18 @@ def choose(mode: str, group, rank: int, devices: list[str], deterministic: bool 
     return None
 
 
+def _first_in_every_process(group, device: torch.device) -> str | None:
+    """None if no rank's process has set symmetric memory up before (one all-reduce of the answer, so
+    the ranks agree); else why not now."""
+    import torch.distributed as dist
+    fresh = torch.tensor([0 if _opened else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(fresh, op=dist.ReduceOp.MIN, group=group)
+    if int(fresh.item()):
+        return None
+    return ("an earlier engine in this process set symmetric memory up, and torch cannot set it up again "
+            "for a new group (one engine per process serves it)")
+
+
 def _open(group, device: torch.device, max_bytes: int) -> tuple[SymmMemAllReduce | None, str | None]:
     """This rank's buffer, mapped by every peer (a collective), checked by one all-reduce of known sums."""
     import torch.distributed._symmetric_memory as symm_mem
@@ -133,6 +150,7 @@ def _open(group, device: torch.device, max_bytes: int) -> tuple[SymmMemAllReduce
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 11):
         symm_mem.enable_symm_mem_for_group(name)       # torch 2.11 resolves the group's store by itself
     buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+    _opened.append(name)
     symm_mem.rendezvous(buffer, name)
     reducer = SymmMemAllReduce(buffer, name)
     world, rank = group.size(), group.rank()
