@@ -8,9 +8,12 @@ Admin.SwitchRole, streams moving with their KV) -- one worker at a time, with hy
     baton elastic --plan plan.json --addr 127.0.0.1:50051 --metrics-url http://127.0.0.1:8000/metrics \\
         --admin-token "$BATON_ADMIN_TOKEN"
 
-Every --window seconds: the mix is the mean prompt and output length of the requests the router
-finished in the window (its `baton_prompt_tokens_total`, `baton_generation_tokens_total`,
-`baton_requests_total`); the workload of the plan nearest to it (in log length, prompt and output
+Every --window seconds: the mix is the mean prompt and output length of the requests the routers
+finished in the window (their `baton_prompt_tokens_total`, `baton_generation_tokens_total`,
+`baton_requests_total`, summed over every router of --metrics-url: with several routers sharing the
+ports, `baton serve --routers N`, each one's own metrics port, as its ready lines print them). A
+window in which one of them does not answer decides nothing (a line says which): part of the traffic
+is not the mix; the next complete reading is compared with the last complete one. The workload of the plan nearest to it (in log length, prompt and output
 alike) names the split the plan picked for it at --slo. The controller acts only when that split
 differs from the deployment's for --windows windows in a row (one window of a passing burst does
 nothing) and --cooldown seconds have passed since its last switch; then it switches ONE worker
@@ -23,15 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
 
 from baton.benchmarks.deployment import ROLES, next_move, split_counts, switch_one
+from baton.benchmarks.prometheus import merge_routers, metrics_urls, read_routers, said
 from baton.serving.grpc_server import open_sync_channel
 from baton.serving.options import flag, parser
 from baton.serving.security import add_tls_args, tls_from_args
@@ -49,18 +51,24 @@ class Mix:
     output: float
 
 
-def counters(text: str) -> dict[str, float]:
-    """The router's totals (summed over labels) from its Prometheus text."""
-    out = {}
-    for key, name in COUNTERS.items():
-        out[key] = sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-    return out
+def counters(routers: list[list]) -> dict[str, float]:
+    """The totals (summed over labels and routers) from every router's metric families
+    (benchmarks/prometheus.py: read_routers)."""
+    samples = merge_routers(routers)
+    return {key: sum(v for (n, _), v in samples.items() if n == name) for key, name in COUNTERS.items()}
+
+
+def read_counters(urls: list[str]) -> tuple[dict[str, float] | None, dict[str, str]]:
+    """(the routers' totals, None unless every router answered; {URL: why} of each that did not)."""
+    routers, down = read_routers(urls, timeout=10)
+    return (None if down else counters(routers)), down
 
 
 def window_mix(before: dict[str, float], after: dict[str, float]) -> Mix | None:
-    """The mix between two readings of the counters; None when no request finished in between."""
+    """The mix between two readings of the counters; None when no request finished in between, or
+    when a counter went down (a router restarted: its share began again from 0)."""
     n = after["requests"] - before["requests"]
-    if n <= 0:
+    if n <= 0 or any(after[k] < before[k] for k in COUNTERS):
         return None
     return Mix(n, (after["prompt"] - before["prompt"]) / n, (after["output"] - before["output"]) / n)
 
@@ -121,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     flag(p, "--plan", required=True, help="`baton plan --output` of this deployment's model, device count and SLO")
     flag(p, "--slo", help="the plan's SLO pair to serve, TTFT_MS/TPOT_MS as the plan names it, e.g. 1000/15 (unset: its only one)")
     flag(p, "--addr", default="127.0.0.1:50051", help="the router's gRPC address")
-    flag(p, "--metrics-url", default="http://127.0.0.1:8000/metrics", help="the router's /metrics (its --http-port)")
+    flag(p, "--metrics-url", default="http://127.0.0.1:8000/metrics",
+         help="the router's /metrics (its --http-port); with several routers, each one's own, apart by commas "
+              "(`baton serve --routers N` prints them): their counters are summed, and a window with one of them "
+              "down decides nothing")
     flag(p, "--admin-token", help="the router's --admin-token")
     flag(p, "--window", type=float, default=30.0, help="seconds of traffic each decision reads")
     flag(p, "--windows", type=int, default=2, help="a new split must be wished this many windows in a row")
@@ -153,24 +164,38 @@ def main(argv: list[str] | None = None) -> None:
         plan = json.loads(open(args.plan).read())
         ctl = Controller(plan, _slo_key(plan, args.slo), args.windows, args.cooldown)
         tls = tls_from_args(args)
+        urls = metrics_urls(args.metrics_url)
     except (OSError, ValueError, KeyError) as exc:
         p.error(str(exc))
     metadata = [("authorization", f"Bearer {args.admin_token}")] if args.admin_token else None
     with open_sync_channel(args.addr, tls) as ch:
         router, admin = router_pb2_grpc.RouterStub(ch), admin_pb2_grpc.AdminStub(ch)
-        before = counters(urllib.request.urlopen(args.metrics_url, timeout=10).read().decode())
+        before = _read(urls, "at the start")
         while True:
             time.sleep(args.window)
-            after = counters(urllib.request.urlopen(args.metrics_url, timeout=10).read().decode())
-            current, workers = _roles(router)
-            move = ctl.decide(window_mix(before, after), current, time.monotonic())
-            before = after
-            if ctl.log:
-                print(f"[elastic] {ctl.log[-1]}; now {current}", file=sys.stderr, flush=True)
-            if move is not None:
-                _switch(admin, workers, move, args.switch_timeout, metadata, ctl)
+            after = _read(urls, "this window")
+            if args.once and (before is None or after is None):
+                sys.exit(1)                # (said above which router did not answer)
+            if after is not None and before is not None:
+                current, workers = _roles(router)
+                move = ctl.decide(window_mix(before, after), current, time.monotonic())
+                if ctl.log:
+                    print(f"[elastic] {ctl.log[-1]}; now {current}", file=sys.stderr, flush=True)
+                if move is not None:
+                    _switch(admin, workers, move, args.switch_timeout, metadata, ctl)
+            before = after if after is not None else before    # (a gap: the next window spans it)
             if args.once:
                 return
+
+
+def _read(urls: list[str], when: str) -> dict[str, float] | None:
+    """The routers' totals; None, said in one line naming those down, unless every router answered."""
+    totals, down = read_counters(urls)
+    if down:
+        print(f"[elastic] holding {when}: no switch on part of the traffic; {len(down)} of {len(urls)} router(s) "
+              f"did not answer: {said(down)} (is it up? is --metrics-url its metrics port?)",
+              file=sys.stderr, flush=True)
+    return totals
 
 
 def _switch(admin, workers, move: tuple[str, str], timeout: float, metadata, ctl: Controller) -> None:

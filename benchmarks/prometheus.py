@@ -128,3 +128,71 @@ def stages_between(before: dict[str, tuple[float, float]], after: dict[str, tupl
         if count - c0 > 0:
             out[stage] = {"count": int(count - c0), "mean_s": (total - t0) / (count - c0)}
     return out
+
+
+# -- several routers seen as one (baton elastic, baton top, bench flip) ----------------------------
+# Routers can share a deployment's ports (`baton serve --routers N`, replicas behind one Service),
+# each with a /metrics of its own. A request goes through exactly one router, so the routers'
+# counters and histograms add up, and so do the gauges of what each router holds itself (SUMMED);
+# the busy share and the degraded flag are each router's own verdict: the worst is kept (MAXED).
+# Every other gauge, and every series labelled `worker` (a worker's, which a router's merged view
+# carries: router/worker_metrics.py), describes the deployment's workers: each router sees the same
+# series, so it is taken once, from the first router that has it (baton_running, baton_waiting,
+# baton_kv_cache_usage_ratio and the router's own view of it, baton_model_info, `_created` stamps).
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+SUMMED = frozenset({"baton_router_running", "baton_router_waiting", "baton_router_stream_message_rate",
+                    "vllm:num_requests_running", "vllm:num_requests_waiting"})
+MAXED = frozenset({"baton_router_busy_ratio", "baton_degraded"})
+ADDED_TYPES = frozenset({"counter", "histogram", "summary", "gaugehistogram"})
+
+
+def metrics_urls(spec: str) -> list[str]:
+    """--metrics-url's value: one URL, or several apart by commas (one per router), each once."""
+    urls = list(dict.fromkeys(u.strip() for u in spec.split(",") if u.strip()))
+    if not urls:
+        raise ValueError("--metrics-url is empty: give each router's /metrics, apart by commas")
+    return urls
+
+
+def read_routers(urls: list[str], timeout: float = 5.0) -> tuple[list[list], dict[str, str]]:
+    """(each answering router's metric families, in the order of `urls`; {URL: why} of each that did
+    not answer, or not with Prometheus text)."""
+    families, down = [], {}
+    for url in urls:
+        try:
+            families.append(list(text_string_to_metric_families(_text(url, timeout))))
+        except OSError as exc:
+            down[url] = str(getattr(exc, "reason", None) or exc)
+        except ValueError as exc:
+            down[url] = f"not Prometheus text: {exc}"
+    return families, down
+
+
+def said(down: dict[str, str]) -> str:
+    """The routers that did not answer, in one line."""
+    return ", ".join(f"{url} ({why})" for url, why in down.items())
+
+
+def merge_routers(routers: list[list], apart: bool = False) -> Samples:
+    """One deployment's samples {(name, sorted labels): value} from its routers' families, by the
+    rules above. `apart` (with more than one router): the summed and maxed series keep a `router`
+    label (the router's index) instead of being combined, so that a reader differencing two scrapes
+    (baton top) sees a restarted router's counters begin again on their own; summing over that
+    label gives the total."""
+    out: Samples = {}
+    apart = apart and len(routers) > 1
+    for i, families in enumerate(routers):
+        for fam in families:
+            added, maxed = fam.type in ADDED_TYPES or fam.name in SUMMED, fam.name in MAXED
+            for s in fam.samples:
+                labels = tuple(sorted(s.labels.items()))
+                per_router = (added or maxed) and "worker" not in s.labels
+                if per_router and apart:
+                    out[(s.name, tuple(sorted({**s.labels, "router": str(i)}.items())))] = s.value
+                elif not per_router or (s.name, labels) not in out:
+                    out.setdefault((s.name, labels), s.value)
+                elif added:
+                    out[(s.name, labels)] += s.value
+                else:
+                    out[(s.name, labels)] = max(out[(s.name, labels)], s.value)
+    return out

@@ -148,3 +148,41 @@ def colocated_cluster(tmp_path_factory):
                        router_args=["--chat-template", "hermes_tools", "--reasoning-parser", "qwen3"])
     yield c
     c.stop()
+
+
+@pytest.fixture
+def canned_routers():
+    """A router's metrics without a router: `serve(pages, health=None)` starts a tiny HTTP server that
+    answers /metrics with `pages` in turn (the last one from then on) and /health with `health` (404
+    when None, as a router's metrics port has none), and returns its /metrics URL. Stopped after the test.
+    DOWN: a /metrics URL where nothing listens."""
+    import http.server
+    import json
+    import threading
+
+    servers = []
+
+    def serve(pages: list[str], health: dict | None = None) -> str:
+        pages = list(pages)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path == "/health" and health is None:
+                    self.send_error(404)
+                    return
+                body = json.dumps(health) if self.path == "/health" else pages.pop(0) if len(pages) > 1 else pages[0]
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, *args):
+                pass
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}/metrics"
+    serve.DOWN = "http://127.0.0.1:1/metrics"
+    yield serve
+    for server in servers:
+        server.shutdown()
+        server.server_close()
