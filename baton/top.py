@@ -9,6 +9,12 @@ buckets that filled in between (Prometheus's interpolation), gauges are read as 
     baton top                                   # http://127.0.0.1:8000/metrics, every 2 s
     baton top --url http://HOST:PORT/metrics --interval 5
     baton top --once                            # one frame (two scrapes) to stdout, then exit
+    baton top --metrics-url URL,URL             # several routers (`baton serve --routers N` prints them)
+
+Several routers sharing a deployment's ports each count their own requests: the view adds their
+counters and histograms up and takes the workers' series once (benchmarks/prometheus.py:
+merge_routers says which family is which). While one of them does not answer, the frame names it
+and shows no request figures: a sum without it would read low, as if the traffic had dropped.
 """
 from __future__ import annotations
 
@@ -23,10 +29,12 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.benchmarks import stats
+from baton.benchmarks.prometheus import merge_routers, metrics_urls, read_routers, said
 from baton.serving.options import parser
 
 STAGE_ORDER = ("queue", "admit", "prefill", "handover", "decode")
 FETCH_TIMEOUT_S = 5.0
+HEALTH_ORDER = ("ok", "degraded", "unavailable")     # several routers' /health: the worst is shown
 
 
 @dataclass(frozen=True)
@@ -34,25 +42,42 @@ class Scrape:
     at: float
     samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
     health: dict
+    routers: int = 1
+    down: tuple[str, ...] = ()             # "URL (why)" of each router that did not answer
 
 
 def parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return merge_routers([list(text_string_to_metric_families(text))])
 
 
-def fetch(url: str) -> Scrape:
-    """One scrape of `url` (/metrics), with the /health beside it (empty when it does not answer)."""
-    with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as r:
-        samples = parse(r.read().decode())
+def fetch(urls: str | list[str]) -> Scrape:
+    """One scrape of every router's /metrics, with the worst /health beside them (empty when none
+    answers). OSError when no router answers."""
+    urls = [urls] if isinstance(urls, str) else urls
+    routers, down = read_routers(urls, FETCH_TIMEOUT_S)
+    if not routers:
+        raise OSError(down[urls[0]] if len(urls) == 1 else f"none answers: {said(down)}")
+    healths = [h for h in (_health(u) for u in urls if u not in down) if h]
+    health = max(healths, key=lambda h: _rank(h.get("status")), default={})
+    return Scrape(time.monotonic(), merge_routers(routers, apart=True), health, len(urls),
+                  tuple(f"{url} ({why})" for url, why in down.items()))
+
+
+def _health(url: str) -> dict:
     try:
         with urllib.request.urlopen(url.removesuffix("/metrics") + "/health", timeout=FETCH_TIMEOUT_S) as r:
-            health = json.load(r)
+            return json.load(r)
     except urllib.error.HTTPError as exc:          # 503 still says why
-        health = json.loads(exc.read() or b"{}")
-    except (OSError, ValueError):
-        health = {}
-    return Scrape(time.monotonic(), samples, health)
+        try:
+            return json.loads(exc.read() or b"{}")
+        except ValueError:
+            return {}
+    except (OSError, ValueError):                 # (a metrics port answers /health with metrics: no health)
+        return {}
+
+
+def _rank(status) -> int:
+    return HEALTH_ORDER.index(status) if status in HEALTH_ORDER else -1
 
 
 class Interval:
@@ -62,6 +87,8 @@ class Interval:
         self.a, self.b = before.samples, after.samples
         self.seconds = max(after.at - before.at, 1e-9)
         self.health = after.health
+        self.routers = after.routers
+        self.down = tuple(dict.fromkeys(before.down + after.down))   # a router missing from either: no rates
 
     def value(self, name: str, **labels) -> float:
         """The sum of `name`'s series matching `labels`, now."""
@@ -133,7 +160,10 @@ def render(iv: Interval, url: str):
     head = Text.assemble(("baton top ", "bold"), (url, "dim"), "  status ", (status, f"bold {style}"))
     if iv.health.get("reason"):
         head.append(f" ({iv.health['reason']})", style=style)
+    if iv.routers > 1:
+        head.append(f"  {iv.routers - len(iv.down)} of {iv.routers} routers", style="dim" if not iv.down else "bold red")
     head.append(f"  over the last {iv.seconds:.1f}s", style="dim")
+    down = [Text(f"router down: {d}", style="bold red") for d in iv.down]
 
     done = iv.rate("baton_requests_total")
     ok = iv.rate("baton_requests_total", status="stop") + iv.rate("baton_requests_total", status="length")
@@ -168,21 +198,30 @@ def render(iv: Interval, url: str):
                         f"{_ms(iv.quantile(0.99, 'baton_step_seconds', **w))}",
                         f"{iv.rate('baton_kv_transfer_bytes_total', direction='in', **w) / 1e6:.1f}",
                         f"{iv.rate('baton_kv_transfer_bytes_total', direction='out', **w) / 1e6:.1f}")
-    parts = [head, Text("requests (router; latencies in ms)", style="bold"), req,
+    partial = Text("not shown while a router does not answer: a sum without its requests would read low",
+                   style="yellow")
+    parts = [head, *down, Text("requests (routers; latencies in ms)" if iv.routers > 1 else
+                               "requests (router; latencies in ms)", style="bold"), partial if iv.down else req,
              Text("time by stage of the requests that finished (router; ms)", style="bold"),
-             stages if stages.row_count else Text("no request finished in this interval", style="dim"),
+             partial if iv.down else stages if stages.row_count else
+             Text("no request finished in this interval", style="dim"),
              Text("workers (latencies in ms)", style="bold"),
-             workers if workers.row_count else
-             Text("no worker series here: point --url at a router started by `baton serve`, or run the router "
-                  "with --worker-metrics", style="yellow")]
+             workers if workers.row_count else Text(NO_WORKERS if iv.routers == 1 else NO_WORKERS_ROUTERS, style="yellow")]
     return Group(*parts)
+
+
+NO_WORKERS = ("no worker series here: point --url at a router started by `baton serve`, or run the router with "
+              "--worker-metrics")
+NO_WORKERS_ROUTERS = ("no worker series here: a router's own metrics port carries its series only; the workers' are "
+                      "on the shared --http-port's /metrics (`baton top --url` on it: one router's requests)")
 
 
 def build_parser():
     p = parser("baton top", "a live view of a running Baton deployment, from its router's metrics",
-               usage="baton top [--url URL] [--interval SECONDS] [--once]")
-    p.add_argument("--url", default="http://127.0.0.1:8000/metrics",
-                   help="the router's metrics on its HTTP port (default: %(default)s)")
+               usage="baton top [--url URL[,URL...]] [--interval SECONDS] [--once]")
+    p.add_argument("--url", "--metrics-url", dest="url", default="http://127.0.0.1:8000/metrics",
+                   help="the router's metrics on its HTTP port; with several routers, each one's own, apart by "
+                        "commas (`baton serve --routers N` prints them): summed (default: %(default)s)")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: %(default)s)")
     p.add_argument("--once", action="store_true", help="print one frame (two scrapes --interval apart) and exit")
     return p
@@ -192,29 +231,34 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.interval <= 0:
         sys.exit("baton top: --interval must be > 0 seconds")
+    try:
+        urls = metrics_urls(args.url)
+    except ValueError as exc:
+        sys.exit(f"baton top: {exc}")
     from rich.console import Console
     from rich.live import Live
     try:
-        last = fetch(args.url)
+        last = fetch(urls)
+        console = Console()
+        if args.once:
+            time.sleep(args.interval)
+            console.print(render(Interval(last, fetch(urls)), args.url))
+            return
     except OSError as exc:
         sys.exit(f"baton top: cannot read {args.url} ({getattr(exc, 'reason', exc)}): is the router up, with its "
                  "HTTP API on (--http-port)? Give its address with --url http://HOST:PORT/metrics")
-    console = Console()
-    if args.once:
-        time.sleep(args.interval)
-        console.print(render(Interval(last, fetch(args.url)), args.url))
-        return
     try:
         with Live(console=console, auto_refresh=False, screen=False) as live:
             while True:
                 time.sleep(args.interval)
                 try:
-                    now = fetch(args.url)
+                    now = fetch(urls)
                 except OSError as exc:
                     live.update(f"baton top: {args.url} does not answer ({getattr(exc, 'reason', exc)}); retrying",
                                 refresh=True)
                     continue
                 live.update(render(Interval(last, now), args.url), refresh=True)
-                last = now
+                if not now.down:              # rates come from two scrapes of every router
+                    last = now
     except KeyboardInterrupt:
         pass

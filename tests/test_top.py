@@ -1,5 +1,6 @@
-"""`baton top` (baton/top.py): one frame from two scrapes of a router's merged /metrics, and the
-command against a live HTTP target."""
+"""`baton top` (baton/top.py): one frame from two scrapes of a router's merged /metrics, or of several
+routers' (summed; a router down is shown, not summed around), and the command against live HTTP
+targets."""
 from __future__ import annotations
 
 import http.server
@@ -10,8 +11,10 @@ import sys
 import threading
 
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
+from baton.benchmarks.prometheus import merge_routers
 from baton.router import worker_metrics
 from baton.serving.metrics import Metrics
 from baton.top import Interval, Scrape, histogram_quantile, parse, render
@@ -54,7 +57,10 @@ def busy(router, prefill, decode) -> None:
 
 
 def frame(before: str, after: str, health: dict) -> str:
-    iv = Interval(Scrape(0.0, parse(before), {}), Scrape(1.0, parse(after), health))
+    return show(Interval(Scrape(0.0, parse(before), {}), Scrape(1.0, parse(after), health)))
+
+
+def show(iv: Interval) -> str:
     console = Console(record=True, width=200, file=io.StringIO())
     console.print(render(iv, "http://h:8000/metrics"))
     return console.export_text()
@@ -118,3 +124,48 @@ def test_the_command_reads_a_live_target_once():
     bad = subprocess.run([sys.executable, "-m", "baton", "top", "--url", "http://127.0.0.1:1/metrics", "--once"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "is the router up" in bad.stderr
+
+
+def routers_scrape(at: float, texts: list[str], down: tuple[str, ...] = ()) -> Scrape:
+    fams = [list(text_string_to_metric_families(t)) for t in texts]
+    return Scrape(at, merge_routers(fams, apart=True), {}, len(texts) + len(down), down)
+
+
+def test_two_routers_add_up_even_when_one_is_idle_and_a_down_one_is_shown():
+    a, prefill, decode = deployment()
+    b = Metrics("router")
+    b.serving_model("m")
+    for _ in range(3):                     # b served before; in this second only a does
+        b.requests.labels("m", "stop").inc()
+    before = [merged(a, prefill, decode), generate_latest(b.registry).decode()]
+    busy(a, prefill, decode)
+    after = [merged(a, prefill, decode), generate_latest(b.registry).decode()]
+    text = show(Interval(routers_scrape(0.0, before), routers_scrape(1.0, after)))
+    assert "2 of 2 routers" in text and "router down" not in text and "not shown" not in text
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()}
+    (requests,) = [r for r in rows.values() if r[:3] == ["0", "0", "4.0"]]      # a's 4 a second, b's none
+    assert requests[3:6] == ["0.0", "400", "40.0"]
+    assert rows["d:1"][:5] == ["d:1", "decode", "3", "0", "25%"]
+    b.requests.labels("m", "stop").inc(50)
+    text = show(Interval(routers_scrape(0.0, before[:1], ("http://r1/metrics (Connection refused)",)),
+                         routers_scrape(1.0, after)))
+    assert "1 of 2 routers" in text and "router down: http://r1/metrics (Connection refused)" in text
+    assert "not shown while a router does not answer" in text and "400" not in text      # no partial rates
+    assert "d:1" in text                                  # the workers' series: from the router that answered
+
+
+def test_the_command_sums_every_router_and_names_the_one_down(canned_routers):
+    a, b = Metrics("router"), Metrics("router")
+    pages = [generate_latest(a.registry).decode()]
+    a.requests.labels("m", "stop").inc(4)
+    pages.append(generate_latest(a.registry).decode())
+    urls = [canned_routers(pages), canned_routers([generate_latest(b.registry).decode()])]
+    out = subprocess.run([sys.executable, "-m", "baton", "top", "--metrics-url", ",".join(urls), "--once",
+                          "--interval", "0.2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "2 of 2 routers" in out.stdout and "router down" not in out.stdout
+    assert "a router's own metrics port carries its series only" in out.stdout       # the workers: on --http-port
+    out = subprocess.run([sys.executable, "-m", "baton", "top", "--metrics-url", f"{urls[1]},{canned_routers.DOWN}",
+                          "--once", "--interval", "0.2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"router down: {canned_routers.DOWN} (" in out.stdout and "not shown while" in out.stdout
