@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
          help="router processes sharing --port and --http-port (baton router --reuse-port: the kernel deals "
               "connections out among them): one carries ~280 short requests a second; their /metrics on --http-port "
               "is one router's, each also serves its own on a metrics port of its own (--metrics-port: the ports "
-              "after the workers')")
+              "after the workers'), which the ready lines list for `baton top` / `baton elastic --metrics-url`")
     add_planner_args(t)
     add_router_args(p)
     return p
@@ -152,7 +152,7 @@ def _run(sup: Supervisor, workers: list[Process], routers: list[Process], args, 
         for router in routers:           # one after another: a shared port's health says nothing of the next
             sup.start(router)
             sup.wait_ready(router, START_TIMEOUT_S)
-        for line in ready_lines(args):
+        for line in ready_lines(args, routers):
             print(line, flush=True)
         while not stopping.is_set():
             if not sup.tick():
@@ -309,12 +309,16 @@ def _routers(args, worker_flags: list[str], n_workers: int, ready_dir: Path | No
 
 
 # -- the ready lines: commands that work as printed, in the shell that started the stack ------------
-def ready_lines(args) -> list[str]:
+def ready_lines(args, routers: list[Process] = ()) -> list[str]:
     host = "127.0.0.1" if args.host in WILDCARD_HOSTS else args.host       # what a client on this host dials
     lines = [f"baton is serving on {host}:{args.port}  (try: {try_command(args, f'{host}:{args.port}')})"]
     if args.http_port:
         url = f"{'https' if args.tls_cert else 'http'}://{host}:{args.http_port}/v1"
         lines.append(f"OpenAI-compatible API on {url}  (try: {try_curl(args, url)})")
+    if len(routers) > 1:        # --http-port's /metrics is whichever router answers: each one's own, all of them
+        urls = ",".join(f"http://{host}:{r.command[r.command.index('--metrics-port') + 1]}/metrics" for r in routers)
+        lines.append(f"{len(routers)} routers, each counting its own requests: their metrics together for "
+                     f"`baton top` and `baton elastic` (try: {baton_command()} top --metrics-url {urls})")
     return lines
 
 

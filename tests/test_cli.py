@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from cluster import REPO
@@ -18,7 +19,8 @@ BATON = [sys.executable, "-m", "baton"]
 
 
 def test_baton_serve_then_generate_answers_paris(tmp_path):
-    """With two routers sharing the port (--routers 2): both serve before the ready line, either answers."""
+    """With two routers sharing the port (--routers 2): both serve before the ready line, either answers,
+    and the ready lines give both routers' metrics, which `baton top` reads as one deployment."""
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     serve = subprocess.Popen([*BATON, "serve", "--port", str(port), "--num-kv-blocks", "256", "--routers", "2",
@@ -39,6 +41,13 @@ def test_baton_serve_then_generate_answers_paris(tmp_path):
         assert out.returncode == 0, out.stderr
         assert "Paris" in out.stdout
         assert "FINISH_REASON" in out.stderr
+        while b"--metrics-url" not in line and serve.poll() is None:       # (printed with the ready line)
+            line = serve.stdout.readline()
+        urls = line.decode().split("--metrics-url ")[1].split(")")[0].strip()
+        assert len(urls.split(",")) == 2, line
+        top = subprocess.run([*BATON, "top", "--metrics-url", urls, "--once", "--interval", "0.5"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+        assert top.returncode == 0 and "2 of 2 routers" in top.stdout, top.stdout + top.stderr
     finally:
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(60) == 0          # Ctrl-C / SIGTERM stops every child cleanly
@@ -140,6 +149,15 @@ def test_the_ready_lines_name_the_token_never_print_it(monkeypatch, tmp_path):
     grpc_line, http_line = ready_lines(build_parser().parse_args(["--host", "0.0.0.0", "--http-port", "8000"]))
     assert '--auth-token "$BATON_AUTH_TOKEN"' in grpc_line and "Bearer $BATON_AUTH_TOKEN" in http_line
     assert "serving on 127.0.0.1:50051" in grpc_line and "http://127.0.0.1:8000/v1" in http_line
+
+
+def test_with_several_routers_the_ready_lines_give_each_ones_metrics():
+    from baton.launcher import _routers, build_parser, ready_lines
+    args = build_parser().parse_args(["--routers", "2", "--metrics-port", "9100", "--http-port", "8000"])
+    *_, metrics = ready_lines(args, _routers(args, [], 2, Path("/tmp")))
+    assert "top --metrics-url http://127.0.0.1:9100/metrics,http://127.0.0.1:9103/metrics)" in metrics
+    args = build_parser().parse_args(["--http-port", "8000"])
+    assert len(ready_lines(args, _routers(args, [], 2, None))) == 2     # one router: its --http-port says all
 
 
 def test_the_ready_lines_of_a_tls_stack_name_its_ca(monkeypatch, tmp_path):
