@@ -12,6 +12,9 @@ is offered the same load, so what it served in time is what tells them apart. Re
 that goodput, attainment per phase and per --bin-s bin, TTFT / TPOT percentiles; and the elastic
 run's goodput over the best static run's. The plot: attainment against time, one line per run,
 the phase boundary and the elastic run's switches marked.
+
+The deployment runs --routers router processes sharing its ports (default as `bench serve`'s: one
+per accelerator), and `baton elastic` reads the mix off every one of them (their metrics summed).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from baton.benchmarks import datasets, deployment, loadgen, record
 from baton.benchmarks.deployment import ROLES, next_move, split_counts
 from baton.benchmarks.flags import parse_lengths
 from baton.benchmarks.goodput import SLO
+from baton.benchmarks.serve import default_routers
 from baton.benchmarks.stats import meets_slo, summarize
 from baton.engine.config import DEFAULT_MODEL
 from baton.serving.grpc_server import open_sync_channel
@@ -100,6 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cooldown", type=float, default=None, help="baton elastic --cooldown")
     p.add_argument("--bin-s", type=float, default=None, help="attainment is also reported per bin of this many seconds")
     p.add_argument("--kv-backend", default=None, help="the workers' --kv-backend (default: theirs)")
+    p.add_argument("--routers", type=int, default=None, help="router processes sharing the deployment's ports "
+                   "(default: one per accelerator of --devices, one on the CPU); `baton elastic` reads all of them")
     p.add_argument("--worker-args", default="", help="more flags for every worker")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget-s", type=float, default=None,
@@ -118,6 +124,10 @@ def resolve(args: argparse.Namespace) -> None:
     args.device_list = [d.strip() for d in args.devices.split(",") if d.strip()]
     if not args.run_list:
         raise ValueError("--runs is empty")
+    if args.routers is None:
+        args.routers = default_routers(args.device_list)
+    if args.routers < 1:
+        raise ValueError(f"--routers must be >= 1, got {args.routers}")
     workers = None
     for name in [n for n in args.run_list if n != "elastic"] + [args.elastic_from]:
         counts = split_counts(name)         # (raises ValueError on a name it cannot parse)
@@ -220,10 +230,7 @@ class ElasticProcess:
     SWITCHED = re.compile(r"\[elastic\] (\S+): (\w+) -> (\w+) in ([\d.]+)s")
 
     def __init__(self, args: argparse.Namespace, plan: Path, dep: deployment.Deployment, token: str):
-        metrics = dep.http_url.removesuffix("/v1") + "/metrics"
-        cmd = [sys.executable, "-m", "baton", "elastic", "--plan", str(plan), "--slo", args.slo.key,
-               "--addr", dep.router_address, "--metrics-url", metrics, "--admin-token", token,
-               "--window", str(args.window), "--windows", str(args.windows), "--cooldown", str(args.cooldown)]
+        cmd = elastic_command(args, plan, dep, token)
         self.stamped: list[tuple[float, str]] = []      # (time.perf_counter(), line)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -253,6 +260,14 @@ class ElasticProcess:
             self.proc.kill()
             self.proc.wait(timeout=5)
         self.reader.join(timeout=5)
+
+
+def elastic_command(args: argparse.Namespace, plan: Path, dep: deployment.Deployment, token: str) -> list[str]:
+    """`baton elastic` for this deployment: every router's metrics (each router counts its own requests)."""
+    metrics = ",".join(dep.router_metrics) or dep.http_url.removesuffix("/v1") + "/metrics"
+    return [sys.executable, "-m", "baton", "elastic", "--plan", str(plan), "--slo", args.slo.key,
+            "--addr", dep.router_address, "--metrics-url", metrics, "--admin-token", token,
+            "--window", str(args.window), "--windows", str(args.windows), "--cooldown", str(args.cooldown)]
 
 
 def smoke_plan(path: Path, slo: SLO) -> Path:
@@ -289,7 +304,7 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     log_root.mkdir(parents=True, exist_ok=True)
     plan = Path(args.plan) if args.plan else smoke_plan(log_root / "smoke-plan.json", args.slo)
     dep = deployment.launch(first, args.model, args.device_list, worker_args, log_root, switchable=True,
-                            router_args=["--admin-token", token])
+                            router_args=["--admin-token", token], routers=args.routers)
     launch_s = time.monotonic() - started
     roles = Roles(dep.router_address, token)
     runs: dict[str, dict] = {}

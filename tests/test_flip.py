@@ -62,3 +62,40 @@ def test_the_flip_smoke_holds_a_split_and_lets_baton_elastic_switch_roles(tmp_pa
     for r in (elastic, static):
         assert r["errors"] == {} and r["requests"] == 32 and r["met"] == 32
     assert res["elastic_over_best_static"]["best_static"] == "1p1d"
+
+
+def test_every_router_of_the_deployment_is_handed_to_baton_elastic(monkeypatch, tmp_path):
+    """--routers defaults as `bench serve`'s (one per accelerator) and reaches the launch; `baton
+    elastic` gets each router's own metrics, whose counters it sums."""
+    import argparse
+    from pathlib import Path
+
+    from baton.benchmarks import deployment, flip
+    p = argparse.ArgumentParser()
+    flip.add_arguments(p)
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args(["--devices", "cuda:0,cuda:1,cuda:2,cuda:3", "--plan", __file__])
+    flip.resolve(args)
+    assert args.routers == 4
+    smoke = p.parse_args(["--smoke"])
+    flip.resolve(smoke)
+    assert smoke.routers == 1
+    with pytest.raises(ValueError, match="--routers must be >= 1"):
+        flip.resolve(p.parse_args(["--smoke", "--routers", "0"]))
+    launched = {}
+
+    def launch(*a, **kw):
+        launched.update(kw)
+        raise RuntimeError("launched")
+    monkeypatch.setattr(deployment, "launch", launch)
+    two = p.parse_args(["--smoke", "--routers", "2", "--log-dir", str(tmp_path)])
+    two.output = str(tmp_path / "flip.json")
+    flip.resolve(two)
+    with pytest.raises(RuntimeError, match="launched"):
+        flip.run(two, {})
+    assert launched["routers"] == 2
+    dep = deployment.Deployment("2p2d", "127.0.0.1:5", [], http_url="http://127.0.0.1:8/v1",
+                                router_metrics=["http://127.0.0.1:9/metrics", "http://127.0.0.1:10/metrics"])
+    cmd = flip.elastic_command(args, Path("plan.json"), dep, "T")
+    assert cmd[cmd.index("--metrics-url") + 1] == "http://127.0.0.1:9/metrics,http://127.0.0.1:10/metrics"
+    assert cmd[cmd.index("--addr") + 1] == "127.0.0.1:5"
