@@ -59,15 +59,7 @@ def unpack_blocks(kv: torch.Tensor, block_ids: Sequence[int], payload) -> None:
     """Write a payload (bytes-like or uint8 tensor from `pack_blocks`, or `Pieces` of them)
     into blocks `block_ids` of `kv`."""
     if isinstance(payload, Pieces):
-        covered = 0
-        for first, n, _ in payload.parts:
-            if first != covered:
-                raise ValueError(f"KV pieces must cover the blocks in order: a piece starts at block {first}, "
-                                 f"expected {covered}")
-            covered += n
-        if covered != len(block_ids):
-            raise ValueError(f"KV pieces hold {covered} blocks, the request reserved {len(block_ids)}")
-        for first, n, data in payload.parts:
+        for first, n, data in parts_of(payload, len(block_ids)):
             unpack_blocks(kv, block_ids[first:first + n], data)
         return
     index = _block_index(kv, block_ids)
@@ -83,6 +75,22 @@ def unpack_blocks(kv: torch.Tensor, block_ids: Sequence[int], payload) -> None:
         kv = kv.view(torch.uint8)
     values = data.view(kv.dtype).view(payload_shape(kv, len(block_ids)))
     kv.index_copy_(2, index, values.to(kv.device))
+
+
+def parts_of(payload, num_blocks: int) -> tuple[tuple[int, int, object], ...]:
+    """A payload's parts, (first_block, num_blocks, data) each: a Pieces' own, checked to cover
+    `num_blocks` blocks in order, or the whole payload as one."""
+    if not isinstance(payload, Pieces):
+        return ((0, num_blocks, payload),)
+    covered = 0
+    for first, n, _ in payload.parts:
+        if first != covered:
+            raise ValueError(f"KV pieces must cover the blocks in order: a piece starts at block {first}, "
+                             f"expected {covered}")
+        covered += n
+    if covered != num_blocks:
+        raise ValueError(f"KV pieces hold {covered} blocks, the request reserved {num_blocks}")
+    return payload.parts
 
 
 def _block_index(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from baton.engine.kv_handoff import InPlace
 from baton.engine.platforms import Platform
 from baton.engine.platforms.base import is_fp8
 from baton.engine.runner import kv_checksum, kv_scales
-from baton.engine.runner.kv_blocks import Pieces, _as_uint8, _block_index, unpack_blocks
+from baton.engine.runner.kv_blocks import Pieces, _as_uint8, _block_index, parts_of, unpack_blocks
 from baton.models.forward_context import AttentionBackend
 
 CPU_KV_CACHE_MAX = 1 << 30              # the CPU's default KV cache: sized to the model, at most this
@@ -83,15 +83,7 @@ class KVCache:
     def _unpack_here(self, block_ids: list[int], payload, prove: bool):
         """A payload on this cache's device into its blocks, piece by piece; with `prove`, its checksum
         (int64 [2] on the device), taken as it is copied."""
-        parts = payload.parts if isinstance(payload, Pieces) else ((0, len(block_ids), payload),)
-        covered = 0
-        for first, n, _ in parts:
-            if first != covered:
-                raise ValueError(f"KV pieces must cover the blocks in order: a piece starts at block {first}, "
-                                 f"expected {covered}")
-            covered += n
-        if covered != len(block_ids):
-            raise ValueError(f"KV pieces hold {covered} blocks, the request reserved {len(block_ids)}")
+        parts = parts_of(payload, len(block_ids))
         if len(set(block_ids)) != len(block_ids):
             raise ValueError(f"block ids must be distinct to unpack into, got {list(block_ids)[:16]}")
         total = torch.zeros(2, dtype=torch.int64, device=self.tensor.device) if prove else None
