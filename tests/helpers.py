@@ -178,3 +178,24 @@ class Hook(KVHandoff):
 
     def has_landed(self) -> bool:
         return bool(self.landed)
+
+
+def in_triton_interpreter(code: str, done: str, what: str, timeout: float = 300) -> None:
+    """Run `code` (importing a test module from tests/) in a process under TRITON_INTERPRET=1 and check
+    it printed `done`; skip, saying how to enable it, where triton is absent: neither in the venv nor
+    in BATON_TRITON_PATH (`pip install --target DIR triton`: beside the venv, not in it)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+    where = "" if importlib.util.find_spec("triton") is not None else os.environ.get("BATON_TRITON_PATH") or None
+    if where is None:
+        pytest.skip("triton is absent: install it beside the venv (pip install --target DIR triton) and set "
+                    f"BATON_TRITON_PATH=DIR to check {what} through TRITON_INTERPRET=1")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(p for p in (where, str(Path(__file__).parent), os.environ.get("PYTHONPATH"))
+                                          if p))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0 and done in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]

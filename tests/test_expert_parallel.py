@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import save_tiny_checkpoint, tiny_hf_config
+from helpers import in_triton_interpreter, save_tiny_checkpoint, tiny_hf_config
 
 from baton.engine import LLM, SamplingParams
 from baton.engine.config import EngineConfig
@@ -218,16 +215,8 @@ def check_fused_foreign() -> None:
 
 
 def test_fused_experts_skip_foreign_pairs_in_the_triton_interpreter():
-    where = os.environ.get("BATON_TRITON_PATH")
-    if not where:
-        pytest.skip("triton is absent: install it beside the venv (pip install --target DIR triton) and set "
-                    "BATON_TRITON_PATH=DIR to check the fused experts through TRITON_INTERPRET=1")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(p for p in (where, str(Path(__file__).parent), os.environ.get("PYTHONPATH"))
-                                          if p))
-    code = "import test_expert_parallel; test_expert_parallel.check_fused_foreign()"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "fused foreign ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
+    in_triton_interpreter("import test_expert_parallel; test_expert_parallel.check_fused_foreign()",
+                          "fused foreign ok", "the fused experts")
 
 
 # -- CUDA: the fused kernels skip another rank's pairs; EP=2 over NCCL with decode graphs --------

@@ -5,15 +5,13 @@ refused clearly, and the Ascend path (emulated) and the Triton kernel (interpret
 numbers."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import in_triton_interpreter
 from safetensors.torch import load_file, save_file
 
 from baton.engine.platforms.cpu import CpuPlatform
@@ -308,14 +306,6 @@ def test_the_emulated_ascend_weight_quant_matmul_gives_the_cpu_references_number
 
 # -- the Triton kernel, through Triton's interpreter (no GPU here) ------------------------------
 
-def _triton_path() -> str | None:
-    """Where triton imports from: the venv, or BATON_TRITON_PATH (`pip install --target DIR triton`:
-    beside the venv, not in it)."""
-    if importlib.util.find_spec("triton") is not None:
-        return ""
-    return os.environ.get("BATON_TRITON_PATH") or None
-
-
 def check_triton_kernel(path: str) -> None:
     """Run under TRITON_INTERPRET=1: the GEMV (one row and 2-8 rows a program, M = 2, 3, 5, 8) and the dot kernel
     (both unpackings; decode and 64-row tiles, split-K reduced in the kernel and by a second one) and the
@@ -358,17 +348,9 @@ def check_triton_kernel(path: str) -> None:
 
 @pytest.mark.timeout(600)            # (two interpreter runs of up to 300 s each, on shared cores)
 def test_triton_w4a16_kernels_match_the_reference_in_the_interpreter(checkpoints):
-    where = _triton_path()
-    if where is None:
-        pytest.skip("triton is absent: install it beside the venv (pip install --target DIR triton) and set "
-                    "BATON_TRITON_PATH=DIR to check the W4A16 kernels through TRITON_INTERPRET=1")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(p for p in (where, str(Path(__file__).parent), os.environ.get("PYTHONPATH"))
-                                          if p))
     for variant in ("awq-g128", "gptq-act-g32"):
-        code = f"import test_int4; test_int4.check_triton_kernel({str(checkpoints[variant][0])!r})"
-        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0 and "w4a16 kernels ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
+        in_triton_interpreter(f"import test_int4; test_int4.check_triton_kernel({str(checkpoints[variant][0])!r})",
+                              "w4a16 kernels ok", "the W4A16 kernels")
 
 
 @pytest.mark.slow

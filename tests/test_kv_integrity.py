@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import importlib.util
 import itertools
-import os
 import random
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import in_triton_interpreter
 from test_kv_handoff import Hook, admit, collect, core, idle, prefill_request, workers
 
 from baton.engine import LLMEngine, SamplingParams
@@ -152,25 +148,10 @@ def check_kv_pack_kernel(device: str) -> None:
     print("kv_pack kernels ok")
 
 
-def _triton_path() -> str | None:
-    """Where triton imports from: the venv, or BATON_TRITON_PATH (`pip install --target DIR triton`)."""
-    if importlib.util.find_spec("triton") is not None:
-        return ""
-    return os.environ.get("BATON_TRITON_PATH") or None
-
-
 @pytest.mark.timeout(300)
 def test_the_kv_pack_kernel_matches_the_torch_path_in_the_interpreter():
-    where = _triton_path()
-    if where is None:
-        pytest.skip("triton is absent: install it beside the venv (pip install --target DIR triton) and set "
-                    "BATON_TRITON_PATH=DIR to check the KV pack kernel through TRITON_INTERPRET=1")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(p for p in (where, str(Path(__file__).parent), os.environ.get("PYTHONPATH"))
-                                          if p))
-    code = "import test_kv_integrity; test_kv_integrity.check_kv_pack_kernel('cpu')"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0 and "kv_pack kernels ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
+    in_triton_interpreter("import test_kv_integrity; test_kv_integrity.check_kv_pack_kernel('cpu')",
+                          "kv_pack kernels ok", "the KV pack kernel", timeout=240)
 
 
 # -- two engines, stepped by hand ---------------------------------------------------------------
