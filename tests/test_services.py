@@ -49,10 +49,18 @@ PROMPTS = ["The quick brown fox", "def quicksort(arr):", "La capitale de la Fran
            "東京は日本の", "1, 2, 3,", "Once upon a time there was a dragon who loved tea and"] * 3
 
 
-def test_concurrent_greedy_requests_match_the_offline_engine(cluster, embedded_llm):
-    lengths = [8 + (i * 5) % 24 for i in range(len(PROMPTS))]
-    want = embedded_llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-                                           for n in lengths])
+LENGTHS = [8 + (i * 5) % 24 for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def offline_answers(embedded_llm):
+    """The offline engine's greedy answers of PROMPTS (computed once: both stacks are held to them)."""
+    return embedded_llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                           for n in LENGTHS])
+
+
+def test_concurrent_greedy_requests_match_the_offline_engine(cluster, offline_answers):
+    lengths, want = LENGTHS, offline_answers
     stub = cluster.stub()
     with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
         futs = [pool.submit(collect, stub, router_pb2.GenerateRequest(text=p, sampling=greedy(n)))
