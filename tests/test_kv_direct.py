@@ -322,7 +322,7 @@ def test_direct_transfers_between_workers_give_the_colocated_engines_tokens(tmp_
 
 def test_a_stalled_device_transfer_ends_the_request_and_frees_blocks_on_both_sides(tmp_path, reliability):
     c = Cluster.launch(tmp_path, prefill=1, decode=1, worker_args=DIRECT,
-                       router_args=["--first-token-timeout", "4"],
+                       router_args=["--first-token-timeout", "2"],
                        extra={"prefill-0": ["--kv-fault-stall-s", "600"]})
     try:
         t0 = time.monotonic()
