@@ -16,7 +16,9 @@ KV_CACHE_SCALES = ("calibrate", "one")  # a float8 cache's per-head K/V scales (
 FP8_ROUNDINGS = ("nearest", "gptq")     # how --quantization fp8 rounds weights (engine/fp8_rounding.py)
 FP8_ACCUMULATIONS = ("fp32", "fast")    # FP8 GEMMs' sums on CUDA: promoted to float32, or the tensor cores' own
 EP_DISPATCHES = ("allreduce", "alltoall")   # how expert-parallel ranks reach their experts (models/layers/expert_parallel.py)
-ALL_REDUCES = ("auto", "nccl", "symm")  # the tensor-parallel all-reduce (models/layers/custom_all_reduce.py)
+# the tensor-parallel all-reduce (models/layers/custom_all_reduce.py); symm-unfused: symm without the all-reduce
+# fused into the RMSNorm after it (models/layers/all_reduce_norm.py), each its own kernel
+ALL_REDUCES = ("auto", "nccl", "symm", "symm-unfused")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +60,8 @@ class EngineConfig:
     expert_parallel_dispatch: str = "allreduce"   # allreduce (graph-safe) | alltoall (eager): EP_DISPATCHES
     ep_redundant_experts: int = 0       # a second copy of the K hottest experts (of ep_expert_load), K/tp_size a rank
     ep_expert_load: str | None = None   # JSON load profile {"tokens_per_expert": [...]} picking them
-    all_reduce: str = "auto"            # nccl: torch.distributed's; symm: one-shot over CUDA symmetric memory; auto: symm where it runs
+    all_reduce: str = "auto"            # nccl: torch.distributed's; symm: one-shot over CUDA symmetric memory, fused with
+    #                                     the RMSNorm after it; auto: symm where it runs
     tokenizer: str | None = None        # tokenizer directory; None = the model's (presets: the embedded one's)
     cache_dir: str | None = None        # converted models, compiled graphs; None = ~/.cache/baton
     fused_ops: bool = PLATFORM.fused_ops        # fused layer kernels (Triton on CUDA, torch_npu on Ascend)
@@ -123,7 +126,7 @@ class EngineConfig:
     def _validate_all_reduce(self) -> None:
         if self.all_reduce not in ALL_REDUCES:
             raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
-        if self.all_reduce != "symm":
+        if not self.all_reduce.startswith("symm"):
             return
         if not self.device.startswith("cuda"):
             raise ValueError(f"--all-reduce symm maps the ranks' memory into each other over CUDA peer access; the "

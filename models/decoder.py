@@ -46,10 +46,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops, dtype) if qk_norm else None
         self.ops, self.eps = ops, config.rms_norm_eps
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext,
+                reduce: bool = True) -> torch.Tensor:
+        """reduce=False: the o_proj's partial sum on this rank, reduced by the RMSNorm after it."""
         q, k, v = self._qkv(positions, x)
         out = ctx.attend(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return self.o_proj(out.reshape(x.shape[0], -1), reduce=reduce)
 
     def write_kv(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> None:
         """The step's K and V into the cache, as `forward` writes them, and nothing else (no attention,
@@ -84,9 +86,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False, tp=tp,
                                            dtype=dtype)
 
-    def forward(self, x):
+    def forward(self, x, reduce: bool = True):
         h = self.gate_up_proj(x)
-        return self.down_proj(self.ops.silu_and_mul_fp8(h) if self.fp8_act else self.ops.silu_and_mul(h))
+        return self.down_proj(self.ops.silu_and_mul_fp8(h) if self.fp8_act else self.ops.silu_and_mul(h),
+                              reduce=reduce)
 
 
 class DecoderLayer(nn.Module):
@@ -99,25 +102,35 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
 
-    def forward(self, positions, x, residual, ctx):
+    def forward(self, positions, x, residual, ctx, fuse: TPInfo | None = None):
+        """fuse (DecoderModel.fused_reduce): each row-parallel projection's partial sum is all-reduced by the
+        RMSNorm after it, in one kernel, so x comes in (residual set) and goes out as this rank's partial sum."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, ctx)
+            x, residual = self.input_layernorm(x, residual, reduce=fuse)
+        x = self.self_attn(positions, x, ctx, reduce=fuse is None)
         if self.residual_scale is not None:
             x = x * self.residual_scale
-        x, residual = self.post_attention_layernorm(x, residual)
-        x = self.mlp(x)
+        x, residual = self.post_attention_layernorm(x, residual, reduce=fuse)
+        x = self.mlp(x, reduce=False) if fuse is not None else self.mlp(x)
         if self.residual_scale is not None:
             x = x * self.residual_scale
         return x, residual
+
+    def can_fuse_reduce(self) -> bool:
+        """Can its all-reduces move into the RMSNorms after them (`fuse`)? Not where a branch is scaled
+        between, a norm quantizes to FP8, or the feed-forward block is not the dense MLP."""
+        return (self.residual_scale is None and type(self.mlp) is MLP
+                and not (self.input_layernorm.fp8_out or self.post_attention_layernorm.fp8_out))
 
 
 class DecoderModel(nn.Module):
     embed_scale: float | None = None        # MiniCPM: token embeddings times this
     # an EAGLE-3 head reads these layers' input hidden states (models/eagle3.py); () = none, no cost
     aux_layers: tuple[int, ...] = ()
+    # set by fuse_reduced_norms: the TP whose all-reduces the RMSNorms do, fused (DecoderLayer.forward)
+    fused_reduce: TPInfo | None = None
 
     def __init__(self, config, ops, tp, dtype, qkv_bias, qk_norm, make_mlp):
         super().__init__()
@@ -129,6 +142,14 @@ class DecoderModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype)
 
+    def fuse_reduced_norms(self) -> bool:
+        """The all-reduce after each row-parallel projection done by the RMSNorm after it, in one kernel
+        (models/layers/custom_all_reduce.install calls it once its all-reduce can); False where a layer cannot."""
+        tp = self.embed_tokens.tp
+        if tp.size > 1 and all(layer.can_fuse_reduce() for layer in self.layers) and not self.norm.fp8_out:
+            self.fused_reduce = tp
+        return self.fused_reduce is not None
+
     def forward(self, input_ids, positions, ctx):
         """[T, hidden]; with `aux_layers` set, [T, hidden * (1 + len(aux_layers))]: the normed output,
         then the residual stream entering each of those layers (the number of layers: after the last)."""
@@ -137,13 +158,15 @@ class DecoderModel(nn.Module):
             x = x * self.embed_scale
         residual = None
         aux = {}
+        fuse = self.fused_reduce if not self.aux_layers else None      # (the aux states need the sums)
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux[i] = x if residual is None else x + residual
-            x, residual = layer(positions, x, residual, ctx)
+            x, residual = layer(positions, x, residual, ctx, fuse) if fuse is not None else \
+                layer(positions, x, residual, ctx)
         if len(self.layers) in self.aux_layers:
             aux[len(self.layers)] = x + residual
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(x, residual, reduce=fuse)
         return torch.cat([x, *(aux[i] for i in self.aux_layers)], dim=-1) if aux else x
 
 

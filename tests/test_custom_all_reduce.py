@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import in_triton_interpreter, tiny_hf_config
 
 from baton.engine.config import EngineConfig
 from baton.models.layers import custom_all_reduce
@@ -103,3 +104,97 @@ def _free_port() -> int:
 
 def test_two_gloo_ranks_route_by_size_dtype_and_layout():
     mp.spawn(_worker, args=(_free_port(),), nprocs=2, join=True)
+
+
+class _Doubling(TPInfo):
+    """Two ranks that hold the same partial sums, seen from one: every all-reduce doubles."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+class _FusedByHand:
+    """A reducer whose fused all-reduce + add + RMSNorm is the two steps, counted."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, 0
+        self.fused_norm = self.add_rms_norm
+
+    def fits(self, x):
+        return False
+
+    def fits_norm(self, x, residual, weight):
+        return True
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        self.calls += 1
+        return self.ops.add_rms_norm(x * 2, residual, weight, eps)
+
+
+class _QAttention:
+    """Attention that returns its queries: enough to carry each layer's input to its o_proj."""
+
+    def prefill_attention(self, q, k, v, k_cache, v_cache, meta, scale, kv_scale=None):
+        return q
+
+
+def test_a_decoder_reduces_each_partial_sum_once_in_the_norm_after_it():
+    """With the fused all-reduce installed, o_proj and down_proj leave their partial sums to the RMSNorm after
+    them (2 per layer, the last one the final norm's) and the outputs are the unfused forward's, bit for bit;
+    not where an EAGLE-3 head reads the layers' sums, nor in a model whose norms quantize to FP8."""
+    from baton.engine.platforms.base import LayerOps
+    from baton.models.forward_context import ForwardContext
+    from baton.models.qwen3 import Qwen3ForCausalLM
+    config, ops = tiny_hf_config("qwen3"), LayerOps()
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config, ops, torch.float32, _Doubling(0, 2, None))
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    ids, positions = torch.randint(0, config.vocab_size, (7,)), torch.arange(7)
+    ctx = ForwardContext(None, None, _QAttention(), 1.0)
+    want = model.model(ids, positions, ctx)
+    reducer = _FusedByHand(ops)
+    install(model, reducer)
+    assert model.model.fused_reduce is model.model.embed_tokens.tp
+    assert torch.equal(model.model(ids, positions, ctx), want)
+    assert reducer.calls == 2 * config.num_hidden_layers
+    model.model.aux_layers = (1,)
+    model.model(ids, positions, ctx)
+    assert reducer.calls == 2 * config.num_hidden_layers, "aux layers read the sums: no fusion"
+    quantizing = Qwen3ForCausalLM(config, ops, torch.float32, _Doubling(0, 2, None))
+    quantizing.model.layers[1].post_attention_layernorm.fp8_out = True
+    install(quantizing, _FusedByHand(ops))
+    assert quantizing.model.fused_reduce is None
+
+
+def test_the_fused_kernels_barriers_and_sums_in_triton_s_interpreter():
+    """all_reduce_norm's kernel as rank 0 of two, the peer played by hand: its partial sums already in its
+    buffer and its signals already on this rank's pad. The sums and norms are the two steps', several rows a
+    program; this rank's buffer holds its partials; its pad is back at zero; the peer's got one signal per
+    program and barrier."""
+    in_triton_interpreter("import test_custom_all_reduce as t; t._fused_in_interpreter(); print('DONE')",
+                          "DONE", "the fused all-reduce + RMSNorm kernel")
+
+
+def _fused_in_interpreter() -> None:
+    from baton.models.layers import all_reduce_norm as arn
+    torch.manual_seed(0)
+    rows, n, world, first, programs = 5, 96, 2, 16, 2
+    x, peer, res = (torch.randn(rows, n) for _ in range(3))
+    w = torch.randn(n)
+    buf0, buf1 = torch.zeros(rows * n), peer.reshape(-1).clone()
+    pad0 = torch.zeros(first + arn.slots_needed(world, programs), dtype=torch.int32)
+    pad1 = torch.zeros_like(pad0)
+    for p in range(programs):               # the peer (rank 1) has passed both barriers of every program
+        pad0[first + p * world + 1] = 1
+        pad0[first + (programs + p) * world + 1] = 1
+    bufs = torch.tensor([buf0.data_ptr(), buf1.data_ptr()], dtype=torch.int64)
+    pads = torch.tensor([pad0.data_ptr(), pad1.data_ptr()], dtype=torch.int64)
+    out, total = arn.all_reduce_add_rms_norm(x, res, w, 1e-6, bufs, pads, 0, world, first, max_programs=programs)
+    s = (x + peer) + res
+    assert torch.equal(total, s)
+    want = w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(buf0.view(rows, n), x)
+    assert int(pad0.abs().sum()) == 0
+    assert int(pad1.sum()) == 2 * programs and int(pad1.max()) == 1

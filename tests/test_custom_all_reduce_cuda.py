@@ -1,8 +1,9 @@
 """The symmetric-memory all-reduce (models/layers/custom_all_reduce.py) on two CUDA GPUs, against
 NCCL's: the same sums on random bf16 and fp32 tensors of 8 KiB .. 8 MiB, eagerly and replayed from a
 captured CUDA graph (bit for bit: with two ranks both add the same two numbers once); the times of
-both at the sizes of decode steps, printed as a table with -s; and an engine at --tp-size 2 that
-decodes the same greedy tokens with either. Skipped without two CUDA devices.
+both at the sizes of decode steps, printed as a table with -s; the all-reduce fused with the add and RMSNorm
+after it against the two steps (the same bits; its times); and an engine at --tp-size 2 that decodes the
+same greedy tokens with either. Skipped without two CUDA devices.
 
     python3 -m pytest -s tests/test_custom_all_reduce_cuda.py
 """
@@ -159,6 +160,97 @@ def _timed(fn) -> float:
     return start.elapsed_time(end) * 1000
 
 
+def _fused_correctness(rank: int, port: int) -> None:
+    """The fused all-reduce + add + RMSNorm (models/layers/all_reduce_norm.py) against NCCL's sum then the
+    platform's add_rms_norm: the same bits, eagerly at 1 .. 1,024 rows (8 KiB .. 8 MiB), and replayed from a
+    graph of three fused calls in a row (one buffer, no host between them) on new inputs."""
+    from baton.engine.platforms.triton_kernels import layer_ops
+    reducer = _start(rank, port)
+    try:
+        assert reducer.fused_norm is not None, reducer.why_unfused
+        g = torch.Generator(device="cuda").manual_seed(7)          # the same weight and residual on both ranks
+        weight = (1 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).to(torch.bfloat16)
+
+        def unfused(x, residual):
+            return layer_ops.add_rms_norm(_nccl(x), residual, weight, 1e-6)
+
+        for rows in (1, 3, 64, 127, 128, 129, 256, 1024):
+            x = _tensor(rows * HIDDEN * 2, torch.bfloat16, rank, rows)
+            residual = torch.randn(rows, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+            assert reducer.fits_norm(x, residual, weight), rows
+            for got, want, what in zip(reducer.add_rms_norm(x, residual, weight, 1e-6), unfused(x, residual),
+                                       ("normed", "sum"), strict=True):
+                _same(got, want, f"fused {what}, {rows} rows")
+        rows = 200
+        x = _tensor(rows * HIDDEN * 2, torch.bfloat16, rank, 1)
+        residual = torch.randn(rows, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+
+        def three(x, residual, op):
+            a, r = op(x, residual)
+            b, r = op(a * 0.5 + x, r)
+            return op(b - x, r)
+
+        def fused(x, residual):
+            return reducer.add_rms_norm(x, residual, weight, 1e-6)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            three(x, residual, fused)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = three(x, residual, fused)
+        for replay in range(3):
+            x.copy_(_tensor(rows * HIDDEN * 2, torch.bfloat16, rank, 50 + replay))
+            graph.replay()
+            for got, want in zip(out, three(x, residual, unfused), strict=True):
+                _same(got, want, f"fused, graph replay {replay}")
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_fused_all_reduce_and_rms_norm_writes_what_the_two_steps_write():
+    mp.spawn(_fused_correctness, args=(_free_port(),), nprocs=2, join=True)
+
+
+def _fused_timings(rank: int, port: int) -> None:
+    """Microseconds per all-reduce + add + RMSNorm at decode sizes, 50 in a row replayed from a graph: torch's
+    one-shot then add_rms_norm (two kernels), against the fused kernel (one)."""
+    from baton.engine.platforms.triton_kernels import layer_ops
+    reducer = _start(rank, port)
+    try:
+        weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
+        lines = []
+        for rows in (1, 16, 64, 128, 256, 512):
+            x = torch.zeros(rows, HIDDEN, dtype=torch.bfloat16, device="cuda")
+            residual = torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device="cuda")
+            ops = {"two kernels": lambda x=x, r=residual: layer_ops.add_rms_norm(reducer(x), r, weight, 1e-6),
+                   "fused": lambda x=x, r=residual: reducer.add_rms_norm(x, r, weight, 1e-6)}
+            us = {}
+            for name, op in ops.items():
+                op()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(50):
+                        op()
+                graph.replay()
+                us[name] = _timed(lambda g=graph: [g.replay() for _ in range(20)]) / (50 * 20)
+            lines.append(f"| {rows} | {rows * HIDDEN * 2 >> 10} KiB | {us['two kernels']:.1f} | {us['fused']:.1f} "
+                         f"| {us['two kernels'] / us['fused']:.2f}x |")
+        if rank == 0:
+            print(f"\nfused: up to {reducer.fused_norm.programs} programs")
+            print("\n| rows | size | one-shot + add_rms_norm us | fused us | speed-up |\n| --- | --- | --- | --- | --- |")
+            print("\n".join(lines))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_times_of_the_fused_all_reduce_and_rms_norm():
+    mp.spawn(_fused_timings, args=(_free_port(),), nprocs=2, join=True)
+
+
 def test_times_of_both_at_decode_sizes():
     mp.spawn(_timings, args=(_free_port(),), nprocs=2, join=True)
 
@@ -172,7 +264,7 @@ def test_an_engine_at_tp2_decodes_the_same_tokens_with_either_all_reduce():
     prompts = [torch.randint(0, 151_000, (n,), generator=g).tolist() for n in (9, 200, 700)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
-    for mode in ("symm", "nccl", "auto"):
+    for mode in ("symm", "nccl", "auto"):       # symm: fused with the RMSNorms (qwen3's layers are dense)
         llm = LLM("qwen3-0.6b", device="cuda:0", dtype="bfloat16", tp_size=2, all_reduce=mode, max_num_seqs=8,
                   tokenizer=TOKENIZER, max_model_len=1024, kv_cache_memory=2 << 30)
         try:

@@ -5,6 +5,8 @@ sums into its own buffer, waits for the peers, and reads and adds every rank's b
 (torch's `symm_mem::one_shot_all_reduce_copy_out`). At a decode step's sizes (2 MiB for an 8B model
 at batch 256) that is a few microseconds against NCCL's tens; larger tensors (prefill activations)
 keep NCCL's ring. `choose` decides once at engine start (`--all-reduce`); `TPInfo.all_reduce` routes.
+Where a decoder layer's RMSNorm follows the all-reduce, one kernel of our own does both (and the residual
+add between them): models/layers/all_reduce_norm.py, through `TPInfo.reduce_add_rms_norm`.
 """
 from __future__ import annotations
 
@@ -30,10 +32,13 @@ class SymmMemAllReduce:
     """Sums a tensor over the ranks through `buffer` (this rank's symmetric allocation, rendezvoused
     on `group_name`); tensors that do not `fit` go to torch.distributed instead."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str, reduce=None):
+    def __init__(self, buffer: torch.Tensor, group_name: str, reduce=None, fused_norm=None):
         self.buffer, self.group_name = buffer, group_name
         self.max_bytes = buffer.numel() * buffer.element_size()
         self._reduce = reduce or _one_shot          # (symm view, local x, group name, out) -> out
+        # (x, residual, weight, eps) -> (rms_norm(sum + residual), sum + residual); None: not fused here
+        self.fused_norm = fused_norm
+        self.why_unfused = "not set up" if fused_norm is None else None
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -45,6 +50,17 @@ class SymmMemAllReduce:
         """A new tensor: the sum of every rank's `x`, the same on all of them."""
         symm = self.buffer.view(x.dtype)[: x.numel()].view(x.shape)
         return self._reduce(symm, x, self.group_name, torch.empty_like(x))
+
+    def fits_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Can `add_rms_norm` take these (else: this all-reduce, then the platform's add-RMSNorm)?"""
+        return (self.fused_norm is not None and self.fits(x) and x.dim() == 2 and residual.shape == x.shape
+                and residual.dtype == x.dtype and residual.is_contiguous() and weight.dtype == x.dtype
+                and weight.shape == x.shape[-1:])
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(all-reduced x + residual), all-reduced x + residual), in one kernel."""
+        return self.fused_norm(x, residual, weight, eps)
 
 
 def _one_shot(symm: torch.Tensor, x: torch.Tensor, group_name: str, out: torch.Tensor) -> torch.Tensor:
@@ -116,15 +132,18 @@ def choose(mode: str, group, rank: int, devices: list[str], deterministic: bool 
         reason = _first_in_every_process(group, torch.device(devices[rank]))
     if reason is None:
         try:
-            reducer, reason = _open(group, torch.device(devices[rank]), MAX_BYTES[len(devices)])
+            reducer, reason = _open(group, torch.device(devices[rank]), MAX_BYTES[len(devices)],
+                                    fuse_norm=mode != "symm-unfused")
         except RuntimeError as e:            # the allocation, the mapping or the probe's kernel
             reducer, reason = None, f"setting up symmetric memory failed: {e}"
         if reducer is not None:
+            fused = ("fused with the RMSNorm after it" if reducer.fused_norm is not None
+                     else f"not fused with the RMSNorm after it ({reducer.why_unfused})")
             _log_once(rank, f"all-reduce: one-shot over symmetric memory up to {reducer.max_bytes >> 20} MiB, "
-                            f"{backend} above")
+                            f"{backend} above; {fused}")
             return reducer
-    if mode == "symm":
-        raise RuntimeError(f"--all-reduce symm cannot run here: {reason}. Serve with --all-reduce auto (which "
+    if mode.startswith("symm"):
+        raise RuntimeError(f"--all-reduce {mode} cannot run here: {reason}. Serve with --all-reduce auto (which "
                            f"falls back by itself) or --all-reduce nccl")
     _log_once(rank, f"all-reduce: {backend}, not symmetric memory: {reason}")
     return None
@@ -142,8 +161,10 @@ def _first_in_every_process(group, device: torch.device) -> str | None:
             "for a new group (one engine per process serves it)")
 
 
-def _open(group, device: torch.device, max_bytes: int) -> tuple[SymmMemAllReduce | None, str | None]:
-    """This rank's buffer, mapped by every peer (a collective), checked by one all-reduce of known sums."""
+def _open(group, device: torch.device, max_bytes: int,
+          fuse_norm: bool = True) -> tuple[SymmMemAllReduce | None, str | None]:
+    """This rank's buffer, mapped by every peer (a collective), checked by one all-reduce of known sums;
+    with fuse_norm, the fused all-reduce + RMSNorm too (checked alike), where it can run."""
     import torch.distributed._symmetric_memory as symm_mem
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")     # peer loads only: no NVLink multicast
     name = group.group_name
@@ -151,7 +172,7 @@ def _open(group, device: torch.device, max_bytes: int) -> tuple[SymmMemAllReduce
         symm_mem.enable_symm_mem_for_group(name)       # torch 2.11 resolves the group's store by itself
     buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
     _opened.append(name)
-    symm_mem.rendezvous(buffer, name)
+    handle = symm_mem.rendezvous(buffer, name)
     reducer = SymmMemAllReduce(buffer, name)
     world, rank = group.size(), group.rank()
     probe = torch.full((4096,), float(rank + 1), dtype=torch.bfloat16, device=device)
@@ -159,7 +180,40 @@ def _open(group, device: torch.device, max_bytes: int) -> tuple[SymmMemAllReduce
     want = float(world * (world + 1) // 2)
     if not bool((got == want).all()):
         return None, f"a probe all-reduce summed to {got[0].item()}, not {want}"
+    reducer.why_unfused = "--all-reduce symm-unfused"
+    if fuse_norm:
+        reducer.fused_norm, reducer.why_unfused = _fused_norm(handle, device, world, rank)
     return reducer, None
+
+
+def _fused_norm(handle, device: torch.device, world: int, rank: int):
+    """The fused all-reduce + add + RMSNorm over `handle`'s buffers and the upper half of its signal pads, checked
+    by one call on known values (every rank makes it alike: the same facts); (None, why) where it cannot run."""
+    try:
+        from baton.models.layers import all_reduce_norm
+    except ImportError as e:                 # no triton
+        return None, f"no Triton ({e})"
+    words = handle.get_signal_pad(rank).numel()       # uint32 words
+    programs = min(all_reduce_norm.MAX_PROGRAMS, (words // 2) // all_reduce_norm.slots_needed(world, 1))
+    if programs < 1:
+        return None, f"the signal pads hold {words} words, too few for its barriers"
+    log.debug("fused all-reduce + RMSNorm: %d signal-pad words, up to %d programs", words, programs)
+    bufs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+    pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+
+    def fused(x, residual, weight, eps):       # (programs: read by the CUDA test's table)
+        return all_reduce_norm.all_reduce_add_rms_norm(x, residual, weight, eps, bufs, pads, rank, world,
+                                                       first_slot=words // 2, max_programs=programs)
+    fused.programs = programs
+
+    rows, n = 3, 4096
+    x = torch.full((rows, n), float(rank + 1), dtype=torch.bfloat16, device=device)
+    ones = torch.ones((rows, n), dtype=torch.bfloat16, device=device)
+    out, total = fused(x, ones, ones[0], 1e-6)
+    want = float(world * (world + 1) // 2 + 1)
+    if not (bool((total == want).all()) and bool((out == 1).all())):
+        return None, f"a probe summed to {total[0, 0].item()} and normed to {out[0, 0].item()}, not {want} and 1"
+    return fused, None
 
 
 def install(model: torch.nn.Module, reducer: SymmMemAllReduce) -> None:
@@ -168,6 +222,10 @@ def install(model: torch.nn.Module, reducer: SymmMemAllReduce) -> None:
         tp = getattr(module, "tp", None)
         if getattr(tp, "size", 1) > 1 and hasattr(tp, "custom_all_reduce"):
             tp.custom_all_reduce = reducer
+    if getattr(reducer, "fused_norm", None) is not None:
+        for module in model.modules():
+            if hasattr(module, "fuse_reduced_norms"):       # models/decoder.py: DecoderModel
+                module.fuse_reduced_norms()
 
 
 def _log_once(rank: int, message: str) -> None:

@@ -32,6 +32,15 @@ class TPInfo:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """`ops.add_rms_norm(all_reduce(x), residual, ...)`: x is this rank's partial sum. In one kernel where
+        the symmetric-memory all-reduce fuses it (models/layers/all_reduce_norm.py), else as written."""
+        fused = self.custom_all_reduce
+        if fused is not None and getattr(fused, "fused_norm", None) is not None and fused.fits_norm(x, residual, weight):
+            return fused.add_rms_norm(x, residual, weight, eps)
+        return ops.add_rms_norm(self.all_reduce(x), residual, weight, eps)
+
 
 def _divide(n: int, by: int, what: str) -> int:
     if n % by:
@@ -140,6 +149,8 @@ class RowParallelLinear(LinearBase):
     def input_shard(self):
         return self.tp.rank * self.in_features, self.in_features
 
-    def forward(self, x):
+    def forward(self, x, reduce: bool = True):
+        """reduce=False: this rank's partial sum, for an op after it that all-reduces it itself
+        (`TPInfo.reduce_add_rms_norm`)."""
         y = self.matmul(x, self.weight, self.bias)
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(y) if reduce else y

@@ -142,7 +142,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(g, "--all-reduce", choices=ALL_REDUCES, default=e.all_reduce,
          help="the tensor-parallel all-reduce: symm = one kernel per rank reads every rank's partial sums over "
               "NVLink from symmetric memory (torch's one-shot all-reduce), for tensors up to 8 MiB at 2 ranks (4 at "
-              "4, 2 at 8), NCCL above (CUDA, 2, 4 or 8 ranks that are peers); nccl = torch.distributed's for all "
+              "4, 2 at 8), NCCL above (CUDA, 2, 4 or 8 ranks that are peers); in dense decoder layers an all-reduce "
+              "followed by an RMSNorm is instead one kernel of Baton's that also adds the residual and normalizes; "
+              "symm-unfused = symm without that fusion (torch's one-shot, then add-RMSNorm); nccl = torch.distributed's for all "
               "(NCCL, HCCL on Ascend, gloo on the CPU); auto = symm where it runs (not with --deterministic), else "
               "nccl, the reason logged")
     flag(g, "--enable-expert-parallel", type=bool, default=e.enable_expert_parallel,
