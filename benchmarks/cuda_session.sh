@@ -75,7 +75,7 @@
 #   STEPS=ep EP_VARIANTS=tp bash benchmarks/cuda_session.sh    # then EP_VARIANTS=ep, on nvidia-h200-x4
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2; allreduce (the
 # symmetric-memory all-reduce against NCCL, with timings) and b1tp (B1 of qwen3-8b at TP=2 per --all-reduce); tpprof
-# (benchmarks/tp_profile.py: the decode step's kernels at TP=1 and TP=2, per batch);
+# (benchmarks/tp_profile.py: the decode step's kernels per batch, for each TP size:all-reduce of TPPROF_RUNS);
 # kvpack (one GPU: the KV pack kernel, and a proven transfer between two CUDA engines)
 # cp (issue 53: context-parallel prefill; the CP tests, then a 128k-token prefill of qwen3-8b-yarn on cuda:0 alone and
 # with --context-parallel-size 2 over cuda:0,cuda:1, benchmarks/context_parallel.py; the bar: >= 1.6x. CP_LEN: the
@@ -295,10 +295,11 @@ runpy.run_module('baton', run_name='__main__')" bench offline --model $m --devic
               -k "kv_pack or proven_transfer" 2>&1 | tail -15 | tee "$OUT/kvpack.txt" ;;
     allreduce) timeout ${AR_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider \
               tests/test_custom_all_reduce_cuda.py 2>&1 | tail -60 | tee "$OUT/allreduce.txt" ;;
-    tpprof) for tp in ${TPPROF_SIZES:-1 2}; do       # decode-step kernels, TP=1 vs TP=2 (issue 49): tp_profile.py
+    tpprof) for run in ${TPPROF_RUNS:-1:auto 2:auto}; do     # decode-step kernels per TP size:all-reduce (issue 49)
+              tp=${run%%:*} ar=${run#*:}
               timeout ${TPPROF_TIMEOUT:-240} python3 -m baton.benchmarks.tp_profile --model ${TPPROF_MODEL:-qwen3-8b} \
-                --tp-size $tp --all-reduce ${TPPROF_ALL_REDUCE:-auto} ${TPPROF_ARGS:-} 2>&1 \
-                | tee "$OUT/tpprof-tp$tp.log" | grep '^{' > "$OUT/tpprof-tp$tp.jsonl"; tail -3 "$OUT/tpprof-tp$tp.log" | cut -c1-400
+                --tp-size $tp --all-reduce $ar ${TPPROF_ARGS:-} 2>&1 \
+                | tee "$OUT/tpprof-tp$tp-$ar.log" | grep '^{' > "$OUT/tpprof-tp$tp-$ar.jsonl"; tail -3 "$OUT/tpprof-tp$tp-$ar.log" | cut -c1-400
             done ;;
     b1tp)   for ar in ${B1TP_ALL_REDUCE:-nccl symm}; do     # TP=2 B1 per all-reduce (issue 49); b1big is TP=1
               timeout ${B1TP_TIMEOUT:-200} python3 -m baton bench offline --model qwen3-8b --device cuda:0 --tp-size 2 \
