@@ -139,10 +139,12 @@ class AsyncEngine:
                 rest.append(out)
         return rest
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_s: float = 10.0) -> bool:
+        """Stop the engine thread after its step; True once it has ended (within wait_s)."""
         self._stop.set()
         self._commands.put((lambda e: None, None))
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=wait_s)
+        return not self._thread.is_alive()
 
     # -- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:

@@ -134,3 +134,20 @@ def test_a_core_whose_engine_thread_died_is_dead_not_healthy():
         client._message(Fatal("failed: its engine thread raised OutOfMemoryError()"))
         return client.dead
     assert asyncio.run(main()) == deaths[0] == "failed: its engine thread raised OutOfMemoryError()"
+
+
+def test_stopping_does_not_wait_out_a_long_step_and_does_wait_a_short_one():
+    """A core stopped after its front's drain: a step that outlasts the wait is left to the process's exit (its
+    requests were drained or aborted: a CPU's long prompt chunk took the worker's whole 10 s grace); a short one
+    (a GPU's) is waited for, and the thread ends."""
+    async def stopped_after(step_s: float, wait_s: float):
+        core = _LongStepEngine(step_s, 30.0)
+        engine = AsyncEngine(core, asyncio.get_running_loop())
+        assert await asyncio.to_thread(core.stepping.wait, 5)
+        t0 = time.monotonic()
+        ended = engine.shutdown(wait_s)
+        return ended, time.monotonic() - t0
+    ended, took = asyncio.run(stopped_after(step_s=4.0, wait_s=0.5))
+    assert not ended and took < 2.0
+    ended, took = asyncio.run(stopped_after(step_s=0.3, wait_s=5.0))
+    assert ended and took < 2.0

@@ -21,6 +21,7 @@ import collections
 import contextlib
 import ctypes
 import importlib
+import os
 import signal
 import socket
 import sys
@@ -63,6 +64,7 @@ from baton.serving.worker.worker_config import WorkerConfig
 BEAT_INTERVAL_S = 0.5              # an idle core still says it is alive this often
 PULSE_INTERVAL_S = 0.5             # and, busy or not, says what its engine thread is doing
 STOP_TIMEOUT_S = 10.0
+STEP_WAIT_S = 2.0                  # stopping: how long the step in progress may take to finish (a GPU's: well under)
 
 Emit = Callable[[CoreMessage], None]
 
@@ -190,8 +192,11 @@ class EngineCore:
         """Release the KV plane (device communicators), then stop the engine."""
         self._pulsing.clear()
         await self.stop_transport()
-        if self.engine is not None:
-            self.engine.shutdown()
+        if self.engine is not None and not self.engine.shutdown(STEP_WAIT_S):
+            # the front stops us after its drain: whatever this step computes, nobody waits for it (a long
+            # prompt's chunk the router gave up on, on a CPU: seconds); the process exits without it
+            print(f"[baton] engine core: a step still running after {STEP_WAIT_S:.0f}s; stopping without it",
+                  file=sys.stderr, flush=True)
 
     async def stop_transport(self) -> None:
         return None
@@ -352,7 +357,12 @@ def main(argv: list[str] | None = None) -> None:
     _die_with_parent()
     # Ctrl-C reaches the whole process group: the front drains first, then closes our socket
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.exit(asyncio.run(_serve(command_fd, event_fd)))
+    code = asyncio.run(_serve(command_fd, event_fd))
+    if any(t.name == "baton-engine" and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)      # (a step left running: interpreter shutdown would wait for its torch ops or crash in them)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
