@@ -49,6 +49,10 @@ if XDIST_WORKER:
     # their stacks on two cores, spinning threads took the cores from the ones with work (test_engine
     # ran 3.4x slower beside test_chaos; passive, 1.6x). Set before torch loads its OpenMP runtime.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # and one thread a process, as the stacks' workers already run (tests/cluster.py): the box is ~95 % busy
+    # through the suite, so a second thread only adds hand-offs (test_engine beside one busy core: 57 s on one
+    # thread, 62 s on two passive ones, 128 s on two spinning). Subprocesses inherit it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _module_name(item) -> str:
