@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     flag(t, "--routers", type=int, default=1,
          help="router processes sharing --port and --http-port (baton router --reuse-port: the kernel deals "
               "connections out among them): one carries ~280 short requests a second; their /metrics on --http-port "
-              "is one router's, each also serves its own on a metrics port of its own (--metrics-port: the ports "
-              "after the workers'), which the ready lines list for `baton top` / `baton elastic --metrics-url`")
+              "is one router's, each also serves its own and the workers' on a metrics port of its own (--metrics-port: "
+              "the ports after the workers'), which the ready lines list for `baton top` / `baton elastic --metrics-url`")
     add_planner_args(t)
     add_router_args(p)
     return p

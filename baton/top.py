@@ -12,7 +12,8 @@ buckets that filled in between (Prometheus's interpolation), gauges are read as 
     baton top --metrics-url URL,URL             # several routers (`baton serve --routers N` prints them)
 
 Several routers sharing a deployment's ports each count their own requests: the view adds their
-counters and histograms up and takes the workers' series once (benchmarks/prometheus.py:
+counters and histograms up and takes the workers' series once (each router's metrics port carries them with
+--worker-metrics, as under `baton serve`: router/worker_metrics.py's PortView) (benchmarks/prometheus.py:
 merge_routers says which family is which). While one of them does not answer, the frame names it
 and shows no request figures: a sum without it would read low, as if the traffic had dropped.
 """
@@ -212,8 +213,8 @@ def render(iv: Interval, url: str):
 
 NO_WORKERS = ("no worker series here: point --url at a router started by `baton serve`, or run the router with "
               "--worker-metrics")
-NO_WORKERS_ROUTERS = ("no worker series here: a router's own metrics port carries its series only; the workers' are "
-                      "on the shared --http-port's /metrics (`baton top --url` on it: one router's requests)")
+NO_WORKERS_ROUTERS = ("no worker series here: these routers run without --worker-metrics (`baton serve` turns it "
+                      "on: each router's metrics port then carries the workers' series too)")
 
 
 def build_parser():

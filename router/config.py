@@ -51,7 +51,7 @@ class RouterConfig(ServerConfig):
     chat_template: str | None = None    # a Jinja file rendering chats instead of the model's own template
     trust_request_chat_template: bool = False   # a request may bring its own chat template
     reasoning_parser: str | None = None # "qwen3" or "deepseek_r1": <think>...</think> -> reasoning (chats)
-    worker_metrics: bool = False        # /metrics on the HTTP port serves the workers' metrics too (baton serve)
+    worker_metrics: bool = False        # /metrics on the HTTP port and --metrics-port serve the workers' too (baton serve)
     reuse_port: bool = False            # share --port / --http-port with other routers on this host (SO_REUSEPORT)
     ready_file: str | None = None       # written once serving: how a supervisor tells routers on one port apart
 
@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
          help="seconds between DNS lookups of worker host names: workers that appear join once healthy, "
               "workers that disappear finish their streams and leave (0: look up once, at start)")
     flag(p, "--worker-metrics", type=bool, default=defaults(RouterConfig).worker_metrics,
-         help="serve every worker's Prometheus metrics beside the router's own on the HTTP port's /metrics, "
-              "labelled by worker and role: one scrape target for a deployment (baton serve turns it on; "
+         help="serve every worker's Prometheus metrics beside the router's own on the HTTP port's /metrics "
+              "and on --metrics-port, labelled by worker and role: one scrape target for a deployment (baton serve turns it on; "
               "leave it off where Prometheus scrapes each worker itself, or their series would count twice)")
     flag(p, "--reuse-port", type=bool, default=defaults(RouterConfig).reuse_port,
          help="share --port and --http-port with other routers started with it on this host: the kernel deals "

@@ -7,6 +7,7 @@ machine, usually done already by `baton serve`) and the router then reads the re
 """
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from baton.engine.requests.sampling_params import sampling_defaults
 from baton.engine.requests.tokenizer import eos_token_ids, load_tokenizer
 from baton.models.multimodal import media_placeholders
 from baton.models.source import resolve_model
-from baton.router import health
+from baton.router import health, worker_metrics
 from baton.router.admin import AdminServicer
 from baton.router.config import RouterConfig, parse_router_args
 from baton.router.openai.api import OpenAIServer
@@ -38,7 +39,8 @@ async def serve(cfg: RouterConfig) -> None:
     server = Server(cfg.host, cfg.port, ["baton.v1.Router", "baton.v1.Admin"], tls=cfg.tls, interceptors=[auth] if auth else [],
                     max_concurrent_rpcs=cfg.max_inflight + cfg.max_queued + 256, reuse_port=cfg.reuse_port)
     metrics = Metrics("router")
-    metrics.serve(cfg.metrics_port, cfg.host)
+    port_view = worker_metrics.PortView(metrics.registry) if cfg.worker_metrics else None
+    metrics.serve(cfg.metrics_port, cfg.host, port_view.registry() if port_view else None)
     http = None
     if cfg.http_port:
         http = OpenAIServer(None, cfg, "", metrics.registry)
@@ -66,6 +68,8 @@ async def serve(cfg: RouterConfig) -> None:
     await server.start()
     if http is not None:
         http.attach(svc, source.name)
+    if port_view is not None:
+        port_view.attach(lambda: worker_metrics.targets(registry), asyncio.get_running_loop())
     if cfg.ready_file:                        # routers sharing a port: the file says this one serves
         Path(cfg.ready_file).write_text(server.address + "\n")
     healthy = sum(w.healthy for w in registry.workers)

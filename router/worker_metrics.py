@@ -36,6 +36,11 @@ def shown(family: str, role: str) -> bool:
     return ("router" in who) == (role == "router")
 
 
+def targets(registry) -> list:
+    """The workers a merged scrape asks: the healthy ones the router has a channel to."""
+    return [w for w in registry.workers if w.healthy and w.stub is not None]
+
+
 async def scrape(workers, timeout: float = SCRAPE_TIMEOUT_S) -> list[tuple[object, str]]:
     """(worker, its metrics text) of each worker that answered in time."""
     async def one(w):
@@ -61,6 +66,13 @@ class _Merged:
 
 def merge(own: bytes, scraped: list[tuple[object, str]]) -> bytes:
     """The router's exposition `own` and each scraped worker's, as one, families merged by name."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(merged_families(own, scraped)))
+    return generate_latest(registry)
+
+
+def merged_families(own: bytes, scraped: list[tuple[object, str]]) -> list[Metric]:
+    """`merge`'s families."""
     merged: dict[str, Metric] = {}
 
     def add(text: str, role: str, extra: dict[str, str]) -> None:
@@ -77,6 +89,45 @@ def merge(own: bytes, scraped: list[tuple[object, str]]) -> bytes:
     add(own.decode(), "router", {})
     for w, text in scraped:
         add(text, w.role, {"worker": w.address, "role": w.role})
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Merged(list(merged.values())))
-    return generate_latest(registry)
+    return list(merged.values())
+
+
+class PortView:
+    """What the router's --metrics-port serves with --worker-metrics: its own families and, once `attach`ed, every
+    healthy worker's, merged as the HTTP port's /metrics merges them. Several routers of one deployment share
+    its HTTP port (each scrape reaches one of them) but each has a metrics port of its own: with this, each is
+    one whole target (`baton top --url A,B` and `baton elastic` take the workers' series once). prometheus_client
+    serves the port from a thread of its own; the workers are asked on the router's event loop."""
+
+    def __init__(self, own: CollectorRegistry):
+        self.own = own
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._workers = None
+
+    def attach(self, workers, loop: asyncio.AbstractEventLoop) -> None:
+        """workers() -> the workers to ask (called on `loop`)."""
+        self._workers, self._loop = workers, loop
+
+    def registry(self) -> CollectorRegistry:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        return registry
+
+    def collect(self):
+        scraped = []
+        if self._loop is not None and not self._loop.is_closed():
+            async def ask():
+                return await scrape(self._workers())
+            asked = ask()
+            try:
+                future = asyncio.run_coroutine_threadsafe(asked, self._loop)
+            except RuntimeError as exc:       # the loop closed since: its own series still
+                asked.close()
+                log.debug("workers' metrics left out of this scrape of the metrics port: %r", exc)
+            else:
+                try:
+                    scraped = future.result(SCRAPE_TIMEOUT_S + 1)
+                except Exception as exc:      # a router stopping, a loop that does not answer
+                    future.cancel()
+                    log.debug("workers' metrics left out of this scrape of the metrics port: %r", exc)
+        return merged_families(generate_latest(self.own), scraped)

@@ -170,11 +170,12 @@ class Metrics:
         self.prefix_cache_queries.labels(model).inc(prompt_tokens)
         self.prefix_cache_hits.labels(model).inc(cached_tokens)
 
-    def serve(self, port: int | None, host: str = "127.0.0.1") -> None:
+    def serve(self, port: int | None, host: str = "127.0.0.1", registry=None) -> None:
+        """The metrics on their own port: this process's registry, or `registry` (the router's with its workers')."""
         if port is None:
             return
         try:
-            start_http_server(port, addr=host, registry=self.registry)
+            start_http_server(port, addr=host, registry=registry or self.registry)
         except OSError as exc:
             raise PortInUse(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; stop the other process "
                             "or pick another with --metrics-port") from None

@@ -18,6 +18,7 @@ import urllib.request
 import grpc
 import pytest
 
+from baton.serving.processes import free_port
 from baton.v1 import admin_pb2, admin_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.cluster import Cluster
 
@@ -29,9 +30,11 @@ STREAMS, MAX_TOKENS = 6, 48
 def cluster(tmp_path_factory):
     # no prefix cache: every run computes every prompt token once, so a recomputed prefix would show
     # (and --max-migrations 0: a stream that could not move with its KV would fail, not recompute)
+    metrics_port = free_port()
     c = Cluster.launch(tmp_path_factory.mktemp("role-switch"), prefill=2, decode=2, env={"BATON_ADMIN_TOKEN": TOKEN},
-                       worker_args=["--no-prefix-caching"], router_args=["--max-migrations", "0", "--worker-metrics"],
-                       http=True)
+                       worker_args=["--no-prefix-caching"], http=True,
+                       router_args=["--max-migrations", "0", "--worker-metrics", "--metrics-port", str(metrics_port)])
+    c.metrics_port = metrics_port
     yield c
     c.stop()
 
@@ -117,6 +120,15 @@ def test_a_decode_worker_switches_to_prefill_and_back_under_load(cluster):
     assert prefill_tokens(c) - computed == computed
     assert c.wait_workers_idle() == 0               # no block held on any worker
     assert roles(c)[target] == "decode"
+
+
+def test_the_routers_metrics_port_carries_every_workers_series_too(cluster):
+    """--worker-metrics: the router's own metrics port is a whole target as its HTTP port's /metrics is (several
+    routers of one deployment each have one: `baton top --url A,B` sees the workers through them)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=10).read().decode()
+    seen = set(re.findall(r'^baton_kv_blocks_total\{[^}]*worker="([^"]+)"', text, re.M))
+    assert seen == set(roles(cluster)), text[-2000:]
+    assert re.search(r"^baton_requests_total\{", text, re.M) or "# TYPE baton_requests_total" in text
 
 
 def test_a_switch_without_the_admin_token_is_refused(cluster):

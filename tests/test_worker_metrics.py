@@ -3,6 +3,7 @@ check, a plain `baton serve` scraped on the router alone, is tests/test_dashboar
 from __future__ import annotations
 
 import asyncio
+import time
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -48,3 +49,32 @@ def test_workers_series_join_the_routers_labelled_and_each_counted_once():
     assert requests == {("baton_requests_total", (("model", "m"), ("status", "length"))): 3}   # once: the router's
     infos = {dict(k[1])["role"] for k in got if k[0] == "baton_model_info"}
     assert infos == {"router", "decode", "prefill"}                   # every process names itself
+
+
+def test_the_metrics_port_asks_the_workers_on_the_routers_loop():
+    """PortView: what --metrics-port serves with --worker-metrics. prometheus_client calls it from a thread of its
+    own; the workers are asked on the router's loop. Before the router attaches its workers (the port opens
+    first), and when the loop does not answer, the router's own series still come."""
+    import threading
+    router, decode = Metrics("router"), Metrics("decode")
+    router.serving_model("m")
+    decode.running.set(5)
+    view = worker_metrics.PortView(router.registry)
+    registry = view.registry()
+    assert ("baton_running", (("role", "decode"), ("worker", "d:1"))) not in series(generate_latest(registry))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        view.attach(lambda: [Worker("d:1", "decode", decode)], loop)
+        got = series(generate_latest(registry))
+        assert got[("baton_running", (("role", "decode"), ("worker", "d:1")))] == 5
+        assert any(k[0] == "baton_model_info" and dict(k[1]).get("role") == "router" for k in got)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    t0 = time.monotonic()
+    got = series(generate_latest(registry))             # the loop is gone: the router's own, at once
+    assert time.monotonic() - t0 < 1.0
+    assert any(k[0] == "baton_model_info" for k in got) and not any(dict(k[1]).get("worker") for k in got)

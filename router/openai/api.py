@@ -209,8 +209,7 @@ class OpenAIServer:
         --worker-metrics, every healthy worker's beside them (router/worker_metrics.py)."""
         body = generate_latest(self.metrics_registry)
         if self.svc is not None and self.svc.cfg.worker_metrics:          # (None: still loading the model)
-            workers = [w for w in self.svc.registry.workers if w.healthy and w.stub is not None]
-            body = worker_metrics.merge(body, await worker_metrics.scrape(workers))
+            body = worker_metrics.merge(body, await worker_metrics.scrape(worker_metrics.targets(self.svc.registry)))
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
