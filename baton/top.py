@@ -60,8 +60,21 @@ def fetch(urls: str | list[str]) -> Scrape:
         raise OSError(down[urls[0]] if len(urls) == 1 else f"none answers: {said(down)}")
     healths = [h for h in (_health(u) for u in urls if u not in down) if h]
     health = max(healths, key=lambda h: _rank(h.get("status")), default={})
-    return Scrape(time.monotonic(), merge_routers(routers, apart=True), health, len(urls),
-                  tuple(f"{url} ({why})" for url, why in down.items()))
+    samples = merge_routers(routers, apart=True)
+    if not health:
+        health = _health_of_metrics(samples)
+    return Scrape(time.monotonic(), samples, health, len(urls), tuple(f"{url} ({why})" for url, why in down.items()))
+
+
+def _health_of_metrics(samples) -> dict:
+    """Where no /health answers (routers' own metrics ports: /health is on the HTTP port), what their
+    `baton_degraded` gauge says; empty when they do not export it."""
+    degraded = [v for (name, _), v in samples.items() if name == "baton_degraded"]
+    if not degraded:
+        return {}
+    if max(degraded) > 0:
+        return {"status": "degraded", "reason": "baton_degraded; /health on the HTTP port says why"}
+    return {"status": "ok"}
 
 
 def _health(url: str) -> dict:

@@ -165,6 +165,12 @@ def test_the_command_sums_every_router_and_names_the_one_down(canned_routers):
     assert out.returncode == 0, out.stderr
     assert "2 of 2 routers" in out.stdout and "router down" not in out.stdout
     assert "these routers run without --worker-metrics" in out.stdout     # canned pages with no worker series
+    assert "status ok" in " ".join(out.stdout.split())    # no /health on a metrics port: their baton_degraded says
+    b.degraded.set(1)
+    urls[1] = canned_routers([generate_latest(b.registry).decode()])
+    out = subprocess.run([sys.executable, "-m", "baton", "top", "--metrics-url", ",".join(urls), "--once",
+                          "--interval", "0.2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "status degraded" in " ".join(out.stdout.split()), out.stdout
     out = subprocess.run([sys.executable, "-m", "baton", "top", "--metrics-url", f"{urls[1]},{canned_routers.DOWN}",
                           "--once", "--interval", "0.2"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
