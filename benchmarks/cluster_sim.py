@@ -33,7 +33,7 @@ class Hardware:
     kv_capacity: int                   # tokens of KV one device holds
     weight_bytes: int
     kv_bytes_per_token: int
-    tp_speedup: float = 1.5            # a TP2 worker's steps against one device's (assumed, not profiled)
+    tp_speedup: float = 1.5            # a TP2 worker's steps against one device's (planner.DEFAULT_TP_SPEEDUP's)
     kv_bandwidth: float = 100e9        # bytes/s of a prefill -> decode KV transfer
     kv_latency: float = 0.005          # seconds a transfer costs beyond its bytes
     # seconds of a prefill worker's own time per request it hands off, beside its steps (the Prefill

@@ -33,7 +33,9 @@ from baton.benchmarks.step_cost import StepCost
 from baton.serving.options import flag
 
 SCHEMA = "baton.plan/v1"
-DEFAULT_TP_SPEEDUP = 1.5           # TP2 against one device: assumed (one device cannot measure it)
+# TP2 against one device (one device cannot measure it): qwen3-8b on two H200s with the fused all-reduce, B1 1.52x,
+# decode steps 1.42x at batch 64 to 1.62x at 256 (docs/benchmarks.md, twenty-fourth session)
+DEFAULT_TP_SPEEDUP = 1.5
 # a prefill -> decode KV transfer: device-direct on accelerators (B3: hundreds of GB/s, a few ms of
 # control per transfer under load), gRPC bytes on the CPU
 KV_LINKS = {"accel": (100e9, 0.005), "cpu": (0.5e9, 0.005)}
@@ -64,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "with workers of --tp-sizes)")
     p.add_argument("--tp-sizes", default="1,2", help="tensor-parallel sizes a worker may have")
     p.add_argument("--tp-speedup", type=float, default=DEFAULT_TP_SPEEDUP,
-                   help="a TP2 worker's speed over one device's (assumed: one device cannot measure it)")
+                   help="a TP2 worker's speed over one device's (one device cannot measure it; the default is "
+                        "qwen3-8b's on two H200s: 1.52x in B1)")
     p.add_argument("--kv-bandwidth-gbs", type=float, default=None,
                    help="prefill -> decode KV bandwidth, GB/s (default 100 on accelerators, 0.5 on the CPU)")
     p.add_argument("--kv-latency-ms", type=float, default=5.0, help="a KV transfer's cost beyond its bytes")
