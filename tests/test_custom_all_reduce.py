@@ -169,9 +169,9 @@ def test_a_decoder_reduces_each_partial_sum_once_in_the_norm_after_it():
 
 def test_the_fused_kernels_barriers_and_sums_in_triton_s_interpreter():
     """all_reduce_norm's kernel as rank 0 of two, the peer played by hand: its partial sums already in its
-    buffer and its signals already on this rank's pad. The sums and norms are the two steps', several rows a
-    program; this rank's buffer holds its partials; its pad is back at zero; the peer's got one signal per
-    program and barrier."""
+    half and its signals (the call's number) already on this rank's pad. Two calls: the sums and norms are the
+    two steps', several rows a program; each call's partials land in the half of its number (1, then 2); the
+    peer's pad gets the call's number from every program; the count of calls moves on by one each."""
     in_triton_interpreter("import test_custom_all_reduce as t; t._fused_in_interpreter(); print('DONE')",
                           "DONE", "the fused all-reduce + RMSNorm kernel")
 
@@ -180,21 +180,27 @@ def _fused_in_interpreter() -> None:
     from baton.models.layers import all_reduce_norm as arn
     torch.manual_seed(0)
     rows, n, world, first, programs = 5, 96, 2, 16, 2
-    x, peer, res = (torch.randn(rows, n) for _ in range(3))
-    w = torch.randn(n)
-    buf0, buf1 = torch.zeros(rows * n), peer.reshape(-1).clone()
+    max_bytes = rows * n * 4
+    buf0, buf1 = (torch.zeros(arn.buffer_bytes(max_bytes) // 4) for _ in range(2))
     pad0 = torch.zeros(first + arn.slots_needed(world, programs), dtype=torch.int32)
     pad1 = torch.zeros_like(pad0)
-    for p in range(programs):               # the peer (rank 1) has passed both barriers of every program
-        pad0[first + p * world + 1] = 1
-        pad0[first + (programs + p) * world + 1] = 1
+    calls = torch.zeros(2, dtype=torch.int32)
     bufs = torch.tensor([buf0.data_ptr(), buf1.data_ptr()], dtype=torch.int64)
     pads = torch.tensor([pad0.data_ptr(), pad1.data_ptr()], dtype=torch.int64)
-    out, total = arn.all_reduce_add_rms_norm(x, res, w, 1e-6, bufs, pads, 0, world, first, max_programs=programs)
-    s = (x + peer) + res
-    assert torch.equal(total, s)
-    want = w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
-    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
-    assert torch.equal(buf0.view(rows, n), x)
-    assert int(pad0.abs().sum()) == 0
-    assert int(pad1.sum()) == 2 * programs and int(pad1.max()) == 1
+    w = torch.randn(n)
+    for e in (1, 2):
+        x, peer, res = (torch.randn(rows, n) for _ in range(3))
+        half = slice((1 + e % 2) * rows * n, (2 + e % 2) * rows * n)
+        buf1[half] = peer.reshape(-1)
+        for p in range(programs):           # the peer (rank 1) has its rows of call e in place
+            pad0[first + p * world + 1] = e
+        out, total = arn.all_reduce_add_rms_norm(x, res, w, 1e-6, bufs, pads, calls, 0, world, first, max_bytes,
+                                                 max_programs=programs)
+        s = (x + peer) + res
+        assert torch.equal(total, s)
+        want = w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        assert torch.equal(buf0[half].view(rows, n), x)
+        assert pad1.tolist() == [0] * first + [e, 0] * programs           # this rank's slot of every program
+        assert calls.tolist() == [e, 0]
+    assert not buf0[:rows * n].any()        # torch's one-shot region: untouched

@@ -32,9 +32,11 @@ class SymmMemAllReduce:
     """Sums a tensor over the ranks through `buffer` (this rank's symmetric allocation, rendezvoused
     on `group_name`); tensors that do not `fit` go to torch.distributed instead."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str, reduce=None, fused_norm=None):
+    def __init__(self, buffer: torch.Tensor, group_name: str, reduce=None, fused_norm=None,
+                 max_bytes: int | None = None):
         self.buffer, self.group_name = buffer, group_name
-        self.max_bytes = buffer.numel() * buffer.element_size()
+        # the largest tensor it takes: the buffer's first max_bytes are the one-shot's (the rest, the fused kernel's)
+        self.max_bytes = max_bytes or buffer.numel() * buffer.element_size()
         self._reduce = reduce or _one_shot          # (symm view, local x, group name, out) -> out
         # (x, residual, weight, eps) -> (rms_norm(sum + residual), sum + residual); None: not fused here
         self.fused_norm = fused_norm
@@ -170,10 +172,11 @@ def _open(group, device: torch.device, max_bytes: int,
     name = group.group_name
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 11):
         symm_mem.enable_symm_mem_for_group(name)       # torch 2.11 resolves the group's store by itself
-    buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+    # the one-shot's region, then the fused kernel's two halves (models/layers/all_reduce_norm.py)
+    buffer = symm_mem.empty(3 * max_bytes if fuse_norm else max_bytes, dtype=torch.uint8, device=device)
     _opened.append(name)
     handle = symm_mem.rendezvous(buffer, name)
-    reducer = SymmMemAllReduce(buffer, name)
+    reducer = SymmMemAllReduce(buffer, name, max_bytes=max_bytes)
     world, rank = group.size(), group.rank()
     probe = torch.full((4096,), float(rank + 1), dtype=torch.bfloat16, device=device)
     got = reducer(probe)
@@ -182,28 +185,33 @@ def _open(group, device: torch.device, max_bytes: int,
         return None, f"a probe all-reduce summed to {got[0].item()}, not {want}"
     reducer.why_unfused = "--all-reduce symm-unfused"
     if fuse_norm:
-        reducer.fused_norm, reducer.why_unfused = _fused_norm(handle, device, world, rank)
+        reducer.fused_norm, reducer.why_unfused = _fused_norm(handle, device, world, rank, max_bytes)
     return reducer, None
 
 
-def _fused_norm(handle, device: torch.device, world: int, rank: int):
-    """The fused all-reduce + add + RMSNorm over `handle`'s buffers and the upper half of its signal pads, checked
-    by one call on known values (every rank makes it alike: the same facts); (None, why) where it cannot run."""
+def _fused_norm(handle, device: torch.device, world: int, rank: int, max_bytes: int):
+    """The fused all-reduce + add + RMSNorm over `handle`'s buffers (past their first max_bytes) and the upper half
+    of its signal pads, checked by one call on known values (every rank makes it alike: the same facts); (None,
+    why) where it cannot run."""
     try:
         from baton.models.layers import all_reduce_norm
     except ImportError as e:                 # no triton
         return None, f"no Triton ({e})"
     words = handle.get_signal_pad(rank).numel()       # uint32 words
-    programs = min(all_reduce_norm.MAX_PROGRAMS, (words // 2) // all_reduce_norm.slots_needed(world, 1))
+    # at most one program an SM: every program of the kernel resident at once, as its barrier needs
+    programs = min(all_reduce_norm.MAX_PROGRAMS, (words // 2) // all_reduce_norm.slots_needed(world, 1),
+                   torch.cuda.get_device_properties(device).multi_processor_count)
     if programs < 1:
         return None, f"the signal pads hold {words} words, too few for its barriers"
     log.debug("fused all-reduce + RMSNorm: %d signal-pad words, up to %d programs", words, programs)
     bufs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
     pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+    calls = torch.zeros(2, dtype=torch.int32, device=device)      # the kernel's count of its calls, and tickets
 
     def fused(x, residual, weight, eps):       # (programs: read by the CUDA test's table)
-        return all_reduce_norm.all_reduce_add_rms_norm(x, residual, weight, eps, bufs, pads, rank, world,
-                                                       first_slot=words // 2, max_programs=programs)
+        return all_reduce_norm.all_reduce_add_rms_norm(x, residual, weight, eps, bufs, pads, calls, rank, world,
+                                                       first_slot=words // 2, max_bytes=max_bytes,
+                                                       max_programs=programs)
     fused.programs = programs
 
     rows, n = 3, 4096
