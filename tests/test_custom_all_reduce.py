@@ -167,11 +167,11 @@ def test_a_decoder_reduces_each_partial_sum_once_in_the_norm_after_it():
     assert quantizing.model.fused_reduce is None
 
 
-def test_the_fused_kernels_barriers_and_sums_in_triton_s_interpreter():
-    """all_reduce_norm's kernel as rank 0 of two, the peer played by hand: its partial sums already in its
-    half and its signals (the call's number) already on this rank's pad. Two calls: the sums and norms are the
-    two steps', several rows a program; each call's partials land in the half of its number (1, then 2); the
-    peer's pad gets the call's number from every program; the count of calls moves on by one each."""
+def test_the_fused_kernels_pushes_and_sums_in_triton_s_interpreter():
+    """all_reduce_norm's kernel as rank 0 of two, the peer played by hand: its rows already in its slot of this
+    rank's half. Two calls: the sums and norms are the two steps', several rows a program; each call's rows
+    land in this rank's slot of the peer's half of its number (1, then 2), a negative zero written as a positive
+    one; the peer's slot it read is empty again after; the count of calls moves on by one each."""
     in_triton_interpreter("import test_custom_all_reduce as t; t._fused_in_interpreter(); print('DONE')",
                           "DONE", "the fused all-reduce + RMSNorm kernel")
 
@@ -179,28 +179,38 @@ def test_the_fused_kernels_barriers_and_sums_in_triton_s_interpreter():
 def _fused_in_interpreter() -> None:
     from baton.models.layers import all_reduce_norm as arn
     torch.manual_seed(0)
-    rows, n, world, first, programs = 5, 96, 2, 16, 2
-    max_bytes = rows * n * 4
-    buf0, buf1 = (torch.zeros(arn.buffer_bytes(max_bytes) // 4) for _ in range(2))
-    pad0 = torch.zeros(first + arn.slots_needed(world, programs), dtype=torch.int32)
-    pad1 = torch.zeros_like(pad0)
+    rows, n, world, programs = 5, 96, 2, 2
+    slot = rows * n                                  # elements (fp32: the interpreter's bf16 is inexact)
+    max_bytes = slot * 4
+    buf0, buf1 = (torch.zeros(arn.buffer_bytes(max_bytes, world) // 4) for _ in range(2))
+    for buf in (buf0, buf1):
+        arn.empty_slots(buf.view(torch.uint8), max_bytes, torch.float32)
+    empty = torch.full((slot,), -0.0)
     calls = torch.zeros(2, dtype=torch.int32)
     bufs = torch.tensor([buf0.data_ptr(), buf1.data_ptr()], dtype=torch.int64)
-    pads = torch.tensor([pad0.data_ptr(), pad1.data_ptr()], dtype=torch.int64)
     w = torch.randn(n)
+
+    def at(buf, e, sender):                         # a sender's slot in a rank's half of call e
+        start = (1 + (e % 2) * world + sender) * slot
+        return buf[start:start + slot]
+
     for e in (1, 2):
         x, peer, res = (torch.randn(rows, n) for _ in range(3))
-        half = slice((1 + e % 2) * rows * n, (2 + e % 2) * rows * n)
-        buf1[half] = peer.reshape(-1)
-        for p in range(programs):           # the peer (rank 1) has its rows of call e in place
-            pad0[first + p * world + 1] = e
-        out, total = arn.all_reduce_add_rms_norm(x, res, w, 1e-6, bufs, pads, calls, 0, world, first, max_bytes,
+        x[0, 0] = -0.0
+        at(buf0, e, 1).copy_(peer.reshape(-1))      # the peer (rank 1) has pushed its rows of call e
+        out, total = arn.all_reduce_add_rms_norm(x, res, w, 1e-6, bufs, calls, 0, world, max_bytes,
                                                  max_programs=programs)
         s = (x + peer) + res
         assert torch.equal(total, s)
         want = w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
         torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
-        assert torch.equal(buf0[half].view(rows, n), x)
-        assert pad1.tolist() == [0] * first + [e, 0] * programs           # this rank's slot of every program
+        pushed = at(buf1, e, 0).view(rows, n)
+        assert torch.equal(pushed, x) and not pushed[0, 0].signbit(), "pushed, a negative zero as a positive one"
+        assert torch.equal(at(buf0, e, 1).view(torch.int32), empty.view(torch.int32)), "read, then emptied"
         assert calls.tolist() == [e, 0]
-    assert not buf0[:rows * n].any()        # torch's one-shot region: untouched
+    assert not buf0[:slot].any() and not buf1[:slot].any()       # torch's one-shot region: untouched
+    for buf in (buf0, buf1):                        # every slot empty but the peer's, which rank 1 reads
+        for e in (1, 2):
+            for sender in range(world):
+                if buf is buf0 or sender != 0:
+                    assert torch.equal(at(buf, e, sender).view(torch.int32), empty.view(torch.int32))

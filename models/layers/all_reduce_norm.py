@@ -2,21 +2,25 @@
 symmetric (peer-mapped) memory, where three ran (the all-reduce's copy-in, its sum, then add-RMSNorm).
 
 A row-parallel projection (o_proj, down_proj) leaves each rank a partial sum; the RMSNorm after it adds
-the full sum to the residual stream and normalizes. Call e (counted on the device, the same count on
-every rank) uses half e % 2 of each rank's fused region. Each program of the kernel takes rows p, p + P, ...:
+the full sum to the residual stream and normalizes. No barrier: the data is its own signal. Every rank's
+region holds two halves of one slot per sending rank, every element negative zero ("empty") between
+calls. Call e (counted on the device, the same count on every rank) uses half e % 2. Each program of the
+kernel takes rows p, p + P, ...:
 
- 1. copies its rows of this rank's partial into this rank's half;
- 2. writes e into its slot on every peer's signal pad (release: the rows are visible first) and waits
-    until every peer's slot on its own pad holds e or more (acquire): the peers' rows are there;
- 3. sums the rows of every rank's half in rank order in fp32 (so every rank gets the same bits), rounds
-    to the dtype, adds the residual and normalizes, rounding as `add_rms_norm` does (layer_ops.py): the
-    outputs are what the all-reduce and `add_rms_norm` would have written;
+ 1. writes its rows of this rank's partial into this rank's slot of every peer's half (push: stores over
+    NVLink, which need no answer); a negative zero in them is written as a positive one, so no written
+    element reads as empty (this rank sums the same, written values: every rank gets the same bits);
+ 2. reads each peer's slot of its own half until no element of the row is empty, then empties it again;
+ 3. sums the rows of every rank in rank order in fp32 (so every rank gets the same bits), rounds to the
+    dtype, adds the residual and normalizes, rounding as `add_rms_norm` does (layer_ops.py): the outputs
+    are what the all-reduce and `add_rms_norm` would have written (up to the sign of a zero sum);
  4. the last program to finish stores e for the next call.
 
-One barrier, not two: a rank that reaches call e has seen each peer reach call e - 1 (its kernel e - 1
-waited for their signals), so each peer's kernel e - 2, the last to read the half that call e writes, has
-ended. A slot only grows, so a signal is never lost to one sent later. No host counter: capturable in CUDA
-graphs. The slots sit in the upper half of the pad, apart from torch's own symmetric-memory kernels'.
+Why a slot is empty before a peer writes it: a peer in call e writes half e % 2, last read (and emptied)
+by this rank in call e - 2. The peer is in call e, so it has read this rank's rows of call e - 1, which
+this rank wrote after its call e - 2 had ended. An element is read only once it is no longer empty, and
+it is written once a call, so what is read is final. No host counter and no host wait: capturable in
+CUDA graphs. The slots lie past torch's one-shot region (its first max_bytes).
 """
 from __future__ import annotations
 
@@ -24,48 +28,45 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_PROGRAMS = 1024         # a row each up to here (and the pads' slots, and the SM count); rows in turn beyond
+MAX_PROGRAMS = 1024         # a row each up to here (and the SM count); rows in turn beyond
+_BITS = {2: (torch.int16, -(1 << 15)), 4: (torch.int32, -(1 << 31))}     # a negative zero's bits, by width
 
 
 @triton.jit
-def _barrier(pads, slot0, e, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """Every peer's program of the same index has its rows of call e in place (slot0: this program's first
-    slot; a slot a sending rank)."""
-    tl.debug_barrier()                           # every thread's writes of this program are done
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            tl.atomic_xchg(tl.load(pads + peer).to(tl.pointer_type(tl.int32)) + slot0 + RANK, e,
-                           sem="release", scope="sys")
-    mine = tl.load(pads + RANK).to(tl.pointer_type(tl.int32))
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            # e or more (e + 1: the peer is one call ahead already); the difference, as the counts wrap
-            while tl.atomic_add(mine + slot0 + peer, 0, sem="acquire", scope="sys") - e < 0:
-                pass
-    tl.debug_barrier()                           # no thread reads before the peers' writes are visible
-
-
-@triton.jit
-def _all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, bufs, pads, calls, rows, n, eps,
-                                    first_slot, half_elems, RANK: tl.constexpr, WORLD: tl.constexpr,
+def _all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, bufs, calls, rows, n, eps,
+                                    slot_elems, EMPTY: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                                     BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
-    dtype = x_ptr.dtype.element_ty
+    bits = x_ptr.dtype.element_ty                # x and the buffers as integers of the dtype's width
+    dtype = res_ptr.dtype.element_ty
+    empty = tl.full([BLOCK], EMPTY, bits)
     e = tl.load(calls) + 1                      # this call's number: the last one's last program stored it
-    base = (1 + (e & 1)) * half_elems           # past torch's region, the half this call writes
-    mine = tl.load(bufs + RANK).to(tl.pointer_type(dtype)) + base
+    half = (1 + (e & 1) * WORLD) * slot_elems   # past torch's region; a slot a sending rank
     for row in range(pid, rows, programs):
-        tl.store(mine + row * n + cols, tl.load(x_ptr + row * n + cols, mask=mask), mask=mask)
-    _barrier(pads, first_slot + pid * WORLD, e, RANK, WORLD)
+        v = tl.load(x_ptr + row * n + cols, mask=mask)
+        v = tl.where(v == EMPTY, tl.zeros_like(v), v)
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                to = tl.load(bufs + peer).to(tl.pointer_type(bits)) + half + RANK * slot_elems
+                tl.store(to + row * n + cols, v, mask=mask)
+    mine = tl.load(bufs + RANK).to(tl.pointer_type(bits)) + half
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, rows, programs):
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for i in tl.static_range(WORLD):
-            buf = tl.load(bufs + i).to(tl.pointer_type(dtype)) + base
-            acc += tl.load(buf + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+            if i == RANK:
+                v = tl.load(x_ptr + row * n + cols, mask=mask, other=0)
+                v = tl.where(v == EMPTY, tl.zeros_like(v), v)
+            else:
+                at = mine + i * slot_elems + row * n + cols
+                v = tl.load(at, mask=mask, other=0, volatile=True)
+                while tl.max((v == EMPTY).to(tl.int32), 0) > 0:      # the peer's row has not all landed
+                    v = tl.load(at, mask=mask, other=0, volatile=True)
+                tl.store(at, empty, mask=mask)
+            acc += v.to(dtype, bitcast=True).to(tl.float32)
         # the sum rounded to the dtype, then the residual added and rounded, as add_rms_norm does (in fp32 here:
         # a correctly rounded sum of two bf16 values either way)
         res = tl.load(res_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
@@ -80,34 +81,35 @@ def _all_reduce_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, buf
         tl.store(calls, e)
 
 
-def slots_needed(world: int, programs: int = MAX_PROGRAMS) -> int:
-    """Signal-pad words the kernel uses: a slot per (program, sending rank)."""
-    return programs * world
-
-
-def buffer_bytes(max_bytes: int) -> int:
+def buffer_bytes(max_bytes: int, world: int) -> int:
     """A rank's symmetric buffer for tensors of up to max_bytes: torch's one-shot region, then this kernel's
-    two halves."""
-    return 3 * max_bytes
+    two halves of a slot a rank."""
+    return (1 + 2 * world) * max_bytes
+
+
+def empty_slots(buffer: torch.Tensor, max_bytes: int, dtype: torch.dtype) -> None:
+    """Every element of the kernel's slots in `buffer` (a rank's, uint8) empty, for values of `dtype`: once,
+    before any rank's first call."""
+    kind, value = _BITS[torch.empty(0, dtype=dtype).element_size()]
+    buffer[max_bytes:].view(kind).fill_(value)
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                            bufs: torch.Tensor, pads: torch.Tensor, calls: torch.Tensor, rank: int, world: int,
-                            first_slot: int, max_bytes: int,
+                            bufs: torch.Tensor, calls: torch.Tensor, rank: int, world: int, max_bytes: int,
                             max_programs: int = MAX_PROGRAMS) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum over ranks of x + residual), sum over ranks of x + residual), every rank alike.
-    x, residual: [rows, n] contiguous, this rank's partial sum and the residual stream, x at most max_bytes;
-    bufs, pads: int64 tensors of every rank's symmetric buffer (buffer_bytes(max_bytes) each) and signal pad
-    address (on x's device), in rank order; pads' slots_needed(world, max_programs) words from first_slot on
-    are this kernel's, zero before its first call; calls: int32 [2] on the device, zero before the first call,
-    this kernel's alone. Every rank makes the same calls with the same shapes (programs pair up by index)."""
+    x, residual: [rows, n] contiguous, this rank's partial sum and the residual stream, x at most max_bytes,
+    of the dtype the slots were emptied for (`empty_slots`); bufs: int64, every rank's symmetric buffer's
+    address (buffer_bytes(max_bytes, world) each, on x's device), in rank order; calls: int32 [2] on the device,
+    zero before the first call, this kernel's alone. Every rank makes the same calls with the same shapes."""
     rows, n = x.shape
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     total = torch.empty_like(x)
     if rows == 0:
         return out, total
+    kind, value = _BITS[x.element_size()]
     block = triton.next_power_of_2(n)
     _all_reduce_add_rms_norm_kernel[(min(rows, max_programs),)](
-        x, residual, weight, out, total, bufs, pads, calls, rows, n, eps, first_slot, max_bytes // x.element_size(),
-        RANK=rank, WORLD=world, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        x.view(kind), residual, weight, out, total, bufs, calls, rows, n, eps, max_bytes // x.element_size(),
+        EMPTY=value, RANK=rank, WORLD=world, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return out, total

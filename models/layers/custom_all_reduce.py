@@ -21,6 +21,7 @@ WORLD_SIZES = (2, 4, 8)         # the one-shot kernel's specialised rank counts
 # one-shot reads world x bytes on every rank: above these, NCCL's ring (2x bytes) is as fast or faster
 MAX_BYTES = {2: 8 << 20, 4: 4 << 20, 8: 2 << 20}
 DTYPES = (torch.bfloat16, torch.float32)        # the kernel's; float16 goes to NCCL
+NORM_DTYPE = torch.bfloat16    # the fused kernel's (its slots are emptied for one dtype's values)
 ALIGN = 16                      # the kernel's widest vector: the size and offset it needs for full speed
 _logged: set[str] = set()
 # groups this process has rendezvoused on: torch sets symmetric memory up once per process, and a second
@@ -33,13 +34,13 @@ class SymmMemAllReduce:
     on `group_name`); tensors that do not `fit` go to torch.distributed instead."""
 
     def __init__(self, buffer: torch.Tensor, group_name: str, reduce=None, fused_norm=None,
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, norm_dtype: torch.dtype = NORM_DTYPE):
         self.buffer, self.group_name = buffer, group_name
         # the largest tensor it takes: the buffer's first max_bytes are the one-shot's (the rest, the fused kernel's)
         self.max_bytes = max_bytes or buffer.numel() * buffer.element_size()
         self._reduce = reduce or _one_shot          # (symm view, local x, group name, out) -> out
         # (x, residual, weight, eps) -> (rms_norm(sum + residual), sum + residual); None: not fused here
-        self.fused_norm = fused_norm
+        self.fused_norm, self.norm_dtype = fused_norm, norm_dtype    # (the dtype its slots were emptied for)
         self.why_unfused = "not set up" if fused_norm is None else None
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -55,7 +56,7 @@ class SymmMemAllReduce:
 
     def fits_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
         """Can `add_rms_norm` take these (else: this all-reduce, then the platform's add-RMSNorm)?"""
-        return (self.fused_norm is not None and self.fits(x) and x.dim() == 2 and residual.shape == x.shape
+        return (self.fused_norm is not None and x.dtype == self.norm_dtype and self.fits(x) and x.dim() == 2 and residual.shape == x.shape
                 and residual.dtype == x.dtype and residual.is_contiguous() and weight.dtype == x.dtype
                 and weight.shape == x.shape[-1:])
 
@@ -172,51 +173,51 @@ def _open(group, device: torch.device, max_bytes: int,
     name = group.group_name
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 11):
         symm_mem.enable_symm_mem_for_group(name)       # torch 2.11 resolves the group's store by itself
-    # the one-shot's region, then the fused kernel's two halves (models/layers/all_reduce_norm.py)
-    buffer = symm_mem.empty(3 * max_bytes if fuse_norm else max_bytes, dtype=torch.uint8, device=device)
+    world, rank = group.size(), group.rank()
+    fused_kernel, why_unfused = None, "--all-reduce symm-unfused"
+    if fuse_norm:
+        try:
+            from baton.models.layers import all_reduce_norm as fused_kernel
+        except ImportError as e:             # no triton
+            why_unfused = f"no Triton ({e})"
+    # the one-shot's region, then the fused kernel's slots (models/layers/all_reduce_norm.py), emptied before
+    # any peer can write them: the probe's one-shot below is a barrier every rank reaches after its own fill
+    size = max_bytes if fused_kernel is None else fused_kernel.buffer_bytes(max_bytes, world)
+    buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+    if fused_kernel is not None:
+        fused_kernel.empty_slots(buffer, max_bytes, NORM_DTYPE)
     _opened.append(name)
     handle = symm_mem.rendezvous(buffer, name)
     reducer = SymmMemAllReduce(buffer, name, max_bytes=max_bytes)
-    world, rank = group.size(), group.rank()
     probe = torch.full((4096,), float(rank + 1), dtype=torch.bfloat16, device=device)
     got = reducer(probe)
     want = float(world * (world + 1) // 2)
     if not bool((got == want).all()):
         return None, f"a probe all-reduce summed to {got[0].item()}, not {want}"
-    reducer.why_unfused = "--all-reduce symm-unfused"
-    if fuse_norm:
-        reducer.fused_norm, reducer.why_unfused = _fused_norm(handle, device, world, rank, max_bytes)
+    reducer.why_unfused = why_unfused
+    if fused_kernel is not None:
+        reducer.fused_norm, reducer.why_unfused = _fused_norm(fused_kernel, handle, device, world, rank, max_bytes)
     return reducer, None
 
 
-def _fused_norm(handle, device: torch.device, world: int, rank: int, max_bytes: int):
-    """The fused all-reduce + add + RMSNorm over `handle`'s buffers (past their first max_bytes) and the upper half
-    of its signal pads, checked by one call on known values (every rank makes it alike: the same facts); (None,
-    why) where it cannot run."""
-    try:
-        from baton.models.layers import all_reduce_norm
-    except ImportError as e:                 # no triton
-        return None, f"no Triton ({e})"
-    words = handle.get_signal_pad(rank).numel()       # uint32 words
-    # at most one program an SM: every program of the kernel resident at once, as its barrier needs
-    programs = min(all_reduce_norm.MAX_PROGRAMS, (words // 2) // all_reduce_norm.slots_needed(world, 1),
-                   torch.cuda.get_device_properties(device).multi_processor_count)
-    if programs < 1:
-        return None, f"the signal pads hold {words} words, too few for its barriers"
-    log.debug("fused all-reduce + RMSNorm: %d signal-pad words, up to %d programs", words, programs)
+def _fused_norm(fused_kernel, handle, device: torch.device, world: int, rank: int, max_bytes: int):
+    """The fused all-reduce + add + RMSNorm (`fused_kernel`, models/layers/all_reduce_norm.py) over `handle`'s
+    buffers, checked by one call on known values (every rank makes it alike: the same facts); (None, why) where
+    it did not sum right."""
+    # at most one program an SM: every program resident at once, so none waits on a peer's row whose
+    # writer is not running
+    programs = min(fused_kernel.MAX_PROGRAMS, torch.cuda.get_device_properties(device).multi_processor_count)
     bufs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
-    pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
     calls = torch.zeros(2, dtype=torch.int32, device=device)      # the kernel's count of its calls, and tickets
 
     def fused(x, residual, weight, eps):       # (programs: read by the CUDA test's table)
-        return all_reduce_norm.all_reduce_add_rms_norm(x, residual, weight, eps, bufs, pads, calls, rank, world,
-                                                       first_slot=words // 2, max_bytes=max_bytes,
-                                                       max_programs=programs)
+        return fused_kernel.all_reduce_add_rms_norm(x, residual, weight, eps, bufs, calls, rank, world,
+                                                    max_bytes=max_bytes, max_programs=programs)
     fused.programs = programs
 
     rows, n = 3, 4096
-    x = torch.full((rows, n), float(rank + 1), dtype=torch.bfloat16, device=device)
-    ones = torch.ones((rows, n), dtype=torch.bfloat16, device=device)
+    x = torch.full((rows, n), float(rank + 1), dtype=NORM_DTYPE, device=device)
+    ones = torch.ones((rows, n), dtype=NORM_DTYPE, device=device)
     out, total = fused(x, ones, ones[0], 1e-6)
     want = float(world * (world + 1) // 2 + 1)
     if not (bool((total == want).all()) and bool((out == 1).all())):
