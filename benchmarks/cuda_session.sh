@@ -76,6 +76,7 @@
 # Two-GPU steps (nvidia-h200-x2): tp (TP=2 parity), direct (device-direct KV tests), b3, b2; allreduce (the
 # symmetric-memory all-reduce against NCCL, with timings) and b1tp (B1 of qwen3-8b at TP=2 per --all-reduce); tpprof
 # (benchmarks/tp_profile.py: the decode step's kernels per batch, for each TP size:all-reduce of TPPROF_RUNS);
+# dattn (paged decode attention, every tile config on DATTN_CASES "HQ/HKV:BxL,...", graph-wide block tables);
 # kvpack (one GPU: the KV pack kernel, and a proven transfer between two CUDA engines)
 # cp (issue 53: context-parallel prefill; the CP tests, then a 128k-token prefill of qwen3-8b-yarn on cuda:0 alone and
 # with --context-parallel-size 2 over cuda:0,cuda:1, benchmarks/context_parallel.py; the bar: >= 1.6x. CP_LEN: the
@@ -130,6 +131,8 @@ for step in $STEPS; do
   case $step in
     kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_platform_cuda.py 2>&1 \
               | tail -30 | tee "$OUT/kernels.txt" ;;
+    dattn)  timeout ${DATTN_TIMEOUT:-200} python3 -m baton.benchmarks.kernels_cuda --out "$OUT" --skip-tests \
+              --decode-cases "${DATTN_CASES:-32/8:128x512,32/4:128x512}" 2>&1 | grep -v "^$" | tail -40 ;;
     cp)     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py 2>&1 | tail -4 \
               | tee "$OUT/cp-tests.txt"
             rm -f "$OUT/cp.jsonl"

@@ -93,6 +93,10 @@ def decode_configs():
         "split256": dataclasses.replace(base, min_split_tokens=256),
         "pps1": dataclasses.replace(base, programs_per_sm=1),
         "pps4": dataclasses.replace(base, programs_per_sm=4),
+        "pps8": dataclasses.replace(base, programs_per_sm=8),
+        "pps4n32": dataclasses.replace(base, programs_per_sm=4, block_n=32),
+        "pps8split64": dataclasses.replace(base, programs_per_sm=8, min_split_tokens=64),
+        "pps4w8": dataclasses.replace(base, programs_per_sm=4, num_warps=8),
     }
 
 
@@ -112,10 +116,23 @@ def bench_decode(num_sms: int, copy_bw: float) -> list[dict]:
     return rows
 
 
+def bench_decode_cases(cases: str, num_sms: int, copy_bw: float) -> list[dict]:
+    """--decode-cases "HQ/HKV:BxL,...": every config on each, block tables as wide as a decode graph's."""
+    rows = []
+    for case in cases.split(","):
+        heads, _, shape = case.partition(":")
+        hq, hkv = (int(v) for v in heads.split("/"))
+        batch, ctx = (int(v) for v in shape.split("x"))
+        rows.append(decode_shape(f"{hq}/{hkv} heads", hq, hkv, 128, batch, ctx, num_sms, copy_bw,
+                                 width_tokens=GRAPH_WIDTH, every_config=True))
+        torch.cuda.empty_cache()
+    return rows
+
+
 def decode_shape(model: str, hq: int, hkv: int, dim: int, batch: int, ctx: int, num_sms: int,
-                 copy_bw: float, width_tokens: int | None = None) -> dict:
+                 copy_bw: float, width_tokens: int | None = None, every_config: bool = False) -> dict:
     """Every decode config on one shape (only the default one with `width_tokens`, block tables
-    that wide); inputs rotate over `sets` copies to defeat the L2."""
+    that wide, unless every_config); inputs rotate over `sets` copies to defeat the L2."""
     from baton.engine.platforms.triton_kernels.decode_attention import num_splits, paged_decode
     kv_bytes = batch * ctx * hkv * dim * 2 * 2                 # K and V, bf16
     sets = max(1, min(64, math.ceil(ROTATE_BYTES / kv_bytes)))
@@ -133,7 +150,7 @@ def decode_shape(model: str, hq: int, hkv: int, dim: int, batch: int, ctx: int, 
     row = {"model": model, "batch": batch, "context": ctx, "bytes": moved, "sets": sets,
            "table_tokens": width * BLOCK_SIZE}
     configs = decode_configs()
-    if width_tokens:
+    if width_tokens and not every_config:
         configs = {"default": configs["default"]}
     for name, cfg in configs.items():
         def call(i, cfg=cfg):
@@ -143,6 +160,9 @@ def decode_shape(model: str, hq: int, hkv: int, dim: int, batch: int, ctx: int, 
         row[name] = {"us": t * 1e6, "bw_frac": moved / t / copy_bw,
                      "splits": num_splits(batch, hkv, width * BLOCK_SIZE, num_sms, cfg)}
     row["best"] = best = min(configs, key=lambda n: row[n]["us"])
+    if every_config:
+        log(f"decode {model} B={batch} ctx={ctx}: " + ", ".join(
+            f"{n} {row[n]['us']:.1f} us/{row[n]['splits']}" for n in configs))
     log(f"decode {model} B={batch} ctx={ctx} table={width * BLOCK_SIZE}: default {row['default']['us']:.1f} us "
         f"({row['default']['bw_frac']:.0%} of copy bw, {row['default']['splits']} splits); "
         f"best {best} {row[best]['us']:.1f} us")
@@ -288,14 +308,14 @@ def table(results: dict) -> str:
                      f"{d['splits']:6d} | {r['best']:>9} {b['us']:8.1f} {b['bw_frac']:7.0%}")
     lines += ["  (* block tables 40960 tokens wide, as in a decode graph)"]
     lines += ["", "prefill (bf16, causal)     TFLOP/s (%matmul): fresh  paged | best fresh / paged | torch sdpa"]
-    for r in results["prefill"]:
+    for r in results.get("prefill", []):
         f, p, s = r["fresh:default"], r["paged:default"], r["torch_sdpa"]
         bf, bp = r[r["best_fresh"]], r[r["best_paged"]]
         lines.append(f"  {r['model']:<11} {r['seqs']}x{r['tokens']:<5} {f['tflops']:6.0f} ({f['frac']:.0%}) "
                      f"{p['tflops']:6.0f} ({p['frac']:.0%}) | {r['best_fresh']}:{bf['tflops']:.0f} / "
                      f"{r['best_paged']}:{bp['tflops']:.0f} | {s['tflops']:.0f} ({s['frac']:.0%})")
     lines += ["", "layer ops (bf16, hidden 4096 / inter 12288)   fused us   plain us   speedup  fused %copyBW"]
-    for r in results["layer_ops"]:
+    for r in results.get("layer_ops", []):
         lines.append(f"  {r['op']:<13} T={r['tokens']:<5} {r['fused_us']:9.1f} {r['plain_us']:10.1f} "
                      f"{r['speedup']:8.1f}x {r['fused_bw_frac']:9.0%}")
     lines += [f"ERROR in {name}: {tb.strip().splitlines()[-1]}" for name, tb in results.get("errors", {}).items()]
@@ -306,6 +326,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench-results", help="folder for kernels_cuda.json and pytest.log")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--decode-cases", default=None, metavar="HQ/HKV:BxL,...",
+                        help="only paged decode, every config on these cases (e.g. 32/4:128x512), block tables "
+                             "as wide as a decode graph's")
     args = parser.parse_args()
     if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
         raise SystemExit("baton.benchmarks.kernels_cuda needs a CUDA GPU and triton")
@@ -319,9 +342,12 @@ def main() -> None:
     results["ceilings"] = {"copy": copy_bandwidth("cuda", 1 << 30), "matmul": matmul_rate("cuda", 8192, torch.bfloat16)}
     copy_bw = results["ceilings"]["copy"]["bytes_per_s"]
     num_sms = results["env"]["sms"]
-    for name, fn in (("decode", lambda: bench_decode(num_sms, copy_bw)),
-                     ("prefill", lambda: bench_prefill(results["ceilings"]["matmul"]["flops_per_s"])),
-                     ("layer_ops", lambda: bench_layer_ops(copy_bw))):
+    sections = (("decode", lambda: bench_decode(num_sms, copy_bw)),
+                ("prefill", lambda: bench_prefill(results["ceilings"]["matmul"]["flops_per_s"])),
+                ("layer_ops", lambda: bench_layer_ops(copy_bw)))
+    if args.decode_cases:
+        sections = (("decode", lambda: bench_decode_cases(args.decode_cases, num_sms, copy_bw)),)
+    for name, fn in sections:
         t0 = time.perf_counter()
         try:
             results[name] = fn()
