@@ -5,7 +5,8 @@ its engine can do: served ÷ offline output throughput, and the served TPOT p50 
 decode step p50 (a token per step is the most a stream can get).
 
 The offline run gets the served workers' engine settings (the ones `--worker-args` sets) and
-at most as many sequences at once as the load had in flight (`--max-concurrency`).
+at most as many sequences at once as the load had in flight (`--max-concurrency`); a deployment
+of one tensor-parallel worker (`1colocated-tp2`) is compared with the engine across its devices.
 """
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ ENGINE_FLAGS = {"--block-size": True, "--max-num-seqs": True, "--max-num-batched
                 "--tokenizer": True, "--enforce-eager": False, "--async-scheduling": False,
                 "--no-async-scheduling": False, "--no-prefix-caching": False, "--deterministic": False,
                 "--speculative-method": True, "--num-speculative-tokens": True, "--speculative-max-batch": True,
-                "--quantization": True, "--kv-cache-dtype": True}
+                "--quantization": True, "--kv-cache-dtype": True, "--prefill-graphs": False,
+                "--no-prefill-graphs": False,
+                # a tensor- or expert-parallel worker's engine runs offline across the same devices
+                "--tp-size": True, "--tp-devices": True, "--all-reduce": True, "--enable-expert-parallel": False,
+                "--expert-parallel-dispatch": True, "--ep-redundant-experts": True, "--ep-expert-load": True}
 TIMEOUT_S = 1800
 
 

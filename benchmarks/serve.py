@@ -430,19 +430,30 @@ def _auto_topologies(args: argparse.Namespace, out: Path) -> list[str]:
 
 def _offline_baseline(args: argparse.Namespace, topologies: dict[str, dict], log_root: Path) -> None:
     """Each rate's requests through the offline engine; every topology's point of that rate gets
-    the comparison (baseline.py)."""
+    the comparison (baseline.py). A deployment of one tensor-parallel worker (1colocated-tp2) is
+    compared with the offline engine across the same devices; any other with one device's engine."""
     flags = baseline.engine_flags(args.worker_args, args.max_concurrency)
-    for i, reqs in args.rate_requests.items():
-        offline = baseline.run_offline(args.model, args.device, reqs, args.temperature, flags,
-                                       log_root / f"offline-baseline-{i}.log")
-        for name, t in topologies.items():
-            point = t["rates"][i]
-            point["offline_baseline"] = baseline.compare(point, offline)
-            b = point["offline_baseline"]
-            print(f"[bench] {name} rate {point['request_rate']:g}: served {point['output_throughput']:.0f} tok/s / "
-                  f"offline {b['output_tokens_per_s']:.0f} tok/s = {b['served_over_offline']:.3f}; TPOT p50 / offline "
-                  f"decode step p50 = {_ratio(b['tpot_p50_over_decode_step_p50'])}, / offline TPOT p50 = "
-                  f"{_ratio(b['tpot_p50_over_offline_tpot_p50'])}", file=sys.stderr, flush=True)
+    by_flags: dict[tuple[str, ...], list[str]] = {}
+    for name in topologies:
+        by_flags.setdefault(tuple(flags + _baseline_tp_flags(name, args.device_pool)), []).append(name)
+    for run, (run_flags, names) in enumerate(by_flags.items()):
+        for i, reqs in args.rate_requests.items():
+            offline = baseline.run_offline(args.model, args.device, reqs, args.temperature, list(run_flags),
+                                           log_root / f"offline-baseline-{i}{f'-{run}' if run else ''}.log")
+            for name in names:
+                point = topologies[name]["rates"][i]
+                point["offline_baseline"] = baseline.compare(point, offline)
+                b = point["offline_baseline"]
+                print(f"[bench] {name} rate {point['request_rate']:g}: served {point['output_throughput']:.0f} tok/s / "
+                      f"offline {b['output_tokens_per_s']:.0f} tok/s = {b['served_over_offline']:.3f}; TPOT p50 / "
+                      f"offline decode step p50 = {_ratio(b['tpot_p50_over_decode_step_p50'])}, / offline TPOT p50 = "
+                      f"{_ratio(b['tpot_p50_over_offline_tpot_p50'])}", file=sys.stderr, flush=True)
+
+
+def _baseline_tp_flags(topology: str, devices: list[str]) -> list[str]:
+    """The offline engine's tensor-parallel flags for a deployment of one worker across K devices; else none."""
+    workers = deployment.plan(topology, devices)
+    return deployment.tp_flags(workers[0][1]) if len(workers) == 1 else []
 
 
 def _ratio(x: float | None) -> str:

@@ -92,3 +92,16 @@ def test_slos_must_be_positive_milliseconds():
     assert parse_slos("10, 25") == [10.0, 25.0]
     with pytest.raises(ValueError, match="> 0"):
         parse_slos("25,0")
+
+
+def test_the_offline_baseline_runs_a_tensor_parallel_worker_s_engine_across_its_devices():
+    from baton.benchmarks import baseline
+    from baton.benchmarks.serve import _baseline_tp_flags
+    pool = ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert _baseline_tp_flags("1colocated-tp2", pool) == ["--tp-size", "2", "--tp-devices", "cuda:0,cuda:1"]
+    assert _baseline_tp_flags("1colocated", pool) == []
+    assert _baseline_tp_flags("2colocated-tp2", pool) == []         # several workers: one device's engine
+    assert _baseline_tp_flags("1p1d", pool) == []
+    flags = baseline.engine_flags("--tp-size 2 --all-reduce symm --enable-expert-parallel --role colocated "
+                                  "--max-num-seqs 64", 16)
+    assert flags == ["--tp-size", "2", "--all-reduce", "symm", "--enable-expert-parallel", "--max-num-seqs", "16"]
