@@ -452,7 +452,7 @@ def _offline_baseline(args: argparse.Namespace, topologies: dict[str, dict], log
 
 def _baseline_tp_flags(topology: str, devices: list[str]) -> list[str]:
     """The offline engine's tensor-parallel flags for a deployment of one worker across K devices; else none."""
-    workers = deployment.plan(topology, devices)
+    workers = deployment.plan(topology.partition("@")[0], devices)      # (name@api: one API's pass)
     return deployment.tp_flags(workers[0][1]) if len(workers) == 1 else []
 
 

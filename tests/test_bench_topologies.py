@@ -99,6 +99,7 @@ def test_the_offline_baseline_runs_a_tensor_parallel_worker_s_engine_across_its_
     from baton.benchmarks.serve import _baseline_tp_flags
     pool = ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert _baseline_tp_flags("1colocated-tp2", pool) == ["--tp-size", "2", "--tp-devices", "cuda:0,cuda:1"]
+    assert _baseline_tp_flags("1colocated-tp2@openai", pool) == _baseline_tp_flags("1colocated-tp2", pool)
     assert _baseline_tp_flags("1colocated", pool) == []
     assert _baseline_tp_flags("2colocated-tp2", pool) == []         # several workers: one device's engine
     assert _baseline_tp_flags("1p1d", pool) == []
