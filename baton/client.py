@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (0: off)")
     r.add_argument("--seed", type=int, help="same seed, same request: same tokens")
     r.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    r.add_argument("--chat", action="store_true", help="send the prompt as a user chat message (the default)")
-    r.add_argument("--raw", action="store_true", help="send the prompt as raw text (no chat template)")
+    how = r.add_mutually_exclusive_group()
+    how.add_argument("--chat", action="store_true", help="send the prompt as a user chat message (the default)")
+    how.add_argument("--raw", action="store_true", help="send the prompt as raw text (no chat template)")
     r.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image file sent before the prompt in the chat message (repeatable; "
                         "vision-language models such as Qwen3-VL)")
@@ -53,13 +54,19 @@ def request_from_args(args: argparse.Namespace) -> router_pb2.GenerateRequest:
     """The request the flags describe; ValueError for what the server would refuse anyway."""
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: give some text to complete")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    check_addr(args.addr)
     sampling = router_pb2.SamplingParams(stop=args.stop)
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
         value = getattr(args, name)
         if value is not None:
+            lo, hi = INT_RANGES.get(name, (None, None))
+            if lo is not None and not lo <= value <= hi:        # else protobuf's "Value out of range: -1"
+                raise ValueError(f"--{name.replace('_', '-')} {value}: must be in [{lo}, {hi}]")
             setattr(sampling, name, value)
     req = router_pb2.GenerateRequest(sampling=sampling)
-    if args.raw and not args.chat:
+    if args.raw:
         if args.image or args.audio:
             raise ValueError(f"--{'image' if args.image else 'audio'} goes in a chat message: drop --raw")
         req.text = args.prompt
@@ -73,6 +80,18 @@ def request_from_args(args: argparse.Namespace) -> router_pb2.GenerateRequest:
     else:       # an instruct model answers best through its chat template
         req.chat.messages.add(role="user", content=args.prompt)
     return req
+
+
+# the integer flags' field ranges (router.proto): max_tokens >= 1 (0 is refused by the server as well)
+INT_RANGES = {"max_tokens": (1, 2**32 - 1), "top_k": (0, 2**31 - 1), "seed": (0, 2**64 - 1)}
+ROLE_TIMEOUT_MAX_S = (2**32 - 1) // 1000             # timeout_ms is a uint32
+
+
+def check_addr(addr: str) -> None:
+    """A HOST:PORT address whose port gRPC would take: it wraps 99999 round to 34463 without a word."""
+    host, sep, port = addr.rpartition(":")
+    if sep and host and port.isdigit() and not 1 <= int(port) <= 65535:
+        raise ValueError(f"--addr {addr}: the port must be in [1, 65535]")
 
 
 def _read_image(path: str) -> router_pb2.Image:
@@ -129,6 +148,9 @@ def role_main(argv: list[str] | None = None) -> None:
     add_tls_args(p, server=False)
     args = p.parse_args(argv)
     try:
+        if not 0 < args.timeout <= ROLE_TIMEOUT_MAX_S:
+            raise ValueError(f"--timeout must be in (0, {ROLE_TIMEOUT_MAX_S}] seconds, got {args.timeout:g}")
+        check_addr(args.addr)
         tls = tls_from_args(args)
     except ValueError as exc:
         p.error(str(exc))
