@@ -29,6 +29,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -143,6 +144,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def load_plan(path: str) -> dict:
+    """`baton plan --output`'s JSON; ValueError naming --plan for a file that is none."""
+    try:
+        plan = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"--plan {path}: {exc.strerror or exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--plan {path}: not a plan written by `baton plan --output` (not JSON: {exc})") from None
+    try:
+        for workload in plan["workloads"].values():
+            workload["slos"].items()
+    except (KeyError, TypeError, AttributeError) as exc:
+        what = f"it has no {exc.args[0]!r}" if isinstance(exc, KeyError) else "its workloads are not as it writes them"
+        raise ValueError(f"--plan {path}: not a plan written by `baton plan --output` ({what})") from None
+    return plan
+
+
 def _slo_key(plan: dict, asked: str | None) -> str:
     keys = sorted({k for w in plan["workloads"].values() for k in w["slos"]})
     if asked:
@@ -161,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     p = build_parser()
     args = p.parse_args(argv)
     try:
-        plan = json.loads(open(args.plan).read())
+        plan = load_plan(args.plan)
         ctl = Controller(plan, _slo_key(plan, args.slo), args.windows, args.cooldown)
         tls = tls_from_args(args)
         urls = metrics_urls(args.metrics_url)

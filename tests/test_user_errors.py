@@ -36,3 +36,17 @@ def test_role_refuses_a_timeout_it_cannot_send(timeout, capsys):
     from baton.client import role_main
     err = refused(role_main, ["127.0.0.1:2", "decode", "--addr", NOWHERE, "--timeout", timeout], capsys)
     assert "--timeout must be in (0, 4294967] seconds" in err
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{}", "not a plan written by `baton plan --output` (it has no 'workloads')"),
+    ("garbage", "not a plan written by `baton plan --output` (not JSON:"),
+    (None, "No such file or directory"),
+])
+def test_elastic_says_what_is_wrong_with_the_plan_file(text, says, tmp_path, capsys):
+    from baton.elastic import main
+    path = tmp_path / "plan.json"
+    if text is not None:
+        path.write_text(text)
+    err = refused(main, ["--plan", str(path), "--addr", NOWHERE, "--once"], capsys)
+    assert f"--plan {path}: {says}" in err
