@@ -25,7 +25,7 @@ from baton import environment, preflight
 from baton.client import DEFAULT_ADDR, baton_command
 from baton.router.config import add_router_args
 from baton.router.config import build_parser as router_parser
-from baton.serving.grpc_server import port_is_free
+from baton.serving.grpc_server import host_problem, port_is_free
 from baton.serving.logs import setup_logging
 from baton.serving.options import flag, parser, port_clash
 from baton.serving.processes import START_TIMEOUT_S, WILDCARD_HOSTS, devices_for, free_port
@@ -104,10 +104,16 @@ def serve(args: argparse.Namespace) -> int:
         code = apply_plan(args)
         if code:
             return code
-    specs = _specs(args)
-    if args.routers < 1:
-        print(f"baton serve: --routers must be >= 1, got {args.routers}", file=sys.stderr)
+    counts = ["instances"] if args.colocated else ["prefill_instances", "decode_instances"]
+    for name in [*counts, "routers"]:
+        if getattr(args, name) < 1:
+            print(f"baton serve: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
+            return 2
+    wrong_host = host_problem(args.host)
+    if wrong_host:          # before a worker's port is picked on it
+        print(f"baton serve: {wrong_host}", file=sys.stderr)
         return 2
+    specs = _specs(args)
     workers, worker_flags = _workers(args, specs)
     roles = ["colocated"] if args.colocated else ["prefill", "decode"]
     wrong = preflight.problem(args, roles, [s.device for s in specs] + _split(args.tp_devices),

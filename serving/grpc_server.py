@@ -223,6 +223,9 @@ class Server:
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], self.server)
         self.address = f"{host}:{port}"
+        wrong_host = host_problem(host)
+        if wrong_host:                  # before the port check: a host this machine lacks is no taken port
+            raise PortInUse(f"cannot listen on {self.address}: {wrong_host}")
         if port and not reuse_port and not port_is_free(host, port):
             raise PortInUse(f"cannot listen on {self.address}: the port is in use (another Baton process?); stop "
                             "the other process or pick another with --port")
@@ -318,6 +321,20 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def host_problem(host: str) -> str | None:
+    """Why this process cannot listen on `host` at all (a name that does not resolve, an address
+    of another machine), in one line naming --host; None when it can (a taken port is not this)."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host.strip("[]"), 0))
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            return (f"--host {host}: not an address of this machine ({why}); give one of its own, "
+                    "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
+    return None
 
 
 def run_server(main, name: str) -> None:

@@ -3,7 +3,13 @@ role`, `baton elastic`, `baton serve` and the servers' --host, the offline `LLM`
 naming the flag (or the argument) at fault, exit 2, no traceback; nothing is sent or started."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from test_startup_errors import serve_refuses
+
+from baton.serving.grpc_server import PortInUse, Server
+from baton.serving.processes import free_port
 
 NOWHERE = "127.0.0.1:1"         # nothing listens there: a check that let a request through would fail to connect
 
@@ -50,3 +56,23 @@ def test_elastic_says_what_is_wrong_with_the_plan_file(text, says, tmp_path, cap
         path.write_text(text)
     err = refused(main, ["--plan", str(path), "--addr", NOWHERE, "--once"], capsys)
     assert f"--plan {path}: {says}" in err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: not an address of this machine"),
+    (["--prefill-instances", "0"], "--prefill-instances must be >= 1, got 0"),
+    (["--decode-instances", "-1"], "--decode-instances must be >= 1, got -1"),
+    (["--colocated", "--instances", "0"], "--instances must be >= 1, got 0"),
+])
+def test_serve_refuses_what_it_cannot_start_in_one_line(flags, says):
+    assert says in serve_refuses(*flags)
+
+
+@pytest.mark.parametrize("host", ["no-such-host.invalid", "999.1.1.1"])
+def test_a_server_on_a_host_it_cannot_have_says_so_not_that_the_port_is_taken(host):
+    async def start() -> str:
+        with pytest.raises(PortInUse) as exc:
+            Server(host, free_port(), [])
+        return str(exc.value)
+    said = asyncio.run(start())
+    assert f"--host {host}: not an address of this machine" in said and "in use" not in said
