@@ -107,6 +107,8 @@ class LLM:
         e.g. {"enable_thinking": False}. The output is the model's text, as vLLM's LLM.chat."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+        if not conversations:               # as generate([]): no silent empty answer to a call that asked nothing
+            raise ValueError("no conversations given: pass one ([{'role': 'user', 'content': ...}]) or a list of them")
         token_lists, images = [], []
         for c in conversations:
             messages, imgs = split_content_parts(c)
@@ -157,7 +159,12 @@ class LLM:
     def _params_per_prompt(sp, n: int) -> list[SamplingParams]:
         if isinstance(sp, SamplingParams):
             return [sp] * n
-        sp = list(sp)
+        one = isinstance(sp, (str, bytes, dict)) or not hasattr(sp, "__iter__")
+        sp = [sp] if one else list(sp)
+        wrong = next((p for p in sp if not isinstance(p, SamplingParams)), None)
+        if wrong is not None:       # else an AttributeError from deep inside (a dict has no .validate)
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(wrong).__name__} (e.g. SamplingParams(max_tokens=32))")
         if len(sp) != n:
             raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts: give one, or one per prompt")
         return sp

@@ -76,3 +76,14 @@ def test_a_server_on_a_host_it_cannot_have_says_so_not_that_the_port_is_taken(ho
         return str(exc.value)
     said = asyncio.run(start())
     assert f"--host {host}: not an address of this machine" in said and "in use" not in said
+
+
+def test_the_offline_api_refuses_an_empty_chat_list_and_params_of_the_wrong_type(embedded_llm):
+    from baton import SamplingParams
+    with pytest.raises(ValueError, match="no conversations given"):
+        embedded_llm.chat([], SamplingParams(max_tokens=2))
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them, got dict"):
+        embedded_llm.generate(["hi"], {"max_tokens": 2})
+    with pytest.raises(TypeError, match="got str"):
+        embedded_llm.generate(["hi", "ho"], ["max_tokens", "2"])
+    assert embedded_llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=2))[0].token_ids   # it still serves
