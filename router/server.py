@@ -88,9 +88,10 @@ class AttemptFailed(Exception):
     without blame (a stalled handover: prefill, decode or the link between them)."""
 
     def __init__(self, code: grpc.StatusCode, message: str, worker: Worker | None,
-                 suspects: tuple[Worker, ...] = ()):
+                 suspects: tuple[Worker, ...] = (), reason: str | None = None):
         super().__init__(message)
         self.code, self.worker, self.suspects = code, worker, suspects
+        self.reason = reason            # the worker's own words, for a refusal the client must act on
 
 
 class StreamBroke(Exception):
@@ -344,6 +345,8 @@ class RouterService:
                 if exc.code not in RETRYABLE:
                     break
         code = last.code if last else grpc.StatusCode.UNAVAILABLE
+        if code == grpc.StatusCode.INVALID_ARGUMENT and last.reason:     # the request's fault, not the workers'
+            raise ServiceError(code, last.reason)
         raise ServiceError(code, f"request {active.request_id} failed on every worker tried: {last}")
 
     async def _wait_for_kv(self, active: Active, prompt_len: int, deadline: float, tried: set[str]) -> bool:
@@ -618,7 +621,8 @@ def _first_chunk(item, worker: Worker, what: str):
         raise AttemptFailed(item.code, f"{what} on {worker.address}: {item.code.name}: {item}", worker)
     if item.error_code:
         code = STATUS_BY_NUMBER[item.error_code]
-        raise AttemptFailed(code, f"{what} on {worker.address}: {code.name}: {item.error_message}", worker)
+        raise AttemptFailed(code, f"{what} on {worker.address}: {code.name}: {item.error_message}", worker,
+                            reason=item.error_message)
     return item
 
 
@@ -638,7 +642,8 @@ def _retrieve(fut: asyncio.Future) -> None:
 
 def _failed(exc: BaseException, worker: Worker, what: str) -> AttemptFailed:
     if isinstance(exc, grpc.aio.AioRpcError):
-        return AttemptFailed(exc.code(), f"{what} on {worker.address}: {exc.code().name}: {exc.details()}", worker)
+        return AttemptFailed(exc.code(), f"{what} on {worker.address}: {exc.code().name}: {exc.details()}", worker,
+                             reason=exc.details())
     return AttemptFailed(grpc.StatusCode.UNAVAILABLE, f"{what} on {worker.address}: {exc!r}", worker)
 
 

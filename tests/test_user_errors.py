@@ -87,3 +87,23 @@ def test_the_offline_api_refuses_an_empty_chat_list_and_params_of_the_wrong_type
     with pytest.raises(TypeError, match="got str"):
         embedded_llm.generate(["hi", "ho"], ["max_tokens", "2"])
     assert embedded_llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=2))[0].token_ids   # it still serves
+
+
+def test_a_request_a_worker_refuses_as_invalid_gets_the_workers_reason_alone():
+    """A setting only the worker can judge (priority on an fcfs deployment): the client reads the
+    worker's reason as it gave it, not wrapped in a retry report ("failed on every worker tried")."""
+    import grpc
+    from test_failover import FakeWorker, collect, request, service, worker
+
+    from baton.serving.grpc_server import ServiceError
+    reason = "priority 1 needs a deployment started with --scheduling-policy priority"
+
+    class Refuses(FakeWorker):
+        async def Admit(self, req, timeout=None):
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       reason)
+
+    svc = service([worker("p:1", "prefill", FakeWorker()), worker("d:1", "decode", Refuses())])
+    with pytest.raises(ServiceError) as exc:
+        asyncio.run(asyncio.wait_for(collect(svc, request(3)), 10))
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and str(exc.value) == reason
