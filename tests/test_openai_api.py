@@ -180,6 +180,30 @@ def test_every_429_says_when_to_retry():
     assert "Retry-After" not in HTTPError(400, "bad").response().headers
 
 
+def test_an_unexpected_failure_is_a_500_in_openais_shape():
+    """A bug behind an endpoint answers OpenAI's error JSON (a client can parse it), not aiohttp's text."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from baton.router.openai.api import OpenAIServer
+
+    async def broken(request):
+        raise TypeError("a bug")
+
+    async def main():
+        server = OpenAIServer(SimpleNamespace(auth=None), SimpleNamespace(served_model_name=["m"]), "m")
+        app = web.Application(middlewares=[server._errors])
+        app.router.add_post("/v1/completions", broken)
+        async with TestClient(TestServer(app)) as http:
+            r = await http.post("/v1/completions", json={})
+            return r.status, await r.json()
+    status, body = asyncio.run(main())
+    assert status == 500 and body["error"]["type"] == "internal_error" and "a bug" in body["error"]["message"]
+
+
 def test_bad_chat_bodies_are_400(client, pd_cluster):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[])

@@ -90,11 +90,24 @@ def test_an_unknown_field_is_a_400_naming_it(pd_cluster):
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"logit_bias": {"1": 101}}, "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": [1]}, "logit_bias"), ({"repetition_penalty": "high"}, "repetition_penalty"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"), ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({"stop_token_ids": [999999]}, "stop_token_ids"), ({"logprobs": 10**10}, "logprobs"),
+    ({"prompt": [2**40]}, "prompt"), ({"prompt": [999999]}, "prompt"),
 ])
 def test_out_of_range_sampling_fields_are_400_naming_them(pd_cluster, fields, param):
     r = post(pd_cluster, "completions", body("completions", **fields))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
+    assert "out of range" not in r.json()["error"]["message"]      # (protobuf's words, naming no field)
+
+
+def test_chat_logprob_bounds_name_the_field_sent_and_a_huge_top_k_is_off(pd_cluster):
+    r = post(pd_cluster, "chat", body("chat", logprobs=True, top_logprobs=21))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+    assert "got 21" in r.json()["error"]["message"]
+    r = post(pd_cluster, "completions", body("completions", logprobs=10**10))
+    assert f"got {10**10}" in r.json()["error"]["message"]
+    assert post(pd_cluster, "completions", body("completions", top_k=2**40)).status_code == 200   # as vLLM: all tokens
 
 
 # -- honoured: served tokens == the offline engine's ---------------------------------------------------

@@ -58,6 +58,7 @@ FINISH = {router_pb2.FINISH_REASON_STOP: "stop", router_pb2.FINISH_REASON_LENGTH
 
 
 OPEN_PATHS = ("/health", "/metrics")     # answered without a bearer token
+STREAMING = "baton.streaming"           # a request's key: its event stream has begun (headers sent)
 
 
 @dataclass(slots=True)
@@ -171,10 +172,17 @@ class OpenAIServer:
             return exc.response()
         except ServiceError as exc:
             return from_service_error(exc).response()
-        except ValueError as exc:           # the router's validation, exactly as for gRPC
-            return HTTPError(400, str(exc), param=_field_named(str(exc))).response()
+        except ValueError as exc:           # the router's validation, as for gRPC (its words may name a proto field)
+            message, param = str(exc), _field_named(str(exc))
+            return HTTPError(400, message if param is None or param in message else f"{param}: {message}",
+                             param=param).response()
         except web.HTTPException as exc:    # aiohttp's own (404 path, 405 method, 413 size)
             return HTTPError(exc.status, _unrouted(request, exc), "invalid_request_error").response()
+        except Exception as exc:            # a bug: still OpenAI's shape, which clients parse (not aiohttp's text)
+            if request.get(STREAMING):      # its headers are sent: nothing more can be said in HTTP
+                raise
+            log.exception("%s %s failed", request.method, request.path)
+            return HTTPError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error").response()
 
     def _authenticate(self, request: web.Request) -> None:
         header = request.headers.get("Authorization")
@@ -230,6 +238,7 @@ class OpenAIServer:
             if isinstance(p, str):
                 req.text = p
             elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+                self._check_ids(p, "prompt")
                 req.tokens.ids.extend(p)
             else:
                 raise HTTPError(400, "each prompt must be a string or a list of non-negative token ids",
@@ -265,9 +274,16 @@ class OpenAIServer:
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise HTTPError(400, "tokens must be a list of token ids", param="tokens")
+        self._check_ids(ids, "tokens")
         out = tokens.detokenize(router_pb2.DetokenizeRequest(ids=ids), self.svc.tokenizer,
                                 self.svc.model_info.vocab_size)
         return web.json_response({"prompt": out.text})
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.svc.model_info.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise HTTPError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": __version__})
@@ -403,6 +419,7 @@ class OpenAIServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
+        request[STREAMING] = True
         sent_chars = {c.index: 0 for c in choices}   # of a completion's text (its logprobs' text_offset)
 
         async def send(obj) -> None:
@@ -501,6 +518,8 @@ def _unrouted(request: web.Request, exc: web.HTTPException) -> str:
 
 def _field_named(message: str) -> str | None:
     """The request field a validation message starts with ("min_p must be in [0, 1]..."), if any."""
+    if message.startswith("stop token id"):                            # the engine's words for stop_token_ids
+        return "stop_token_ids"
     word = message.split(" ", 1)[0].split("[", 1)[0].rstrip(":")        # "tools[0] (f): ..." names tools
     return word if word in HONOURED["completions"] | HONOURED["chat"] else None
 

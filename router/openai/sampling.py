@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from baton.engine.requests.sampling_params import sample_seed
+from baton.engine.requests.sampling_params import MAX_LOGPROBS, sample_seed
 from baton.router.openai.errors import HTTPError
 from baton.router.openai.structured import structured
 from baton.v1 import router_pb2
@@ -60,7 +60,7 @@ def sampling(body: dict, chat: bool) -> tuple[router_pb2.SamplingParams, Shape]:
     if top_k is not None and top_k != -1:            # vLLM's -1 means off, as Baton's 0
         if top_k < 0:
             raise HTTPError(400, f"top_k must be >= 0 (or -1: off), got {top_k}", param="top_k")
-        s.top_k = top_k
+        s.top_k = min(top_k, 2**31 - 1)              # (past the vocabulary: every token, as vLLM's)
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     for name in names:
         v = number(body, name, int)
@@ -82,8 +82,10 @@ def sampling(body: dict, chat: bool) -> tuple[router_pb2.SamplingParams, Shape]:
             raise HTTPError(400, "stop must be a string or a list of strings", param="stop")
         s.stop.extend(stop)
     ids = body.get("stop_token_ids") or []
-    if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         raise HTTPError(400, "stop_token_ids must be a list of token ids", param="stop_token_ids")
+    if any(t >= 2**32 for t in ids):                   # (the vocabulary's bound: the router's validation)
+        raise HTTPError(400, f"stop_token_ids: token id {max(ids)} is outside the vocabulary", param="stop_token_ids")
     s.stop_token_ids.extend(ids)
     seed = number(body, "seed", int)
     if seed is not None:
@@ -116,24 +118,33 @@ def _logprobs(body: dict, chat: bool, s: router_pb2.SamplingParams) -> Shape:
         wanted = body.get("logprobs")
         if wanted not in (None, True, False):
             raise HTTPError(400, "logprobs must be true or false", param="logprobs")
-        top = number(body, "top_logprobs", int, lo=0)
+        top = _alternatives(body, "top_logprobs")
         if top is not None and not wanted:
             raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if wanted:
             shape.logprobs = True
-            s.logprobs = min(top or 0, 2**31)
+            s.logprobs = top or 0
         return shape
-    n = number(body, "logprobs", int, lo=0)
+    n = _alternatives(body, "logprobs")
     echo = body.get("echo")
     if echo not in (None, True, False):
         raise HTTPError(400, "echo must be true or false", param="echo")
     shape.echo = bool(echo)
     if n is not None:
         shape.logprobs = True
-        s.logprobs = min(n, 2**31)
+        s.logprobs = n
         if shape.echo:
             s.prompt_logprobs = s.logprobs
     return shape
+
+
+def _alternatives(body: dict, name: str) -> int | None:
+    """top_logprobs (chat) or logprobs (completions): how many alternatives a token's entry lists."""
+    n = number(body, name, int, lo=0)
+    if n is not None and n > MAX_LOGPROBS:
+        raise HTTPError(400, f"{name} must be in [0, {MAX_LOGPROBS}] (the number of alternatives), got {n}",
+                        param=name)
+    return n
 
 
 def _processing(body: dict, s: router_pb2.SamplingParams) -> None:
