@@ -93,6 +93,9 @@ def test_an_unknown_field_is_a_400_naming_it(pd_cluster):
     ({"stop_token_ids": [True]}, "stop_token_ids"), ({"stop_token_ids": [2**40]}, "stop_token_ids"),
     ({"stop_token_ids": [999999]}, "stop_token_ids"), ({"logprobs": 10**10}, "logprobs"),
     ({"prompt": [2**40]}, "prompt"), ({"prompt": [999999]}, "prompt"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),          # without stream: OpenAI's 400
+    ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
 ])
 def test_out_of_range_sampling_fields_are_400_naming_them(pd_cluster, fields, param):
     r = post(pd_cluster, "completions", body("completions", **fields))

@@ -298,6 +298,7 @@ class OpenAIServer:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise HTTPError(400, "stream must be true or false", param="stream")
+        include_usage = _stream_options(body.get("stream_options"), stream)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         await check_max_tokens(self.svc, body, chat, prompts)     # a 400 now, not a capped answer later
         reqs = [choice_request(p, sampling, j) for p in prompts for j in range(n)]       # OpenAI's order of choices
@@ -310,10 +311,7 @@ class OpenAIServer:
         if stream:
             if len(prompts) != 1:
                 raise HTTPError(400, "streaming takes one prompt per request", param="prompt")
-            options = body.get("stream_options") or {}
-            if not isinstance(options, dict):
-                raise HTTPError(400, "stream_options must be an object", param="stream_options")
-            return await self._stream(request, choices, rid, model, chat, shape, bool(options.get("include_usage")))
+            return await self._stream(request, choices, rid, model, chat, shape, include_usage)
         results = await _all(self._whole(request, c) for c in choices)
         created = int(time.time())
         out, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
@@ -514,6 +512,26 @@ def _unrouted(request: web.Request, exc: web.HTTPException) -> str:
         methods = sorted({m for m, p in served if p == request.path})
         return f"{request.method} {request.path}: use {' or '.join(methods)}"
     return exc.reason or "error"
+
+
+def _stream_options(options, stream: bool) -> bool:
+    """stream_options' include_usage; as OpenAI's and vLLM's, only with stream true, and (as every field
+    here) none of its keys ignored: include_obfuscation only pads OpenAI's events, so any value is kept."""
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise HTTPError(400, "stream_options must be an object", param="stream_options")
+    if not stream:
+        raise HTTPError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    for key, value in options.items():
+        if key in ("include_usage", "include_obfuscation"):
+            if value not in (None, True, False):
+                raise HTTPError(400, f"stream_options.{key} must be true or false, got {value!r:.60}",
+                                param="stream_options")
+        elif not (key == "continuous_usage_stats" and value in (None, False)):
+            raise HTTPError(400, f"stream_options.{key} is not supported by Baton; leave it unset (got {value!r:.60})",
+                            param="stream_options")
+    return bool(options.get("include_usage"))
 
 
 def _field_named(message: str) -> str | None:
