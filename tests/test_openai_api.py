@@ -46,6 +46,10 @@ def grpc_text(stub, req) -> tuple[str, list[int]]:
 def test_models_lists_the_served_model(client, pd_cluster):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL                  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4o")
+    assert err.value.body["code"] == "model_not_found"
     with urllib.request.urlopen(pd_cluster.http_url.removesuffix("/v1") + "/health", timeout=10) as r:
         assert r.status == 200
 

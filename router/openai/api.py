@@ -121,6 +121,7 @@ class OpenAIServer:
         if self.metrics_registry is not None:
             app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/tokenize", self.tokenize)
@@ -221,9 +222,16 @@ class OpenAIServer:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": self.created, "owned_by": "baton", "root": name,
-             "max_model_len": self.svc.max_model_len} for name in self.names]})
+        return web.json_response({"object": "list", "data": [self._card(name) for name in self.names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model (the openai client's models.retrieve), or a 404 naming those served."""
+        name = self._model({"model": request.match_info["model"]})
+        return web.json_response(self._card(name))
+
+    def _card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "baton", "root": name,
+                "max_model_len": self.svc.max_model_len}
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request, "completions")
