@@ -217,6 +217,20 @@ def test_bad_chat_bodies_are_400(client, pd_cluster):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_developer_message_is_a_system_message_and_a_bad_role_names_messages(client, pd_cluster):
+    """OpenAI's newer models take "developer" messages in place of "system" ones: the same prompt."""
+    def ids(role):
+        return httpx.post(pd_cluster.http_url.removesuffix("/v1") + "/tokenize", timeout=30, json={
+            "messages": [{"role": role, "content": "Answer in French."}, *QUESTION]}).json()["tokens"]
+    assert ids("developer") == ids("system")
+    r = client.chat.completions.create(model=MODEL, max_tokens=1,
+                                       messages=[{"role": "developer", "content": "Be brief."}, *QUESTION])
+    assert r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "Hi"}])
+    assert err.value.body["param"] == "messages" and "'wizard'" in err.value.body["message"]
+
+
 def test_an_image_to_a_text_only_model_is_400(client):
     url = "data:image/png;base64,iVBORw0KGgo="                      # never decoded: refused before that
     with pytest.raises(openai.BadRequestError) as err:

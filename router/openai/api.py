@@ -57,6 +57,10 @@ FINISH = {router_pb2.FINISH_REASON_STOP: "stop", router_pb2.FINISH_REASON_LENGTH
           router_pb2.FINISH_REASON_ABORT: "abort"}
 
 
+# OpenAI's "developer" messages are what its newer models take in place of "system" ones: the
+# model's template knows the system role
+ROLES = {"developer": "system"}
+
 OPEN_PATHS = ("/health", "/metrics")     # answered without a bearer token
 STREAMING = "baton.streaming"           # a request's key: its event stream has begun (headers sent)
 
@@ -547,6 +551,8 @@ def _field_named(message: str) -> str | None:
     if message.startswith("stop token id"):                            # the engine's words for stop_token_ids
         return "stop_token_ids"
     word = message.split(" ", 1)[0].split("[", 1)[0].rstrip(":")        # "tools[0] (f): ..." names tools
+    if word in ("chat", "chat.messages"):                               # "chat message 0 has role ...": gRPC's words
+        return "messages"
     return word if word in HONOURED["completions"] | HONOURED["chat"] else None
 
 
@@ -601,13 +607,14 @@ def _chat_request(body: dict) -> router_pb2.GenerateRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise HTTPError(400, f"messages[{i}] must be an object with a string role", param="messages")
+        role = ROLES.get(m["role"], m["role"])
         content = m.get("content")
         if _has_images(content):
             parts = _parts(content, i, images)
             images += sum(p.HasField("image") or p.HasField("audio") for p in parts)
-            message = req.chat.messages.add(role=m["role"], parts=parts)
+            message = req.chat.messages.add(role=role, parts=parts)
         else:
-            message = req.chat.messages.add(role=m["role"], content=_content(content, i))
+            message = req.chat.messages.add(role=role, content=_content(content, i))
         message_fields(m, i, message)
     chat_fields(body, req.chat)
     return req
