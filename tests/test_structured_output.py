@@ -227,6 +227,7 @@ def test_vllms_fields_are_honoured_on_completions(pd_cluster, fields, check):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": "json"}, "response_format"),
     ({"guided_json": '{"type": '}, "guided_json"),
     ({"guided_regex": "(("}, "guided_regex"),
     ({"guided_choice": "yes"}, "guided_choice"),
@@ -238,6 +239,7 @@ def test_a_bad_spec_is_a_400_naming_the_field(pd_cluster, fields, param):
         "model": MODEL, "messages": ask("Hi."), "max_tokens": 4, **fields})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
+    assert "got None" not in r.json()["error"]["message"]        # (what was sent, not what was looked for)
 
 
 def test_grpc_structured_field_and_invalid_argument(pd_cluster):

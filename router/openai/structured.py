@@ -54,6 +54,9 @@ def _response_format(rf) -> StructuredOutput | None:
     if kind == "json_object":
         return StructuredOutput.json_object()
     if kind != "json_schema":
+        if not isinstance(rf, dict):
+            raise HTTPError(400, f"{name} must be an object {{type: text | json_object | json_schema}}, "
+                                 f"got {rf!r:.60}", param=name)
         raise HTTPError(400, f"{name}.type must be text, json_object or json_schema, got {kind!r:.60}", param=name)
     js = rf.get("json_schema")
     if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
