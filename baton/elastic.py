@@ -103,16 +103,19 @@ class Controller:
     streak: int = 0
     last_switch: float = -math.inf
     log: list[str] = field(default_factory=list)
+    why: str = ""                       # why the last window wished nothing (it adds no note to `log`)
 
     def decide(self, mix: Mix | None, current: dict[str, int], now: float) -> tuple[str, str] | None:
         if mix is None:
-            self.streak = 0
+            self.streak, self.why = 0, "no request finished in this window"
             return None
         workload = nearest_workload(self.plan, mix)
         split = planned_split(self.plan, workload, self.slo)
         want = split_counts(split) if split else None
         if want is None or sum(want.values()) != sum(current.values()) or want == current:
             self.wish, self.streak = None, 0
+            self.why = (f"the plan's split for {workload}, {split}, " +
+                        ("is what runs" if want == current else "is not one role switches make of these workers"))
             return None
         self.streak = self.streak + 1 if split == self.wish else 1
         self.wish = split
@@ -195,10 +198,21 @@ def main(argv: list[str] | None = None) -> None:
             if args.once and (before is None or after is None):
                 sys.exit(1)                # (said above which router did not answer)
             if after is not None and before is not None:
-                current, workers = _roles(router)
-                move = ctl.decide(window_mix(before, after), current, time.monotonic())
+                mix = window_mix(before, after)
+                try:                        # (no traffic: nothing to ask the router)
+                    current, workers = _roles(router) if mix is not None else ({}, [])
+                except grpc.RpcError as exc:
+                    print(f"[elastic] holding this window: the router at {args.addr} did not answer "
+                          f"({exc.code().name}: {exc.details()})", file=sys.stderr, flush=True)
+                    if args.once:
+                        sys.exit(1)
+                    continue                # (the next window spans this one)
+                notes = len(ctl.log)
+                move = ctl.decide(mix, current, time.monotonic())
                 if ctl.log:
                     print(f"[elastic] {ctl.log[-1]}; now {current}", file=sys.stderr, flush=True)
+                if args.once and len(ctl.log) == notes:     # --once promises its decision, printed
+                    print(f"[elastic] no decision: {ctl.why}", file=sys.stderr, flush=True)
                 if move is not None:
                     _switch(admin, workers, move, args.switch_timeout, metadata, ctl)
             before = after if after is not None else before    # (a gap: the next window spans it)

@@ -4,8 +4,10 @@ naming the flag (or the argument) at fault, exit 2, no traceback; nothing is sen
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
+from test_elastic import PLAN
 from test_startup_errors import serve_refuses
 
 from baton.serving.grpc_server import PortInUse, Server
@@ -107,3 +109,39 @@ def test_a_request_a_worker_refuses_as_invalid_gets_the_workers_reason_alone():
     with pytest.raises(ServiceError) as exc:
         asyncio.run(asyncio.wait_for(collect(svc, request(3)), 10))
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and str(exc.value) == reason
+
+
+def _router_pages(*finished: int) -> list[str]:
+    """A router's /metrics at successive scrapes, `finished` requests done by each."""
+    from prometheus_client import generate_latest
+
+    from baton.serving.metrics import Metrics
+    m, pages = Metrics("router"), []
+    m.serving_model("smol")
+    for n in finished:
+        while m.requests.labels("smol", "stop")._value.get() < n:
+            m.finished(100, 10, 0)
+            m.requests.labels("smol", "stop").inc()
+        pages.append(generate_latest(m.registry).decode())
+    return pages
+
+
+def test_elastic_with_its_router_unreachable_holds_in_one_line(canned_routers, tmp_path, capsys):
+    """Its metrics answer, its gRPC address does not (a wrong --addr, a router restarting)."""
+    from baton.elastic import main
+    (tmp_path / "plan.json").write_text(json.dumps(PLAN))
+    url = canned_routers(_router_pages(0, 1))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--plan", str(tmp_path / "plan.json"), "--addr", NOWHERE, "--window", "0.05", "--once",
+              "--metrics-url", url])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and "Traceback" not in err, err
+    assert f"[elastic] holding this window: the router at {NOWHERE} did not answer (UNAVAILABLE" in err
+
+
+def test_elastic_once_prints_its_decision_even_when_it_is_none(canned_routers, tmp_path, capsys):
+    from baton.elastic import main
+    (tmp_path / "plan.json").write_text(json.dumps(PLAN))
+    main(["--plan", str(tmp_path / "plan.json"), "--addr", NOWHERE, "--window", "0.05", "--once",
+          "--metrics-url", canned_routers(_router_pages(3))])
+    assert "[elastic] no decision: no request finished in this window" in capsys.readouterr().err
