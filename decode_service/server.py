@@ -215,7 +215,6 @@ class DecodeWorker(PrefillFront, EngineWorker):
             stream = streams.get(update.request_id)
             if stream is not None:
                 stream.push(update)
-        self._observe()
 
     def fail_all(self, exc: ServiceError) -> None:
         for stream in list(self.streams.values()):

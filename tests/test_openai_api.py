@@ -369,6 +369,15 @@ def test_a_client_that_disconnects_frees_its_blocks(client, pd_cluster):
                    json={"model": MODEL, "prompt": "Another long story", "max_tokens": 3000, "ignore_eos": True})
     assert _idle(pd_cluster) == 0
     assert pd_cluster.worker("decode-0").status().kv_blocks_free == start.kv_blocks_free
+    # no step ran after the aborts: the worker's gauges follow its idle core's beats, not its last step
+    url, deadline = pd_cluster.metrics_urls["decode-0"], time.monotonic() + 3
+    while True:
+        d = scrape(url)
+        settled = d[("baton_running", ())] == 0 and d[("baton_kv_blocks_free", ())] == start.kv_blocks_free
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert settled, {k: v for k, v in d.items() if k[0] in ("baton_running", "baton_kv_blocks_free")}
 
 
 # -- metrics --------------------------------------------------------------------------------------

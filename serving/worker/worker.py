@@ -112,15 +112,18 @@ class EngineWorker:
     # -- the core's messages -------------------------------------------------------------------
     def on_updates(self, updates: list[TokenUpdate]) -> None:
         """Every request's new tokens of one engine step (the decode front streams them)."""
-        self._observe()
 
     def _record(self, events: list[MetricEvent]) -> None:
+        """The core's metric events, and its counters into the gauges: every message that carries them (a
+        step's updates, and the beat an idle core sends, so the gauges do not keep the last step's figures
+        once no step runs)."""
         for name, labels, value in events:
             if name == "step_seconds":
                 self.step_seconds.append(value)
             metric = getattr(self.metrics, name)
             metric = metric.labels(*labels) if labels else metric
             (metric.observe if hasattr(metric, "observe") else metric.inc)(value)
+        self._observe()
 
     def _core_died(self, reason: str) -> None:
         log.error("%s worker: its engine core %s; failing what is in flight, then exiting", self.cfg.role, reason)
