@@ -109,6 +109,10 @@ def serve(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"baton serve: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    ignored = _ignored_count(args)
+    if ignored:             # a count of workers the topology has none of would be dropped without a word
+        print(f"baton serve: {ignored}", file=sys.stderr)
+        return 2
     wrong_host = host_problem(args.host)
     if wrong_host:          # before a worker's port is picked on it
         print(f"baton serve: {wrong_host}", file=sys.stderr)
@@ -263,6 +267,20 @@ def _specs(args) -> list[Spec]:
             enumerate(devices_for(args.prefill_devices, args.device, args.prefill_instances))] + \
         [Spec("decode", i, "decode", d) for i, d in
          enumerate(devices_for(args.decode_devices, args.device, args.decode_instances))]
+
+
+def _ignored_count(args) -> str | None:
+    """A worker count given for the other topology (they default to 1)."""
+    if args.colocated:
+        for role in ("prefill", "decode"):
+            n = getattr(args, f"{role}_instances")
+            if n != 1:
+                return (f"--{role}-instances {n} counts {role} workers, which --colocated has none of: "
+                        f"give --instances {n} for {n} colocated workers")
+    elif args.instances != 1:
+        return (f"--instances {args.instances} counts colocated workers: add --colocated, or give "
+                "--prefill-instances / --decode-instances")
+    return None
 
 
 def _workers(args, specs: list[Spec]) -> tuple[list[Process], list[str]]:

@@ -65,6 +65,8 @@ def test_elastic_says_what_is_wrong_with_the_plan_file(text, says, tmp_path, cap
     (["--prefill-instances", "0"], "--prefill-instances must be >= 1, got 0"),
     (["--decode-instances", "-1"], "--decode-instances must be >= 1, got -1"),
     (["--colocated", "--instances", "0"], "--instances must be >= 1, got 0"),
+    (["--colocated", "--prefill-instances", "2"], "--prefill-instances 2 counts prefill workers, which --colocated has none"),
+    (["--instances", "2"], "--instances 2 counts colocated workers: add --colocated"),
 ])
 def test_serve_refuses_what_it_cannot_start_in_one_line(flags, says):
     assert says in serve_refuses(*flags)
