@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from baton.models.audio import AUDIO_FORMATS
-from baton.serving.grpc_server import open_sync_channel, retry_after_ms
+from baton.serving.grpc_server import open_sync_channel, pem_problem, retry_after_ms
 from baton.serving.options import defaults, flag, parser
 from baton.serving.security import add_tls_args, load_tokens, tls_from_args
 from baton.serving.server_config import DEFAULT_PORTS, ROLES, ServerConfig
@@ -94,6 +94,15 @@ def check_addr(addr: str) -> None:
         raise ValueError(f"--addr {addr}: the port must be in [1, 65535]")
 
 
+def client_tls(args: argparse.Namespace):
+    """The TLS flags' config, its files checked (ValueError): gRPC core only logs a bad one."""
+    tls = tls_from_args(args)
+    wrong = pem_problem(tls)
+    if wrong:
+        raise ValueError(wrong)
+    return tls
+
+
 def _read_image(path: str) -> router_pb2.Image:
     try:
         data = Path(path).read_bytes()
@@ -116,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     try:
         req = request_from_args(args)
-        tls = tls_from_args(args)
+        tls = client_tls(args)
         token = _token(args)
     except ValueError as exc:
         p.error(str(exc))
@@ -151,7 +160,7 @@ def role_main(argv: list[str] | None = None) -> None:
         if not 0 < args.timeout <= ROLE_TIMEOUT_MAX_S:
             raise ValueError(f"--timeout must be in (0, {ROLE_TIMEOUT_MAX_S}] seconds, got {args.timeout:g}")
         check_addr(args.addr)
-        tls = tls_from_args(args)
+        tls = client_tls(args)
     except ValueError as exc:
         p.error(str(exc))
     metadata = [("authorization", f"Bearer {args.admin_token}")] if args.admin_token else None

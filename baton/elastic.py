@@ -35,9 +35,10 @@ import grpc
 
 from baton.benchmarks.deployment import ROLES, next_move, split_counts, switch_one
 from baton.benchmarks.prometheus import merge_routers, metrics_urls, read_routers, said
+from baton.client import client_tls
 from baton.serving.grpc_server import open_sync_channel
 from baton.serving.options import flag, parser
-from baton.serving.security import add_tls_args, tls_from_args
+from baton.serving.security import add_tls_args
 from baton.v1 import admin_pb2_grpc, router_pb2, router_pb2_grpc
 
 COUNTERS = {"prompt": "baton_prompt_tokens_total", "output": "baton_generation_tokens_total",
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         plan = load_plan(args.plan)
         ctl = Controller(plan, _slo_key(plan, args.slo), args.windows, args.cooldown)
-        tls = tls_from_args(args)
+        tls = client_tls(args)
         urls = metrics_urls(args.metrics_url)
     except (OSError, ValueError, KeyError) as exc:
         p.error(str(exc))

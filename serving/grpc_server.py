@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -226,6 +227,9 @@ class Server:
         wrong_host = host_problem(host)
         if wrong_host:                  # before the port check: a host this machine lacks is no taken port
             raise PortInUse(f"cannot listen on {self.address}: {wrong_host}")
+        wrong_tls = pem_problem(tls)
+        if wrong_tls:
+            raise ValueError(wrong_tls)
         if port and not reuse_port and not port_is_free(host, port):
             raise PortInUse(f"cannot listen on {self.address}: the port is in use (another Baton process?); stop "
                             "the other process or pick another with --port")
@@ -321,6 +325,25 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def pem_problem(tls: TLSConfig | None) -> str | None:
+    """A TLS file that holds no PEM block of its kind, named by its flag: gRPC core would only log
+    "Invalid cert chain file" and fail the listen (read as a taken port) or every connection."""
+    if tls is None:
+        return None
+    for name, path, kinds in (("--tls-cert", tls.cert, ("CERTIFICATE",)), ("--tls-ca", tls.ca, ("CERTIFICATE",)),
+                              ("--tls-key", tls.key, ("PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY"))):
+        if not path:
+            continue
+        try:
+            text = Path(path).read_bytes()
+        except OSError as exc:
+            return f"{name} {path}: {exc.strerror or exc}"
+        if not any(f"-----BEGIN {kind}-----".encode() in text for kind in kinds):
+            what = "private key" if name == "--tls-key" else "certificate"
+            return f"{name} {path}: no PEM {what} in it (a '-----BEGIN {kinds[0]}-----' block)"
+    return None
 
 
 def host_problem(host: str) -> str | None:

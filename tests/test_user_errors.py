@@ -147,3 +147,19 @@ def test_elastic_once_prints_its_decision_even_when_it_is_none(canned_routers, t
     main(["--plan", str(tmp_path / "plan.json"), "--addr", NOWHERE, "--window", "0.05", "--once",
           "--metrics-url", canned_routers(_router_pages(3))])
     assert "[elastic] no decision: no request finished in this window" in capsys.readouterr().err
+
+
+def test_tls_files_that_hold_no_pem_are_named_not_taken_for_a_busy_port(tmp_path, capsys):
+    from baton.client import main
+    from baton.serving.security import TLSConfig
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+
+    async def start() -> str:
+        with pytest.raises(ValueError) as exc:
+            Server("127.0.0.1", free_port(), [], tls=TLSConfig(cert=str(junk), key=str(junk)))
+        return str(exc.value)
+    said = asyncio.run(start())
+    assert f"--tls-cert {junk}: no PEM certificate in it" in said and "in use" not in said
+    err = refused(main, ["hi", "--addr", NOWHERE, "--tls-ca", str(junk)], capsys)
+    assert f"--tls-ca {junk}: no PEM certificate in it" in err
