@@ -173,9 +173,22 @@ class LLM:
 def _as_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, (bytes, dict)) or not hasattr(prompts, "__iter__"):
+        raise TypeError("prompts must be a string, a list of strings or a list of token-id lists, "
+                        f"got {type(prompts).__name__}")
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts given")
     if all(isinstance(t, int) for t in prompts):
         return [prompts]                      # a single pre-tokenized prompt
+    for i, p in enumerate(prompts):           # else a wrong one fails deep in the tokenizer, unnamed
+        if isinstance(p, str):
+            continue
+        if isinstance(p, (bytes, dict)) or not hasattr(p, "__iter__"):
+            hint = ": chat messages go to llm.chat;" if isinstance(p, dict) else ":"
+            raise TypeError(f"prompt {i} is a {type(p).__name__}{hint} give generate a string or a list of token ids")
+        prompts[i] = p = list(p)              # (an iterator read once here stays readable)
+        wrong = next((t for t in p if not hasattr(t, "__index__")), None)     # ints, numpy's too
+        if wrong is not None:
+            raise TypeError(f"prompt {i} holds a {type(wrong).__name__}: a token-id list holds ints")
     return prompts

@@ -163,3 +163,17 @@ def test_tls_files_that_hold_no_pem_are_named_not_taken_for_a_busy_port(tmp_path
     assert f"--tls-cert {junk}: no PEM certificate in it" in said and "in use" not in said
     err = refused(main, ["hi", "--addr", NOWHERE, "--tls-ca", str(junk)], capsys)
     assert f"--tls-ca {junk}: no PEM certificate in it" in err
+
+
+@pytest.mark.parametrize("prompts, says", [
+    ([{"role": "user", "content": "hi"}], "prompt 0 is a dict: chat messages go to llm.chat"),
+    (None, "prompts must be a string, a list of strings or a list of token-id lists, got NoneType"),
+    ([1.5, 2.0], "prompt 0 is a float"),
+    ([b"hi"], "prompt 0 is a bytes"),
+    ([["a", "b"]], "prompt 0 holds a str: a token-id list holds ints"),
+])
+def test_the_offline_api_names_a_prompt_of_the_wrong_type(prompts, says, embedded_llm):
+    from baton import SamplingParams
+    with pytest.raises(TypeError) as exc:
+        embedded_llm.generate(prompts, SamplingParams(max_tokens=2))
+    assert says in str(exc.value)
