@@ -188,7 +188,18 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 def _stream(stub, req, timeout: float, metadata, written: list[str]) -> None:
-    for resp in stub.Generate(req, timeout=timeout, metadata=metadata):
+    call = stub.Generate(req, timeout=timeout, metadata=metadata)
+    try:
+        _print(call, written)
+    except KeyboardInterrupt:       # Ctrl-C: the router frees the request (the stream cancelled), no traceback
+        call.cancel()
+        end_line = "\n" if written else ""         # the answer's partial line, if any
+        print(f"{end_line}[interrupted: the request was cancelled]", file=sys.stderr)
+        sys.exit(130)
+
+
+def _print(call, written: list[str]) -> None:
+    for resp in call:
         if resp.text:
             written.append(resp.text)
             sys.stdout.write(resp.text)

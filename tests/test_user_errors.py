@@ -177,3 +177,38 @@ def test_the_offline_api_names_a_prompt_of_the_wrong_type(prompts, says, embedde
     with pytest.raises(TypeError) as exc:
         embedded_llm.generate(prompts, SamplingParams(max_tokens=2))
     assert says in str(exc.value)
+
+
+def test_ctrl_c_during_generate_cancels_the_stream_and_exits_130_quietly(monkeypatch, capsys):
+    from baton import client
+    from baton.v1 import router_pb2
+    cancelled = []
+
+    class Call:                     # a streaming call that the user interrupts after its first chunk
+        def __init__(self):
+            self.chunks = iter([router_pb2.GenerateResponse(text="Once")])
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            for chunk in self.chunks:
+                return chunk
+            raise KeyboardInterrupt
+
+        def cancel(self):
+            cancelled.append(True)
+
+    class Stub:
+        def __init__(self, channel):
+            pass
+
+        def Generate(self, req, timeout=None, metadata=None):
+            return Call()
+
+    monkeypatch.setattr(client.router_pb2_grpc, "RouterStub", Stub)
+    with pytest.raises(SystemExit) as exit_:
+        client.main(["hi", "--addr", NOWHERE])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 130 and cancelled == [True]
+    assert out == "Once" and "Traceback" not in err and "interrupted" in err
