@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     if run is None:
         print(f"baton: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
-    run(rest)
+    try:
+        run(rest)
+    except KeyboardInterrupt:   # Ctrl-C ends a command (elastic's loop, a role switch's wait) as a shell expects
+        print(file=sys.stderr)
+        sys.exit(130)
 
 
 def usage() -> str:

@@ -212,3 +212,17 @@ def test_ctrl_c_during_generate_cancels_the_stream_and_exits_130_quietly(monkeyp
     out, err = capsys.readouterr()
     assert exit_.value.code == 130 and cancelled == [True]
     assert out == "Once" and "Traceback" not in err and "interrupted" in err
+
+
+def test_ctrl_c_ends_any_command_with_130_and_no_traceback(monkeypatch, tmp_path, capsys):
+    """baton elastic (a loop a user stops with Ctrl-C), role, plan, bench: no KeyboardInterrupt traceback."""
+    from baton import cli, elastic
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(PLAN))
+
+    def interrupted(seconds):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(elastic.time, "sleep", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["elastic", "--plan", str(plan), "--addr", NOWHERE])
+    assert exit_.value.code == 130 and "Traceback" not in capsys.readouterr().err
