@@ -6,6 +6,7 @@ Torch-free, so `baton <command> --help` answers at once.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 
 from baton.engine.config import DEFAULT_MODEL
@@ -65,6 +66,8 @@ def add_common_args(p: argparse.ArgumentParser, default_port: int) -> None:
 def server_settings(args: argparse.Namespace) -> dict:
     """The ServerConfig fields, from the flags add_common_args adds (ValueError: a TLS setting that
     cannot work)."""
+    if not (math.isfinite(args.grace) and args.grace >= 0):
+        raise ValueError(f"--grace {args.grace:g}: must be a number of seconds >= 0")
     return dict(host=args.host, metrics_port=args.metrics_port, grace_seconds=args.grace, tls=tls_from_args(args),
                 log_level=args.log_level, log_format=args.log_format, otlp_traces_endpoint=args.otlp_traces_endpoint,
                 admin_token=args.admin_token or None)

@@ -226,3 +226,14 @@ def test_ctrl_c_ends_any_command_with_130_and_no_traceback(monkeypatch, tmp_path
     with pytest.raises(SystemExit) as exit_:
         cli.main(["elastic", "--plan", str(plan), "--addr", NOWHERE])
     assert exit_.value.code == 130 and "Traceback" not in capsys.readouterr().err
+
+
+def test_a_negative_grace_is_refused_naming_the_flag():
+    assert "--grace -1: must be a number of seconds >= 0" in serve_refuses("--grace", "-1")
+
+
+@pytest.mark.parametrize("value", [2.5, True, "3"])
+def test_max_tokens_must_be_a_whole_number(value):
+    from baton import SamplingParams
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        SamplingParams(max_tokens=value).validate()
