@@ -4,7 +4,8 @@ without one configured, every call is refused. The router passes the call on to 
 (Decode.SwitchRole, with the same token) and, while the worker switches, checks it every
 POLL_S so that its streams start moving at once (router/moves.py) rather than at the next round
 of health checks; once it answers, the router routes it work of its new role. Other routers
-follow by their own checks: the worker reports its new role.
+follow by their own checks: the worker reports its new role. A switch that would leave the router
+no healthy worker to prefill or none to decode is refused before the worker is asked.
 """
 from __future__ import annotations
 
@@ -32,6 +33,18 @@ def find_worker(workers: list[Worker], address: str) -> Worker:
     return found[0]
 
 
+def empties_a_role(workers: list[Worker], w: Worker, role: str) -> str | None:
+    """Why switching `w` to `role` would leave this router no healthy worker to prefill, or none to decode
+    (a colocated worker does both), so that no request could be served; None where it would not."""
+    others = [o for o in workers if o is not w and o.healthy and not o.retired]
+    for verb, roles in (("decodes", ("decode", "colocated")), ("prefills", ("prefill", "colocated"))):
+        if w.role in roles and role not in roles and not any(o.role in roles for o in others):
+            return (f"worker {w.address} ({w.role}) is this router's only healthy worker that {verb}: as "
+                    f"{role} it would leave no request servable. Start or switch another worker to "
+                    f"{' or '.join(roles)} first")
+    return None
+
+
 async def switch_role(svc, req: admin_pb2.AdminSwitchRoleRequest, metadata) -> admin_pb2.AdminSwitchRoleResponse:
     check_admin(svc.cfg.admin_token, metadata)
     if req.role not in ROLES:
@@ -41,6 +54,9 @@ async def switch_role(svc, req: admin_pb2.AdminSwitchRoleRequest, metadata) -> a
         raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, (
             f"worker {w.address} ({w.role}) cannot change role in place: decode workers can (`baton decode`, "
             f"any role); a prefill worker started by `baton prefill` cannot"))
+    emptied = empties_a_role(svc.registry.workers, w, req.role)
+    if emptied:
+        raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, emptied)
     timeout = req.timeout_ms / 1000 if req.timeout_ms else SWITCH_TIMEOUT_S
     t0 = time.monotonic()
     call = asyncio.ensure_future(w.decode_stub.SwitchRole(

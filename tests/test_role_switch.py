@@ -215,3 +215,40 @@ def test_a_draining_decode_worker_hands_its_streams_over_with_their_kv(cluster):
     victim.wait_ready()
     c.wait_health(victim.address, healthy=True)
     assert c.wait_workers_idle() == 0
+
+
+def test_a_switch_that_would_leave_no_worker_to_decode_or_prefill_is_refused_up_front():
+    """Checked before the worker is asked (no stub here: a call would fail otherwise): the router's last healthy
+    decoding worker cannot become a prefill one, nor its last prefilling one a decode one; with another of the
+    kind (or a colocated worker, which does both) left, the switch goes ahead."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from baton.router.admin import switch_role
+    from baton.serving.grpc_server import ServiceError
+
+    def worker(address, role, healthy=True):
+        return SimpleNamespace(address=address, target=address, role=role, healthy=healthy, retired=False,
+                               status=SimpleNamespace(switchable=True), decode_stub=None)
+
+    def refusal(workers, address, role):
+        svc = SimpleNamespace(cfg=SimpleNamespace(admin_token=TOKEN), registry=SimpleNamespace(workers=workers),
+                              metrics=None)
+        req = admin_pb2.AdminSwitchRoleRequest(worker=address, role=role)
+        try:
+            asyncio.run(switch_role(svc, req, (("authorization", f"Bearer {TOKEN}"),)))
+        except ServiceError as exc:
+            return exc.code, str(exc)
+        except AttributeError:          # past the checks: it went on to call the worker (decode_stub None)
+            return None
+
+    code, why = refusal([worker("p:1", "prefill"), worker("d:1", "decode"), worker("d:2", "decode", healthy=False)],
+                        "d:1", "prefill")
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "only healthy worker that decodes" in why, why
+    code, why = refusal([worker("p:1", "prefill"), worker("d:1", "decode")], "p:1", "decode")
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "only healthy worker that prefills" in why, why
+    assert refusal([worker("c:1", "colocated")], "c:1", "decode")[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert refusal([worker("p:1", "prefill"), worker("d:1", "decode"), worker("d:2", "decode")], "d:1", "prefill") \
+        is None
+    assert refusal([worker("c:1", "colocated"), worker("d:1", "decode")], "d:1", "prefill") is None
+    assert refusal([worker("c:1", "colocated"), worker("c:2", "colocated")], "c:1", "decode") is None
