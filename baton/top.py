@@ -237,7 +237,8 @@ def build_parser():
                    help="the router's metrics on its HTTP port; with several routers, each one's own, apart by "
                         "commas (`baton serve --routers N` prints them): summed (default: %(default)s)")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: %(default)s)")
-    p.add_argument("--once", action="store_true", help="print one frame (two scrapes --interval apart) and exit")
+    p.add_argument("--once", action="store_true", help="print one frame (two scrapes --interval apart) and exit "
+                   "(without it, output to a pipe or a file gets a frame every --interval)")
     return p
 
 
@@ -261,18 +262,25 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as exc:
         sys.exit(f"baton top: cannot read {args.url} ({getattr(exc, 'reason', exc)}): is the router up, with its "
                  "HTTP API on (--http-port)? Give its address with --url http://HOST:PORT/metrics")
+
+    def frames(show) -> None:
+        nonlocal last
+        while True:
+            time.sleep(args.interval)
+            try:
+                now = fetch(urls)
+            except OSError as exc:
+                show(f"baton top: {args.url} does not answer ({getattr(exc, 'reason', exc)}); retrying")
+                continue
+            show(render(Interval(last, now), args.url))
+            if not now.down:              # rates come from two scrapes of every router
+                last = now
+
     try:
-        with Live(console=console, auto_refresh=False, screen=False) as live:
-            while True:
-                time.sleep(args.interval)
-                try:
-                    now = fetch(urls)
-                except OSError as exc:
-                    live.update(f"baton top: {args.url} does not answer ({getattr(exc, 'reason', exc)}); retrying",
-                                refresh=True)
-                    continue
-                live.update(render(Interval(last, now), args.url), refresh=True)
-                if not now.down:              # rates come from two scrapes of every router
-                    last = now
+        if console.is_terminal:
+            with Live(console=console, auto_refresh=False, screen=False) as live:
+                frames(lambda frame: live.update(frame, refresh=True))
+        else:                             # a pipe or a file: one frame after another, as `top -b` writes them
+            frames(lambda frame: (console.print(frame), console.file.flush()))
     except KeyboardInterrupt:
         pass

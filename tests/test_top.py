@@ -117,6 +117,23 @@ def test_the_command_reads_a_live_target_once():
         url = f"http://127.0.0.1:{server.server_port}/metrics"
         out = subprocess.run([sys.executable, "-m", "baton", "top", "--url", url, "--once", "--interval", "0.2"],
                              capture_output=True, text=True, timeout=60)
+        # into a pipe (not a terminal): a frame every interval, each written as it is made (as `top -b` does)
+        watch = subprocess.Popen([sys.executable, "-m", "baton", "top", "--url", url, "--interval", "0.2"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        frames = []
+
+        def read():
+            for line in watch.stdout:
+                if "status ok" in line:
+                    frames.append(line)
+                    if len(frames) == 2:
+                        return
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout=30)
+        watch.kill()
+        watch.wait(timeout=30)
+        assert len(frames) == 2, "no frame reached the pipe while baton top ran"
     finally:
         server.shutdown()
     assert out.returncode == 0, out.stderr
