@@ -35,6 +35,16 @@ def test_several_prompts_times_n_in_openais_order(client):
     for p, prompt in enumerate(prompts):
         alone = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=5).choices[0].text
         assert r.choices[2 * p].text == r.choices[2 * p + 1].text == alone     # greedy: n equal choices
+    # streamed, as vLLM streams several prompts: each chunk names its choice, the texts join up to the whole ones
+    texts, reasons, usage = {}, {}, None
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, n=2, temperature=0, max_tokens=5,
+                                           stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+        usage = chunk.usage or usage
+    assert texts == {c.index: c.text for c in r.choices} and set(reasons.values()) == {"length"}
+    assert usage.prompt_tokens == r.usage.prompt_tokens and usage.completion_tokens == 4 * 5
 
 
 def test_streamed_chat_choices_equal_the_whole_ones(client):

@@ -320,9 +320,7 @@ class OpenAIServer:
         # a prompt's first choice runs alone until its first token: the others find its KV in the prefix cache
         gates = [asyncio.Event() for _ in prompts]
         choices = [Choice(i, req, gates[i // n], first=i % n == 0) for i, req in enumerate(reqs)]
-        if stream:
-            if len(prompts) != 1:
-                raise HTTPError(400, "streaming takes one prompt per request", param="prompt")
+        if stream:                                     # several prompts too: each chunk names its choice
             return await self._stream(request, choices, rid, model, chat, shape, include_usage)
         results = await _all(self._whole(request, c) for c in choices)
         created = int(time.time())
