@@ -98,8 +98,9 @@ def test_completions_logprobs_with_echo_whole_and_streamed(client, embedded_llm,
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     for i in range(1, len(lp.tokens)):
         assert close(lp.token_logprobs[i], ref[i - 1].max().item() if i >= len(ids) else ref[i - 1, ids[i]].item())
-        assert len(lp.top_logprobs[i]) <= 2 and max(lp.top_logprobs[i].values()) == pytest.approx(
+        assert len(lp.top_logprobs[i]) <= 3 and max(lp.top_logprobs[i].values()) == pytest.approx(
             ref[i - 1].max().item(), abs=TOL)
+        assert lp.top_logprobs[i][lp.tokens[i]] == lp.token_logprobs[i]     # the chosen token among them (2 + 1)
     assert lp.text_offset[:3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
     streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
                                               echo=True, stream=True))
@@ -116,6 +117,7 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_alone(client, reference, em
     ref = reference(ids)
     lp = r.choices[0].logprobs
     assert r.choices[0].text == PROMPT and r.usage.completion_tokens == 0 and len(lp.tokens) == len(ids)
+    assert lp.top_logprobs[1] == {lp.tokens[1]: lp.token_logprobs[1]}    # logprobs=0: the chosen token's alone
     total = sum(lp.token_logprobs[1:])              # what lm-eval's loglikelihood adds up
     assert math.isclose(total, sum(ref[i - 1, ids[i]].item() for i in range(1, len(ids))), abs_tol=len(ids) * TOL)
     streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, logprobs=0, echo=True,

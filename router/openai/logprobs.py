@@ -52,7 +52,10 @@ def completion_logprobs(items: list[Entry], text_of: TokenTexts, offset: int = 0
         text = text_of(e.token_id)
         out["tokens"].append(text)
         out["token_logprobs"].append(e.logprob)
-        out["top_logprobs"].append(None if e.top is None else {text_of(t): v for t, v in e.top})
+        # the chosen token always among its position's entries, as OpenAI and vLLM give them (up to logprobs + 1)
+        out["top_logprobs"].append(None if e.top is None else
+                                   {**({} if e.logprob is None else {text: e.logprob}),
+                                    **{text_of(t): v for t, v in e.top}})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
