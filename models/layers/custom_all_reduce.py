@@ -56,8 +56,8 @@ class SymmMemAllReduce:
 
     def fits_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
         """Can `add_rms_norm` take these (else: this all-reduce, then the platform's add-RMSNorm)?"""
-        return (self.fused_norm is not None and x.dtype == self.norm_dtype and self.fits(x) and x.dim() == 2 and residual.shape == x.shape
-                and residual.dtype == x.dtype and residual.is_contiguous() and weight.dtype == x.dtype
+        return (self.fused_norm is not None and x.dtype == self.norm_dtype and self.fits(x) and x.dim() == 2
+                and residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous() and weight.dtype == x.dtype
                 and weight.shape == x.shape[-1:])
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
