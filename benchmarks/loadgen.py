@@ -327,8 +327,18 @@ async def _report_progress(tasks: list[asyncio.Future], rate: float, every: floa
 
 
 async def model_info(address: str, timeout: float = 30.0) -> tuple[router_pb2.ModelInfo, router_pb2.ServerInfo]:
+    """The router's model and workers; a RuntimeError naming the address when none answers there
+    (the deployment not started, or another port), which `baton bench` prints as one line."""
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
-        info = await stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=timeout)
-        server = await stub.GetServerInfo(router_pb2.GetServerInfoRequest(), timeout=timeout)
+        try:
+            info = await stub.GetModelInfo(router_pb2.GetModelInfoRequest(), timeout=timeout)
+            server = await stub.GetServerInfo(router_pb2.GetServerInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise RuntimeError(f"the router at {address} refused GetModelInfo: {exc.code().name}: "
+                                   f"{exc.details()}") from None
+            raise RuntimeError(f"no router answers at {address} ({exc.code().name}): start the deployment "
+                               "(`baton serve`), give its --addr, or let the benchmark launch one "
+                               "(--launch 1p1d, --topologies ..., --smoke)") from None
     return info, server
