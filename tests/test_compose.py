@@ -82,6 +82,10 @@ def test_default_services_have_healthchecks_and_the_router_waits_for_them():
     for name in ("prefill", "decode", "router"):
         assert "baton.serving.healthcheck" in SERVICES[name]["healthcheck"]["test"]
     assert set(SERVICES["router"]["depends_on"]) == {"prefill", "decode"}
+    # every profile's services alike, the GPU and NPU routers too (what a dependent service or an orchestrator waits on)
+    for name, service in SERVICES.items():
+        if service["command"][0] in ("prefill", "decode", "router"):
+            assert "baton.serving.healthcheck" in service["healthcheck"]["test"], name
 
 
 def _default_profile_services() -> list[str]:
