@@ -84,7 +84,7 @@ def test_default_services_have_healthchecks_and_the_router_waits_for_them():
     assert set(SERVICES["router"]["depends_on"]) == {"prefill", "decode"}
     # every profile's services alike, the GPU and NPU routers too (what a dependent service or an orchestrator waits on)
     for name, service in SERVICES.items():
-        if service["command"][0] in ("prefill", "decode", "router"):
+        if service.get("command", [""])[0] in ("prefill", "decode", "router"):
             assert "baton.serving.healthcheck" in service["healthcheck"]["test"], name
 
 
