@@ -158,12 +158,31 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.routers < 1:
         raise ValueError(f"--routers must be >= 1, got {args.routers}")
     args.datasets = _split(args.dataset) or ["random"]
+    _check_load(args)
     args.lengths = {ds: _lengths(args, ds) for ds in args.datasets}
     args.input_len, args.output_len = (list(r) for r in args.lengths[args.datasets[0]])
     serve_goodput.resolve(args)
     if args.device is None:
         args.device = args.device_pool[0] if args.topologies or args.auto else "cpu"
     return args
+
+
+def _check_load(args: argparse.Namespace) -> None:
+    """The load's flags, refused here rather than once a launched deployment is up (minutes on a GPU)."""
+    for ds in args.datasets:
+        if ds.endswith(".jsonl"):
+            if not Path(ds).is_file():
+                raise ValueError(f"dataset file {ds} does not exist")
+        elif ds not in datasets.LENGTHS:
+            raise ValueError(f"unknown dataset {ds!r}: use {', '.join(datasets.LENGTHS)} or a .jsonl file")
+    for flag, value, least, strict in (("--num-prompts", args.num_prompts, 1, False),
+                                       ("--max-concurrency", args.max_concurrency, 1, False),
+                                       ("--temperature", args.temperature, 0, False),
+                                       ("--request-timeout", args.request_timeout, 0, True),
+                                       ("--group-size", args.group_size, 1, False),
+                                       ("--prefix-len", args.prefix_len, 0, False)):
+        if value is not None and (math.isnan(value) or (value <= least if strict else value < least)):
+            raise ValueError(f"{flag} must be {'>' if strict else '>='} {least:g}, got {value:g}")
 
 
 def default_routers(devices: list[str]) -> int:

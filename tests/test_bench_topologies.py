@@ -106,3 +106,25 @@ def test_the_offline_baseline_runs_a_tensor_parallel_worker_s_engine_across_its_
     flags = baseline.engine_flags("--tp-size 2 --all-reduce symm --enable-expert-parallel --role colocated "
                                   "--max-num-seqs 64", 16)
     assert flags == ["--tp-size", "2", "--all-reduce", "symm", "--enable-expert-parallel", "--max-num-seqs", "16"]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--dataset", "nosuch"], "unknown dataset 'nosuch'"),
+    (["--dataset", "/nonexistent/requests.jsonl"], "does not exist"),
+    (["--num-prompts", "0"], "--num-prompts"),
+    (["--max-concurrency", "0"], "--max-concurrency"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--request-timeout", "0"], "--request-timeout"),
+    (["--group-size", "0", "--dataset", "shared-prefix"], "--group-size"),
+    (["--prefix-len", "-1", "--dataset", "shared-prefix"], "--prefix-len"),
+])
+def test_bad_load_flags_are_refused_before_anything_is_launched(argv, match):
+    """Refused while parsing, so a launched run does not start its workers (minutes on a GPU) first."""
+    import argparse
+
+    from baton.benchmarks import serve
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true")
+    serve.add_arguments(p)
+    with pytest.raises(ValueError, match=match):
+        serve.resolve(p.parse_args(["--smoke", "--launch", "1p1d", *argv]))
