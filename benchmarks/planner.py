@@ -103,7 +103,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     from baton.engine.config import DEFAULT_MODEL
     args.model = args.model or DEFAULT_MODEL
     args.device = args.device or _default_device()
-    args.devices = args.devices or _accelerators() or 2
+    if args.devices is None:                             # unset, not 0: that is refused below
+        args.devices = _accelerators() or 2
     if args.devices < 1:
         raise ValueError(f"--devices must be >= 1, got {args.devices}")
     args.datasets = _split(args.dataset) or ["random"]
@@ -121,10 +122,21 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if not args.tp or min(args.tp) < 1:
         raise ValueError(f"bad --tp-sizes {args.tp_sizes!r}: sizes >= 1")
     args.candidates = _split(args.topologies) if args.topologies else deployment.candidates(args.devices, args.tp)
+    if not args.candidates:
+        raise ValueError(f"no topology of {args.devices} devices has workers of --tp-sizes {args.tp_sizes}: "
+                         "add 1 to them, or name --topologies")
     for name in args.candidates:
         if deployment.parse(name).num_devices > args.devices:
             raise ValueError(f"topology {name} needs {deployment.parse(name).num_devices} devices; --devices is "
                              f"{args.devices}")
+    if args.kv_bandwidth_gbs is not None and not args.kv_bandwidth_gbs > 0:
+        raise ValueError(f"--kv-bandwidth-gbs must be > 0, got {args.kv_bandwidth_gbs}")
+    if not args.kv_latency_ms >= 0:
+        raise ValueError(f"--kv-latency-ms must be >= 0, got {args.kv_latency_ms}")
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    probe_plan(args.slos, 1, args.probe_lifetimes, args.probe_seconds, args.probe_min_requests)   # validates
+    Search(_never, args.search_tolerance)                                                           # validates
     if args.tp_speedup <= 0:
         raise ValueError(f"--tp-speedup must be > 0, got {args.tp_speedup}")
     if args.handoff_ms < 0:
@@ -133,6 +145,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--routers must be >= 1 and --router-ms >= 0, got {args.routers} and {args.router_ms}")
     args.engine = engine_settings(args)
     return args
+
+
+async def _never(rate: float) -> Probe:
+    raise AssertionError("validation only")
 
 
 def engine_settings(args: argparse.Namespace) -> dict:

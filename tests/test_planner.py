@@ -272,3 +272,18 @@ def test_bench_serve_auto_measures_the_planners_picks_beside_the_colocated_basel
     bench = argparse.Namespace(plan=str(path), datasets=args.datasets, slos=args.slos, topologies=["1p3d"],
                                device_pool=["cuda:0", "cuda:1", "cuda:2", "cuda:3"])
     assert _auto_topologies(bench, tmp_path / "out.json") == ["4colocated", "3p1d", "2p2d", "1p3d"]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--devices", "0"], "--devices must be >= 1"),
+    (["--kv-bandwidth-gbs", "0"], "--kv-bandwidth-gbs"),
+    (["--kv-latency-ms", "-1"], "--kv-latency-ms"),
+    (["--jobs", "0"], "--jobs"),
+    (["--devices", "2", "--tp-sizes", "3"], "no topology of 2 devices"),
+    (["--search-tolerance", "5"], "--search-tolerance"),
+    (["--probe-seconds", "0"], "--probe-seconds"),
+])
+def test_bad_plan_values_are_refused_before_the_device_is_profiled(argv, match):
+    """Not a traceback, nor a profile's minutes spent on a plan that cannot be made, nor a 0 read as unset."""
+    with pytest.raises(ValueError, match=match):
+        planner.resolve(_plan_args(argv))
