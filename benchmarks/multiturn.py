@@ -38,7 +38,7 @@ from pathlib import Path
 
 import grpc
 
-from baton.benchmarks import deployment, prometheus, record
+from baton.benchmarks import deployment, loadgen, prometheus, record
 from baton.benchmarks.datasets import MAX_TOKEN_ID
 from baton.benchmarks.loadgen import CHANNEL_OPTIONS
 from baton.engine.config import DEFAULT_MODEL
@@ -187,6 +187,7 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     if args.compare_policies:
         return compare_policies(args, rec)
     if not args.compare_offload:
+        asyncio.run(loadgen.model_info(args.addr))          # a RuntimeError when no router answers there
         rec["results"] = {"external": asyncio.run(drive(args.addr, args))}
         _print("external", rec["results"]["external"])
         return

@@ -225,13 +225,15 @@ def test_a_launched_deployment_gets_a_router_per_accelerator():
     assert default_routers([f"cuda:{i}" for i in range(4)]) == 4 and default_routers(["cuda:0", "cuda:0"]) == 1
 
 
-@pytest.mark.parametrize("mode", [[], ["--goodput"]])
-def test_bench_serve_says_when_no_router_answers_at_addr(tmp_path, capsys, mode):
-    """A user who forgot to start the deployment gets one line naming the address, not a traceback."""
+@pytest.mark.parametrize("mode", [["serve", "--no-plots"], ["serve", "--goodput", "--no-plots"],
+                                  ["multiturn", "--smoke"]])
+def test_a_benchmark_says_when_no_router_answers_at_addr(tmp_path, capsys, mode):
+    """A user who forgot to start the deployment gets one line naming the address and a failing exit,
+    not a traceback, nor a result file of refused requests."""
     from baton.serving.processes import free_port
     addr = f"127.0.0.1:{free_port()}"
     with pytest.raises(SystemExit) as exc:
-        bench_main(["serve", "--addr", addr, *mode, "--no-plots", "--output", str(tmp_path / "x.json")])
+        bench_main([*mode, "--addr", addr, "--output", str(tmp_path / "x.json")])
     assert exc.value.code == 1
     err = capsys.readouterr().err
     assert f"no router answers at {addr}" in err and "Traceback" not in err
