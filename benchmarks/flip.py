@@ -283,7 +283,9 @@ def run_schedule(address: str, reqs: list, arrivals: list[float], timeouts: list
     """(results, wall seconds, the run's clock zero on time.perf_counter)."""
     processes = loadgen.default_processes(len(reqs))
     t_zero = time.perf_counter() + (loadgen.PROCESS_START_S if processes > 1 else 0.0)
-    results, wall = asyncio.run(loadgen.run_rate(address, reqs, 1.0, 0, None, {"temperature": 0.0, "ignore_eos": True},
+    mean_rate = len(reqs) / max(max(arrivals), 1e-9) if arrivals else 1.0      # what its progress lines name
+    results, wall = asyncio.run(loadgen.run_rate(address, reqs, mean_rate, 0, None,
+                                                 {"temperature": 0.0, "ignore_eos": True},
                                                  timeouts, None, processes, arrivals))
     return results, wall, t_zero
 

@@ -189,6 +189,7 @@ def default_processes(num_requests: int) -> int:
 
 
 CUT = "CUT"                          # a request ended by the run (`until_done`), not by the server
+PROGRESS_EVERY_S = 10.0              # a run's "n/N requests done" line, this often
 
 
 class _Finish:
@@ -236,19 +237,32 @@ async def run_rate(address: str, requests: list[ServeRequest], rate: float, seed
     ctx = multiprocessing.get_context("spawn")
     with ctx.Manager() as manager, concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
         finish = _Finish(processes, manager.Value("i", 0), manager.Lock())
+        ended = manager.list([0] * processes)          # each part's requests ended so far, for the progress line
         futures = [loop.run_in_executor(pool, _part_in_process, address, [requests[i] for i in part], part,
                                         [arrivals[i] for i in part], caps[p], sampling, [timeouts[i] for i in part],
-                                        http_url, t_zero, until, finish)
+                                        http_url, t_zero, until, finish, (ended, p))
                    for p, part in enumerate(parts)]
-        done = await asyncio.gather(*futures)
+        reporter = asyncio.ensure_future(_report_progress(lambda: sum(ended[:]), len(requests), rate))
+        try:
+            done = await asyncio.gather(*futures)
+        finally:
+            reporter.cancel()
     results = sorted((r for rs, _ in done for r in rs), key=lambda r: r.index)
     return results, max(wall for _, wall in done)
 
 
 def _part_in_process(address, requests, indices, arrivals, max_concurrency, sampling, timeouts, http_url, t_zero,
-                     until, finish):
+                     until, finish, ended):
     return asyncio.run(_run_part(address, requests, indices, arrivals, max_concurrency, sampling, timeouts, http_url,
-                                 t_zero, None, until, finish))
+                                 t_zero, None, until, finish, ended))
+
+
+async def _publish_ended(tasks: list[asyncio.Future], ended, every: float = 0.25) -> None:
+    """A client process's count of ended requests, into its slot of the parent's list (a manager's)."""
+    slots, part = ended
+    while True:
+        slots[part] = sum(t.done() for t in tasks)
+        await asyncio.sleep(every)
 
 
 async def _cut_when_done(tasks: list[asyncio.Future], mine: list[asyncio.Future], finish: _Finish,
@@ -268,8 +282,10 @@ async def _cut_when_done(tasks: list[asyncio.Future], mine: list[asyncio.Future]
 async def _run_part(address: str, requests: list[ServeRequest], indices: list[int], arrivals: list[float],
                     max_concurrency: int | None, sampling: dict, timeouts: list[float], http_url: str | None,
                     t_zero: float, report: float | None, until: set[int] | None = None,
-                    finish: _Finish | None = None) -> tuple[list[RequestResult], float]:
-    """One client process's share: request k is indices[k] of the whole run, due at t_zero + arrivals[k]."""
+                    finish: _Finish | None = None, ended=None) -> tuple[list[RequestResult], float]:
+    """One client process's share: request k is indices[k] of the whole run, due at t_zero + arrivals[k].
+    `report`: the rate its progress line names (one process); `ended`: (a manager's list, this part's slot)
+    where it publishes its count of ended requests for the parent's progress line (several)."""
     n_channels = max(1, min(8, math.ceil(min(len(requests), max_concurrency or len(requests)) / STREAMS_PER_CHANNEL)))
     http = OpenAIClient(http_url) if http_url else None
     channels = [] if http else [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(n_channels)]
@@ -298,7 +314,9 @@ async def _run_part(address: str, requests: list[ServeRequest], indices: list[in
             return RequestResult(indices[k], arrivals[k], CUT, "cut: the run's measured requests had all ended")
 
     tasks = [asyncio.ensure_future(one(k)) for k in range(len(requests))]
-    reporter = asyncio.ensure_future(_report_progress(tasks, report)) if report is not None else None
+    reporter = (asyncio.ensure_future(_report_progress(lambda: sum(t.done() for t in tasks), len(tasks), report))
+                if report is not None else
+                asyncio.ensure_future(_publish_ended(tasks, ended)) if ended is not None else None)
     cutter = None if until is None else asyncio.ensure_future(
         _cut_when_done(tasks, [t for k, t in enumerate(tasks) if indices[k] in until], finish, cutting))
     try:
@@ -317,12 +335,12 @@ async def _run_part(address: str, requests: list[ServeRequest], indices: list[in
     return list(results), time.perf_counter() - t_zero
 
 
-async def _report_progress(tasks: list[asyncio.Future], rate: float, every: float = 10.0) -> None:
+async def _report_progress(ended, total: int, rate: float) -> None:
+    """Every PROGRESS_EVERY_S: how many of the run's `total` requests have ended (`ended()`)."""
     t0 = time.perf_counter()
     while True:
-        await asyncio.sleep(every)
-        done = sum(t.done() for t in tasks)
-        print(f"[bench] rate {rate:g}: {done}/{len(tasks)} requests done after {time.perf_counter() - t0:.0f}s",
+        await asyncio.sleep(PROGRESS_EVERY_S)
+        print(f"[bench] rate {rate:g}: {ended()}/{total} requests done after {time.perf_counter() - t0:.0f}s",
               file=sys.stderr, flush=True)
 
 

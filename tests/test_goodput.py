@@ -237,3 +237,18 @@ def test_a_benchmark_says_when_no_router_answers_at_addr(tmp_path, capsys, mode)
     assert exc.value.code == 1
     err = capsys.readouterr().err
     assert f"no router answers at {addr}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_long_run_reports_its_progress_however_many_client_processes_send_it(processes, capsys, monkeypatch):
+    """A GPU host sends a rate's requests from several client processes: the run still says how far
+    it has got while it runs (one process did; several were silent for the whole rate)."""
+    monkeypatch.setattr(loadgen, "PROGRESS_EVERY_S", 0.5)
+    reqs = [loadgen.ServeRequest(2, [1, 2, 3]) for _ in range(40)]
+    arrivals = [i / 20 for i in range(40)]                # 2 s of arrivals
+    with Served(CreditRouter(1000.0, tpot_s=0.01)) as fake:
+        results, _ = asyncio.run(loadgen.run_rate(fake.address, reqs, 20.0, 0, None, {}, 5.0, None, processes,
+                                                  arrivals))
+    assert all(r.ok for r in results)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "requests done after" in ln]
+    assert lines and all("/40 requests" in ln and ln.startswith("[bench] rate 20:") for ln in lines), lines
