@@ -128,14 +128,18 @@ def resolve(args: argparse.Namespace) -> None:
         args.routers = default_routers(args.device_list)
     if args.routers < 1:
         raise ValueError(f"--routers must be >= 1, got {args.routers}")
-    workers = None
+    workers: dict[str, int] = {}
     for name in [n for n in args.run_list if n != "elastic"] + [args.elastic_from]:
         counts = split_counts(name)         # (raises ValueError on a name it cannot parse)
         if counts is None:
             raise ValueError(f"{name}: a tensor-parallel split cannot be reached by role switches")
-        if workers is not None and sum(counts.values()) != workers:
-            raise ValueError(f"{name}: every split of one run must have {workers} workers")
-        workers = sum(counts.values())
+        workers[name] = sum(counts.values())
+    if len(set(workers.values())) > 1:
+        raise ValueError("every split of one run (--runs, --elastic-from) must have as many workers: "
+                         + ", ".join(f"{n} has {w} workers" if i == 0 else f"{n} {w}"
+                                     for i, (n, w) in enumerate(workers.items())))
+    if not args.bin_s > 0:
+        raise ValueError(f"--bin-s must be > 0, got {args.bin_s}")
     if "elastic" in args.run_list and not args.plan and not args.smoke:
         raise ValueError("the elastic run needs --plan (baton plan ... --output plan.json)")
     if args.plan and not Path(args.plan).is_file():

@@ -99,3 +99,19 @@ def test_every_router_of_the_deployment_is_handed_to_baton_elastic(monkeypatch, 
     cmd = flip.elastic_command(args, Path("plan.json"), dep, "T")
     assert cmd[cmd.index("--metrics-url") + 1] == "http://127.0.0.1:9/metrics,http://127.0.0.1:10/metrics"
     assert cmd[cmd.index("--addr") + 1] == "127.0.0.1:5"
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--bin-s", "0"], "--bin-s must be > 0"),
+    (["--runs", "elastic,9p9d"], "9p9d has 18 workers, 1p1d 2"),
+])
+def test_bad_flip_flags_are_refused_before_the_deployment_starts(argv, says):
+    """Not a traceback once the whole schedule has run, and the split at fault named."""
+    import argparse
+
+    from baton.benchmarks import flip
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true")
+    flip.add_arguments(p)
+    with pytest.raises(ValueError, match=says):
+        flip.resolve(p.parse_args(["--smoke", *argv]))
