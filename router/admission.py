@@ -131,8 +131,11 @@ class KVWaitLine:
     def ticket(self) -> int:
         return next(self._tickets)
 
-    async def wait(self, ticket: int, fits: Callable[[], bool], deadline: float) -> None:
-        """Until `ticket` is first in line and `fits()`; TimeoutError at `deadline`."""
+    async def wait(self, ticket: int, fits: Callable[[], bool], deadline: float,
+                   hopeless: Callable[[], str | None] = lambda: None, grace: float = 0.0) -> None:
+        """Until `ticket` is first in line and `fits()`; TimeoutError at `deadline`; UNAVAILABLE
+        once `hopeless()` has said why it can never fit (no decode worker left that could hold it)
+        for `grace` seconds on end: a wait for room on workers there are none of has no end."""
         if ticket not in self.line and len(self.line) >= self.max_waiting:
             self.refused += 1
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -140,10 +143,16 @@ class KVWaitLine:
                                retry_after=1.0)
         bisect.insort(self.line, ticket)
         loop = asyncio.get_running_loop()
+        since = None                 # when `hopeless` began to hold
         try:
             while not (self.line[0] == ticket and fits()):
                 if loop.time() >= deadline:
                     raise TimeoutError("the request's deadline passed while it waited for KV cache memory")
+                why = hopeless()
+                since = None if why is None else loop.time() if since is None else since
+                if since is not None and loop.time() - since >= grace:
+                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{why}, for {grace:g}s, while the request "
+                                       "waited for KV cache memory")
                 await asyncio.sleep(min(self.POLL_S, max(0.0, deadline - loop.time())))
         finally:
             self.line.remove(ticket)

@@ -358,14 +358,21 @@ class RouterService:
         def fits() -> bool:
             decode = self.registry.healthy("decode")
             return len(short_of_room(decode)) < len(decode)
-        if not any(_blocks(prompt_len, w) <= w.status.kv_blocks_total for w in self.registry.healthy("decode")):
+
+        def hopeless() -> str | None:
+            decode = self.registry.healthy("decode")
+            if any(_blocks(prompt_len, w) <= w.status.kv_blocks_total for w in decode):
+                return None
+            return (f"no healthy decode worker could hold the KV of its {prompt_len} prompt tokens"
+                    + ("" if decode else " (none is healthy)"))
+        if hopeless() is not None:
             return False
         if active.kv_ticket is None:
             active.kv_ticket = self.kv_line.ticket()
             self.kv_line.waits += 1
             log.info("request %s: no decode worker has KV room for its %d prompt tokens now; waiting (%d in line)",
                      active.request_id, prompt_len, len(self.kv_line.line) + 1)
-        await self.kv_line.wait(active.kv_ticket, fits, deadline)
+        await self.kv_line.wait(active.kv_ticket, fits, deadline, hopeless, POOL_GAP_S)
         tried.update(short_of_room(self.registry.healthy("decode")))     # the next pick goes where there is room
         return True
 

@@ -18,6 +18,7 @@ from baton.router.config import RouterConfig
 from baton.router.registry import Registry, Worker
 from baton.router.server import RouterService
 from baton.router.token_bus import TokenBus
+from baton.serving.grpc_server import KV_FULL, ServiceError
 from baton.serving.metrics import Metrics
 from baton.v1 import decode_pb2, prefill_pb2, router_pb2, worker_pb2
 
@@ -320,3 +321,45 @@ def test_a_worker_switching_role_between_the_pick_and_the_call_is_retried_elsewh
     svc = service([gone, worker("d:1", "decode", FakeWorker()), other])
     assert len(asyncio.run(asyncio.wait_for(collect(svc, request(3)), 10))) == 3
     assert Switched.calls == 1
+
+
+class FullDecode(FakeWorker):
+    """A decode worker with no KV room for the prompt now (it could hold it once blocks free)."""
+
+    async def Admit(self, req, timeout=None):
+        self.admits.append(req)
+        raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   f"{KV_FULL}: need 1 KV blocks, 0 free; retry later or elsewhere")
+
+
+class NoDeadline(FakeContext):
+    def time_remaining(self):
+        return None
+
+
+def test_a_request_waiting_for_kv_room_fails_once_no_decode_worker_can_hold_it(monkeypatch):
+    """A request in the router's line for decode KV (no deadline of its own) whose one decode
+    worker dies: once the decode pool has been gone for the pool gap it ends UNAVAILABLE, as a new
+    request does, instead of waiting for room on workers there are none of, forever."""
+    monkeypatch.setattr(server_module, "POOL_GAP_S", 0.5)
+    d = worker("d:1", "decode", FullDecode())
+    d.status.CopyFrom(worker_pb2.WorkerStatus(kv_blocks_total=16, kv_blocks_free=0, block_size=16))
+    svc = service([worker("p:1", "prefill", FakeWorker()), d])
+
+    async def main():
+        task = asyncio.ensure_future(collect_with(svc, request(3), NoDeadline()))
+        await asyncio.sleep(0.6)
+        assert not task.done() and svc.kv_line.line               # waiting in line for room
+        svc.registry._lose(d, "dead", "UNAVAILABLE: health check")
+        d.healthy = False
+        t0 = time.monotonic()
+        with pytest.raises(ServiceError) as err:
+            await asyncio.wait_for(task, 10)
+        return err.value, time.monotonic() - t0
+    err, seconds = asyncio.run(main())
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "decode" in str(err) and seconds < 3, (err, seconds)
+    assert not svc.kv_line.line
+
+
+async def collect_with(svc: RouterService, req, context) -> list[int]:
+    return [t async for r in svc.generate(req, context) for t in r.token_ids]
