@@ -162,9 +162,36 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.lengths = {ds: _lengths(args, ds) for ds in args.datasets}
     args.input_len, args.output_len = (list(r) for r in args.lengths[args.datasets[0]])
     serve_goodput.resolve(args)
+    if args.auto and args.plan:
+        _check_plan(args)
     if args.device is None:
         args.device = args.device_pool[0] if args.topologies or args.auto else "cpu"
     return args
+
+
+def _check_plan(args: argparse.Namespace) -> None:
+    """--topologies auto --plan: its pick and predictions are measured against, so the plan must have
+    been made for this run's model, device count and workloads' lengths."""
+    plan = serve_goodput.plan_predictions(args.plan)
+    made = []
+    if plan.get("model") not in (None, args.model):
+        made.append(f"for {plan['model']} (this run: --model {args.model})")
+    if plan.get("devices") not in (None, len(args.device_pool)):
+        made.append(f"for {plan['devices']} devices (this run: {len(args.device_pool)})")
+    for ds in args.datasets:
+        lengths = plan.get("workloads", {}).get(ds, {}).get("lengths")
+        ours = [list(r) for r in args.lengths[ds]]
+        if lengths and [lengths.get("input"), lengths.get("output")] != ours:
+            made.append(f"for {ds}'s {_span(lengths.get('input'))} prompt and {_span(lengths.get('output'))} output "
+                        f"tokens (this run: {_span(ours[0])} and {_span(ours[1])})")
+    if made:
+        raise ValueError(f"--plan {args.plan} was made {'; '.join(made)}: plan this run again (`baton plan` with "
+                         "the same --model, --devices, --dataset, --input-len, --output-len), or leave --plan out "
+                         "and --topologies auto plans it here")
+
+
+def _span(r) -> str:
+    return f"{r[0]}:{r[1]}" if r else "?"
 
 
 def _check_load(args: argparse.Namespace) -> None:

@@ -111,7 +111,15 @@ class Budget:
 
 def plan_predictions(path: str | None) -> dict:
     """`baton plan`'s JSON, or {} without one."""
-    return json.loads(Path(path).read_text()) if path else {}
+    if not path:
+        return {}
+    try:
+        plan = json.loads(Path(path).read_text())
+    except ValueError as exc:
+        raise ValueError(f"--plan {path}: not a `baton plan --output` JSON ({exc})") from None
+    if not isinstance(plan, dict):
+        raise ValueError(f"--plan {path}: not a `baton plan --output` JSON")
+    return plan
 
 
 def predicted(plan: dict, dataset: str, slo: SLO, topology: str) -> float | None:

@@ -128,3 +128,36 @@ def test_bad_load_flags_are_refused_before_anything_is_launched(argv, match):
     serve.add_arguments(p)
     with pytest.raises(ValueError, match=match):
         serve.resolve(p.parse_args(["--smoke", "--launch", "1p1d", *argv]))
+
+
+@pytest.mark.parametrize("made_for,says", [
+    ({"model": "tiny-qwen3"}, "for tiny-qwen3"),
+    ({"devices": 4}, "for 4 devices"),
+    ({"lengths": {"input": [256, 512], "output": [8, 16]}}, "256:512 prompt"),
+])
+def test_a_plan_made_for_another_deployment_or_workload_is_not_measured_against(tmp_path, made_for, says):
+    """--topologies auto --plan: the plan's pick and predictions are judged against what is measured,
+    so a plan of another model, device count or workload lengths is refused, with what to plan again."""
+    import argparse
+    import json
+
+    from baton.benchmarks import serve
+    plan = {"model": "smollm2-135m-instruct", "devices": 2, "workloads": {"random": {
+        "lengths": {"input": [8, 32], "output": [4, 8]},
+        "slos": {"1000/100": {"best": "2colocated", "topologies": {"2colocated": {"goodput": 3.0}}}}}}}
+    lengths = made_for.pop("lengths", None)
+    plan |= made_for
+    if lengths:
+        plan["workloads"]["random"]["lengths"] = lengths
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true")
+    serve.add_arguments(p)
+    argv = ["--smoke", "--goodput", "--topologies", "auto", "--plan", str(path), "--devices", "cpu,cpu"]
+    with pytest.raises(ValueError, match=says):
+        serve.resolve(p.parse_args(argv))
+    path.write_text(json.dumps(plan | {"model": "smollm2-135m-instruct", "devices": 2,
+                                       "workloads": {"random": {**plan["workloads"]["random"],
+                                                                "lengths": {"input": [8, 32], "output": [4, 8]}}}}))
+    serve.resolve(p.parse_args(argv))                   # the same plan made for this run is taken
