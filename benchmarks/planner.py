@@ -86,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the workers' token budget per step (default: the engine's)")
     p.add_argument("--worker-args", default="", help="the workers' flags, as bench serve takes them: "
-                   "--max-num-seqs and --max-num-batched-tokens are read from them")
+                   "--max-num-seqs and --max-num-batched-tokens are read from them, and --num-kv-blocks "
+                   "bounds the simulated workers' KV")
     p.add_argument("--probe-seconds", type=float, default=10.0, help="as bench serve --goodput: simulated probes "
                    "are sized as the measured ones")
     p.add_argument("--probe-lifetimes", type=float, default=3.0, help="as bench serve --goodput")
@@ -133,6 +134,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--kv-bandwidth-gbs must be > 0, got {args.kv_bandwidth_gbs}")
     if not args.kv_latency_ms >= 0:
         raise ValueError(f"--kv-latency-ms must be >= 0, got {args.kv_latency_ms}")
+    blocks = worker_flag(args.worker_args, "--num-kv-blocks")
+    if blocks is not None and not (blocks.isdigit() and int(blocks) >= 1):
+        raise ValueError(f"--worker-args: --num-kv-blocks must be an integer >= 1, got {blocks!r}")
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     probe_plan(args.slos, 1, args.probe_lifetimes, args.probe_seconds, args.probe_min_requests)   # validates
@@ -151,14 +155,24 @@ async def _never(rate: float) -> Probe:
     raise AssertionError("validation only")
 
 
+def worker_flag(worker_args: str | None, name: str) -> str | None:
+    """A flag's value in --worker-args ('--name V' or '--name=V'), else None."""
+    flags = shlex.split(worker_args or "")
+    for i, f in enumerate(flags):
+        if f == name and i + 1 < len(flags):
+            return flags[i + 1]
+        if f.startswith(name + "="):
+            return f.partition("=")[2]
+    return None
+
+
 def engine_settings(args: argparse.Namespace) -> dict:
     """The engine knobs the profile is measured under: the workers' batch limit and token budget."""
-    flags = shlex.split(args.worker_args or "")
     out = {}
     for name, key in (("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens")):
         value = getattr(args, key, None)
-        if value is None and name in flags and flags.index(name) + 1 < len(flags):
-            value = int(flags[flags.index(name) + 1])
+        if value is None and worker_flag(args.worker_args, name) is not None:
+            value = int(worker_flag(args.worker_args, name))
         if value is not None:
             out[key] = value
     if getattr(args, "tokenizer", None):
@@ -185,7 +199,9 @@ def hardware(profile: device_profile.Profile, args: argparse.Namespace) -> Hardw
     if args.kv_bandwidth_gbs is not None:
         bandwidth = args.kv_bandwidth_gbs * 1e9
     e = profile.engine
-    return Hardware(profile.cost, e["max_num_batched_tokens"], e["max_num_seqs"], e["kv_capacity_tokens"],
+    blocks = worker_flag(args.worker_args, "--num-kv-blocks")        # the workers' KV, not the profiling engine's
+    kv_tokens = int(blocks) * e["block_size"] if blocks else e["kv_capacity_tokens"]
+    return Hardware(profile.cost, e["max_num_batched_tokens"], e["max_num_seqs"], kv_tokens,
                     profile.weight_bytes, profile.kv_bytes_per_token, args.tp_speedup, bandwidth,
                     args.kv_latency_ms / 1e3, args.handoff_ms / 1e3, args.router_ms / 1e3, args.routers)
 

@@ -287,3 +287,16 @@ def test_bad_plan_values_are_refused_before_the_device_is_profiled(argv, match):
     """Not a traceback, nor a profile's minutes spent on a plan that cannot be made, nor a 0 read as unset."""
     with pytest.raises(ValueError, match=match):
         planner.resolve(_plan_args(argv))
+
+
+def test_the_workers_kv_blocks_bound_the_simulated_kv_not_the_profiled_engines():
+    """`--worker-args '--num-kv-blocks N'` (what bench serve --smoke gives its workers, and what
+    `--topologies auto` passes on): the simulated workers hold N blocks, not what the profiling
+    engine happened to allocate; the plan's assumptions say so."""
+    prof = device_profile.Profile("smollm2-135m-instruct", "cpu", {
+        "max_num_seqs": 16, "max_num_batched_tokens": 4096, "block_size": 16, "kv_blocks": 729,
+        "kv_capacity_tokens": 729 * 16, "max_model_len": 2048}, {}, 46080, 1)
+    prof.cost = StepCost((0.0,) * 6)
+    assert planner.hardware(prof, planner.resolve(_plan_args([]))).kv_capacity == 729 * 16
+    for argv in (["--worker-args", "--num-kv-blocks 128 --max-num-seqs 16"], ["--worker-args=--num-kv-blocks=128"]):
+        assert planner.hardware(prof, planner.resolve(_plan_args(argv))).kv_capacity == 128 * 16
