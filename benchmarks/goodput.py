@@ -175,10 +175,10 @@ class Search:
     def __post_init__(self) -> None:
         if not 0.001 <= self.tolerance < 1:
             raise ValueError(f"--search-tolerance must be in [0.001, 1), got {self.tolerance}")
-        if self.step <= 1:
+        if not self.step > 1:                       # (NaN too)
             raise ValueError(f"--search-step must be > 1, got {self.step}")
-        if not 0 < self.min_rate < self.max_rate:
-            raise ValueError(f"need 0 < --search-min-rate < --search-max-rate, got {self.min_rate}, {self.max_rate}")
+        if not 0 < self.min_rate < self.max_rate < math.inf:
+            raise ValueError(f"need 0 < --search-min-rate < --search-max-rate, both finite; got {self.min_rate}, {self.max_rate}")
 
     def bracket(self, slo: SLO) -> tuple[float | None, float | None, list[float]]:
         """(highest passing rate below the lowest failing one, lowest failing rate, passing rates

@@ -140,6 +140,14 @@ def test_bad_search_settings_are_refused_with_the_flag_to_fix():
         probe_plan([LOOSE], 8, lifetimes=0.5)
 
 
+def test_a_search_step_or_rate_bound_that_is_not_a_finite_number_is_refused():
+    """NaN passed `step <= 1` and an infinite --search-max-rate let a search double without end."""
+    with pytest.raises(ValueError, match="--search-step"):
+        Search(knee_probe()[0], step=math.nan)
+    with pytest.raises(ValueError, match="--search-max-rate"):
+        Search(knee_probe()[0], max_rate=math.inf)
+
+
 # -- a server of known capacity --------------------------------------------------------------------
 def simulated_credit_server(capacity: float, plan, seed: int):
     """The fake router's admission (tests/fake_router.py) fed the arrival times a real probe
