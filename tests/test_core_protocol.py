@@ -153,3 +153,17 @@ def test_an_update_row_carries_every_field_in_order():
     """Updates pickle their TokenUpdates as rows spelt out field by field: a new field must join them."""
     update = TokenUpdate(*(f"v{i}" for i in range(len(fields(TokenUpdate)))))
     assert _update_rows([update]) == [astuple(update)]
+
+
+def test_what_the_core_says_once_its_front_is_gone_is_dropped_not_raised():
+    """The front died (SIGKILL): its sockets close before the kernel's PDEATHSIG ends the core, and
+    in between a KV transfer's failure callback or the step loop that reports to the front got a
+    BrokenPipeError, printed as a traceback in the worker's log. Now the message goes nowhere."""
+    from baton.serving.worker.engine_core import front_emit
+    ours, theirs = socket.socketpair()
+    theirs.close()
+    emit = front_emit(FrameWriter(ours))
+    for _ in range(3):                      # the first send may still fit the buffer; the next ones break
+        emit(Updates([TokenUpdate("a", [], error=CoreError("status", "ABORTED", "KV handover failed"))], STATS, []))
+        emit(Pulse(step_clock.Pulse("step", 1.5, 5.0, 256, 0.001)))
+    ours.close()

@@ -330,7 +330,7 @@ async def _start(reader: asyncio.StreamReader, writer: FrameWriter) -> EngineCor
         writer.send(Fatal(str(exc)))
         return None
     setup_logging(init.config.log_level, init.config.log_format)
-    core = load_core(init.target)(init.config, writer.send)
+    core = load_core(init.target)(init.config, front_emit(writer))
     try:
         info = await core.start()
     except Exception as exc:            # the front shows one line and exits; tracebacks for bugs only
@@ -340,6 +340,23 @@ async def _start(reader: asyncio.StreamReader, writer: FrameWriter) -> EngineCor
         return None
     writer.send(Hello(info))
     return core
+
+
+def front_emit(writer: FrameWriter) -> Emit:
+    """What the core says to its front. Once the front is gone (its socket broken: it died) there is
+    nobody to tell, and the core is ending (its reader sees the close; the kernel's PDEATHSIG follows):
+    a message then is dropped, not raised into whoever sent it (a KV transfer's failure callback, the
+    engine thread after a step), where it only printed a traceback in the worker's log."""
+    gone = threading.Event()
+
+    def emit(message: CoreMessage) -> None:
+        if gone.is_set():
+            return
+        try:
+            writer.send(message)
+        except (BrokenPipeError, ConnectionResetError):
+            gone.set()
+    return emit
 
 
 def _die_with_parent() -> None:
