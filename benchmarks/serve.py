@@ -449,14 +449,8 @@ def run_goodput(args: argparse.Namespace, rec: dict) -> None:
         except ImportError:
             print(f"[bench] no plots: matplotlib is not installed (pip install 'baton[bench]'); the results are "
                   f"in {out}", file=sys.stderr, flush=True)
-    for ds, rows in rec["results"]["goodput"]["recommendation"].items():
-        for row in rows:
-            slo = row["slo"]
-            ratio = f", {row['best_over_baseline']:.2f}x {row['baseline']}" \
-                if row["best_over_baseline"] and row["best"] != row["baseline"] else ""
-            print(f"[bench] {ds}, TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms: best "
-                  f"{row['best'] or 'none'} ({row['goodput'] or 0:g} req/s{ratio}); "
-                  + ", ".join(f"{k} {v or 0:g}" for k, v in row["by_topology"].items()), file=sys.stderr, flush=True)
+    for line in serve_goodput.summary_lines(rec["results"]["goodput"]["recommendation"], by_workload):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _auto_topologies(args: argparse.Namespace, out: Path) -> list[str]:

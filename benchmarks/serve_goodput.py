@@ -282,6 +282,34 @@ def recommend(by_workload: dict[str, dict], slos: list[SLO], baseline: str | Non
     return out
 
 
+def summary_lines(recommendation: dict, by_workload: dict[str, dict]) -> list[str]:
+    """The run's closing lines, per workload and SLO pair: the best and every topology's goodput
+    ("none" where none was found, why where its search stopped short) beside its prediction."""
+    lines = []
+    for ds, rows in recommendation.items():
+        for row in rows:
+            slo = row["slo"]
+            key = f"{slo['ttft_ms']:g}/{slo['tpot_ms']:g}"
+            ratio = f", {row['best_over_baseline']:.2f}x {row['baseline']}" \
+                if row["best_over_baseline"] and row["best"] != row["baseline"] else ""
+            best = f"{row['best']} ({row['goodput']:.3g} req/s{ratio})" if row["best"] else "none"
+            lines.append(f"[bench] {ds}, TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms: best {best}; "
+                         + ", ".join(f"{n} {_cell(g, by_workload.get(ds, {}).get(n, {}), key)}"
+                                     for n, g in row["by_topology"].items()))
+    return lines
+
+
+def _cell(goodput: float | None, topo: dict, key: str) -> str:
+    notes = []
+    search = topo.get("searches", {}).get(key, {})
+    if search and not search.get("converged", True):
+        notes.append(f"not converged: {search.get('reason')}")
+    predicted = topo.get("predicted", {}).get(key)
+    if predicted:
+        notes.append(f"predicted {predicted:.3g}")
+    return ("none" if goodput is None else f"{goodput:.3g}") + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def _devices(name: str) -> int:
     try:
         return deployment.parse(name).num_devices

@@ -161,3 +161,22 @@ def test_a_plan_made_for_another_deployment_or_workload_is_not_measured_against(
                                        "workloads": {"random": {**plan["workloads"]["random"],
                                                                 "lengths": {"input": [8, 32], "output": [4, 8]}}}}))
     serve.resolve(p.parse_args(argv))                   # the same plan made for this run is taken
+
+
+def test_the_goodput_summary_says_none_and_unconverged_and_the_prediction_not_zero():
+    """The closing lines of `bench serve --goodput`: a topology with no goodput found reads "none"
+    (not 0 req/s), a search the budget stopped says so, and with a plan each goodput sits beside
+    its prediction: how the planner is judged."""
+    from baton.benchmarks import serve_goodput
+    from baton.benchmarks.goodput import SLO
+    slo = SLO(3.0, 0.3)
+    by_workload = {"decode-heavy": {
+        "2colocated": {"goodput_by_slo": {slo.key: None}, "predicted": {slo.key: 7.842},
+                       "searches": {slo.key: {"converged": False, "reason": "budget", "bracket": [None, 6.819]}}},
+        "1p1d": {"goodput_by_slo": {slo.key: 1.5}, "predicted": {slo.key: 2.0},
+                 "searches": {slo.key: {"converged": True, "reason": "converged", "bracket": [1.5, 1.55]}}}}}
+    rec = serve_goodput.recommend(by_workload, [slo], "2colocated")
+    [line] = serve_goodput.summary_lines(rec, by_workload)
+    assert line.startswith("[bench] decode-heavy, TTFT <= 3000 ms, TPOT <= 300 ms: best 1p1d (1.5 req/s)")
+    assert "2colocated none (not converged: budget; predicted 7.84)" in line
+    assert "1p1d 1.5 (predicted 2)" in line and " 0 " not in line + " "
