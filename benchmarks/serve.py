@@ -407,10 +407,18 @@ def run(args: argparse.Namespace, rec: dict) -> None:
     for name, t in topologies.items():
         g = t["goodput_rate"]
         print(f"[bench] {name}: goodput {'none' if g is None else f'{g:g} req/s'}", file=sys.stderr, flush=True)
-    for row in rec["results"]["recommendation"]:
-        print(f"[bench] TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {row['tpot_ms']:g} ms: best {row['best'] or 'none'} "
-              f"({row['goodput'] or 0:g} req/s); " + ", ".join(f"{k} {v or 0:g}" for k, v in row["by_topology"].items()),
-              file=sys.stderr, flush=True)
+    for line in recommendation_lines(rec["results"]["recommendation"], args.slo_ttft_ms):
+        print(line, file=sys.stderr, flush=True)
+
+
+def recommendation_lines(rows: list[dict], ttft_ms: float) -> list[str]:
+    """The sweep's closing lines: per TPOT SLO the best topology and each one's goodput ("none" where
+    no rate met the SLOs, not 0)."""
+    def g(v: float | None) -> str:
+        return "none" if v is None else f"{v:g}"
+    return [f"[bench] TTFT <= {ttft_ms:g} ms, TPOT <= {row['tpot_ms']:g} ms: best "
+            + (f"{row['best']} ({g(row['goodput'])} req/s)" if row["best"] else "none") + "; "
+            + ", ".join(f"{k} {g(v)}" for k, v in row["by_topology"].items()) for row in rows]
 
 
 def run_goodput(args: argparse.Namespace, rec: dict) -> None:

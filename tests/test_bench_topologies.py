@@ -180,3 +180,14 @@ def test_the_goodput_summary_says_none_and_unconverged_and_the_prediction_not_ze
     assert line.startswith("[bench] decode-heavy, TTFT <= 3000 ms, TPOT <= 300 ms: best 1p1d (1.5 req/s)")
     assert "2colocated none (not converged: budget; predicted 7.84)" in line
     assert "1p1d 1.5 (predicted 2)" in line and " 0 " not in line + " "
+
+
+def test_the_sweeps_summary_says_none_where_no_rate_met_the_slos():
+    from baton.benchmarks.serve import recommendation_lines
+    rows = recommend({"1p1d": {"deployment": {"workers": [{}] * 2}, "goodput_by_tpot_ms": {"100": None}},
+                      "2colocated": {"deployment": {"workers": [{}] * 2}, "goodput_by_tpot_ms": {"100": 4.0}}},
+                     [100.0])
+    assert recommendation_lines(rows, 1000.0) == [
+        "[bench] TTFT <= 1000 ms, TPOT <= 100 ms: best 2colocated (4 req/s); 1p1d none, 2colocated 4"]
+    rows = recommend({"1p1d": {"deployment": {"workers": [{}] * 2}, "goodput_by_tpot_ms": {"100": None}}}, [100.0])
+    assert recommendation_lines(rows, 1000.0) == ["[bench] TTFT <= 1000 ms, TPOT <= 100 ms: best none; 1p1d none"]
