@@ -200,6 +200,8 @@ def apply_plan(args) -> int:
                "--slo-ttft-ms", f"{args.planner_slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.planner_slo_tpot_ms:g}",
                "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                "--profile", profile, "--output", str(out)]
+        if getattr(args, "num_kv_blocks", None):        # the KV the workers will hold, for the simulation
+            cmd += ["--worker-args", f"--num-kv-blocks {args.num_kv_blocks}"]
         print(f"[baton] --planner: planning {len(devices)} device(s) ({', '.join(devices)}) ...", file=sys.stderr,
               flush=True)
         try:

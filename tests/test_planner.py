@@ -8,6 +8,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from cluster import REPO
@@ -300,3 +301,26 @@ def test_the_workers_kv_blocks_bound_the_simulated_kv_not_the_profiled_engines()
     assert planner.hardware(prof, planner.resolve(_plan_args([]))).kv_capacity == 729 * 16
     for argv in (["--worker-args", "--num-kv-blocks 128 --max-num-seqs 16"], ["--worker-args=--num-kv-blocks=128"]):
         assert planner.hardware(prof, planner.resolve(_plan_args(argv))).kv_capacity == 128 * 16
+
+
+def test_baton_serve_planner_plans_with_the_workers_kv_blocks(monkeypatch, tmp_path):
+    """`baton serve --planner --num-kv-blocks N`: the plan's simulated workers hold the N blocks the
+    workers will have, and the split it picks is the one set."""
+    import subprocess as sp
+
+    from baton.launcher import apply_plan
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"] = cmd
+        out = cmd[cmd.index("--output") + 1]
+        plan = {"workloads": {"random": {"slos": {"1000/50": {"best": "1p1d", "goodput": 2.0}}}}}
+        Path(out).write_text(json.dumps(plan))
+        return sp.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(sp, "run", fake_run)
+    args = serve_parser().parse_args(["--planner", "--num-kv-blocks", "64", "--planner-devices", "cpu,cpu",
+                                      "--planner-profile", str(tmp_path / "p.json")])
+    assert apply_plan(args) == 0 and (args.prefill_instances, args.decode_instances) == (1, 1)
+    cmd = seen["cmd"]
+    assert planner.worker_flag(cmd[cmd.index("--worker-args") + 1], "--num-kv-blocks") == "64"
