@@ -22,6 +22,10 @@ SIZES = {  # (copy bytes, matmul n) per device kind and mode
 
 def _device(spec: str) -> torch.device:
     dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():         # a ValueError: one line, no traceback
+        raise ValueError(f"device {spec!r} asked for, but torch sees no CUDA GPU; use --device cpu")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {spec!r} asked for, but torch sees {torch.cuda.device_count()} CUDA GPU(s)")
     if dev.type == "npu":
         import torch_npu  # noqa: F401  (registers the npu device with torch)
     return dev

@@ -191,3 +191,17 @@ def test_the_sweeps_summary_says_none_where_no_rate_met_the_slos():
         "[bench] TTFT <= 1000 ms, TPOT <= 100 ms: best 2colocated (4 req/s); 1p1d none, 2colocated 4"]
     rows = recommend({"1p1d": {"deployment": {"workers": [{}] * 2}, "goodput_by_tpot_ms": {"100": None}}}, [100.0])
     assert recommendation_lines(rows, 1000.0) == ["[bench] TTFT <= 1000 ms, TPOT <= 100 ms: best none; 1p1d none"]
+
+
+def test_a_launched_run_on_a_gpu_this_machine_lacks_is_refused_in_a_line(tmp_path, capsys):
+    """`--devices cuda:0,cuda:1` where torch sees no such GPU: the ceilings' first copy raised
+    torch's AssertionError with a traceback; now the same line the workers give."""
+    import torch
+
+    from baton.benchmarks.cli import main as bench_main
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["serve", "--smoke", "--launch", "1p1d", "--devices", "cuda:0,cuda:1", "--no-plots",
+                    "--output", str(tmp_path / "x.json")])
+    assert exc.value.code == 2 and "torch sees no CUDA GPU" in capsys.readouterr().err
