@@ -144,8 +144,7 @@ class OpenAIClient:
                        t_zero: float) -> RequestResult:
         import aiohttp
         if self.model is None:
-            async with self.session.get(f"{self.url}/models") as r:
-                self.model = (await r.json())["data"][0]["id"]
+            self.model = await openai_model(self.url)
         body = {"model": self.model, "prompt": req.prompt_ids if req.prompt_ids is not None else req.text,
                 "max_tokens": req.max_tokens, "stream": True, "stream_options": {"include_usage": True}, **sampling}
         start = time.perf_counter()
@@ -342,6 +341,19 @@ async def _report_progress(ended, total: int, rate: float) -> None:
         await asyncio.sleep(PROGRESS_EVERY_S)
         print(f"[bench] rate {rate:g}: {ended()}/{total} requests done after {time.perf_counter() - t0:.0f}s",
               file=sys.stderr, flush=True)
+
+
+async def openai_model(url: str, timeout: float = 30.0) -> str:
+    """The model the OpenAI API at `url` serves; a RuntimeError naming the URL when none answers there."""
+    import aiohttp
+    try:
+        async with aiohttp.ClientSession() as session, session.get(
+                f"{url.rstrip('/')}/models", timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            r.raise_for_status()
+            return (await r.json())["data"][0]["id"]
+    except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError) as exc:
+        raise RuntimeError(f"no OpenAI API answers at {url} ({type(exc).__name__}: {exc}): pass --http-url "
+                           "(the router's OpenAI API, on its --http-port; 0 turns it off), or use --api grpc") from None
 
 
 async def model_info(address: str, timeout: float = 30.0) -> tuple[router_pb2.ModelInfo, router_pb2.ServerInfo]:

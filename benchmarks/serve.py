@@ -265,6 +265,8 @@ async def sweep(args: argparse.Namespace, address: str, metrics_urls: list[str],
     entry): a later pass sends prompts of the same lengths with other token ids, so it does not find the earlier
     passes' prompts in the workers' prefix caches."""
     info, server = await loadgen.model_info(address)
+    if http_url:
+        await loadgen.openai_model(http_url)            # a RuntimeError naming the URL when it is not there
     sampling = {"temperature": args.temperature, "ignore_eos": not args.respect_eos}
     common = dict(max_model_len=info.max_model_len, vocab_size=info.vocab_size, prefix_len=args.prefix_len,
                   group_size=args.group_size, input_len=tuple(args.input_len), output_len=tuple(args.output_len))

@@ -135,6 +135,8 @@ async def search_workload(args: argparse.Namespace, address: str, dataset: str, 
                           http_url: str | None = None, router_metrics: list[str] = ()) -> dict:
     """Every SLO pair's goodput of one workload on one running deployment."""
     info, _ = await loadgen.model_info(address)
+    if http_url:
+        await loadgen.openai_model(http_url)            # a RuntimeError naming the URL when it is not there
     in_len, out_len = args.lengths[dataset]
     common = dict(max_model_len=info.max_model_len, vocab_size=info.vocab_size, prefix_len=args.prefix_len,
                   group_size=args.group_size, input_len=in_len, output_len=out_len)

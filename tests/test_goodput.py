@@ -260,3 +260,16 @@ def test_a_long_run_reports_its_progress_however_many_client_processes_send_it(p
     assert all(r.ok for r in results)
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "requests done after" in ln]
     assert lines and all("/40 requests" in ln and ln.startswith("[bench] rate 20:") for ln in lines), lines
+
+
+@pytest.mark.parametrize("mode", [[], ["--goodput"]])
+def test_bench_serve_says_when_no_openai_api_answers_at_http_url(tmp_path, capsys, mode):
+    """--api openai against a router whose HTTP API is off (or elsewhere): one line naming the URL."""
+    from baton.serving.processes import free_port
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    with Served(CreditRouter(100.0)) as fake, pytest.raises(SystemExit) as exc:
+        bench_main(["serve", "--smoke", "--addr", fake.address, "--api", "openai", "--http-url", url, *mode,
+                    "--no-plots", "--output", str(tmp_path / "x.json")])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert f"no OpenAI API answers at {url}" in err and "Traceback" not in err
