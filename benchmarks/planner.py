@@ -292,12 +292,17 @@ def _tables(done: list[dict], args: argparse.Namespace) -> dict:
 
 def picks(plan: dict, workloads: list[str], slos: list[SLO]) -> list[str]:
     """The recommended topology of every (workload, SLO pair) the plan covers, each once."""
-    out = []
+    out, unmet = [], []
     for ds in workloads:
         for slo in slos:
-            best = plan.get("workloads", {}).get(ds, {}).get("slos", {}).get(slo.key, {}).get("best")
-            if best:
-                out.append(best)
+            row = plan.get("workloads", {}).get(ds, {}).get("slos", {}).get(slo.key)
+            if row and row.get("best"):
+                out.append(row["best"])
+            elif row is not None:
+                unmet.append(f"TTFT <= {slo.ttft_s * 1e3:g} ms, TPOT <= {slo.tpot_s * 1e3:g} ms for {ds}")
+    if not out and unmet:
+        raise ValueError(f"the plan predicts that no split meets {'; '.join(unmet)}: loosen the SLOs, or name "
+                         "--topologies to measure")
     if not out:
         raise ValueError("the plan covers none of these workloads and SLO pairs: plan them with `baton plan` "
                          "(same --dataset, --slo-ttft-ms, --slo-tpot-ms)")

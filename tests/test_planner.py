@@ -324,3 +324,12 @@ def test_baton_serve_planner_plans_with_the_workers_kv_blocks(monkeypatch, tmp_p
     assert apply_plan(args) == 0 and (args.prefill_instances, args.decode_instances) == (1, 1)
     cmd = seen["cmd"]
     assert planner.worker_flag(cmd[cmd.index("--worker-args") + 1], "--num-kv-blocks") == "64"
+
+
+def test_auto_says_no_split_meets_the_targets_rather_than_that_the_plan_lacks_them():
+    slo = SLO(1.0, 0.05)
+    met_by_none = {"workloads": {"random": {"slos": {slo.key: {"best": None, "topologies": {}}}}}}
+    with pytest.raises(ValueError, match="no split meets TTFT <= 1000 ms, TPOT <= 50 ms for random"):
+        planner.picks(met_by_none, ["random"], [slo])
+    with pytest.raises(ValueError, match="covers none of these workloads"):
+        planner.picks(met_by_none, ["mixed"], [slo])
