@@ -43,7 +43,10 @@ KV_SECRET = Variable("BATON_KV_SECRET", "the shared KV secret itself; a flag wou
                                         "so use it or `--kv-secret-file`")
 KV_TRACE = Variable("BATON_KV_TRACE", "1: each NIXL KV transfer's milestones on stderr, on both sides "
                                       "(where its fixed cost goes)")
-WITHOUT_FLAG = (KV_SECRET, KV_TRACE)
+SUPERVISOR_PID = Variable("BATON_SUPERVISOR_PID", "set by `baton serve` for the servers it starts (not by hand): "
+                                                  "each ends, draining as on SIGTERM, when that process dies, even "
+                                                  "by kill -9")
+WITHOUT_FLAG = (KV_SECRET, KV_TRACE, SUPERVISOR_PID)
 
 
 def for_children(**overrides: str) -> dict[str, str]:

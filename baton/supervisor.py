@@ -7,6 +7,7 @@ worker leaves the others serving.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from baton import environment
 from baton.serving.grpc_server import open_sync_channel
 from baton.serving.logs import quiet_grpc
 from baton.serving.processes import stop_all
@@ -53,6 +55,8 @@ class Process:
 class Supervisor:
     def __init__(self, env: dict, policy: RestartPolicy = RestartPolicy(), tls=None, out=None):
         self.env = quiet_grpc(dict(env))     # no gRPC core chatter from the children, unless the user asks
+        # the children end with this process, even when it is killed outright (serving/grpc_server.py: run_server)
+        self.env[environment.SUPERVISOR_PID.name] = str(os.getpid())
         self.policy = policy
         self.tls = tls
         self.out = out            # None: sys.stderr when said (setup_logging may have wrapped it since import)

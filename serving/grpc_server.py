@@ -7,9 +7,12 @@ RESOURCE_EXHAUSTED, TimeoutError -> DEADLINE_EXCEEDED, ServiceError -> its own c
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import hmac
 import inspect
 import logging
+import os
 import signal
 import socket
 import sys
@@ -20,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from baton import environment
 from baton.engine.scheduling.block_manager import KVCacheFull
 from baton.serving.security import TLSConfig, bearer
 
@@ -363,7 +367,8 @@ def host_problem(host: str) -> str | None:
 def run_server(main, name: str) -> None:
     """asyncio.run(main) for a server process. What a user can fix ends it with one line and no
     traceback: a port clash (exit 1), a ValueError from the model, the device or a setting
-    (exit 2; `--log-level debug` adds the traceback)."""
+    (exit 2; `--log-level debug` adds the traceback). Started by `baton serve`, it ends with it."""
+    end_with_supervisor()
     try:
         asyncio.run(main)
     except PortInUse as exc:
@@ -373,6 +378,19 @@ def run_server(main, name: str) -> None:
         log.debug("%s failed to start", name, exc_info=exc)
         print(f"baton {name}: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+def end_with_supervisor() -> None:
+    """Linux, under `baton serve` (BATON_SUPERVISOR_PID): the kernel sends this process SIGTERM, which drains
+    it as a stop does, when the supervisor dies, even by kill -9, so no server outlives it holding its port.
+    A supervisor already gone before the request was made: the same SIGTERM now."""
+    pid = environment.SUPERVISOR_PID.get()
+    if not pid or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+    if os.getppid() != int(pid):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def check_admin(token: str | None, metadata) -> None:

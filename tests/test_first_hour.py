@@ -316,3 +316,49 @@ def test_a_crash_loop_is_given_up_with_a_message():
         time.sleep(0.02)
     assert stopped.is_set() and "stopping the stack" in out.getvalue()
     sup.stop_all()
+
+
+def test_the_servers_end_with_a_supervisor_killed_outright(tmp_path):
+    """`baton serve` killed by SIGKILL (no chance to stop its children): each server it started gets SIGTERM from
+    the kernel (serving/grpc_server.py: end_with_supervisor, which run_server calls first) and ends, instead of
+    living on as an orphan that holds its port."""
+    pid_file = tmp_path / "server.pid"
+    server = ("import os, pathlib, time\n"
+              "from baton.serving.grpc_server import end_with_supervisor\n"
+              "end_with_supervisor()\n"
+              f"pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n"
+              "time.sleep(120)\n")
+    supervisor = ("import os, sys, time\n"
+                  "from baton.supervisor import Process, Supervisor\n"
+                  "sup = Supervisor(dict(os.environ))\n"
+                  f"sup.start(Process('decode-0', [sys.executable, '-c', {server!r}], '127.0.0.1:1'))\n"
+                  "time.sleep(120)\n")
+    sup = subprocess.Popen([sys.executable, "-c", supervisor])
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        sup.kill()
+        sup.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            _reap(child)
+            time.sleep(0.1)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the server outlived its supervisor")
+    finally:
+        sup.kill()
+
+
+def _reap(pid: int) -> None:
+    """(The orphan is re-parented to init, or to this process where it is the subreaper: reap it if ours.)"""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
