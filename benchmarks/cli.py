@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     out = Path(args.output) if args.output else record.default_output(args.benchmark, args.smoke)
+    problem = unwritable(out)
+    if problem:                          # found now, not once the run is over and its results would be lost
+        parser.error(f"--output {out}: {problem}")
     args.output = str(out)
     rec = record.new_record(args.benchmark, argv, args.smoke, _config(args))
     try:
@@ -79,6 +83,19 @@ def main(argv: list[str] | None = None) -> None:
     path = record.write(rec, out)
     print(f"[bench] wrote {path}", file=sys.stderr)
     print(path)
+
+
+def unwritable(path: Path) -> str | None:
+    """Why a result file cannot be written at `path` (its folder made if missing), or None."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot make its folder ({exc.strerror or exc})"
+    if path.is_dir():
+        return "is a folder"
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return "not writable"
+    return None
 
 
 def _config(args: argparse.Namespace) -> dict:

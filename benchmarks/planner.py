@@ -393,6 +393,12 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.output:
+        from baton.benchmarks.cli import unwritable
+        problem = unwritable(Path(args.output))
+        if problem:                      # found now, not after the profile
+            print(f"baton plan: --output {args.output}: {problem}", file=sys.stderr)
+            sys.exit(2)
     try:
         resolve(args)
         plan = make_plan(args)

@@ -205,3 +205,17 @@ def test_a_launched_run_on_a_gpu_this_machine_lacks_is_refused_in_a_line(tmp_pat
         bench_main(["serve", "--smoke", "--launch", "1p1d", "--devices", "cuda:0,cuda:1", "--no-plots",
                     "--output", str(tmp_path / "x.json")])
     assert exc.value.code == 2 and "torch sees no CUDA GPU" in capsys.readouterr().err
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
+    """Not a traceback once the benchmark (or the plan's profile) has run and its results are lost."""
+    from baton.benchmarks.cli import main as bench_main
+    from baton.benchmarks.planner import main as plan_main
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["offline", "--smoke", "--output", str(blocker / "x.json")])
+    assert exc.value.code == 2 and "--output" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        plan_main(["--device", "cpu", "--output", str(blocker / "plan.json")])
+    assert exc.value.code == 2 and "--output" in capsys.readouterr().err
