@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
@@ -310,9 +311,29 @@ def picks(plan: dict, workloads: list[str], slos: list[SLO]) -> list[str]:
 
 
 # -- the command ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _worker_threads(args: argparse.Namespace):
+    """On the CPU, profile on the threads each of the plan's --devices workers gets when launched
+    (OMP_NUM_THREADS, else cores // workers, as bench serve and baton serve give them), not on every core."""
+    if not str(args.device).startswith("cpu"):
+        yield
+        return
+    import torch
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    threads = int(given) if given.isdigit() and int(given) > 0 else max(1, (os.cpu_count() or 1) // args.devices)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def make_plan(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
-    prof = device_profile.load_or_measure(args.profile, args.model, args.device, args.engine, refresh=args.reprofile)
+    with _worker_threads(args):
+        prof = device_profile.load_or_measure(args.profile, args.model, args.device, args.engine,
+                                              refresh=args.reprofile)
     t1 = time.perf_counter()
     print(f"[plan] predicting {len(args.candidates)} topologies x {len(args.datasets)} workload(s) x "
           f"{len(args.slos)} SLO pair(s) by simulation ...", file=sys.stderr, flush=True)

@@ -333,3 +333,25 @@ def test_auto_says_no_split_meets_the_targets_rather_than_that_the_plan_lacks_th
         planner.picks(met_by_none, ["random"], [slo])
     with pytest.raises(ValueError, match="covers none of these workloads"):
         planner.picks(met_by_none, ["mixed"], [slo])
+
+
+def test_a_cpu_profile_runs_on_the_threads_each_planned_worker_will_have(monkeypatch):
+    """`bench serve` and `baton serve` give each of N CPU workers cores // N threads: the profile is
+    timed on as many (it took every core, and predicted N workers each as fast as the whole CPU)."""
+    import os
+
+    import torch
+    seen = []
+
+    def fake_measure(*a, **kw):
+        seen.append(torch.get_num_threads())
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(device_profile, "load_or_measure", fake_measure)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    for devices, threads in (("2", 2), ("4", 1)):
+        with pytest.raises(ValueError, match="stop here"):
+            planner.make_plan(planner.resolve(_plan_args(["--devices", devices])))
+        assert seen[-1] == threads and torch.get_num_threads() == before
