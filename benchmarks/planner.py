@@ -376,6 +376,9 @@ def report(plan: dict) -> list[str]:
                 if s["best_over_baseline"] and s["best"] != s["baseline"] else ""
             lines.append(f"  recommended: {s['best'] or 'none meets the targets'}"
                          + (f", predicted goodput {s['goodput']:.3g} req/s{ratio}" if s["best"] else ""))
+        if ds == "shared-prefix":
+            lines.append("  (the simulation has no prefix cache: every prompt's shared prefix is priced as computed, "
+                         "so these predictions are pessimistic)")
     secs = plan["seconds"]
     cached = f" (read from {plan['profile_path']}; measured in {secs['profile']:.0f} s)" if secs["profile_cached"] else ""
     lines.append(f"(profile {secs['profile_this_run']:.0f} s{cached}, prediction {secs['predict']:.0f} s)")

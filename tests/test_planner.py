@@ -355,3 +355,15 @@ def test_a_cpu_profile_runs_on_the_threads_each_planned_worker_will_have(monkeyp
         with pytest.raises(ValueError, match="stop here"):
             planner.make_plan(planner.resolve(_plan_args(["--devices", devices])))
         assert seen[-1] == threads and torch.get_num_threads() == before
+
+
+def test_the_report_says_a_shared_prefix_is_computed_in_full():
+    """The simulation has no prefix cache: a shared-prefix plan prices every prompt's whole prefix,
+    which served workers find cached. The report says so under that workload, and only there."""
+    row = {"slo": {"ttft_ms": 1000, "tpot_ms": 50}, "topologies": {}, "best": None, "baseline": None,
+           "best_over_baseline": None}
+    plan = {"on_cpu": False, "devices": 2, "device_name": "H200", "device": "cuda:0", "profile_path": None,
+            "seconds": {"profile": 1, "profile_cached": False, "profile_this_run": 1, "predict": 1},
+            "workloads": {"shared-prefix": {"slos": {"1000/50": row}}, "random": {"slos": {"1000/50": row}}}}
+    notes = [ln for ln in planner.report(plan) if "prefix cache" in ln]
+    assert len(notes) == 1 and "pessimistic" in notes[0]
