@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from baton import environment
 from baton.benchmarks import datasets, deployment, device_profile, loadgen, queueing
 from baton.benchmarks.cluster_sim import Hardware, simulate_probe
 from baton.benchmarks.flags import parse_lengths, parse_slos
@@ -319,7 +320,7 @@ def _worker_threads(args: argparse.Namespace):
         yield
         return
     import torch
-    given = os.environ.get("OMP_NUM_THREADS", "")
+    given = environment.get("OMP_NUM_THREADS") or ""
     threads = int(given) if given.isdigit() and int(given) > 0 else max(1, (os.cpu_count() or 1) // args.devices)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
