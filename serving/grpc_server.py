@@ -380,6 +380,12 @@ def run_server(main, name: str) -> None:
         sys.exit(2)
 
 
+def signal_on_parent_death(sig: int) -> None:
+    """Linux: the kernel sends this process `sig` when its parent dies (PR_SET_PDEATHSIG); elsewhere nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)
+
+
 def end_with_supervisor() -> None:
     """Linux, under `baton serve` (BATON_SUPERVISOR_PID): the kernel sends this process SIGTERM, which drains
     it as a stop does, when the supervisor dies, even by kill -9, so no server outlives it holding its port.
@@ -387,8 +393,7 @@ def end_with_supervisor() -> None:
     pid = environment.SUPERVISOR_PID.get()
     if not pid or not sys.platform.startswith("linux"):
         return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+    signal_on_parent_death(signal.SIGTERM)
     if os.getppid() != int(pid):
         os.kill(os.getpid(), signal.SIGTERM)
 

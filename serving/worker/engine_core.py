@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import ctypes
 import importlib
 import os
 import signal
@@ -39,7 +38,7 @@ from baton.engine.llm_engine import LLMEngine, freeze_startup_objects
 from baton.engine.output_processor import RequestOutput
 from baton.kvtransfer import registry
 from baton.kvtransfer.layout import KVLayout
-from baton.serving.grpc_server import ServiceError
+from baton.serving.grpc_server import ServiceError, signal_on_parent_death
 from baton.serving.logs import setup_logging
 from baton.serving.worker.core_protocol import (
     Beat,
@@ -361,8 +360,7 @@ def front_emit(writer: FrameWriter) -> Emit:
 
 def _die_with_parent() -> None:
     """Linux: the kernel ends this process when its front dies, whatever the core is doing."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+    signal_on_parent_death(signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> None:
